@@ -1,7 +1,13 @@
 import os
 
-import pytest
 import torch
+
+# The CPU lane runs Triton kernels in the interpreter. Triton reads this when a kernel is defined,
+# so it is set before any test module imports kernels/.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 def pytest_configure(config):

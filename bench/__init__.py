@@ -1,0 +1,1 @@
+"""Benchmarks for lancet-rt: commands that print a table and append JSON rows."""

@@ -1,0 +1,123 @@
+"""Shared benchmark harness: device identity, measured ceilings, timing, tables and JSON rows.
+
+Every benchmark row carries the device, commit, date, versions and the ceilings it was measured
+against, so a number is never separated from what it means (../shared/GPU.md).
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                             cwd=Path(__file__).resolve().parent, timeout=10)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def run_metadata(device: torch.device, **ceilings) -> dict:
+    """The fields every JSON row carries."""
+    import triton  # noqa: F401  (version only)
+
+    return dict(
+        device=device_name(device),
+        commit=git_commit(),
+        date=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        torch=torch.__version__,
+        triton=__import__("triton").__version__,
+        **ceilings,
+    )
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bench_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, rep: int = 10) -> dict:
+    """Median and 20/80% quantiles of ``fn``'s time in ms (triton.testing.do_bench on CUDA)."""
+    if device.type == "cuda":
+        import triton.testing
+
+        q20, med, q80 = triton.testing.do_bench(fn, quantiles=[0.2, 0.5, 0.8], warmup=25, rep=100)
+        return dict(ms=med, ms_q20=q20, ms_q80=q80)
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(rep):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    q = statistics.quantiles(times, n=5) if len(times) >= 2 else [times[0]] * 4
+    return dict(ms=statistics.median(times), ms_q20=q[0], ms_q80=q[3])
+
+
+def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:
+    """Measured device-to-device copy bandwidth, counting bytes read plus written, in GB/s."""
+    if device.type != "cuda":
+        nbytes = min(nbytes, 1 << 26)
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), device)["ms"]
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def matmul_tflops(device: torch.device, n: int = 8192, dtype=torch.bfloat16) -> float:
+    """Measured dense matmul rate on random data, in TFLOP/s."""
+    if device.type != "cuda":
+        n, dtype = min(n, 1024), torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    ms = bench_ms(lambda: a @ b, device)["ms"]
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def print_table(rows: Sequence[dict], columns: Iterable[str], title: str = "") -> None:
+    cols = list(columns)
+    cells = [[_fmt(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) if cells else len(c) for i, c in enumerate(cols)]
+    if title:
+        print(title)
+    print("  ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1e4 else f"{v:.0f}"
+    return str(v)
+
+
+def write_json(path: str | os.PathLike, rows: Sequence[dict]) -> None:
+    """Append ``rows`` to the JSON list at ``path`` (created if missing), written atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    existing = []
+    if path.exists():
+        try:
+            existing = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            existing = []
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(existing + list(rows), indent=1))
+    os.replace(tmp, path)
