@@ -41,6 +41,11 @@ class GatingOutput(NamedTuple):
     zsq_sum: torch.Tensor
 
 
+def _acc(t: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype: float32, or float64 for float64 inputs."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
 def _scores(logits_TE: torch.Tensor, score_fn: str) -> torch.Tensor:
     if score_fn == "softmax":
         return torch.softmax(logits_TE, dim=-1)
@@ -190,11 +195,11 @@ def permute_fwd_ref(x_TD: torch.Tensor, row_TK: torch.Tensor, num_rows: int):
 def permute_bwd_ref(grad_x_SD: torch.Tensor, row_TK: torch.Tensor) -> torch.Tensor:
     """grad_x_TD[t] = sum over kept k of grad_x_SD[row_TK[t, k]] (float32 accumulation)."""
     T, K = row_TK.shape
-    acc = torch.zeros(T, grad_x_SD.shape[1], dtype=torch.float32, device=grad_x_SD.device)
+    acc = torch.zeros(T, grad_x_SD.shape[1], dtype=_acc(grad_x_SD), device=grad_x_SD.device)
     for k in range(K):
         row = row_TK[:, k].long()
         keep = (row >= 0).unsqueeze(1)
-        acc += torch.where(keep, grad_x_SD.index_select(0, row.clamp(min=0)).float(), 0.0)
+        acc += torch.where(keep, grad_x_SD.index_select(0, row.clamp(min=0)).to(acc.dtype), 0.0)
     return acc.to(grad_x_SD.dtype)
 
 
@@ -204,12 +209,12 @@ def unpermute_fwd_ref(y_SD: torch.Tensor, row_TK: torch.Tensor, weight_TK: torch
     Gather-based and float32-accumulated; the result has ``y_SD``'s dtype.
     """
     T, K = row_TK.shape
-    acc = torch.zeros(T, y_SD.shape[1], dtype=torch.float32, device=y_SD.device)
+    acc = torch.zeros(T, y_SD.shape[1], dtype=_acc(y_SD), device=y_SD.device)
     for k in range(K):
         row = row_TK[:, k].long()
         keep = (row >= 0).unsqueeze(1)
-        rows = y_SD.index_select(0, row.clamp(min=0)).float()
-        acc += torch.where(keep, weight_TK[:, k : k + 1].float() * rows, 0.0)
+        rows = y_SD.index_select(0, row.clamp(min=0)).to(acc.dtype)
+        acc += torch.where(keep, weight_TK[:, k : k + 1].to(acc.dtype) * rows, 0.0)
     return acc.to(y_SD.dtype)
 
 
@@ -227,13 +232,14 @@ def unpermute_bwd_ref(
     """
     T, K = row_TK.shape
     src = src_S.long()
-    w_S = weight_TK.reshape(-1).float().index_select(0, src)
-    grad_y_SD = (grad_y_TD.index_select(0, src // K).float() * w_S.unsqueeze(1)).to(y_SD.dtype)
-    grad_w = torch.zeros(T, K, dtype=torch.float32, device=y_SD.device)
+    acc = _acc(y_SD)
+    w_S = weight_TK.reshape(-1).to(acc).index_select(0, src)
+    grad_y_SD = (grad_y_TD.index_select(0, src // K).to(acc) * w_S.unsqueeze(1)).to(y_SD.dtype)
+    grad_w = torch.zeros(T, K, dtype=torch.promote_types(weight_TK.dtype, acc), device=y_SD.device)
     for k in range(K):
         row = row_TK[:, k].long()
-        rows = y_SD.index_select(0, row.clamp(min=0)).float()
-        dot = (rows * grad_y_TD.float()).sum(dim=1)
+        rows = y_SD.index_select(0, row.clamp(min=0)).to(acc)
+        dot = (rows * grad_y_TD.to(acc)).sum(dim=1)
         grad_w[:, k] = torch.where(row >= 0, dot, 0.0)
     return grad_y_SD, grad_w
 
@@ -286,14 +292,14 @@ def grouped_mm_dw_ref(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets_E1: torch
 
 def swiglu_fwd_ref(gu_R2F: torch.Tensor) -> torch.Tensor:
     """h = silu(gate) * up with gate = gu[:, :F], up = gu[:, F:], computed in float32."""
-    g, u = gu_R2F.float().chunk(2, dim=-1)
+    g, u = gu_R2F.to(_acc(gu_R2F)).chunk(2, dim=-1)
     return (F.silu(g) * u).to(gu_R2F.dtype)
 
 
 def swiglu_bwd_ref(gu_R2F: torch.Tensor, grad_h_RF: torch.Tensor) -> torch.Tensor:
     """Gradient of :func:`swiglu_fwd_ref` with respect to gu, in gu's dtype."""
-    g, u = gu_R2F.float().chunk(2, dim=-1)
-    dh = grad_h_RF.float()
+    g, u = gu_R2F.to(_acc(gu_R2F)).chunk(2, dim=-1)
+    dh = grad_h_RF.to(g.dtype)
     sig = torch.sigmoid(g)
     dg = dh * u * sig * (1 + g * (1 - sig))
     du = dh * g * sig

@@ -1,0 +1,158 @@
+"""Expert-parallel communication: the group interface, the torch.distributed group, and the
+all-to-all as an autograd Function whose backward is the dual all-to-all.
+
+Collectives here are asynchronous: they return a handle, and the consumer waits on it, never the
+producer. The backward of an all-to-all gives the weight-gradient queue (``wgrad``) the time the
+collective is in flight.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol, Sequence, runtime_checkable
+
+import torch
+import torch.distributed as dist
+
+from . import wgrad
+
+
+@runtime_checkable
+class Work(Protocol):
+    def wait(self) -> object: ...
+
+
+class Done:
+    """A handle for work that completed when it was issued."""
+
+    def wait(self) -> bool:
+        return True
+
+
+@runtime_checkable
+class ExpertParallelGroup(Protocol):
+    """What the MoE layer needs from an expert-parallel group.
+
+    Implemented by :class:`TorchGroup` (a torch.distributed process group) and by
+    :class:`lancet_rt.EmulatedGroup` (one process pretending to be rank 0 of a symmetric world).
+    """
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                   output_splits: Sequence[int], input_splits: Sequence[int]) -> Work:
+        """Start an all-to-all of rows; ``output`` is valid after ``wait()``."""
+
+    def exchange(self, send_WN: torch.Tensor) -> torch.Tensor:
+        """Blocking all-to-all of one equal-size row per rank: returns recv_WN, row r from rank r."""
+
+    def all_gather(self, vec_N: torch.Tensor) -> torch.Tensor:
+        """Blocking all-gather of a fixed-size int64 vector: returns [W, N]."""
+
+
+class TorchGroup:
+    """An :class:`ExpertParallelGroup` over a torch.distributed process group (gloo or NCCL)."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self.group = group
+        self._size = dist.get_world_size(group)
+        self._rank = dist.get_rank(group)
+        backend = dist.get_backend(group)
+        self.backend = str(backend).lower()
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    def _small_device(self) -> torch.device:
+        # NCCL moves only CUDA tensors; gloo is happiest with CPU ones for small control data.
+        if "nccl" in self.backend:
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def all_to_all(self, output, input, output_splits, input_splits) -> Work:
+        return dist.all_to_all_single(
+            output, input, list(output_splits), list(input_splits), group=self.group, async_op=True
+        )
+
+    def exchange(self, send_WN: torch.Tensor) -> torch.Tensor:
+        send = send_WN.to(self._small_device()).contiguous()
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        return recv.to(send_WN.device)
+
+    def all_gather(self, vec_N: torch.Tensor) -> torch.Tensor:
+        vec = vec_N.to(self._small_device(), torch.int64).contiguous()
+        out = vec.new_empty(self._size, vec.numel())
+        dist.all_gather_into_tensor(out, vec, group=self.group)
+        return out.cpu()
+
+
+def as_group(ep_group) -> Optional[ExpertParallelGroup]:
+    """Normalise the ``ep_group`` argument: None, a ProcessGroup, or an ExpertParallelGroup."""
+    if ep_group is None:
+        return None
+    if isinstance(ep_group, dist.ProcessGroup):
+        return TorchGroup(ep_group)
+    if isinstance(ep_group, ExpertParallelGroup):
+        return ep_group
+    raise TypeError(
+        f"ep_group must be None, a torch.distributed ProcessGroup or an ExpertParallelGroup, "
+        f"got {type(ep_group).__name__}"
+    )
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of ``x`` split by ``input_splits`` go to the ranks; ``output_splits`` rows come back.
+
+    Forward returns the output buffer at once and leaves the handle in ``box``; the consumer calls
+    ``box.wait()`` before reading it. Backward runs the dual all-to-all and, while it is in flight,
+    drains the deferred weight-gradient queue.
+    """
+
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits, box):
+        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
+        box.work = group.all_to_all(out, x.contiguous(), output_splits, input_splits)
+        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_out = grad_out.contiguous()
+        grad_in = grad_out.new_empty((sum(ctx.input_splits),) + tuple(grad_out.shape[1:]))
+        work = ctx.group.all_to_all(grad_in, grad_out, ctx.input_splits, ctx.output_splits)
+        wgrad.drain_during(work)
+        work.wait()
+        return grad_in, None, None, None, None
+
+
+class Pending:
+    """An all-to-all in flight. ``wait()`` returns its output once it has arrived."""
+
+    def __init__(self, out: torch.Tensor, work: Work):
+        self._out, self.work = out, work
+
+    def wait(self) -> torch.Tensor:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        return self._out
+
+
+def all_to_all(x: torch.Tensor, group: ExpertParallelGroup, output_splits: Sequence[int],
+               input_splits: Sequence[int]) -> Pending:
+    """Start an autograd-aware all-to-all of the rows of ``x``; returns a :class:`Pending`."""
+
+    class _Box:
+        work: Work = Done()
+
+    box = _Box()
+    out = _AllToAll.apply(x, group, list(output_splits), list(input_splits), box)
+    return Pending(out, box.work)

@@ -1,0 +1,32 @@
+"""Every environment variable lancet-rt reads, in one place (listed in the README)."""
+from __future__ import annotations
+
+import os
+
+#: "triton" or "torch": force the kernel implementation. Default: triton on CUDA, torch on CPU.
+KERNELS = "LANCET_KERNELS"
+#: "1": Triton kernels run in the CPU interpreter (Triton's own variable; CI sets it).
+TRITON_INTERPRET = "TRITON_INTERPRET"
+#: Path of the autotuner's chunk-count cache (default: ~/.cache/lancet-rt/autotune.json).
+AUTOTUNE_CACHE = "LANCET_AUTOTUNE_CACHE"
+
+
+def kernels_override() -> str | None:
+    value = os.environ.get(KERNELS, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in ("triton", "torch"):
+        raise ValueError(f"{KERNELS} must be 'triton', 'torch' or unset, got {value!r}")
+    return value
+
+
+def triton_interpret() -> bool:
+    return os.environ.get(TRITON_INTERPRET, "0") == "1"
+
+
+def autotune_cache_path() -> str:
+    path = os.environ.get(AUTOTUNE_CACHE)
+    if path:
+        return path
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "lancet-rt", "autotune.json")

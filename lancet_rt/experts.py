@@ -1,0 +1,82 @@
+"""The local experts: SwiGLU FFNs in the Hugging Face layout, computed as grouped GEMMs.
+
+``gate_up_proj [E_local, 2F, D]`` (gate rows first) and ``down_proj [E_local, D, F]``; expert e
+computes ``down(silu(gate x) * up x)``. One launch per projection covers all local experts'
+variable-size row segments; the weight gradients are separate launches the overlap runtime may
+defer into the backward all-to-alls.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from . import wgrad
+
+
+class _ExpertsFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_RD, gate_up_E2FD, down_EDF, offsets_E1, ops):
+        h_RF, gu_R2F = ops.gate_up_swiglu(x_RD, gate_up_E2FD, offsets_E1)
+        y_RD = ops.grouped_mm(h_RF, down_EDF, offsets_E1)
+        ctx.save_for_backward(x_RD, gu_R2F, h_RF, gate_up_E2FD, down_EDF, offsets_E1)
+        ctx.ops = ops
+        return y_RD
+
+    @staticmethod
+    def backward(ctx, dy_RD):
+        x_RD, gu_R2F, h_RF, gate_up_E2FD, down_EDF, offsets_E1 = ctx.saved_tensors
+        ops = ctx.ops
+        dy_RD = dy_RD.contiguous()
+        dh_RF = ops.grouped_mm_dx(dy_RD, down_EDF, offsets_E1)
+        dgu_R2F = ops.swiglu_bwd(gu_R2F, dh_RF)
+        dx_RD = ops.grouped_mm_dx(dgu_R2F, gate_up_E2FD, offsets_E1)
+
+        def weight_grads():
+            return (ops.grouped_mm_dw(dgu_R2F, x_RD, offsets_E1),
+                    ops.grouped_mm_dw(dy_RD, h_RF, offsets_E1))
+
+        needs = ctx.needs_input_grad[1:3]
+        deferred = wgrad.defer((gate_up_E2FD, down_EDF), needs, weight_grads,
+                               flops=3 * x_RD.shape[0] * gu_R2F.shape[1] * x_RD.shape[1])  # 2RD(2F) + 2RDF
+        if deferred or not any(needs):
+            return dx_RD, None, None, None, None
+        dgu, ddown = weight_grads()
+        return dx_RD, dgu if needs[0] else None, ddown if needs[1] else None, None, None
+
+
+class Experts(nn.Module):
+    """``E_local`` SwiGLU experts in the Hugging Face layout.
+
+    Args:
+        num_local_experts: E_local.
+        d_model: D.
+        d_ffn: F.
+        init_std: standard deviation of the normal initialisation.
+
+    Attributes:
+        gate_up_proj: [E_local, 2F, D], gate rows first.
+        down_proj: [E_local, D, F].
+    """
+
+    def __init__(self, num_local_experts: int, d_model: int, d_ffn: int, *, init_std: float = 0.02,
+                 device=None, dtype=None):
+        super().__init__()
+        factory = dict(device=device, dtype=dtype)
+        self.num_local_experts, self.d_model, self.d_ffn = num_local_experts, d_model, d_ffn
+        self.gate_up_proj = nn.Parameter(torch.empty(num_local_experts, 2 * d_ffn, d_model, **factory))
+        self.down_proj = nn.Parameter(torch.empty(num_local_experts, d_model, d_ffn, **factory))
+        self.init_std = init_std
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.gate_up_proj, std=self.init_std)
+        nn.init.normal_(self.down_proj, std=self.init_std / math.sqrt(2))
+
+    def forward(self, x_RD: torch.Tensor, offsets_E1: torch.Tensor, ops) -> torch.Tensor:
+        """Apply expert e to rows offsets[e]:offsets[e+1] of ``x_RD`` [R, D]; returns y_RD."""
+        return _ExpertsFn.apply(x_RD, self.gate_up_proj, self.down_proj, offsets_E1, ops)
+
+    def extra_repr(self) -> str:
+        return f"num_local_experts={self.num_local_experts}, d_model={self.d_model}, d_ffn={self.d_ffn}"

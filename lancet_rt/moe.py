@@ -1,0 +1,346 @@
+"""The lancet-rt MoE layer: exact, expert-parallel, built as stages the scheduler can place.
+
+Stages of one forward (DESIGN.md, data flow)::
+
+    route     x_TD -> logits_TE (float32) -> gate -> weight_TK, row_TK, kept_E
+    permute   x_TD -> x_SD                     rows grouped by destination rank, then expert
+    dispatch  x_SD -> x_RD on the experts' rank (counts first, then rows; async handle)
+    experts   x_RD -> y_RD                     grouped GEMMs, SwiGLU
+    combine   y_RD -> y_SD back on the token's rank (async handle)
+    unpermute y_SD -> y_TD                     gather-based weighted sum over K
+
+Between the two all-to-alls the layer yields to the overlap scheduler (:mod:`lancet_rt.scope`);
+without one the yields are no-ops.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm, ops as _ops, scope as _scope
+from .experts import Experts
+from .routing import BatchRouting, gate, permute, unpermute
+
+_SCORE_FNS = ("softmax", "sigmoid")
+_DTYPE_IDS = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3, torch.float16: 4}
+
+
+class Router(nn.Module):
+    """The router: ``logits = x @ weight.T`` in float32 (float64 for a float64 layer). ``weight`` is [E, D]."""
+
+    def __init__(self, d_model: int, num_experts: int, *, init_std: float = 0.02, device=None, dtype=None):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, d_model, device=device, dtype=dtype))
+        nn.init.normal_(self.weight, std=init_std)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        dtype = torch.promote_types(x_TD.dtype, torch.float32)
+        return F.linear(x_TD.to(dtype), self.weight.to(dtype))
+
+
+@dataclass
+class _Route:
+    """One chunk's routing: what the later stages of the same chunk need."""
+
+    weight_TK: torch.Tensor
+    row_TK: torch.Tensor
+    kept_E: torch.Tensor
+
+
+@dataclass
+class _Dispatched:
+    """One chunk's communication layout, from dispatch to combine."""
+
+    pending: comm.Pending
+    offsets_L1: torch.Tensor            # [E_local + 1] segment bounds of x_RD, by local expert
+    send_splits: list
+    recv_splits: list
+    to_expert_major: Optional[torch.Tensor]  # rank-major -> expert-major row permutation
+    to_rank_major: Optional[torch.Tensor]
+
+
+class MoE(nn.Module):
+    """A Mixture-of-Experts FFN layer with exact routing and expert parallelism.
+
+    Routing follows DESIGN.md's contract: float32 router, softmax or sigmoid scores, top-k with ties
+    to the lower expert, optional renormalisation of the K weights, capacity
+    ``C = ceil(capacity_factor * T * K / E)`` over the whole local batch with slots claimed in token
+    order then k order (dropped assignments contribute zero), Switch aux loss and z-loss.
+
+    Args:
+        d_model: D, the token width.
+        d_ffn: F, the experts' hidden width.
+        num_experts: E, over all expert-parallel ranks.
+        top_k: K, experts per token, 1 <= K <= E.
+        capacity_factor: None for dropless, else > 0.
+        score_fn: "softmax" or "sigmoid".
+        normalize_topk: divide each token's K weights by their sum.
+        aux_loss_coef: scale of the Switch aux loss whose gradient reaches the router in backward.
+        z_loss_coef: scale of the router z-loss, likewise.
+        ep_group: None (all experts local, even if a default process group exists), a
+            torch.distributed ProcessGroup, or an :class:`~lancet_rt.comm.ExpertParallelGroup`
+            such as :class:`lancet_rt.EmulatedGroup`. Expert e lives on rank e // (E / W).
+        pipeline_chunks: split the dispatch, the experts and the combine of this layer into this
+            many pieces and pipeline them (the Tutel-style baseline; 1 = off).
+        device, dtype: of the parameters.
+
+    Attributes after each forward (detached, for logging): ``aux_loss``, ``z_loss`` (unscaled),
+    ``tokens_per_expert`` (int64 [E], assignments before dropping), ``dropped`` (int, dropped
+    assignments).
+    """
+
+    def __init__(self, d_model: int, d_ffn: int, num_experts: int, top_k: int, *,
+                 capacity_factor: Optional[float] = None, score_fn: str = "softmax",
+                 normalize_topk: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
+                 ep_group=None, pipeline_chunks: int = 1, device=None, dtype=None):
+        super().__init__()
+        for name, value in (("d_model", d_model), ("d_ffn", d_ffn), ("num_experts", num_experts),
+                            ("top_k", top_k), ("pipeline_chunks", pipeline_chunks)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if top_k > num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        if capacity_factor is not None:
+            if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
+                raise TypeError(f"capacity_factor must be None or a number, got {type(capacity_factor).__name__}")
+            if not capacity_factor > 0 or math.isinf(capacity_factor):
+                raise ValueError(f"capacity_factor must be None (dropless) or a finite number > 0, got {capacity_factor}")
+        if score_fn not in _SCORE_FNS:
+            raise ValueError(f"score_fn must be one of {_SCORE_FNS}, got {score_fn!r}")
+        for name, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+            if not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+        if dtype is not None and dtype not in _DTYPE_IDS:
+            raise TypeError(f"dtype must be one of {list(_DTYPE_IDS)}, got {dtype}")
+
+        self.group = comm.as_group(ep_group)
+        world = self.group.size if self.group is not None else 1
+        if num_experts % world != 0:
+            raise ValueError(
+                f"num_experts ({num_experts}) must be divisible by the expert-parallel world size ({world})"
+            )
+        self.d_model, self.d_ffn, self.num_experts, self.top_k = d_model, d_ffn, num_experts, top_k
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.score_fn, self.normalize_topk = score_fn, bool(normalize_topk)
+        self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
+        self.pipeline_chunks = pipeline_chunks
+        self.ep_size = world
+        self.ep_rank = self.group.rank if self.group is not None else 0
+        self.num_local_experts = num_experts // world
+
+        self.router = Router(d_model, num_experts, device=device, dtype=dtype)
+        self.experts = Experts(self.num_local_experts, d_model, d_ffn, device=device, dtype=dtype)
+        self._config_checked = self.group is None or world == 1
+
+        self.aux_loss: Optional[torch.Tensor] = None
+        self.z_loss: Optional[torch.Tensor] = None
+        self.tokens_per_expert: Optional[torch.Tensor] = None
+        self.dropped: int = 0
+
+    @property
+    def local_experts(self) -> range:
+        """The global indices of the experts this rank holds."""
+        L = self.num_local_experts
+        return range(self.ep_rank * L, (self.ep_rank + 1) * L)
+
+    def extra_repr(self) -> str:
+        return (f"d_model={self.d_model}, d_ffn={self.d_ffn}, num_experts={self.num_experts}, "
+                f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, score_fn={self.score_fn!r}, "
+                f"ep_size={self.ep_size}")
+
+    # ---------------------------------------------------------------- validation
+    def _input_error(self, x) -> Optional[Exception]:
+        if not isinstance(x, torch.Tensor):
+            return TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if not x.dtype.is_floating_point:
+            return TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
+        p = self.router.weight
+        if x.dtype != p.dtype:
+            return TypeError(f"x must have the parameters' dtype {p.dtype}, got {x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != self.d_model:
+            return ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
+        if x.device != p.device:
+            return ValueError(f"x must be on the parameters' device {p.device}, got {x.device}")
+        return None
+
+    def _config_vector(self, status: int) -> torch.Tensor:
+        cf = -1 if self.capacity_factor is None else round(self.capacity_factor * 1e6)
+        return torch.tensor([
+            status, self.d_model, self.d_ffn, self.num_experts, self.top_k, cf,
+            _SCORE_FNS.index(self.score_fn), int(self.normalize_topk), round(self.aux_loss_coef * 1e9),
+            round(self.z_loss_coef * 1e9), _DTYPE_IDS[self.router.weight.dtype], self.pipeline_chunks,
+        ], dtype=torch.int64)
+
+    def _check_config(self, error: Optional[Exception]) -> None:
+        """One all-gather on first use: every rank raises if configurations or inputs disagree."""
+        rows = self.group.all_gather(self._config_vector(0 if error is None else 1))
+        self._config_checked = True
+        _raise_on_bad_status(rows[:, 0], error)
+        names = ["d_model", "d_ffn", "num_experts", "top_k", "capacity_factor(1e-6)", "score_fn",
+                 "normalize_topk", "aux_loss_coef(1e-9)", "z_loss_coef(1e-9)", "dtype", "pipeline_chunks"]
+        for r in range(rows.shape[0]):
+            diff = [n for n, a, b in zip(names, rows[r, 1:].tolist(), rows[self.ep_rank, 1:].tolist()) if a != b]
+            if diff:
+                self._config_checked = False
+                raise ValueError(
+                    f"MoE configuration differs across expert-parallel ranks: rank {r} and rank "
+                    f"{self.ep_rank} differ in {', '.join(diff)}"
+                )
+
+    # ---------------------------------------------------------------- stages
+    def route(self, x_TD: torch.Tensor, state: BatchRouting, ops) -> _Route:
+        """Router GEMM and gating for this chunk; advances the batch's carried capacity."""
+        logits_TE = self.router(x_TD)
+        weight_TK, _expert_TK, row_TK, kept_E = gate(
+            logits_TE, state, ops, score_fn=self.score_fn, normalize_topk=self.normalize_topk,
+            aux_coef=self.aux_loss_coef, z_coef=self.z_loss_coef)
+        return _Route(weight_TK, row_TK, kept_E)
+
+    def dispatch(self, x_SD: torch.Tensor, kept_E: torch.Tensor, status: int = 0) -> _Dispatched:
+        """Send each kept row to its expert's rank: counts first, then the rows (async)."""
+        L, W = self.num_local_experts, self.ep_size
+        if W == 1:
+            offsets = _offsets(kept_E)
+            return _Dispatched(comm.Pending(x_SD, None), offsets, [x_SD.shape[0]], [x_SD.shape[0]], None, None)
+        send = torch.cat([kept_E.view(W, L).long(), torch.full((W, 1), status, dtype=torch.long,
+                                                                 device=kept_E.device)], dim=1)
+        recv = self.group.exchange(send).cpu()
+        _raise_on_bad_status(recv[:, L], None)
+        counts_WL = recv[:, :L]
+        send_splits = kept_E.view(W, L).sum(1).tolist()
+        recv_splits = counts_WL.sum(1).tolist()
+        pending = comm.all_to_all(x_SD, self.group, recv_splits, send_splits)
+        to_expert, to_rank = _regroup_permutations(counts_WL, x_SD.device)
+        offsets = _offsets(counts_WL.sum(0).to(x_SD.device))
+        return _Dispatched(pending, offsets, send_splits, recv_splits, to_expert, to_rank)
+
+    def compute_experts(self, x_recv: torch.Tensor, d: _Dispatched, ops) -> torch.Tensor:
+        """Grouped SwiGLU experts over the received rows (rank-major in, rank-major out)."""
+        x_RD = x_recv if d.to_expert_major is None else x_recv.index_select(0, d.to_expert_major)
+        y_RD = self.experts(x_RD, d.offsets_L1, ops)
+        return y_RD if d.to_rank_major is None else y_RD.index_select(0, d.to_rank_major)
+
+    def combine(self, y_recv: torch.Tensor, d: _Dispatched) -> comm.Pending:
+        """Send expert outputs back to the tokens' ranks (async)."""
+        if self.ep_size == 1:
+            return comm.Pending(y_recv, None)
+        return comm.all_to_all(y_recv, self.group, d.send_splits, d.recv_splits)
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Route, dispatch, compute and combine ``x`` [..., d_model]; returns the same shape and dtype."""
+        error = self._input_error(x)
+        if not self._config_checked:
+            self._check_config(error)
+        if error is not None:
+            if self.ep_size > 1:
+                # Take part in the counts exchange with a failure status so no peer waits forever.
+                z = torch.zeros(self.num_experts, dtype=torch.long, device=self.router.weight.device)
+                self.dispatch(self.router.weight.new_empty(0, self.d_model), z, status=1)
+            raise error
+        x_TD = x.reshape(-1, self.d_model)
+        ops = _ops.get_ops(x_TD.device)
+        state = self._routing_state(x_TD.shape[0], x_TD.device)
+
+        r = self.route(x_TD, state, ops)
+        state.next_chunk += 1
+        if state.complete:
+            self._record_stats(state)
+        num_rows = int(r.kept_E.sum())
+        x_SD, src_S = permute(x_TD, r.row_TK, num_rows, ops)
+        y_SD = self._exchange_and_compute(x_SD, r.kept_E, ops)
+        y_TD = unpermute(y_SD, r.row_TK, r.weight_TK, src_S, ops)
+        return y_TD.view(x.shape)
+
+    def _exchange_and_compute(self, x_SD, kept_E, ops) -> torch.Tensor:
+        d = self.dispatch(x_SD, kept_E)
+        _scope.switch()
+        y_recv = self.compute_experts(d.pending.wait(), d, ops)
+        pending = self.combine(y_recv, d)
+        _scope.switch()
+        return pending.wait()
+
+    def _routing_state(self, T: int, device) -> BatchRouting:
+        s = _scope.current()
+        if s is None:
+            return BatchRouting(self.num_experts, self.top_k, T, self.capacity_factor, device)
+        key = s.call_key(self)
+        chunk = s.chunk
+        # Chunks pass the gating in order, so carried capacity is exact.
+        while True:
+            state = s.layer_state.get(key)
+            if state is None and chunk == 0:
+                state = BatchRouting(self.num_experts, self.top_k, _batch_tokens(T, s), self.capacity_factor, device)
+                s.layer_state[key] = state
+            if state is not None and state.next_chunk == chunk:
+                break
+            s.switch()
+        if chunk == len(s.rows) - 1 and state.routed_tokens + T != state.total_tokens:
+            raise RuntimeError(
+                f"Overlapped: the MoE layer saw {state.routed_tokens + T} tokens over {len(s.rows)} "
+                f"chunks but {state.total_tokens} were expected from chunk 0's tokens per row; the "
+                f"model must be separable along dim 0 outside lancet MoE layers"
+            )
+        return state
+
+    def _record_stats(self, state: BatchRouting) -> None:
+        with torch.no_grad():
+            self.aux_loss = state.aux_loss().detach()
+            self.z_loss = state.z_loss().detach()
+            self.tokens_per_expert = state.used_E.detach().long()
+            self.dropped = int(state.used_E.long().sum() - state.kept_E.sum())
+
+
+def _batch_tokens(T_chunk0: int, s) -> int:
+    """Tokens of the whole local batch, from chunk 0's tokens per row (dim 0) of the inputs."""
+    rows0 = s.rows[0]
+    if rows0 == 0:
+        return 0
+    if T_chunk0 % rows0:
+        raise RuntimeError(
+            f"Overlapped: the MoE layer got {T_chunk0} tokens for {rows0} rows of chunk 0; tokens must "
+            f"be a whole multiple of the rows along dim 0"
+        )
+    return T_chunk0 // rows0 * s.total_rows
+
+
+def _offsets(counts: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
+    torch.cumsum(counts.long(), 0, out=out[1:])
+    return out
+
+
+def _regroup_permutations(counts_WL: torch.Tensor, device):
+    """Row permutations between the received (rank-major) and the grouped (expert-major) order."""
+    W, L = counts_WL.shape
+    if L == 1 or W == 1:
+        return None, None
+    counts = counts_WL.reshape(-1)
+    starts = (torch.cumsum(counts, 0) - counts).view(W, L)
+    # Expert-major order: for each local expert l, the rows from rank 0, 1, ...
+    pieces = [torch.arange(int(starts[r, l]), int(starts[r, l] + counts_WL[r, l])) for l in range(L) for r in range(W)]
+    to_expert = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    to_rank = torch.empty_like(to_expert)
+    to_rank[to_expert] = torch.arange(to_expert.numel())
+    return to_expert.to(device), to_rank.to(device)
+
+
+def _raise_on_bad_status(status_W: torch.Tensor, local_error: Optional[Exception]) -> None:
+    bad = [r for r, s in enumerate(status_W.tolist()) if s != 0]
+    if not bad:
+        return
+    if local_error is not None:
+        raise local_error
+    raise ValueError(
+        f"MoE input rejected on expert-parallel rank(s) {bad} (see the error raised there); "
+        f"every rank stops instead of waiting in the all-to-all"
+    )

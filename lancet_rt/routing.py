@@ -1,0 +1,156 @@
+"""Routing stages as autograd Functions: gate, permute, unpermute.
+
+The gating state of one forward of one MoE layer is a :class:`BatchRouting`: it carries each
+expert's used capacity from chunk to chunk and sums the aux/z statistics over the whole local
+batch, so chunking changes no slot, drop, loss or gradient (DESIGN.md, idea 3).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class BatchRouting:
+    """The routing state of one MoE layer over one local batch, shared by its chunks.
+
+    Args:
+        num_experts: E.
+        top_k: K.
+        total_tokens: T of the whole local batch (capacity and the losses' means use it).
+        capacity_factor: None for dropless.
+        device: where the counters live.
+    """
+
+    num_experts: int
+    top_k: int
+    total_tokens: int
+    capacity_factor: Optional[float]
+    device: torch.device
+    used_E: torch.Tensor = field(init=False)
+    score_sum_E: torch.Tensor = field(init=False)
+    zsq_sum: torch.Tensor = field(init=False)
+    kept_E: torch.Tensor = field(init=False)
+    routed_tokens: int = 0
+    next_chunk: int = 0
+
+    def __post_init__(self):
+        E = self.num_experts
+        self.used_E = torch.zeros(E, dtype=torch.int32, device=self.device)
+        self.kept_E = torch.zeros(E, dtype=torch.int64, device=self.device)
+        self.score_sum_E = torch.zeros(E, dtype=torch.float32, device=self.device)
+        self.zsq_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+
+    @property
+    def capacity(self) -> Optional[int]:
+        """C = ceil(capacity_factor * T * K / E) over the whole local batch, or None (dropless)."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * self.total_tokens * self.top_k / self.num_experts)
+
+    @property
+    def complete(self) -> bool:
+        return self.routed_tokens == self.total_tokens
+
+    def aux_loss(self) -> torch.Tensor:
+        """E * sum_e f_e * P_e over the tokens routed so far (the whole batch once complete)."""
+        T = max(self.total_tokens, 1)
+        f_E = self.used_E.to(self.score_sum_E.dtype) / (T * self.top_k)
+        return self.num_experts * (f_E * self.score_sum_E / T).sum()
+
+    def z_loss(self) -> torch.Tensor:
+        return self.zsq_sum / max(self.total_tokens, 1)
+
+
+class _Gate(torch.autograd.Function):
+    """logits_TE -> (weight_TK, expert_TK, slot_TK, kept_E); updates the batch's carried state.
+
+    Backward adds the aux and z losses' gradients (scaled by their coefficients, over the whole
+    batch) to the weights' gradient, so they reach the router without the user adding anything to
+    the loss. The batch statistics they need are final by the time any backward runs.
+    """
+
+    @staticmethod
+    def forward(ctx, logits_TE, state: BatchRouting, ops, score_fn, normalize_topk, aux_coef, z_coef):
+        used_in = state.used_E
+        out = ops.gating_fwd(logits_TE, state.top_k, used_in, capacity=state.capacity,
+                             score_fn=score_fn, normalize_topk=normalize_topk)
+        kept_E = (out.used_E.long() if state.capacity is None
+                  else out.used_E.long().clamp(max=state.capacity)) - (
+                      used_in.long() if state.capacity is None
+                      else used_in.long().clamp(max=state.capacity))
+        state.used_E = out.used_E
+        state.kept_E += kept_E
+        state.score_sum_E = state.score_sum_E.to(out.score_sum_E.dtype) + out.score_sum_E
+        state.zsq_sum = state.zsq_sum.to(out.zsq_sum.dtype) + out.zsq_sum
+        state.routed_tokens += logits_TE.shape[0]
+        row_TK = ops.dispatch_rows(out.expert_TK, out.slot_TK, used_in, kept_E)
+
+        ctx.save_for_backward(logits_TE, out.expert_TK)
+        ctx.state, ctx.ops, ctx.score_fn, ctx.normalize = state, ops, score_fn, normalize_topk
+        ctx.aux_coef, ctx.z_coef = aux_coef, z_coef
+        ctx.mark_non_differentiable(out.expert_TK, row_TK, kept_E)
+        return out.weight_TK, out.expert_TK, row_TK, kept_E
+
+    @staticmethod
+    def backward(ctx, grad_weight_TK, _g_expert, _g_row, _g_kept):
+        logits_TE, expert_TK = ctx.saved_tensors
+        state: BatchRouting = ctx.state
+        T = max(state.total_tokens, 1)
+        grad_score_sum = grad_zsq = None
+        if ctx.aux_coef > 0:
+            # d(E * sum_e f_e * score_sum_e / T) / d score_sum_e = E * f_e / T, f_e = used_e / (T K)
+            f_E = state.used_E.to(logits_TE.dtype) / (T * state.top_k)
+            grad_score_sum = (ctx.aux_coef * state.num_experts / T) * f_E
+        if ctx.z_coef > 0:
+            grad_zsq = torch.tensor(ctx.z_coef / T, dtype=logits_TE.dtype, device=logits_TE.device)
+        grad_logits = ctx.ops.gating_bwd(logits_TE, expert_TK, grad_weight_TK, grad_score_sum, grad_zsq,
+                                         score_fn=ctx.score_fn, normalize_topk=ctx.normalize)
+        return grad_logits, None, None, None, None, None, None
+
+
+def gate(logits_TE, state, ops, *, score_fn, normalize_topk, aux_coef, z_coef):
+    """Run the gating stage for one chunk. Returns (weight_TK, expert_TK, row_TK, kept_E)."""
+    return _Gate.apply(logits_TE, state, ops, score_fn, normalize_topk, aux_coef, z_coef)
+
+
+class _Permute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, row_TK, num_rows, ops):
+        x_SD, src_S = ops.permute_fwd(x_TD, row_TK, num_rows)
+        ctx.save_for_backward(row_TK)
+        ctx.ops = ops
+        ctx.mark_non_differentiable(src_S)
+        return x_SD, src_S
+
+    @staticmethod
+    def backward(ctx, grad_x_SD, _g_src):
+        (row_TK,) = ctx.saved_tensors
+        return ctx.ops.permute_bwd(grad_x_SD.contiguous(), row_TK), None, None, None
+
+
+def permute(x_TD, row_TK, num_rows, ops):
+    """x_TD rows into the dispatch layout. Returns (x_SD, src_S)."""
+    return _Permute.apply(x_TD, row_TK, num_rows, ops)
+
+
+class _Unpermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y_SD, row_TK, weight_TK, src_S, ops):
+        ctx.save_for_backward(y_SD, row_TK, weight_TK, src_S)
+        ctx.ops = ops
+        return ops.unpermute_fwd(y_SD, row_TK, weight_TK)
+
+    @staticmethod
+    def backward(ctx, grad_y_TD):
+        y_SD, row_TK, weight_TK, src_S = ctx.saved_tensors
+        grad_y_SD, grad_w = ctx.ops.unpermute_bwd(grad_y_TD.contiguous(), y_SD, row_TK, weight_TK, src_S)
+        return grad_y_SD, None, grad_w, None, None
+
+
+def unpermute(y_SD, row_TK, weight_TK, src_S, ops):
+    """Weighted sum over K of the expert outputs back into token order: y_TD."""
+    return _Unpermute.apply(y_SD, row_TK, weight_TK, src_S, ops)

@@ -1,0 +1,53 @@
+"""The chunk scope of an overlapped forward, as seen from inside a MoE layer.
+
+:class:`lancet_rt.Overlapped` runs the model once per chunk, each run a coroutine. A MoE layer asks
+:func:`current` for the scope; with none active it runs as one chunk and :func:`switch` is a no-op.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+_local = threading.local()
+
+
+class ChunkScope:
+    """What a layer needs to know about the chunked forward it runs in.
+
+    Args:
+        rows: rows (along dim 0) of each chunk.
+        switch: yields control to the scheduler; returns when this chunk is resumed.
+    """
+
+    def __init__(self, rows: list[int], switch: Callable[[], None]):
+        self.rows = rows
+        self.total_rows = sum(rows)
+        self.chunk = 0
+        self._switch = switch
+        self.layer_state: dict = {}
+        self._calls: dict = {}
+
+    def switch(self) -> None:
+        self._switch()
+
+    def call_key(self, layer) -> tuple:
+        """A key for this call of ``layer`` that is equal across chunks (the n-th call is the n-th)."""
+        k = (self.chunk, id(layer))
+        n = self._calls.get(k, 0)
+        self._calls[k] = n + 1
+        return id(layer), n
+
+
+def current() -> Optional[ChunkScope]:
+    return getattr(_local, "scope", None)
+
+
+def set_current(scope: Optional[ChunkScope]) -> None:
+    _local.scope = scope
+
+
+def switch() -> None:
+    """Give the other chunks a turn (after issuing an all-to-all); no-op outside a chunk scope."""
+    s = current()
+    if s is not None:
+        s.switch()

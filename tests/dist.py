@@ -1,0 +1,69 @@
+"""Run a function in W real processes with a gloo group; a hang fails within a timeout."""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+import traceback
+
+import torch.multiprocessing as mp
+
+
+def _entry(fn, rank, world, init_file, queue, args):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+        result = fn(rank, world, *args)
+        queue.put((rank, "ok", result))
+    except BaseException as exc:  # noqa: BLE001 - report everything to the parent
+        queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> dict:
+    """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return {rank: (status, result)}.
+
+    ``fn`` must be a module-level function. Raises AssertionError if any rank is still running
+    after ``timeout`` seconds (the processes are killed), so a hang is a failure, never a wait.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "init")
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, queue, args), daemon=True)
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        results = {}
+        deadline = time.monotonic() + timeout
+        while len(results) < world and time.monotonic() < deadline:
+            try:
+                rank, status, payload = queue.get(timeout=0.5)
+                results[rank] = (status, payload)
+            except Exception:  # queue.Empty
+                if all(not p.is_alive() for p in procs) and queue.empty():
+                    break
+        hung = [r for r, p in enumerate(procs) if r not in results and p.is_alive()]
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+        assert not hung, f"ranks {hung} did not finish within {timeout}s (hang)"
+        missing = [r for r in range(world) if r not in results]
+        assert not missing, f"ranks {missing} died without a result"
+        return results
+
+
+def assert_all_ok(results: dict) -> list:
+    errors = {r: p for r, (s, p) in results.items() if s != "ok"}
+    assert not errors, "\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
+    return [results[r][1] for r in sorted(results)]
