@@ -89,9 +89,9 @@ class TorchGroup:
 
     def all_gather(self, vec_N: torch.Tensor) -> torch.Tensor:
         vec = vec_N.to(self._small_device(), torch.int64).contiguous()
-        out = vec.new_empty(self._size, vec.numel())
-        dist.all_gather_into_tensor(out, vec, group=self.group)
-        return out.cpu()
+        out = [torch.empty_like(vec) for _ in range(self._size)]
+        dist.all_gather(out, vec, group=self.group)
+        return torch.stack(out).cpu()
 
 
 def as_group(ep_group) -> Optional[ExpertParallelGroup]:

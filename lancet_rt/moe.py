@@ -205,16 +205,22 @@ class MoE(nn.Module):
             aux_coef=self.aux_loss_coef, z_coef=self.z_loss_coef)
         return _Route(weight_TK, row_TK, kept_E)
 
-    def dispatch(self, x_SD: torch.Tensor, kept_E: torch.Tensor, status: int = 0) -> _Dispatched:
-        """Send each kept row to its expert's rank: counts first, then the rows (async)."""
+    def dispatch(self, x_SD: torch.Tensor, kept_E: torch.Tensor,
+                 error: Optional[Exception] = None) -> _Dispatched:
+        """Send each kept row to its expert's rank: counts first, then the rows (async).
+
+        The counts exchange carries a status column: a rank whose input was rejected (``error``)
+        still takes part, and every rank raises instead of waiting in the row all-to-all.
+        """
         L, W = self.num_local_experts, self.ep_size
         if W == 1:
             offsets = _offsets(kept_E)
             return _Dispatched(comm.Pending(x_SD, None), offsets, [x_SD.shape[0]], [x_SD.shape[0]], None, None)
+        status = 0 if error is None else 1
         send = torch.cat([kept_E.view(W, L).long(), torch.full((W, 1), status, dtype=torch.long,
                                                                  device=kept_E.device)], dim=1)
         recv = self.group.exchange(send).cpu()
-        _raise_on_bad_status(recv[:, L], None)
+        _raise_on_bad_status(recv[:, L], error)
         counts_WL = recv[:, :L]
         send_splits = kept_E.view(W, L).sum(1).tolist()
         recv_splits = counts_WL.sum(1).tolist()
@@ -245,7 +251,7 @@ class MoE(nn.Module):
             if self.ep_size > 1:
                 # Take part in the counts exchange with a failure status so no peer waits forever.
                 z = torch.zeros(self.num_experts, dtype=torch.long, device=self.router.weight.device)
-                self.dispatch(self.router.weight.new_empty(0, self.d_model), z, status=1)
+                self.dispatch(self.router.weight.new_empty(0, self.d_model), z, error=error)
             raise error
         x_TD = x.reshape(-1, self.d_model)
         ops = _ops.get_ops(x_TD.device)

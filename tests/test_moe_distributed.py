@@ -1,0 +1,150 @@
+"""Expert parallelism over real gloo processes equals the single-process layer with all experts."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.dist import assert_all_ok, run_ranks
+
+D, F, E = 10, 6, 8
+
+
+def _tokens(rank, world):
+    # Uneven token counts; the last rank of a 4-rank world has none.
+    return [13, 0, 7, 21][rank] if world == 4 else [19, 6][rank]
+
+
+def _inputs(rank, world):
+    g = torch.Generator().manual_seed(100 + rank)
+    T = _tokens(rank, world)
+    return torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+
+
+def _ep_matches_single(rank, world, K, capacity_factor, score_fn, aux):
+    import torch.distributed as dist
+
+    import lancet_rt
+    from tests.helpers import assert_close
+
+    kw = dict(capacity_factor=capacity_factor, score_fn=score_fn, aux_loss_coef=aux, z_loss_coef=aux / 10)
+    torch.manual_seed(0)
+    full = lancet_rt.MoE(D, F, E, K, **kw)  # identical on every rank (same seed)
+    ep = lancet_rt.MoE(D, F, E, K, ep_group=dist.group.WORLD, **kw)
+    L = E // world
+    with torch.no_grad():
+        ep.router.weight.copy_(full.router.weight)
+        ep.experts.gate_up_proj.copy_(full.experts.gate_up_proj[rank * L:(rank + 1) * L])
+        ep.experts.down_proj.copy_(full.experts.down_proj[rank * L:(rank + 1) * L])
+
+    x, g = _inputs(rank, world)
+    x_ep = x.clone().requires_grad_(True)
+    y = ep(x_ep)
+    y.backward(g)
+
+    # The single-process layer on every rank's batch separately: this rank's outputs and router
+    # gradient come from its own batch; expert gradients sum over all ranks' batches.
+    for r in range(world):
+        xr, gr = _inputs(r, world)
+        xr = xr.clone().requires_grad_(True)
+        full.router.weight.grad = None
+        yr = full(xr)
+        yr.backward(gr)
+        if r == rank:
+            assert_close("y", y, yr.detach())
+            assert_close("grad x", x_ep.grad, xr.grad)
+            assert_close("grad router", ep.router.weight.grad, full.router.weight.grad)
+            assert ep.tokens_per_expert.tolist() == full.tokens_per_expert.tolist()
+            assert ep.dropped == full.dropped
+            if xr.shape[0]:
+                assert_close("aux", ep.aux_loss.reshape(1), full.aux_loss.reshape(1))
+    assert_close("grad gate_up", ep.experts.gate_up_proj.grad, full.experts.gate_up_proj.grad[rank * L:(rank + 1) * L])
+    assert_close("grad down", ep.experts.down_proj.grad, full.experts.down_proj.grad[rank * L:(rank + 1) * L])
+    return y.shape[0]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("K, capacity_factor, score_fn, aux", [
+    (2, None, "softmax", 0.0),
+    (2, 0.75, "sigmoid", 0.01),
+    (1, 1.25, "softmax", 0.1),
+])
+def test_expert_parallel_equals_single_process(world, K, capacity_factor, score_fn, aux):
+    rows = assert_all_ok(run_ranks(_ep_matches_single, world, K, capacity_factor, score_fn, aux, timeout=180))
+    assert rows == [_tokens(r, world) for r in range(world)]
+
+
+def _bad_input_on_one_rank(rank, world):
+    import torch.distributed as dist
+
+    import lancet_rt
+
+    ep = lancet_rt.MoE(D, F, E, 2, ep_group=dist.group.WORLD)
+    ep(torch.randn(4, D))  # a good step first: the later check rides on the counts exchange
+    x = torch.randn(4, D + 1 if rank == 1 else D)
+    try:
+        ep(x)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _config_differs(rank, world):
+    import torch.distributed as dist
+
+    import lancet_rt
+
+    ep = lancet_rt.MoE(D, F, E, 2 if rank == 0 else 1, ep_group=dist.group.WORLD)
+    try:
+        ep(torch.randn(4, D))
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _first_input_bad(rank, world):
+    import torch.distributed as dist
+
+    import lancet_rt
+
+    ep = lancet_rt.MoE(D, F, E, 2, ep_group=dist.group.WORLD)
+    x = torch.randn(4, D) if rank else torch.randint(0, 2, (4, D))
+    try:
+        ep(x)
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def test_bad_input_on_one_rank_raises_everywhere():
+    msgs = assert_all_ok(run_ranks(_bad_input_on_one_rank, 2, timeout=120))
+    assert "d_model=10" in msgs[1]
+    assert "rank(s) [1]" in msgs[0]
+
+
+def test_bad_first_input_raises_everywhere():
+    msgs = assert_all_ok(run_ranks(_first_input_bad, 2, timeout=120))
+    assert msgs[0].startswith("TypeError") and "floating" in msgs[0]
+    assert msgs[1].startswith("ValueError") and "rank(s) [0]" in msgs[1]
+
+
+def test_config_mismatch_raises_on_every_rank():
+    msgs = assert_all_ok(run_ranks(_config_differs, 2, timeout=120))
+    for m in msgs:
+        assert "differs across expert-parallel ranks" in m and "top_k" in m
+
+
+def _indivisible(rank, world):
+    import torch.distributed as dist
+
+    import lancet_rt
+
+    try:
+        lancet_rt.MoE(D, F, 6, 2, ep_group=dist.group.WORLD)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_experts_not_divisible_by_world():
+    msgs = assert_all_ok(run_ranks(_indivisible, 4, timeout=120))
+    assert all("divisible" in m for m in msgs)
