@@ -1,0 +1,32 @@
+# Two entry points (README, Quick start): `make train` and `make test`. Each sets up .venv first.
+#
+# The venv sees the system's site-packages, so a CUDA torch already on the machine is kept.
+# Without any torch, `pip install torch==$(TORCH_VERSION)` installs it (on the CPU machines this
+# project is developed on, that resolves to a CPU wheel; never the multi-GB CUDA wheels).
+PYTHON ?= python3
+TORCH_VERSION ?= 2.13.0
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup train test test-gpu bench-cpu
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
+	$(BIN)/python -m pip install -q -e ".[test,bench]"
+	@$(BIN)/python -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.cuda.is_available())"
+	touch $@
+
+# The main job: a GPT-style MoE language model, 2 expert-parallel ranks, under lancet_rt.Overlapped.
+train: setup
+	$(BIN)/torchrun --standalone --nproc-per-node 2 -m bench.train_lm
+
+# The test suite (CPU lane; Triton kernels in the interpreter). Exit code 5 (no tests) is not a failure.
+test: setup
+	$(BIN)/python -m pytest -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+# The GPU lane, on a CUDA machine.
+test-gpu: setup
+	$(BIN)/python -m pytest -m gpu -q

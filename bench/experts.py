@@ -1,0 +1,151 @@
+"""Expert GEMMs: the Triton grouped GEMM vs a loop of torch matmuls vs one dense cuBLAS GEMM.
+
+    python -m bench.experts [--json PATH] [--quick] [--device cuda|cpu]
+
+For each projection of a SwiGLU expert layer (forward: gate_up + SwiGLU, down; backward: dx and dW of
+both) it times three ways to do the same FLOPs:
+
+* ``triton``: one launch of :mod:`kernels.grouped_gemm` over all local experts;
+* ``loop``: the references in :mod:`kernels.reference` (a Python loop of per-expert torch matmuls,
+  with the host sync that reading the offsets costs): what a plain implementation does;
+* ``dense``: one cuBLAS GEMM of the same shape with all R rows in one expert: the ceiling a grouped
+  GEMM can approach (no per-expert tails, no launch per expert).
+
+at balanced routing (E_local = 8, 4096 rows per expert, D = 4096, F in {14336, 2048}) and skewed,
+Zipf-like routing with the same rows (half in one expert, then 1/4, 1/8, ..., three experts empty),
+in bf16. Reported: TFLOP/s, the fraction of the dense GEMM and of the dense matmul rate measured at
+the start of the same run (bench.common.matmul_tflops), and the speedup over the loop. Rows are
+appended to ``--json`` with the run metadata. ``--quick`` uses tiny sizes (on the CPU the kernels run
+in the Triton interpreter, so its numbers only show that the command works).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+from bench.common import bench_ms, matmul_tflops, print_table, run_metadata, write_json
+
+FULL = dict(E=8, rows_per_expert=4096, D=4096, F=(14336, 2048))
+QUICK = dict(E=4, rows_per_expert=32, D=64, F=(96, 32))
+
+
+def skewed_counts(E: int, R: int) -> list:
+    """Zipf-like: expert i gets R / 2^(i+1) rows for the first E // 2 + 1 experts (the last of them
+    takes the remainder), the others none. E = 8: [R/2, R/4, R/8, R/16, R/16, 0, 0, 0]."""
+    busy = min(E, E // 2 + 1)
+    counts = [R >> (i + 1) for i in range(busy - 1)]
+    counts.append(R - sum(counts))
+    return counts + [0] * (E - busy)
+
+
+def _cases(E: int, D: int, F: int, counts: list, device: torch.device, dtype=torch.bfloat16):
+    """Inputs for every projection (built outside the timed region) and the three ways to run each.
+
+    Returns a list of (op, kernel name for selected_config, flops, triton_fn, loop_fn, dense_fn).
+    """
+    from kernels import grouped_gemm as gg
+    from kernels import reference as ref
+
+    R = sum(counts)
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+    off = torch.zeros(E + 1, dtype=torch.int32)
+    off[1:] = torch.cumsum(torch.tensor(counts), 0)
+    off = off.to(device)
+    x, h = randn(R, D), randn(R, F)
+    w_gu, w_down = randn(E, 2 * F, D, scale=D**-0.5), randn(E, D, F, scale=F**-0.5)
+    dgu, dy = randn(R, 2 * F), randn(R, D)
+    wd_gu, wd_down = w_gu[0], w_down[0]  # the dense ceilings' weights: one expert's shape
+
+    return [
+        ("fwd gate_up+swiglu", "gate_up", 2 * R * 2 * F * D,
+         lambda: gg.gate_up_swiglu(x, w_gu, off), lambda: ref.gate_up_swiglu_ref(x, w_gu, off),
+         lambda: x @ wd_gu.t()),
+        ("fwd down", "fwd", 2 * R * D * F,
+         lambda: gg.grouped_mm(h, w_down, off), lambda: ref.grouped_mm_ref(h, w_down, off),
+         lambda: h @ wd_down.t()),
+        ("bwd dx gate_up", "dx", 2 * R * 2 * F * D,
+         lambda: gg.grouped_mm_dx(dgu, w_gu, off), lambda: ref.grouped_mm_dx_ref(dgu, w_gu, off),
+         lambda: dgu @ wd_gu),
+        ("bwd dw gate_up", "dw", 2 * R * 2 * F * D,
+         lambda: gg.grouped_mm_dw(dgu, x, off), lambda: ref.grouped_mm_dw_ref(dgu, x, off),
+         lambda: dgu.t() @ x),
+        ("bwd dx down", "dx", 2 * R * D * F,
+         lambda: gg.grouped_mm_dx(dy, w_down, off), lambda: ref.grouped_mm_dx_ref(dy, w_down, off),
+         lambda: dy @ wd_down),
+        ("bwd dw down", "dw", 2 * R * D * F,
+         lambda: gg.grouped_mm_dw(dy, h, off), lambda: ref.grouped_mm_dw_ref(dy, h, off),
+         lambda: dy.t() @ h),
+    ]
+
+
+def run(device: torch.device, quick: bool) -> list:
+    from kernels import grouped_gemm as gg
+
+    sizes = QUICK if quick else FULL
+    timing = dict(warmup=1, rep=2) if device.type != "cuda" else {}
+    peak = matmul_tflops(device)
+    meta = run_metadata(device, matmul_tflops=peak)
+    print(f"# {meta['device']}  torch {meta['torch']}  triton {meta['triton']}  commit {meta['commit']}")
+    print(f"# dense matmul ceiling: {peak:.1f} TFLOP/s")
+
+    E, D = sizes["E"], sizes["D"]
+    R = E * sizes["rows_per_expert"]
+    routings = {"balanced": [sizes["rows_per_expert"]] * E, "skewed": skewed_counts(E, R)}
+    rows = []
+    for F in sizes["F"]:
+        for routing, counts in routings.items():
+            for op, kernel, flops, triton_fn, loop_fn, dense_fn in _cases(E, D, F, counts, device):
+                for fn in (triton_fn, loop_fn, dense_fn):  # warm-up: autotuning and compilation
+                    fn()
+                t = {name: bench_ms(fn, device, **timing)
+                     for name, fn in (("triton", triton_fn), ("loop", loop_fn), ("dense", dense_fn))}
+                tf = {name: flops / (v["ms"] * 1e-3) / 1e12 for name, v in t.items()}
+                rows.append(dict(
+                    meta, bench="experts", op=op, routing=routing, dtype="bfloat16", E=E, R=R, D=D, F=F,
+                    counts=counts, flops=flops, config=gg.selected_config(kernel),
+                    triton_ms=t["triton"]["ms"], triton_ms_q20=t["triton"]["ms_q20"],
+                    triton_ms_q80=t["triton"]["ms_q80"], loop_ms=t["loop"]["ms"], dense_ms=t["dense"]["ms"],
+                    triton_tflops=tf["triton"], loop_tflops=tf["loop"], dense_tflops=tf["dense"],
+                    frac_dense=tf["triton"] / tf["dense"], frac_peak=tf["triton"] / peak,
+                    speedup_vs_loop=t["loop"]["ms"] / t["triton"]["ms"],
+                ))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.experts", description=__doc__.split("\n")[0])
+    parser.add_argument("--json", metavar="PATH", help="append the rows to this JSON list")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: check that the command works")
+    parser.add_argument("--device", choices=("cuda", "cpu"),
+                        default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device")
+    if device.type == "cpu":
+        if "kernels.grouped_gemm" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+            parser.error("--device cpu needs TRITON_INTERPRET=1 before kernels.grouped_gemm is imported")
+        # Triton reads this when the kernels are defined, i.e. at the import inside run().
+        os.environ["TRITON_INTERPRET"] = "1"
+        if not args.quick:
+            print("# note: full sizes in the CPU interpreter take hours; use --quick", file=sys.stderr)
+
+    rows = run(device, args.quick)
+    print_table(rows, ["op", "routing", "F", "config", "triton_ms", "loop_ms", "dense_ms", "triton_tflops",
+                       "dense_tflops", "frac_dense", "frac_peak", "speedup_vs_loop"],
+                title=f"\nexpert GEMMs, bf16, E={rows[0]['E']} R={rows[0]['R']} D={rows[0]['D']}")
+    if args.json:
+        write_json(args.json, rows)
+        print(f"# appended {len(rows)} rows to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

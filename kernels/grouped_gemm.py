@@ -1,0 +1,900 @@
+"""Grouped GEMM for the MoE experts: one launch per projection over all local experts.
+
+The rows a rank receives are grouped by local expert: segment e is ``offsets[e]:offsets[e+1]`` of
+``x_RK``, and expert e's weight is ``w_ENK[e]`` (the Hugging Face layout, out features first). The
+launchers here have the signatures and results of their references in :mod:`kernels.reference`:
+
+================  ====================================  =========================  =============
+launcher          computes                              reference                  FLOPs
+================  ====================================  =========================  =============
+grouped_mm        y[r] = x[r] @ w[e].T                  grouped_mm_ref             2 R N K
+grouped_mm_dx     dx[r] = dy[r] @ w[e]                  grouped_mm_dx_ref          2 R N K
+grouped_mm_dw     dw[e] = dy_seg.T @ x_seg (0 if empty) grouped_mm_dw_ref          2 R N K
+gate_up_swiglu    gu = x @ w[e].T, h = silu(g) * u      gate_up_swiglu_ref         2 R (2F) D
+swiglu_fwd/_bwd   elementwise SwiGLU and its gradient   swiglu_fwd_ref / _bwd_ref  memory-bound
+================  ====================================  =========================  =============
+
+Algorithm
+---------
+*Row-segment GEMMs* (``grouped_mm``, ``grouped_mm_dx``, ``gate_up_swiglu``). The output is cut into
+BLOCK_M x BLOCK_N tiles, where an M tile never straddles two segments: segment e owns
+``cdiv(n_e, BLOCK_M)`` M tiles. The segment sizes live on the device, so the host cannot count the
+tiles without a synchronisation; it launches an upper bound instead. Since
+``sum_e cdiv(n_e, BM) < R / BM + E``, at most ``cdiv(R, BM) + E - 1`` M tiles exist. Every program
+loads the E + 1 offsets (a few hundred bytes, served from L2), takes the inclusive prefix sum of the
+per-expert tile counts, and finds its expert as the number of prefix ends <= its M-tile index. A
+program whose tile index is past the real tile count exits at once; there are at most E - 1 such M
+tiles (times the N tiles), and the grouped ordering below puts them last in launch order. Empty
+segments own no tiles and are skipped by the search; their output rows do not exist.
+Program ids are mapped to (M tile, N tile) in groups of GROUP_M M tiles (the Triton matmul tutorial's
+L2 swizzle): consecutive programs share the same weight columns (one expert's w[e] slab) and the
+same GROUP_M row blocks, so both operands are mostly read from L2.
+``grouped_mm_dx`` is the same kernel on the transposed weight view ``w[e].T`` (only strides change).
+
+*Fused gate/up + SwiGLU* (``gate_up_swiglu``). ``w_E2FD`` holds the gate rows [0, F) and the up rows
+[F, 2F). A program owns output columns j of h and computes the gate tile (weight rows j) and the up
+tile (rows F + j) with two fp32 accumulators from the same x tile, so x is read once for both halves.
+The epilogue rounds both to the output dtype, stores them into gu (columns j and F + j, kept for
+backward), and computes ``h = silu(g) * u`` in fp32 *from the rounded values*, which is exactly
+``swiglu_fwd_ref(gu)``: h never needs a second pass over gu.
+
+*Weight gradient* (``grouped_mm_dw``). A reduction over each segment's rows, so it is its own launch:
+the grid is E x cdiv(N, BN) x cdiv(K, BK) output tiles (sizes known on the host), experts outermost;
+each program loops over its segment's rows in BLOCK_M steps (bounds read from the device) and writes
+its [BN, BK] tile once. An empty segment runs no iteration and writes zeros.
+
+All kernels accumulate in fp32 and write the input dtype (bf16, fp16 or fp32). fp32 inputs use exact
+fp32 products by default (``allow_tf32=False``, ``input_precision="ieee"``) so they match an fp32
+reference tightly; pass ``allow_tf32=True`` for the tensor-core rate at about 1e-3 relative error.
+Row, expert and stride products are formed in int64 (R * N and E * N * K pass 2^31 at real sizes).
+
+Tuning
+------
+On CUDA each projection has its own autotuner (fwd, dx, gate_up, dw), over :func:`_gemm_configs`
+pruned by :func:`_prune_configs` (registers, shared memory, 128-byte K steps, problem size). The key is
+(N, K, E, a power-of-two bucket of the mean rows per expert) and the dtypes, never the raw row count,
+so chunked runs with varying R do not retune. ``LANCET_GEMM_CONFIG="BM,BN,BK,num_warps,num_stages"``
+pins one config for all four (``LANCET_GEMM_CONFIG_<FWD|DX|GATE_UP|DW>`` for one of them); for dW
+the triple reads (output rows of N, output cols of K, reduction rows), i.e. it is always
+"output tile rows, output tile cols, reduction step". Under ``TRITON_INTERPRET=1`` (the CPU lane) one
+small fixed config is used, because the interpreter's cost grows with the tile size.
+
+Limits
+------
+* Padding: each segment's last M tile is partly empty; the waste is at most E * BLOCK_M rows, about 3%
+  at 4096 rows per expert and BM=128, but dominant for tiny segments.
+* Non-persistent kernels with plain pointer loads (cp.async pipelining, wgmma via Triton): no TMA,
+  no warp specialisation, no stream-K. Expect below cuBLAS's dense rate on H100/H200; the benchmark
+  ``python -m bench.experts`` measures the fraction.
+* dW has no split over rows: an expert's tiles loop over all its rows, so with very few output tiles
+  (small N*K) and one large segment the GPU is under-filled. At D=4096, F>=2048 every expert has
+  thousands of tiles.
+* Offsets are trusted to be non-decreasing with offsets[0] = 0 and offsets[E] = R (checking would
+  need a host sync); they are clamped to [0, R] in the kernels so bad offsets cannot fault. Rows
+  outside every segment are not written, as in the reference.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+# ------------------------------------------------------------------------------------------------
+# Environment: read here and nowhere else in this module.
+# ------------------------------------------------------------------------------------------------
+#: Triton decides at definition time whether @triton.jit kernels run in the CPU interpreter.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+#: "BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages" pins one config (suffix _FWD/_DX/_GATE_UP/_DW: one op).
+CONFIG_ENV = "LANCET_GEMM_CONFIG"
+
+_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_GROUP_M = 8  # M tiles per L2 group in the swizzled launch order
+# (output tile rows, output tile cols, reduction step, num_warps, num_stages) under the interpreter.
+_INTERPRETER_CONFIG = (16, 32, 32, 4, 1)
+
+
+# ================================================================================================
+# Kernels
+# ================================================================================================
+@triton.jit
+def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of a linear program id, GROUP_M row tiles at a time (L2 reuse)."""
+    num_pid_in_group = GROUP_M * num_pid_n
+    group_id = pid // num_pid_in_group
+    first_pid_m = group_id * GROUP_M
+    group_size_m = tl.minimum(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+    pid_n = (pid % num_pid_in_group) // group_size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc + a @ b. DOT_FP32 upcasts the operands first; the launchers set it only under the CPU
+    interpreter for bf16, whose tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584). A bf16
+    product is exact in fp32, so the result is the tensor-core one up to summation order."""
+    if DOT_FP32:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    return tl.dot(a, b, acc=acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def _segment_tile(offsets_ptr, pid_m, R, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
+    """Map the pid_m-th M tile over all segments to (expert, first row, row end, tile count).
+
+    Segment e owns cdiv(n_e, BLOCK_M) tiles; the tiles are numbered expert by expert. Returns the
+    total tile count too, so the caller can exit when pid_m is past it (the grid is an upper bound).
+    """
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_e = offs_e < E
+    # Clamp to [0, R] so that malformed offsets cannot address memory outside x and y.
+    b_start = tl.load(offsets_ptr + offs_e, mask=mask_e, other=0).to(tl.int32)
+    b_end = tl.load(offsets_ptr + offs_e + 1, mask=mask_e, other=0).to(tl.int32)
+    b_start = tl.minimum(tl.maximum(b_start, 0), R)
+    b_end = tl.maximum(tl.minimum(b_end, R), b_start)
+    b_tiles = (b_end - b_start + BLOCK_M - 1) // BLOCK_M  # [BLOCK_E], 0 for empty segments
+    b_tiles_end = tl.cumsum(b_tiles, axis=0)  # inclusive prefix: tiles of experts <= e
+    num_tiles = tl.sum(b_tiles, axis=0)
+    # Experts whose tiles all come before pid_m; empty experts are counted with their predecessor.
+    expert = tl.sum((b_tiles_end <= pid_m).to(tl.int32), axis=0)
+    sel = offs_e == expert
+    first_tile = tl.sum(tl.where(sel, b_tiles_end - b_tiles, 0), axis=0)
+    seg_start = tl.sum(tl.where(sel, b_start, 0), axis=0)
+    row_end = tl.sum(tl.where(sel, b_end, 0), axis=0)
+    row_start = seg_start + (pid_m - first_tile) * BLOCK_M
+    return expert, row_start, row_end, num_tiles
+
+
+@triton.jit
+def _grouped_gemm_fwd_kernel(
+    # pointers
+    x_ptr,  # [R, K] rows grouped by expert
+    w_ptr,  # [E, N, K] as seen through (stride_wn, stride_wk): w[e, n, k]
+    y_ptr,  # [R, N] output, x's dtype
+    offsets_ptr,  # [E + 1] int32/int64 segment bounds
+    # sizes
+    R, N, K, E,
+    M_BUCKET,  # autotune key only: power-of-two bucket of the mean rows per expert
+    # strides
+    stride_xm, stride_xk,
+    stride_we, stride_wn, stride_wk,
+    stride_ym, stride_yn,
+    # meta-parameters
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,  # next power of two >= E
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks in the main loop
+    INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" (fp32 inputs only)
+    DOT_FP32: tl.constexpr,  # interpreter-only bf16 workaround, see _dot
+):
+    """y[r, n] = sum_k x[r, k] * w[e(r), n, k], one BLOCK_M x BLOCK_N tile per program."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(R, BLOCK_M) + E - 1  # upper bound on sum_e cdiv(n_e, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = _swizzle(pid, num_pid_m, num_pid_n, GROUP_M)
+    expert, row_start, row_end, num_tiles = _segment_tile(offsets_ptr, pid_m, R, E, BLOCK_M, BLOCK_E)
+    if pid_m >= num_tiles:
+        return
+
+    offs_m = row_start + tl.arange(0, BLOCK_M)  # rows of x and y
+    mask_m = offs_m < row_end
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Wrapped column index: weight loads stay in bounds without a mask; the store masks instead.
+    offs_wn = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
+    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
+              + offs_k[:, None] * stride_wk + offs_wn.to(tl.int64)[None, :] * stride_wn)  # [BK, BN]
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            b_x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            b_w = tl.load(w_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            b_x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            b_w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = _dot(b_x, b_w, acc, INPUT_PRECISION, DOT_FP32)
+        x_ptrs += BLOCK_K * stride_xk
+        w_ptrs += BLOCK_K * stride_wk
+
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _gate_up_swiglu_fwd_kernel(
+    # pointers
+    x_ptr,  # [R, D] rows grouped by expert
+    w_ptr,  # [E, 2F, D] gate rows [0, F), up rows [F, 2F)
+    h_ptr,  # [R, F] output: silu(gate) * up
+    gu_ptr,  # [R, 2F] output: the pre-activation, kept for backward
+    offsets_ptr,  # [E + 1] int32/int64 segment bounds
+    # sizes
+    R, F, D, E,
+    M_BUCKET,  # autotune key only
+    # strides
+    stride_xm, stride_xd,
+    stride_we, stride_wf, stride_wd,
+    stride_hm, stride_hf,
+    stride_gm, stride_gf,
+    # meta-parameters (BLOCK_N tiles F, BLOCK_K tiles D)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """gu[:, j] = x @ w[e, j].T, gu[:, F + j] = x @ w[e, F + j].T, h[:, j] = silu(gu[:, j]) * gu[:, F + j]."""
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(R, BLOCK_M) + E - 1
+    num_pid_n = tl.cdiv(F, BLOCK_N)
+    pid_m, pid_n = _swizzle(pid, num_pid_m, num_pid_n, GROUP_M)
+    expert, row_start, row_end, num_tiles = _segment_tile(offsets_ptr, pid_m, R, E, BLOCK_M, BLOCK_E)
+    if pid_m >= num_tiles:
+        return
+
+    offs_m = row_start + tl.arange(0, BLOCK_M)
+    mask_m = offs_m < row_end
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns j of h (and of the gate half of gu)
+    offs_wn = offs_n % F
+    offs_k = tl.arange(0, BLOCK_K)
+
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xd  # [BM, BK]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wd
+    wg_ptrs = w_ptrs + offs_wn.to(tl.int64)[None, :] * stride_wf  # [BK, BN] gate: rows j
+    wu_ptrs = w_ptrs + (offs_wn + F).to(tl.int64)[None, :] * stride_wf  # [BK, BN] up: rows F + j
+
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(D, BLOCK_K)):
+        if EVEN_K:
+            b_x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            b_wg = tl.load(wg_ptrs)
+            b_wu = tl.load(wu_ptrs)
+        else:
+            k_left = D - k * BLOCK_K
+            b_x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            b_wg = tl.load(wg_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            b_wu = tl.load(wu_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc_g = _dot(b_x, b_wg, acc_g, INPUT_PRECISION, DOT_FP32)
+        acc_u = _dot(b_x, b_wu, acc_u, INPUT_PRECISION, DOT_FP32)
+        x_ptrs += BLOCK_K * stride_xd
+        wg_ptrs += BLOCK_K * stride_wd
+        wu_ptrs += BLOCK_K * stride_wd
+
+    # Epilogue: store gu, then h from the *rounded* gu, so h == swiglu_fwd_ref(gu) bit for bit.
+    out_ty = gu_ptr.dtype.element_ty
+    b_g = acc_g.to(out_ty)
+    b_u = acc_u.to(out_ty)
+    mask_out = mask_m[:, None] & (offs_n[None, :] < F)
+    offs_m64 = offs_m.to(tl.int64)
+    gu_rows = gu_ptr + offs_m64[:, None] * stride_gm
+    tl.store(gu_rows + offs_n[None, :] * stride_gf, b_g, mask=mask_out)
+    tl.store(gu_rows + (offs_n + F)[None, :] * stride_gf, b_u, mask=mask_out)
+    g = b_g.to(tl.float32)
+    b_h = g / (1.0 + tl.exp(-g)) * b_u.to(tl.float32)
+    h_ptrs = h_ptr + offs_m64[:, None] * stride_hm + offs_n[None, :] * stride_hf
+    tl.store(h_ptrs, b_h.to(h_ptr.dtype.element_ty), mask=mask_out)
+
+
+@triton.jit
+def _grouped_gemm_dw_kernel(
+    # pointers
+    dy_ptr,  # [R, N] output gradient, rows grouped by expert
+    x_ptr,  # [R, K] forward input
+    dw_ptr,  # [E, N, K] output: dw[e] = dy_seg.T @ x_seg, x's dtype
+    offsets_ptr,  # [E + 1] int32/int64 segment bounds
+    # sizes
+    R, N, K, E,
+    M_BUCKET,  # autotune key only
+    # strides
+    stride_dym, stride_dyn,
+    stride_xm, stride_xk,
+    stride_dwe, stride_dwn, stride_dwk,
+    # meta-parameters: the output tile is BLOCK_N x BLOCK_K; BLOCK_M rows are reduced per step
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """dw[e, n, k] = sum over rows r of segment e of dy[r, n] * x[r, k]; zeros for an empty segment."""
+    pid = tl.program_id(0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    num_pid_k = tl.cdiv(K, BLOCK_K)
+    tiles_per_expert = num_pid_n * num_pid_k
+    expert = pid // tiles_per_expert  # experts outermost: one expert's rows stay hot in L2
+    pid_n, pid_k = _swizzle(pid % tiles_per_expert, num_pid_n, num_pid_k, GROUP_M)
+
+    row_start = tl.load(offsets_ptr + expert).to(tl.int32)
+    row_end = tl.load(offsets_ptr + expert + 1).to(tl.int32)
+    row_start = tl.minimum(tl.maximum(row_start, 0), R)
+    row_end = tl.maximum(tl.minimum(row_end, R), row_start)
+
+    offs_m = tl.arange(0, BLOCK_M)  # reduction rows, relative to the current step
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_yn = offs_n % N  # wrapped: loads in bounds without masks, the store masks
+    offs_xk = offs_k % K
+
+    rows = (row_start + offs_m).to(tl.int64)
+    dy_ptrs = dy_ptr + rows[None, :] * stride_dym + offs_yn[:, None] * stride_dyn  # [BN, BM] = dy_seg.T
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_xk[None, :] * stride_xk  # [BM, BK]
+
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for m in range(0, tl.cdiv(row_end - row_start, BLOCK_M)):
+        mask_m = offs_m < row_end - row_start - m * BLOCK_M
+        b_dyt = tl.load(dy_ptrs, mask=mask_m[None, :], other=0.0)
+        b_x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+        acc = _dot(b_dyt, b_x, acc, INPUT_PRECISION, DOT_FP32)
+        dy_ptrs += BLOCK_M * stride_dym
+        x_ptrs += BLOCK_M * stride_xm
+
+    dw_ptrs = (dw_ptr + expert.to(tl.int64) * stride_dwe
+               + offs_n.to(tl.int64)[:, None] * stride_dwn + offs_k[None, :] * stride_dwk)
+    mask_out = (offs_n[:, None] < N) & (offs_k[None, :] < K)
+    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=mask_out)
+
+
+@triton.jit
+def _swiglu_fwd_kernel(
+    # pointers
+    gu_ptr,  # [R, 2F] gate columns [0, F), up columns [F, 2F)
+    h_ptr,  # [R, F] output
+    # sizes
+    R, F,
+    # strides
+    stride_gm, stride_gf,
+    stride_hm, stride_hf,
+    # meta-parameters
+    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    """h = silu(gate) * up in fp32, stored in h's dtype."""
+    pid_r = tl.program_id(0)
+    pid_f = tl.program_id(1)
+    offs_r = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = (offs_r[:, None] < R) & (offs_f[None, :] < F)
+    gu_rows = gu_ptr + offs_r[:, None] * stride_gm
+    g = tl.load(gu_rows + offs_f[None, :] * stride_gf, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_rows + (offs_f + F)[None, :] * stride_gf, mask=mask, other=0.0).to(tl.float32)
+    b_h = g / (1.0 + tl.exp(-g)) * u
+    h_ptrs = h_ptr + offs_r[:, None] * stride_hm + offs_f[None, :] * stride_hf
+    tl.store(h_ptrs, b_h.to(h_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(
+    # pointers
+    gu_ptr,  # [R, 2F] forward pre-activation
+    dh_ptr,  # [R, F] gradient of h
+    dgu_ptr,  # [R, 2F] output: gradient of gu
+    # sizes
+    R, F,
+    # strides
+    stride_gm, stride_gf,
+    stride_dhm, stride_dhf,
+    stride_dgm, stride_dgf,
+    # meta-parameters
+    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+):
+    """dgate = dh * u * s * (1 + g * (1 - s)), dup = dh * g * s with s = sigmoid(g), in fp32."""
+    pid_r = tl.program_id(0)
+    pid_f = tl.program_id(1)
+    offs_r = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
+    mask = (offs_r[:, None] < R) & (offs_f[None, :] < F)
+    gu_rows = gu_ptr + offs_r[:, None] * stride_gm
+    g = tl.load(gu_rows + offs_f[None, :] * stride_gf, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_rows + (offs_f + F)[None, :] * stride_gf, mask=mask, other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + offs_r[:, None] * stride_dhm + offs_f[None, :] * stride_dhf,
+                 mask=mask, other=0.0).to(tl.float32)
+    s = 1.0 / (1.0 + tl.exp(-g))
+    dg = dh * u * s * (1.0 + g * (1.0 - s))
+    du = dh * g * s
+    out_ty = dgu_ptr.dtype.element_ty
+    dgu_rows = dgu_ptr + offs_r[:, None] * stride_dgm
+    tl.store(dgu_rows + offs_f[None, :] * stride_dgf, dg.to(out_ty), mask=mask)
+    tl.store(dgu_rows + (offs_f + F)[None, :] * stride_dgf, du.to(out_ty), mask=mask)
+
+
+def _even_k(args) -> bool:
+    return args["K" if "K" in args else "D"] % args["BLOCK_K"] == 0
+
+
+_FWD = triton.heuristics({"EVEN_K": _even_k})(_grouped_gemm_fwd_kernel)
+_GATE_UP = triton.heuristics({"EVEN_K": _even_k})(_gate_up_swiglu_fwd_kernel)
+
+
+# ================================================================================================
+# Configs: the CUDA search space, its pruning predicate, the pinned and interpreter configs
+# ================================================================================================
+# How each op names its tile: (output rows, output cols, reduction step) -> kernel meta-parameters.
+_TILE_NAMES = {
+    "fwd": ("BLOCK_M", "BLOCK_N", "BLOCK_K"),
+    "dx": ("BLOCK_M", "BLOCK_N", "BLOCK_K"),
+    "gate_up": ("BLOCK_M", "BLOCK_N", "BLOCK_K"),
+    "dw": ("BLOCK_N", "BLOCK_K", "BLOCK_M"),
+}
+# fp32 accumulators per program: the fused gate/up kernel holds two.
+_NUM_ACC = {"fwd": 1, "dx": 1, "gate_up": 2, "dw": 1}
+
+
+def _make_config(op: str, rows: int, cols: int, red: int, num_warps: int, num_stages: int) -> triton.Config:
+    names = _TILE_NAMES[op]
+    meta = {names[0]: rows, names[1]: cols, names[2]: red, "GROUP_M": _GROUP_M}
+    return triton.Config(meta, num_warps=num_warps, num_stages=num_stages)
+
+
+def _tile_of(op: str, cfg: triton.Config) -> Tuple[int, int, int]:
+    names = _TILE_NAMES[op]
+    return tuple(cfg.kwargs[n] for n in names)
+
+
+# Candidate (tile rows, tile cols, num_warps) for the CUDA autotuner, largest first.
+_TILES = (
+    (128, 256, 8),  # the Hopper sweet spot for long segments and wide outputs
+    (256, 128, 8),  # the same area, favouring long segments
+    (128, 128, 8),
+    (128, 128, 4),
+    (128, 64, 4),  # narrow outputs
+    (64, 128, 4),  # short segments (skewed routing, small chunks)
+    (64, 64, 4),  # tiny problems
+)
+
+
+def _gemm_configs(op: str) -> list:
+    """The CUDA search space of one op: :data:`_TILES` x reduction steps of 32 or 64 (128 bytes of
+    fp32 or of bf16/fp16) x 3 or 4 pipeline stages, kept when the fp32 accumulators fit in
+    registers. :func:`_prune_configs` narrows it per problem and dtype (at most 14 survive)."""
+    configs = []
+    for rows, cols, num_warps in _TILES:
+        for red in (32, 64):
+            for num_stages in (3, 4):
+                cfg = _make_config(op, rows, cols, red, num_warps, num_stages)
+                if _acc_regs(op, cfg) <= 128:
+                    configs.append(cfg)
+    return configs
+
+
+def _acc_regs(op: str, cfg: triton.Config) -> int:
+    """fp32 accumulator registers per thread (beyond ~128 the kernel spills)."""
+    rows, cols, _ = _tile_of(op, cfg)
+    return rows * cols * _NUM_ACC[op] // (32 * cfg.num_warps)
+
+
+def _config_fits(op: str, cfg: triton.Config, *, elt_bytes: int, smem_bytes: int) -> bool:
+    """Predicate for one element size: each reduction step loads 128 bytes per operand row (one
+    swizzled shared-memory line: BK=64 for bf16/fp16, 32 for fp32), and the pipelined operand
+    stages fit in the shared memory of one block."""
+    rows, cols, red = _tile_of(op, cfg)
+    if red * elt_bytes != 128:
+        return False
+    stage_bytes = (rows * red + _NUM_ACC[op] * red * cols) * elt_bytes
+    return stage_bytes * cfg.num_stages <= smem_bytes
+
+
+def _smem_bytes(device: torch.device) -> int:
+    """Opt-in shared memory per block (227 KiB on H100/H200; also assumed off CUDA)."""
+    if device.type != "cuda":
+        return 227 * 1024
+    return _cuda_smem_bytes(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_smem_bytes(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 227 * 1024))
+
+
+def _prune_configs(op: str):
+    """The autotuner's early_config_prune for one op: :func:`_config_fits` for the input's element
+    size and the device's shared memory, and no tile much larger than the problem (tile rows
+    against the mean rows per expert, tile columns against the output width)."""
+
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        x = args["x_ptr"]
+        smem = _smem_bytes(x.device)
+        if op == "dw":
+            out_rows, out_cols = args["N"], args["K"]
+        elif op == "gate_up":
+            out_rows, out_cols = args["M_BUCKET"], args["F"]
+        else:
+            out_rows, out_cols = args["M_BUCKET"], args["N"]
+        max_rows = max(64, triton.next_power_of_2(out_rows))
+        max_cols = max(64, triton.next_power_of_2(out_cols))
+        kept = [
+            cfg for cfg in configs
+            if _config_fits(op, cfg, elt_bytes=x.element_size(), smem_bytes=smem)
+            and _tile_of(op, cfg)[0] <= max_rows and _tile_of(op, cfg)[1] <= max_cols
+        ]
+        # Never return nothing: the smallest tile with the right reduction step always compiles.
+        if not kept:
+            red = 128 // x.element_size()
+            kept = [_make_config(op, 64, 64, red, 4, 3)]
+        return kept
+
+    return prune
+
+
+def _parse_config(text: str, var: str) -> Tuple[int, int, int, int, int]:
+    try:
+        vals = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) != 5:
+        raise ValueError(f"{var} must be 'BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages' (5 integers), got {text!r}")
+    *blocks, num_warps, num_stages = vals
+    if any(b < 16 or b & (b - 1) for b in blocks):
+        raise ValueError(f"{var}: block sizes must be powers of two >= 16, got {text!r}")
+    if num_warps not in (1, 2, 4, 8, 16) or num_stages < 1:
+        raise ValueError(f"{var}: num_warps must be a power of two <= 16 and num_stages >= 1, got {text!r}")
+    return vals
+
+
+def _pinned_config(op: str) -> Optional[Tuple[int, int, int, int, int]]:
+    """The config pinned by the environment for ``op`` (op-specific variable first), or None."""
+    for var in (f"{CONFIG_ENV}_{op.upper()}", CONFIG_ENV):
+        text = os.environ.get(var)
+        if text:
+            return _parse_config(text, var)
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _autotuned(op: str):
+    kernel = {"fwd": _FWD, "dx": _FWD, "gate_up": _GATE_UP, "dw": _grouped_gemm_dw_kernel}[op]
+    keys = {"gate_up": ["F", "D", "E", "M_BUCKET"]}.get(op, ["N", "K", "E", "M_BUCKET"])
+    # One autotuner per op (fwd and dx share a kernel but not a cache: their strides differ).
+    return triton.autotune(configs=_gemm_configs(op), key=keys,
+                           prune_configs_by={"early_config_prune": _prune_configs(op)})(kernel)
+
+
+_LAST_CONFIG: dict = {}  # op -> the config of its latest launch, for selected_config()
+
+
+def _launch_gemm(op: str, grid, args: tuple, device: torch.device, **const) -> None:
+    """Launch ``op`` with the pinned config, the interpreter config, or the CUDA autotuner."""
+    kernel = {"fwd": _FWD, "dx": _FWD, "gate_up": _GATE_UP, "dw": _grouped_gemm_dw_kernel}[op]
+    pinned = _pinned_config(op)
+    if pinned is None and (device.type != "cuda" or _INTERPRET):
+        pinned = _INTERPRETER_CONFIG
+    if pinned is not None:
+        cfg = _make_config(op, *pinned)
+        kernel[grid](*args, **const, **cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    else:
+        tuner = _autotuned(op)
+        tuner[grid](*args, **const)
+        cfg = tuner.best_config
+    _LAST_CONFIG[op] = (*_tile_of(op, cfg), cfg.num_warps, cfg.num_stages)
+
+
+def selected_config(op: str) -> Optional[str]:
+    """The config of ``op``'s latest launch ("fwd", "dx", "gate_up" or "dw") in the
+    ``LANCET_GEMM_CONFIG`` format (output tile rows, cols, reduction step, warps, stages), so a
+    tuned config can be recorded and pinned; None before the first launch."""
+    if op not in _TILE_NAMES:
+        raise ValueError(f"op must be one of {sorted(_TILE_NAMES)}, got {op!r}")
+    cfg = _LAST_CONFIG.get(op)
+    return None if cfg is None else ",".join(map(str, cfg))
+
+
+# ================================================================================================
+# Validation helpers
+# ================================================================================================
+def _check_float(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
+
+
+def _check_ndim(name: str, t: torch.Tensor, ndim: int, letters: str) -> None:
+    if t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D [{', '.join(letters)}], got shape {tuple(t.shape)}")
+
+
+def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device} like the other inputs, got {t.device}")
+    if device.type != "cuda" and not _INTERPRET:
+        raise ValueError(f"{name} is on {device}: the Triton kernels need CUDA tensors "
+                         f"(or TRITON_INTERPRET=1 set before kernels are imported)")
+
+
+def _check_same_dtype(name: str, t: torch.Tensor, dtype: torch.dtype, other: str) -> None:
+    if t.dtype != dtype:
+        raise TypeError(f"{name} must have the dtype of {other} ({dtype}), got {t.dtype}")
+
+
+def _check_offsets(offsets: torch.Tensor, E: int, R: int, device: torch.device) -> None:
+    if not isinstance(offsets, torch.Tensor):
+        raise TypeError(f"offsets_E1 must be a torch.Tensor, got {type(offsets).__name__}")
+    if offsets.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"offsets_E1 must be int32 or int64, got {offsets.dtype}")
+    if offsets.shape != (E + 1,):
+        raise ValueError(f"offsets_E1 must have shape [E + 1] = [{E + 1}], got {tuple(offsets.shape)}")
+    if E == 0 and R > 0:
+        raise ValueError(f"no experts (E = 0) but {R} rows")
+    _check_device("offsets_E1", offsets, device)
+
+
+def _check_out(out, shape: tuple, dtype: torch.dtype, device: torch.device, name: str = "out") -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=dtype, device=device)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
+        raise ValueError(f"{name} must be a {dtype} tensor of shape {list(shape)} on {device}, "
+                         f"got {out.dtype} {list(out.shape)} on {out.device}")
+    return out
+
+
+def _m_bucket(R: int, E: int) -> int:
+    """Autotune key from the row count: a power of two of the mean rows per expert, in [16, 4096]."""
+    return min(4096, max(16, triton.next_power_of_2(max(1, -(-R // max(E, 1))))))
+
+
+def _dot_meta(dtype: torch.dtype, allow_tf32: bool) -> dict:
+    """The dot constexprs: TF32 only when asked for fp32 inputs; fp32 operands for bf16 when interpreted."""
+    return dict(INPUT_PRECISION="tf32" if (allow_tf32 and dtype == torch.float32) else "ieee",
+                DOT_FP32=_INTERPRET and dtype == torch.bfloat16)
+
+
+# ================================================================================================
+# Launchers
+# ================================================================================================
+def _grouped_mm(op: str, x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor,
+                out: Optional[torch.Tensor], allow_tf32: bool) -> torch.Tensor:
+    """y[r] = x[r] @ w[e].T over segments; w is any [E, N, K] view (dx passes w[e].T)."""
+    R, K = x_RK.shape
+    E, N, _ = w_ENK.shape
+    y = _check_out(out, (R, N), x_RK.dtype, x_RK.device)
+    if R == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.zero_()
+    grid = lambda META: ((triton.cdiv(R, META["BLOCK_M"]) + E - 1) * triton.cdiv(N, META["BLOCK_N"]),)  # noqa: E731
+    args = (x_RK, w_ENK, y, offsets_E1, R, N, K, E, _m_bucket(R, E),
+            x_RK.stride(0), x_RK.stride(1),
+            w_ENK.stride(0), w_ENK.stride(1), w_ENK.stride(2),
+            y.stride(0), y.stride(1))
+    _launch_gemm(op, grid, args, x_RK.device, BLOCK_E=max(16, triton.next_power_of_2(E)),
+                 **_dot_meta(x_RK.dtype, allow_tf32))
+    return y
+
+
+def grouped_mm(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor, *,
+               out: Optional[torch.Tensor] = None, allow_tf32: bool = False) -> torch.Tensor:
+    """y[r] = x[r] @ w[e].T for the rows r of segment e = offsets[e]:offsets[e+1]; one launch.
+
+    Args:
+        x_RK: [R, K] bf16/fp16/fp32 rows grouped by local expert (any strides).
+        w_ENK: [E, N, K] weights, x's dtype (the Hugging Face layout: out features first).
+        offsets_E1: int32/int64 [E + 1] segment bounds on x's device, offsets[0] = 0,
+            offsets[E] = R, non-decreasing (not checked: that would synchronise).
+        out: optional [R, N] output buffer in x's dtype.
+        allow_tf32: fp32 inputs only: use TF32 tensor cores (about 1e-3 relative error).
+
+    Returns:
+        y_RN [R, N] in x's dtype.
+    """
+    _check_float("x_RK", x_RK)
+    _check_float("w_ENK", w_ENK)
+    _check_ndim("x_RK", x_RK, 2, "RK")
+    _check_ndim("w_ENK", w_ENK, 3, "ENK")
+    _check_same_dtype("w_ENK", w_ENK, x_RK.dtype, "x_RK")
+    _check_device("x_RK", x_RK, x_RK.device)
+    _check_device("w_ENK", w_ENK, x_RK.device)
+    if w_ENK.shape[2] != x_RK.shape[1]:
+        raise ValueError(f"w_ENK must be [E, N, K] with K = x_RK.shape[1] = {x_RK.shape[1]}, "
+                         f"got shape {tuple(w_ENK.shape)}")
+    _check_offsets(offsets_E1, w_ENK.shape[0], x_RK.shape[0], x_RK.device)
+    return _grouped_mm("fwd", x_RK, w_ENK, offsets_E1, out, allow_tf32)
+
+
+def grouped_mm_dx(dy_RN: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor, *,
+                  out: Optional[torch.Tensor] = None, allow_tf32: bool = False) -> torch.Tensor:
+    """dx[r] = dy[r] @ w[e] for the rows of segment e: the input gradient of :func:`grouped_mm`.
+
+    Args:
+        dy_RN: [R, N] output gradient, rows grouped by expert.
+        w_ENK: [E, N, K] forward weights, dy's dtype.
+        offsets_E1: int32/int64 [E + 1] segment bounds (as in :func:`grouped_mm`).
+        out: optional [R, K] output buffer in dy's dtype.
+        allow_tf32: fp32 inputs only: use TF32 tensor cores.
+
+    Returns:
+        dx_RK [R, K] in dy's dtype.
+    """
+    _check_float("dy_RN", dy_RN)
+    _check_float("w_ENK", w_ENK)
+    _check_ndim("dy_RN", dy_RN, 2, "RN")
+    _check_ndim("w_ENK", w_ENK, 3, "ENK")
+    _check_same_dtype("w_ENK", w_ENK, dy_RN.dtype, "dy_RN")
+    _check_device("dy_RN", dy_RN, dy_RN.device)
+    _check_device("w_ENK", w_ENK, dy_RN.device)
+    if w_ENK.shape[1] != dy_RN.shape[1]:
+        raise ValueError(f"w_ENK must be [E, N, K] with N = dy_RN.shape[1] = {dy_RN.shape[1]}, "
+                         f"got shape {tuple(w_ENK.shape)}")
+    _check_offsets(offsets_E1, w_ENK.shape[0], dy_RN.shape[0], dy_RN.device)
+    # dx = dy @ w[e] is the forward kernel on the [E, K, N] view w[e].T: only the strides change.
+    return _grouped_mm("dx", dy_RN, w_ENK.transpose(1, 2), offsets_E1, out, allow_tf32)
+
+
+def grouped_mm_dw(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets_E1: torch.Tensor, *,
+                  out: Optional[torch.Tensor] = None, allow_tf32: bool = False) -> torch.Tensor:
+    """dw[e] = dy_seg.T @ x_seg over segment e, zeros for an empty segment: the weight gradient.
+
+    Args:
+        dy_RN: [R, N] output gradient, rows grouped by expert.
+        x_RK: [R, K] forward input, dy's dtype.
+        offsets_E1: int32/int64 [E + 1] segment bounds; E is taken from its length.
+        out: optional [E, N, K] output buffer in x's dtype (every element is written).
+        allow_tf32: fp32 inputs only: use TF32 tensor cores.
+
+    Returns:
+        dw_ENK [E, N, K] in x's dtype.
+    """
+    _check_float("dy_RN", dy_RN)
+    _check_float("x_RK", x_RK)
+    _check_ndim("dy_RN", dy_RN, 2, "RN")
+    _check_ndim("x_RK", x_RK, 2, "RK")
+    _check_same_dtype("dy_RN", dy_RN, x_RK.dtype, "x_RK")
+    _check_device("x_RK", x_RK, x_RK.device)
+    _check_device("dy_RN", dy_RN, x_RK.device)
+    if dy_RN.shape[0] != x_RK.shape[0]:
+        raise ValueError(f"dy_RN must have R = x_RK.shape[0] = {x_RK.shape[0]} rows, got {dy_RN.shape[0]}")
+    if not isinstance(offsets_E1, torch.Tensor) or offsets_E1.dim() != 1 or offsets_E1.shape[0] < 1:
+        raise ValueError("offsets_E1 must be a 1-D tensor of E + 1 >= 1 segment bounds")
+    E = offsets_E1.shape[0] - 1
+    R, K = x_RK.shape
+    N = dy_RN.shape[1]
+    _check_offsets(offsets_E1, E, R, x_RK.device)
+    dw = _check_out(out, (E, N, K), x_RK.dtype, x_RK.device)
+    if E == 0 or N == 0 or K == 0:
+        return dw
+    grid = lambda META: (E * triton.cdiv(N, META["BLOCK_N"]) * triton.cdiv(K, META["BLOCK_K"]),)  # noqa: E731
+    args = (dy_RN, x_RK, dw, offsets_E1, R, N, K, E, _m_bucket(R, E),
+            dy_RN.stride(0), dy_RN.stride(1),
+            x_RK.stride(0), x_RK.stride(1),
+            dw.stride(0), dw.stride(1), dw.stride(2))
+    _launch_gemm("dw", grid, args, x_RK.device, **_dot_meta(x_RK.dtype, allow_tf32))
+    return dw
+
+
+def gate_up_swiglu(x_RD: torch.Tensor, w_E2FD: torch.Tensor, offsets_E1: torch.Tensor, *,
+                   out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                   allow_tf32: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The expert input projection with SwiGLU fused into its epilogue.
+
+    Args:
+        x_RD: [R, D] rows grouped by local expert.
+        w_E2FD: [E, 2F, D] ``experts.gate_up_proj`` (gate rows first), x's dtype.
+        offsets_E1: int32/int64 [E + 1] segment bounds (as in :func:`grouped_mm`).
+        out: optional (h [R, F], gu [R, 2F]) output buffers in x's dtype.
+        allow_tf32: fp32 inputs only: use TF32 tensor cores.
+
+    Returns:
+        (h_RF, gu_R2F): h = silu(gu[:, :F]) * gu[:, F:], and gu = grouped_mm(x, w) kept for backward.
+    """
+    _check_float("x_RD", x_RD)
+    _check_float("w_E2FD", w_E2FD)
+    _check_ndim("x_RD", x_RD, 2, "RD")
+    _check_ndim("w_E2FD", w_E2FD, 3, ("E", "2F", "D"))
+    _check_same_dtype("w_E2FD", w_E2FD, x_RD.dtype, "x_RD")
+    _check_device("x_RD", x_RD, x_RD.device)
+    _check_device("w_E2FD", w_E2FD, x_RD.device)
+    E, F2, D = w_E2FD.shape
+    R = x_RD.shape[0]
+    if D != x_RD.shape[1] or F2 % 2:
+        raise ValueError(f"w_E2FD must be [E, 2F, D] with D = x_RD.shape[1] = {x_RD.shape[1]} and an even "
+                         f"second dim, got shape {tuple(w_E2FD.shape)}")
+    _check_offsets(offsets_E1, E, R, x_RD.device)
+    F = F2 // 2
+    if out is None:
+        out = (None, None)
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError("out must be None or a pair (h_RF, gu_R2F)")
+    h = _check_out(out[0], (R, F), x_RD.dtype, x_RD.device, "out[0] (h_RF)")
+    gu = _check_out(out[1], (R, F2), x_RD.dtype, x_RD.device, "out[1] (gu_R2F)")
+    if R == 0 or F == 0:
+        return h, gu
+    if D == 0:
+        return h.zero_(), gu.zero_()
+    grid = lambda META: ((triton.cdiv(R, META["BLOCK_M"]) + E - 1) * triton.cdiv(F, META["BLOCK_N"]),)  # noqa: E731
+    args = (x_RD, w_E2FD, h, gu, offsets_E1, R, F, D, E, _m_bucket(R, E),
+            x_RD.stride(0), x_RD.stride(1),
+            w_E2FD.stride(0), w_E2FD.stride(1), w_E2FD.stride(2),
+            h.stride(0), h.stride(1),
+            gu.stride(0), gu.stride(1))
+    _launch_gemm("gate_up", grid, args, x_RD.device, BLOCK_E=max(16, triton.next_power_of_2(E)),
+                 **_dot_meta(x_RD.dtype, allow_tf32))
+    return h, gu
+
+
+def _swiglu_blocks(F: int, device: torch.device) -> Tuple[int, int, int]:
+    """(BLOCK_R, BLOCK_F, num_warps): 4096 elements per program on CUDA, small tiles when interpreted."""
+    if device.type != "cuda" or _INTERPRET:
+        block_f = min(64, triton.next_power_of_2(max(F, 1)))
+        return 16, block_f, 4
+    block_f = min(1024, triton.next_power_of_2(max(F, 1)))
+    return max(1, 4096 // block_f), block_f, 4
+
+
+def _check_gu(gu_R2F: torch.Tensor) -> None:
+    _check_float("gu_R2F", gu_R2F)
+    _check_ndim("gu_R2F", gu_R2F, 2, ("R", "2F"))
+    _check_device("gu_R2F", gu_R2F, gu_R2F.device)
+    if gu_R2F.shape[1] % 2:
+        raise ValueError(f"gu_R2F must have an even number of columns [R, 2F], got shape {tuple(gu_R2F.shape)}")
+
+
+def swiglu_fwd(gu_R2F: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """h = silu(gate) * up with gate = gu[:, :F], up = gu[:, F:], computed in fp32.
+
+    Args:
+        gu_R2F: [R, 2F] pre-activation (bf16/fp16/fp32, any strides).
+        out: optional [R, F] output buffer in gu's dtype.
+
+    Returns:
+        h_RF [R, F] in gu's dtype.
+    """
+    _check_gu(gu_R2F)
+    R, F = gu_R2F.shape[0], gu_R2F.shape[1] // 2
+    h = _check_out(out, (R, F), gu_R2F.dtype, gu_R2F.device)
+    if R == 0 or F == 0:
+        return h
+    block_r, block_f, num_warps = _swiglu_blocks(F, gu_R2F.device)
+    grid = (triton.cdiv(R, block_r), triton.cdiv(F, block_f))
+    _swiglu_fwd_kernel[grid](
+        gu_R2F, h, R, F,
+        gu_R2F.stride(0), gu_R2F.stride(1), h.stride(0), h.stride(1),
+        BLOCK_R=block_r, BLOCK_F=block_f, num_warps=num_warps,
+    )
+    return h
+
+
+def swiglu_bwd(gu_R2F: torch.Tensor, grad_h_RF: torch.Tensor, *,
+               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Gradient of :func:`swiglu_fwd` with respect to gu, computed in fp32.
+
+    Args:
+        gu_R2F: [R, 2F] forward pre-activation.
+        grad_h_RF: [R, F] gradient of h, gu's dtype.
+        out: optional [R, 2F] output buffer in gu's dtype.
+
+    Returns:
+        grad_gu_R2F [R, 2F] in gu's dtype: [dgate, dup].
+    """
+    _check_gu(gu_R2F)
+    _check_float("grad_h_RF", grad_h_RF)
+    _check_ndim("grad_h_RF", grad_h_RF, 2, "RF")
+    _check_same_dtype("grad_h_RF", grad_h_RF, gu_R2F.dtype, "gu_R2F")
+    _check_device("grad_h_RF", grad_h_RF, gu_R2F.device)
+    R, F = gu_R2F.shape[0], gu_R2F.shape[1] // 2
+    if tuple(grad_h_RF.shape) != (R, F):
+        raise ValueError(f"grad_h_RF must have shape [R, F] = [{R}, {F}], got {tuple(grad_h_RF.shape)}")
+    dgu = _check_out(out, (R, 2 * F), gu_R2F.dtype, gu_R2F.device)
+    if R == 0 or F == 0:
+        return dgu
+    block_r, block_f, num_warps = _swiglu_blocks(F, gu_R2F.device)
+    grid = (triton.cdiv(R, block_r), triton.cdiv(F, block_f))
+    _swiglu_bwd_kernel[grid](
+        gu_R2F, grad_h_RF, dgu, R, F,
+        gu_R2F.stride(0), gu_R2F.stride(1),
+        grad_h_RF.stride(0), grad_h_RF.stride(1),
+        dgu.stride(0), dgu.stride(1),
+        BLOCK_R=block_r, BLOCK_F=block_f, num_warps=num_warps,
+    )
+    return dgu
+
+
+__all__ = ["grouped_mm", "grouped_mm_dx", "grouped_mm_dw", "gate_up_swiglu", "swiglu_fwd", "swiglu_bwd",
+           "selected_config", "CONFIG_ENV"]

@@ -1,0 +1,447 @@
+"""Permute (dispatch layout) and unpermute (weighted combine) of token rows, in Triton.
+
+Semantics are those of :func:`kernels.reference.permute_fwd_ref`, ``permute_bwd_ref``,
+``unpermute_fwd_ref`` and ``unpermute_bwd_ref``; the launchers here have the same signatures (plus
+an optional keyword-only ``out=``) and return the same types.
+
+``row_TK[t, k]`` is the dispatch row of assignment ``(t, k)`` (-1 when dropped); the kept rows are a
+bijection onto ``range(S)`` (:func:`kernels.gating.dispatch_rows`). Every kernel is driven by
+``row_TK`` from the token side, so no kernel needs atomics and every result is deterministic:
+
+* ``permute_fwd``: a program loads a ``[BLOCK_T, BLOCK_D]`` tile of tokens once and writes it to
+  the K rows it feeds. Each dispatch row has exactly one writer (bijection), so this scatter of
+  copies is race-free, and it reads every token once instead of K times as a gather through
+  ``src_S`` would. ``src_S[row] = t * K + k`` is written on the way.
+* ``permute_bwd`` / ``unpermute_fwd`` (one kernel, ``HAS_WEIGHT`` off / on): a gather-reduce,
+  ``out[t] = sum_k w[t, k] * rows[row_TK[t, k]]`` over the kept k, in k order, in float32, so
+  there is no scatter-add and no atomics.
+* ``unpermute_bwd``: a program owns ``BLOCK_T`` tokens and walks D; per k it gathers the row of
+  ``y_SD`` for the weight gradient (a float32 dot over D, owned by this program, so no cross-program
+  reduction) and writes ``w * grad_y`` to that row of ``grad_y_SD`` (again a single writer). The
+  token's ``grad_y`` tile is re-read per k from L1/L2, not from DRAM. ``src_S`` is accepted for
+  signature parity with the reference but not needed.
+
+All four are memory-bound. Bytes moved, with ``b`` the element size of x / y, ``S`` kept rows,
+``N = T * K`` assignments (indices int32, weights float32):
+
+  permute_fwd    ``T*D*b`` (read x) + ``S*D*b`` (write x_SD) + ``N*4`` (row) + ``S*4`` (src)
+  permute_bwd    ``S*D*b`` (read) + ``T*D*b`` (write) + ``N*4``
+  unpermute_fwd  ``S*D*b`` (read) + ``T*D*b`` (write) + ``N*(4 + 4)``
+  unpermute_bwd  ``T*D*b`` (grad_y) + ``S*D*b`` (y) + ``S*D*b`` (write grad_y_SD) + ``N*(4 + 4 + 4)``
+
+Offsets are int64 (``S * D`` passes 2^31 at T=64K, K=8, D=4096). Tiles are ``[BLOCK_T, BLOCK_D]``
+with D split across programs (except ``unpermute_bwd``, whose dot needs the whole row); the
+config space is pruned on D to 8..16 elements per thread (16-byte vectors for 16-bit types),
+autotuned on CUDA keyed on (D, K) and the dtypes, and pinned by ``LANCET_PERMUTE_FWD_CONFIG``,
+``LANCET_UNPERMUTE_FWD_CONFIG`` (also serves ``permute_bwd``) or ``LANCET_UNPERMUTE_BWD_CONFIG``,
+e.g. ``"BLOCK_T=2,BLOCK_D=1024,num_warps=4"``. Under ``TRITON_INTERPRET=1`` the largest tile
+is used, untimed.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd"]
+
+_INT32_MAX = 2**31 - 1
+_ENV_PERMUTE_FWD_CONFIG = "LANCET_PERMUTE_FWD_CONFIG"
+_ENV_UNPERMUTE_FWD_CONFIG = "LANCET_UNPERMUTE_FWD_CONFIG"
+_ENV_UNPERMUTE_BWD_CONFIG = "LANCET_UNPERMUTE_BWD_CONFIG"
+
+
+# ----------------------------------------------------------------------------------------------
+# Config spaces
+# ----------------------------------------------------------------------------------------------
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _pinned_config(env_var: str) -> Optional[triton.Config]:
+    """The config pinned by ``env_var`` ("NAME=int,...,num_warps=int"), or None."""
+    spec = os.environ.get(env_var, "").strip()
+    if not spec:
+        return None
+    meta, opts = {}, {}
+    for item in spec.split(","):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{env_var}: expected NAME=int items, got {item!r}")
+        (opts if name.strip() in ("num_warps", "num_stages") else meta)[name.strip()] = int(value)
+    return triton.Config(meta, **opts)
+
+
+def _row_tile_configs():
+    return [
+        triton.Config({"BLOCK_T": bt, "BLOCK_D": bd}, num_warps=nw)
+        for bt in (1, 2, 4, 8, 16, 32)
+        for bd in (64, 128, 256, 512, 1024, 2048)
+        for nw in (4, 8)
+    ]
+
+
+def _row_tile_keep(config: triton.Config, D: int) -> bool:
+    """Keep D tiles no wider than the row and no narrower than min(row, 512), at 8..16 elements
+    per thread."""
+    bt, bd = config.kwargs["BLOCK_T"], config.kwargs["BLOCK_D"]
+    d2 = max(triton.next_power_of_2(D), 64)
+    per_thread = bt * bd / (32 * config.num_warps)
+    return min(d2, 512) <= bd <= d2 and 8 <= per_thread <= 16
+
+
+def _row_tile_prune(env_var):
+    def prune(configs, named_args, **kwargs):
+        pinned = _pinned_config(env_var)
+        if pinned is not None:
+            return [pinned]
+        D = named_args["D"]
+        kept = [c for c in configs if _row_tile_keep(c, D)] or [configs[0]]
+        if _interpreting():  # untimed: fewest programs, fewest interpreted ops
+            return [max(kept, key=lambda c: (c.kwargs["BLOCK_T"] * c.kwargs["BLOCK_D"], -c.num_warps))]
+        return kept
+
+    return prune
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------
+@triton.autotune(
+    configs=_row_tile_configs(),
+    key=["D", "K"],
+    prune_configs_by={"early_config_prune": _row_tile_prune(_ENV_PERMUTE_FWD_CONFIG)},
+)
+@triton.jit
+def _permute_fwd_kernel(
+    # Pointers
+    x_ptr,       # [T, D] tokens (strided)
+    row_ptr,     # [T, K] int32 dispatch row of each assignment, -1 when dropped (contiguous)
+    x_out_ptr,   # [S, D] out: rows in dispatch order (contiguous)
+    src_ptr,     # [S] int32 out: flat assignment t * K + k of each row
+    # Sizes
+    T, D, K, S,
+    # Strides
+    stride_xt, stride_xd,
+    # Meta-parameters
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_t = offs_t < T
+    mask_d = offs_d < D
+    offs_t64 = offs_t.to(tl.int64)
+
+    b_x = tl.load(x_ptr + offs_t64[:, None] * stride_xt + offs_d[None, :] * stride_xd,
+                  mask=mask_t[:, None] & mask_d[None, :])
+    mask_src = tl.full([BLOCK_T], pid_d, tl.int32) == 0   # src_S is written by the first D tile
+    for k in range(K):
+        b_row = tl.load(row_ptr + offs_t64 * K + k, mask=mask_t, other=-1)
+        mask_r = (b_row >= 0) & (b_row < S)
+        tl.store(x_out_ptr + b_row.to(tl.int64)[:, None] * D + offs_d[None, :], b_x,
+                 mask=mask_r[:, None] & mask_d[None, :])
+        tl.store(src_ptr + b_row, offs_t * K + k, mask=mask_r & mask_src)
+
+
+@triton.autotune(
+    configs=_row_tile_configs(),
+    key=["D", "K"],
+    prune_configs_by={"early_config_prune": _row_tile_prune(_ENV_UNPERMUTE_FWD_CONFIG)},
+)
+@triton.jit
+def _unpermute_fwd_kernel(
+    # Pointers
+    y_ptr,       # [S, D] rows in dispatch order (strided)
+    row_ptr,     # [T, K] int32 dispatch row of each assignment, -1 when dropped (contiguous)
+    weight_ptr,  # [T, K] combine weights (strided; read only when HAS_WEIGHT)
+    out_ptr,     # [T, D] out: sum over kept k of weight * row (contiguous)
+    # Sizes
+    T, D, K, S,
+    # Strides
+    stride_ys, stride_yd,
+    stride_wt, stride_wk,
+    # Meta-parameters
+    HAS_WEIGHT: tl.constexpr,   # False: permute_bwd (unit weights)
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    pid_d = tl.program_id(1)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_t = offs_t < T
+    mask_d = offs_d < D
+    offs_t64 = offs_t.to(tl.int64)
+
+    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+    for k in range(K):
+        b_row = tl.load(row_ptr + offs_t64 * K + k, mask=mask_t, other=-1)
+        mask_r = (b_row >= 0) & (b_row < S)
+        b_y = tl.load(y_ptr + b_row.to(tl.int64)[:, None] * stride_ys + offs_d[None, :] * stride_yd,
+                      mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            b_w = tl.load(weight_ptr + offs_t64 * stride_wt + k * stride_wk, mask=mask_r, other=0.0)
+            acc += b_w.to(tl.float32)[:, None] * b_y
+        else:
+            acc += b_y
+    tl.store(out_ptr + offs_t64[:, None] * D + offs_d[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=mask_t[:, None] & mask_d[None, :])
+
+
+@triton.autotune(
+    configs=_row_tile_configs(),
+    key=["D", "K"],
+    prune_configs_by={"early_config_prune": _row_tile_prune(_ENV_UNPERMUTE_BWD_CONFIG)},
+)
+@triton.jit
+def _unpermute_bwd_kernel(
+    # Pointers
+    grad_y_ptr,       # [T, D] gradient of the combined output (strided)
+    y_ptr,            # [S, D] expert outputs in dispatch order (strided)
+    row_ptr,          # [T, K] int32 dispatch row of each assignment, -1 when dropped (contiguous)
+    weight_ptr,       # [T, K] combine weights (strided)
+    grad_y_out_ptr,   # [S, D] out: weight * grad_y, in y's dtype (contiguous)
+    grad_w_out_ptr,   # [T, K] float32 out: <y row, grad_y>, 0 when dropped (contiguous)
+    # Sizes
+    T, D, K, S,
+    # Strides
+    stride_gt, stride_gd,
+    stride_ys, stride_yd,
+    stride_wt, stride_wk,
+    # Meta-parameters
+    BLOCK_T: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid_t = tl.program_id(0)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    mask_t = offs_t < T
+    offs_t64 = offs_t.to(tl.int64)
+
+    for k in range(K):
+        b_row = tl.load(row_ptr + offs_t64 * K + k, mask=mask_t, other=-1)
+        mask_r = (b_row >= 0) & (b_row < S)
+        offs_r64 = b_row.to(tl.int64)
+        b_w = tl.load(weight_ptr + offs_t64 * stride_wt + k * stride_wk, mask=mask_r, other=0.0).to(tl.float32)
+        b_dot = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for d0 in range(0, D, BLOCK_D):
+            offs_d = d0 + tl.arange(0, BLOCK_D)
+            mask_d = offs_d < D
+            b_g = tl.load(grad_y_ptr + offs_t64[:, None] * stride_gt + offs_d[None, :] * stride_gd,
+                          mask=mask_t[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+            b_y = tl.load(y_ptr + offs_r64[:, None] * stride_ys + offs_d[None, :] * stride_yd,
+                          mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+            b_dot += tl.sum(b_y * b_g, axis=1)
+            tl.store(grad_y_out_ptr + offs_r64[:, None] * D + offs_d[None, :],
+                     (b_w[:, None] * b_g).to(grad_y_out_ptr.dtype.element_ty),
+                     mask=mask_r[:, None] & mask_d[None, :])
+        tl.store(grad_w_out_ptr + offs_t64 * K + k, tl.where(mask_r, b_dot, 0.0), mask=mask_t)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------
+_ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_INT_DTYPES = (torch.int32, torch.int64, torch.int16)
+
+
+def _check_tensor(name, t, *, ndim=None, shape=None, dtypes=None, device=None):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def _check_out(name, t, shape, dtype, device):
+    _check_tensor(name, t, shape=shape, dtypes=(dtype,), device=device)
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _check_rows(row_TK: torch.Tensor, device) -> torch.Tensor:
+    _check_tensor("row_TK", row_TK, ndim=2, dtypes=_INT_DTYPES, device=device)
+    if row_TK.numel() > _INT32_MAX:
+        raise ValueError(f"row_TK must have fewer than 2^31 elements, got {row_TK.numel()}")
+    return row_TK.to(torch.int32).contiguous()
+
+
+def _row_grid(T: int, D: int):
+    return lambda meta: (triton.cdiv(T, meta["BLOCK_T"]), max(1, triton.cdiv(D, meta["BLOCK_D"])))
+
+
+def permute_fwd(
+    x_TD: torch.Tensor,
+    row_TK: torch.Tensor,
+    num_rows: int,
+    *,
+    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Copy token rows into the dispatch layout.
+
+    Args:
+        x_TD: [T, D] tokens (float32, bfloat16, float16 or float64; any strides).
+        row_TK: int32 [T, K] destination row of each assignment, -1 when dropped. Kept rows must be
+            a bijection onto ``range(num_rows)``.
+        num_rows: S, the number of kept assignments.
+        out: optional contiguous ``(x_SD, src_S)`` buffers.
+
+    Returns:
+        (x_SD [S, D] in x's dtype, src_S int32 [S]): the rows, and for each row the flat
+        assignment index t * K + k it came from.
+    """
+    _check_tensor("x_TD", x_TD, ndim=2, dtypes=_ROW_DTYPES)
+    dev = x_TD.device
+    row_TK = _check_rows(row_TK, dev)
+    T, D = x_TD.shape
+    K = row_TK.shape[1]
+    if row_TK.shape[0] != T:
+        raise ValueError(f"row_TK must have T={T} rows, got {row_TK.shape[0]}")
+    if isinstance(num_rows, bool) or not isinstance(num_rows, int) or not 0 <= num_rows <= T * K:
+        raise ValueError(f"num_rows must be an int in [0, T*K={T * K}], got {num_rows!r}")
+    S = num_rows
+    if out is None:
+        x_SD = torch.empty(S, D, dtype=x_TD.dtype, device=dev)
+        src_S = torch.empty(S, dtype=torch.int32, device=dev)
+    else:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TypeError("out must be a pair (x_SD, src_S)")
+        x_SD, src_S = out
+        _check_out("out[0] (x_SD)", x_SD, (S, D), x_TD.dtype, dev)
+        _check_out("out[1] (src_S)", src_S, (S,), torch.int32, dev)
+    if S == 0:
+        return x_SD, src_S
+    _permute_fwd_kernel[_row_grid(T, D)](
+        x_TD, row_TK, x_SD, src_S,
+        T, D, K, S,
+        *x_TD.stride(),
+    )
+    return x_SD, src_S
+
+
+def _gather_reduce(y_SD, row_TK, weight_TK, out, out_name):
+    """out[t] = sum over kept k of (weight[t, k] *) y_SD[row_TK[t, k]]: shared by permute_bwd and
+    unpermute_fwd."""
+    dev = y_SD.device
+    S, D = y_SD.shape
+    T, K = row_TK.shape
+    if out is None:
+        out = torch.empty(T, D, dtype=y_SD.dtype, device=dev)
+    else:
+        _check_out(out_name, out, (T, D), y_SD.dtype, dev)
+    if T * D == 0:
+        return out
+    has_weight = weight_TK is not None
+    _unpermute_fwd_kernel[_row_grid(T, D)](
+        y_SD, row_TK, weight_TK if has_weight else y_SD, out,
+        T, D, K, S,
+        *y_SD.stride(), *(weight_TK.stride() if has_weight else (0, 0)),
+        HAS_WEIGHT=has_weight,
+    )
+    return out
+
+
+def permute_bwd(grad_x_SD: torch.Tensor, row_TK: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """grad_x_TD[t] = sum over kept k of grad_x_SD[row_TK[t, k]] (float32 accumulation, k order).
+
+    Args:
+        grad_x_SD: [S, D] gradient of the dispatch rows (any strides).
+        row_TK: int32 [T, K] as given to :func:`permute_fwd`.
+        out: optional contiguous [T, D] buffer in grad_x_SD's dtype.
+
+    Returns:
+        grad_x_TD [T, D] in grad_x_SD's dtype.
+    """
+    _check_tensor("grad_x_SD", grad_x_SD, ndim=2, dtypes=_ROW_DTYPES)
+    row_TK = _check_rows(row_TK, grad_x_SD.device)
+    return _gather_reduce(grad_x_SD, row_TK, None, out, "out")
+
+
+def unpermute_fwd(
+    y_SD: torch.Tensor,
+    row_TK: torch.Tensor,
+    weight_TK: torch.Tensor,
+    *,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """y_TD[t] = sum over kept k (in k order) of weight_TK[t, k] * y_SD[row_TK[t, k]].
+
+    Args:
+        y_SD: [S, D] expert outputs in dispatch order (any strides).
+        row_TK: int32 [T, K] dispatch row of each assignment, -1 when dropped.
+        weight_TK: float [T, K] combine weights (any strides).
+        out: optional contiguous [T, D] buffer in y's dtype.
+
+    Returns:
+        y_TD [T, D] in y's dtype, accumulated in float32.
+    """
+    _check_tensor("y_SD", y_SD, ndim=2, dtypes=_ROW_DTYPES)
+    dev = y_SD.device
+    row_TK = _check_rows(row_TK, dev)
+    _check_tensor("weight_TK", weight_TK, shape=row_TK.shape, dtypes=_ROW_DTYPES, device=dev)
+    return _gather_reduce(y_SD, row_TK, weight_TK, out, "out")
+
+
+def unpermute_bwd(
+    grad_y_TD: torch.Tensor,
+    y_SD: torch.Tensor,
+    row_TK: torch.Tensor,
+    weight_TK: torch.Tensor,
+    src_S: torch.Tensor,
+    *,
+    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`unpermute_fwd`.
+
+    Args:
+        grad_y_TD: [T, D] gradient of the combined output (any strides).
+        y_SD: [S, D] expert outputs in dispatch order (any strides).
+        row_TK: int32 [T, K] dispatch row of each assignment, -1 when dropped.
+        weight_TK: float [T, K] combine weights.
+        src_S: int32 [S] inverse map from :func:`permute_fwd` (checked, not needed: each row's
+            gradient is written from its token).
+        out: optional contiguous ``(grad_y_SD, grad_weight_TK)`` buffers.
+
+    Returns:
+        (grad_y_SD [S, D] in y's dtype, grad_weight_TK float32 [T, K], zero where dropped).
+    """
+    _check_tensor("grad_y_TD", grad_y_TD, ndim=2, dtypes=_ROW_DTYPES)
+    dev = grad_y_TD.device
+    _check_tensor("y_SD", y_SD, ndim=2, dtypes=_ROW_DTYPES, device=dev)
+    row_TK = _check_rows(row_TK, dev)
+    T, D = grad_y_TD.shape
+    S = y_SD.shape[0]
+    K = row_TK.shape[1]
+    if y_SD.shape[1] != D:
+        raise ValueError(f"y_SD must have D={D} columns, got {y_SD.shape[1]}")
+    if row_TK.shape[0] != T:
+        raise ValueError(f"row_TK must have T={T} rows, got {row_TK.shape[0]}")
+    _check_tensor("weight_TK", weight_TK, shape=(T, K), dtypes=_ROW_DTYPES, device=dev)
+    _check_tensor("src_S", src_S, shape=(S,), dtypes=_INT_DTYPES, device=dev)
+    if out is None:
+        grad_y_SD = torch.empty(S, D, dtype=y_SD.dtype, device=dev)
+        grad_w_TK = torch.empty(T, K, dtype=torch.float32, device=dev)
+    else:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TypeError("out must be a pair (grad_y_SD, grad_weight_TK)")
+        grad_y_SD, grad_w_TK = out
+        _check_out("out[0] (grad_y_SD)", grad_y_SD, (S, D), y_SD.dtype, dev)
+        _check_out("out[1] (grad_weight_TK)", grad_w_TK, (T, K), torch.float32, dev)
+    if T * K == 0:
+        return grad_y_SD, grad_w_TK
+    _unpermute_bwd_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_T"]),)](
+        grad_y_TD, y_SD, row_TK, weight_TK, grad_y_SD, grad_w_TK,
+        T, D, K, S,
+        *grad_y_TD.stride(), *y_SD.stride(), *weight_TK.stride(),
+    )
+    return grad_y_SD, grad_w_TK

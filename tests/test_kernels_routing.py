@@ -1,0 +1,535 @@
+"""Routing kernels (kernels/gating.py, kernels/permute.py) against their references (kernels/reference.py).
+
+CPU lane: the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py) on small odd shapes:
+T in {0, 1, 63, 257}, D = 60, E in {2, 7, 8, 64, 256}, K in {1, 2, E}; softmax and sigmoid, with and
+without renormalisation, dropless and dropping capacities, carried used capacity, an expert with no
+tokens, every token on one expert, exact ties; float32, bfloat16 and float16 rows. Outputs AND
+gradients are compared; every output buffer is poisoned before the launch (NaN for floats, a value
+no kernel writes for integers, through the launchers' ``out=``), so an unwritten element fails.
+Integer outputs must match exactly.
+
+Gating logits are drawn *well separated* (distinct ranks 0.05 apart plus jitter): top-k over scores
+is discontinuous, and an exp that differs in the last bit from PyTorch's could otherwise swap two
+near-equal experts. Exact ties are tested on purpose, with integer-valued logits.
+
+Interpreter note: Triton's interpreter converts float32 -> bfloat16 by truncation (the GPU rounds to
+nearest even), so bf16 results may differ from the reference by one bf16 ulp here; the bf16 row of
+the tolerance table covers it.
+
+GPU lane (``-m gpu``): the same checks at real sizes, T = 16384, D = 4096, E in {8, 64, 256},
+K in {1, 2, 8}, bf16 rows.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+from kernels import gating as gating_mod
+from kernels.gating import dispatch_rows, gating_bwd, gating_fwd
+from kernels.permute import permute_bwd, permute_fwd, unpermute_bwd, unpermute_fwd
+from kernels.reference import (
+    GatingOutput,
+    dispatch_rows_ref,
+    gating_bwd_ref,
+    gating_fwd_ref,
+    permute_bwd_ref,
+    permute_fwd_ref,
+    unpermute_bwd_ref,
+    unpermute_fwd_ref,
+)
+from tests.helpers import assert_close, nan_like
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+_INT_POISON = -7777  # no kernel writes this: slots/rows are >= -1, experts and counts >= 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Inputs
+# ----------------------------------------------------------------------------------------------
+@pytest.fixture
+def gen(request) -> torch.Generator:
+    """A generator seeded from the test's id: fresh inputs per test, reproducible per test."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+def _logits(gen, T, E, *, dtype=torch.float32):
+    """Random logits whose values in a row are >= 0.6 * step apart: no near-ties (module docstring)."""
+    step = 0.05 * min(1.0, 64 / E)   # keeps |logits| moderate, so sigmoid scores stay apart in fp32
+    ranks = torch.argsort(torch.rand(T, E, generator=gen), dim=1).float()
+    jitter = torch.rand(T, E, generator=gen) * 0.4
+    shift = torch.randn(T, 1, generator=gen)
+    return (shift + (ranks + jitter) * step).to(DEVICE, dtype)
+
+
+def _poison(t: torch.Tensor) -> torch.Tensor:
+    return nan_like(t) if t.dtype.is_floating_point else torch.full_like(t, _INT_POISON)
+
+
+def _poisoned_gating_out(T, E, K, dtype) -> GatingOutput:
+    shapes = [(T, K), (T, K), (T, K), (E,), (E,), (E,), ()]
+    dtypes = [torch.int32, dtype, torch.int32, torch.int32, torch.int32, dtype, dtype]
+    return GatingOutput(*(_poison(torch.empty(s, dtype=d, device=DEVICE)) for s, d in zip(shapes, dtypes)))
+
+
+def _capacity(T, E, K, factor):
+    return None if factor is None else math.ceil(factor * T * K / E)
+
+
+def _kept_E(expert_TK, slot_TK, E):
+    return torch.bincount(expert_TK[slot_TK >= 0].long(), minlength=E).to(torch.int32)
+
+
+def _assert_gating_equal(name, got: GatingOutput, ref: GatingOutput):
+    for field, a, b in zip(GatingOutput._fields, got, ref):
+        if a.dtype.is_floating_point:
+            assert_close(f"{name}.{field}", a, b, a.dtype)
+        else:
+            assert a.dtype == b.dtype, f"{name}.{field}: dtype {a.dtype} != {b.dtype}"
+            assert torch.equal(a, b), f"{name}.{field}: {(a != b).sum().item()} of {a.numel()} differ"
+
+
+def _routing(gen, T, E, K, capacity_factor):
+    """A realistic row_TK (with drops when capacity_factor is set) from the reference gating."""
+    g = gating_fwd_ref(_logits(gen, T, E), K, capacity=_capacity(T, E, K, capacity_factor))
+    used = torch.zeros(E, dtype=torch.int32, device=DEVICE)
+    kept = _kept_E(g.expert_TK, g.slot_TK, E)
+    row_TK = dispatch_rows_ref(g.expert_TK, g.slot_TK, used, kept)
+    return row_TK, int(kept.sum()), g.weight_TK
+
+
+# ----------------------------------------------------------------------------------------------
+# Gating: forward and backward against the reference
+# ----------------------------------------------------------------------------------------------
+# (T, E, K): single program (T small) and the 3-launch scan path (T = 257, or E = 256), an expert
+# with no tokens (E = 64, T = 63), K = E, E = 7 (padded expert lanes) and E = 2.
+GATING_SHAPES = [
+    (1, 8, 2),
+    (63, 7, 2),
+    (63, 64, 1),
+    (257, 8, 8),
+    (257, 64, 2),
+    (63, 256, 8),
+    (5, 256, 256),
+    (257, 2, 1),
+]
+# (score_fn, normalize_topk, capacity_factor)
+GATING_MODES = [
+    ("softmax", True, None),
+    ("softmax", False, 0.5),
+    ("sigmoid", True, 1.0),
+    ("sigmoid", False, None),
+]
+
+
+@pytest.mark.parametrize("mode", GATING_MODES, ids=lambda m: f"{m[0]}-norm{int(m[1])}-cf{m[2]}")
+@pytest.mark.parametrize("shape", GATING_SHAPES, ids=lambda s: "T{}-E{}-K{}".format(*s))
+def test_gating_matches_reference(gen, shape, mode):
+    (T, E, K), (score_fn, normalize, factor) = shape, mode
+    logits = _logits(gen, T, E)
+    capacity = _capacity(T, E, K, factor)
+    used = torch.randint(0, 1 + (capacity or 8) // 2, (E,), generator=gen, dtype=torch.int32).to(DEVICE)
+    kw = dict(capacity=capacity, score_fn=score_fn, normalize_topk=normalize)
+
+    out = gating_fwd(logits, K, used, out=_poisoned_gating_out(T, E, K, logits.dtype), **kw)
+    ref = gating_fwd_ref(logits, K, used, **kw)
+    _assert_gating_equal("gating_fwd", out, ref)
+
+    grad_w = torch.randn(T, K, generator=gen).to(DEVICE)
+    grad_p = torch.randn(E, generator=gen).to(DEVICE)
+    grad_z = torch.randn((), generator=gen).to(DEVICE)
+    got = gating_bwd(logits, out.expert_TK, grad_w, grad_p, grad_z, score_fn=score_fn,
+                     normalize_topk=normalize, out=_poison(logits))
+    want = gating_bwd_ref(logits, ref.expert_TK, grad_w, grad_p, grad_z, score_fn=score_fn,
+                          normalize_topk=normalize)
+    assert_close("gating_bwd.grad_logits", got, want, torch.float32)
+
+
+@pytest.mark.parametrize("present", ["w", "p", "z", "wp", "none"])
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+def test_gating_bwd_optional_grads(gen, score_fn, present):
+    T, E, K = 63, 7, 2
+    logits = _logits(gen, T, E)
+    expert = gating_fwd_ref(logits, K, score_fn=score_fn).expert_TK
+    grads = [
+        torch.randn(T, K, generator=gen).to(DEVICE) if "w" in present else None,
+        torch.randn(E, generator=gen).to(DEVICE) if "p" in present else None,
+        torch.randn((), generator=gen).to(DEVICE) if "z" in present else None,
+    ]
+    got = gating_bwd(logits, expert, *grads, score_fn=score_fn, out=_poison(logits))
+    want = gating_bwd_ref(logits, expert, *grads, score_fn=score_fn)
+    assert_close(f"gating_bwd[{present}]", got, want, torch.float32)
+
+
+def test_gating_bwd_expanded_grads(gen):
+    """Autograd hands over expanded (stride-0) gradients, e.g. from ``weight_TK.sum()``."""
+    T, E, K = 63, 8, 2
+    logits = _logits(gen, T, E)
+    expert = gating_fwd_ref(logits, K).expert_TK
+    grad_w = torch.ones((), device=DEVICE).expand(T, K)
+    grad_p = torch.full((1,), 0.3, device=DEVICE).expand(E)
+    got = gating_bwd(logits, expert, grad_w, grad_p, None, normalize_topk=False)
+    want = gating_bwd_ref(logits, expert, grad_w, grad_p, None, normalize_topk=False)
+    assert_close("gating_bwd[expanded]", got, want, torch.float32)
+
+
+@pytest.mark.parametrize("path", ["single", "multi"])
+@pytest.mark.parametrize("shape", [(63, 8, 2), (257, 7, 7), (40, 64, 8)], ids=lambda s: "T{}-E{}-K{}".format(*s))
+def test_gating_paths(gen, monkeypatch, shape, path):
+    """The fused single-program forward (many tiles in one span) and the 3-launch scan (many spans)."""
+    T, E, K = shape
+    if path == "single":
+        monkeypatch.setattr(gating_mod, "_SINGLE_PROGRAM_MAX_T", 1 << 30)
+        monkeypatch.setattr(gating_mod, "_SINGLE_PROGRAM_MAX_ELEMENTS", 1 << 40)
+    else:
+        monkeypatch.setattr(gating_mod, "_SINGLE_PROGRAM_MAX_T", 0)
+    logits = _logits(gen, T, E)
+    capacity = _capacity(T, E, K, 0.75)
+    used = torch.randint(0, 4, (E,), generator=gen, dtype=torch.int32).to(DEVICE)
+    out = gating_fwd(logits, K, used, capacity=capacity, out=_poisoned_gating_out(T, E, K, logits.dtype))
+    _assert_gating_equal(f"gating_fwd[{path}]", out, gating_fwd_ref(logits, K, used, capacity=capacity))
+    again = gating_fwd(logits, K, used, capacity=capacity)   # freshly allocated, bit-identical
+    for field, a, b in zip(GatingOutput._fields, out, again):
+        assert torch.equal(a, b), f"gating_fwd[{path}].{field} differs between two runs"
+
+
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("E", [8, 256])
+def test_gating_ties_pick_lower_index(gen, score_fn, E):
+    T, K = 63, 4
+    logits = torch.randint(0, 3, (T, E), generator=gen).float().to(DEVICE)   # many exact ties
+    out = gating_fwd(logits, K, score_fn=score_fn, capacity=5)
+    ref = gating_fwd_ref(logits, K, score_fn=score_fn, capacity=5)
+    _assert_gating_equal("gating_fwd[ties]", out, ref)
+    # Spelled out: among equal scores, the chosen experts ascend.
+    s = torch.gather(logits, 1, out.expert_TK.long())
+    same = s[:, 1:] == s[:, :-1]
+    assert bool((out.expert_TK[:, 1:] > out.expert_TK[:, :-1])[same].all())
+
+
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+def test_gating_skewed(gen, score_fn):
+    """Every token's top choice is one expert (huge logit), another expert gets none; drops."""
+    T, E, K = 257, 8, 2
+    logits = _logits(gen, T, E)
+    logits[:, 5] += 50.0
+    logits[:, 2] -= 50.0
+    capacity = _capacity(T, E, K, 1.0)
+    out = gating_fwd(logits, K, capacity=capacity, score_fn=score_fn,
+                     out=_poisoned_gating_out(T, E, K, logits.dtype))
+    ref = gating_fwd_ref(logits, K, capacity=capacity, score_fn=score_fn)
+    _assert_gating_equal("gating_fwd[skewed]", out, ref)
+    assert int(out.counts_E[5]) == T and int(out.counts_E[2]) == 0
+    assert int((out.slot_TK[:, 0] >= 0).sum()) == capacity   # expert 5 dropped past the capacity
+    grad_w = torch.randn(T, K, generator=gen).to(DEVICE)
+    assert_close("gating_bwd[skewed]", gating_bwd(logits, out.expert_TK, grad_w, None, None, score_fn=score_fn),
+                 gating_bwd_ref(logits, ref.expert_TK, grad_w, None, None, score_fn=score_fn), torch.float32)
+
+
+def test_gating_zero_tokens(gen):
+    E, K = 8, 2
+    logits = torch.empty(0, E, device=DEVICE)
+    used = torch.randint(0, 9, (E,), generator=gen, dtype=torch.int32).to(DEVICE)
+    out = gating_fwd(logits, K, used, capacity=3, out=_poisoned_gating_out(0, E, K, logits.dtype))
+    _assert_gating_equal("gating_fwd[T=0]", out, gating_fwd_ref(logits, K, used, capacity=3))
+    grad = gating_bwd(logits, out.expert_TK, torch.empty(0, K, device=DEVICE), torch.ones(E, device=DEVICE),
+                      torch.ones((), device=DEVICE))
+    assert grad.shape == (0, E)
+    assert dispatch_rows(out.expert_TK, out.slot_TK, used, torch.zeros_like(used)).shape == (0, K)
+
+
+@pytest.mark.parametrize("case", [(257, 8, 2, 0.6, "softmax"), (200, 7, 7, 0.8, "sigmoid"), (130, 64, 1, 1.5, "softmax")],
+                         ids=lambda c: "T{}-E{}-K{}-cf{}-{}".format(*c))
+def test_gating_carried_capacity_chunks(gen, case):
+    """Gating chunk by chunk with used_E carried equals one call: slots, drops, counts, weights,
+    statistics, and the dispatch rows agree."""
+    T, E, K, factor, score_fn = case
+    logits = _logits(gen, T, E)
+    capacity = _capacity(T, E, K, factor)
+    whole = gating_fwd(logits, K, capacity=capacity, score_fn=score_fn)
+    _assert_gating_equal("gating_fwd[whole]", whole, gating_fwd_ref(logits, K, capacity=capacity, score_fn=score_fn))
+    zeros = torch.zeros(E, dtype=torch.int32, device=DEVICE)
+    for n_chunks in (1, 2, 3, 4):
+        cuts = sorted(torch.randperm(T - 1, generator=gen)[: n_chunks - 1].add(1).tolist())
+        bounds = [0, *cuts, T]
+        used = zeros
+        parts, score_sum, zsq = [], torch.zeros_like(whole.score_sum_E), torch.zeros_like(whole.zsq_sum)
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            g = gating_fwd(logits[lo:hi], K, used, capacity=capacity, score_fn=score_fn)
+            kept = _kept_E(g.expert_TK, g.slot_TK, E)
+            rows = dispatch_rows(g.expert_TK, g.slot_TK, used, kept)
+            assert torch.equal(rows, dispatch_rows_ref(g.expert_TK, g.slot_TK, used, kept))
+            parts.append(g)
+            score_sum += g.score_sum_E
+            zsq += g.zsq_sum
+            used = g.used_E
+        cat = lambda i: torch.cat([p[i] for p in parts])  # noqa: E731
+        tag = f"chunks={bounds}"
+        assert torch.equal(cat(0), whole.expert_TK), tag
+        assert torch.equal(cat(2), whole.slot_TK), tag
+        assert torch.equal(torch.stack([p.counts_E for p in parts]).sum(0).int(), whole.counts_E), tag
+        assert torch.equal(used, whole.used_E), tag
+        assert_close(f"weight_TK[{tag}]", cat(1), whole.weight_TK)
+        assert_close(f"score_sum_E[{tag}]", score_sum, whole.score_sum_E)
+        assert_close(f"zsq_sum[{tag}]", zsq, whole.zsq_sum)
+
+
+# ----------------------------------------------------------------------------------------------
+# dispatch_rows
+# ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(63, 7, 2, 0.5), (257, 64, 8, 1.0), (5, 256, 256, None)],
+                         ids=lambda s: "T{}-E{}-K{}-cf{}".format(*s))
+def test_dispatch_rows(gen, shape):
+    T, E, K, factor = shape
+    capacity = _capacity(T, E, K, factor)
+    used = torch.randint(0, 1 + (capacity or 4) // 3, (E,), generator=gen, dtype=torch.int32).to(DEVICE)
+    g = gating_fwd_ref(_logits(gen, T, E), K, used, capacity=capacity)
+    kept = _kept_E(g.expert_TK, g.slot_TK, E)
+    row = dispatch_rows(g.expert_TK, g.slot_TK, used, kept, out=_poison(g.slot_TK))
+    assert torch.equal(row, dispatch_rows_ref(g.expert_TK, g.slot_TK, used, kept))
+    # Invariants: kept rows are a bijection onto range(S), grouped by expert in ascending order.
+    S = int(kept.sum())
+    flat = row[row >= 0]
+    assert torch.equal(flat.sort().values, torch.arange(S, dtype=torch.int32, device=DEVICE))
+    experts_in_row_order = torch.empty(S, dtype=torch.int32, device=DEVICE)
+    experts_in_row_order[flat.long()] = g.expert_TK[row >= 0]
+    assert bool((experts_in_row_order[1:] >= experts_in_row_order[:-1]).all())
+
+
+# ----------------------------------------------------------------------------------------------
+# Permute / unpermute: outputs and gradients against the reference
+# ----------------------------------------------------------------------------------------------
+# (T, E, K, capacity_factor, dtype)
+PERMUTE_CASES = [
+    (1, 2, 1, None, torch.float32),
+    (63, 8, 2, None, torch.bfloat16),
+    (63, 7, 7, 0.5, torch.float32),
+    (63, 64, 1, None, torch.float16),
+    (257, 8, 2, 0.6, torch.bfloat16),
+    (257, 64, 8, 1.0, torch.float32),
+    (257, 256, 2, None, torch.bfloat16),
+    (5, 256, 256, 0.5, torch.float32),
+]
+D = 60
+
+
+@pytest.mark.parametrize("case", PERMUTE_CASES, ids=lambda c: "T{}-E{}-K{}-cf{}-{}".format(*c[:4], str(c[4])[6:]))
+def test_permute_unpermute_match_reference(gen, case):
+    T, E, K, factor, dtype = case
+    row_TK, S, weight_TK = _routing(gen, T, E, K, factor)
+    x = torch.randn(T, D, generator=gen).to(DEVICE, dtype)
+
+    x_SD, src_S = permute_fwd(x, row_TK, S, out=(_poison(x.new_empty(S, D)), _poison(row_TK.new_empty(S))))
+    x_SD_ref, src_S_ref = permute_fwd_ref(x, row_TK, S)
+    assert torch.equal(src_S, src_S_ref), "permute_fwd.src_S"
+    assert torch.equal(x_SD, x_SD_ref), "permute_fwd.x_SD (a copy: must be exact)"
+
+    grad_x_SD = torch.randn(S, D, generator=gen).to(DEVICE, dtype)
+    assert_close("permute_bwd", permute_bwd(grad_x_SD, row_TK, out=_poison(x)), permute_bwd_ref(grad_x_SD, row_TK))
+
+    y_SD = torch.randn(S, D, generator=gen).to(DEVICE, dtype)
+    assert_close("unpermute_fwd", unpermute_fwd(y_SD, row_TK, weight_TK, out=_poison(x)),
+                 unpermute_fwd_ref(y_SD, row_TK, weight_TK))
+
+    grad_y = torch.randn(T, D, generator=gen).to(DEVICE, dtype)
+    out = (_poison(y_SD), _poison(weight_TK))
+    grad_y_SD, grad_w = unpermute_bwd(grad_y, y_SD, row_TK, weight_TK, src_S, out=out)
+    grad_y_SD_ref, grad_w_ref = unpermute_bwd_ref(grad_y, y_SD, row_TK, weight_TK, src_S_ref)
+    assert_close("unpermute_bwd.grad_y_SD", grad_y_SD, grad_y_SD_ref)
+    # grad_w is a float32 dot of D low-precision products: compare at the input's precision.
+    assert_close("unpermute_bwd.grad_weight_TK", grad_w, grad_w_ref, dtype)
+    assert bool((grad_w[row_TK < 0] == 0).all()), "dropped assignments must get zero weight gradient"
+
+
+def test_permute_strided_and_autograd_consistency(gen):
+    """Non-contiguous inputs, and the backward kernels are the adjoints of the forward ones."""
+    T, E, K = 63, 8, 2
+    row_TK, S, weight_TK = _routing(gen, T, E, K, 0.75)
+    x_big = torch.randn(T, 2 * D, generator=gen).to(DEVICE)
+    x = x_big[:, ::2]                      # stride (2D, 2)
+    x_SD, src_S = permute_fwd(x, row_TK, S)
+    assert torch.equal(x_SD, permute_fwd_ref(x.contiguous(), row_TK, S)[0])
+    # The backward kernels are the adjoints of the forward ones:
+    # <permute(x), g> == <x, permute_bwd(g)> and <unpermute(y), h> == <y, grad_y_SD(h)>.
+    g = torch.randn(S, D, generator=gen).to(DEVICE)
+    lhs = (x_SD.double() * g.double()).sum()
+    rhs = (x.double() * permute_bwd(g, row_TK).double()).sum()
+    assert torch.allclose(lhs, rhs, rtol=1e-5)
+    y = torch.randn(D, S, generator=gen).to(DEVICE).t()   # column-major [S, D]
+    h = torch.randn(T, D, generator=gen).to(DEVICE)
+    grad_y_SD, grad_w = unpermute_bwd(h, y, row_TK, weight_TK, src_S)
+    lhs = (unpermute_fwd(y, row_TK, weight_TK).double() * h.double()).sum()
+    assert torch.allclose(lhs, (y.double() * grad_y_SD.double()).sum(), rtol=1e-5)
+    assert_close("grad_w[strided]", grad_w, unpermute_bwd_ref(h, y, row_TK, weight_TK, src_S)[1])
+
+
+def test_dispatch_combine_restores_input(gen):
+    """Dropless top-2 with weights 1/2 each: combine(dispatch(x)) == x exactly."""
+    T, E, K = 257, 8, 2
+    g = gating_fwd(_logits(gen, T, E), K)
+    zeros = torch.zeros(E, dtype=torch.int32, device=DEVICE)
+    row_TK = dispatch_rows(g.expert_TK, g.slot_TK, zeros, g.counts_E)
+    x = torch.randn(T, D, generator=gen).to(DEVICE)
+    x_SD, _ = permute_fwd(x, row_TK, T * K)
+    half = torch.full((T, K), 0.5, device=DEVICE)
+    assert torch.equal(unpermute_fwd(x_SD, row_TK, half), x)
+    assert torch.equal(permute_bwd(x_SD, row_TK), 2 * x)
+
+
+def test_permute_zero_tokens_and_all_dropped(gen):
+    x = torch.randn(0, D, generator=gen).to(DEVICE)
+    row0 = torch.empty(0, 2, dtype=torch.int32, device=DEVICE)
+    x_SD, src = permute_fwd(x, row0, 0)
+    assert x_SD.shape == (0, D) and src.shape == (0,)
+    assert permute_bwd(x_SD, row0).shape == (0, D)
+    assert unpermute_fwd(x_SD, row0, torch.empty(0, 2, device=DEVICE)).shape == (0, D)
+    gy_SD, gw = unpermute_bwd(x, x_SD, row0, torch.empty(0, 2, device=DEVICE), src)
+    assert gy_SD.shape == (0, D) and gw.shape == (0, 2)
+    # Tokens present, every assignment dropped (S = 0): zeros, not garbage.
+    T = 9
+    row = torch.full((T, 2), -1, dtype=torch.int32, device=DEVICE)
+    w = torch.rand(T, 2, generator=gen).to(DEVICE)
+    empty = torch.empty(0, D, device=DEVICE)
+    zeros = torch.zeros(T, D, device=DEVICE)
+    assert torch.equal(permute_bwd(empty, row, out=_poison(zeros)), zeros)
+    assert torch.equal(unpermute_fwd(empty, row, w, out=_poison(zeros)), zeros)
+    gy_SD, gw = unpermute_bwd(torch.randn(T, D, generator=gen).to(DEVICE), empty, row, w, src,
+                              out=(empty.clone(), _poison(w)))
+    assert torch.equal(gw, torch.zeros(T, 2, device=DEVICE))
+
+
+def test_kernels_are_deterministic(gen, monkeypatch):
+    monkeypatch.setattr(gating_mod, "_SINGLE_PROGRAM_MAX_T", 0)
+    T, E, K = 257, 64, 8
+    logits = _logits(gen, T, E)
+    a, b = gating_fwd(logits, K, capacity=40), gating_fwd(logits, K, capacity=40)
+    for field, x, y in zip(GatingOutput._fields, a, b):
+        assert torch.equal(x, y), field
+    zeros = torch.zeros(E, dtype=torch.int32, device=DEVICE)
+    row_TK = dispatch_rows(a.expert_TK, a.slot_TK, zeros, _kept_E(a.expert_TK, a.slot_TK, E))
+    S = int((row_TK >= 0).sum())
+    y = torch.randn(S, D, generator=gen).to(DEVICE, torch.bfloat16)
+    assert torch.equal(unpermute_fwd(y, row_TK, a.weight_TK), unpermute_fwd(y, row_TK, a.weight_TK))
+
+
+# ----------------------------------------------------------------------------------------------
+# Validation and config spaces (no kernels launched)
+# ----------------------------------------------------------------------------------------------
+def test_launchers_validate_arguments():
+    logits = torch.randn(4, 8)
+    with pytest.raises(TypeError, match="logits_TE"):
+        gating_fwd(logits.half(), 2)
+    with pytest.raises(ValueError, match="top_k"):
+        gating_fwd(logits, 9)
+    with pytest.raises(ValueError, match="score_fn"):
+        gating_fwd(logits, 2, score_fn="relu")
+    with pytest.raises(ValueError, match="capacity"):
+        gating_fwd(logits, 2, capacity=-1)
+    with pytest.raises(ValueError, match="used_E"):
+        gating_fwd(logits, 2, torch.zeros(7, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out.slot_TK"):
+        bad = _poisoned_gating_out(4, 8, 2, torch.float32)._replace(slot_TK=torch.empty(4, 3, dtype=torch.int32))
+        gating_fwd(logits, 2, out=bad)
+    with pytest.raises(ValueError, match="expert_TK"):
+        gating_bwd(logits, torch.zeros(3, 2, dtype=torch.int32), None, None, None)
+    with pytest.raises(ValueError, match="grad_weight_TK"):
+        gating_bwd(logits, torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, 3), None, None)
+    with pytest.raises(ValueError, match="kept_E"):
+        dispatch_rows(torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, 2, dtype=torch.int32),
+                      torch.zeros(8, dtype=torch.int32), torch.zeros(7, dtype=torch.int32))
+    x = torch.randn(4, D)
+    row = torch.zeros(4, 2, dtype=torch.int32)
+    with pytest.raises(TypeError, match="row_TK"):
+        permute_fwd(x, row.float(), 8)
+    with pytest.raises(ValueError, match="num_rows"):
+        permute_fwd(x, row, 9)
+    with pytest.raises(ValueError, match="weight_TK"):
+        unpermute_fwd(x, row, torch.ones(4, 3))
+    with pytest.raises(ValueError, match="src_S"):
+        unpermute_bwd(x, x, row, torch.ones(4, 2), torch.zeros(3, dtype=torch.int32))
+
+
+def test_config_spaces(monkeypatch):
+    """Every shape keeps at least one config (timed on CUDA), and a pin overrides the space."""
+    import triton
+
+    from kernels import permute as permute_mod
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CUDA view of the space; nothing is launched
+    prune = gating_mod._token_tile_prune(gating_mod._ENV_FWD_CONFIG)
+    for E in (1, 2, 7, 8, 64, 256, 1024):
+        kept = prune(gating_mod._token_tile_configs(), {"E": E, "K": 1}, BLOCK_E=triton.next_power_of_2(E))
+        assert kept and all(c.kwargs["BLOCK_T"] * triton.next_power_of_2(E) <= 32 * 32 * c.num_warps for c in kept)
+    prune = permute_mod._row_tile_prune(permute_mod._ENV_PERMUTE_FWD_CONFIG)
+    for d in (1, 60, 128, 4096, 7168):
+        kept = prune(permute_mod._row_tile_configs(), {"D": d, "K": 2})
+        assert kept and all(c.kwargs["BLOCK_D"] <= max(64, triton.next_power_of_2(d)) for c in kept)
+    monkeypatch.setenv(permute_mod._ENV_PERMUTE_FWD_CONFIG, "BLOCK_T=2,BLOCK_D=1024,num_warps=4")
+    (pinned,) = prune(permute_mod._row_tile_configs(), {"D": 4096, "K": 2})
+    assert pinned.kwargs == {"BLOCK_T": 2, "BLOCK_D": 1024} and pinned.num_warps == 4
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU lane: real sizes
+# ----------------------------------------------------------------------------------------------
+GPU_T, GPU_D = 16384, 4096
+GPU_EK = [(E, K) for E in (8, 64, 256) for K in (1, 2, 8)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("EK", GPU_EK, ids=lambda ek: "E{}-K{}".format(*ek))
+def test_gpu_gating(gen, EK, score_fn):
+    E, K = EK
+    logits = _logits(gen, GPU_T, E)
+    capacity = _capacity(GPU_T, E, K, 1.25)
+    used = torch.randint(0, 64, (E,), generator=gen, dtype=torch.int32).to(DEVICE)
+    kw = dict(capacity=capacity, score_fn=score_fn)
+    out = gating_fwd(logits, K, used, out=_poisoned_gating_out(GPU_T, E, K, logits.dtype), **kw)
+    ref = gating_fwd_ref(logits, K, used, **kw)
+    _assert_gating_equal("gpu gating_fwd", out, ref)
+    again = gating_fwd(logits, K, used, **kw)
+    for field, a, b in zip(GatingOutput._fields, out, again):
+        assert torch.equal(a, b), f"gpu gating_fwd.{field} not deterministic"
+    grads = (torch.randn(GPU_T, K, generator=gen).to(DEVICE), torch.randn(E, generator=gen).to(DEVICE),
+             torch.randn((), generator=gen).to(DEVICE))
+    assert_close("gpu gating_bwd", gating_bwd(logits, out.expert_TK, *grads, score_fn=score_fn, out=_poison(logits)),
+                 gating_bwd_ref(logits, ref.expert_TK, *grads, score_fn=score_fn), torch.float32)
+
+
+@pytest.mark.gpu
+def test_gpu_gating_carried_capacity(gen):
+    E, K = 64, 2
+    logits = _logits(gen, GPU_T, E)
+    capacity = _capacity(GPU_T, E, K, 1.0)
+    whole = gating_fwd(logits, K, capacity=capacity)
+    used = torch.zeros(E, dtype=torch.int32, device=DEVICE)
+    slots = []
+    for chunk in torch.split(logits, [5000, 3, 7000, GPU_T - 12003]):
+        g = gating_fwd(chunk, K, used, capacity=capacity)
+        slots.append(g.slot_TK)
+        used = g.used_E
+    assert torch.equal(torch.cat(slots), whole.slot_TK) and torch.equal(used, whole.used_E)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("EK", GPU_EK, ids=lambda ek: "E{}-K{}".format(*ek))
+def test_gpu_permute_unpermute(gen, EK):
+    E, K = EK
+    dtype = torch.bfloat16
+    row_TK, S, weight_TK = _routing(gen, GPU_T, E, K, 1.25)
+    x = torch.randn(GPU_T, GPU_D, generator=gen).to(DEVICE, dtype)
+    x_SD, src_S = permute_fwd(x, row_TK, S, out=(_poison(x.new_empty(S, GPU_D)), _poison(row_TK.new_empty(S))))
+    x_SD_ref, src_S_ref = permute_fwd_ref(x, row_TK, S)
+    assert torch.equal(src_S, src_S_ref) and torch.equal(x_SD, x_SD_ref)
+    g_SD = torch.randn(S, GPU_D, generator=gen).to(DEVICE, dtype)
+    assert_close("gpu permute_bwd", permute_bwd(g_SD, row_TK, out=_poison(x)), permute_bwd_ref(g_SD, row_TK))
+    assert_close("gpu unpermute_fwd", unpermute_fwd(g_SD, row_TK, weight_TK, out=_poison(x)),
+                 unpermute_fwd_ref(g_SD, row_TK, weight_TK))
+    grad_y = torch.randn(GPU_T, GPU_D, generator=gen).to(DEVICE, dtype)
+    got = unpermute_bwd(grad_y, g_SD, row_TK, weight_TK, src_S, out=(_poison(g_SD), _poison(weight_TK)))
+    want = unpermute_bwd_ref(grad_y, g_SD, row_TK, weight_TK, src_S_ref)
+    assert_close("gpu unpermute_bwd.grad_y_SD", got[0], want[0])
+    assert_close("gpu unpermute_bwd.grad_weight_TK", got[1], want[1], dtype)
