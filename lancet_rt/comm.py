@@ -121,6 +121,7 @@ class _AllToAll(torch.autograd.Function):
         out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
         box.work = group.all_to_all(out, x.contiguous(), output_splits, input_splits)
         ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+        ctx.wgrad = wgrad.current()
         return out
 
     @staticmethod
@@ -128,9 +129,19 @@ class _AllToAll(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         grad_in = grad_out.new_empty((sum(ctx.input_splits),) + tuple(grad_out.shape[1:]))
         work = ctx.group.all_to_all(grad_in, grad_out, ctx.input_splits, ctx.output_splits)
-        wgrad.drain_during(work)
+        if ctx.wgrad is not None:
+            ctx.wgrad.drain_during(work, _window_ms(ctx.group, grad_out, ctx.output_splits))
         work.wait()
         return grad_in, None, None, None, None
+
+
+def _window_ms(group, x, splits):
+    """The collective's expected time, where the group can model it (the emulated link)."""
+    hold = getattr(group, "hold_ms", None)
+    if hold is None:
+        return None
+    row_bytes = x.element_size() * (x[0].numel() if x.shape[0] else 0)
+    return hold((sum(splits) - splits[group.rank]) * row_bytes)
 
 
 class Pending:

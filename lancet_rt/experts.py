@@ -22,6 +22,8 @@ class _ExpertsFn(torch.autograd.Function):
         y_RD = ops.grouped_mm(h_RF, down_EDF, offsets_E1)
         ctx.save_for_backward(x_RD, gu_R2F, h_RF, gate_up_E2FD, down_EDF, offsets_E1)
         ctx.ops = ops
+        ctx.params = (gate_up_E2FD, down_EDF)  # deferred dW accumulates into these Parameters
+        ctx.wgrad = wgrad.current()
         return y_RD
 
     @staticmethod
@@ -38,9 +40,11 @@ class _ExpertsFn(torch.autograd.Function):
                     ops.grouped_mm_dw(dy_RD, h_RF, offsets_E1))
 
         needs = ctx.needs_input_grad[1:3]
-        deferred = wgrad.defer((gate_up_E2FD, down_EDF), needs, weight_grads,
-                               flops=3 * x_RD.shape[0] * gu_R2F.shape[1] * x_RD.shape[1])  # 2RD(2F) + 2RDF
-        if deferred or not any(needs):
+        if not any(needs):
+            return dx_RD, None, None, None, None
+        if ctx.wgrad is not None:
+            flops = 3 * x_RD.shape[0] * gu_R2F.shape[1] * x_RD.shape[1]  # 2RD(2F) + 2RDF
+            ctx.wgrad.push(ctx.params, needs, weight_grads, flops)
             return dx_RD, None, None, None, None
         dgu, ddown = weight_grads()
         return dx_RD, dgu if needs[0] else None, ddown if needs[1] else None, None, None

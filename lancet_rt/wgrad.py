@@ -1,21 +1,166 @@
-"""Deferred weight gradients: dX now, dW later, inside the backward all-to-alls' windows.
+"""Deferred weight gradients: dX at once, dW later, inside the backward all-to-alls' windows.
 
-(Filled in by the overlap runtime; with no queue active, nothing is deferred.)
+dW of a layer never feeds the backward all-to-alls of earlier layers, so it can wait (Lancet,
+MLSys'24, section 4). Functions that support deferral capture the active :class:`WGradQueue` in
+forward; in backward they return dX and push a closure computing dW. Every backward all-to-all,
+while in flight, gives the queue its window: items are picked greedily by best fit (the item whose
+estimated time is closest to the time left, stopping when the best is over twice what is left and
+one already ran), as Lancet assigns dW to all-to-alls. The queue is flushed by an autograd-engine
+callback before ``backward()`` returns, so optimizers see complete gradients.
+
+Deferred gradients are accumulated into ``param.grad`` directly, so hooks on the parameters'
+gradient accumulation (DDP's, for one) do not see them; sync gradients after backward instead
+(:func:`lancet_rt.parallel.sync_gradients`).
 """
 from __future__ import annotations
 
-_active = None
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+_active: Optional["WGradQueue"] = None
 
 
-def defer(params, needs, compute, *, flops: int = 0) -> bool:
-    """Queue ``compute()`` (returning one gradient per param) if a queue is active."""
-    if _active is None:
-        return False
-    _active.push(params, needs, compute, flops)
-    return True
+def current() -> Optional["WGradQueue"]:
+    """The queue that Functions created now should defer into (None: compute dW at once)."""
+    return _active
 
 
-def drain_during(work) -> None:
-    """Run deferred weight-gradient work while ``work`` (a collective) is in flight."""
-    if _active is not None:
-        _active.drain_during(work)
+def set_current(q: Optional["WGradQueue"]) -> Optional["WGradQueue"]:
+    global _active
+    prev, _active = _active, q
+    return prev
+
+
+@dataclass
+class _Item:
+    params: Sequence[torch.Tensor]
+    needs: Sequence[bool]
+    compute: Callable[[], Sequence[torch.Tensor]]
+    flops: int
+
+
+class WGradQueue:
+    """Deferred dW work of one model, drained during backward all-to-alls.
+
+    Attributes:
+        flops_per_ms: measured rate of dW work (EMA), used to estimate item times.
+        ran_in_windows, flushed: items run inside all-to-all windows / at the final flush, last backward.
+    """
+
+    def __init__(self):
+        self.items: list[_Item] = []
+        self.flops_per_ms: Optional[float] = None
+        self.ran_in_windows = 0
+        self.flushed = 0
+        self._callback_queued = False
+
+    def push(self, params, needs, compute, flops: int) -> None:
+        self.items.append(_Item(tuple(params), tuple(needs), compute, int(flops)))
+        if not self._callback_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self.flush)
+            self._callback_queued = True
+            self.ran_in_windows = self.flushed = 0
+
+    def _estimate_ms(self, item: _Item) -> float:
+        return item.flops / self.flops_per_ms if self.flops_per_ms else 0.0
+
+    def _run(self, item: _Item) -> float:
+        t0 = time.perf_counter()
+        grads = item.compute()
+        with torch.no_grad():
+            for p, g, need in zip(item.params, grads, item.needs):
+                if not need or g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g.to(p.dtype)
+                else:
+                    p.grad.add_(g)
+        ms = (time.perf_counter() - t0) * 1e3
+        if item.flops and ms > 0 and not torch.cuda.is_available():
+            rate = item.flops / ms
+            self.flops_per_ms = rate if self.flops_per_ms is None else 0.7 * self.flops_per_ms + 0.3 * rate
+        return ms
+
+    def drain_during(self, work, window_ms: Optional[float] = None) -> None:
+        """Run queued dW while ``work`` is in flight, picking items by best fit.
+
+        The window is ``work.expected_end`` (the emulated link's deadline) or ``window_ms`` (an
+        estimate, used on CUDA where the host runs ahead of the device); with neither, items run
+        while ``work.is_completed()`` says the collective is still in flight.
+        """
+        if not self.items:
+            return
+        deadline = getattr(work, "expected_end", None)
+        if deadline is None and window_ms is not None:
+            deadline = time.perf_counter() + window_ms * 1e-3
+        ran = 0
+        while self.items:
+            if deadline is None:
+                done = getattr(work, "is_completed", None)
+                if done is None or done():
+                    break
+                item = self.items.pop(0)
+            else:
+                left = (deadline - time.perf_counter()) * 1e3
+                if left <= 0:
+                    break
+                est = [self._estimate_ms(it) for it in self.items]
+                best = min(range(len(est)), key=lambda i: abs(left - est[i]))
+                if ran and est[best] > 2 * left:
+                    break
+                item = self.items.pop(best)
+            self._run(item)
+            ran += 1
+        self.ran_in_windows += ran
+
+    def flush(self) -> None:
+        """Run everything still queued (the engine calls this before backward returns)."""
+        self._callback_queued = False
+        while self.items:
+            self._run(self.items.pop(0))
+            self.flushed += 1
+
+
+class _LinearFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, queue):
+        ctx.save_for_backward(x, weight)
+        # The Parameter objects themselves: deferred gradients accumulate into their .grad.
+        ctx.params = (weight,) if bias is None else (weight, bias)
+        ctx.queue = queue
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        needs = ctx.needs_input_grad[1:1 + len(ctx.params)]
+        if not any(needs):
+            return dx, None, None, None
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+
+        def weight_grads():
+            return (dy2.t() @ x2 if needs[0] else None,
+                    dy2.sum(0) if len(needs) > 1 and needs[1] else None)
+
+        ctx.queue.push(ctx.params, needs, weight_grads, 2 * x2.shape[0] * x2.shape[1] * dy2.shape[1])
+        return dx, None, None, None
+
+
+class DeferredLinear(nn.Linear):
+    """An ``nn.Linear`` whose dW joins the active :class:`WGradQueue` (if any) instead of running now.
+
+    :class:`lancet_rt.Overlapped` with ``defer_wgrad=True`` gives the model's ``nn.Linear`` modules
+    this class; with no queue active it is an ``nn.Linear``.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = _active
+        if q is None or not torch.is_grad_enabled():
+            return super().forward(x)
+        return _LinearFn.apply(x, self.weight, self.bias, q)

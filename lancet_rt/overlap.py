@@ -1,0 +1,177 @@
+"""``Overlapped``: Lancet's whole-graph overlap as a runtime around an unmodified eager model.
+
+The batch is cut into N chunks along dim 0 and the model runs once per chunk, each run a coroutine
+(a greenlet). A chunk runs until its MoE layer has issued an all-to-all, then the scheduler resumes
+the next chunk, round robin: while chunk i's tokens travel, chunk i+1 computes its attention, norms
+and gating, and chunk i-1 its experts and the layers after them. Since the communication link is a
+FIFO, round robin resumes chunks in the order their transfers finish.
+
+Exactness: the gating passes chunks in order and carries each expert's used capacity, and capacity
+and the aux/z losses are those of the whole batch (DESIGN.md idea 3). The one requirement on the
+model: outside lancet MoE layers it is separable along dim 0 of its tensor inputs (row i of the
+output depends only on row i of the inputs), which holds for transformer blocks on [batch, seq, ...]
+inputs without batch-coupling ops (batch norm, in-batch losses). ``check=True`` verifies it once
+against the unchunked forward.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from . import scope as _scope, trace as _trace, wgrad as _wgrad
+from .moe import MoE
+
+try:  # greenlet is a dependency; imported lazily so `import lancet_rt` never fails without it
+    import greenlet as _greenlet
+except ImportError:  # pragma: no cover - exercised only on machines without greenlet
+    _greenlet = None
+
+
+class Overlapped(nn.Module):
+    """Run ``model`` on N chunks of its batch, overlapping computation with the MoE all-to-alls.
+
+    Args:
+        model: an unmodified model containing :class:`lancet_rt.MoE` layers, separable along dim 0
+            of its tensor inputs outside those layers.
+        chunks: N >= 1, or "auto" (the autotuner's cache, else tuned online in the first steps).
+            ``chunks=1`` is exactly ``model(...)``.
+        defer_wgrad: give the model's ``nn.Linear`` modules and the experts deferred weight
+            gradients, computed inside the backward all-to-alls' windows (Lancet's dW scheduling)
+            and flushed before ``backward()`` returns.
+        check: verify once, on the first forward, that the chunked output equals the unchunked one
+            (needs a deterministic forward: no dropout).
+
+    Every tensor argument with at least one dimension is cut along dim 0 (they must agree in size;
+    a rank with fewer rows than chunks still takes part in every all-to-all). Outputs (tensors, or
+    tuples/lists/dicts of them) are concatenated along dim 0.
+    """
+
+    def __init__(self, model: nn.Module, chunks=2, *, defer_wgrad: bool = False, check: bool = False):
+        super().__init__()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+            raise ValueError(f"chunks must be an int >= 1 or 'auto', got {chunks!r}")
+        if _greenlet is None:
+            raise ImportError("lancet_rt.Overlapped needs the 'greenlet' package (pip install greenlet)")
+        self.model = model
+        self.chunks = chunks
+        self.defer_wgrad = bool(defer_wgrad)
+        self.check = bool(check)
+        self._checked = False
+        self.wgrad_queue: Optional[_wgrad.WGradQueue] = _wgrad.WGradQueue() if defer_wgrad else None
+        self._auto = None
+        if defer_wgrad:
+            for m in model.modules():
+                if type(m) is nn.Linear:
+                    m.__class__ = _wgrad.DeferredLinear
+        for name, m in model.named_modules():
+            if isinstance(m, MoE):
+                m.trace_name = name or "moe"
+
+    def moe_layers(self) -> list[MoE]:
+        return [m for m in self.model.modules() if isinstance(m, MoE)]
+
+    def forward(self, *args, **kwargs):
+        n = self._resolve_chunks(args, kwargs)
+        if self.check and not self._checked:
+            self._check_separable(n, args, kwargs)
+        prev = _wgrad.set_current(self.wgrad_queue)
+        try:
+            if n == 1:
+                return self.model(*args, **kwargs)
+            return self.run_chunked(n, args, kwargs)
+        finally:
+            _wgrad.set_current(prev)
+
+    def _resolve_chunks(self, args, kwargs) -> int:
+        if self.chunks != "auto":
+            return self.chunks
+        if self._auto is None:
+            from autotune.online import AutoChunks  # the one place lancet_rt reaches into autotune
+
+            self._auto = AutoChunks(self)
+        return self._auto.next_chunks(args, kwargs)
+
+    def run_chunked(self, n: int, args: tuple, kwargs: dict):
+        """Run the model on ``n`` chunks as coroutines and concatenate the outputs."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        cut = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.dim() > 0]
+        if not cut:
+            raise ValueError("Overlapped: the model got no tensor argument to cut along dim 0")
+        sizes = {leaves[i].shape[0] for i in cut}
+        if len(sizes) != 1:
+            raise ValueError(f"Overlapped: every tensor argument is cut along dim 0, so they must agree "
+                             f"in size; got sizes {sorted(sizes)}")
+        pieces = {i: leaves[i].tensor_split(n) for i in cut}
+        rows = [p.shape[0] for p in pieces[cut[0]]]
+
+        def chunk_inputs(c):
+            chunk_leaves = [pieces[i][c] if i in pieces else v for i, v in enumerate(leaves)]
+            return pytree.tree_unflatten(chunk_leaves, spec)
+
+        main = _greenlet.getcurrent()
+        scope = _scope.ChunkScope(rows, switch=main.switch)
+        outputs: list[Any] = [None] * n
+
+        def run(c):
+            a, kw = chunk_inputs(c)
+            outputs[c] = self.model(*a, **kw)
+
+        lets = [_greenlet.greenlet(lambda c=c: run(c)) for c in range(n)]
+        live = list(range(n))
+        prev = _scope.current()
+        _scope.set_current(scope)
+        try:
+            while live:
+                for c in list(live):
+                    scope.chunk = c
+                    with _trace.span(f"chunk {c}", "compute", _on_cuda(leaves), chunk=c):
+                        lets[c].switch()
+                    if lets[c].dead:
+                        live.remove(c)
+        finally:
+            _scope.set_current(prev)
+            for g in lets:  # on an exception, end the others' coroutines
+                if not g.dead:
+                    g.throw(_greenlet.GreenletExit)
+        return _concat(outputs)
+
+    @torch.no_grad()
+    def _check_separable(self, n, args, kwargs) -> None:
+        self._checked = True
+        if n == 1:
+            return
+        whole = self.model(*args, **kwargs)
+        chunked = self.run_chunked(n, args, kwargs)
+        for a, b in zip(pytree.tree_leaves(whole), pytree.tree_leaves(chunked)):
+            if isinstance(a, torch.Tensor):
+                err = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
+                scale = a.double().abs().max().item() if a.numel() else 0.0
+                if not err <= 1e-4 * max(scale, 1e-6):
+                    raise ValueError(
+                        f"Overlapped(check=True): the chunked output differs from the unchunked one "
+                        f"(max abs err {err:.3e}, scale {scale:.3e}); the model must be separable along "
+                        f"dim 0 outside lancet MoE layers, with a deterministic forward")
+
+
+def _on_cuda(leaves) -> bool:
+    return any(isinstance(v, torch.Tensor) and v.is_cuda for v in leaves)
+
+
+def _concat(outputs: list):
+    leaves0, spec = pytree.tree_flatten(outputs[0])
+    per_chunk = [pytree.tree_flatten(o)[0] for o in outputs]
+    merged = []
+    for j, v in enumerate(leaves0):
+        if isinstance(v, torch.Tensor):
+            if v.dim() == 0:
+                raise ValueError("Overlapped: a model output is a 0-dim tensor, which cannot be "
+                                 "concatenated along dim 0; return per-row outputs and reduce outside")
+            merged.append(torch.cat([leaves[j] for leaves in per_chunk], dim=0))
+        else:
+            merged.append(v)
+    return pytree.tree_unflatten(merged, spec)
