@@ -35,8 +35,8 @@ same GROUP_M row blocks, so both operands are mostly read from L2.
 [F, 2F). A program owns output columns j of h and computes the gate tile (weight rows j) and the up
 tile (rows F + j) with two fp32 accumulators from the same x tile, so x is read once for both halves.
 The epilogue rounds both to the output dtype, stores them into gu (columns j and F + j, kept for
-backward), and computes ``h = silu(g) * u`` in fp32 *from the rounded values*, which is exactly
-``swiglu_fwd_ref(gu)``: h never needs a second pass over gu.
+backward), and computes ``h = silu(g) * u`` in fp32 *from the rounded values*, so h is
+``swiglu_fwd_ref(gu)`` of the stored gu (up to fp32 rounding inside silu) without a second pass over gu.
 
 *Weight gradient* (``grouped_mm_dw``). A reduction over each segment's rows, so it is its own launch:
 the grid is E x cdiv(N, BN) x cdiv(K, BK) output tiles (sizes known on the host), experts outermost;
@@ -76,8 +76,9 @@ Limits
 from __future__ import annotations
 
 import functools
+import inspect
 import os
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 import triton
@@ -551,9 +552,11 @@ def _pinned_config(op: str) -> Optional[Tuple[int, int, int, int, int]]:
 def _autotuned(op: str):
     kernel = {"fwd": _FWD, "dx": _FWD, "gate_up": _GATE_UP, "dw": _grouped_gemm_dw_kernel}[op]
     keys = {"gate_up": ["F", "D", "E", "M_BUCKET"]}.get(op, ["N", "K", "E", "M_BUCKET"])
+    # Keep tuned choices on disk across processes where this Triton supports it (3.2+).
+    extra = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
     # One autotuner per op (fwd and dx share a kernel but not a cache: their strides differ).
     return triton.autotune(configs=_gemm_configs(op), key=keys,
-                           prune_configs_by={"early_config_prune": _prune_configs(op)})(kernel)
+                           prune_configs_by={"early_config_prune": _prune_configs(op)}, **extra)(kernel)
 
 
 _LAST_CONFIG: dict = {}  # op -> the config of its latest launch, for selected_config()
@@ -595,7 +598,7 @@ def _check_float(name: str, t) -> None:
         raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
 
 
-def _check_ndim(name: str, t: torch.Tensor, ndim: int, letters: str) -> None:
+def _check_ndim(name: str, t: torch.Tensor, ndim: int, letters: Sequence[str]) -> None:
     if t.dim() != ndim:
         raise ValueError(f"{name} must be {ndim}-D [{', '.join(letters)}], got shape {tuple(t.shape)}")
 

@@ -62,6 +62,9 @@ class TorchGroup:
         backend = dist.get_backend(group)
         self.backend = str(backend).lower()
 
+    def __deepcopy__(self, memo):
+        return self  # a group is a handle: copies of a model share it
+
     @property
     def size(self) -> int:
         return self._size

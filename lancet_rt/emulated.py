@@ -133,6 +133,9 @@ class EmulatedGroup:
         self._stream = None
         self.reset()
 
+    def __deepcopy__(self, memo):
+        return self  # a group is a handle: copies of a model share it
+
     @property
     def size(self) -> int:
         return self._size

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm, ops as _ops, scope as _scope
+from . import comm, ops as _ops, scope as _scope, trace as _trace
 from .experts import Experts
 from .routing import BatchRouting, gate, permute, unpermute
 
@@ -140,6 +140,7 @@ class MoE(nn.Module):
         self.router = Router(d_model, num_experts, device=device, dtype=dtype)
         self.experts = Experts(self.num_local_experts, d_model, d_ffn, device=device, dtype=dtype)
         self._config_checked = self.group is None or world == 1
+        self.trace_name = "moe"
 
         self.aux_loss: Optional[torch.Tensor] = None
         self.z_loss: Optional[torch.Tensor] = None
@@ -205,41 +206,51 @@ class MoE(nn.Module):
             aux_coef=self.aux_loss_coef, z_coef=self.z_loss_coef)
         return _Route(weight_TK, row_TK, kept_E)
 
-    def dispatch(self, x_SD: torch.Tensor, kept_E: torch.Tensor,
-                 error: Optional[Exception] = None) -> _Dispatched:
-        """Send each kept row to its expert's rank: counts first, then the rows (async).
+    def exchange_counts(self, kept_PE: torch.Tensor, error: Optional[Exception] = None) -> torch.Tensor:
+        """Counts first: returns recv [P, W, E_local], the rows each rank sends to each local expert.
 
-        The counts exchange carries a status column: a rank whose input was rejected (``error``)
-        still takes part, and every rank raises instead of waiting in the row all-to-all.
+        ``kept_PE`` holds the kept rows per expert of P pieces sent back to back. The exchange carries a
+        status column: a rank whose input was rejected (``error``) still takes part, and every rank
+        raises instead of waiting in the row all-to-all. This is the layer's one host sync point.
         """
+        L, W = self.num_local_experts, self.ep_size
+        P = kept_PE.shape[0]
+        counts = kept_PE.view(P, W, L).permute(1, 0, 2).reshape(W, P * L).long()
+        status = torch.full((W, 1), 0 if error is None else 1, dtype=torch.long, device=counts.device)
+        recv = self.group.exchange(torch.cat([counts, status], dim=1)).cpu()
+        _raise_on_bad_status(recv[:, P * L], error)
+        return recv[:, : P * L].view(W, P, L).permute(1, 0, 2)
+
+    def dispatch(self, x_SD: torch.Tensor, kept_E: torch.Tensor,
+                 counts_WL: Optional[torch.Tensor] = None) -> _Dispatched:
+        """Send each kept row to its expert's rank (async). ``counts_WL``: from :meth:`exchange_counts`."""
         L, W = self.num_local_experts, self.ep_size
         if W == 1:
             offsets = _offsets(kept_E)
             return _Dispatched(comm.Pending(x_SD, None), offsets, [x_SD.shape[0]], [x_SD.shape[0]], None, None)
-        status = 0 if error is None else 1
-        send = torch.cat([kept_E.view(W, L).long(), torch.full((W, 1), status, dtype=torch.long,
-                                                                 device=kept_E.device)], dim=1)
-        recv = self.group.exchange(send).cpu()
-        _raise_on_bad_status(recv[:, L], error)
-        counts_WL = recv[:, :L]
+        if counts_WL is None:
+            counts_WL = self.exchange_counts(kept_E.view(1, -1))[0]
         send_splits = kept_E.view(W, L).sum(1).tolist()
         recv_splits = counts_WL.sum(1).tolist()
-        pending = comm.all_to_all(x_SD, self.group, recv_splits, send_splits)
+        with _trace.span("dispatch", layer=self.trace_name, rows=x_SD.shape[0]):
+            pending = comm.all_to_all(x_SD, self.group, recv_splits, send_splits)
         to_expert, to_rank = _regroup_permutations(counts_WL, x_SD.device)
         offsets = _offsets(counts_WL.sum(0).to(x_SD.device))
         return _Dispatched(pending, offsets, send_splits, recv_splits, to_expert, to_rank)
 
     def compute_experts(self, x_recv: torch.Tensor, d: _Dispatched, ops) -> torch.Tensor:
         """Grouped SwiGLU experts over the received rows (rank-major in, rank-major out)."""
-        x_RD = x_recv if d.to_expert_major is None else x_recv.index_select(0, d.to_expert_major)
-        y_RD = self.experts(x_RD, d.offsets_L1, ops)
-        return y_RD if d.to_rank_major is None else y_RD.index_select(0, d.to_rank_major)
+        with _trace.span("experts", layer=self.trace_name, rows=x_recv.shape[0]):
+            x_RD = x_recv if d.to_expert_major is None else x_recv.index_select(0, d.to_expert_major)
+            y_RD = self.experts(x_RD, d.offsets_L1, ops)
+            return y_RD if d.to_rank_major is None else y_RD.index_select(0, d.to_rank_major)
 
     def combine(self, y_recv: torch.Tensor, d: _Dispatched) -> comm.Pending:
         """Send expert outputs back to the tokens' ranks (async)."""
         if self.ep_size == 1:
             return comm.Pending(y_recv, None)
-        return comm.all_to_all(y_recv, self.group, d.send_splits, d.recv_splits)
+        with _trace.span("combine", layer=self.trace_name, rows=y_recv.shape[0]):
+            return comm.all_to_all(y_recv, self.group, d.send_splits, d.recv_splits)
 
     # ---------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -250,21 +261,34 @@ class MoE(nn.Module):
         if error is not None:
             if self.ep_size > 1:
                 # Take part in the counts exchange with a failure status so no peer waits forever.
-                z = torch.zeros(self.num_experts, dtype=torch.long, device=self.router.weight.device)
-                self.dispatch(self.router.weight.new_empty(0, self.d_model), z, error=error)
+                z = torch.zeros(self.pipeline_chunks, self.num_experts, dtype=torch.long,
+                                device=self.router.weight.device)
+                self.exchange_counts(z, error)
             raise error
         x_TD = x.reshape(-1, self.d_model)
         ops = _ops.get_ops(x_TD.device)
         state = self._routing_state(x_TD.shape[0], x_TD.device)
 
-        r = self.route(x_TD, state, ops)
+        chunk = _scope.current().chunk if _scope.current() is not None else None
+        with _trace.span("route", layer=self.trace_name, chunk=chunk):
+            r = self.route(x_TD, state, ops)
         state.next_chunk += 1
         if state.complete:
             self._record_stats(state)
-        num_rows = int(r.kept_E.sum())
-        x_SD, src_S = permute(x_TD, r.row_TK, num_rows, ops)
-        y_SD = self._exchange_and_compute(x_SD, r.kept_E, ops)
-        y_TD = unpermute(y_SD, r.row_TK, r.weight_TK, src_S, ops)
+        if self.pipeline_chunks == 1:
+            kept_host = None
+            num_rows = int(r.kept_E.sum())  # host sync: the rows to allocate
+        else:
+            kept_host = r.kept_E.cpu()
+            num_rows = int(kept_host.sum())
+        with _trace.span("permute", layer=self.trace_name, chunk=chunk):
+            x_SD, src_S = permute(x_TD, r.row_TK, num_rows, ops)
+        if self.pipeline_chunks == 1:
+            y_SD = self._exchange_and_compute(x_SD, r.kept_E, ops)
+        else:
+            y_SD = self._pipelined_exchange_and_compute(x_SD, kept_host, ops)
+        with _trace.span("unpermute", layer=self.trace_name, chunk=chunk):
+            y_TD = unpermute(y_SD, r.row_TK, r.weight_TK, src_S, ops)
         return y_TD.view(x.shape)
 
     def _exchange_and_compute(self, x_SD, kept_E, ops) -> torch.Tensor:
@@ -274,6 +298,30 @@ class MoE(nn.Module):
         pending = self.combine(y_recv, d)
         _scope.switch()
         return pending.wait()
+
+    def _pipelined_exchange_and_compute(self, x_SD, kept_E, ops) -> torch.Tensor:
+        """The Tutel-style baseline: every expert's rows cut into P pieces, each piece dispatched,
+        computed and combined in turn, so piece p's experts overlap piece p+1's transfer."""
+        P, E = self.pipeline_chunks, self.num_experts
+        kept = kept_E.tolist()
+        starts = [0]
+        for k in kept[:-1]:
+            starts.append(starts[-1] + k)
+        bounds = [[starts[e] + kept[e] * p // P for e in range(E)] for p in range(P + 1)]
+        kept_PE = torch.tensor([[bounds[p + 1][e] - bounds[p][e] for e in range(E)] for p in range(P)])
+        order = torch.cat([torch.arange(bounds[p][e], bounds[p + 1][e]) for p in range(P) for e in range(E)]
+                          + [torch.zeros(0, dtype=torch.long)]).to(x_SD.device)
+        pieces = x_SD.index_select(0, order).split(kept_PE.sum(1).tolist())
+        kept_PE = kept_PE.to(x_SD.device)
+        counts = self.exchange_counts(kept_PE) if self.ep_size > 1 else [None] * P
+        ds = [self.dispatch(pieces[p], kept_PE[p], counts[p]) for p in range(P)]
+        _scope.switch()
+        combines = [self.combine(self.compute_experts(d.pending.wait(), d, ops), d) for d in ds]
+        _scope.switch()
+        y_pieces = torch.cat([c.wait() for c in combines])
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return y_pieces.index_select(0, inverse)
 
     def _routing_state(self, T: int, device) -> BatchRouting:
         s = _scope.current()

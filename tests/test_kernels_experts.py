@@ -303,16 +303,19 @@ def _assert_close_sampled(name, actual, expected, dtype, counts=None, rows_per_s
     assert_close(name, actual[idx], expected[idx], dtype)
 
 
-def _gpu_problem(F, routing, seed):
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def _gpu_problem(routing, seed):
+    """(counts, R, offsets, randn) with a device generator: bf16 inputs built on the GPU."""
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
     counts = ROUTINGS[routing]
-    R = sum(counts)
-    off = torch.tensor([0] + torch.tensor(counts).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
 
     def randn(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g, device="cuda") * scale).to(torch.bfloat16)
+        return (torch.randn(*shape, generator=g, device=DEVICE) * scale).to(torch.bfloat16)
 
-    return counts, R, off, randn
+    return counts, sum(counts), _offsets(counts), randn
+
+
+def _nan(*shape):
+    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device=DEVICE)
 
 
 GPU_CASES = [(F, r) for F in (2048, 14336) for r in ROUTINGS]
@@ -322,12 +325,9 @@ GPU_IDS = [f"F{F}-{r}" for F, r in GPU_CASES]
 @pytest.mark.gpu
 @pytest.mark.parametrize("F,routing", GPU_CASES, ids=GPU_IDS)
 def test_gpu_gate_up_swiglu(F, routing):
-    counts, R, off, randn = _gpu_problem(F, routing, 1)
+    counts, R, off, randn = _gpu_problem(routing, 1)
     x, w = randn(R, D_MODEL), randn(E_LOCAL, 2 * F, D_MODEL, scale=D_MODEL**-0.5)
-    h, gu = gg.gate_up_swiglu(x, w, off, out=(torch.full((R, F), float("nan"), dtype=torch.bfloat16,
-                                                         device="cuda"),
-                                              torch.full((R, 2 * F), float("nan"), dtype=torch.bfloat16,
-                                                         device="cuda")))
+    h, gu = gg.gate_up_swiglu(x, w, off, out=(_nan(R, F), _nan(R, 2 * F)))
     h_ref, gu_ref = gate_up_swiglu_ref(x.float(), w.float(), off)
     _assert_close_sampled("gpu gu", gu, gu_ref, torch.bfloat16, counts)
     _assert_close_sampled("gpu h", h, h_ref, torch.bfloat16, counts)
@@ -336,29 +336,28 @@ def test_gpu_gate_up_swiglu(F, routing):
 @pytest.mark.gpu
 @pytest.mark.parametrize("F,routing", GPU_CASES, ids=GPU_IDS)
 def test_gpu_down_fwd_dx(F, routing):
-    counts, R, off, randn = _gpu_problem(F, routing, 2)
+    counts, R, off, randn = _gpu_problem(routing, 2)
     h, w = randn(R, F), randn(E_LOCAL, D_MODEL, F, scale=F**-0.5)
-    y = gg.grouped_mm(h, w, off, out=torch.full((R, D_MODEL), float("nan"), dtype=torch.bfloat16, device="cuda"))
+    y = gg.grouped_mm(h, w, off, out=_nan(R, D_MODEL))
     _assert_close_sampled("gpu down y", y, grouped_mm_ref(h.float(), w.float(), off), torch.bfloat16, counts)
     dy = randn(R, D_MODEL)
-    dh = gg.grouped_mm_dx(dy, w, off, out=torch.full((R, F), float("nan"), dtype=torch.bfloat16, device="cuda"))
-    _assert_close_sampled("gpu down dx", dh, grouped_mm_dx_ref(dy.float(), w.float(), off), torch.bfloat16,
-                          counts)
+    dh = gg.grouped_mm_dx(dy, w, off, out=_nan(R, F))
+    dh_ref = grouped_mm_dx_ref(dy.float(), w.float(), off)
+    _assert_close_sampled("gpu down dx", dh, dh_ref, torch.bfloat16, counts)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("F,routing", GPU_CASES, ids=GPU_IDS)
 def test_gpu_gate_up_dx_dw(F, routing):
-    counts, R, off, randn = _gpu_problem(F, routing, 3)
+    counts, R, off, randn = _gpu_problem(routing, 3)
     x, w = randn(R, D_MODEL), randn(E_LOCAL, 2 * F, D_MODEL, scale=D_MODEL**-0.5)
     dgu = randn(R, 2 * F)
-    dx = gg.grouped_mm_dx(dgu, w, off, out=torch.full_like(x, float("nan")))
-    _assert_close_sampled("gpu gate_up dx", dx, grouped_mm_dx_ref(dgu.float(), w.float(), off), torch.bfloat16,
-                          counts)
-    del dx
-    dw = gg.grouped_mm_dw(dgu, x, off, out=torch.full_like(w, float("nan")))
-    dw_ref = grouped_mm_dw_ref(dgu.float(), x.float(), off)
-    _assert_close_sampled("gpu gate_up dw", dw, dw_ref, torch.bfloat16)
+    dx = gg.grouped_mm_dx(dgu, w, off, out=_nan(R, D_MODEL))
+    dx_ref = grouped_mm_dx_ref(dgu.float(), w.float(), off)
+    _assert_close_sampled("gpu gate_up dx", dx, dx_ref, torch.bfloat16, counts)
+    del dx, dx_ref
+    dw = gg.grouped_mm_dw(dgu, x, off, out=_nan(E_LOCAL, 2 * F, D_MODEL))
+    _assert_close_sampled("gpu gate_up dw", dw, grouped_mm_dw_ref(dgu.float(), x.float(), off), torch.bfloat16)
     for e, n in enumerate(counts):
         if n == 0:
             assert not dw[e].any(), f"dw[{e}] of an empty expert is not zero"
@@ -366,14 +365,13 @@ def test_gpu_gate_up_dx_dw(F, routing):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("F,routing", GPU_CASES, ids=GPU_IDS)
-def test_gpu_down_dw_swiglu_bwd(F, routing):
-    counts, R, off, randn = _gpu_problem(F, routing, 4)
+def test_gpu_down_dw_swiglu(F, routing):
+    counts, R, off, randn = _gpu_problem(routing, 4)
     h, dy = randn(R, F), randn(R, D_MODEL)
-    dw = gg.grouped_mm_dw(dy, h, off, out=torch.full((E_LOCAL, D_MODEL, F), float("nan"), dtype=torch.bfloat16,
-                                                    device="cuda"))
+    dw = gg.grouped_mm_dw(dy, h, off, out=_nan(E_LOCAL, D_MODEL, F))
     _assert_close_sampled("gpu down dw", dw, grouped_mm_dw_ref(dy.float(), h.float(), off), torch.bfloat16)
     gu, dh = randn(R, 2 * F, scale=2.0), randn(R, F)
-    dgu = gg.swiglu_bwd(gu, dh, out=torch.full_like(gu, float("nan")))
+    h2 = gg.swiglu_fwd(gu, out=_nan(R, F))
+    _assert_close_sampled("gpu swiglu h", h2, swiglu_fwd_ref(gu.float()), torch.bfloat16, counts)
+    dgu = gg.swiglu_bwd(gu, dh, out=_nan(R, 2 * F))
     _assert_close_sampled("gpu swiglu dgu", dgu, swiglu_bwd_ref(gu.float(), dh.float()), torch.bfloat16, counts)
-    hh = gg.swiglu_fwd(gu, out=torch.full_like(dh, float("nan")))
-    _assert_close_sampled("gpu swiglu h", hh, swiglu_fwd_ref(gu.float()), torch.bfloat16, counts)

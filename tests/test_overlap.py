@@ -1,0 +1,218 @@
+"""Overlapped equals the unwrapped model: outputs, aux losses, every gradient; plus the runtime parts."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import lancet_rt
+from bench.model import MoEBlocks
+from tests.dist import assert_all_ok, run_ranks
+from tests.helpers import assert_close
+
+D = 16
+
+
+def make_model(capacity_factor, ep_group=None, seed=0, layers=2, E=4):
+    torch.manual_seed(seed)
+    return MoEBlocks(layers, D, 2, dict(d_ffn=12, num_experts=E, top_k=2, capacity_factor=capacity_factor,
+                                        aux_loss_coef=0.01, z_loss_coef=0.001, ep_group=ep_group))
+
+
+def run_and_grads(model, runner, x, g):
+    x = x.clone().requires_grad_(True)
+    y = runner(x)
+    y.backward(g)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    losses = [(m.aux_loss.clone(), m.z_loss.clone(), m.dropped) for m in model.moe_layers()]
+    return y.detach(), x.grad, grads, losses
+
+
+def assert_same_run(ref, got):
+    y0, gx0, grads0, losses0 = ref
+    y1, gx1, grads1, losses1 = got
+    assert_close("y", y1, y0)
+    assert_close("grad x", gx1, gx0)
+    assert grads0.keys() == grads1.keys()
+    for n in grads0:
+        assert_close(f"grad {n}", grads1[n], grads0[n])
+    for (a0, z0, d0), (a1, z1, d1) in zip(losses0, losses1):
+        assert_close("aux_loss", a1.reshape(1), a0.reshape(1))
+        assert_close("z_loss", z1.reshape(1), z0.reshape(1))
+        assert d0 == d1
+
+
+@pytest.mark.parametrize("chunks", [2, 3, 4])
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+@pytest.mark.parametrize("defer_wgrad", [False, True])
+def test_overlapped_equals_model(chunks, capacity_factor, defer_wgrad):
+    model = make_model(capacity_factor)
+    twin = copy.deepcopy(model)
+    x, g = torch.randn(7, 5, D), torch.randn(7, 5, D)
+    ref = run_and_grads(model, model, x, g)
+    got = run_and_grads(twin, lancet_rt.Overlapped(twin, chunks=chunks, defer_wgrad=defer_wgrad), x, g)
+    assert_same_run(ref, got)
+    if capacity_factor is not None:
+        assert any(m.dropped > 0 for m in twin.moe_layers()), "the capacity case must drop something"
+
+
+def test_overlapped_on_emulated_link_equals_model():
+    link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=0.002, latency_us=200)
+    model = make_model(0.75, ep_group=link, E=8)
+    twin = copy.deepcopy(model)
+    x, g = torch.randn(6, 5, D), torch.randn(6, 5, D)
+    ref = run_and_grads(model, model, x, g)
+    ov = lancet_rt.Overlapped(twin, chunks=3, defer_wgrad=True)
+    got = run_and_grads(twin, ov, x, g)
+    assert_same_run(ref, got)
+    # The link is slow enough that some dW ran inside backward all-to-all windows.
+    assert ov.wgrad_queue.ran_in_windows > 0
+    assert not ov.wgrad_queue.items
+
+
+def test_chunks_one_is_exactly_the_model():
+    model = make_model(1.0)
+    x = torch.randn(4, 3, D)
+    assert torch.equal(lancet_rt.Overlapped(model, chunks=1)(x), model(x))
+
+
+def test_fewer_rows_than_chunks():
+    model = make_model(1.0)
+    twin = copy.deepcopy(model)
+    x, g = torch.randn(2, 5, D), torch.randn(2, 5, D)
+    assert_same_run(run_and_grads(model, model, x, g),
+                    run_and_grads(twin, lancet_rt.Overlapped(twin, chunks=4), x, g))
+
+
+def test_moe_pipeline_chunks_equals_model():
+    link = lancet_rt.EmulatedGroup(2)
+    model = make_model(0.75, ep_group=link)
+    twin = copy.deepcopy(model)
+    for m in twin.moe_layers():
+        m.pipeline_chunks = 3
+    x, g = torch.randn(5, 6, D), torch.randn(5, 6, D)
+    assert_same_run(run_and_grads(model, model, x, g), run_and_grads(twin, twin, x, g))
+
+
+class _BatchCoupled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.moe = lancet_rt.MoE(D, 8, 4, 2)
+
+    def forward(self, x):
+        return self.moe(x - x.mean(dim=0, keepdim=True))  # couples rows: not separable
+
+
+def test_check_detects_non_separable_model():
+    with pytest.raises(ValueError, match="separable"):
+        lancet_rt.Overlapped(_BatchCoupled(), chunks=2, check=True)(torch.randn(6, 3, D))
+
+
+def test_check_passes_separable_model():
+    model = make_model(0.75)
+    lancet_rt.Overlapped(model, chunks=3, check=True)(torch.randn(6, 3, D))
+
+
+@pytest.mark.parametrize("kwargs, exc", [(dict(chunks=0), ValueError), (dict(chunks=2.5), ValueError),
+                                          (dict(chunks=True), ValueError)])
+def test_bad_chunks(kwargs, exc):
+    with pytest.raises(exc, match="chunks"):
+        lancet_rt.Overlapped(make_model(None), **kwargs)
+
+
+def test_bad_model_and_inputs():
+    with pytest.raises(TypeError, match="model"):
+        lancet_rt.Overlapped(lambda x: x)
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe = lancet_rt.MoE(D, 8, 4, 2)
+
+        def forward(self, a, b):
+            return self.moe(a + b)
+
+    with pytest.raises(ValueError, match="agree in size"):
+        lancet_rt.Overlapped(Two(), chunks=2)(torch.randn(4, D), torch.randn(5, D))
+
+    class Scalar(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.moe = lancet_rt.MoE(D, 8, 4, 2)
+
+        def forward(self, a):
+            return self.moe(a).sum()
+
+    with pytest.raises(ValueError, match="0-dim"):
+        lancet_rt.Overlapped(Scalar(), chunks=2)(torch.randn(4, D))
+
+
+def test_deferred_wgrad_complete_when_backward_returns():
+    model = make_model(None)
+    ov = lancet_rt.Overlapped(model, chunks=2, defer_wgrad=True)
+    ov(torch.randn(4, 3, D)).sum().backward()
+    assert not ov.wgrad_queue.items
+    assert all(p.grad is not None for p in model.parameters())
+    assert any(isinstance(m, lancet_rt.wgrad.DeferredLinear) for m in model.modules())
+
+
+def test_emulated_link_holds_modeled_time():
+    link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=0.001, latency_us=1000)
+    x = torch.randn(40, 25)
+    out = torch.empty_like(x)
+    work = link.all_to_all(out, x, [10, 10, 10, 10], [10, 10, 10, 10])
+    # 30 of 40 rows leave rank 0: 30 * 25 * 4 bytes at 1e6 B/s = 3 ms, plus 1 ms latency.
+    assert math.isclose(link.modeled_ms, 4.0, rel_tol=1e-9)
+    assert not work.is_completed()
+    work.wait()
+    assert work.end - work.start >= 0.004 - 1e-4
+    assert torch.equal(out, x)
+    with pytest.raises(ValueError, match="bandwidth_gbps"):
+        lancet_rt.EmulatedGroup(2, bandwidth_gbps=0)
+
+
+def test_trace_records_stages_and_link(tmp_path):
+    link = lancet_rt.EmulatedGroup(2, bandwidth_gbps=0.1, latency_us=10)
+    model = make_model(None, ep_group=link)
+    ov = lancet_rt.Overlapped(model, chunks=2, defer_wgrad=True)
+    with lancet_rt.tracing() as tr:
+        ov(torch.randn(4, 3, D)).sum().backward()
+    path = tmp_path / "trace.json"
+    tr.save(str(path))
+    events = json.loads(path.read_text())["traceEvents"]
+    names = {(e["tid"], e["name"]) for e in events}
+    for stage in ("route", "permute", "dispatch", "experts", "combine", "unpermute", "chunk 0", "chunk 1"):
+        assert ("compute", stage) in names, stage
+    assert ("link", "all_to_all") in names
+    routes = [e for e in events if e["name"] == "route"]
+    assert {e["args"]["chunk"] for e in routes} == {0, 1}
+    assert {e["args"]["layer"] for e in routes} == {"blocks.0.moe", "blocks.1.moe"}
+    assert all(e["dur"] >= 0 for e in events)
+
+
+# ---------------------------------------------------------------- expert parallelism, 2 gloo ranks
+def _overlapped_ep(rank, world, chunks, capacity_factor, defer_wgrad, batch):
+    import torch.distributed as dist
+
+    model = make_model(capacity_factor, ep_group=dist.group.WORLD, E=4)
+    torch.manual_seed(10 + rank)  # each rank its own experts
+    for m in model.moe_layers():
+        m.experts.reset_parameters()
+    twin = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(rank)
+    B = batch[rank]
+    x, g = torch.randn(B, 5, D, generator=gen), torch.randn(B, 5, D, generator=gen)
+    ref = run_and_grads(model, model, x, g)
+    got = run_and_grads(twin, lancet_rt.Overlapped(twin, chunks=chunks, defer_wgrad=defer_wgrad), x, g)
+    assert_same_run(ref, got)
+    return B
+
+
+@pytest.mark.parametrize("chunks, capacity_factor, defer_wgrad", [(2, None, False), (3, 0.75, True), (4, 0.75, False)])
+def test_overlapped_expert_parallel_gloo(chunks, capacity_factor, defer_wgrad):
+    batch = [5, 2]  # rank 1 has fewer rows than chunks when chunks > 2
+    assert_all_ok(run_ranks(_overlapped_ep, 2, chunks, capacity_factor, defer_wgrad, batch, timeout=180))
