@@ -7,6 +7,7 @@ collective is in flight.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -114,59 +115,76 @@ def as_group(ep_group) -> Optional[ExpertParallelGroup]:
 class _AllToAll(torch.autograd.Function):
     """Rows of ``x`` split by ``input_splits`` go to the ranks; ``output_splits`` rows come back.
 
-    Forward returns the output buffer at once and leaves the handle in ``box``; the consumer calls
-    ``box.wait()`` before reading it. Backward runs the dual all-to-all and, while it is in flight,
-    drains the deferred weight-gradient queue.
+    Forward returns the output buffer at once and leaves the handle in ``link``; the consumer calls
+    ``wait()`` before reading it. Backward runs the dual all-to-all. The consumer's backward may
+    issue that dual early (:meth:`BackwardLink.issue`), as soon as it has produced the gradient, so
+    the autograd engine runs other chunks' backward while it is in flight; this node then only
+    waits, draining the deferred weight-gradient queue meanwhile.
     """
 
     @staticmethod
-    def forward(ctx, x, group, output_splits, input_splits, box):
-        out = x.new_empty((sum(output_splits),) + tuple(x.shape[1:]))
-        box.work = group.all_to_all(out, x.contiguous(), output_splits, input_splits)
-        ctx.group, ctx.output_splits, ctx.input_splits = group, output_splits, input_splits
+    def forward(ctx, x, link):
+        out = x.new_empty((sum(link.output_splits),) + tuple(x.shape[1:]))
+        link.work = link.group.all_to_all(out, x.contiguous(), link.output_splits, link.input_splits)
+        ctx.link = link
         ctx.wgrad = wgrad.current()
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_out = grad_out.contiguous()
-        grad_in = grad_out.new_empty((sum(ctx.input_splits),) + tuple(grad_out.shape[1:]))
-        work = ctx.group.all_to_all(grad_in, grad_out, ctx.input_splits, ctx.output_splits)
+        link = ctx.link
+        if link.early is None:
+            link.issue(grad_out)
+        grad_in, work = link.early
+        link.early = None
         if ctx.wgrad is not None:
-            ctx.wgrad.drain_during(work, _window_ms(ctx.group, grad_out, ctx.output_splits))
+            ctx.wgrad.drain_during(work, link.window_ms(grad_out))
         work.wait()
-        return grad_in, None, None, None, None
+        return grad_in, None
 
 
-def _window_ms(group, x, splits):
-    """The collective's expected time, where the group can model it (the emulated link)."""
-    hold = getattr(group, "hold_ms", None)
-    if hold is None:
-        return None
-    row_bytes = x.element_size() * (x[0].numel() if x.shape[0] else 0)
-    return hold((sum(splits) - splits[group.rank]) * row_bytes)
+class BackwardLink:
+    """One all-to-all's plan, shared by its forward handle and its consumer's backward."""
+
+    def __init__(self, group, output_splits: Sequence[int], input_splits: Sequence[int]):
+        self.group = group
+        self.output_splits, self.input_splits = list(output_splits), list(input_splits)
+        self.work: Work = Done()
+        self.early = None
+
+    def issue(self, grad_out: torch.Tensor) -> None:
+        """Start the backward (dual) all-to-all of ``grad_out`` now."""
+        grad_out = grad_out.contiguous()
+        grad_in = grad_out.new_empty((sum(self.input_splits),) + tuple(grad_out.shape[1:]))
+        work = self.group.all_to_all(grad_in, grad_out, self.input_splits, self.output_splits)
+        self.early = (grad_in, work)
+
+    def window_ms(self, grad_out: torch.Tensor) -> Optional[float]:
+        """The backward collective's expected time, where the group models it (the emulated link)."""
+        hold = getattr(self.group, "hold_ms", None)
+        if hold is None:
+            return None
+        row_bytes = grad_out.element_size() * math.prod(grad_out.shape[1:])
+        return hold((sum(self.output_splits) - self.output_splits[self.group.rank]) * row_bytes)
 
 
 class Pending:
-    """An all-to-all in flight. ``wait()`` returns its output once it has arrived."""
+    """An all-to-all in flight. ``wait()`` returns its output once it has arrived; ``link`` lets the
+    output's consumer issue the backward all-to-all early."""
 
-    def __init__(self, out: torch.Tensor, work: Work):
-        self._out, self.work = out, work
+    def __init__(self, out: torch.Tensor, link: Optional[BackwardLink]):
+        self._out, self.link = out, link
 
     def wait(self) -> torch.Tensor:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
+        if self.link is not None and self.link.work is not None:
+            self.link.work.wait()
+            self.link.work = None
         return self._out
 
 
 def all_to_all(x: torch.Tensor, group: ExpertParallelGroup, output_splits: Sequence[int],
                input_splits: Sequence[int]) -> Pending:
     """Start an autograd-aware all-to-all of the rows of ``x``; returns a :class:`Pending`."""
-
-    class _Box:
-        work: Work = Done()
-
-    box = _Box()
-    out = _AllToAll.apply(x, group, list(output_splits), list(input_splits), box)
-    return Pending(out, box.work)
+    link = BackwardLink(group, output_splits, input_splits)
+    out = _AllToAll.apply(x, link)
+    return Pending(out, link)

@@ -191,9 +191,12 @@ class EmulatedGroup:
             raise ValueError("EmulatedGroup: a symmetric world sends and receives the same splits")
         row_bytes = input.element_size() * math.prod(input.shape[1:])
         off_rank = (sum(input_splits) - input_splits[0]) * row_bytes
+        # The link moves data outside autograd, like a collective: detached tensors, so a copy on the
+        # link thread (where grad mode is on by default) never enters the graph.
+        src, dst = input.detach(), output.detach()
         if self._cpu_link is not None:
-            return self._submit(off_rank, copy=(lambda: output.copy_(input)) if input.numel() else None)
-        return self._submit(off_rank, src=input, dst=output)
+            return self._submit(off_rank, copy=(lambda: dst.copy_(src)) if src.numel() else None)
+        return self._submit(off_rank, src=src, dst=dst)
 
     def exchange(self, send_WN: torch.Tensor) -> torch.Tensor:
         """The counts exchange: by symmetry every rank sends what this one sends. Waits for the link."""

@@ -16,24 +16,33 @@ from . import wgrad
 
 
 class _ExpertsFn(torch.autograd.Function):
+    """Rows in the received (rank-major) order in and out; expert-major inside for the GEMMs."""
+
     @staticmethod
-    def forward(ctx, x_RD, gate_up_E2FD, down_EDF, offsets_E1, ops):
+    def forward(ctx, x_in, gate_up_E2FD, down_EDF, offsets_E1, ops, to_expert, to_rank, link):
+        x_RD = x_in if to_expert is None else x_in.index_select(0, to_expert)
         h_RF, gu_R2F = ops.gate_up_swiglu(x_RD, gate_up_E2FD, offsets_E1)
         y_RD = ops.grouped_mm(h_RF, down_EDF, offsets_E1)
+        ctx.perms, ctx.link = (to_expert, to_rank), link
         ctx.save_for_backward(x_RD, gu_R2F, h_RF, gate_up_E2FD, down_EDF, offsets_E1)
         ctx.ops = ops
         ctx.params = (gate_up_E2FD, down_EDF)  # deferred dW accumulates into these Parameters
         ctx.wgrad = wgrad.current()
-        return y_RD
+        return y_RD if to_rank is None else y_RD.index_select(0, to_rank)
 
     @staticmethod
-    def backward(ctx, dy_RD):
+    def backward(ctx, dy_out):
         x_RD, gu_R2F, h_RF, gate_up_E2FD, down_EDF, offsets_E1 = ctx.saved_tensors
         ops = ctx.ops
-        dy_RD = dy_RD.contiguous()
+        to_expert, to_rank = ctx.perms
+        dy_RD = dy_out.contiguous() if to_expert is None else dy_out.index_select(0, to_expert)
         dh_RF = ops.grouped_mm_dx(dy_RD, down_EDF, offsets_E1)
         dgu_R2F = ops.swiglu_bwd(gu_R2F, dh_RF)
         dx_RD = ops.grouped_mm_dx(dgu_R2F, gate_up_E2FD, offsets_E1)
+        dx_in = dx_RD if to_rank is None else dx_RD.index_select(0, to_rank)
+        if ctx.link is not None:
+            ctx.link.issue(dx_in)  # the dispatch's backward all-to-all starts now
+        none = (None,) * 5
 
         def weight_grads():
             return (ops.grouped_mm_dw(dgu_R2F, x_RD, offsets_E1),
@@ -41,13 +50,13 @@ class _ExpertsFn(torch.autograd.Function):
 
         needs = ctx.needs_input_grad[1:3]
         if not any(needs):
-            return dx_RD, None, None, None, None
+            return (dx_in, None, None) + none
         if ctx.wgrad is not None:
             flops = 3 * x_RD.shape[0] * gu_R2F.shape[1] * x_RD.shape[1]  # 2RD(2F) + 2RDF
             ctx.wgrad.push(ctx.params, needs, weight_grads, flops)
-            return dx_RD, None, None, None, None
+            return (dx_in, None, None) + none
         dgu, ddown = weight_grads()
-        return dx_RD, dgu if needs[0] else None, ddown if needs[1] else None, None, None
+        return (dx_in, dgu if needs[0] else None, ddown if needs[1] else None) + none
 
 
 class Experts(nn.Module):
@@ -78,9 +87,18 @@ class Experts(nn.Module):
         nn.init.normal_(self.gate_up_proj, std=self.init_std)
         nn.init.normal_(self.down_proj, std=self.init_std / math.sqrt(2))
 
-    def forward(self, x_RD: torch.Tensor, offsets_E1: torch.Tensor, ops) -> torch.Tensor:
-        """Apply expert e to rows offsets[e]:offsets[e+1] of ``x_RD`` [R, D]; returns y_RD."""
-        return _ExpertsFn.apply(x_RD, self.gate_up_proj, self.down_proj, offsets_E1, ops)
+    def forward(self, x_RD: torch.Tensor, offsets_E1: torch.Tensor, ops, *, to_expert=None, to_rank=None,
+                link=None) -> torch.Tensor:
+        """Apply expert e to rows offsets[e]:offsets[e+1] of ``x_RD`` [R, D]; returns y_RD.
+
+        Args:
+            x_RD: [R, D] rows grouped by local expert, or in received order with ``to_expert``.
+            offsets_E1: [E_local + 1] segment bounds (in expert-major order).
+            ops: the kernel namespace (:func:`lancet_rt.ops.get_ops`).
+            to_expert, to_rank: optional row permutations received -> expert-major and back.
+            link: the dispatch all-to-all that produced ``x_RD``; its backward is issued from here.
+        """
+        return _ExpertsFn.apply(x_RD, self.gate_up_proj, self.down_proj, offsets_E1, ops, to_expert, to_rank, link)
 
     def extra_repr(self) -> str:
         return f"num_local_experts={self.num_local_experts}, d_model={self.d_model}, d_ffn={self.d_ffn}"

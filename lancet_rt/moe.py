@@ -238,12 +238,11 @@ class MoE(nn.Module):
         offsets = _offsets(counts_WL.sum(0).to(x_SD.device))
         return _Dispatched(pending, offsets, send_splits, recv_splits, to_expert, to_rank)
 
-    def compute_experts(self, x_recv: torch.Tensor, d: _Dispatched, ops) -> torch.Tensor:
+    def compute_experts(self, x_recv: torch.Tensor, d: _Dispatched, ops, link=None) -> torch.Tensor:
         """Grouped SwiGLU experts over the received rows (rank-major in, rank-major out)."""
         with _trace.span("experts", layer=self.trace_name, rows=x_recv.shape[0]):
-            x_RD = x_recv if d.to_expert_major is None else x_recv.index_select(0, d.to_expert_major)
-            y_RD = self.experts(x_RD, d.offsets_L1, ops)
-            return y_RD if d.to_rank_major is None else y_RD.index_select(0, d.to_rank_major)
+            return self.experts(x_recv, d.offsets_L1, ops, to_expert=d.to_expert_major,
+                                to_rank=d.to_rank_major, link=link)
 
     def combine(self, y_recv: torch.Tensor, d: _Dispatched) -> comm.Pending:
         """Send expert outputs back to the tokens' ranks (async)."""
@@ -284,20 +283,20 @@ class MoE(nn.Module):
         with _trace.span("permute", layer=self.trace_name, chunk=chunk):
             x_SD, src_S = permute(x_TD, r.row_TK, num_rows, ops)
         if self.pipeline_chunks == 1:
-            y_SD = self._exchange_and_compute(x_SD, r.kept_E, ops)
+            y_SD, link = self._exchange_and_compute(x_SD, r.kept_E, ops)
         else:
-            y_SD = self._pipelined_exchange_and_compute(x_SD, kept_host, ops)
+            y_SD, link = self._pipelined_exchange_and_compute(x_SD, kept_host, ops), None
         with _trace.span("unpermute", layer=self.trace_name, chunk=chunk):
-            y_TD = unpermute(y_SD, r.row_TK, r.weight_TK, src_S, ops)
+            y_TD = unpermute(y_SD, r.row_TK, r.weight_TK, src_S, ops, link)
         return y_TD.view(x.shape)
 
-    def _exchange_and_compute(self, x_SD, kept_E, ops) -> torch.Tensor:
+    def _exchange_and_compute(self, x_SD, kept_E, ops):
         d = self.dispatch(x_SD, kept_E)
         _scope.switch()
-        y_recv = self.compute_experts(d.pending.wait(), d, ops)
+        y_recv = self.compute_experts(d.pending.wait(), d, ops, d.pending.link)
         pending = self.combine(y_recv, d)
         _scope.switch()
-        return pending.wait()
+        return pending.wait(), pending.link
 
     def _pipelined_exchange_and_compute(self, x_SD, kept_E, ops) -> torch.Tensor:
         """The Tutel-style baseline: every expert's rows cut into P pieces, each piece dispatched,

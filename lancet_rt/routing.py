@@ -139,18 +139,23 @@ def permute(x_TD, row_TK, num_rows, ops):
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_SD, row_TK, weight_TK, src_S, ops):
+    def forward(ctx, y_SD, row_TK, weight_TK, src_S, ops, link):
         ctx.save_for_backward(y_SD, row_TK, weight_TK, src_S)
-        ctx.ops = ops
+        ctx.ops, ctx.link = ops, link
         return ops.unpermute_fwd(y_SD, row_TK, weight_TK)
 
     @staticmethod
     def backward(ctx, grad_y_TD):
         y_SD, row_TK, weight_TK, src_S = ctx.saved_tensors
         grad_y_SD, grad_w = ctx.ops.unpermute_bwd(grad_y_TD.contiguous(), y_SD, row_TK, weight_TK, src_S)
-        return grad_y_SD, None, grad_w, None, None
+        if ctx.link is not None:
+            ctx.link.issue(grad_y_SD)  # the combine's backward all-to-all starts now
+        return grad_y_SD, None, grad_w, None, None, None
 
 
-def unpermute(y_SD, row_TK, weight_TK, src_S, ops):
-    """Weighted sum over K of the expert outputs back into token order: y_TD."""
-    return _Unpermute.apply(y_SD, row_TK, weight_TK, src_S, ops)
+def unpermute(y_SD, row_TK, weight_TK, src_S, ops, link=None):
+    """Weighted sum over K of the expert outputs back into token order: y_TD.
+
+    ``link``: the combine all-to-all whose output ``y_SD`` is; its backward is issued from here.
+    """
+    return _Unpermute.apply(y_SD, row_TK, weight_TK, src_S, ops, link)

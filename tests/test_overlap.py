@@ -61,15 +61,19 @@ def test_overlapped_equals_model(chunks, capacity_factor, defer_wgrad):
 
 
 def test_overlapped_on_emulated_link_equals_model():
-    link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=0.002, latency_us=200)
+    # Every transfer holds the link 30 ms: longer than the backward compute between a backward
+    # all-to-all's early issue and its wait, so the waits find time left for deferred dW.
+    link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=1.0, latency_us=30_000)
     model = make_model(0.75, ep_group=link, E=8)
     twin = copy.deepcopy(model)
     x, g = torch.randn(6, 5, D), torch.randn(6, 5, D)
     ref = run_and_grads(model, model, x, g)
     ov = lancet_rt.Overlapped(twin, chunks=3, defer_wgrad=True)
+    run_and_grads(twin, ov, x, g)  # warm-up
+    for p in twin.parameters():
+        p.grad = None
     got = run_and_grads(twin, ov, x, g)
     assert_same_run(ref, got)
-    # The link is slow enough that some dW ran inside backward all-to-all windows.
     assert ov.wgrad_queue.ran_in_windows > 0
     assert not ov.wgrad_queue.items
 
@@ -216,3 +220,17 @@ def _overlapped_ep(rank, world, chunks, capacity_factor, defer_wgrad, batch):
 def test_overlapped_expert_parallel_gloo(chunks, capacity_factor, defer_wgrad):
     batch = [5, 2]  # rank 1 has fewer rows than chunks when chunks > 2
     assert_all_ok(run_ranks(_overlapped_ep, 2, chunks, capacity_factor, defer_wgrad, batch, timeout=180))
+
+
+def test_emulated_all_to_all_stays_in_its_autograd_node():
+    # Regression: the CPU link copies on its own thread, where grad mode is on; the copy must not
+    # enter the graph (it once rebased the output onto a CopyBackwards that bypassed the collective).
+    from lancet_rt import comm
+
+    link = lancet_rt.EmulatedGroup(2, bandwidth_gbps=1.0)
+    x = torch.randn(6, 4, requires_grad=True)
+    y = comm.all_to_all(x, link, [3, 3], [3, 3]).wait()
+    assert type(y.grad_fn).__name__ == "_AllToAllBackward"
+    g = torch.randn_like(y)
+    y.backward(g)
+    assert torch.equal(x.grad, g)
