@@ -44,7 +44,7 @@ integers.
 
 Bytes moved (the floor the benchmark divides by), with ``f`` the logits element size:
   forward   ``T*E*f`` (logits) + ``T*K*(4 + f + 4)`` (expert, weight, slot) + small ``O(E)``;
-            the multi-program path adds ``T*K*12`` (slot fix-up) + ``NB*E*(8 + 2f)`` (scan);
+            the multi-program path adds ``T*K*12`` (slot fix-up) + ``NB*E*(12 + 2f)`` (scan);
   backward  ``T*E*2f`` (logits in, grad out) + ``T*K*(4 + 4)`` (experts, grad weights) + ``O(E)``;
   dispatch  ``T*K*12`` (expert, slot in, row out) + ``O(E)``.
 
@@ -63,7 +63,9 @@ gradient on the scores ``g_s`` and then on the logits:
 Configs
 -------
 ``BLOCK_T`` and ``num_warps`` of the forward and backward kernels are autotuned on CUDA, keyed on
-(E, K) and the dtypes, over a space pruned to 1..32 tile elements per thread.
+(E, K), the dtypes and (forward) single-program vs spans, never on T, over a space pruned to
+1..16 tile elements per thread (no register spills on sm_90). The span is not tuned: it is
+32..512 tokens, a power of two sized for ~4 programs per SM.
 ``LANCET_GATING_FWD_CONFIG`` / ``LANCET_GATING_BWD_CONFIG`` pin one, e.g.
 ``"BLOCK_T=16,num_warps=4"``. Under ``TRITON_INTERPRET=1`` the largest tile is used, untimed.
 """
@@ -127,9 +129,11 @@ def _token_tile_configs():
 
 
 def _token_tile_keep(config: triton.Config, block_e: int) -> bool:
-    """Keep tiles that give every thread 1..32 elements of the [BLOCK_T, BLOCK_E] tile."""
+    """Keep tiles that give every thread 1..16 elements of the [BLOCK_T, BLOCK_E] tile: the
+    forward keeps ~6 tile-shaped values live (scores, candidates, k index, rank, offsets, mask),
+    about 12 registers per element on sm_90, and spills past ~20."""
     per_thread = config.kwargs["BLOCK_T"] * block_e / (32 * config.num_warps)
-    return 1 <= per_thread <= 32
+    return 1 <= per_thread <= 16
 
 
 def _token_tile_prune(env_var):
@@ -153,7 +157,7 @@ def _token_tile_prune(env_var):
 # ----------------------------------------------------------------------------------------------
 @triton.autotune(
     configs=_token_tile_configs(),
-    key=["E", "K"],
+    key=["E", "K", "SINGLE_PROGRAM"],
     prune_configs_by={"early_config_prune": _token_tile_prune(_ENV_FWD_CONFIG)},
 )
 @triton.jit
@@ -226,9 +230,10 @@ def _gating_fwd_kernel(
             b_cand = tl.where(b_hit, float("-inf"), b_cand)
             b_topsum += b_best
 
-        # Scatter expert, weight and slot of every chosen (t, e) to t * K + kidx.
+        # Scatter expert, weight and slot of every chosen (t, e) to t * K + kidx (int32: the
+        # launcher checks T * K < 2^31).
         mask_tk = (b_kidx >= 0) & mask_t[:, None]
-        offs_tk = offs_t64[:, None] * K + b_kidx
+        offs_tk = offs_t[:, None] * K + b_kidx
         if NORMALIZE:
             b_w = b_s / b_topsum[:, None]
         else:
@@ -315,17 +320,17 @@ def _gating_slot_kernel(
     slot_ptr,        # [T * K] int32 in: rank within the span; out: slot, -1 when dropped
     span_start_ptr,  # [NB, E] int32 first slot of each span
     # Sizes
-    N, E, K,
-    span,
+    N, E,
+    span_k,          # assignments per span: span * K
     capacity,
     # Meta-parameters
     BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)   # int32: N = T * K < 2^31
     mask = offs < N
     b_e = tl.load(expert_ptr + offs, mask=mask, other=0)
     b_rank = tl.load(slot_ptr + offs, mask=mask, other=0)
-    b_span = (offs // K) // span
+    b_span = offs // span_k
     b_slot = tl.load(span_start_ptr + b_span * E + b_e, mask=mask, other=0) + b_rank
     tl.store(slot_ptr + offs, tl.where(b_slot < capacity, b_slot, -1), mask=mask)
 
@@ -452,7 +457,7 @@ def _dispatch_rows_kernel(
     # Meta-parameters
     BLOCK: tl.constexpr,
 ):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)   # int32: N = T * K < 2^31
     mask = offs < N
     b_slot = tl.load(slot_ptr + offs, mask=mask, other=-1)
     b_e = tl.load(expert_ptr + offs, mask=mask & (b_slot >= 0), other=0)
@@ -602,7 +607,7 @@ def gating_fwd(
     )
     _gating_slot_kernel[(triton.cdiv(T * K, _FLAT_BLOCK),)](
         out.expert_TK, out.slot_TK, span_count,
-        T * K, E, K, span, cap,
+        T * K, E, span * K, cap,
         BLOCK=_FLAT_BLOCK,
     )
     return out

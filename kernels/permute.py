@@ -140,7 +140,7 @@ def _permute_fwd_kernel(
 
     b_x = tl.load(x_ptr + offs_t64[:, None] * stride_xt + offs_d[None, :] * stride_xd,
                   mask=mask_t[:, None] & mask_d[None, :])
-    mask_src = tl.full([BLOCK_T], pid_d, tl.int32) == 0   # src_S is written by the first D tile
+    mask_src = (tl.zeros([BLOCK_T], dtype=tl.int32) + pid_d) == 0   # src_S: written by the first D tile
     for k in range(K):
         b_row = tl.load(row_ptr + offs_t64 * K + k, mask=mask_t, other=-1)
         mask_r = (b_row >= 0) & (b_row < S)
