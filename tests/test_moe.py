@@ -69,8 +69,15 @@ def check_layer_against_contract(c, dtype=torch.float32, lead=None):
         assert_close(f"grad {name}", a.reshape(e.shape), e, rel_rms=1e-4 if dtype == torch.float32 else None)
 
 
+@pytest.fixture(params=["torch", "triton"])
+def kernels(request, monkeypatch):
+    """Both kernel paths: the PyTorch references, and the Triton kernels (interpreter on CPU)."""
+    monkeypatch.setenv("LANCET_KERNELS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("c", CONFIGS, ids=_ids)
-def test_contract_float32(c):
+def test_contract_float32(c, kernels):
     check_layer_against_contract(c)
 
 
@@ -79,9 +86,21 @@ def test_contract_float64(c):
     check_layer_against_contract(c, torch.float64)
 
 
-def test_any_leading_dims():
+def test_any_leading_dims(kernels):
     c = dict(CONFIGS[2])
     check_layer_against_contract(c, lead=(2, 4, 8))
+
+
+def test_triton_path_is_used(monkeypatch):
+    from lancet_rt.ops import get_ops
+
+    monkeypatch.setenv("LANCET_KERNELS", "triton")
+    assert get_ops(torch.device("cpu")).name == "triton"
+    monkeypatch.setenv("LANCET_KERNELS", "torch")
+    assert get_ops(torch.device("cpu")).name == "torch"
+    monkeypatch.setenv("LANCET_KERNELS", "cuda")
+    with pytest.raises(ValueError, match="LANCET_KERNELS"):
+        get_ops(torch.device("cpu"))
 
 
 def test_capacity_drops_happen_and_are_counted():
