@@ -35,8 +35,6 @@ def device_name(device: torch.device) -> str:
 
 def run_metadata(device: torch.device, **ceilings) -> dict:
     """The fields every JSON row carries."""
-    import triton  # noqa: F401  (version only)
-
     return dict(
         device=device_name(device),
         commit=git_commit(),

@@ -72,12 +72,13 @@ Configs
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from ._config import interpreting, pinned_config
 
 from kernels.reference import GatingOutput
 
@@ -102,22 +103,6 @@ _ENV_BWD_CONFIG = "LANCET_GATING_BWD_CONFIG"
 # ----------------------------------------------------------------------------------------------
 # Config spaces
 # ----------------------------------------------------------------------------------------------
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _pinned_config(env_var: str) -> Optional[triton.Config]:
-    """The config pinned by ``env_var`` ("NAME=int,...,num_warps=int"), or None."""
-    spec = os.environ.get(env_var, "").strip()
-    if not spec:
-        return None
-    meta, opts = {}, {}
-    for item in spec.split(","):
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"{env_var}: expected NAME=int items, got {item!r}")
-        (opts if name.strip() in ("num_warps", "num_stages") else meta)[name.strip()] = int(value)
-    return triton.Config(meta, **opts)
 
 
 def _token_tile_configs():
@@ -138,14 +123,14 @@ def _token_tile_keep(config: triton.Config, block_e: int) -> bool:
 
 def _token_tile_prune(env_var):
     def prune(configs, named_args, **kwargs):
-        pinned = _pinned_config(env_var)
+        pinned = pinned_config(env_var)
         if pinned is not None:
             return [pinned]
         block_e = kwargs["BLOCK_E"]
         kept = [c for c in configs if _token_tile_keep(c, block_e)]
         if not kept:  # tiny E: the largest tile; huge E: the smallest
             kept = [min(configs, key=lambda c: abs(c.kwargs["BLOCK_T"] * block_e / (32 * c.num_warps) - 8))]
-        if _interpreting():  # untimed: fewest tiles, fewest interpreted ops
+        if interpreting():  # untimed: fewest tiles, fewest interpreted ops
             return [max(kept, key=lambda c: (c.kwargs["BLOCK_T"], -c.num_warps))]
         return kept
 

@@ -39,12 +39,13 @@ is used, untimed.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
+
+from ._config import interpreting, pinned_config
 
 __all__ = ["permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd"]
 
@@ -57,22 +58,6 @@ _ENV_UNPERMUTE_BWD_CONFIG = "LANCET_UNPERMUTE_BWD_CONFIG"
 # ----------------------------------------------------------------------------------------------
 # Config spaces
 # ----------------------------------------------------------------------------------------------
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _pinned_config(env_var: str) -> Optional[triton.Config]:
-    """The config pinned by ``env_var`` ("NAME=int,...,num_warps=int"), or None."""
-    spec = os.environ.get(env_var, "").strip()
-    if not spec:
-        return None
-    meta, opts = {}, {}
-    for item in spec.split(","):
-        name, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"{env_var}: expected NAME=int items, got {item!r}")
-        (opts if name.strip() in ("num_warps", "num_stages") else meta)[name.strip()] = int(value)
-    return triton.Config(meta, **opts)
 
 
 def _row_tile_configs():
@@ -95,12 +80,12 @@ def _row_tile_keep(config: triton.Config, D: int) -> bool:
 
 def _row_tile_prune(env_var):
     def prune(configs, named_args, **kwargs):
-        pinned = _pinned_config(env_var)
+        pinned = pinned_config(env_var)
         if pinned is not None:
             return [pinned]
         D = named_args["D"]
         kept = [c for c in configs if _row_tile_keep(c, D)] or [configs[0]]
-        if _interpreting():  # untimed: fewest programs, fewest interpreted ops
+        if interpreting():  # untimed: fewest programs, fewest interpreted ops
             return [max(kept, key=lambda c: (c.kwargs["BLOCK_T"] * c.kwargs["BLOCK_D"], -c.num_warps))]
         return kept
 

@@ -135,7 +135,7 @@ def test_aux_gradient_reaches_router_without_user_loss():
 
 
 def test_mixtral_parity():
-    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("transformers")
     from transformers.models.mixtral.configuration_mixtral import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
