@@ -13,7 +13,7 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from . import wgrad
+from . import scope as _scope, trace as _trace, wgrad
 
 
 @runtime_checkable
@@ -138,8 +138,10 @@ class _AllToAll(torch.autograd.Function):
         grad_in, work = link.early
         link.early = None
         if ctx.wgrad is not None:
-            ctx.wgrad.drain_during(work, link.window_ms(grad_out))
-        work.wait()
+            with _trace.span("dW", chunk=link.chunk):
+                ctx.wgrad.drain_during(work, link.window_ms(grad_out))
+        with _trace.span("wait", "wait", chunk=link.chunk):
+            work.wait()
         return grad_in, None
 
 
@@ -151,6 +153,7 @@ class BackwardLink:
         self.output_splits, self.input_splits = list(output_splits), list(input_splits)
         self.work: Work = Done()
         self.early = None
+        self.chunk = _scope.current().chunk if _scope.current() is not None else None
 
     def issue(self, grad_out: torch.Tensor) -> None:
         """Start the backward (dual) all-to-all of ``grad_out`` now."""
@@ -177,7 +180,8 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         if self.link is not None and self.link.work is not None:
-            self.link.work.wait()
+            with _trace.span("wait", "wait", chunk=self.link.chunk):
+                self.link.work.wait()
             self.link.work = None
         return self._out
 

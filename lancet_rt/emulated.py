@@ -54,18 +54,29 @@ class _CpuLink:
 
     def submit(self, work: _LinkWork) -> None:
         with self._lock:
-            start = max(time.perf_counter(), self._busy_until)
+            now = time.perf_counter()
+            start = max(now, self._busy_until)
             work.expected_end = start + work.hold_s
             self._busy_until = work.expected_end
-        self._q.put(work)
+            inline = work.hold_s == 0 and start == now  # a free transfer on an idle link
+        if inline:
+            work.start = now
+            if work.copy is not None:
+                work.copy()
+            work.end = time.perf_counter()
+            work._done.set()
+        else:
+            self._q.put(work)
 
     def _serve(self) -> None:
+        # Each transfer ends at the time planned when it was submitted (a FIFO of fixed-length
+        # holds), so a late wake-up of this thread (it needs the GIL) never lengthens the link.
         while True:
             work = self._q.get()
             work.start = time.perf_counter()
             if work.copy is not None:
                 work.copy()
-            remaining = work.start + work.hold_s - time.perf_counter()
+            remaining = work.expected_end - time.perf_counter()
             if remaining > 0:
                 time.sleep(remaining)
             work.end = time.perf_counter()

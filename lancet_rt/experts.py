@@ -12,7 +12,7 @@ import math
 import torch
 from torch import nn
 
-from . import wgrad
+from . import scope as _scope, trace as _trace, wgrad
 
 
 class _ExpertsFn(torch.autograd.Function):
@@ -28,10 +28,16 @@ class _ExpertsFn(torch.autograd.Function):
         ctx.ops = ops
         ctx.params = (gate_up_E2FD, down_EDF)  # deferred dW accumulates into these Parameters
         ctx.wgrad = wgrad.current()
+        ctx.chunk = _scope.current().chunk if _scope.current() is not None else None
         return y_RD if to_rank is None else y_RD.index_select(0, to_rank)
 
     @staticmethod
     def backward(ctx, dy_out):
+        with _trace.span("experts bwd", chunk=ctx.chunk):
+            return _ExpertsFn._backward(ctx, dy_out)
+
+    @staticmethod
+    def _backward(ctx, dy_out):
         x_RD, gu_R2F, h_RF, gate_up_E2FD, down_EDF, offsets_E1 = ctx.saved_tensors
         ops = ctx.ops
         to_expert, to_rank = ctx.perms

@@ -12,6 +12,8 @@ from typing import Optional
 
 import torch
 
+from . import scope as _scope, trace as _trace
+
 
 @dataclass
 class BatchRouting:
@@ -142,12 +144,14 @@ class _Unpermute(torch.autograd.Function):
     def forward(ctx, y_SD, row_TK, weight_TK, src_S, ops, link):
         ctx.save_for_backward(y_SD, row_TK, weight_TK, src_S)
         ctx.ops, ctx.link = ops, link
+        ctx.chunk = _scope.current().chunk if _scope.current() is not None else None
         return ops.unpermute_fwd(y_SD, row_TK, weight_TK)
 
     @staticmethod
     def backward(ctx, grad_y_TD):
         y_SD, row_TK, weight_TK, src_S = ctx.saved_tensors
-        grad_y_SD, grad_w = ctx.ops.unpermute_bwd(grad_y_TD.contiguous(), y_SD, row_TK, weight_TK, src_S)
+        with _trace.span("unpermute bwd", chunk=ctx.chunk):
+            grad_y_SD, grad_w = ctx.ops.unpermute_bwd(grad_y_TD.contiguous(), y_SD, row_TK, weight_TK, src_S)
         if ctx.link is not None:
             ctx.link.issue(grad_y_SD)  # the combine's backward all-to-all starts now
         return grad_y_SD, None, grad_w, None, None, None
