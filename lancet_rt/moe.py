@@ -232,7 +232,7 @@ class MoE(nn.Module):
             counts_WL = self.exchange_counts(kept_E.view(1, -1))[0]
         send_splits = kept_E.view(W, L).sum(1).tolist()
         recv_splits = counts_WL.sum(1).tolist()
-        with _trace.span("dispatch", layer=self.trace_name, rows=x_SD.shape[0]):
+        with _trace.span("dispatch", cuda=x_SD.is_cuda, layer=self.trace_name, rows=x_SD.shape[0]):
             pending = comm.all_to_all(x_SD, self.group, recv_splits, send_splits)
         to_expert, to_rank = _regroup_permutations(counts_WL, x_SD.device)
         offsets = _offsets(counts_WL.sum(0).to(x_SD.device))
@@ -240,7 +240,7 @@ class MoE(nn.Module):
 
     def compute_experts(self, x_recv: torch.Tensor, d: _Dispatched, ops, link=None) -> torch.Tensor:
         """Grouped SwiGLU experts over the received rows (rank-major in, rank-major out)."""
-        with _trace.span("experts", layer=self.trace_name, rows=x_recv.shape[0]):
+        with _trace.span("experts", cuda=x_recv.is_cuda, layer=self.trace_name, rows=x_recv.shape[0]):
             return self.experts(x_recv, d.offsets_L1, ops, to_expert=d.to_expert_major,
                                 to_rank=d.to_rank_major, link=link)
 
@@ -248,7 +248,7 @@ class MoE(nn.Module):
         """Send expert outputs back to the tokens' ranks (async)."""
         if self.ep_size == 1:
             return comm.Pending(y_recv, None)
-        with _trace.span("combine", layer=self.trace_name, rows=y_recv.shape[0]):
+        with _trace.span("combine", cuda=y_recv.is_cuda, layer=self.trace_name, rows=y_recv.shape[0]):
             return comm.all_to_all(y_recv, self.group, d.send_splits, d.recv_splits)
 
     # ---------------------------------------------------------------- forward
@@ -269,7 +269,7 @@ class MoE(nn.Module):
         state = self._routing_state(x_TD.shape[0], x_TD.device)
 
         chunk = _scope.current().chunk if _scope.current() is not None else None
-        with _trace.span("route", layer=self.trace_name, chunk=chunk):
+        with _trace.span("route", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk):
             r = self.route(x_TD, state, ops)
         state.next_chunk += 1
         if state.complete:
@@ -280,13 +280,13 @@ class MoE(nn.Module):
         else:
             kept_host = r.kept_E.cpu()
             num_rows = int(kept_host.sum())
-        with _trace.span("permute", layer=self.trace_name, chunk=chunk):
+        with _trace.span("permute", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk):
             x_SD, src_S = permute(x_TD, r.row_TK, num_rows, ops)
         if self.pipeline_chunks == 1:
             y_SD, link = self._exchange_and_compute(x_SD, r.kept_E, ops)
         else:
             y_SD, link = self._pipelined_exchange_and_compute(x_SD, kept_host, ops), None
-        with _trace.span("unpermute", layer=self.trace_name, chunk=chunk):
+        with _trace.span("unpermute", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk):
             y_TD = unpermute(y_SD, r.row_TK, r.weight_TK, src_S, ops, link)
         return y_TD.view(x.shape)
 
