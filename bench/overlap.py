@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import math
 import statistics
 import time
@@ -74,7 +75,7 @@ def sizes(args) -> dict:
     cuda = args.device == "cuda"
     if args.quick:
         d = dict(layers=2, d_model=128, d_ffn=256, experts=8, batch=16, seq=64, heads=4,
-                 latency_us=20.0, steps=7, dtype="bfloat16" if cuda else "float32")
+                 latency_us=20.0, steps=11, dtype="bfloat16" if cuda else "float32")
     elif cuda:
         d = dict(layers=4, d_model=2048, d_ffn=4096, experts=16, batch=16, seq=1024, heads=16,
                  latency_us=20.0, steps=10, dtype="bfloat16")
@@ -157,7 +158,7 @@ def main(argv=None) -> dict:
     # 1. Calibration: the step's computation on a zero-cost link sets the bandwidth so that one
     #    step's communication is R x compute.
     free = (math.inf, 0.0)
-    calib = r.time_all(["overlapped"], 3, {"free": free})[("free", "overlapped")]
+    calib = r.time_all(["overlapped"], 5, {"free": free})[("free", "overlapped")]
     _, nbytes, transfers = r.per_step_link("sequential")
     lat_ms = s["latency_us"] * 1e-3
     budget_ms = args.comm_ratio * calib - transfers * lat_ms
@@ -225,9 +226,16 @@ def main(argv=None) -> dict:
 
 
 def _wall_ms(fn) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return (time.perf_counter() - t0) * 1e3
+    """Wall time of ``fn`` with the garbage collector paused (as timeit does): collections of
+    autograd graphs would otherwise land in random steps."""
+    gc.collect()
+    gc.disable()
+    try:
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    finally:
+        gc.enable()
 
 
 def _busy_intervals(events, t0, t1):

@@ -27,6 +27,9 @@ class Done:
     def wait(self) -> bool:
         return True
 
+    def is_completed(self) -> bool:
+        return True
+
 
 @runtime_checkable
 class ExpertParallelGroup(Protocol):
@@ -46,8 +49,13 @@ class ExpertParallelGroup(Protocol):
                    output_splits: Sequence[int], input_splits: Sequence[int]) -> Work:
         """Start an all-to-all of rows; ``output`` is valid after ``wait()``."""
 
-    def exchange(self, send_WN: torch.Tensor) -> torch.Tensor:
-        """Blocking all-to-all of one equal-size row per rank: returns recv_WN, row r from rank r."""
+    def exchange(self, send_WN: torch.Tensor) -> "Exchange":
+        """Start an all-to-all of one equal-size int64 row per rank (the counts exchange).
+
+        Returns a handle whose ``wait()`` gives recv_WN on the host, row r from rank r. This is the
+        layer's one host synchronisation point; issuing it early and waiting late lets the
+        scheduler run other chunks in between.
+        """
 
     def all_gather(self, vec_N: torch.Tensor) -> torch.Tensor:
         """Blocking all-gather of a fixed-size int64 vector: returns [W, N]."""
@@ -85,17 +93,61 @@ class TorchGroup:
             output, input, list(output_splits), list(input_splits), group=self.group, async_op=True
         )
 
-    def exchange(self, send_WN: torch.Tensor) -> torch.Tensor:
-        send = send_WN.to(self._small_device()).contiguous()
+    def exchange(self, send_WN: torch.Tensor) -> "Exchange":
+        send = send_WN.to(self._small_device(), torch.int64).contiguous()
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send, group=self.group)
-        return recv.to(send_WN.device)
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        if not recv.is_cuda:
+            return Exchange(recv, work)
+        # NCCL: the counts come to pinned host memory on a side stream once the collective is done,
+        # so the compute stream never waits for the host and the host waits only for this copy.
+        side = _side_stream(recv.device)
+        with torch.cuda.stream(side):
+            work.wait()  # the side stream waits for the collective
+            host = torch.empty(recv.shape, dtype=recv.dtype, pin_memory=True)
+            host.copy_(recv, non_blocking=True)
+            recv.record_stream(side)
+            event = torch.cuda.Event()
+            event.record(side)
+        return Exchange(host, event)
 
     def all_gather(self, vec_N: torch.Tensor) -> torch.Tensor:
         vec = vec_N.to(self._small_device(), torch.int64).contiguous()
         out = [torch.empty_like(vec) for _ in range(self._size)]
         dist.all_gather(out, vec, group=self.group)
         return torch.stack(out).cpu()
+
+
+class Exchange:
+    """A counts exchange in flight; ``wait()`` returns the received counts on the host."""
+
+    def __init__(self, host: torch.Tensor, work):
+        self._host, self._work = host, work
+
+    def is_completed(self) -> bool:
+        if self._work is None:
+            return True
+        if isinstance(self._work, torch.cuda.Event):
+            return self._work.query()
+        return self._work.is_completed()
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            if isinstance(self._work, torch.cuda.Event):
+                self._work.synchronize()
+            else:
+                self._work.wait()
+            self._work = None
+        return self._host
+
+
+_side_streams: dict = {}
+
+
+def _side_stream(device):
+    if device not in _side_streams:
+        _side_streams[device] = torch.cuda.Stream(device)
+    return _side_streams[device]
 
 
 def as_group(ep_group) -> Optional[ExpertParallelGroup]:
@@ -177,6 +229,9 @@ class Pending:
 
     def __init__(self, out: torch.Tensor, link: Optional[BackwardLink]):
         self._out, self.link = out, link
+
+    def is_completed(self) -> bool:
+        return self.link is None or self.link.work is None or self.link.work.is_completed()
 
     def wait(self) -> torch.Tensor:
         if self.link is not None and self.link.work is not None:

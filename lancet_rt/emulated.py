@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import queue
+import sys
 import threading
 import time
 from typing import Optional, Sequence
@@ -43,9 +44,18 @@ class _LinkWork:
 
 
 class _CpuLink:
-    """A single background thread serving transfers in order."""
+    """A single background thread serving transfers in order.
+
+    The thread needs the GIL to start and finish a transfer; with CPython's default switch interval
+    (5 ms) it could wait that long behind the computing main thread, so creating a CPU link lowers
+    the interval to 0.5 ms (process-wide: ``sys.setswitchinterval``).
+    """
+
+    SWITCH_INTERVAL_S = 5e-4
 
     def __init__(self):
+        if sys.getswitchinterval() > self.SWITCH_INTERVAL_S:
+            sys.setswitchinterval(self.SWITCH_INTERVAL_S)
         self._q: "queue.Queue[_LinkWork]" = queue.Queue()
         self._busy_until = 0.0
         self._lock = threading.Lock()
@@ -209,12 +219,23 @@ class EmulatedGroup:
             return self._submit(off_rank, copy=(lambda: dst.copy_(src)) if src.numel() else None)
         return self._submit(off_rank, src=src, dst=dst)
 
-    def exchange(self, send_WN: torch.Tensor) -> torch.Tensor:
-        """The counts exchange: by symmetry every rank sends what this one sends. Waits for the link."""
-        self._submit(0).wait()
-        if self._cpu_link is None:
-            torch.cuda.current_stream(self.device).synchronize()
-        return send_WN.clone()
+    def exchange(self, send_WN: torch.Tensor):
+        """The counts exchange: by symmetry every rank receives what this one sends. Like a real
+        collective it queues behind the transfers in flight (latency only, no bytes)."""
+        from .comm import Exchange, _side_stream
+
+        if self._cpu_link is not None:
+            return Exchange(send_WN.detach().to(torch.int64).cpu().clone(), self._submit(0))
+        done = self._submit(0)  # on the communication stream, behind the transfers in flight
+        side = _side_stream(send_WN.device)
+        side.wait_stream(torch.cuda.current_stream(send_WN.device))
+        with torch.cuda.stream(side):
+            side.wait_event(done.event)
+            host = torch.empty(send_WN.shape, dtype=torch.int64, pin_memory=True)
+            host.copy_(send_WN.to(torch.int64), non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(side)
+        return Exchange(host, event)
 
     def all_gather(self, vec_N: torch.Tensor) -> torch.Tensor:
         return vec_N.to(torch.int64).cpu().unsqueeze(0).expand(self._size, -1).clone()

@@ -206,20 +206,21 @@ class MoE(nn.Module):
             aux_coef=self.aux_loss_coef, z_coef=self.z_loss_coef)
         return _Route(weight_TK, row_TK, kept_E)
 
-    def exchange_counts(self, kept_PE: torch.Tensor, error: Optional[Exception] = None) -> torch.Tensor:
-        """Counts first: returns recv [P, W, E_local], the rows each rank sends to each local expert.
+    def exchange_counts(self, kept_PE: torch.Tensor, error: Optional[Exception] = None) -> "_Counts":
+        """Counts first: start sending each rank the rows it will get for each of its local experts.
 
-        ``kept_PE`` holds the kept rows per expert of P pieces sent back to back. The exchange carries a
-        status column: a rank whose input was rejected (``error``) still takes part, and every rank
-        raises instead of waiting in the row all-to-all. This is the layer's one host sync point.
+        ``kept_PE`` holds the kept rows per expert of P pieces sent back to back. Returns a handle
+        whose ``wait()`` gives recv [P, W, E_local] on the host: this is the layer's one host
+        synchronisation point (split sizes must be on the host to size the row all-to-all), issued
+        early and waited on late. The exchange carries a status column: a rank whose input was
+        rejected (``error``) still takes part, and every rank raises instead of waiting in the row
+        all-to-all.
         """
         L, W = self.num_local_experts, self.ep_size
         P = kept_PE.shape[0]
         counts = kept_PE.view(P, W, L).permute(1, 0, 2).reshape(W, P * L).long()
         status = torch.full((W, 1), 0 if error is None else 1, dtype=torch.long, device=counts.device)
-        recv = self.group.exchange(torch.cat([counts, status], dim=1)).cpu()
-        _raise_on_bad_status(recv[:, P * L], error)
-        return recv[:, : P * L].view(W, P, L).permute(1, 0, 2)
+        return _Counts(self.group.exchange(torch.cat([counts, status], dim=1)), P, W, L, error)
 
     def dispatch(self, x_SD: torch.Tensor, kept_E: torch.Tensor,
                  counts_WL: Optional[torch.Tensor] = None) -> _Dispatched:
@@ -229,7 +230,7 @@ class MoE(nn.Module):
             offsets = _offsets(kept_E)
             return _Dispatched(comm.Pending(x_SD, None), offsets, [x_SD.shape[0]], [x_SD.shape[0]], None, None)
         if counts_WL is None:
-            counts_WL = self.exchange_counts(kept_E.view(1, -1))[0]
+            counts_WL = self.exchange_counts(kept_E.view(1, -1)).wait()[0]
         send_splits = kept_E.view(W, L).sum(1).tolist()
         recv_splits = counts_WL.sum(1).tolist()
         with _trace.span("dispatch", cuda=x_SD.is_cuda, layer=self.trace_name, rows=x_SD.shape[0]):
@@ -262,7 +263,7 @@ class MoE(nn.Module):
                 # Take part in the counts exchange with a failure status so no peer waits forever.
                 z = torch.zeros(self.pipeline_chunks, self.num_experts, dtype=torch.long,
                                 device=self.router.weight.device)
-                self.exchange_counts(z, error)
+                self.exchange_counts(z, error).wait()
             raise error
         x_TD = x.reshape(-1, self.d_model)
         ops = _ops.get_ops(x_TD.device)
@@ -291,7 +292,11 @@ class MoE(nn.Module):
         return y_TD.view(x.shape)
 
     def _exchange_and_compute(self, x_SD, kept_E, ops):
-        d = self.dispatch(x_SD, kept_E)
+        counts = None
+        if self.ep_size > 1:
+            counts = self.exchange_counts(kept_E.view(1, -1))
+            _scope.switch(issues_next=True)  # another chunk runs while the counts travel
+        d = self.dispatch(x_SD, kept_E, None if counts is None else counts.wait()[0])
         _scope.switch()
         y_recv = self.compute_experts(d.pending.wait(), d, ops, d.pending.link)
         pending = self.combine(y_recv, d)
@@ -312,7 +317,7 @@ class MoE(nn.Module):
                           + [torch.zeros(0, dtype=torch.long)]).to(x_SD.device)
         pieces = x_SD.index_select(0, order).split(kept_PE.sum(1).tolist())
         kept_PE = kept_PE.to(x_SD.device)
-        counts = self.exchange_counts(kept_PE) if self.ep_size > 1 else [None] * P
+        counts = self.exchange_counts(kept_PE).wait() if self.ep_size > 1 else [None] * P
         ds = [self.dispatch(pieces[p], kept_PE[p], counts[p]) for p in range(P)]
         _scope.switch()
         combines = [self.combine(self.compute_experts(d.pending.wait(), d, ops), d) for d in ds]
@@ -351,6 +356,22 @@ class MoE(nn.Module):
             self.z_loss = state.z_loss().detach()
             self.tokens_per_expert = state.used_E.detach().long()
             self.dropped = int(state.used_E.long().sum() - state.kept_E.sum())
+
+
+class _Counts:
+    """A counts exchange in flight (see :meth:`MoE.exchange_counts`)."""
+
+    def __init__(self, exchange, P, W, L, error):
+        self._exchange, self._shape, self._error = exchange, (P, W, L), error
+
+    def is_completed(self) -> bool:
+        return self._exchange.is_completed()
+
+    def wait(self) -> torch.Tensor:
+        P, W, L = self._shape
+        recv = self._exchange.wait()
+        _raise_on_bad_status(recv[:, P * L], self._error)
+        return recv[:, : P * L].view(W, P, L).permute(1, 0, 2)
 
 
 def _batch_tokens(T_chunk0: int, s) -> int:

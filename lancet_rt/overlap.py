@@ -123,16 +123,18 @@ class Overlapped(nn.Module):
 
         lets = [_greenlet.greenlet(lambda c=c: run(c)) for c in range(n)]
         live = list(range(n))
+        scope.waiting = {c: (-n + c, False) for c in range(n)}  # not started: in chunk order
+        last = None
         prev = _scope.current()
         _scope.set_current(scope)
         try:
             while live:
-                for c in list(live):
-                    scope.chunk = c
-                    with _trace.span(f"chunk {c}", "compute", _on_cuda(leaves), chunk=c):
-                        lets[c].switch()
-                    if lets[c].dead:
-                        live.remove(c)
+                c = last = _next_chunk(live, scope.waiting, last)
+                scope.chunk = c
+                with _trace.span(f"chunk {c}", "compute", _on_cuda(leaves), chunk=c):
+                    lets[c].switch()
+                if lets[c].dead:
+                    live.remove(c)
         finally:
             _scope.set_current(prev)
             for g in lets:  # on an exception, end the others' coroutines
@@ -156,6 +158,21 @@ class Overlapped(nn.Module):
                         f"Overlapped(check=True): the chunked output differs from the unchunked one "
                         f"(max abs err {err:.3e}, scale {scale:.3e}); the model must be separable along "
                         f"dim 0 outside lancet MoE layers, with a deterministic forward")
+
+
+def _next_chunk(live: list, waiting: dict, last) -> int:
+    """The chunk to resume next: Lancet's "issue communication as early as possible", decided
+    from the schedule alone (never from completion timing), so every rank issues its collectives
+    in the same order.
+
+    Among the live chunks other than the one that just yielded: first the earliest-yielded chunk
+    whose next step issues a transfer (its counts exchange is on its way: it dispatches next), then
+    the earliest-yielded chunk (round robin). Transfers finish in issue order on a FIFO link, so the
+    earliest-yielded chunk is also the one whose transfer completes first.
+    """
+    pool = [c for c in live if c != last] or live
+    urgent = [c for c in pool if waiting[c][1]]
+    return min(urgent or pool, key=lambda c: waiting[c][0])
 
 
 def _on_cuda(leaves) -> bool:

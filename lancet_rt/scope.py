@@ -17,6 +17,11 @@ class ChunkScope:
     Args:
         rows: rows (along dim 0) of each chunk.
         switch: yields control to the scheduler; returns when this chunk is resumed.
+
+    Attributes:
+        waiting: for each chunk, (the order in which it yielded, whether its next step issues a
+            transfer); the scheduler decides from these alone, so every rank runs the same schedule
+            and issues its collectives in the same order.
     """
 
     def __init__(self, rows: list[int], switch: Callable[[], None]):
@@ -26,8 +31,13 @@ class ChunkScope:
         self._switch = switch
         self.layer_state: dict = {}
         self._calls: dict = {}
+        self.waiting: dict = {}
+        self._yields = 0
 
-    def switch(self) -> None:
+    def switch(self, issues_next: bool = False) -> None:
+        """Yield; ``issues_next``: this chunk's next step, once resumed, issues a transfer."""
+        self._yields += 1
+        self.waiting[self.chunk] = (self._yields, issues_next)
         self._switch()
 
     def call_key(self, layer) -> tuple:
@@ -46,8 +56,12 @@ def set_current(scope: Optional[ChunkScope]) -> None:
     _local.scope = scope
 
 
-def switch() -> None:
-    """Give the other chunks a turn (after issuing an all-to-all); no-op outside a chunk scope."""
+def switch(issues_next: bool = False) -> None:
+    """Give the other chunks a turn (after issuing a collective); no-op outside a chunk scope.
+
+    ``issues_next``: this chunk's next step issues a transfer (its counts are on their way), so the
+    scheduler resumes it as soon as another chunk has had a turn.
+    """
     s = current()
     if s is not None:
-        s.switch()
+        s.switch(issues_next)
