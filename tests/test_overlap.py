@@ -246,3 +246,21 @@ def test_overlapped_equals_model_with_triton_kernels(monkeypatch):
     got = run_and_grads(twin, lancet_rt.Overlapped(twin, chunks=3, defer_wgrad=True), x, g)
     assert_same_run(ref, got)
     assert any(m.dropped > 0 for m in twin.moe_layers())
+
+
+def test_scheduler_is_deterministic_and_issues_first():
+    from lancet_rt.overlap import _next_chunk
+
+    # Not started: chunk order. A chunk whose counts are on their way dispatches as soon as
+    # another chunk has had a turn; otherwise the earliest-yielded chunk (round robin).
+    waiting = {0: (-3, False), 1: (-2, False), 2: (-1, False)}
+    assert _next_chunk([0, 1, 2], waiting, None) == 0
+    waiting[0] = (1, True)   # chunk 0 yielded after starting its counts exchange
+    assert _next_chunk([0, 1, 2], waiting, 0) == 1
+    waiting[1] = (2, True)
+    assert _next_chunk([0, 1, 2], waiting, 1) == 0   # 0 dispatches before 2 starts
+    waiting[0] = (3, False)  # 0 dispatched and waits for its rows
+    assert _next_chunk([0, 1, 2], waiting, 0) == 1
+    waiting[1] = (4, False)
+    assert _next_chunk([0, 1, 2], waiting, 1) == 2
+    assert _next_chunk([2], {2: (5, False)}, 2) == 2  # the last live chunk runs again
