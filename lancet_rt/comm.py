@@ -98,18 +98,21 @@ class TorchGroup:
         recv = torch.empty_like(send)
         work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
         if not recv.is_cuda:
-            return Exchange(recv, work)
-        # NCCL: the counts come to pinned host memory on a side stream once the collective is done,
-        # so the compute stream never waits for the host and the host waits only for this copy.
+            return Exchange(recv, work, send)
+        # NCCL: the counts (received and sent) come to pinned host memory on a side stream once the
+        # collective is done, so the compute stream never waits for the host and the host waits only
+        # for this copy.
         side = _side_stream(recv.device)
         with torch.cuda.stream(side):
             work.wait()  # the side stream waits for the collective
-            host = torch.empty(recv.shape, dtype=recv.dtype, pin_memory=True)
-            host.copy_(recv, non_blocking=True)
+            host = torch.empty((2,) + tuple(recv.shape), dtype=recv.dtype, pin_memory=True)
+            host[0].copy_(recv, non_blocking=True)
+            host[1].copy_(send, non_blocking=True)
             recv.record_stream(side)
+            send.record_stream(side)
             event = torch.cuda.Event()
             event.record(side)
-        return Exchange(host, event)
+        return Exchange(host[0], event, host[1])
 
     def all_gather(self, vec_N: torch.Tensor) -> torch.Tensor:
         vec = vec_N.to(self._small_device(), torch.int64).contiguous()
@@ -119,10 +122,11 @@ class TorchGroup:
 
 
 class Exchange:
-    """A counts exchange in flight; ``wait()`` returns the received counts on the host."""
+    """A counts exchange in flight; ``wait()`` returns the received counts on the host, and
+    ``sent`` (valid after ``wait()``) this rank's own send counts, also on the host."""
 
-    def __init__(self, host: torch.Tensor, work):
-        self._host, self._work = host, work
+    def __init__(self, host: torch.Tensor, work, sent: torch.Tensor):
+        self._host, self._work, self.sent = host, work, sent
 
     def is_completed(self) -> bool:
         if self._work is None:

@@ -225,7 +225,8 @@ class EmulatedGroup:
         from .comm import Exchange, _side_stream
 
         if self._cpu_link is not None:
-            return Exchange(send_WN.detach().to(torch.int64).cpu().clone(), self._submit(0))
+            host = send_WN.detach().to(torch.int64).cpu().clone()
+            return Exchange(host, self._submit(0), host)
         done = self._submit(0)  # on the communication stream, behind the transfers in flight
         side = _side_stream(send_WN.device)
         side.wait_stream(torch.cuda.current_stream(send_WN.device))
@@ -233,9 +234,10 @@ class EmulatedGroup:
             side.wait_event(done.event)
             host = torch.empty(send_WN.shape, dtype=torch.int64, pin_memory=True)
             host.copy_(send_WN.to(torch.int64), non_blocking=True)
+            send_WN.record_stream(side)
             event = torch.cuda.Event()
             event.record(side)
-        return Exchange(host, event)
+        return Exchange(host, event, host)
 
     def all_gather(self, vec_N: torch.Tensor) -> torch.Tensor:
         return vec_N.to(torch.int64).cpu().unsqueeze(0).expand(self._size, -1).clone()

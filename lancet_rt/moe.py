@@ -222,16 +222,20 @@ class MoE(nn.Module):
         status = torch.full((W, 1), 0 if error is None else 1, dtype=torch.long, device=counts.device)
         return _Counts(self.group.exchange(torch.cat([counts, status], dim=1)), P, W, L, error)
 
-    def dispatch(self, x_SD: torch.Tensor, kept_E: torch.Tensor,
-                 counts_WL: Optional[torch.Tensor] = None) -> _Dispatched:
-        """Send each kept row to its expert's rank (async). ``counts_WL``: from :meth:`exchange_counts`."""
-        L, W = self.num_local_experts, self.ep_size
-        if W == 1:
+    def dispatch(self, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL: torch.Tensor,
+                 sent_WL: torch.Tensor) -> _Dispatched:
+        """Send each kept row to its expert's rank (async).
+
+        Args:
+            x_SD: [S, D] rows grouped by expert (so by destination rank).
+            kept_E: [E] kept rows per expert, on the device.
+            counts_WL, sent_WL: [W, E_local] rows received / sent per (rank, local expert), on the
+                host, from :meth:`exchange_counts` (ignored for W = 1).
+        """
+        if self.ep_size == 1:
             offsets = _offsets(kept_E)
             return _Dispatched(comm.Pending(x_SD, None), offsets, [x_SD.shape[0]], [x_SD.shape[0]], None, None)
-        if counts_WL is None:
-            counts_WL = self.exchange_counts(kept_E.view(1, -1)).wait()[0]
-        send_splits = kept_E.view(W, L).sum(1).tolist()
+        send_splits = sent_WL.sum(1).tolist()
         recv_splits = counts_WL.sum(1).tolist()
         with _trace.span("dispatch", cuda=x_SD.is_cuda, layer=self.trace_name, rows=x_SD.shape[0]):
             pending = comm.all_to_all(x_SD, self.group, recv_splits, send_splits)
@@ -276,38 +280,40 @@ class MoE(nn.Module):
         if state.complete:
             self._record_stats(state)
         if self.pipeline_chunks == 1:
-            kept_host = None
-            num_rows = int(r.kept_E.sum())  # host sync: the rows to allocate
+            y_SD, src_S, link = self._exchange_and_compute(x_TD, r, ops, chunk)
         else:
-            kept_host = r.kept_E.cpu()
-            num_rows = int(kept_host.sum())
-        with _trace.span("permute", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk):
-            x_SD, src_S = permute(x_TD, r.row_TK, num_rows, ops)
-        if self.pipeline_chunks == 1:
-            y_SD, link = self._exchange_and_compute(x_SD, r.kept_E, ops)
-        else:
-            y_SD, link = self._pipelined_exchange_and_compute(x_SD, kept_host, ops), None
+            y_SD, src_S = self._pipelined_exchange_and_compute(x_TD, r, ops, chunk)
+            link = None
         with _trace.span("unpermute", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk):
             y_TD = unpermute(y_SD, r.row_TK, r.weight_TK, src_S, ops, link)
         return y_TD.view(x.shape)
 
-    def _exchange_and_compute(self, x_SD, kept_E, ops):
-        counts = None
-        if self.ep_size > 1:
-            counts = self.exchange_counts(kept_E.view(1, -1))
+    def _permute(self, x_TD, r, num_rows, ops, chunk):
+        with _trace.span("permute", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk):
+            return permute(x_TD, r.row_TK, num_rows, ops)
+
+    def _exchange_and_compute(self, x_TD, r, ops, chunk):
+        if self.ep_size == 1:
+            x_SD, src_S = self._permute(x_TD, r, int(r.kept_E.sum()), ops, chunk)  # host sync: rows
+            d = self.dispatch(x_SD, r.kept_E, None, None)
+        else:
+            counts = self.exchange_counts(r.kept_E.view(1, -1))
             _scope.switch(issues_next=True)  # another chunk runs while the counts travel
-        d = self.dispatch(x_SD, kept_E, None if counts is None else counts.wait()[0])
+            recv, sent = counts.wait()[0], counts.sent()[0]
+            x_SD, src_S = self._permute(x_TD, r, int(sent.sum()), ops, chunk)
+            d = self.dispatch(x_SD, r.kept_E, recv, sent)
         _scope.switch()
         y_recv = self.compute_experts(d.pending.wait(), d, ops, d.pending.link)
         pending = self.combine(y_recv, d)
         _scope.switch()
-        return pending.wait(), pending.link
+        return pending.wait(), src_S, pending.link
 
-    def _pipelined_exchange_and_compute(self, x_SD, kept_E, ops) -> torch.Tensor:
+    def _pipelined_exchange_and_compute(self, x_TD, r, ops, chunk):
         """The Tutel-style baseline: every expert's rows cut into P pieces, each piece dispatched,
         computed and combined in turn, so piece p's experts overlap piece p+1's transfer."""
         P, E = self.pipeline_chunks, self.num_experts
-        kept = kept_E.tolist()
+        kept = r.kept_E.tolist()  # host sync: the pieces' bounds
+        x_SD, src_S = self._permute(x_TD, r, sum(kept), ops, chunk)
         starts = [0]
         for k in kept[:-1]:
             starts.append(starts[-1] + k)
@@ -317,15 +323,19 @@ class MoE(nn.Module):
                           + [torch.zeros(0, dtype=torch.long)]).to(x_SD.device)
         pieces = x_SD.index_select(0, order).split(kept_PE.sum(1).tolist())
         kept_PE = kept_PE.to(x_SD.device)
-        counts = self.exchange_counts(kept_PE).wait() if self.ep_size > 1 else [None] * P
-        ds = [self.dispatch(pieces[p], kept_PE[p], counts[p]) for p in range(P)]
+        if self.ep_size > 1:
+            exchange = self.exchange_counts(kept_PE)
+            counts, sent = exchange.wait(), exchange.sent()
+        else:
+            counts = sent = [None] * P
+        ds = [self.dispatch(pieces[p], kept_PE[p], counts[p], sent[p]) for p in range(P)]
         _scope.switch()
         combines = [self.combine(self.compute_experts(d.pending.wait(), d, ops), d) for d in ds]
         _scope.switch()
         y_pieces = torch.cat([c.wait() for c in combines])
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        return y_pieces.index_select(0, inverse)
+        return y_pieces.index_select(0, inverse), src_S
 
     def _routing_state(self, T: int, device) -> BatchRouting:
         s = _scope.current()
@@ -368,10 +378,16 @@ class _Counts:
         return self._exchange.is_completed()
 
     def wait(self) -> torch.Tensor:
+        """recv [P, W, E_local] on the host; raises if any rank reported a rejected input."""
         P, W, L = self._shape
         recv = self._exchange.wait()
         _raise_on_bad_status(recv[:, P * L], self._error)
         return recv[:, : P * L].view(W, P, L).permute(1, 0, 2)
+
+    def sent(self) -> torch.Tensor:
+        """This rank's own counts [P, W, E_local] on the host (after :meth:`wait`)."""
+        P, W, L = self._shape
+        return self._exchange.sent[:, : P * L].view(W, P, L).permute(1, 0, 2)
 
 
 def _batch_tokens(T_chunk0: int, s) -> int:
