@@ -78,7 +78,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import interpreting, pinned_config
+from ._common import check_out as _check_out, check_tensor as _check_tensor, interpreting, pinned_config
 
 from kernels.reference import GatingOutput
 
@@ -468,23 +468,6 @@ def _plan_span(T: int, block_e: int, device: torch.device) -> int:
     return min(max(span, _SPAN_MIN), _SPAN_MAX)
 
 
-def _check_tensor(name, t, *, ndim=None, shape=None, dtypes=None, device=None):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if dtypes is not None and t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on {device}, got {t.device}")
-
-
-def _check_out(name, t, shape, dtype, device):
-    _check_tensor(name, t, shape=shape, dtypes=(dtype,), device=device)
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
 
 
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.uint8, torch.int8)

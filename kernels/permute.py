@@ -45,7 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._config import interpreting, pinned_config
+from ._common import check_out as _check_out, check_tensor as _check_tensor, interpreting, pinned_config
 
 __all__ = ["permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd"]
 
@@ -235,23 +235,6 @@ _ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16)
 
 
-def _check_tensor(name, t, *, ndim=None, shape=None, dtypes=None, device=None):
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if dtypes is not None and t.dtype not in dtypes:
-        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
-    if ndim is not None and t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
-    if device is not None and t.device != device:
-        raise ValueError(f"{name} must be on {device}, got {t.device}")
-
-
-def _check_out(name, t, shape, dtype, device):
-    _check_tensor(name, t, shape=shape, dtypes=(dtype,), device=device)
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous")
 
 
 def _check_rows(row_TK: torch.Tensor, device) -> torch.Tensor:

@@ -1,0 +1,48 @@
+"""Helpers shared by the kernel launchers: the interpreter switch, pinned configs, argument checks."""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def pinned_config(env_var: str) -> Optional[triton.Config]:
+    """The config pinned by ``env_var`` ("NAME=int,...,num_warps=int,num_stages=int"), or None."""
+    spec = os.environ.get(env_var, "").strip()
+    if not spec:
+        return None
+    meta, opts = {}, {}
+    for item in spec.split(","):
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{env_var}: expected NAME=int items, got {item!r}")
+        (opts if name.strip() in ("num_warps", "num_stages") else meta)[name.strip()] = int(value)
+    return triton.Config(meta, **opts)
+
+
+def check_tensor(name, t, *, ndim=None, shape=None, dtypes=None, device=None) -> None:
+    """TypeError/ValueError naming ``name`` unless ``t`` is a tensor of the expected kind."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have dtype in {[str(d) for d in dtypes]}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def check_out(name, t, shape, dtype, device) -> None:
+    """An ``out=`` buffer: exact shape, dtype and device, contiguous."""
+    check_tensor(name, t, shape=shape, dtypes=(dtype,), device=device)
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
