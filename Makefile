@@ -21,7 +21,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 # The main job: a GPT-style MoE language model, 2 expert-parallel ranks, under lancet_rt.Overlapped.
 train: setup
-	$(BIN)/torchrun --standalone --nproc-per-node 2 -m bench.train_lm
+	$(BIN)/python -m torch.distributed.run --standalone --nproc-per-node 2 -m bench.train_lm
 
 # The test suite (CPU lane; Triton kernels in the interpreter). Exit code 5 (no tests) is not a failure.
 test: setup
