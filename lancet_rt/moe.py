@@ -139,7 +139,7 @@ class MoE(nn.Module):
 
         self.router = Router(d_model, num_experts, device=device, dtype=dtype)
         self.experts = Experts(self.num_local_experts, d_model, d_ffn, device=device, dtype=dtype)
-        self._config_checked = self.group is None or world == 1
+        self._config_checked = self.group is None
         self.trace_name = "moe"
 
         self.aux_loss: Optional[torch.Tensor] = None
@@ -232,7 +232,7 @@ class MoE(nn.Module):
             counts_WL, sent_WL: [W, E_local] rows received / sent per (rank, local expert), on the
                 host, from :meth:`exchange_counts` (ignored for W = 1).
         """
-        if self.ep_size == 1:
+        if self.group is None:
             offsets = _offsets(kept_E)
             return _Dispatched(comm.Pending(x_SD, None), offsets, [x_SD.shape[0]], [x_SD.shape[0]], None, None)
         send_splits = sent_WL.sum(1).tolist()
@@ -251,7 +251,7 @@ class MoE(nn.Module):
 
     def combine(self, y_recv: torch.Tensor, d: _Dispatched) -> comm.Pending:
         """Send expert outputs back to the tokens' ranks (async)."""
-        if self.ep_size == 1:
+        if self.group is None:
             return comm.Pending(y_recv, None)
         with _trace.span("combine", cuda=y_recv.is_cuda, layer=self.trace_name, rows=y_recv.shape[0]):
             return comm.all_to_all(y_recv, self.group, d.send_splits, d.recv_splits)
@@ -263,7 +263,7 @@ class MoE(nn.Module):
         if not self._config_checked:
             self._check_config(error)
         if error is not None:
-            if self.ep_size > 1:
+            if self.group is not None:
                 # Take part in the counts exchange with a failure status so no peer waits forever.
                 z = torch.zeros(self.pipeline_chunks, self.num_experts, dtype=torch.long,
                                 device=self.router.weight.device)
@@ -293,7 +293,7 @@ class MoE(nn.Module):
             return permute(x_TD, r.row_TK, num_rows, ops)
 
     def _exchange_and_compute(self, x_TD, r, ops, chunk):
-        if self.ep_size == 1:
+        if self.group is None:
             x_SD, src_S = self._permute(x_TD, r, int(r.kept_E.sum()), ops, chunk)  # host sync: rows
             d = self.dispatch(x_SD, r.kept_E, None, None)
         else:
@@ -323,7 +323,7 @@ class MoE(nn.Module):
                           + [torch.zeros(0, dtype=torch.long)]).to(x_SD.device)
         pieces = x_SD.index_select(0, order).split(kept_PE.sum(1).tolist())
         kept_PE = kept_PE.to(x_SD.device)
-        if self.ep_size > 1:
+        if self.group is not None:
             exchange = self.exchange_counts(kept_PE)
             counts, sent = exchange.wait(), exchange.sent()
         else:

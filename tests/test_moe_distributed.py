@@ -148,3 +148,36 @@ def _indivisible(rank, world):
 def test_experts_not_divisible_by_world():
     msgs = assert_all_ok(run_ranks(_indivisible, 4, timeout=120))
     assert all("divisible" in m for m in msgs)
+
+
+def _one_rank_group_takes_the_collective_path(rank, world):
+    import torch.distributed as dist
+
+    import lancet_rt
+    from lancet_rt import comm
+    from tests.helpers import assert_close
+
+    calls = []
+    original = comm.TorchGroup.all_to_all
+    comm.TorchGroup.all_to_all = lambda self, *a: calls.append(1) or original(self, *a)
+    torch.manual_seed(0)
+    local = lancet_rt.MoE(D, F, E, 2, capacity_factor=1.0)
+    grouped = lancet_rt.MoE(D, F, E, 2, capacity_factor=1.0, ep_group=dist.group.WORLD)
+    grouped.load_state_dict(local.state_dict())
+    x1 = torch.randn(9, D, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_(True)
+    y1, y2 = local(x1), grouped(x2)
+    g = torch.randn_like(y1)
+    y1.backward(g)
+    y2.backward(g)
+    assert_close("y", y2, y1)
+    assert_close("grad x", x2.grad, x1.grad)
+    assert_close("grad down", grouped.experts.down_proj.grad, local.experts.down_proj.grad)
+    return len(calls)
+
+
+def test_one_rank_group_runs_the_collectives():
+    # The CPU twin of the GPU lane's "NCCL with one rank": a group of size 1 still dispatches and
+    # combines through the process group (forward and backward all-to-alls).
+    (n_calls,) = assert_all_ok(run_ranks(_one_rank_group_takes_the_collective_path, 1, timeout=120))
+    assert n_calls == 4
