@@ -44,6 +44,48 @@ class _Item:
     flops: int
 
 
+def best_fit(estimates_ms: Sequence[float], left_ms: float, ran: int) -> Optional[int]:
+    """Lancet's greedy choice of the next dW for an all-to-all window (MLSys'24, section 4.2).
+
+    The item whose estimated time is closest to the time left; none when nothing is left, or when
+    the best is over twice the time left and an item already ran in this window.
+
+    Args:
+        estimates_ms: estimated time of each queued item.
+        left_ms: time left in the window.
+        ran: items already run in this window.
+
+    Returns:
+        The index to run next, or None to stop.
+    """
+    if left_ms <= 0 or not estimates_ms:
+        return None
+    best = min(range(len(estimates_ms)), key=lambda i: abs(left_ms - estimates_ms[i]))
+    if ran and estimates_ms[best] > 2 * left_ms:
+        return None
+    return best
+
+
+_device_rates: dict = {}
+
+
+def _device_flops_per_ms(device: torch.device) -> float:
+    """A dense matmul rate of ``device`` (FLOP per ms), timed once with CUDA events."""
+    if device not in _device_rates:
+        n = 2048
+        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+        a @ b  # warm-up
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            a @ b
+        end.record()
+        end.synchronize()
+        _device_rates[device] = 5 * 2 * n**3 / start.elapsed_time(end)
+    return _device_rates[device]
+
+
 class WGradQueue:
     """Deferred dW work of one model, drained during backward all-to-alls.
 
@@ -66,8 +108,9 @@ class WGradQueue:
             self._callback_queued = True
             self.ran_in_windows = self.flushed = 0
 
-    def _estimate_ms(self, item: _Item) -> float:
-        return item.flops / self.flops_per_ms if self.flops_per_ms else 0.0
+    def _estimate_ms(self, item: _Item, device_rate: Optional[float]) -> float:
+        rate = device_rate if device_rate is not None else self.flops_per_ms
+        return item.flops / rate if rate else 0.0
 
     def _run(self, item: _Item) -> float:
         t0 = time.perf_counter()
@@ -81,40 +124,46 @@ class WGradQueue:
                 else:
                     p.grad.add_(g)
         ms = (time.perf_counter() - t0) * 1e3
-        if item.flops and ms > 0 and not torch.cuda.is_available():
+        on_cuda = any(p.is_cuda for p in item.params)
+        if item.flops and ms > 0 and not on_cuda:  # host time is device time only on CPU
             rate = item.flops / ms
             self.flops_per_ms = rate if self.flops_per_ms is None else 0.7 * self.flops_per_ms + 0.3 * rate
         return ms
 
     def drain_during(self, work, window_ms: Optional[float] = None) -> None:
-        """Run queued dW while ``work`` is in flight, picking items by best fit.
+        """Run queued dW while ``work`` is in flight, picking items by best fit (:func:`best_fit`).
 
-        The window is ``work.expected_end`` (the emulated link's deadline) or ``window_ms`` (an
-        estimate, used on CUDA where the host runs ahead of the device); with neither, items run
-        while ``work.is_completed()`` says the collective is still in flight.
+        On CPU the window is measured on the host clock: until ``work.expected_end`` (the emulated
+        link's deadline), else ``window_ms`` from now, else while ``work.is_completed()`` is False.
+        On CUDA the host runs ahead of the device, so the window is a device-time budget
+        (``window_ms``) spent by the items' estimated device times (FLOPs over a matmul rate
+        calibrated once with CUDA events); without an estimate the items run in order while
+        ``work.is_completed()`` is False.
         """
         if not self.items:
             return
-        deadline = getattr(work, "expected_end", None)
-        if deadline is None and window_ms is not None:
+        cuda = any(p.is_cuda for p in self.items[0].params)
+        rate = _device_flops_per_ms(self.items[0].params[0].device) if cuda else None
+        deadline = None if cuda else getattr(work, "expected_end", None)
+        if deadline is None and window_ms is not None and not cuda:
             deadline = time.perf_counter() + window_ms * 1e-3
+        budget = window_ms if cuda else None
         ran = 0
         while self.items:
-            if deadline is None:
+            if deadline is None and budget is None:
                 done = getattr(work, "is_completed", None)
                 if done is None or done():
                     break
-                item = self.items.pop(0)
+                i = 0
             else:
-                left = (deadline - time.perf_counter()) * 1e3
-                if left <= 0:
+                left = budget if budget is not None else (deadline - time.perf_counter()) * 1e3
+                est = [self._estimate_ms(it, rate) for it in self.items]
+                i = best_fit(est, left, ran)
+                if i is None:
                     break
-                est = [self._estimate_ms(it) for it in self.items]
-                best = min(range(len(est)), key=lambda i: abs(left - est[i]))
-                if ran and est[best] > 2 * left:
-                    break
-                item = self.items.pop(best)
-            self._run(item)
+                if budget is not None:
+                    budget -= est[i]
+            self._run(self.items.pop(i))
             ran += 1
         self.ran_in_windows += ran
 

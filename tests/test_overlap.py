@@ -264,3 +264,14 @@ def test_scheduler_is_deterministic_and_issues_first():
     waiting[1] = (4, False)
     assert _next_chunk([0, 1, 2], waiting, 1) == 2
     assert _next_chunk([2], {2: (5, False)}, 2) == 2  # the last live chunk runs again
+
+
+def test_best_fit_is_lancets_greedy_rule():
+    from lancet_rt.wgrad import best_fit
+
+    assert best_fit([5.0, 3.0, 9.0], 3.6, 0) == 1        # closest to the time left
+    assert best_fit([9.0], 4.0, 0) == 0                  # the first item of a window always runs
+    assert best_fit([9.0], 4.0, 1) is None               # over twice what is left, after one ran
+    assert best_fit([7.0], 4.0, 1) == 0                  # within twice: still fits well enough
+    assert best_fit([1.0], 0.0, 0) is None               # nothing left
+    assert best_fit([], 4.0, 0) is None
