@@ -12,7 +12,9 @@ communication of one training step (forward + backward) is R x the step's comput
 pass; ``measured_comm_ratio`` reports the ratio against the final measurement).
 
 Every schedule is timed on the free link (its own computation) and on the calibrated link, the
-runs interleaved step by step, so that load from elsewhere on a shared machine hits all alike.
+runs interleaved step by step, so that load from elsewhere on a shared machine hits all alike, and
+summarised by the fastest step (``--statistic``). If the measured comm/compute ratio misses R by
+more than 10%, the bandwidth is rescaled and everything measured again, once.
 
 Metrics: ``hidden_comm_fraction = 1 - (overlapped_ms - compute_ms) / comm_ms`` (Overlapped;
 ``hidden_comm_fraction_dw`` likewise for Overlapped with deferred dW), and ``bound_ms =
@@ -60,6 +62,9 @@ def parse_args(argv=None):
     p.add_argument("--capacity-factor", type=float, default=1.25)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--steps", type=int, default=None, help="timed steps per schedule")
+    p.add_argument("--statistic", choices=["min", "median"], default="min",
+                   help="summary of each schedule's interleaved steps (default min: load from elsewhere "
+                        "only ever slows a step, so the fastest is the steadiest estimate)")
     p.add_argument("--threads", type=int, default=1,
                    help="CPU intra-op threads (default 1: the emulated link's thread keeps a core, and "
                         "OpenMP spin-waits under oversubscription do not distort the timings)")
@@ -102,6 +107,7 @@ class Runner:
         self.model = MoEBlocks(s["layers"], s["d_model"], s["heads"], moe_kwargs, device=device, dtype=dtype)
         self.model_dw = copy.deepcopy(self.model)  # the copy shares the link
         self.chunks = args.chunks
+        self.statistic = args.statistic
         self.runners = {
             "sequential": self.model,
             "moe_pipelined": self.model,
@@ -138,7 +144,8 @@ class Runner:
                     else:
                         t = _wall_ms(lambda: self.step(m))
                     times[(lk, m)].append(t)
-        return {k: statistics.median(t) for k, t in times.items()}
+        reduce = min if self.statistic == "min" else statistics.median
+        return {k: reduce(t) for k, t in times.items()}
 
     def per_step_link(self, mode: str):
         self.link.reset()
@@ -165,13 +172,23 @@ def main(argv=None) -> dict:
     if budget_ms <= 0:
         raise SystemExit(f"--latency-us {s['latency_us']} alone exceeds R x compute ({args.comm_ratio} x {calib:.2f} ms)")
     bw = nbytes / (budget_ms * 1e-3) / 1e9
-    r.set_link(bw, s["latency_us"])
-    comm_ms, _, _ = r.per_step_link("sequential")
-    # 2. Every schedule on the free link (its computation) and on the real one, interleaved.
-    t = r.time_all(MODES, s["steps"], {"free": free, "link": (bw, s["latency_us"])})
-    compute = {m: t[("free", m)] for m in MODES}
-    ms = {m: t[("link", m)] for m in MODES}
-    compute_ms = compute["overlapped"]
+    # 2. Every schedule on the free link (its computation) and on the real one, interleaved. If the
+    #    measured ratio misses R by more than 10% (the calibration pass was short), rescale the
+    #    bandwidth and measure again, once.
+    for attempt in range(2):
+        r.set_link(bw, s["latency_us"])
+        comm_ms, _, _ = r.per_step_link("sequential")
+        t = r.time_all(MODES, s["steps"], {"free": free, "link": (bw, s["latency_us"])})
+        compute = {m: t[("free", m)] for m in MODES}
+        ms = {m: t[("link", m)] for m in MODES}
+        compute_ms = compute["overlapped"]
+        ratio = comm_ms / compute_ms
+        if abs(ratio / args.comm_ratio - 1) <= 0.1 or attempt == 1:
+            break
+        wire_ms = comm_ms - transfers * lat_ms
+        bw *= wire_ms / max(args.comm_ratio * compute_ms - transfers * lat_ms, 1e-9)
+        print(f"(measured comm/compute {ratio:.2f} vs --comm-ratio {args.comm_ratio}: bandwidth -> {bw:.3g} GB/s, "
+              f"measuring again)")
     r.set_link(bw, s["latency_us"])
 
     overlapped_ms = ms["overlapped"]
