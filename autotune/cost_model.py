@@ -87,7 +87,7 @@ class LinkModel:
 
     @classmethod
     def measure(cls, group, *, device, dtype=torch.float32, row_elems: int = 1024,
-                nbytes: Sequence[int] = (0, 1 << 20, 4 << 20), reps: int = 3, agree=None) -> "LinkModel":
+                nbytes: Sequence[int] = (0, 1 << 20, 4 << 20), reps: int = 5, agree=None) -> "LinkModel":
         """Time all-to-alls of a few sizes on ``group`` and fit the model.
 
         Every rank of a real group must call this at the same time with the same arguments (it runs
@@ -100,7 +100,9 @@ class LinkModel:
             dtype: the rows' dtype.
             row_elems: elements per row.
             nbytes: target off-rank bytes per sample (rounded to whole rows per rank).
-            reps: timed repetitions per size (median), after one warm-up transfer.
+            reps: timed repetitions per size, after one warm-up transfer; the fastest counts (load from
+                elsewhere only ever slows a transfer, so the minimum is the steadiest estimate, and
+                the measured bandwidth, part of the cache key, stays put from run to run).
             agree: optional ``callable(list[float]) -> list[float]`` that makes the timings identical on
                 every rank (for example an all-reduce max), so every rank fits the same model.
 
@@ -126,7 +128,7 @@ class LinkModel:
                 _sync(device)
                 if i:
                     times.append((time.perf_counter() - t0) * 1e3)
-            points.append(((W - 1) * per_rank * row_bytes, statistics.median(times)))
+            points.append(((W - 1) * per_rank * row_bytes, min(times)))
         if agree is not None:
             agreed = agree([ms for _, ms in points])
             points = [(b, ms) for (b, _), ms in zip(points, agreed)]
