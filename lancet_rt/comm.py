@@ -27,9 +27,6 @@ class Done:
     def wait(self) -> bool:
         return True
 
-    def is_completed(self) -> bool:
-        return True
-
 
 @runtime_checkable
 class ExpertParallelGroup(Protocol):
@@ -127,13 +124,6 @@ class Exchange:
 
     def __init__(self, host: torch.Tensor, work, sent: torch.Tensor):
         self._host, self._work, self.sent = host, work, sent
-
-    def is_completed(self) -> bool:
-        if self._work is None:
-            return True
-        if isinstance(self._work, torch.cuda.Event):
-            return self._work.query()
-        return self._work.is_completed()
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
@@ -233,9 +223,6 @@ class Pending:
 
     def __init__(self, out: torch.Tensor, link: Optional[BackwardLink]):
         self._out, self.link = out, link
-
-    def is_completed(self) -> bool:
-        return self.link is None or self.link.work is None or self.link.work.is_completed()
 
     def wait(self) -> torch.Tensor:
         if self.link is not None and self.link.work is not None:

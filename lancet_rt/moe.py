@@ -374,9 +374,6 @@ class _Counts:
     def __init__(self, exchange, P, W, L, error):
         self._exchange, self._shape, self._error = exchange, (P, W, L), error
 
-    def is_completed(self) -> bool:
-        return self._exchange.is_completed()
-
     def wait(self) -> torch.Tensor:
         """recv [P, W, E_local] on the host; raises if any rank reported a rejected input."""
         P, W, L = self._shape
