@@ -145,7 +145,12 @@ class MoE(nn.Module):
         self.aux_loss: Optional[torch.Tensor] = None
         self.z_loss: Optional[torch.Tensor] = None
         self.tokens_per_expert: Optional[torch.Tensor] = None
-        self.dropped: int = 0
+        self._dropped: Optional[torch.Tensor] = None
+
+    @property
+    def dropped(self) -> int:
+        """Dropped assignments in the last forward (a host sync when read, none in forward)."""
+        return 0 if self._dropped is None else int(self._dropped)
 
     @property
     def local_experts(self) -> range:
@@ -365,7 +370,7 @@ class MoE(nn.Module):
             self.aux_loss = state.aux_loss().detach()
             self.z_loss = state.z_loss().detach()
             self.tokens_per_expert = state.used_E.detach().long()
-            self.dropped = int(state.used_E.long().sum() - state.kept_E.sum())
+            self._dropped = state.used_E.long().sum() - state.kept_E.sum()  # read lazily: no sync here
 
 
 class _Counts:
