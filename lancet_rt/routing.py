@@ -68,7 +68,7 @@ class BatchRouting:
 
 
 class _Gate(torch.autograd.Function):
-    """logits_TE -> (weight_TK, expert_TK, slot_TK, kept_E); updates the batch's carried state.
+    """logits_TE -> (weight_TK, expert_TK, row_TK, kept_E); updates the batch's carried state.
 
     Backward adds the aux and z losses' gradients (scaled by their coefficients, over the whole
     batch) to the weights' gradient, so they reach the router without the user adding anything to
@@ -80,10 +80,9 @@ class _Gate(torch.autograd.Function):
         used_in = state.used_E
         out = ops.gating_fwd(logits_TE, state.top_k, used_in, capacity=state.capacity,
                              score_fn=score_fn, normalize_topk=normalize_topk)
-        kept_E = (out.used_E.long() if state.capacity is None
-                  else out.used_E.long().clamp(max=state.capacity)) - (
-                      used_in.long() if state.capacity is None
-                      else used_in.long().clamp(max=state.capacity))
+        C = state.capacity if state.capacity is not None else torch.iinfo(torch.int64).max
+        # Rows this chunk keeps per expert: the capacity-clamped counter's growth.
+        kept_E = out.used_E.long().clamp(max=C) - used_in.long().clamp(max=C)
         state.used_E = out.used_E
         state.kept_E += kept_E
         state.score_sum_E = state.score_sum_E.to(out.score_sum_E.dtype) + out.score_sum_E
