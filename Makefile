@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup train test test-gpu bench-cpu
+.PHONY: setup train test test-gpu gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -30,3 +30,12 @@ test: setup
 # The GPU lane, on a CUDA machine.
 test-gpu: setup
 	$(BIN)/python -m pytest -m gpu -q
+
+# Wheels the lent GPU machine lacks (it has no package registry): carried as .whl/ (ignored by git),
+# installed by bench.gpu_lane into a temporary directory. GPU_PYTHON is that machine's Python version.
+GPU_PYTHON ?= 3.12
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
+		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+		-d .whl greenlet==3.5.6
+	@ls .whl

@@ -106,6 +106,32 @@ def _fmt(v) -> str:
     return str(v)
 
 
+class TimeBudget:
+    """A wall-clock allowance for a benchmark run (``--max-seconds``): the run checks it before each
+    case and stops starting new ones once it is spent, so a command under a hard time limit (a lent
+    GPU's call) ends by itself with every finished row written, rather than being killed mid-row."""
+
+    def __init__(self, seconds: float | None):
+        self.deadline = None if seconds is None else time.monotonic() + seconds
+
+    def spent(self) -> bool:
+        return self.deadline is not None and time.monotonic() >= self.deadline
+
+
+class RowLog(list):
+    """The rows of one run; each is appended to ``path`` (if given) the moment it is measured, so the
+    file holds every finished row even when the process is cut short."""
+
+    def __init__(self, path: str | os.PathLike | None = None):
+        super().__init__()
+        self.path = path
+
+    def add(self, row: dict) -> None:
+        self.append(row)
+        if self.path:
+            write_json(self.path, [row])
+
+
 def write_json(path: str | os.PathLike, rows: Sequence[dict]) -> None:
     """Append ``rows`` to the JSON list at ``path`` (created if missing), written atomically."""
     path = Path(path)

@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from bench.common import bench_ms, matmul_tflops, print_table, run_metadata, write_json
+from bench.common import RowLog, TimeBudget, bench_ms, matmul_tflops, print_table, run_metadata
 
 FULL = dict(E=8, rows_per_expert=4096, D=4096, F=(14336, 2048))
 QUICK = dict(E=4, rows_per_expert=16, D=64, F=(64, 32))
@@ -85,7 +85,18 @@ def _cases(E: int, D: int, F: int, counts: list, device: torch.device, dtype=tor
     ]
 
 
-def run(device: torch.device, quick: bool) -> list:
+def _matches(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """The grouped GEMM against the loop of matmuls: relative max error within 2e-2 of the output's
+    scale (bf16 inputs, fp32 accumulation on both sides), so a fast wrong kernel cannot pass."""
+    if isinstance(got, tuple):
+        return all(_matches(a, b) for a, b in zip(got, want))
+    scale = want.float().abs().max().clamp_min(1e-6)
+    return bool(((got.float() - want.float()).abs().max() / scale) <= 2e-2)
+
+
+def run(device: torch.device, quick: bool, *, json_path=None, max_seconds=None) -> list:
+    """Measure every (F, routing, projection); rows go to ``json_path`` as they are made; nothing new
+    starts after ``max_seconds``."""
     from kernels import grouped_gemm as gg
 
     sizes = QUICK if quick else FULL
@@ -98,24 +109,35 @@ def run(device: torch.device, quick: bool) -> list:
     E, D = sizes["E"], sizes["D"]
     R = E * sizes["rows_per_expert"]
     routings = {"balanced": [sizes["rows_per_expert"]] * E, "skewed": skewed_counts(E, R)}
-    rows = []
+    rows, budget = RowLog(json_path), TimeBudget(max_seconds)
     for F in sizes["F"]:
         for routing, counts in routings.items():
+            if budget.spent():
+                print(f"# --max-seconds {max_seconds} spent: F={F} {routing} not run", flush=True)
+                continue
             for op, kernel, flops, triton_fn, loop_fn, dense_fn in _cases(E, D, F, counts, device):
-                for fn in (triton_fn, loop_fn, dense_fn):  # warm-up: autotuning and compilation
-                    fn()
-                t = {name: bench_ms(fn, device, **timing)
-                     for name, fn in (("triton", triton_fn), ("loop", loop_fn), ("dense", dense_fn))}
+                base = dict(meta, bench="experts", op=op, routing=routing, dtype="bfloat16", E=E, R=R, D=D, F=F,
+                            counts=counts, flops=flops)
+                try:  # warm-up (autotuning and compilation) and the correctness check
+                    check = "ok" if _matches(triton_fn(), loop_fn()) else "MISMATCH"
+                    dense_fn()
+                    t = {name: bench_ms(fn, device, **timing)
+                         for name, fn in (("triton", triton_fn), ("loop", loop_fn), ("dense", dense_fn))}
+                except Exception as e:  # noqa: BLE001 - a kernel that fails to build or run is a result
+                    rows.add(dict(base, check="error", error=f"{type(e).__name__}: {str(e).strip()[:160]}"))
+                    print(f"# {op} {routing} F={F}: {rows[-1]['error']}", flush=True)
+                    continue
                 tf = {name: flops / (v["ms"] * 1e-3) / 1e12 for name, v in t.items()}
-                rows.append(dict(
-                    meta, bench="experts", op=op, routing=routing, dtype="bfloat16", E=E, R=R, D=D, F=F,
-                    counts=counts, flops=flops, config=gg.selected_config(kernel),
+                rows.add(dict(
+                    base, check=check, config=gg.selected_config(kernel),
                     triton_ms=t["triton"]["ms"], triton_ms_q20=t["triton"]["ms_q20"],
                     triton_ms_q80=t["triton"]["ms_q80"], loop_ms=t["loop"]["ms"], dense_ms=t["dense"]["ms"],
                     triton_tflops=tf["triton"], loop_tflops=tf["loop"], dense_tflops=tf["dense"],
                     frac_dense=tf["triton"] / tf["dense"], frac_peak=tf["triton"] / peak,
                     speedup_vs_loop=t["loop"]["ms"] / t["triton"]["ms"],
                 ))
+                print(f"# {op:20s} {routing:8s} F={F}: {tf['triton']:.1f} TFLOP/s, {rows[-1]['frac_dense']:.2f} of "
+                      f"dense, {rows[-1]['speedup_vs_loop']:.2f}x loop, check {check}", flush=True)
     return rows
 
 
@@ -123,6 +145,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.experts", description=__doc__.split("\n")[0])
     parser.add_argument("--json", metavar="PATH", help="append the rows to this JSON list")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: check that the command works")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="start no new (F, routing) group after this many seconds")
     parser.add_argument("--device", choices=("cuda", "cpu"),
                         default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
@@ -137,12 +161,13 @@ def main(argv=None) -> int:
         if not args.quick:
             print("# note: full sizes in the CPU interpreter take hours; use --quick", file=sys.stderr)
 
-    rows = run(device, args.quick)
+    rows = run(device, args.quick, json_path=args.json, max_seconds=args.max_seconds)
+    if not rows:
+        return 1
     print_table(rows, ["op", "routing", "F", "config", "triton_ms", "loop_ms", "dense_ms", "triton_tflops",
-                       "dense_tflops", "frac_dense", "frac_peak", "speedup_vs_loop"],
+                       "dense_tflops", "frac_dense", "frac_peak", "speedup_vs_loop", "check"],
                 title=f"\nexpert GEMMs, bf16, E={rows[0]['E']} R={rows[0]['R']} D={rows[0]['D']}")
     if args.json:
-        write_json(args.json, rows)
         print(f"# appended {len(rows)} rows to {args.json}")
     return 0
 

@@ -29,14 +29,15 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from bench.common import bench_ms, copy_bandwidth_gbs, print_table, run_metadata, write_json
+from bench.common import RowLog, TimeBudget, bench_ms, copy_bandwidth_gbs, print_table, run_metadata
 
 DEFAULT_JSON = os.path.join("bench", "results", "kernels.json")
 OPS = ("gating_fwd", "gating_bwd", "permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd")
 GATING_OPS = OPS[:2]
 CAPACITY_FACTOR = 1.25
+TARGET_T = 16384
 COLUMNS = ["op", "T", "E", "K", "D", "S", "MB", "triton_ms", "eager_ms", "compiled_ms", "triton_GBs",
-           "frac_copy", "x_eager", "x_compiled", "check", "compile_error"]
+           "frac_copy", "x_eager", "x_compiled", "check", "compile_error", "error"]
 
 
 def cases(quick: bool) -> List[dict]:
@@ -50,7 +51,9 @@ def cases(quick: bool) -> List[dict]:
         permute += [(16384, E, 8, 4096) for E in (8, 256)]
     rows = [dict(op=op, T=T, E=E, K=K, D=None) for (T, E, K) in gating for op in GATING_OPS]
     rows += [dict(op=op, T=T, E=E, K=K, D=D) for (T, E, K, D) in permute for op in OPS[2:]]
-    return rows
+    # The issue's targets are at T = 16384: measure those first, so a run stopped by --max-seconds
+    # still has them (a stable sort keeps the order within each group).
+    return sorted(rows, key=lambda r: r["T"] != TARGET_T)
 
 
 def op_bytes(op: str, T: int, E: int, K: int, D: Optional[int], S: int, elem: int) -> int:
@@ -132,7 +135,10 @@ def _short_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:160]}"
 
 
-def run(device: torch.device, quick: bool, dtype: torch.dtype = torch.bfloat16) -> List[dict]:
+def run(device: torch.device, quick: bool, dtype: torch.dtype = torch.bfloat16, *, json_path=None,
+        max_seconds: Optional[float] = None) -> List[dict]:
+    """Measure every case; rows go to ``json_path`` as they are made; no case starts after
+    ``max_seconds``."""
     from kernels import gating, permute, reference
 
     triton_fns: Dict[str, Callable] = {
@@ -148,8 +154,12 @@ def run(device: torch.device, quick: bool, dtype: torch.dtype = torch.bfloat16) 
     meta = run_metadata(device, copy_gbs=copy_gbs)
     gen = torch.Generator(device=device).manual_seed(0)
     elem = torch.finfo(dtype).bits // 8
-    rows = []
-    for case in cases(quick):
+    rows, budget, todo = RowLog(json_path), TimeBudget(max_seconds), cases(quick)
+    for case in todo:
+        if budget.spent():
+            print(f"  --max-seconds {max_seconds} spent: {len(todo) - len(rows)} of {len(todo)} cases not run",
+                  flush=True)
+            break
         op = case["op"]
         args, kwargs, S = _inputs(case, device, dtype, gen)
         nbytes = op_bytes(op, case["T"], case["E"], case["K"], case["D"], S, elem)
@@ -158,8 +168,14 @@ def run(device: torch.device, quick: bool, dtype: torch.dtype = torch.bfloat16) 
 
         tri = lambda: triton_fns[op](*args, **kwargs)   # noqa: E731
         ref = lambda: ref_fns[op](*args, **kwargs)      # noqa: E731
-        row["check"] = "ok" if _matches(tri(), ref()) else "MISMATCH"   # also compiles / tunes
-        row["triton_ms"] = bench_ms(tri, device, **timing)["ms"]
+        try:
+            row["check"] = "ok" if _matches(tri(), ref()) else "MISMATCH"   # also compiles / tunes
+            row["triton_ms"] = bench_ms(tri, device, **timing)["ms"]
+        except Exception as e:  # noqa: BLE001 - a kernel that fails to build or run is a result
+            row.update(check="error", error=_short_error(e))
+            rows.add(row)
+            print(f"  {op:14s} T={case['T']:<6} E={case['E']:<4} K={case['K']:<2}: {row['error']}", flush=True)
+            continue
         row["eager_ms"] = bench_ms(ref, device, **timing)["ms"]
         try:
             compiled = lambda: compiled_fns[op](*args, **kwargs)   # noqa: E731
@@ -173,7 +189,7 @@ def run(device: torch.device, quick: bool, dtype: torch.dtype = torch.bfloat16) 
         row["frac_copy"] = row["triton_GBs"] / copy_gbs
         row["x_eager"] = row["eager_ms"] / row["triton_ms"]
         row["x_compiled"] = None if row["compiled_ms"] is None else row["compiled_ms"] / row["triton_ms"]
-        rows.append(row)
+        rows.add(row)
         print(f"  {op:14s} T={case['T']:<6} E={case['E']:<4} K={case['K']:<2} D={case['D']}: "
               f"{row['triton_ms']:.4g} ms, {row['x_eager']:.3g}x eager, check {row['check']}", flush=True)
         del args, kwargs
@@ -187,6 +203,8 @@ def main(argv=None) -> int:
     parser.add_argument("--json", nargs="?", const=DEFAULT_JSON, default=None, metavar="PATH",
                         help=f"append the rows to PATH (default {DEFAULT_JSON}); without it nothing is written")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the command (CPU: a minute)")
+    parser.add_argument("--max-seconds", type=float, default=None,
+                        help="start no new case after this many seconds (the T=16384 targets run first)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
                         help="default: cuda when available, else cpu (Triton interpreter)")
     args = parser.parse_args(argv)
@@ -208,12 +226,13 @@ def main(argv=None) -> int:
     except ImportError:
         pass
 
-    rows = run(device, args.quick)
+    rows = run(device, args.quick, json_path=args.json, max_seconds=args.max_seconds)
+    if not rows:
+        return 1
     print_table(rows, COLUMNS, title=f"\nrouting kernels on {rows[0]['device']} "
                 f"(copy {rows[0]['copy_gbs']:.4g} GB/s; GB/s = bytes to move / time)")
     if args.json:
-        write_json(args.json, rows)
-        print(f"wrote {len(rows)} rows to {args.json}")
+        print(f"appended {len(rows)} rows to {args.json}")
     return 0
 
 

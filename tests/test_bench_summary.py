@@ -16,3 +16,32 @@ def test_summary_judges_worst_row_and_reports_missing(tmp_path):
     assert rows["Overlapped over bound_ms"]["value"] == 0.2 and rows["Overlapped over bound_ms"]["met"] == "NOT met"
     assert rows["hidden communication fraction"]["met"] == "met"
     assert rows["permute fwd, fraction of copy BW"]["met"] == "not measured"
+
+
+def test_summary_ignores_rows_that_failed_their_check(tmp_path):
+    base = dict(op="permute_fwd", T=16384, D=4096)
+    (tmp_path / "kernels.json").write_text(json.dumps([
+        dict(base, frac_copy=0.90, check="ok"),
+        dict(base, frac_copy=5.0, check="MISMATCH"),   # fast and wrong: must not count
+        dict(base, check="error", error="CompilationError: ..."),
+    ]))
+    row = {r["metric"]: r for r in summary(tmp_path)}["permute fwd, fraction of copy BW"]
+    assert row["value"] == 0.9 and row["rows"] == 1 and row["failed"] == 2 and row["met"] == "met"
+
+
+def test_summary_shows_informational_rows_unjudged(tmp_path):
+    (tmp_path / "overlap.json").write_text(json.dumps([dict(over_pass_bound=0.05, max_hidden_comm_fraction=0.84)]))
+    rows = {r["metric"]: r for r in summary(tmp_path)}
+    assert rows["Overlapped over the pass-aware bound"]["met"] == "info"
+    assert rows["most communication any schedule could hide"]["value"] == 0.84
+
+
+def test_lane_writes_its_summary_when_steps_fail(tmp_path):
+    """On this CPU machine every CUDA step fails at once; the lane must still record each step and
+    write summary.json (a lent GPU's call returns only what is under --out)."""
+    from bench.gpu_lane import main
+
+    assert main(["--out", str(tmp_path), "--only", "kernels", "--budget", "120"]) == 0
+    result = json.loads((tmp_path / "summary.json").read_text())
+    assert [s["step"] for s in result["steps"]] == ["versions", "kernels"]
+    assert result["steps"][1]["rc"] != 0 and (tmp_path / "kernels.log").read_text()
