@@ -16,13 +16,13 @@ chunks than sequences and, on CUDA, to those that fit in memory) as forward + ba
 ``Overlapped`` block, in interleaved rounds after a warm-up, and prints a table of predicted and
 measured step times with the choice (the fastest measured), its distance to the best measured time
 and the cost model's prediction error for it. The cost model is Lancet's: stage times profiled on a
-zero-cost link plus a fitted model of the link, simulated on one compute and one communication
-stream (:mod:`autotune.cost_model`). The choice is stored in the cache; running the same command
-again prints the stored entry and measures nothing (``--force`` re-tunes). ``--link emulated`` makes
-this process rank 0 of ``--world-size`` symmetric ranks on a link of ``--bandwidth-gbps`` and
-``--latency-us`` (``lancet_rt.EmulatedGroup``); ``--link torch`` uses the default process group of
-``torchrun`` (gloo on CPU, NCCL on CUDA) and all ranks agree on one choice. ``--statistic min``
-summarises each candidate by its fastest step instead of the median (steadier on a shared CPU).
+zero-cost link plus a fitted model of the link (:mod:`autotune.profiling`), simulated on one compute
+and one communication stream (:mod:`autotune.cost_model`). The choice is stored in the cache;
+running the same command again prints the stored entry and measures nothing (``--force`` re-tunes).
+``--link emulated`` makes this process rank 0 of ``--world-size`` symmetric ranks on a link of
+``--bandwidth-gbps`` and ``--latency-us`` (``lancet_rt.EmulatedGroup``); ``--link torch`` uses the
+default process group of ``torchrun`` (gloo on CPU, NCCL on CUDA) and all ranks agree on one choice.
+``--statistic min`` summarises each candidate by its fastest step instead of the median (steadier on a shared CPU).
 
 **At training time, with** ``chunks="auto"``::
 
@@ -57,7 +57,8 @@ Main pieces: :class:`AutoChunks` (online), :class:`TuneCache`/:class:`CacheKey` 
 """
 from .block import TuningBlocks
 from .cache import CacheHit, CacheKey, TuneCache, token_bucket
-from .cost_model import ComputeProfile, CostModel, LinkModel, Prediction, Profiler, SimOp, profile_compute, simulate
+from .cost_model import CostModel, Prediction, SimOp, simulate
+from .profiling import ComputeProfile, LinkModel, Profiler, profile_compute
 from .gpu import DeviceIdentity, device_identity
 from .key import LinkInfo, count_tokens, key_for_layers, link_descriptor
 from .online import AutoChunks

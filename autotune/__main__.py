@@ -24,7 +24,8 @@ import lancet_rt
 
 from .block import TuningBlocks
 from .cache import TuneCache
-from .cost_model import CostModel, LinkModel, Profiler
+from .cost_model import CostModel
+from .profiling import LinkModel, Profiler
 from .gpu import device_identity
 from .key import agree_max, key_for_layers, link_descriptor
 from .search import DEFAULT_CANDIDATES, DEFAULT_MIN_TOKENS_PER_CHUNK, StepRunner, candidate_chunks, search

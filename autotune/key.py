@@ -78,7 +78,7 @@ def measured_gbps_bucket(group, device) -> Optional[float]:
     Every rank gets the same value: the ranks' timings are reduced to their maximum first. None when
     the two sizes took no measurably different time (a link too fast to tell at these sizes).
     """
-    from .cost_model import LinkModel
+    from .profiling import LinkModel
 
     model = LinkModel.measure(group, device=device, nbytes=(1 << 20, 8 << 20), reps=3,
                               agree=lambda xs: agree_max(group, xs))

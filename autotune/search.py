@@ -190,7 +190,7 @@ def search(runner: StepRunner, *, candidates: Sequence[int] = DEFAULT_CANDIDATES
         statistic: "median" (default) or "min" of each candidate's timed steps; "min" resists other
             processes on a shared CPU.
         probes: extra ``{name: callable}`` timed in the same rounds (e.g. the cost model's compute-only
-            steps, :meth:`autotune.cost_model.Profiler.probes`), so load hits them and the candidates alike.
+            steps, :meth:`autotune.profiling.Profiler.probes`), so load hits them and the candidates alike.
         progress: called with 1 after every step.
         agree: optional ``callable(list of times) -> list`` making the candidates' times identical on
             every rank of a real group (e.g. an all-reduce max), so every rank chooses the same count.

@@ -19,7 +19,7 @@ from autotune import (AutoChunks, CacheKey, ComputeProfile, CostModel, LinkModel
 from autotune import __main__ as cli
 from autotune import cache as cache_mod
 from autotune import gpu as gpu_mod
-from autotune.cost_model import LayerStages
+from autotune.profiling import LayerStages
 from tests.dist import assert_all_ok, run_ranks
 from tests.helpers import assert_close
 
