@@ -14,8 +14,12 @@ clock: each step gets a share of what is left (by its weight in :data:`STEPS`), 
 starting new cases when their share is spent and keep every finished row, and a step that outlives
 its share is stopped. Split the lane over two calls with ``--only``::
 
-    python3 -m bench.gpu_lane --out "$OUT" --only tests,kernels
-    python3 -m bench.gpu_lane --out "$OUT" --only experts,overlap,autotune
+    python3 -m bench.gpu_lane --out "$OUT" --only tests,experts
+    python3 -m bench.gpu_lane --out "$OUT" --only kernels,overlap,autotune
+
+The tests and bench.experts share their grouped-GEMM shapes, so in one call the benchmark finds the
+configs the tests' autotuning compiled and chose in Triton's on-disk caches (the routing kernels'
+spaces prune to one config per key; the grouped GEMM's to up to 14).
 
 Packages the GPU machine lacks (greenlet) travel as wheels in ``.whl/`` (``make gpu-wheels`` here,
 then ``carry: [".whl"]``); the lane installs them into a temporary directory for its steps.
