@@ -109,16 +109,25 @@ _cycles_per_ms: dict = {}
 
 
 def _sleep_cycles_per_ms(device) -> float:
-    """Calibrate torch.cuda._sleep (a spin kernel) once per device."""
+    """Calibrate torch.cuda._sleep (a one-thread kernel spinning on clock64(): its argument is SM
+    clock cycles, about 1.5-2e6 per ms on an H100/H200) once per device.
+
+    Timed on the device's current stream with CUDA events; call it outside the communication
+    stream's context (a one-off host sync of about 20 ms) so it never lands inside a transfer.
+    """
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     if device not in _cycles_per_ms:
-        torch.cuda._sleep(1_000_000)  # warm-up
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        cycles = 20_000_000
-        start.record()
-        torch.cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-        _cycles_per_ms[device] = cycles / start.elapsed_time(end)
+        with torch.cuda.device(device):
+            cycles = 20_000_000
+            torch.cuda._sleep(cycles)  # warm-up, long enough for the SM clock to leave idle
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            _cycles_per_ms[device] = cycles / start.elapsed_time(end)
     return _cycles_per_ms[device]
 
 
@@ -176,7 +185,10 @@ class EmulatedGroup:
 
     def _comm_stream(self):
         if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
+            # High priority, as a link is: when the compute stream's kernels fill the SMs, the
+            # link's copy and timed kernel take the next free slot instead of queueing behind a
+            # whole GEMM grid, so a transfer starts when the link is free, not when compute lets it.
+            self._stream = torch.cuda.Stream(self.device, priority=-1)
         return self._stream
 
     def _submit(self, off_rank_bytes: int, copy=None, src=None, dst=None):
@@ -189,6 +201,9 @@ class EmulatedGroup:
             self._cpu_link.submit(work)
             _trace.record_link(work, off_rank_bytes)
             return work
+        # Calibrate (once) before anything is queued on the link: the calibration syncs the host
+        # and would otherwise sit inside this transfer and its trace span.
+        cycles = int(ms * _sleep_cycles_per_ms(self.device)) if ms > 0 else 0
         stream = self._comm_stream()
         stream.wait_stream(torch.cuda.current_stream(self.device))  # the producer's data is ready
         with torch.cuda.stream(stream):
@@ -197,8 +212,8 @@ class EmulatedGroup:
                 dst.copy_(src)
                 dst.record_stream(stream)
                 src.record_stream(stream)
-            if ms > 0:
-                torch.cuda._sleep(int(ms * _sleep_cycles_per_ms(self.device)))
+            if cycles > 0:
+                torch.cuda._sleep(cycles)
             event = torch.cuda.Event()
             event.record(stream)
             if span is not None:

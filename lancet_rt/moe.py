@@ -245,7 +245,7 @@ class MoE(nn.Module):
         with _trace.span("dispatch", cuda=x_SD.is_cuda, layer=self.trace_name, rows=x_SD.shape[0]):
             pending = comm.all_to_all(x_SD, self.group, recv_splits, send_splits)
         to_expert, to_rank = _regroup_permutations(counts_WL, x_SD.device)
-        offsets = _offsets(counts_WL.sum(0).to(x_SD.device))
+        offsets = _offsets(_to_device(counts_WL.sum(0), x_SD.device))
         return _Dispatched(pending, offsets, send_splits, recv_splits, to_expert, to_rank)
 
     def compute_experts(self, x_recv: torch.Tensor, d: _Dispatched, ops, link=None) -> torch.Tensor:
@@ -324,10 +324,10 @@ class MoE(nn.Module):
             starts.append(starts[-1] + k)
         bounds = [[starts[e] + kept[e] * p // P for e in range(E)] for p in range(P + 1)]
         kept_PE = torch.tensor([[bounds[p + 1][e] - bounds[p][e] for e in range(E)] for p in range(P)])
-        order = torch.cat([torch.arange(bounds[p][e], bounds[p + 1][e]) for p in range(P) for e in range(E)]
-                          + [torch.zeros(0, dtype=torch.long)]).to(x_SD.device)
+        order = _to_device(torch.cat([torch.arange(bounds[p][e], bounds[p + 1][e]) for p in range(P) for e in range(E)]
+                                     + [torch.zeros(0, dtype=torch.long)]), x_SD.device)
         pieces = x_SD.index_select(0, order).split(kept_PE.sum(1).tolist())
-        kept_PE = kept_PE.to(x_SD.device)
+        kept_PE = _to_device(kept_PE, x_SD.device)
         if self.group is not None:
             exchange = self.exchange_counts(kept_PE)
             counts, sent = exchange.wait(), exchange.sent()
@@ -423,7 +423,24 @@ def _regroup_permutations(counts_WL: torch.Tensor, device):
     to_expert = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
     to_rank = torch.empty_like(to_expert)
     to_rank[to_expert] = torch.arange(to_expert.numel())
-    return to_expert.to(device), to_rank.to(device)
+    return _to_device(to_expert, device), _to_device(to_rank, device)
+
+
+def _to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on ``device`` without a host sync.
+
+    A plain ``t.to("cuda")`` from pageable memory is a synchronous copy: the host waits for every
+    kernel already queued on the stream (``cudaStreamSynchronize``), which would stall the host once
+    per chunk and layer and drain the compute queue. Staged through pinned memory the copy is
+    stream-ordered and asynchronous; the caching host allocator keeps the pinned block alive until
+    the copy has run.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or t.device.type != "cpu" or t.numel() == 0:
+        return t.to(device)  # (an empty copy moves no bytes and does not sync)
+    if not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def _raise_on_bad_status(status_W: torch.Tensor, local_error: Optional[Exception]) -> None:

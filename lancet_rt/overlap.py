@@ -76,6 +76,8 @@ class Overlapped(nn.Module):
         return [m for m in self.model.modules() if isinstance(m, MoE)]
 
     def forward(self, *args, **kwargs):
+        if self.wgrad_queue is not None:
+            self.wgrad_queue.discard_orphans()  # left by a backward that raised (e.g. out of memory)
         n = self._resolve_chunks(args, kwargs)
         if self.check and not self._checked:
             self._check_separable(n, args, kwargs)

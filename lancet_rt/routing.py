@@ -107,7 +107,9 @@ class _Gate(torch.autograd.Function):
             f_E = state.used_E.to(logits_TE.dtype) / (T * state.top_k)
             grad_score_sum = (ctx.aux_coef * state.num_experts / T) * f_E
         if ctx.z_coef > 0:
-            grad_zsq = torch.tensor(ctx.z_coef / T, dtype=logits_TE.dtype, device=logits_TE.device)
+            # torch.full, not torch.tensor(..., device=...): the latter is a pageable host-to-device
+            # copy, which on CUDA syncs the host with the stream once per chunk and layer in backward.
+            grad_zsq = torch.full((), ctx.z_coef / T, dtype=logits_TE.dtype, device=logits_TE.device)
         grad_logits = ctx.ops.gating_bwd(logits_TE, expert_TK, grad_weight_TK, grad_score_sum, grad_zsq,
                                          score_fn=ctx.score_fn, normalize_topk=ctx.normalize)
         return grad_logits, None, None, None, None, None, None

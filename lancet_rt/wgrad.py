@@ -69,21 +69,30 @@ def best_fit(estimates_ms: Sequence[float], left_ms: float, ran: int) -> Optiona
 _device_rates: dict = {}
 
 
-def _device_flops_per_ms(device: torch.device) -> float:
-    """A dense matmul rate of ``device`` (FLOP per ms), timed once with CUDA events."""
-    if device not in _device_rates:
-        n = 2048
-        a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-        b = torch.randn(n, n, device=device, dtype=torch.bfloat16)
-        a @ b  # warm-up
+def _device_flops_per_ms(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> float:
+    """A dense matmul rate of ``device`` in ``dtype`` (FLOP per ms), timed once with CUDA events.
+
+    Timed in the dtype of the dW items it prices: an fp32 model's GEMMs run at a fraction of the
+    bf16 tensor-core rate (about 10x slower on an H100 without TF32), so a bf16 rate would let
+    fp32 items overrun every window. Random operands come from a private generator so that
+    calibrating in the middle of a backward never shifts the global CUDA RNG (dropout masks).
+    """
+    key = (device, dtype)
+    if key not in _device_rates:
+        n, reps = 2048, 10
+        gen = torch.Generator(device=device)
+        gen.manual_seed(0)
+        a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+        b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+        a @ b  # warm-up (cuBLAS handle and workspace)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(5):
+        for _ in range(reps):
             a @ b
         end.record()
         end.synchronize()
-        _device_rates[device] = 5 * 2 * n**3 / start.elapsed_time(end)
-    return _device_rates[device]
+        _device_rates[key] = reps * 2 * n**3 / start.elapsed_time(end)
+    return _device_rates[key]
 
 
 class WGradQueue:
@@ -108,8 +117,26 @@ class WGradQueue:
             self._callback_queued = True
             self.ran_in_windows = self.flushed = 0
 
-    def _estimate_ms(self, item: _Item, device_rate: Optional[float]) -> float:
-        rate = device_rate if device_rate is not None else self.flops_per_ms
+    def discard_orphans(self) -> None:
+        """Drop work left by a backward that raised (out of memory, say; the autotuner's search
+        catches that and goes on). The engine dropped the final callback that would have flushed it,
+        and with ``_callback_queued`` still set no later backward would queue its own: the stale
+        closures (holding activations) would pile up and later backwards would lose their flush.
+        :class:`lancet_rt.Overlapped` calls this before each forward; it does nothing inside a
+        backward (a forward recomputed there, by activation checkpointing, must not drop its work).
+        """
+        task_id = getattr(torch._C, "_current_graph_task_id", None)
+        if task_id is not None and task_id() != -1:
+            return
+        self.items.clear()
+        self._callback_queued = False
+
+    def _estimate_ms(self, item: _Item, cuda: bool) -> float:
+        if cuda:  # device time: the item's FLOPs at the calibrated rate of its device and dtype
+            p = item.params[0]
+            rate = _device_flops_per_ms(p.device, p.dtype)
+        else:
+            rate = self.flops_per_ms
         return item.flops / rate if rate else 0.0
 
     def _run(self, item: _Item) -> float:
@@ -143,7 +170,6 @@ class WGradQueue:
         if not self.items:
             return
         cuda = any(p.is_cuda for p in self.items[0].params)
-        rate = _device_flops_per_ms(self.items[0].params[0].device) if cuda else None
         deadline = None if cuda else getattr(work, "expected_end", None)
         if deadline is None and window_ms is not None and not cuda:
             deadline = time.perf_counter() + window_ms * 1e-3
@@ -157,7 +183,7 @@ class WGradQueue:
                 i = 0
             else:
                 left = budget if budget is not None else (deadline - time.perf_counter()) * 1e3
-                est = [self._estimate_ms(it, rate) for it in self.items]
+                est = [self._estimate_ms(it, cuda) for it in self.items]
                 i = best_fit(est, left, ran)
                 if i is None:
                     break

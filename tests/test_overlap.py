@@ -164,6 +164,28 @@ def test_deferred_wgrad_complete_when_backward_returns():
     assert any(isinstance(m, lancet_rt.wgrad.DeferredLinear) for m in model.modules())
 
 
+def test_backward_that_raises_leaves_no_orphaned_wgrad():
+    """A backward that raises (out of memory, say) after deferring some dW: the engine drops the
+    queue's flush, and the next step must neither lose its own dW nor keep the stale work."""
+    model = make_model(None)
+    twin = copy.deepcopy(model)
+    x, g = torch.randn(6, 5, D), torch.randn(6, 5, D)
+    ov = lancet_rt.Overlapped(twin, chunks=2, defer_wgrad=True)
+
+    def fail_in_backward(module, inputs, out):  # raises once the last block's backward has queued dW
+        out.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("injected backward failure")))
+
+    handle = twin.blocks[0].register_forward_hook(fail_in_backward)
+    with pytest.raises(RuntimeError, match="injected"):
+        ov(x.clone().requires_grad_(True)).backward(g)
+    handle.remove()
+    assert ov.wgrad_queue.items, "the failed backward must have left deferred dW behind (else no test)"
+    for p in twin.parameters():
+        p.grad = None
+    assert_same_run(run_and_grads(model, model, x, g), run_and_grads(twin, ov, x, g))
+    assert not ov.wgrad_queue.items
+
+
 def test_emulated_link_holds_modeled_time():
     link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=0.001, latency_us=1000)
     x = torch.randn(40, 25)
