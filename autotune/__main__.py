@@ -136,16 +136,17 @@ class _Env:
                 if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
                     raise ValueError("--link torch needs a process group: run under torchrun "
                                      "(RANK/WORLD_SIZE unset)")
-                dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+                # Bind this rank's GPU before NCCL starts, so that its communicator never guesses.
+                device_id = _bind_local_gpu(int(os.environ["RANK"])) if args.device == "cuda" else None
+                dist.init_process_group("nccl" if args.device == "cuda" else "gloo", device_id=device_id)
                 self.owns_group = True
+            elif args.device == "cuda":
+                _bind_local_gpu(dist.get_rank())
             self.rank = dist.get_rank()
             world = dist.get_world_size()
             if args.world_size is not None and args.world_size != world:
                 raise ValueError(f"--world-size ({args.world_size}) must equal the process group's size ({world})")
             args.world_size = world
-            if args.device == "cuda":
-                local = int(os.environ.get("LOCAL_RANK", self.rank % max(torch.cuda.device_count(), 1)))
-                torch.cuda.set_device(local)
             self.ep_group = dist.group.WORLD
         cuda = args.device == "cuda"
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -335,6 +336,13 @@ def _progress(total: int, disable: bool):
         return _Null()
     return tqdm(total=total, disable=disable, unit="step", leave=False, file=sys.stderr)
 
+
+
+def _bind_local_gpu(rank: int) -> torch.device:
+    """Make this rank's GPU (``LOCAL_RANK``, else rank modulo the GPUs) the current device."""
+    local = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
 
 def main(argv: Optional[list] = None) -> int:
     """Console entry point (``lancet-autotune``); returns the exit status."""
