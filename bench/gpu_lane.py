@@ -21,7 +21,7 @@ The tests and bench.experts share their grouped-GEMM shapes, so in one call the 
 configs the tests' autotuning compiled and chose in Triton's on-disk caches (the routing kernels'
 spaces prune to one config per key; the grouped GEMM's to up to 14).
 
-Packages the GPU machine lacks (greenlet) travel as wheels in ``.whl/`` (``make gpu-wheels`` here,
+Packages the GPU machine lacks (greenlet, pytest-timeout) travel as wheels in ``.whl/`` (``make gpu-wheels`` here,
 then ``carry: [".whl"]``); the lane installs them into a temporary directory for its steps.
 """
 from __future__ import annotations
@@ -102,20 +102,17 @@ def run(step: str, cmd: list, out: Path, timeout: float, env: dict) -> dict:
 
 
 def carried_packages(repo: Path) -> str | None:
-    """Install the wheels carried in ``.whl/`` into a temporary directory when this Python lacks
-    greenlet (the GPU machine has no package registry); returns the directory for PYTHONPATH."""
-    try:
-        import greenlet  # noqa: F401
-        return None
-    except ImportError:
-        pass
+    """Install the wheels carried in ``.whl/`` (``make gpu-wheels``: greenlet, pytest-timeout; the GPU
+    machine has no package registry) into a temporary directory; returns it for PYTHONPATH."""
     wheels = sorted(str(w) for w in (repo / ".whl").glob("*.whl"))
     if not wheels:
-        print("greenlet is missing and no wheel was carried in .whl/ (make gpu-wheels): Overlapped will fail")
         return None
     site = tempfile.mkdtemp(prefix="lancet-site-")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", site,
-                    *wheels], check=True)
+    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", site,
+                        *wheels], capture_output=True, text=True)
+    if p.returncode != 0:  # a wheel for another Python, say: the steps say what is missing
+        print(f"could not install the carried wheels {wheels}:\n{p.stderr.strip()[-600:]}")
+        return None
     return site
 
 
