@@ -27,6 +27,22 @@ def pinned_config(env_var: str) -> Optional[triton.Config]:
     return triton.Config(meta, **opts)
 
 
+def run_autotuned(tuner, grid, args: tuple, meta: dict, env_var: str) -> None:
+    """Launch the ``@triton.autotune`` kernel ``tuner``; when its space prunes to one config (the
+    interpreter's, or one pinned by ``env_var``) launch that config directly, untimed.
+
+    Triton 3.9's autotuner skips timing a lone pruned config by itself, but 3.6 (the GPU lane's)
+    times it anyway: that needs a GPU driver, so it fails under TRITON_INTERPRET=1, and on CUDA it
+    costs a benchmark per new key for nothing. The prune functions return exactly one config in
+    both cases, so both Triton versions take the same path.
+    """
+    if interpreting() or pinned_config(env_var) is not None:
+        (config,) = tuner.early_config_prune(tuner.configs, dict(zip(tuner.arg_names, args)), **meta)
+        tuner.fn[grid](*args, **meta, **config.all_kwargs())
+    else:
+        tuner[grid](*args, **meta)
+
+
 def check_tensor(name, t, *, ndim=None, shape=None, dtypes=None, device=None) -> None:
     """TypeError/ValueError naming ``name`` unless ``t`` is a tensor of the expected kind."""
     if not isinstance(t, torch.Tensor):

@@ -78,7 +78,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_out as _check_out, check_tensor as _check_tensor, interpreting, pinned_config
+from ._common import (check_out as _check_out, check_tensor as _check_tensor, interpreting, pinned_config,
+                      run_autotuned)
 
 from kernels.reference import GatingOutput
 
@@ -550,23 +551,19 @@ def gating_fwd(
     meta = dict(SIGMOID=score_fn == "sigmoid", NORMALIZE=bool(normalize_topk), BLOCK_E=block_e)
     stride_lt, stride_le = logits_TE.stride()
     if n_spans == 1:
-        _gating_fwd_kernel[(1,)](
-            logits_TE, used_E, out.expert_TK, out.weight_TK, out.slot_TK,
-            out.counts_E, out.used_E, out.score_sum_E, out.zsq_sum,
-            T, E, K, span, cap, stride_lt, stride_le,
-            SINGLE_PROGRAM=True, **meta,
-        )
+        args = (logits_TE, used_E, out.expert_TK, out.weight_TK, out.slot_TK,
+                out.counts_E, out.used_E, out.score_sum_E, out.zsq_sum,
+                T, E, K, span, cap, stride_lt, stride_le)
+        run_autotuned(_gating_fwd_kernel, (1,), args, dict(SINGLE_PROGRAM=True, **meta), _ENV_FWD_CONFIG)
         return out
 
     span_count = torch.empty(n_spans, E, dtype=torch.int32, device=dev)
     span_score = torch.empty(n_spans, E, dtype=logits_TE.dtype, device=dev)
     span_zsq = torch.empty(n_spans, dtype=logits_TE.dtype, device=dev)
-    _gating_fwd_kernel[(n_spans,)](
-        logits_TE, used_E, out.expert_TK, out.weight_TK, out.slot_TK,
-        span_count, out.used_E, span_score, span_zsq,
-        T, E, K, span, cap, stride_lt, stride_le,
-        SINGLE_PROGRAM=False, **meta,
-    )
+    args = (logits_TE, used_E, out.expert_TK, out.weight_TK, out.slot_TK,
+            span_count, out.used_E, span_score, span_zsq,
+            T, E, K, span, cap, stride_lt, stride_le)
+    run_autotuned(_gating_fwd_kernel, (n_spans,), args, dict(SINGLE_PROGRAM=False, **meta), _ENV_FWD_CONFIG)
     _gating_scan_kernel[(triton.cdiv(E, _SCAN_BLOCK_E),)](
         span_count, span_score, span_zsq, used_E,
         out.counts_E, out.used_E, out.score_sum_E, out.zsq_sum,
@@ -645,14 +642,13 @@ def gating_bwd(
     stride_gt, stride_gk = (0, 0) if grad_weight_TK is None else grad_weight_TK.stride()
     stride_pe = 0 if grad_score_sum_E is None else grad_score_sum_E.stride(0)
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_T"]),)  # noqa: E731
-    _gating_bwd_kernel[grid](
-        logits_TE, expert_TK, grad_w, grad_p, grad_z, out,
-        T, E, K,
-        *logits_TE.stride(), *expert_TK.stride(), stride_gt, stride_gk, stride_pe,
-        SIGMOID=score_fn == "sigmoid", NORMALIZE=bool(normalize_topk),
-        HAS_GRAD_W=grad_weight_TK is not None, HAS_GRAD_P=grad_score_sum_E is not None,
-        HAS_GRAD_Z=grad_zsq_sum is not None, BLOCK_E=triton.next_power_of_2(E),
-    )
+    args = (logits_TE, expert_TK, grad_w, grad_p, grad_z, out,
+            T, E, K,
+            *logits_TE.stride(), *expert_TK.stride(), stride_gt, stride_gk, stride_pe)
+    meta = dict(SIGMOID=score_fn == "sigmoid", NORMALIZE=bool(normalize_topk),
+                HAS_GRAD_W=grad_weight_TK is not None, HAS_GRAD_P=grad_score_sum_E is not None,
+                HAS_GRAD_Z=grad_zsq_sum is not None, BLOCK_E=triton.next_power_of_2(E))
+    run_autotuned(_gating_bwd_kernel, grid, args, meta, _ENV_BWD_CONFIG)
     return out
 
 

@@ -51,7 +51,8 @@ Row, expert and stride products are formed in int64 (R * N and E * N * K pass 2^
 Tuning
 ------
 On CUDA each projection has its own autotuner (fwd, dx, gate_up, dw), over :func:`_gemm_configs`
-pruned by :func:`_prune_configs` (registers, shared memory, 128-byte K steps, problem size). The key is
+pruned by :func:`_prune_configs` (registers, fewer where fp32 operands sit in registers, shared memory,
+128-byte K steps, problem size; ``python -m bench.compile_check`` builds every survivor for sm_90). The key is
 (N, K, E, a power-of-two bucket of the mean rows per expert) and the dtypes, never the raw row count,
 so chunked runs with varying R do not retune. ``LANCET_GEMM_CONFIG="BM,BN,BK,num_warps,num_stages"``
 pins one config for all four (``LANCET_GEMM_CONFIG_<FWD|DX|GATE_UP|DW>`` for one of them); for dW
@@ -401,6 +402,14 @@ def _gemm_configs(op: str) -> list:
     return configs
 
 
+# fp32 accumulator registers per thread allowed where fp32 operands sit in registers next to the
+# accumulators: on the FMA units (fp32 without TF32), and in dW with TF32 too, whose operands are both
+# MN-major (dy_seg.T, x_seg), which tf32 wgmma cannot read from shared memory. There, sm_90 builds with
+# 128 accumulator registers spill 20-500 bytes per thread, those with 64 at most 20
+# (``python -m bench.compile_check --all-configs``, Triton 3.6 and 3.9).
+_FP32_ACC_REGS = 64
+
+
 def _acc_regs(op: str, cfg: triton.Config) -> int:
     """fp32 accumulator registers per thread (beyond ~128 the kernel spills)."""
     rows, cols, _ = _tile_of(op, cfg)
@@ -433,13 +442,16 @@ def _cuda_smem_bytes(index: int) -> int:
 
 def _prune_configs(op: str):
     """The autotuner's early_config_prune for one op: :func:`_config_fits` for the input's element
-    size and the device's shared memory, and no tile much larger than the problem (tile rows
-    against the mean rows per expert, tile columns against the output width)."""
+    size and the device's shared memory, at most :data:`_FP32_ACC_REGS` accumulator registers where
+    fp32 operands live in registers (no TF32, or dW), and no tile much larger than the problem (tile
+    rows against the mean rows per expert, tile columns against the output width)."""
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
         x = args["x_ptr"]
         smem = _smem_bytes(x.device)
+        fp32_in_regs = x.element_size() == 4 and (op == "dw" or args.get("INPUT_PRECISION", "ieee") == "ieee")
+        max_acc = _FP32_ACC_REGS if fp32_in_regs else 128
         if op == "dw":
             out_rows, out_cols = args["N"], args["K"]
         elif op == "gate_up":
@@ -450,7 +462,7 @@ def _prune_configs(op: str):
         max_cols = max(64, triton.next_power_of_2(out_cols))
         kept = [
             cfg for cfg in configs
-            if _config_fits(op, cfg, elt_bytes=x.element_size(), smem_bytes=smem)
+            if _config_fits(op, cfg, elt_bytes=x.element_size(), smem_bytes=smem) and _acc_regs(op, cfg) <= max_acc
             and _tile_of(op, cfg)[0] <= max_rows and _tile_of(op, cfg)[1] <= max_cols
         ]
         # Never return nothing: the smallest tile with the right reduction step always compiles.
@@ -760,9 +772,15 @@ def gate_up_swiglu(x_RD: torch.Tensor, w_E2FD: torch.Tensor, offsets_E1: torch.T
     return h, gu
 
 
-# The elementwise SwiGLU kernels live in kernels/swiglu.py (their own op family); re-exported here
-# for callers that take every expert op from one module.
-from .swiglu import swiglu_bwd, swiglu_fwd  # noqa: E402
+def __getattr__(name: str):
+    """Re-export the elementwise SwiGLU kernels (kernels/swiglu.py, their own op family) for callers
+    that take every expert op from one module. Lazily (PEP 562): swiglu.py imports this module's
+    checks, so an eager import here made ``import kernels.swiglu`` fail when it came first."""
+    if name in ("swiglu_fwd", "swiglu_bwd"):
+        from . import swiglu
+        return getattr(swiglu, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = ["grouped_mm", "grouped_mm_dx", "grouped_mm_dw", "gate_up_swiglu", "swiglu_fwd", "swiglu_bwd",
            "selected_config", "CONFIG_ENV"]

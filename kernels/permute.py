@@ -45,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_out as _check_out, check_tensor as _check_tensor, interpreting, pinned_config
+from ._common import (check_out as _check_out, check_tensor as _check_tensor, interpreting, pinned_config,
+                      run_autotuned)
 
 __all__ = ["permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd"]
 
@@ -289,11 +290,8 @@ def permute_fwd(
         _check_out("out[1] (src_S)", src_S, (S,), torch.int32, dev)
     if S == 0:
         return x_SD, src_S
-    _permute_fwd_kernel[_row_grid(T, D)](
-        x_TD, row_TK, x_SD, src_S,
-        T, D, K, S,
-        *x_TD.stride(),
-    )
+    run_autotuned(_permute_fwd_kernel, _row_grid(T, D), (x_TD, row_TK, x_SD, src_S, T, D, K, S, *x_TD.stride()),
+                  {}, _ENV_PERMUTE_FWD_CONFIG)
     return x_SD, src_S
 
 
@@ -310,12 +308,11 @@ def _gather_reduce(y_SD, row_TK, weight_TK, out, out_name):
     if T * D == 0:
         return out
     has_weight = weight_TK is not None
-    _unpermute_fwd_kernel[_row_grid(T, D)](
-        y_SD, row_TK, weight_TK if has_weight else y_SD, out,
-        T, D, K, S,
-        *y_SD.stride(), *(weight_TK.stride() if has_weight else (0, 0)),
-        HAS_WEIGHT=has_weight,
-    )
+    args = (y_SD, row_TK, weight_TK if has_weight else y_SD, out,
+            T, D, K, S,
+            *y_SD.stride(), *(weight_TK.stride() if has_weight else (0, 0)))
+    run_autotuned(_unpermute_fwd_kernel, _row_grid(T, D), args, dict(HAS_WEIGHT=has_weight),
+                  _ENV_UNPERMUTE_FWD_CONFIG)
     return out
 
 
@@ -407,9 +404,9 @@ def unpermute_bwd(
         _check_out("out[1] (grad_weight_TK)", grad_w_TK, (T, K), torch.float32, dev)
     if T * K == 0:
         return grad_y_SD, grad_w_TK
-    _unpermute_bwd_kernel[lambda meta: (triton.cdiv(T, meta["BLOCK_T"]),)](
-        grad_y_TD, y_SD, row_TK, weight_TK, grad_y_SD, grad_w_TK,
-        T, D, K, S,
-        *grad_y_TD.stride(), *y_SD.stride(), *weight_TK.stride(),
-    )
+    args = (grad_y_TD, y_SD, row_TK, weight_TK, grad_y_SD, grad_w_TK,
+            T, D, K, S,
+            *grad_y_TD.stride(), *y_SD.stride(), *weight_TK.stride())
+    run_autotuned(_unpermute_bwd_kernel, lambda meta: (triton.cdiv(T, meta["BLOCK_T"]),), args, {},
+                  _ENV_UNPERMUTE_BWD_CONFIG)
     return grad_y_SD, grad_w_TK

@@ -1,0 +1,507 @@
+"""Ahead-of-time compile check of every Triton kernel in kernels/ for Hopper (sm_90), without a GPU.
+
+    python -m bench.compile_check [--all-configs] [--json PATH] [--jobs N]
+
+The CPU lane runs the kernels in Triton's interpreter, which never lowers them, so a kernel that does
+not compile for sm_90, spills registers or needs more shared memory than a block may have would
+first show up on the GPU machine, whose Triton is older than CI's. This compiles each kernel the way
+a launch would (the JIT's own argument specialization: dtypes, 16-byte alignment, unit strides as
+constants) through the NVIDIA backend and the ptxas bundled with the Triton wheel, for
+``GPUTarget("cuda", 90, 32)``, and reads registers and spills from ptxas' report and shared memory
+from the kernel metadata. Nothing here needs CUDA or a driver.
+
+Representative inputs: bf16 token rows, fp32 router logits and combine weights, int32 indices, the
+grouped GEMM in bf16, fp16 and fp32 (exact fp32 on FMA units, the launchers' default, and TF32), sizes
+divisible by 16 as at real model sizes (D = 4096). Which configs: for every autotuned kernel the
+configs its pruning predicate keeps for those sizes (for the gating kernels per number of experts,
+since BLOCK_E is a compile-time constant); for the fixed-config kernels the launcher's choice. By
+default only the first of each (per GEMM dtype); ``--all-configs`` compiles every one.
+
+The table has one row per compile: kernel, variant, config, registers per thread, spilled bytes
+(stores/loads), shared memory per block against Hopper's 227 KiB, compile seconds and the error, if
+any. The exit status is 1 when a compile fails or a block needs more shared memory than Hopper has.
+``--json PATH`` writes the rows with the Triton and torch versions and the date.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import datetime
+import io
+import json
+import multiprocessing
+import os
+import re
+import sys
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor
+from typing import Callable, Dict, List, Optional, Tuple
+
+#: Opt-in shared memory per block on H100/H200 (sm_90), bytes.
+SMEM_LIMIT = 227 * 1024
+#: Compute capability and warp size of the target.
+ARCH, WARP_SIZE = 90, 32
+
+# Representative sizes: all multiples of 16 (how real shapes specialize), below 2^31 (int32 args).
+_T, _D, _F, _R, _E_LOCAL = 16384, 4096, 2048, 32768, 8
+_GATING_E = (64, 8, 256)      # DeepSeek-like first (the default), then Mixtral-like and a wide router
+_GATING_K = 8
+_PERMUTE_D = (4096, 128)      # model widths: the first covers every D >= 2048, the second small models
+_SWIGLU_F = (2048, 512, 256)
+# Grouped GEMM (dtype, dot precision): fp32 is exact ("ieee", FMA units) unless allow_tf32 asks for tf32.
+_GEMM_CASES = (("bf16", "ieee"), ("fp16", "ieee"), ("fp32", "ieee"), ("fp32", "tf32"))
+_GEMM_OPS = ("fwd", "dx", "gate_up", "dw")
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """One compile: ``meta`` holds the constexprs and launch options (num_warps, num_stages)."""
+
+    kernel: str
+    variant: str
+    case: tuple
+    meta: Tuple[Tuple[str, object], ...]
+
+    @property
+    def config(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in self.meta)
+
+
+@dataclasses.dataclass
+class Row:
+    """One compile's result: registers per thread, spilled and stack bytes, shared memory per block."""
+
+    kernel: str
+    variant: str
+    config: str
+    fn: str = ""  # the @triton.jit function's name
+    regs: Optional[int] = None
+    spill_stores: Optional[int] = None
+    spill_loads: Optional[int] = None
+    stack: Optional[int] = None
+    smem: Optional[int] = None
+    num_warps: Optional[int] = None
+    seconds: Optional[float] = None
+    error: str = ""
+
+    @property
+    def spills(self) -> int:
+        return (self.spill_stores or 0) + (self.spill_loads or 0)
+
+    @property
+    def smem_over(self) -> bool:
+        return self.smem is not None and self.smem > SMEM_LIMIT
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernels, their representative arguments and their config spaces
+# ------------------------------------------------------------------------------------------------
+def _modules():
+    """kernels.* imported as compilable JITFunctions, or a RuntimeError saying why not.
+
+    Triton decides when a kernel is *defined* whether ``@triton.jit`` returns a JITFunction or an
+    interpreter stand-in (TRITON_INTERPRET=1); only the former compiles, and its helpers must be
+    JITFunctions too, so kernels/ has to be imported with the interpreter off: ``main`` makes sure
+    of it, and a process that imported kernels/ under the interpreter (the CPU test session) must
+    run this module in a fresh process instead.
+    """
+    if "kernels" not in sys.modules:
+        os.environ["TRITON_INTERPRET"] = "0"
+    from triton.runtime.jit import JITFunction
+
+    from kernels import gating, grouped_gemm, permute, swiglu
+    if not isinstance(swiglu._swiglu_fwd_kernel, JITFunction):
+        raise RuntimeError("kernels/ was imported with TRITON_INTERPRET=1, so its kernels are interpreter "
+                           "stand-ins; run `python -m bench.compile_check` in a fresh process")
+    return gating, permute, grouped_gemm, swiglu
+
+
+def _buf(dtype: str):
+    """A small CPU tensor standing in for a device buffer: the JIT reads only its dtype and alignment."""
+    import torch
+
+    return torch.empty(64, dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
+                                  "i32": torch.int32}[dtype])
+
+
+def _next_pow2(n: int) -> int:
+    """triton.next_power_of_2 without importing triton at module import."""
+    return 1 << (n - 1).bit_length()
+
+
+def _cfg_meta(cfg) -> Dict[str, object]:
+    """A triton.Config as compile meta: its constexprs plus num_warps / num_stages."""
+    return {**cfg.kwargs, "num_warps": cfg.num_warps, "num_stages": cfg.num_stages}
+
+
+def _gating_fwd(case):
+    gating, *_ = _modules()
+    (E,) = case
+    args = (_buf("fp32"), _buf("i32"), _buf("i32"), _buf("fp32"), _buf("i32"), _buf("i32"), _buf("i32"),
+            _buf("fp32"), _buf("fp32"),
+            _T, E, _GATING_K, 128, 2**31 - 1, E, 1)
+    # The multi-span path with softmax and normalized weights: the common case at real T.
+    const = dict(SIGMOID=False, NORMALIZE=True, SINGLE_PROGRAM=False, BLOCK_E=_next_pow2(E))
+    return gating._gating_fwd_kernel.fn, args, const
+
+
+def _gating_bwd(case):
+    gating, *_ = _modules()
+    (E,) = case
+    args = (_buf("fp32"), _buf("i32"), _buf("fp32"), _buf("fp32"), _buf("fp32"), _buf("fp32"),
+            _T, E, _GATING_K, E, 1, _GATING_K, 1, _GATING_K, 1, 1)
+    # Every incoming gradient present: the most live tile-sized values.
+    const = dict(SIGMOID=False, NORMALIZE=True, HAS_GRAD_W=True, HAS_GRAD_P=True, HAS_GRAD_Z=True,
+                 BLOCK_E=_next_pow2(E))
+    return gating._gating_bwd_kernel.fn, args, const
+
+
+def _gating_tile_configs(env_var_name: str):
+    def configs(case):
+        gating, *_ = _modules()
+        (E,) = case
+        prune = gating._token_tile_prune(getattr(gating, env_var_name))
+        return [_cfg_meta(c) for c in prune(gating._token_tile_configs(), {"E": E, "K": _GATING_K},
+                                            BLOCK_E=_next_pow2(E))]
+    return configs
+
+
+def _gating_scan(case):
+    gating, *_ = _modules()
+    nb = 512
+    args = (_buf("i32"), _buf("fp32"), _buf("fp32"), _buf("i32"), _buf("i32"), _buf("i32"), _buf("fp32"),
+            _buf("fp32"), nb, 64)
+    return gating._gating_scan_kernel, args, dict(BLOCK_B=gating._SCAN_BLOCK_B, BLOCK_E=gating._SCAN_BLOCK_E)
+
+
+def _gating_slot(case):
+    gating, *_ = _modules()
+    args = (_buf("i32"), _buf("i32"), _buf("i32"), _T * _GATING_K, 64, 128 * _GATING_K, 2**31 - 1)
+    return gating._gating_slot_kernel, args, dict(BLOCK=gating._FLAT_BLOCK)
+
+
+def _dispatch_base(case):
+    gating, *_ = _modules()
+    args = (_buf("i32"), _buf("i32"), _buf("i32"), 64)
+    return gating._dispatch_base_kernel, args, dict(BLOCK_E=64)
+
+
+def _dispatch_rows(case):
+    gating, *_ = _modules()
+    args = (_buf("i32"), _buf("i32"), _buf("i32"), _buf("i32"), _T * _GATING_K)
+    return gating._dispatch_rows_kernel, args, dict(BLOCK=gating._FLAT_BLOCK)
+
+
+def _permute_fwd(case):
+    _, permute, *_ = _modules()
+    (D,) = case
+    args = (_buf("bf16"), _buf("i32"), _buf("bf16"), _buf("i32"), _T, D, _GATING_K, _T * _GATING_K, D, 1)
+    return permute._permute_fwd_kernel.fn, args, {}
+
+
+def _unpermute_fwd(case):
+    _, permute, *_ = _modules()
+    (D,) = case
+    args = (_buf("bf16"), _buf("i32"), _buf("fp32"), _buf("bf16"), _T, D, _GATING_K, _T * _GATING_K,
+            D, 1, _GATING_K, 1)
+    return permute._unpermute_fwd_kernel.fn, args, dict(HAS_WEIGHT=True)
+
+
+def _unpermute_bwd(case):
+    _, permute, *_ = _modules()
+    (D,) = case
+    args = (_buf("bf16"), _buf("bf16"), _buf("i32"), _buf("fp32"), _buf("bf16"), _buf("fp32"),
+            _T, D, _GATING_K, _T * _GATING_K, D, 1, D, 1, _GATING_K, 1)
+    return permute._unpermute_bwd_kernel.fn, args, {}
+
+
+def _row_tile_configs(env_var_name: str):
+    def configs(case):
+        _, permute, *_ = _modules()
+        (D,) = case
+        prune = permute._row_tile_prune(getattr(permute, env_var_name))
+        return [_cfg_meta(c) for c in prune(permute._row_tile_configs(), {"D": D, "K": _GATING_K})]
+    return configs
+
+
+def _gemm(op: str):
+    """Arguments of grouped GEMM ``op`` for dtype ``case[0]``, laid out as its launcher lays them out."""
+    def build(case):
+        *_, gg, _ = _modules()
+        dtype, input_precision = case
+        E, R, D, F = _E_LOCAL, _R, _D, _F
+        x, w, y, off = _buf(dtype), _buf(dtype), _buf(dtype), _buf("i32")
+        precision = dict(INPUT_PRECISION=input_precision, DOT_FP32=False)
+        block_e = max(16, _next_pow2(E))
+        if op == "fwd":   # down projection: y[R, D] = h[R, F] @ w[e].T, w [E, D, F]
+            args = (x, w, y, off, R, D, F, E, 4096, F, 1, D * F, F, 1, D, 1)
+            return gg._grouped_gemm_fwd_kernel, args, dict(BLOCK_E=block_e, **precision), F
+        if op == "dx":    # dh[R, F] = dy[R, D] @ w[e] through the view w[e].T: [E, F, D], strides (D*F, 1, F)
+            args = (x, w, y, off, R, F, D, E, 4096, D, 1, D * F, 1, F, F, 1)
+            return gg._grouped_gemm_fwd_kernel, args, dict(BLOCK_E=block_e, **precision), D
+        if op == "gate_up":  # h, gu = swiglu(x[R, D] @ w[e].T), w [E, 2F, D]
+            args = (x, w, y, _buf(dtype), off, R, F, D, E, 4096, D, 1, 2 * F * D, D, 1, F, 1, 2 * F, 1)
+            return gg._gate_up_swiglu_fwd_kernel, args, dict(BLOCK_E=block_e, **precision), D
+        # dw[e] = dy_seg.T @ x_seg for the down projection: dy [R, D], x [R, F], dw [E, D, F]
+        args = (x, w, y, off, R, D, F, E, 4096, D, 1, F, 1, D * F, F, 1)
+        return gg._grouped_gemm_dw_kernel, args, dict(**precision), None
+
+    def kernel(case):
+        fn, args, const, k_dim = build(case)
+        return fn, args, const
+
+    def configs(case):
+        *_, gg, _ = _modules()
+        fn, args, const, k_dim = build(case)
+        out = []
+        for cfg in gg._prune_configs(op)(gg._gemm_configs(op), dict(zip(fn.arg_names, args)), **const):
+            meta = _cfg_meta(cfg)
+            if k_dim is not None:  # the launchers' EVEN_K heuristic
+                meta["EVEN_K"] = gg._even_k({"K": k_dim, "BLOCK_K": cfg.kwargs["BLOCK_K"]})
+            out.append(meta)
+        return out
+
+    return kernel, configs
+
+
+def _swiglu(direction: str):
+    def kernel(case):
+        *_, swiglu = _modules()
+        (F,) = case
+        if direction == "fwd":
+            args = (_buf("bf16"), _buf("bf16"), _R, F, 2 * F, 1, F, 1)
+            return swiglu._swiglu_fwd_kernel, args, {}
+        args = (_buf("bf16"), _buf("bf16"), _buf("bf16"), _R, F, 2 * F, 1, F, 1, 2 * F, 1)
+        return swiglu._swiglu_bwd_kernel, args, {}
+
+    def configs(case):
+        import torch
+
+        *_, swiglu = _modules()
+        (F,) = case
+        block_r, block_f, num_warps = swiglu._swiglu_blocks(F, torch.device("cuda"))  # the CUDA choice
+        return [dict(BLOCK_R=block_r, BLOCK_F=block_f, num_warps=num_warps)]
+
+    return kernel, configs
+
+
+def _fixed(case):
+    return [{}]  # the launcher's constants, Triton's default num_warps / num_stages
+
+
+# name -> (kernel builder, config space, cases as (variant label, case))
+_SPECS: Dict[str, Tuple[Callable, Callable, List[Tuple[str, tuple]]]] = {
+    "gating.fwd": (_gating_fwd, _gating_tile_configs("_ENV_FWD_CONFIG"), [(f"E={e} fp32", (e,)) for e in _GATING_E]),
+    "gating.bwd": (_gating_bwd, _gating_tile_configs("_ENV_BWD_CONFIG"), [(f"E={e} fp32", (e,)) for e in _GATING_E]),
+    "gating.scan": (_gating_scan, _fixed, [("fp32", ())]),
+    "gating.slot": (_gating_slot, _fixed, [("i32", ())]),
+    "gating.dispatch_base": (_dispatch_base, _fixed, [("i32", ())]),
+    "gating.dispatch_rows": (_dispatch_rows, _fixed, [("i32", ())]),
+    "permute.fwd": (_permute_fwd, _row_tile_configs("_ENV_PERMUTE_FWD_CONFIG"),
+                    [(f"D={d} bf16", (d,)) for d in _PERMUTE_D]),
+    "unpermute.fwd": (_unpermute_fwd, _row_tile_configs("_ENV_UNPERMUTE_FWD_CONFIG"),
+                      [(f"D={d} bf16", (d,)) for d in _PERMUTE_D]),
+    "unpermute.bwd": (_unpermute_bwd, _row_tile_configs("_ENV_UNPERMUTE_BWD_CONFIG"),
+                      [(f"D={d} bf16", (d,)) for d in _PERMUTE_D]),
+    **{f"grouped_gemm.{op}": (*_gemm(op), [(dt if p == "ieee" else f"{dt} {p}", (dt, p)) for dt, p in _GEMM_CASES])
+       for op in _GEMM_OPS},
+    "swiglu.fwd": (*_swiglu("fwd"), [(f"F={f} bf16", (f,)) for f in _SWIGLU_F]),
+    "swiglu.bwd": (*_swiglu("bwd"), [(f"F={f} bf16", (f,)) for f in _SWIGLU_F]),
+}
+# Compiled in every case by the default check (one per dtype): the others check their first case only.
+_DEFAULT_ALL_CASES = {f"grouped_gemm.{op}" for op in _GEMM_OPS}
+
+
+def jobs(all_configs: bool = False, kernels: Optional[List[str]] = None) -> List[Job]:
+    """The compiles to run: by default each kernel's first config (per GEMM dtype); with
+    ``all_configs`` every config its pruned space keeps in every case, each distinct compile once."""
+    out, seen = [], set()
+    for name, (build, configs, cases) in _SPECS.items():
+        if kernels and name not in kernels:
+            continue
+        if not all_configs and name not in _DEFAULT_ALL_CASES:
+            cases = cases[:1]
+        for variant, case in cases:
+            space = configs(case)
+            for meta in (space if all_configs else space[:1]):
+                fn, args, const = build(case)
+                key = (name, tuple(map(_arg_kind, args)), tuple(sorted({**const, **meta}.items())))
+                if key in seen:  # e.g. permute D=128 and D=4096 both keep BLOCK_D=512 tiles
+                    continue
+                seen.add(key)
+                out.append(Job(name, variant, case, tuple(meta.items())))
+    return out
+
+
+def _arg_kind(arg) -> str:
+    """What the JIT specializes an argument on: a tensor's dtype, an int's being 1 or a multiple of 16."""
+    if isinstance(arg, int):
+        return "1" if arg == 1 else "D" if arg % 16 == 0 else "i"
+    return str(arg.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Compilation
+# ------------------------------------------------------------------------------------------------
+_REGS = re.compile(r"Used (\d+) registers")
+_SPILLS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def _parse_ptxas(log: str, name: str) -> Tuple[Optional[int], Optional[int], Optional[int], Optional[int]]:
+    """(registers, stack bytes, spill stores, spill loads) of entry function ``name`` in a ``ptxas -v`` log."""
+    start = log.find(f"Compiling entry function '{name}'")
+    part = log[start:] if start >= 0 else log
+    regs, spills = _REGS.search(part), _SPILLS.search(part)
+    return (int(regs.group(1)) if regs else None,
+            *(tuple(int(g) for g in spills.groups()) if spills else (None, None, None)))
+
+
+def _compile_job(job: Job) -> Row:
+    """Compile one job for sm_90 and measure it; a failure lands in ``Row.error``.
+
+    The specialization and options come from the JIT's own binder and ``_pack_args`` (the same in
+    Triton 3.6 and 3.9), so what is compiled is what a launch with these arguments would compile.
+    ptxas runs with ``-v`` inside Triton, which prints its report when asked (dump_ptxas_log); the
+    report is taken from stdout. A private cache directory forces a real compile and leaves the
+    user's Triton cache alone; :func:`_init_worker` sets both up, in every process of :func:`run`.
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    build = _SPECS[job.kernel][0]
+    row = Row(job.kernel, job.variant, job.config)
+    try:
+        fn, args, const = build(job.case)
+        row.fn = fn.fn.__name__
+        kwargs = {**const, **dict(job.meta), "debug": False}
+        target = GPUTarget("cuda", ARCH, WARP_SIZE)
+        backend = make_backend(target)
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        bound, spec, options = binder(*args, **kwargs)
+        options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
+        log = io.StringIO()
+        start = time.perf_counter()
+        with contextlib.redirect_stdout(log):
+            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
+                                    options=options.__dict__)
+        row.seconds = round(time.perf_counter() - start, 2)
+        row.smem = kernel.metadata.shared
+        row.num_warps = kernel.metadata.num_warps
+        row.regs, row.stack, row.spill_stores, row.spill_loads = _parse_ptxas(log.getvalue(), kernel.metadata.name)
+        if row.regs is None:
+            row.error = "no ptxas report"
+    except Exception as e:  # noqa: BLE001: every failure is a finding, reported in the table
+        first = str(e).strip().splitlines()
+        row.error = f"{type(e).__name__}: {first[0] if first else ''}"[:300]
+    return row
+
+
+def toolchain_missing() -> Optional[str]:
+    """Why this Triton cannot build for sm_90 here (no NVIDIA backend, no ptxas), or None."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        get_ptxas(ARCH).path
+    except Exception as e:  # noqa: BLE001: ImportError, RuntimeError("Cannot find ptxas"), ...
+        return f"Triton has no NVIDIA backend with ptxas: {type(e).__name__}: {e}"
+    return None
+
+
+def _init_worker(cache_dir: str) -> None:
+    import triton
+
+    triton.knobs.cache.dir = cache_dir
+    triton.knobs.nvidia.dump_ptxas_log = True
+    triton.knobs.compilation.always_compile = True
+
+
+def run(job_list: List[Job], n_jobs: int = 1) -> List[Row]:
+    """Compile ``job_list`` with ``n_jobs`` processes (forked after kernels/ is imported)."""
+    _modules()
+    with tempfile.TemporaryDirectory(prefix="lancet-compile-check-") as cache_dir:
+        if n_jobs <= 1:
+            import triton
+
+            saved = (triton.knobs.cache.dir, triton.knobs.nvidia.dump_ptxas_log,
+                     triton.knobs.compilation.always_compile)
+            try:
+                _init_worker(cache_dir)
+                return [_compile_job(j) for j in job_list]
+            finally:
+                (triton.knobs.cache.dir, triton.knobs.nvidia.dump_ptxas_log,
+                 triton.knobs.compilation.always_compile) = saved
+        ctx = multiprocessing.get_context("fork")
+        with ProcessPoolExecutor(n_jobs, mp_context=ctx, initializer=_init_worker, initargs=(cache_dir,)) as pool:
+            return list(pool.map(_compile_job, job_list))
+
+
+# ------------------------------------------------------------------------------------------------
+# Report
+# ------------------------------------------------------------------------------------------------
+COLUMNS = ("kernel", "variant", "config", "regs", "spills", "smem", "secs", "error")
+
+
+def _cells(row: Row) -> List[str]:
+    spills = "" if row.spill_stores is None else f"{row.spill_stores}/{row.spill_loads}"
+    smem = "" if row.smem is None else f"{row.smem}" + (" > 227 KiB!" if row.smem_over else "")
+    return [row.kernel, row.variant, row.config, "" if row.regs is None else str(row.regs), spills, smem,
+            "" if row.seconds is None else f"{row.seconds:.1f}", row.error]
+
+
+def print_table(rows: List[Row]) -> None:
+    cells = [list(COLUMNS)] + [_cells(r) for r in rows]
+    widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
+    for i, c in enumerate(cells):
+        print("  ".join(v.ljust(w) for v, w in zip(c, widths)).rstrip())
+        if i == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def summary(rows: List[Row]) -> str:
+    failed = [r for r in rows if r.error]
+    spilled = [r for r in rows if r.spills]
+    over = [r for r in rows if r.smem_over]
+    lines = [f"{len(rows)} compiles for sm_{ARCH}: {len(failed)} failed, {len(spilled)} spill, "
+             f"{len(over)} over the {SMEM_LIMIT // 1024} KiB shared-memory limit"]
+    for label, group in (("FAILED", failed), ("SPILLS", spilled), ("SMEM", over)):
+        lines += [f"  {label}: {r.kernel} [{r.variant}] {r.config} {r.error or ''}".rstrip() for r in group]
+    return "\n".join(lines)
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.compile_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--all-configs", action="store_true", help="every config of every pruned space")
+    parser.add_argument("--json", metavar="PATH", help="write the rows (and versions, date) as JSON")
+    parser.add_argument("--jobs", type=int, default=min(4, os.cpu_count() or 1), help="compile processes")
+    parser.add_argument("--kernel", action="append", choices=sorted(_SPECS), help="only this kernel (repeatable)")
+    args = parser.parse_args(argv)
+
+    os.environ["TRITON_INTERPRET"] = "0"  # before kernels/ is imported: see _modules
+    import torch
+    import triton
+
+    job_list = jobs(args.all_configs, args.kernel)
+    print(f"triton {triton.__version__}, torch {torch.__version__}: {len(job_list)} compiles for "
+          f"GPUTarget('cuda', {ARCH}, {WARP_SIZE}) on {args.jobs} processes", flush=True)
+    start = time.perf_counter()
+    rows = run(job_list, args.jobs)
+    print_table(rows)
+    print(summary(rows))
+    print(f"wall {time.perf_counter() - start:.1f} s")
+    if args.json:
+        report = dict(triton=triton.__version__, torch=torch.__version__, target=f"cuda:{ARCH}",
+                      smem_limit=SMEM_LIMIT, all_configs=args.all_configs,
+                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                      rows=[dataclasses.asdict(r) for r in rows])
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return 1 if any(r.error or r.smem_over for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Every Triton kernel in kernels/ compiles for Hopper (sm_90) with its default config, on the CPU.
+
+The CPU lane runs the kernels in Triton's interpreter, which never lowers them; this builds them for
+sm_90 with the ptxas bundled in the Triton wheel (``python -m bench.compile_check``, no GPU needed), so
+a kernel that does not compile for Hopper, spills registers or overflows shared memory fails here
+instead of on the GPU machine. The check runs in a subprocess: this session imported kernels/ under
+TRITON_INTERPRET=1, which makes every ``@triton.jit`` an interpreter stand-in that cannot compile.
+About 20 s on two cores; ``--all-configs`` (every config of every pruned autotune space, several
+minutes) is a command, not a test.
+"""
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from bench import compile_check
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+_MISSING = compile_check.toolchain_missing()
+
+
+def _jit_kernels():
+    """Names of the launchable @triton.jit kernels in kernels/ (helpers called from them are not launched
+    on their own and compile inside them)."""
+    names = set()
+    for path in (ROOT / "kernels").glob("*.py"):
+        names |= set(re.findall(r"@triton\.jit\s*\ndef (\w+_kernel)\(", path.read_text()))
+    return names
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compile_check") / "sm90.json"
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    proc = subprocess.run([sys.executable, "-m", "bench.compile_check", "--jobs", "2", "--json", str(out)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    if not out.exists():
+        pytest.fail(f"bench.compile_check wrote no report (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return json.loads(out.read_text()), proc.stdout
+
+
+@pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
+def test_every_kernel_is_checked(report):
+    data, _ = report
+    missing = _jit_kernels() - {r["fn"] for r in data["rows"]}
+    assert not missing, f"@triton.jit kernels that bench.compile_check does not compile: {sorted(missing)}"
+
+
+@pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
+def test_default_configs_compile_for_sm90(report):
+    data, table = report
+    rows = data["rows"]
+    failed = [f"{r['kernel']} [{r['variant']}] {r['config']}: {r['error']}" for r in rows if r["error"]]
+    assert not failed, "\n".join(failed) + "\n" + table
+    for r in rows:
+        name = f"{r['kernel']} [{r['variant']}] {r['config']}"
+        assert r["regs"] is not None and r["regs"] <= 255, f"{name}: registers {r['regs']}"
+        assert r["smem"] <= compile_check.SMEM_LIMIT, f"{name}: {r['smem']} bytes of shared memory"
+        # The default config of every kernel and dtype is spill-free on Triton 3.6 and 3.9 alike (the
+        # fp32 GEMM space is pruned to 64 accumulator registers for that); a spill is a regression.
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, \
+            f"{name}: spills {r['spill_stores']}/{r['spill_loads']} bytes (stores/loads)\n{table}"
