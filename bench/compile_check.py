@@ -183,15 +183,15 @@ def _gating_slot(case):
 
 
 def _dispatch_base(case):
-    gating, *_ = _modules()
+    _, permute, *_ = _modules()
     args = (_buf("i32"), _buf("i32"), _buf("i32"), 64)
-    return gating._dispatch_base_kernel, args, dict(BLOCK_E=64)
+    return permute._dispatch_base_kernel, args, dict(BLOCK_E=64)
 
 
 def _dispatch_rows(case):
-    gating, *_ = _modules()
+    _, permute, *_ = _modules()
     args = (_buf("i32"), _buf("i32"), _buf("i32"), _buf("i32"), _T * _GATING_K)
-    return gating._dispatch_rows_kernel, args, dict(BLOCK=gating._FLAT_BLOCK)
+    return permute._dispatch_rows_kernel, args, dict(BLOCK=permute._FLAT_BLOCK)
 
 
 def _permute_fwd(case):
@@ -297,8 +297,8 @@ _SPECS: Dict[str, Tuple[Callable, Callable, List[Tuple[str, tuple]]]] = {
     "gating.bwd": (_gating_bwd, _gating_tile_configs("_ENV_BWD_CONFIG"), [(f"E={e} fp32", (e,)) for e in _GATING_E]),
     "gating.scan": (_gating_scan, _fixed, [("fp32", ())]),
     "gating.slot": (_gating_slot, _fixed, [("i32", ())]),
-    "gating.dispatch_base": (_dispatch_base, _fixed, [("i32", ())]),
-    "gating.dispatch_rows": (_dispatch_rows, _fixed, [("i32", ())]),
+    "permute.dispatch_base": (_dispatch_base, _fixed, [("i32", ())]),
+    "permute.dispatch_rows": (_dispatch_rows, _fixed, [("i32", ())]),
     "permute.fwd": (_permute_fwd, _row_tile_configs("_ENV_PERMUTE_FWD_CONFIG"),
                     [(f"D={d} bf16", (d,)) for d in _PERMUTE_D]),
     "unpermute.fwd": (_unpermute_fwd, _row_tile_configs("_ENV_UNPERMUTE_FWD_CONFIG"),

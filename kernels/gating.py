@@ -1,8 +1,9 @@
 """Gating: scores, top-k, capacity slots and aux/z statistics, in Triton.
 
-Semantics are those of :func:`kernels.reference.gating_fwd_ref`, :func:`gating_bwd_ref` and
-:func:`dispatch_rows_ref` (DESIGN.md, routing contract); the launchers here have the same
-signatures (plus an optional keyword-only ``out=``) and return the same types.
+Semantics are those of :func:`kernels.reference.gating_fwd_ref` and :func:`gating_bwd_ref`
+(DESIGN.md, routing contract); the launchers here have the same signatures (plus an optional
+keyword-only ``out=``) and return the same types. Turning slots into dispatch rows is the permute
+family's (:func:`kernels.permute.dispatch_rows`).
 
 Forward algorithm
 -----------------
@@ -45,8 +46,7 @@ integers.
 Bytes moved (the floor the benchmark divides by), with ``f`` the logits element size:
   forward   ``T*E*f`` (logits) + ``T*K*(4 + f + 4)`` (expert, weight, slot) + small ``O(E)``;
             the multi-program path adds ``T*K*12`` (slot fix-up) + ``NB*E*(12 + 2f)`` (scan);
-  backward  ``T*E*2f`` (logits in, grad out) + ``T*K*(4 + 4)`` (experts, grad weights) + ``O(E)``;
-  dispatch  ``T*K*12`` (expert, slot in, row out) + ``O(E)``.
+  backward  ``T*E*2f`` (logits in, grad out) + ``T*K*(4 + 4)`` (experts, grad weights) + ``O(E)``.
 
 Backward
 --------
@@ -83,7 +83,7 @@ from ._common import (check_out as _check_out, check_tensor as _check_tensor, in
 
 from kernels.reference import GatingOutput
 
-__all__ = ["gating_fwd", "gating_bwd", "dispatch_rows", "GatingOutput"]
+__all__ = ["gating_fwd", "gating_bwd", "GatingOutput"]
 
 _INT32_MAX = 2**31 - 1
 _MAX_EXPERTS = 1024          # BLOCK_E lives in registers; 1024 still leaves a 4-token tile
@@ -413,44 +413,6 @@ def _gating_bwd_kernel(
     )
 
 
-@triton.jit
-def _dispatch_base_kernel(
-    # Pointers
-    kept_ptr,   # [E] int kept assignments per expert in this chunk
-    used_ptr,   # [E] int carried used capacity before this chunk
-    base_ptr,   # [E] int32 out: first row of expert e minus used_E[e]
-    # Sizes
-    E,
-    # Meta-parameters
-    BLOCK_E: tl.constexpr,
-):
-    offs_e = tl.arange(0, BLOCK_E)
-    mask_e = offs_e < E
-    b_kept = tl.load(kept_ptr + offs_e, mask=mask_e, other=0).to(tl.int32)
-    b_used = tl.load(used_ptr + offs_e, mask=mask_e, other=0).to(tl.int32)
-    tl.store(base_ptr + offs_e, tl.cumsum(b_kept, axis=0) - b_kept - b_used, mask=mask_e)
-
-
-@triton.jit
-def _dispatch_rows_kernel(
-    # Pointers
-    expert_ptr,  # [T * K] int32
-    slot_ptr,    # [T * K] int32 slot, -1 when dropped
-    base_ptr,    # [E] int32 first row of expert e minus used_E[e]
-    row_ptr,     # [T * K] int32 out: dispatch row, -1 when dropped
-    # Sizes
-    N,
-    # Meta-parameters
-    BLOCK: tl.constexpr,
-):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)   # int32: N = T * K < 2^31
-    mask = offs < N
-    b_slot = tl.load(slot_ptr + offs, mask=mask, other=-1)
-    b_e = tl.load(expert_ptr + offs, mask=mask & (b_slot >= 0), other=0)
-    b_base = tl.load(base_ptr + b_e, mask=mask & (b_slot >= 0), other=0)
-    tl.store(row_ptr + offs, tl.where(b_slot >= 0, b_base + b_slot, -1), mask=mask)
-
-
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
@@ -649,53 +611,4 @@ def gating_bwd(
                 HAS_GRAD_W=grad_weight_TK is not None, HAS_GRAD_P=grad_score_sum_E is not None,
                 HAS_GRAD_Z=grad_zsq_sum is not None, BLOCK_E=triton.next_power_of_2(E))
     run_autotuned(_gating_bwd_kernel, grid, args, meta, _ENV_BWD_CONFIG)
-    return out
-
-
-def dispatch_rows(
-    expert_TK: torch.Tensor,
-    slot_TK: torch.Tensor,
-    used_E: torch.Tensor,
-    kept_E: torch.Tensor,
-    *,
-    out: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Row of each kept assignment in the dispatch layout (grouped by expert), -1 when dropped.
-
-    Same semantics as :func:`kernels.reference.dispatch_rows_ref`: rows of expert e are contiguous,
-    in slot order, after the kept rows of experts < e.
-
-    Args:
-        expert_TK, slot_TK: integer [T, K] from :func:`gating_fwd`.
-        used_E: integer [E] the carried counter *before* this chunk.
-        kept_E: integer [E] kept assignments per expert in this chunk.
-        out: optional contiguous int32 [T, K] buffer.
-
-    Returns:
-        row_TK int32 [T, K].
-    """
-    _check_tensor("expert_TK", expert_TK, ndim=2, dtypes=_INT_DTYPES)
-    dev = expert_TK.device
-    _check_tensor("slot_TK", slot_TK, shape=expert_TK.shape, dtypes=_INT_DTYPES, device=dev)
-    _check_tensor("used_E", used_E, ndim=1, dtypes=_INT_DTYPES, device=dev)
-    E = used_E.shape[0]
-    _check_tensor("kept_E", kept_E, shape=(E,), dtypes=_INT_DTYPES, device=dev)
-    T, K = expert_TK.shape
-    if T * K > _INT32_MAX:
-        raise ValueError(f"T * K must fit int32, got {T} * {K}")
-    if out is None:
-        out = torch.empty(T, K, dtype=torch.int32, device=dev)
-    else:
-        _check_out("out", out, (T, K), torch.int32, dev)
-    if T * K == 0:
-        return out
-    expert_TK = expert_TK.to(torch.int32).contiguous()
-    slot_TK = slot_TK.to(torch.int32).contiguous()
-    base_E = torch.empty(E, dtype=torch.int32, device=dev)
-    if E > 0:
-        _dispatch_base_kernel[(1,)](kept_E.contiguous(), used_E.contiguous(), base_E, E,
-                                    BLOCK_E=triton.next_power_of_2(E))
-    _dispatch_rows_kernel[(triton.cdiv(T * K, _FLAT_BLOCK),)](
-        expert_TK, slot_TK, base_E, out, T * K, BLOCK=_FLAT_BLOCK,
-    )
     return out

@@ -5,7 +5,10 @@ Semantics are those of :func:`kernels.reference.permute_fwd_ref`, ``permute_bwd_
 an optional keyword-only ``out=``) and return the same types.
 
 ``row_TK[t, k]`` is the dispatch row of assignment ``(t, k)`` (-1 when dropped); the kept rows are a
-bijection onto ``range(S)`` (:func:`kernels.gating.dispatch_rows`). Every kernel is driven by
+bijection onto ``range(S)``. :func:`dispatch_rows` makes it from the gating's expert and slot
+(``kernels.reference.dispatch_rows_ref``): an exclusive scan of the kept counts per expert in one
+tiny launch, then ``row = base[e] + slot`` per assignment, ``T*K*12`` bytes (expert, slot in, row
+out). Every kernel is driven by
 ``row_TK`` from the token side, so no kernel needs atomics and every result is deterministic:
 
 * ``permute_fwd``: a program loads a ``[BLOCK_T, BLOCK_D]`` tile of tokens once and writes it to
@@ -48,9 +51,10 @@ import triton.language as tl
 from ._common import (check_out as _check_out, check_tensor as _check_tensor, interpreting, pinned_config,
                       run_autotuned)
 
-__all__ = ["permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd"]
+__all__ = ["dispatch_rows", "permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd"]
 
 _INT32_MAX = 2**31 - 1
+_FLAT_BLOCK = 1024  # assignments per program of the flat [T * K] dispatch-row kernel
 _ENV_PERMUTE_FWD_CONFIG = "LANCET_PERMUTE_FWD_CONFIG"
 _ENV_UNPERMUTE_FWD_CONFIG = "LANCET_UNPERMUTE_FWD_CONFIG"
 _ENV_UNPERMUTE_BWD_CONFIG = "LANCET_UNPERMUTE_BWD_CONFIG"
@@ -229,11 +233,51 @@ def _unpermute_bwd_kernel(
         tl.store(grad_w_out_ptr + offs_t64 * K + k, tl.where(mask_r, b_dot, 0.0), mask=mask_t)
 
 
+@triton.jit
+def _dispatch_base_kernel(
+    # Pointers
+    kept_ptr,   # [E] int kept assignments per expert in this chunk
+    used_ptr,   # [E] int carried used capacity before this chunk
+    base_ptr,   # [E] int32 out: first row of expert e minus used_E[e]
+    # Sizes
+    E,
+    # Meta-parameters
+    BLOCK_E: tl.constexpr,
+):
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_e = offs_e < E
+    b_kept = tl.load(kept_ptr + offs_e, mask=mask_e, other=0).to(tl.int32)
+    b_used = tl.load(used_ptr + offs_e, mask=mask_e, other=0).to(tl.int32)
+    tl.store(base_ptr + offs_e, tl.cumsum(b_kept, axis=0) - b_kept - b_used, mask=mask_e)
+
+
+@triton.jit
+def _dispatch_rows_kernel(
+    # Pointers
+    expert_ptr,  # [T * K] int32
+    slot_ptr,    # [T * K] int32 slot, -1 when dropped
+    base_ptr,    # [E] int32 first row of expert e minus used_E[e]
+    row_ptr,     # [T * K] int32 out: dispatch row, -1 when dropped
+    # Sizes
+    N,
+    # Meta-parameters
+    BLOCK: tl.constexpr,
+):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)   # int32: N = T * K < 2^31
+    mask = offs < N
+    b_slot = tl.load(slot_ptr + offs, mask=mask, other=-1)
+    b_e = tl.load(expert_ptr + offs, mask=mask & (b_slot >= 0), other=0)
+    b_base = tl.load(base_ptr + b_e, mask=mask & (b_slot >= 0), other=0)
+    tl.store(row_ptr + offs, tl.where(b_slot >= 0, b_base + b_slot, -1), mask=mask)
+
+
 # ----------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------
 _ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16)
+# The gating's outputs and counters: dispatch_rows takes what gating_fwd and its reference take.
+_COUNTER_DTYPES = _INT_DTYPES + (torch.uint8, torch.int8)
 
 
 
@@ -410,3 +454,52 @@ def unpermute_bwd(
     run_autotuned(_unpermute_bwd_kernel, lambda meta: (triton.cdiv(T, meta["BLOCK_T"]),), args, {},
                   _ENV_UNPERMUTE_BWD_CONFIG)
     return grad_y_SD, grad_w_TK
+
+
+def dispatch_rows(
+    expert_TK: torch.Tensor,
+    slot_TK: torch.Tensor,
+    used_E: torch.Tensor,
+    kept_E: torch.Tensor,
+    *,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Row of each kept assignment in the dispatch layout (grouped by expert), -1 when dropped.
+
+    Same semantics as :func:`kernels.reference.dispatch_rows_ref`: rows of expert e are contiguous,
+    in slot order, after the kept rows of experts < e.
+
+    Args:
+        expert_TK, slot_TK: integer [T, K] from :func:`kernels.gating.gating_fwd`.
+        used_E: integer [E] the carried counter *before* this chunk.
+        kept_E: integer [E] kept assignments per expert in this chunk.
+        out: optional contiguous int32 [T, K] buffer.
+
+    Returns:
+        row_TK int32 [T, K].
+    """
+    _check_tensor("expert_TK", expert_TK, ndim=2, dtypes=_COUNTER_DTYPES)
+    dev = expert_TK.device
+    _check_tensor("slot_TK", slot_TK, shape=expert_TK.shape, dtypes=_COUNTER_DTYPES, device=dev)
+    _check_tensor("used_E", used_E, ndim=1, dtypes=_COUNTER_DTYPES, device=dev)
+    E = used_E.shape[0]
+    _check_tensor("kept_E", kept_E, shape=(E,), dtypes=_COUNTER_DTYPES, device=dev)
+    T, K = expert_TK.shape
+    if T * K > _INT32_MAX:
+        raise ValueError(f"T * K must fit int32, got {T} * {K}")
+    if out is None:
+        out = torch.empty(T, K, dtype=torch.int32, device=dev)
+    else:
+        _check_out("out", out, (T, K), torch.int32, dev)
+    if T * K == 0:
+        return out
+    expert_TK = expert_TK.to(torch.int32).contiguous()
+    slot_TK = slot_TK.to(torch.int32).contiguous()
+    base_E = torch.empty(E, dtype=torch.int32, device=dev)
+    if E > 0:
+        _dispatch_base_kernel[(1,)](kept_E.contiguous(), used_E.contiguous(), base_E, E,
+                                    BLOCK_E=triton.next_power_of_2(E))
+    _dispatch_rows_kernel[(triton.cdiv(T * K, _FLAT_BLOCK),)](
+        expert_TK, slot_TK, base_E, out, T * K, BLOCK=_FLAT_BLOCK,
+    )
+    return out

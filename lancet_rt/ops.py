@@ -13,9 +13,10 @@ import torch
 from . import env
 
 _OP_NAMES = {
-    "gating": ["gating_fwd", "gating_bwd", "dispatch_rows"],
-    "permute": ["permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd"],
-    "grouped_gemm": ["grouped_mm", "grouped_mm_dx", "grouped_mm_dw", "gate_up_swiglu", "swiglu_fwd", "swiglu_bwd"],
+    "gating": ["gating_fwd", "gating_bwd"],
+    "permute": ["dispatch_rows", "permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd"],
+    "grouped_gemm": ["grouped_mm", "grouped_mm_dx", "grouped_mm_dw", "gate_up_swiglu"],
+    "swiglu": ["swiglu_fwd", "swiglu_bwd"],
 }
 _cache: dict[str, SimpleNamespace] = {}
 

@@ -21,7 +21,9 @@ import zlib
 import pytest
 import torch
 
+from kernels import _gemm_space as space
 from kernels import grouped_gemm as gg
+from kernels import swiglu
 from kernels.reference import (
     gate_up_swiglu_ref,
     grouped_mm_dw_ref,
@@ -137,10 +139,10 @@ def test_swiglu_fwd_bwd(dtype, gen):
     gu = _randn(gen, R, 2 * F, dtype=dtype, scale=2.0)
     dh = _randn(gen, R, F, dtype=dtype)
     h_ref = swiglu_fwd_ref(gu.double())
-    h = gg.swiglu_fwd(gu, out=nan_like(h_ref.to(dtype)))
+    h = swiglu.swiglu_fwd(gu, out=nan_like(h_ref.to(dtype)))
     assert_close("swiglu h", h, h_ref)
     dgu_ref = swiglu_bwd_ref(gu.double(), dh.double())
-    dgu = gg.swiglu_bwd(gu, dh, out=nan_like(dgu_ref.to(dtype)))
+    dgu = swiglu.swiglu_bwd(gu, dh, out=nan_like(dgu_ref.to(dtype)))
     assert dgu.dtype == dtype
     assert_close("swiglu dgu", dgu, dgu_ref)
 
@@ -157,7 +159,7 @@ def test_fp16_all_launchers(gen):
     assert_close("fp16 gu", gu, grouped_mm_ref(x.double(), w2.double(), off))
     assert_close("fp16 h", h, swiglu_fwd_ref(gu.double()))
     gu_in = _randn(gen, sum(counts), 2 * N, dtype=torch.float16)
-    assert_close("fp16 swiglu dgu", gg.swiglu_bwd(gu_in, dy), swiglu_bwd_ref(gu_in.double(), dy.double()))
+    assert_close("fp16 swiglu dgu", swiglu.swiglu_bwd(gu_in, dy), swiglu_bwd_ref(gu_in.double(), dy.double()))
 
 
 def test_strided_inputs_and_int64_offsets(gen):
@@ -173,7 +175,7 @@ def test_strided_inputs_and_int64_offsets(gen):
     assert_close("strided dx", gg.grouped_mm_dx(dy, w, off), grouped_mm_dx_ref(dy.double(), w.double(), off))
     assert_close("strided dw", gg.grouped_mm_dw(dy, x, off), grouped_mm_dw_ref(dy.double(), x.double(), off))
     gu = _randn(gen, R, 4 * N)[:, : 2 * N]
-    assert_close("strided swiglu", gg.swiglu_fwd(gu), swiglu_fwd_ref(gu.double()))
+    assert_close("strided swiglu", swiglu.swiglu_fwd(gu), swiglu_fwd_ref(gu.double()))
 
 
 def test_no_rows(gen):
@@ -230,9 +232,9 @@ def test_validation(gen):
     with pytest.raises(ValueError, match="w_E2FD"):
         gg.gate_up_swiglu(x, _randn(gen, 2, 7, 16), off)
     with pytest.raises(ValueError, match="gu_R2F"):
-        gg.swiglu_fwd(_randn(gen, 5, 7))
+        swiglu.swiglu_fwd(_randn(gen, 5, 7))
     with pytest.raises(ValueError, match="grad_h_RF"):
-        gg.swiglu_bwd(_randn(gen, 5, 8), _randn(gen, 5, 3))
+        swiglu.swiglu_bwd(_randn(gen, 5, 8), _randn(gen, 5, 3))
 
 
 def test_pinned_config(monkeypatch, gen):
@@ -241,8 +243,8 @@ def test_pinned_config(monkeypatch, gen):
     dy = _randn(gen, sum(counts), N)
     monkeypatch.setenv(gg.CONFIG_ENV, "16,16,16,4,2")
     monkeypatch.setenv(gg.CONFIG_ENV + "_DW", "32,16,16,4,2")  # dW: 32 x 16 output tiles, 16-row steps
-    assert gg._pinned_config("fwd") == (16, 16, 16, 4, 2)
-    assert gg._pinned_config("dw") == (32, 16, 16, 4, 2)
+    assert space._pinned_config("fwd") == (16, 16, 16, 4, 2)
+    assert space._pinned_config("dw") == (32, 16, 16, 4, 2)
     assert_close("pinned y", gg.grouped_mm(x, w, off), grouped_mm_ref(x.double(), w.double(), off))
     assert_close("pinned dw", gg.grouped_mm_dw(dy, x, off), grouped_mm_dw_ref(dy.double(), x.double(), off))
     monkeypatch.setenv(gg.CONFIG_ENV, "128,128,64,8")
@@ -250,7 +252,7 @@ def test_pinned_config(monkeypatch, gen):
         gg.grouped_mm(x, w, off)
     monkeypatch.setenv(gg.CONFIG_ENV, "128,100,64,8,3")
     with pytest.raises(ValueError, match="powers of two"):
-        gg._pinned_config("fwd")
+        space._pinned_config("fwd")
 
 
 @pytest.mark.parametrize("op", ["fwd", "dx", "gate_up", "dw"])
@@ -261,13 +263,13 @@ def test_cuda_search_space(op, dtype):
     smem = 227 * 1024
     for m_bucket in (16, 4096):
         args = dict(x_ptr=x, N=4096, K=14336, F=14336, D=4096, M_BUCKET=m_bucket)
-        kept = gg._prune_configs(op)(gg._gemm_configs(op), args)
+        kept = space._prune_configs(op)(space._gemm_configs(op), args)
         assert kept, f"{op}: every config pruned"
         for cfg in kept:
-            rows, cols, red = gg._tile_of(op, cfg)
+            rows, cols, red = space._tile_of(op, cfg)
             assert red * x.element_size() == 128
-            assert gg._acc_regs(op, cfg) <= 128
-            assert gg._config_fits(op, cfg, elt_bytes=x.element_size(), smem_bytes=smem)
+            assert space._acc_regs(op, cfg) <= 128
+            assert space._config_fits(op, cfg, elt_bytes=x.element_size(), smem_bytes=smem)
             if op != "dw":
                 assert rows <= max(64, m_bucket)
 
@@ -371,7 +373,7 @@ def test_gpu_down_dw_swiglu(F, routing):
     dw = gg.grouped_mm_dw(dy, h, off, out=_nan(E_LOCAL, D_MODEL, F))
     _assert_close_sampled("gpu down dw", dw, grouped_mm_dw_ref(dy.float(), h.float(), off), torch.bfloat16)
     gu, dh = randn(R, 2 * F, scale=2.0), randn(R, F)
-    h2 = gg.swiglu_fwd(gu, out=_nan(R, F))
+    h2 = swiglu.swiglu_fwd(gu, out=_nan(R, F))
     _assert_close_sampled("gpu swiglu h", h2, swiglu_fwd_ref(gu.float()), torch.bfloat16, counts)
-    dgu = gg.swiglu_bwd(gu, dh, out=_nan(R, 2 * F))
+    dgu = swiglu.swiglu_bwd(gu, dh, out=_nan(R, 2 * F))
     _assert_close_sampled("gpu swiglu dgu", dgu, swiglu_bwd_ref(gu.float(), dh.float()), torch.bfloat16, counts)

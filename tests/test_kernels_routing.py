@@ -28,8 +28,8 @@ import pytest
 import torch
 
 from kernels import gating as gating_mod
-from kernels.gating import dispatch_rows, gating_bwd, gating_fwd
-from kernels.permute import permute_bwd, permute_fwd, unpermute_bwd, unpermute_fwd
+from kernels.gating import gating_bwd, gating_fwd
+from kernels.permute import dispatch_rows, permute_bwd, permute_fwd, unpermute_bwd, unpermute_fwd
 from kernels.reference import (
     GatingOutput,
     dispatch_rows_ref,

@@ -187,15 +187,16 @@ def test_backward_that_raises_leaves_no_orphaned_wgrad():
 
 
 def test_emulated_link_holds_modeled_time():
-    link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=0.001, latency_us=1000)
+    # A 50 ms latency: long enough that a descheduled test process still finds the transfer in flight.
+    link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=0.001, latency_us=50_000)
     x = torch.randn(40, 25)
     out = torch.empty_like(x)
     work = link.all_to_all(out, x, [10, 10, 10, 10], [10, 10, 10, 10])
-    # 30 of 40 rows leave rank 0: 30 * 25 * 4 bytes at 1e6 B/s = 3 ms, plus 1 ms latency.
-    assert math.isclose(link.modeled_ms, 4.0, rel_tol=1e-9)
+    # 30 of 40 rows leave rank 0: 30 * 25 * 4 bytes at 1e6 B/s = 3 ms, plus 50 ms latency.
+    assert math.isclose(link.modeled_ms, 53.0, rel_tol=1e-9)
     assert not work.is_completed()
     work.wait()
-    assert work.end - work.start >= 0.004 - 1e-4
+    assert work.end - work.start >= 0.053 - 1e-4
     assert torch.equal(out, x)
     with pytest.raises(ValueError, match="bandwidth_gbps"):
         lancet_rt.EmulatedGroup(2, bandwidth_gbps=0)

@@ -1,0 +1,161 @@
+"""The grouped GEMM's CUDA config space (:mod:`kernels.grouped_gemm`): candidate tiles, the pruning
+predicate the autotuner applies per problem and dtype, and the configs pinned by the environment.
+
+Pure Python over ``triton.Config``: ``python -m bench.compile_check --all-configs`` builds every
+survivor for sm_90, and the tests check the predicate without a GPU.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+
+#: "BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages" pins one config (suffix _FWD/_DX/_GATE_UP/_DW: one op).
+CONFIG_ENV = "LANCET_GEMM_CONFIG"
+_GROUP_M = 8  # M tiles per L2 group in the swizzled launch order
+
+# How each op names its tile: (output rows, output cols, reduction step) -> kernel meta-parameters.
+_TILE_NAMES = {
+    "fwd": ("BLOCK_M", "BLOCK_N", "BLOCK_K"),
+    "dx": ("BLOCK_M", "BLOCK_N", "BLOCK_K"),
+    "gate_up": ("BLOCK_M", "BLOCK_N", "BLOCK_K"),
+    "dw": ("BLOCK_N", "BLOCK_K", "BLOCK_M"),
+}
+# fp32 accumulators per program: the fused gate/up kernel holds two.
+_NUM_ACC = {"fwd": 1, "dx": 1, "gate_up": 2, "dw": 1}
+
+
+def _make_config(op: str, rows: int, cols: int, red: int, num_warps: int, num_stages: int) -> triton.Config:
+    names = _TILE_NAMES[op]
+    meta = {names[0]: rows, names[1]: cols, names[2]: red, "GROUP_M": _GROUP_M}
+    return triton.Config(meta, num_warps=num_warps, num_stages=num_stages)
+
+
+def _tile_of(op: str, cfg: triton.Config) -> Tuple[int, int, int]:
+    names = _TILE_NAMES[op]
+    return tuple(cfg.kwargs[n] for n in names)
+
+
+# Candidate (tile rows, tile cols, num_warps) for the CUDA autotuner, largest first.
+_TILES = (
+    (128, 256, 8),  # the Hopper sweet spot for long segments and wide outputs
+    (256, 128, 8),  # the same area, favouring long segments
+    (128, 128, 8),
+    (128, 128, 4),
+    (128, 64, 4),  # narrow outputs
+    (64, 128, 4),  # short segments (skewed routing, small chunks)
+    (64, 64, 4),  # tiny problems
+)
+
+
+def _gemm_configs(op: str) -> list:
+    """The CUDA search space of one op: :data:`_TILES` x reduction steps of 32 or 64 (128 bytes of
+    fp32 or of bf16/fp16) x 3 or 4 pipeline stages, kept when the fp32 accumulators fit in
+    registers. :func:`_prune_configs` narrows it per problem and dtype (at most 14 survive)."""
+    configs = []
+    for rows, cols, num_warps in _TILES:
+        for red in (32, 64):
+            for num_stages in (3, 4):
+                cfg = _make_config(op, rows, cols, red, num_warps, num_stages)
+                if _acc_regs(op, cfg) <= 128:
+                    configs.append(cfg)
+    return configs
+
+
+# fp32 accumulator registers per thread allowed where fp32 operands sit in registers next to the
+# accumulators: on the FMA units (fp32 without TF32), and in dW with TF32 too, whose operands are both
+# MN-major (dy_seg.T, x_seg), which tf32 wgmma cannot read from shared memory. There, sm_90 builds with
+# 128 accumulator registers spill 20-500 bytes per thread, those with 64 at most 20
+# (``python -m bench.compile_check --all-configs``, Triton 3.6 and 3.9).
+_FP32_ACC_REGS = 64
+
+
+def _acc_regs(op: str, cfg: triton.Config) -> int:
+    """fp32 accumulator registers per thread (beyond ~128 the kernel spills)."""
+    rows, cols, _ = _tile_of(op, cfg)
+    return rows * cols * _NUM_ACC[op] // (32 * cfg.num_warps)
+
+
+def _config_fits(op: str, cfg: triton.Config, *, elt_bytes: int, smem_bytes: int) -> bool:
+    """Predicate for one element size: each reduction step loads 128 bytes per operand row (one
+    swizzled shared-memory line: BK=64 for bf16/fp16, 32 for fp32), and the pipelined operand
+    stages fit in the shared memory of one block."""
+    rows, cols, red = _tile_of(op, cfg)
+    if red * elt_bytes != 128:
+        return False
+    stage_bytes = (rows * red + _NUM_ACC[op] * red * cols) * elt_bytes
+    return stage_bytes * cfg.num_stages <= smem_bytes
+
+
+def _smem_bytes(device: torch.device) -> int:
+    """Opt-in shared memory per block (227 KiB on H100/H200; also assumed off CUDA)."""
+    if device.type != "cuda":
+        return 227 * 1024
+    return _cuda_smem_bytes(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_smem_bytes(index: int) -> int:
+    props = torch.cuda.get_device_properties(index)
+    return int(getattr(props, "shared_memory_per_block_optin", 227 * 1024))
+
+
+def _prune_configs(op: str):
+    """The autotuner's early_config_prune for one op: :func:`_config_fits` for the input's element
+    size and the device's shared memory, at most :data:`_FP32_ACC_REGS` accumulator registers where
+    fp32 operands live in registers (no TF32, or dW), and no tile much larger than the problem (tile
+    rows against the mean rows per expert, tile columns against the output width)."""
+
+    def prune(configs, named_args, **kwargs):
+        args = {**named_args, **kwargs}
+        x = args["x_ptr"]
+        smem = _smem_bytes(x.device)
+        fp32_in_regs = x.element_size() == 4 and (op == "dw" or args.get("INPUT_PRECISION", "ieee") == "ieee")
+        max_acc = _FP32_ACC_REGS if fp32_in_regs else 128
+        if op == "dw":
+            out_rows, out_cols = args["N"], args["K"]
+        elif op == "gate_up":
+            out_rows, out_cols = args["M_BUCKET"], args["F"]
+        else:
+            out_rows, out_cols = args["M_BUCKET"], args["N"]
+        max_rows = max(64, triton.next_power_of_2(out_rows))
+        max_cols = max(64, triton.next_power_of_2(out_cols))
+        kept = [
+            cfg for cfg in configs
+            if _config_fits(op, cfg, elt_bytes=x.element_size(), smem_bytes=smem) and _acc_regs(op, cfg) <= max_acc
+            and _tile_of(op, cfg)[0] <= max_rows and _tile_of(op, cfg)[1] <= max_cols
+        ]
+        # Never return nothing: the smallest tile with the right reduction step always compiles.
+        if not kept:
+            red = 128 // x.element_size()
+            kept = [_make_config(op, 64, 64, red, 4, 3)]
+        return kept
+
+    return prune
+
+
+def _parse_config(text: str, var: str) -> Tuple[int, int, int, int, int]:
+    try:
+        vals = tuple(int(v) for v in text.split(","))
+    except ValueError:
+        vals = ()
+    if len(vals) != 5:
+        raise ValueError(f"{var} must be 'BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages' (5 integers), got {text!r}")
+    *blocks, num_warps, num_stages = vals
+    if any(b < 16 or b & (b - 1) for b in blocks):
+        raise ValueError(f"{var}: block sizes must be powers of two >= 16, got {text!r}")
+    if num_warps not in (1, 2, 4, 8, 16) or num_stages < 1:
+        raise ValueError(f"{var}: num_warps must be a power of two <= 16 and num_stages >= 1, got {text!r}")
+    return vals
+
+
+def _pinned_config(op: str) -> Optional[Tuple[int, int, int, int, int]]:
+    """The config pinned by the environment for ``op`` (op-specific variable first), or None."""
+    for var in (f"{CONFIG_ENV}_{op.upper()}", CONFIG_ENV):
+        text = os.environ.get(var)
+        if text:
+            return _parse_config(text, var)
+    return None
