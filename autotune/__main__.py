@@ -276,6 +276,8 @@ def _tune(args, env) -> dict:
             top = int(max(agree_max(group, [float(profile.max_bytes)])[0], 1 << 12))  # same sizes on every rank
             link_model = LinkModel.measure(group, device=device, dtype=dtype, row_elems=args.d_model,
                                            nbytes=(0, top // 4, top), reps=3, agree=lambda xs: agree_max(group, xs))
+            if isinstance(group, lancet_rt.TorchGroup) and not math.isinf(link_model.gbps):
+                group.set_link(link_model.gbps, link_model.latency_ms * 1e3)  # dW windows of later steps
         else:
             link_model = LinkModel(0.0, math.inf)
     finally:

@@ -76,7 +76,9 @@ def measured_gbps_bucket(group, device) -> Optional[float]:
     """A real group's all-to-all bandwidth, measured (1-8 MB transfers) and rounded to a power of two.
 
     Every rank gets the same value: the ranks' timings are reduced to their maximum first. None when
-    the two sizes took no measurably different time (a link too fast to tell at these sizes).
+    the two sizes took no measurably different time (a link too fast to tell at these sizes). The
+    unrounded fit also becomes the group's link model (:meth:`lancet_rt.TorchGroup.set_link`), which
+    sizes the windows deferred weight gradients run in.
     """
     from .profiling import LinkModel
 
@@ -84,6 +86,8 @@ def measured_gbps_bucket(group, device) -> Optional[float]:
                               agree=lambda xs: agree_max(group, xs))
     if math.isinf(model.gbps):
         return None
+    if isinstance(group, lancet_rt.TorchGroup):
+        group.set_link(model.gbps, model.latency_ms * 1e3)
     return 2.0 ** round(math.log2(max(model.gbps, 1e-6)))
 
 

@@ -59,14 +59,46 @@ class ExpertParallelGroup(Protocol):
 
 
 class TorchGroup:
-    """An :class:`ExpertParallelGroup` over a torch.distributed process group (gloo or NCCL)."""
+    """An :class:`ExpertParallelGroup` over a torch.distributed process group (gloo or NCCL).
 
-    def __init__(self, group: dist.ProcessGroup):
+    A link model (:meth:`set_link`: latency and bandwidth, measured by the autotuner when it keys
+    or tunes on this group) gives each backward all-to-all a modeled duration, the window in which
+    deferred weight gradients run (:meth:`hold_ms`). Without one, deferred dW runs while the
+    collective reports itself unfinished, which on CUDA, where the host runs ahead of the device,
+    tends to empty the queue into the first window.
+
+    Args:
+        group: the process group.
+        bandwidth_gbps: the link's all-to-all bandwidth per rank for off-rank bytes, GB/s (None:
+            no link model).
+        latency_us: the per-collective latency of that model.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, *, bandwidth_gbps: Optional[float] = None,
+                 latency_us: float = 0.0):
         self.group = group
         self._size = dist.get_world_size(group)
         self._rank = dist.get_rank(group)
         backend = dist.get_backend(group)
         self.backend = str(backend).lower()
+        self.bandwidth_gbps: Optional[float] = None
+        self.latency_us = 0.0
+        if bandwidth_gbps is not None:
+            self.set_link(bandwidth_gbps, latency_us)
+
+    def set_link(self, bandwidth_gbps: float, latency_us: float = 0.0) -> None:
+        """Model the link as ``latency_us + off-rank bytes / bandwidth_gbps`` per collective."""
+        if not isinstance(bandwidth_gbps, (int, float)) or not bandwidth_gbps > 0:
+            raise ValueError(f"bandwidth_gbps must be a number > 0 (math.inf: free), got {bandwidth_gbps!r}")
+        if not isinstance(latency_us, (int, float)) or not latency_us >= 0:
+            raise ValueError(f"latency_us must be a number >= 0, got {latency_us!r}")
+        self.bandwidth_gbps, self.latency_us = float(bandwidth_gbps), float(latency_us)
+
+    def hold_ms(self, off_rank_bytes: int) -> Optional[float]:
+        """The modeled time of one collective moving ``off_rank_bytes`` off rank (None: no model)."""
+        if self.bandwidth_gbps is None:
+            return None
+        return self.latency_us * 1e-3 + off_rank_bytes / (self.bandwidth_gbps * 1e9) * 1e3
 
     def __deepcopy__(self, memo):
         return self  # a group is a handle: copies of a model share it
@@ -144,12 +176,20 @@ def _side_stream(device):
     return _side_streams[device]
 
 
+_torch_groups: dict = {}
+
+
 def as_group(ep_group) -> Optional[ExpertParallelGroup]:
-    """Normalise the ``ep_group`` argument: None, a ProcessGroup, or an ExpertParallelGroup."""
+    """Normalise the ``ep_group`` argument: None, a ProcessGroup, or an ExpertParallelGroup.
+
+    Every layer given the same ProcessGroup shares one :class:`TorchGroup`, so a link model set on
+    it (:meth:`TorchGroup.set_link`) holds for all of them."""
     if ep_group is None:
         return None
     if isinstance(ep_group, dist.ProcessGroup):
-        return TorchGroup(ep_group)
+        if ep_group not in _torch_groups:
+            _torch_groups[ep_group] = TorchGroup(ep_group)
+        return _torch_groups[ep_group]
     if isinstance(ep_group, ExpertParallelGroup):
         return ep_group
     raise TypeError(
@@ -209,7 +249,8 @@ class BackwardLink:
         self.early = (grad_in, work)
 
     def window_ms(self, grad_out: torch.Tensor) -> Optional[float]:
-        """The backward collective's expected time, where the group models it (the emulated link)."""
+        """The backward collective's expected time, where the group models it (the emulated link,
+        a :class:`TorchGroup` with a link model); None otherwise."""
         hold = getattr(self.group, "hold_ms", None)
         if hold is None:
             return None

@@ -245,6 +245,37 @@ def test_overlapped_expert_parallel_gloo(chunks, capacity_factor, defer_wgrad):
     assert_all_ok(run_ranks(_overlapped_ep, 2, chunks, capacity_factor, defer_wgrad, batch, timeout=180))
 
 
+def _dw_windows_follow_link_model(rank, world):
+    """On a real group the backward all-to-alls' windows come from the group's link model."""
+    import torch.distributed as dist
+
+    group = lancet_rt.comm.as_group(dist.group.WORLD)
+    assert group.hold_ms(1000) is None  # no model until one is set (or measured by the autotuner)
+    with pytest.raises(ValueError, match="bandwidth_gbps"):
+        group.set_link(0.0)
+    with pytest.raises(ValueError, match="latency_us"):
+        group.set_link(1.0, -1.0)
+    model = make_model(0.75, ep_group=dist.group.WORLD, E=4)
+    twin = copy.deepcopy(model)
+    ov = lancet_rt.Overlapped(twin, chunks=2, defer_wgrad=True)
+    x, g = torch.randn(4, 5, D), torch.randn(4, 5, D)
+    ref = run_and_grads(model, model, x, g)
+    ran = {}
+    for name, (gbps, latency_us) in {"free": (math.inf, 0.0), "slow": (1e-6, 1e5)}.items():
+        group.set_link(gbps, latency_us)   # a window of 0 ms, then of over 100 s
+        ov.wgrad_queue.ran_in_windows = 0
+        for p in twin.parameters():
+            p.grad = None
+        assert_same_run(ref, run_and_grads(twin, ov, x, g))
+        ran[name] = ov.wgrad_queue.ran_in_windows
+    return ran
+
+
+def test_dw_windows_follow_the_torch_groups_link_model():
+    for ran in assert_all_ok(run_ranks(_dw_windows_follow_link_model, 2, timeout=120)):
+        assert ran["free"] == 0 and ran["slow"] > 0, ran
+
+
 def test_emulated_all_to_all_stays_in_its_autograd_node():
     # Regression: the CPU link copies on its own thread, where grad mode is on; the copy must not
     # enter the graph (it once rebased the output onto a CopyBackwards that bypassed the collective).
