@@ -61,9 +61,10 @@ def test_overlapped_equals_model(chunks, capacity_factor, defer_wgrad):
 
 
 def test_overlapped_on_emulated_link_equals_model():
-    # Every transfer holds the link 30 ms: longer than the backward compute between a backward
-    # all-to-all's early issue and its wait, so the waits find time left for deferred dW.
-    link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=1.0, latency_us=30_000)
+    # Every transfer holds the link 100 ms: longer than the backward compute between a backward
+    # all-to-all's early issue and its wait, even on a loaded machine or with the interpreted
+    # kernels (30 ms was not, there), so the waits find time left for deferred dW.
+    link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=1.0, latency_us=100_000)
     model = make_model(0.75, ep_group=link, E=8)
     twin = copy.deepcopy(model)
     x, g = torch.randn(6, 5, D), torch.randn(6, 5, D)
