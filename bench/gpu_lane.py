@@ -21,8 +21,9 @@ The tests and bench.experts share their grouped-GEMM shapes, so in one call the 
 configs the tests' autotuning compiled and chose in Triton's on-disk caches (the routing kernels'
 spaces prune to one config per key; the grouped GEMM's to up to 14).
 
-Packages the GPU machine lacks (greenlet, pytest-timeout) travel as wheels in ``.whl/`` (``make gpu-wheels`` here,
-then ``carry: [".whl"]``); the lane installs them into a temporary directory for its steps.
+Packages the GPU machine lacks (greenlet, pytest-timeout) travel as wheels in ``.whl/`` (``make
+gpu-wheels`` where PyPI is reachable, then ``carry: [".whl"]``); the lane installs them into a
+temporary directory for its steps.
 """
 from __future__ import annotations
 
