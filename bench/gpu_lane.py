@@ -40,7 +40,9 @@ from pathlib import Path
 TARGETS = [
     ("permute fwd, fraction of copy BW", "kernels.json", dict(op="permute_fwd", T=16384, D=4096), "frac_copy", 0.85, True),
     ("unpermute fwd, fraction of copy BW", "kernels.json", dict(op="unpermute_fwd", T=16384, D=4096), "frac_copy", 0.85, True),
-    ("gating fwd, fraction of copy BW", "kernels.json", dict(op="gating_fwd", T=16384), "frac_copy", 0.70, True),
+    # Per E: at E = 8 the forward moves under 1 MB, a few microseconds of launches whatever the kernel.
+    *[(f"gating fwd E={E}, fraction of copy BW", "kernels.json", dict(op="gating_fwd", T=16384, E=E), "frac_copy",
+       0.70, True) for E in (8, 64, 256)],
     ("routing kernels, x eager (worst)", "kernels.json", dict(T=16384), "x_eager", 3.0, True),
     ("routing kernels, x torch.compile (worst)", "kernels.json", dict(T=16384), "x_compiled", 1.0, True),
     ("grouped GEMM balanced F=14336, fraction of dense", "experts.json", dict(routing="balanced", F=14336), "frac_dense", 0.75, True),
