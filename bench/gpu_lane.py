@@ -21,6 +21,11 @@ The tests and bench.experts share their grouped-GEMM shapes, so in one call the 
 configs the tests' autotuning compiled and chose in Triton's on-disk caches (the routing kernels'
 spaces prune to one config per key; the grouped GEMM's to up to 14).
 
+Back on the development machine, ``python -m bench.gpu_lane --collect DIR`` (DIR: a call's returned
+``$OUT``) appends the rows to ``bench/results/`` (kernels, experts, overlap, and the summary as
+gpu_lane.json), copies the timeline PNG and trace under the GPU's name, and merges the exported
+autotune defaults into ``autotune/defaults.json``; run it once per call, then commit.
+
 Packages the GPU machine lacks (greenlet, pytest-timeout) travel as wheels in ``.whl/`` (``make
 gpu-wheels`` where PyPI is reachable, then ``carry: [".whl"]``); the lane installs them into a
 temporary directory for its steps.
@@ -147,6 +152,38 @@ def summary(out: Path) -> list:
     return results
 
 
+def collect(src: Path, results: Path, defaults: Path) -> list:
+    """Bring one call's ``$OUT`` into the repository (see the module docstring); returns what was
+    written. Rows are appended, never replaced: each carries its device, commit and date."""
+    from bench.common import write_json
+
+    written = []
+    for name in ("kernels", "experts", "overlap"):
+        rows = _rows(src, f"{name}.json")
+        if rows:
+            write_json(results / f"{name}.json", rows)
+            written.append(f"{results / name}.json (+{len(rows)} rows)")
+    device = next((r["device"] for name in ("kernels", "experts", "overlap") for r in _rows(src, f"{name}.json")
+                   if r.get("device")), None)
+    slug = "".join(ch if ch.isalnum() else "_" for ch in (device or "gpu")).strip("_").lower()
+    if (src / "summary.json").exists():
+        summary_row = dict(json.loads((src / "summary.json").read_text()), device=device)
+        write_json(results / "gpu_lane.json", [summary_row])
+        written.append(f"{results / 'gpu_lane.json'} (+1 row)")
+    for name, dest in (("overlap.png", f"overlap_{slug}.png"), ("overlap-trace.json", f"overlap_{slug}_trace.json")):
+        if (src / name).exists():
+            (results / dest).write_bytes((src / name).read_bytes())
+            written.append(str(results / dest))
+    exported = src / "defaults.json"
+    if exported.exists():
+        new = json.loads(exported.read_text()).get("entries", {})
+        shipped = json.loads(defaults.read_text())
+        shipped.setdefault("entries", {}).update(new)   # the other fields (schema, comment) stay
+        defaults.write_text(json.dumps(shipped, indent=1) + "\n")
+        written.append(f"{defaults} (+{len(new)} entries)")
+    return written
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=os.environ.get("OUT", "gpu-lane-out"))
@@ -154,7 +191,17 @@ def main(argv=None) -> int:
     p.add_argument("--skip", default="", help="comma-separated steps to leave out")
     p.add_argument("--budget", type=float, default=560.0,
                    help="wall-clock seconds for the whole call (a lent GPU's command limit is 600)")
+    p.add_argument("--collect", metavar="DIR", default=None,
+                   help="instead of running: bring a call's returned $OUT into bench/results/ and autotune/")
     args = p.parse_args(argv)
+    repo = Path(__file__).resolve().parent.parent
+    if args.collect:
+        src = Path(args.collect)
+        if not src.is_dir():
+            p.error(f"--collect: {src} is not a directory")
+        for line in collect(src, repo / "bench" / "results", repo / "autotune" / "defaults.json") or ["nothing"]:
+            print("collected:", line)
+        return 0
     t_end = time.time() + args.budget - SUMMARY_SECONDS
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -162,7 +209,6 @@ def main(argv=None) -> int:
     unknown = sorted(set(chosen) - set(STEPS))
     if unknown:
         p.error(f"--only/--skip: unknown steps {unknown}; expected some of {list(STEPS)}")
-    repo = Path(__file__).resolve().parent.parent
     site = carried_packages(repo)
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, [site, str(repo), os.environ.get("PYTHONPATH")])))

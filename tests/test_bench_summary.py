@@ -45,3 +45,27 @@ def test_lane_writes_its_summary_when_steps_fail(tmp_path):
     result = json.loads((tmp_path / "summary.json").read_text())
     assert [s["step"] for s in result["steps"]] == ["versions", "kernels"]
     assert result["steps"][1]["rc"] != 0 and (tmp_path / "kernels.log").read_text()
+
+
+def test_collect_appends_rows_and_merges_defaults(tmp_path):
+    """--collect brings a GPU call's $OUT into the repository: rows appended (never replaced),
+    the timeline under the GPU's name, the exported autotune entry merged into the shipped file
+    with its other fields kept."""
+    from bench.gpu_lane import collect
+
+    src, results = tmp_path / "out", tmp_path / "results"
+    src.mkdir()
+    results.mkdir()
+    (results / "experts.json").write_text(json.dumps([dict(device="older", frac_dense=0.5)]))
+    (src / "experts.json").write_text(json.dumps([dict(device="NVIDIA H200", frac_dense=0.8)]))
+    (src / "summary.json").write_text(json.dumps(dict(steps=[], targets=[])))
+    (src / "overlap.png").write_bytes(b"\x89PNG")
+    (src / "defaults.json").write_text(json.dumps(dict(entries={"H200|x": dict(value=dict(chunks=4))})))
+    shipped = tmp_path / "defaults.json"
+    shipped.write_text(json.dumps(dict(schema="s", comment="keep me", entries={"H100|y": dict(value=dict(chunks=2))})))
+    collect(src, results, shipped)
+    assert [r["device"] for r in json.loads((results / "experts.json").read_text())] == ["older", "NVIDIA H200"]
+    assert json.loads((results / "gpu_lane.json").read_text())[0]["device"] == "NVIDIA H200"
+    assert (results / "overlap_nvidia_h200.png").read_bytes() == b"\x89PNG"
+    merged = json.loads(shipped.read_text())
+    assert merged["comment"] == "keep me" and set(merged["entries"]) == {"H100|y", "H200|x"}
