@@ -58,6 +58,20 @@ class ExpertParallelGroup(Protocol):
         """Blocking all-gather of a fixed-size int64 vector: returns [W, N]."""
 
 
+def check_link(bandwidth_gbps, latency_us) -> tuple[float, float]:
+    """A link model's parameters as floats, or a ValueError naming the bad one."""
+    if isinstance(bandwidth_gbps, bool) or not isinstance(bandwidth_gbps, (int, float)) or not bandwidth_gbps > 0:
+        raise ValueError(f"bandwidth_gbps must be a number > 0 (math.inf: free), got {bandwidth_gbps!r}")
+    if isinstance(latency_us, bool) or not isinstance(latency_us, (int, float)) or not latency_us >= 0:
+        raise ValueError(f"latency_us must be a number >= 0, got {latency_us!r}")
+    return float(bandwidth_gbps), float(latency_us)
+
+
+def link_ms(off_rank_bytes: int, bandwidth_gbps: float, latency_us: float) -> float:
+    """One collective's time on a link of ``bandwidth_gbps`` (GB/s for off-rank bytes) and ``latency_us``."""
+    return latency_us * 1e-3 + off_rank_bytes / (bandwidth_gbps * 1e9) * 1e3
+
+
 class TorchGroup:
     """An :class:`ExpertParallelGroup` over a torch.distributed process group (gloo or NCCL).
 
@@ -88,17 +102,13 @@ class TorchGroup:
 
     def set_link(self, bandwidth_gbps: float, latency_us: float = 0.0) -> None:
         """Model the link as ``latency_us + off-rank bytes / bandwidth_gbps`` per collective."""
-        if not isinstance(bandwidth_gbps, (int, float)) or not bandwidth_gbps > 0:
-            raise ValueError(f"bandwidth_gbps must be a number > 0 (math.inf: free), got {bandwidth_gbps!r}")
-        if not isinstance(latency_us, (int, float)) or not latency_us >= 0:
-            raise ValueError(f"latency_us must be a number >= 0, got {latency_us!r}")
-        self.bandwidth_gbps, self.latency_us = float(bandwidth_gbps), float(latency_us)
+        self.bandwidth_gbps, self.latency_us = check_link(bandwidth_gbps, latency_us)
 
     def hold_ms(self, off_rank_bytes: int) -> Optional[float]:
         """The modeled time of one collective moving ``off_rank_bytes`` off rank (None: no model)."""
         if self.bandwidth_gbps is None:
             return None
-        return self.latency_us * 1e-3 + off_rank_bytes / (self.bandwidth_gbps * 1e9) * 1e3
+        return link_ms(off_rank_bytes, self.bandwidth_gbps, self.latency_us)
 
     def __deepcopy__(self, memo):
         return self  # a group is a handle: copies of a model share it

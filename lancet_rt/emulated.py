@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import trace as _trace
+from .comm import check_link, link_ms
 
 
 class _LinkWork:
@@ -151,13 +152,8 @@ class EmulatedGroup:
                  device="cpu"):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-        if not bandwidth_gbps > 0:
-            raise ValueError(f"bandwidth_gbps must be > 0, got {bandwidth_gbps}")
-        if not latency_us >= 0:
-            raise ValueError(f"latency_us must be >= 0, got {latency_us}")
         self._size = world_size
-        self.bandwidth_gbps = float(bandwidth_gbps)
-        self.latency_us = float(latency_us)
+        self.bandwidth_gbps, self.latency_us = check_link(bandwidth_gbps, latency_us)
         self.device = torch.device(device)
         self._cpu_link = _CpuLink() if self.device.type == "cpu" else None
         self._stream = None
@@ -181,7 +177,7 @@ class EmulatedGroup:
 
     def hold_ms(self, off_rank_bytes: int) -> float:
         """Modeled time of one collective moving ``off_rank_bytes`` off rank."""
-        return self.latency_us * 1e-3 + off_rank_bytes / (self.bandwidth_gbps * 1e9) * 1e3
+        return link_ms(off_rank_bytes, self.bandwidth_gbps, self.latency_us)
 
     def _comm_stream(self):
         if self._stream is None:
