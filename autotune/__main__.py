@@ -202,7 +202,8 @@ def run(argv=None) -> dict:
 
     Returns:
         ``cached`` (bool: the entry was found and nothing was measured), ``chunks``, ``key`` (the
-        entry's name), ``cache_path``, ``table`` (per candidate: ``predicted_ms``, ``measured_ms``,
+        entry's name), ``link_gbps`` (the key's link bandwidth: configured, measured on a real group, or
+        None), ``cache_path``, ``table`` (per candidate: ``predicted_ms``, ``measured_ms``,
         quantiles, ``status``), ``chosen_measured_ms``, ``best_measured_ms``, ``within_best``
         (chosen / best - 1), ``predicted_ms``, ``prediction_error`` (predicted / measured - 1 for the
         choice) and, when tuned, ``model`` (the cost model's fitted parameters).
@@ -253,7 +254,7 @@ def _tune(args, env) -> dict:
             if "chosen_measured_ms" in value:
                 _print(rank, _summary(value))
             _export(args, key, value)
-            return dict(cached=True, key=key.string(), cache_path=cache.path, **value)
+            return dict(cached=True, key=key.string(), link_gbps=link.gbps, cache_path=cache.path, **value)
 
     kept, _ = candidate_chunks(args.tokens, rows, args.candidates, args.min_tokens_per_chunk)
     # Compute-only probes for the cost model, timed in the same rounds as the candidates.
@@ -318,7 +319,7 @@ def _tune(args, env) -> dict:
     except OSError as exc:
         print(f"lancet-autotune: could not write the cache {cache.path}: {exc}", file=sys.stderr)
     _export(args, key, value)
-    return dict(cached=False, key=key.string(), cache_path=cache.path, **value)
+    return dict(cached=False, key=key.string(), link_gbps=link.gbps, cache_path=cache.path, **value)
 
 
 def _export(args, key, value) -> None:

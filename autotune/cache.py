@@ -74,8 +74,9 @@ class CacheKey:
         device_name: the GPU name (or ``"cpu"``); shipped defaults match on this instead of ``device``.
         ep_world_size: W, the expert-parallel world size.
         link_backend: ``"emulated"``, ``"nccl"``, ``"gloo"``, ``"local"`` (no expert parallelism), ...
-        link_gbps: the link bandwidth in GB/s: configured (emulated link) or measured and rounded to
-            a power of two (real groups); None where unknown.
+        link_gbps: the link bandwidth in GB/s: configured (emulated link) or measured (real groups;
+            the entry's name shows it rounded to a power of two, so a re-measurement in the same
+            bucket replaces the entry); None where unknown.
         link_latency_us: the configured latency of an emulated link; None for real groups.
         dtype: the MoE parameters' dtype (``"float32"``, ``"bfloat16"``, ...).
         d_model, d_ffn, num_experts, top_k: D, F, E, K.
@@ -138,7 +139,10 @@ class CacheKey:
         dev = self.device if by == "device" else self.device_name
         link = self.link_backend
         if self.link_gbps is not None:
-            link += f"/{'~' if self.link_measured else ''}{self.link_gbps:g}GB/s"
+            gbps = self.link_gbps
+            if self.link_measured and 0 < gbps < math.inf:
+                gbps = 2.0 ** round(math.log2(gbps))
+            link += f"/{'~' if self.link_measured else ''}{gbps:g}GB/s"
         if self.link_latency_us is not None:
             link += f"/{self.link_latency_us:g}us"
         cf = "dropless" if self.capacity_factor is None else f"{self.capacity_factor:g}"
@@ -167,7 +171,8 @@ class CacheHit:
     Attributes:
         key: the stored entry's key (its token bucket may differ from the one asked for).
         value: the stored value (``value["chunks"]`` is the chunk count).
-        exact: the token bucket (and a measured bandwidth's bucket) matched exactly.
+        exact: the token bucket matched exactly (and so did a configured bandwidth; a measured one
+            matches within the lookup's ``max_gbps_distance``, since it is the same link re-measured).
         source: ``"cache"`` (the user's cache) or ``"defaults"`` (shipped with lancet-rt).
         path: the file it came from.
     """
@@ -308,7 +313,7 @@ def _find(entries: dict, key: CacheKey, by: str, nearest: bool, max_distance, ma
     if best is None:
         return None
     (dist, _, gbps_dist), stored, value = best
-    return CacheHit(key=stored, value=value, exact=dist == 0 and gbps_dist == 0, source=source, path=path)
+    return CacheHit(key=stored, value=value, exact=dist == 0, source=source, path=path)
 
 
 def _read_entries(path: str, *, what: str, replacing: bool = False) -> dict:

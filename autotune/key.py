@@ -24,8 +24,7 @@ class LinkInfo:
 
     Attributes:
         backend: ``"emulated"``, ``"nccl"``, ``"gloo"``, ``"local"`` (no expert parallelism), ...
-        gbps: bandwidth in GB/s: configured (emulated) or measured and rounded to a power of two; None
-            when unknown or free.
+        gbps: bandwidth in GB/s: configured (emulated) or measured; None when unknown or free.
         latency_us: the configured latency of an emulated link; None otherwise.
         measured: ``gbps`` was measured (lookups then tolerate a factor of 2).
     """
@@ -50,8 +49,7 @@ def link_descriptor(group, device, *, measure: bool = True) -> LinkInfo:
     Args:
         group: ``moe.group``: None (no expert parallelism), an :class:`lancet_rt.EmulatedGroup`
             (its configured bandwidth and latency), a :class:`lancet_rt.TorchGroup` (its backend and
-            a measured bandwidth rounded to a power of two; measuring runs collectives, so every rank
-            must call this together), or another :class:`lancet_rt.ExpertParallelGroup` (its type
+            a measured bandwidth; measuring runs collectives, so every rank must call this together), or another :class:`lancet_rt.ExpertParallelGroup` (its type
             name and its ``bandwidth_gbps``/``latency_us`` attributes if it has them).
         device: where the model runs (NCCL measures with CUDA buffers).
         measure: measure a real group's bandwidth (False: leave it None).
@@ -66,29 +64,33 @@ def link_descriptor(group, device, *, measure: bool = True) -> LinkInfo:
         return LinkInfo("emulated", gbps, group.latency_us)
     if isinstance(group, lancet_rt.TorchGroup):
         if measure and group.size > 1:
-            gbps = measured_gbps_bucket(group, device)
+            gbps = measured_gbps(group, device)
             return LinkInfo(group.backend, gbps, None, measured=gbps is not None)
         return LinkInfo(group.backend)
     return LinkInfo(type(group).__name__, getattr(group, "bandwidth_gbps", None), getattr(group, "latency_us", None))
 
 
-def measured_gbps_bucket(group, device) -> Optional[float]:
-    """A real group's all-to-all bandwidth, measured (1-8 MB transfers) and rounded to a power of two.
+def measured_gbps(group, device) -> Optional[float]:
+    """A real group's all-to-all bandwidth in GB/s, measured with 1 and 8 MB transfers.
 
     Every rank gets the same value: the ranks' timings are reduced to their maximum first. None when
     the two sizes took no measurably different time (a link too fast to tell at these sizes). The
-    unrounded fit also becomes the group's link model (:meth:`lancet_rt.TorchGroup.set_link`), which
-    sizes the windows deferred weight gradients run in.
+    fit also becomes the group's link model (:meth:`lancet_rt.TorchGroup.set_link`), which sizes the
+    windows deferred weight gradients run in.
+
+    The value keys the autotune cache, and a re-measurement of the same link must find the entry:
+    two warm-up transfers per size (a fresh process's first transfers are the slowest), the fastest
+    of five timed ones, and lookups that accept a factor of 2 (:meth:`autotune.cache.TuneCache.lookup`).
     """
     from .profiling import LinkModel
 
-    model = LinkModel.measure(group, device=device, nbytes=(1 << 20, 8 << 20), reps=3,
+    model = LinkModel.measure(group, device=device, nbytes=(1 << 20, 8 << 20), warmup=2, reps=5,
                               agree=lambda xs: agree_max(group, xs))
     if math.isinf(model.gbps):
         return None
     if isinstance(group, lancet_rt.TorchGroup):
         group.set_link(model.gbps, model.latency_ms * 1e3)
-    return 2.0 ** round(math.log2(max(model.gbps, 1e-6)))
+    return model.gbps
 
 
 def agree_max(group, values: Sequence[float]) -> list[float]:

@@ -73,7 +73,8 @@ class LinkModel:
 
     @classmethod
     def measure(cls, group, *, device, dtype=torch.float32, row_elems: int = 1024,
-                nbytes: Sequence[int] = (0, 1 << 20, 4 << 20), reps: int = 5, agree=None) -> "LinkModel":
+                nbytes: Sequence[int] = (0, 1 << 20, 4 << 20), warmup: int = 1, reps: int = 5,
+                agree=None) -> "LinkModel":
         """Time all-to-alls of a few sizes on ``group`` and fit the model.
 
         Every rank of a real group must call this at the same time with the same arguments (it runs
@@ -86,7 +87,8 @@ class LinkModel:
             dtype: the rows' dtype.
             row_elems: elements per row.
             nbytes: target off-rank bytes per sample (rounded to whole rows per rank).
-            reps: timed repetitions per size, after one warm-up transfer; the fastest counts (load from
+            warmup: untimed transfers per size before the timed ones.
+            reps: timed repetitions per size, after the warm-up; the fastest counts (load from
                 elsewhere only ever slows a transfer, so the minimum is the steadiest estimate, and
                 the measured bandwidth, part of the cache key, stays put from run to run).
             agree: optional ``callable(list[float]) -> list[float]`` that makes the timings identical on
@@ -97,6 +99,8 @@ class LinkModel:
         """
         if reps < 1:
             raise ValueError(f"reps must be >= 1, got {reps}")
+        if warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {warmup}")
         W = group.size
         device = torch.device(device)
         row_bytes = torch.empty((), dtype=dtype).element_size() * row_elems
@@ -107,12 +111,12 @@ class LinkModel:
             x = torch.randn(per_rank * W, row_elems, device=device).to(dtype)
             out = torch.empty_like(x)
             times = []
-            for i in range(reps + 1):
+            for i in range(warmup + reps):
                 _sync(device)
                 t0 = time.perf_counter()
                 group.all_to_all(out, x, splits, splits).wait()
                 _sync(device)
-                if i:
+                if i >= warmup:
                     times.append((time.perf_counter() - t0) * 1e3)
             points.append(((W - 1) * per_rank * row_bytes, min(times)))
         if agree is not None:
