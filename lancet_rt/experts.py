@@ -19,15 +19,17 @@ class _ExpertsFn(torch.autograd.Function):
     """Rows in the received (rank-major) order in and out; expert-major inside for the GEMMs."""
 
     @staticmethod
-    def forward(ctx, x_in, gate_up_E2FD, down_EDF, offsets_E1, ops, to_expert, to_rank, link):
+    def forward(ctx, x_in, gate_up_E2FD, down_EDF, offsets_E1, ops, to_expert, to_rank, link, probe, params):
         x_RD = x_in if to_expert is None else x_in.index_select(0, to_expert)
         h_RF, gu_R2F = ops.gate_up_swiglu(x_RD, gate_up_E2FD, offsets_E1)
         y_RD = ops.grouped_mm(h_RF, down_EDF, offsets_E1)
         ctx.perms, ctx.link = (to_expert, to_rank), link
         ctx.save_for_backward(x_RD, gu_R2F, h_RF, gate_up_E2FD, down_EDF, offsets_E1)
         ctx.ops = ops
-        ctx.params = (gate_up_E2FD, down_EDF)  # deferred dW accumulates into these Parameters
-        ctx.wgrad = wgrad.current()
+        # Deferring (a dW queue is active), the weights come detached and dW reaches ``params`` (the
+        # Parameters) through the queue; ``probe`` tells backward whether the engine accumulates.
+        ctx.params, ctx.probe = params, probe
+        ctx.wgrad = wgrad.current() if params is not None else None
         ctx.chunk = _scope.current().chunk if _scope.current() is not None else None
         return y_RD if to_rank is None else y_RD.index_select(0, to_rank)
 
@@ -48,18 +50,20 @@ class _ExpertsFn(torch.autograd.Function):
         dx_in = dx_RD if to_rank is None else dx_RD.index_select(0, to_rank)
         if ctx.link is not None:
             ctx.link.issue(dx_in)  # the dispatch's backward all-to-all starts now
-        none = (None,) * 5
+        none = (None,) * 7
 
         def weight_grads():
             return (ops.grouped_mm_dw(dgu_R2F, x_RD, offsets_E1),
                     ops.grouped_mm_dw(dy_RD, h_RF, offsets_E1))
 
+        if ctx.wgrad is not None:
+            needs = tuple(p.requires_grad for p in ctx.params)
+            if any(needs) and wgrad.accumulating(ctx.probe):
+                flops = 3 * x_RD.shape[0] * gu_R2F.shape[1] * x_RD.shape[1]  # 2RD(2F) + 2RDF
+                ctx.wgrad.push(ctx.params, needs, weight_grads, flops)
+            return (dx_in, None, None) + none
         needs = ctx.needs_input_grad[1:3]
         if not any(needs):
-            return (dx_in, None, None) + none
-        if ctx.wgrad is not None:
-            flops = 3 * x_RD.shape[0] * gu_R2F.shape[1] * x_RD.shape[1]  # 2RD(2F) + 2RDF
-            ctx.wgrad.push(ctx.params, needs, weight_grads, flops)
             return (dx_in, None, None) + none
         dgu, ddown = weight_grads()
         return (dx_in, dgu if needs[0] else None, ddown if needs[1] else None) + none
@@ -104,7 +108,12 @@ class Experts(nn.Module):
             to_expert, to_rank: optional row permutations received -> expert-major and back.
             link: the dispatch all-to-all that produced ``x_RD``; its backward is issued from here.
         """
-        return _ExpertsFn.apply(x_RD, self.gate_up_proj, self.down_proj, offsets_E1, ops, to_expert, to_rank, link)
+        q = wgrad.current()
+        if q is not None and torch.is_grad_enabled():
+            return _ExpertsFn.apply(x_RD, self.gate_up_proj.detach(), self.down_proj.detach(), offsets_E1, ops,
+                                    to_expert, to_rank, link, q.probe, (self.gate_up_proj, self.down_proj))
+        return _ExpertsFn.apply(x_RD, self.gate_up_proj, self.down_proj, offsets_E1, ops, to_expert, to_rank, link,
+                                None, None)
 
     def extra_repr(self) -> str:
         return f"num_local_experts={self.num_local_experts}, d_model={self.d_model}, d_ffn={self.d_ffn}"

@@ -275,7 +275,7 @@ class MoE(nn.Module):
                 self.exchange_counts(z, error).wait()
             raise error
         x_TD = x.reshape(-1, self.d_model)
-        ops = _ops.get_ops(x_TD.device)
+        ops = _ops.get_ops(x_TD.device, x_TD.dtype)
         state = self._routing_state(x_TD.shape[0], x_TD.device)
 
         chunk = _scope.current().chunk if _scope.current() is not None else None

@@ -1,12 +1,16 @@
 """Kernel selection: the Triton launchers or their PyTorch references, with one signature.
 
 On CUDA the layer uses Triton, on CPU the references; ``LANCET_KERNELS=triton|torch`` forces one.
-With ``TRITON_INTERPRET=1`` the Triton path runs on CPU (how CI tests it).
+With ``TRITON_INTERPRET=1`` the Triton path runs on CPU (how CI tests it). A family whose kernels
+do not serve the layer's dtype runs its references inside the Triton namespace: float64 layers (for
+gradient checks) get float64 arithmetic from the references, as the permute kernels accumulate in
+float32 and the grouped GEMM and SwiGLU take 16- and 32-bit floats only.
 """
 from __future__ import annotations
 
 import importlib
 from types import SimpleNamespace
+from typing import Optional
 
 import torch
 
@@ -18,22 +22,37 @@ _OP_NAMES = {
     "grouped_gemm": ["grouped_mm", "grouped_mm_dx", "grouped_mm_dw", "gate_up_swiglu"],
     "swiglu": ["swiglu_fwd", "swiglu_bwd"],
 }
-_cache: dict[str, SimpleNamespace] = {}
+# Dtypes each Triton family takes; the others fall back to the family's references.
+_FAMILY_DTYPES = {
+    "gating": None,  # the router's logits are float32 or float64 whatever the layer's dtype
+    "permute": (torch.float32, torch.bfloat16, torch.float16),  # float32 accumulation
+    "grouped_gemm": (torch.float32, torch.bfloat16, torch.float16),
+    "swiglu": (torch.float32, torch.bfloat16, torch.float16),
+}
+_cache: dict[tuple, SimpleNamespace] = {}
+
+
+def _reference(names: list[str]) -> dict:
+    from kernels import reference as ref
+
+    return {n: getattr(ref, n + "_ref") for n in names}
 
 
 def _reference_ops() -> SimpleNamespace:
-    from kernels import reference as ref
-
-    names = [n for group in _OP_NAMES.values() for n in group]
-    return SimpleNamespace(name="torch", **{n: getattr(ref, n + "_ref") for n in names})
+    return SimpleNamespace(name="torch", **_reference([n for group in _OP_NAMES.values() for n in group]))
 
 
-def _triton_ops() -> SimpleNamespace:
-    ops = {}
+def _triton_ops(dtype) -> SimpleNamespace:
+    ops, fallback = {}, []
     for module, names in _OP_NAMES.items():
+        takes = _FAMILY_DTYPES[module]
+        if dtype is not None and takes is not None and dtype not in takes:
+            ops.update(_reference(names))
+            fallback.append(module)
+            continue
         mod = importlib.import_module(f"kernels.{module}")
         ops.update({n: getattr(mod, n) for n in names})
-    return SimpleNamespace(name="triton", **ops)
+    return SimpleNamespace(name="triton", reference_families=tuple(fallback), **ops)
 
 
 def implementation(device: torch.device) -> str:
@@ -48,9 +67,14 @@ def implementation(device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
-def get_ops(device: torch.device) -> SimpleNamespace:
-    """The op namespace for ``device``."""
+def get_ops(device: torch.device, dtype: Optional[torch.dtype] = None) -> SimpleNamespace:
+    """The op namespace for a layer on ``device`` whose activations have ``dtype``.
+
+    On the Triton path, ``reference_families`` names the families that run their references
+    because their kernels do not take ``dtype`` (None: every family's kernels).
+    """
     name = implementation(device)
-    if name not in _cache:
-        _cache[name] = _triton_ops() if name == "triton" else _reference_ops()
-    return _cache[name]
+    key = (name, dtype if name == "triton" else None)
+    if key not in _cache:
+        _cache[key] = _triton_ops(dtype) if name == "triton" else _reference_ops()
+    return _cache[key]

@@ -103,11 +103,11 @@ class Overlapped(nn.Module):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         cut = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.dim() > 0]
         if not cut:
-            raise ValueError("Overlapped: the model got no tensor argument to cut along dim 0")
+            self._fail(ValueError("Overlapped: the model got no tensor argument to cut along dim 0"))
         sizes = {leaves[i].shape[0] for i in cut}
         if len(sizes) != 1:
-            raise ValueError(f"Overlapped: every tensor argument is cut along dim 0, so they must agree "
-                             f"in size; got sizes {sorted(sizes)}")
+            self._fail(ValueError(f"Overlapped: every tensor argument is cut along dim 0, so they must "
+                                  f"agree in size; got sizes {sorted(sizes)}"))
         pieces = {i: leaves[i].tensor_split(n) for i in cut}
         rows = [p.shape[0] for p in pieces[cut[0]]]
 
@@ -144,10 +144,24 @@ class Overlapped(nn.Module):
                     g.throw(_greenlet.GreenletExit)
         return _concat(outputs)
 
+    def _fail(self, error: Exception) -> None:
+        """Raise ``error`` here and on every peer rank, before any collective of this step.
+
+        The peers passed their own checks and will wait in the first MoE layer's counts exchange; this
+        rank takes part in it with a failure status (as :meth:`lancet_rt.MoE.forward` does for a
+        rejected input), so they raise there instead of waiting forever.
+        """
+        for m in self.moe_layers():
+            if m.group is not None and m.ep_size > 1:
+                z = torch.zeros(m.pipeline_chunks, m.num_experts, dtype=torch.long, device=m.router.weight.device)
+                m.exchange_counts(z, error).wait()  # raises error
+                break
+        raise error
+
     @torch.no_grad()
     def _check_separable(self, n, args, kwargs) -> None:
-        self._checked = True
         if n == 1:
+            self._checked = True
             return
         whole = self.model(*args, **kwargs)
         chunked = self.run_chunked(n, args, kwargs)
@@ -156,10 +170,11 @@ class Overlapped(nn.Module):
                 err = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
                 scale = a.double().abs().max().item() if a.numel() else 0.0
                 if not err <= 1e-4 * max(scale, 1e-6):
-                    raise ValueError(
+                    self._fail(ValueError(
                         f"Overlapped(check=True): the chunked output differs from the unchunked one "
                         f"(max abs err {err:.3e}, scale {scale:.3e}); the model must be separable along "
-                        f"dim 0 outside lancet MoE layers, with a deterministic forward")
+                        f"dim 0 outside lancet MoE layers, with a deterministic forward"))
+        self._checked = True
 
 
 def _next_chunk(live: list, waiting: dict, last) -> int:

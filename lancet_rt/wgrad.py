@@ -8,9 +8,13 @@ estimated time is closest to the time left, stopping when the best is over twice
 one already ran), as Lancet assigns dW to all-to-alls. The queue is flushed by an autograd-engine
 callback before ``backward()`` returns, so optimizers see complete gradients.
 
-Deferred gradients are accumulated into ``param.grad`` directly, so hooks on the parameters'
-gradient accumulation (DDP's, for one) do not see them; sync gradients after backward instead
-(:func:`lancet_rt.parallel.sync_gradients`).
+Deferred weights are not in the autograd graph (a deferring Function takes them detached), so the
+engine never runs their gradient accumulators during backward. Each dW is summed per parameter over
+the chunks, and the flush hands the sums to the engine (a nested backward into each parameter's
+AccumulateGrad): the parameters' hooks run once per backward with the whole gradient, as without
+deferral. Whether the running backward accumulates at all is read from a probe leaf that every
+deferring Function takes: under ``torch.autograd.grad``, or ``backward(inputs=...)`` naming other
+tensors, dW is skipped (take weight gradients with ``backward()`` when deferring).
 """
 from __future__ import annotations
 
@@ -105,6 +109,9 @@ class WGradQueue:
 
     def __init__(self):
         self.items: list[_Item] = []
+        self._sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, dW so far)
+        # A leaf every deferring Function takes: is its accumulator in the running backward?
+        self.probe = torch.zeros((), requires_grad=True)
         self.flops_per_ms: Optional[float] = None
         self.ran_in_windows = 0
         self.flushed = 0
@@ -129,6 +136,7 @@ class WGradQueue:
         if task_id is not None and task_id() != -1:
             return
         self.items.clear()
+        self._sums.clear()
         self._callback_queued = False
 
     def _estimate_ms(self, item: _Item, cuda: bool) -> float:
@@ -142,14 +150,10 @@ class WGradQueue:
     def _run(self, item: _Item) -> float:
         t0 = time.perf_counter()
         grads = item.compute()
-        with torch.no_grad():
-            for p, g, need in zip(item.params, grads, item.needs):
-                if not need or g is None:
-                    continue
-                if p.grad is None:
-                    p.grad = g.to(p.dtype)
-                else:
-                    p.grad.add_(g)
+        for p, g, need in zip(item.params, grads, item.needs):
+            if need and g is not None:
+                held = self._sums.get(id(p))
+                self._sums[id(p)] = (p, g.to(p.dtype) if held is None else held[1].add_(g))
         ms = (time.perf_counter() - t0) * 1e3
         on_cuda = any(p.is_cuda for p in item.params)
         if item.flops and ms > 0 and not on_cuda:  # host time is device time only on CPU
@@ -194,37 +198,52 @@ class WGradQueue:
         self.ran_in_windows += ran
 
     def flush(self) -> None:
-        """Run everything still queued (the engine calls this before backward returns)."""
+        """Run everything still queued and deliver the sums (the engine calls this before backward returns)."""
         self._callback_queued = False
         while self.items:
             self._run(self.items.pop(0))
             self.flushed += 1
+        if self._sums:
+            params, grads = zip(*self._sums.values())
+            self._sums.clear()
+            # Into each parameter's AccumulateGrad, once, as the engine would have done: its hooks run.
+            torch.autograd.backward(list(params), list(grads))
+
+
+def accumulating(probe: torch.Tensor) -> bool:
+    """Whether the backward running now accumulates into leaves' ``.grad`` (call it in backward).
+
+    ``probe`` is a leaf the calling Function took as an input: ``backward()`` runs its accumulator,
+    ``autograd.grad`` and ``backward(inputs=...)`` naming other tensors do not.
+    """
+    try:
+        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(probe).node)
+    except RuntimeError:  # autograd.grad asked for the probe itself: nothing accumulates
+        return False
 
 
 class _LinearFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, queue):
+    def forward(ctx, x, weight, bias, probe, params, queue):
+        # weight and bias come detached: dW reaches ``params`` (the Parameters) through the queue.
         ctx.save_for_backward(x, weight)
-        # The Parameter objects themselves: deferred gradients accumulate into their .grad.
-        ctx.params = (weight,) if bias is None else (weight, bias)
-        ctx.queue = queue
+        ctx.probe, ctx.params, ctx.queue = probe, params, queue
         return F.linear(x, weight, bias)
 
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
         dx = dy @ weight if ctx.needs_input_grad[0] else None
-        needs = ctx.needs_input_grad[1:1 + len(ctx.params)]
-        if not any(needs):
-            return dx, None, None, None
-        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        needs = tuple(p.requires_grad for p in ctx.params)
+        if any(needs) and accumulating(ctx.probe):
+            dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
 
-        def weight_grads():
-            return (dy2.t() @ x2 if needs[0] else None,
-                    dy2.sum(0) if len(needs) > 1 and needs[1] else None)
+            def weight_grads():
+                return (dy2.t() @ x2 if needs[0] else None,
+                        dy2.sum(0) if len(needs) > 1 and needs[1] else None)
 
-        ctx.queue.push(ctx.params, needs, weight_grads, 2 * x2.shape[0] * x2.shape[1] * dy2.shape[1])
-        return dx, None, None, None
+            ctx.queue.push(ctx.params, needs, weight_grads, 2 * x2.shape[0] * x2.shape[1] * dy2.shape[1])
+        return dx, None, None, None, None, None
 
 
 class DeferredLinear(nn.Linear):
@@ -238,4 +257,6 @@ class DeferredLinear(nn.Linear):
         q = _active
         if q is None or not torch.is_grad_enabled():
             return super().forward(x)
-        return _LinearFn.apply(x, self.weight, self.bias, q)
+        params = (self.weight,) if self.bias is None else (self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.detach()
+        return _LinearFn.apply(x, self.weight.detach(), bias, q.probe, params, q)

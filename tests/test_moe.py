@@ -82,7 +82,7 @@ def test_contract_float32(c, kernels):
 
 
 @pytest.mark.parametrize("c", CONFIGS[1:3], ids=_ids)
-def test_contract_float64(c):
+def test_contract_float64(c, kernels):
     check_layer_against_contract(c, torch.float64)
 
 
@@ -92,18 +92,33 @@ def test_any_leading_dims(kernels):
 
 
 def test_triton_path_is_used(monkeypatch):
-    from lancet_rt.ops import get_ops
+    from kernels import gating, grouped_gemm, reference
+    from lancet_rt.ops import get_ops, implementation
 
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("LANCET_KERNELS", raising=False)
+    assert implementation(cpu) == "torch" and implementation(cuda) == "triton"  # the defaults
     monkeypatch.setenv("LANCET_KERNELS", "triton")
-    assert get_ops(torch.device("cpu")).name == "triton"
+    ops = get_ops(cpu)
+    assert ops.name == "triton" and ops.reference_families == ()
+    assert ops.gating_fwd is gating.gating_fwd and ops.grouped_mm is grouped_gemm.grouped_mm
+    # float64 layers (gradient checks): only the gating kernels compute in float64.
+    ops64 = get_ops(cpu, torch.float64)
+    assert ops64.name == "triton" and ops64.reference_families == ("permute", "grouped_gemm", "swiglu")
+    assert ops64.gating_fwd is gating.gating_fwd and ops64.grouped_mm is reference.grouped_mm_ref
+    assert get_ops(cpu, torch.bfloat16).grouped_mm is grouped_gemm.grouped_mm
     monkeypatch.setenv("LANCET_KERNELS", "torch")
-    assert get_ops(torch.device("cpu")).name == "torch"
+    assert get_ops(cpu).name == "torch" and implementation(cuda) == "torch"
     monkeypatch.setenv("LANCET_KERNELS", "cuda")
     with pytest.raises(ValueError, match="LANCET_KERNELS"):
-        get_ops(torch.device("cpu"))
+        get_ops(cpu)
+    monkeypatch.setenv("LANCET_KERNELS", "triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="LANCET_KERNELS=triton on device cpu needs CUDA or TRITON_INTERPRET=1"):
+        implementation(cpu)
 
 
-def test_capacity_drops_happen_and_are_counted():
+def test_capacity_drops_happen_and_are_counted(kernels):
     c = dict(T=64, D=8, F=4, E=4, K=2, capacity_factor=0.5, score_fn="softmax", normalize_topk=True)
     moe = build(c)
     with torch.no_grad():
@@ -114,7 +129,7 @@ def test_capacity_drops_happen_and_are_counted():
     assert moe.tokens_per_expert.sum().item() == 64 * 2
 
 
-def test_ties_go_to_lower_expert():
+def test_ties_go_to_lower_expert(kernels):
     moe = lancet_rt.MoE(4, 4, 4, 2)
     with torch.no_grad():
         moe.router.weight.zero_()  # all logits equal: experts 0 and 1 win every token
@@ -122,7 +137,7 @@ def test_ties_go_to_lower_expert():
     assert moe.tokens_per_expert.tolist() == [10, 10, 0, 0]
 
 
-def test_aux_gradient_reaches_router_without_user_loss():
+def test_aux_gradient_reaches_router_without_user_loss(kernels):
     torch.manual_seed(1)
     a = lancet_rt.MoE(8, 8, 4, 2, aux_loss_coef=0.0)
     b = lancet_rt.MoE(8, 8, 4, 2, aux_loss_coef=1.0)
@@ -134,7 +149,7 @@ def test_aux_gradient_reaches_router_without_user_loss():
     assert not b.aux_loss.requires_grad
 
 
-def test_mixtral_parity():
+def test_mixtral_parity(kernels):
     pytest.importorskip("transformers")
     from transformers.models.mixtral.configuration_mixtral import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock

@@ -165,6 +165,48 @@ def test_deferred_wgrad_complete_when_backward_returns():
     assert any(isinstance(m, lancet_rt.wgrad.DeferredLinear) for m in model.modules())
 
 
+def test_deferred_wgrad_reaches_parameter_hooks():
+    """Deferred dW goes through each parameter's gradient accumulator: its hooks run once per backward,
+    with the whole gradient (as without deferral), and the windows still ran dW."""
+    link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=1.0, latency_us=100_000)
+    model = make_model(0.75, ep_group=link, E=8)
+    twin = copy.deepcopy(model)
+    x, g = torch.randn(6, 5, D), torch.randn(6, 5, D)
+    _, _, ref, _ = run_and_grads(model, model, x, g)
+    at_hook, pre_hook = {}, {}
+    for n, p in twin.named_parameters():
+        p.register_post_accumulate_grad_hook(lambda p, n=n: at_hook.setdefault(n, []).append(p.grad.clone()))
+        p.register_hook(lambda grad, n=n: pre_hook.setdefault(n, []).append(None if grad is None else grad.clone()))
+    ov = lancet_rt.Overlapped(twin, chunks=3, defer_wgrad=True)
+    run_and_grads(twin, ov, x, g)
+    assert ov.wgrad_queue.ran_in_windows > 0
+    assert at_hook.keys() == ref.keys() and pre_hook.keys() == ref.keys()
+    for n in ref:
+        assert len(at_hook[n]) == 1 and len(pre_hook[n]) == 1, (n, len(at_hook[n]), len(pre_hook[n]))
+        assert_close(f"grad {n} at its post-accumulate hook", at_hook[n][0], ref[n])
+        assert_close(f"grad {n} at its tensor hook", pre_hook[n][0], ref[n])
+
+
+def test_deferred_wgrad_under_autograd_grad():
+    """autograd.grad accumulates nothing: deferring layers compute and queue no dW, and leave every
+    .grad alone. Deferred weights are outside the autograd graph, so autograd.grad cannot ask for them."""
+    model = make_model(0.75)
+    twin = copy.deepcopy(model)
+    x, g = torch.randn(6, 5, D), torch.randn(6, 5, D)
+    _, gx_ref, _, _ = run_and_grads(model, model, x, g)
+    ov = lancet_rt.Overlapped(twin, chunks=2, defer_wgrad=True)
+    xr = x.clone().requires_grad_(True)
+    (gx,) = torch.autograd.grad(ov(xr), [xr], g)
+    assert_close("grad x", gx, gx_ref)
+    assert all(p.grad is None for p in twin.parameters()) and not ov.wgrad_queue.items
+    assert not ov.wgrad_queue._sums
+    weight = twin.blocks[0].moe.experts.down_proj
+    with pytest.raises(RuntimeError, match="not have been used in the graph"):
+        torch.autograd.grad(ov(xr), [weight], g)
+    run_and_grads(twin, ov, x, g)  # and a backward() after them is complete
+    assert all(p.grad is not None for p in twin.parameters())
+
+
 def test_backward_that_raises_leaves_no_orphaned_wgrad():
     """A backward that raises (out of memory, say) after deferring some dW: the engine drops the
     queue's flush, and the next step must neither lose its own dW nor keep the stale work."""
@@ -223,27 +265,92 @@ def test_trace_records_stages_and_link(tmp_path):
 
 
 # ---------------------------------------------------------------- expert parallelism, 2 gloo ranks
-def _overlapped_ep(rank, world, chunks, capacity_factor, defer_wgrad, batch):
+def _overlapped_ep(rank, world, chunks, batch):
+    """Every (capacity, deferred dW) cell for one chunk count, in one set of processes."""
     import torch.distributed as dist
 
-    model = make_model(capacity_factor, ep_group=dist.group.WORLD, E=4)
-    torch.manual_seed(10 + rank)  # each rank its own experts
-    for m in model.moe_layers():
-        m.experts.reset_parameters()
+    cells = []
+    for capacity_factor in (None, 0.75):
+        for defer_wgrad in (False, True):
+            model = make_model(capacity_factor, ep_group=dist.group.WORLD, E=2 * world)
+            torch.manual_seed(10 + rank)  # each rank its own experts
+            for m in model.moe_layers():
+                m.experts.reset_parameters()
+            twin = copy.deepcopy(model)
+            gen = torch.Generator().manual_seed(rank)
+            B = batch[rank]
+            x, g = torch.randn(B, 5, D, generator=gen), torch.randn(B, 5, D, generator=gen)
+            ref = run_and_grads(model, model, x, g)
+            ov = lancet_rt.Overlapped(twin, chunks=chunks, defer_wgrad=defer_wgrad)
+            assert_same_run(ref, run_and_grads(twin, ov, x, g))
+            cells.append((capacity_factor, defer_wgrad, sum(m.dropped for m in twin.moe_layers())))
+    return cells
+
+
+@pytest.mark.parametrize("chunks", [2, 3, 4])
+def test_overlapped_expert_parallel_gloo(chunks):
+    batch = [5, 2]  # rank 1 has fewer rows than chunks when chunks > 2
+    cells = assert_all_ok(run_ranks(_overlapped_ep, 2, chunks, batch, timeout=240))
+    assert [c[:2] for c in cells[0]] == [(None, False), (None, True), (0.75, False), (0.75, True)]
+    assert sum(c[2] for r in cells for c in r if c[0] == 0.75) > 0, "the capacity cells must drop"
+
+
+def test_overlapped_expert_parallel_gloo_four_ranks():
+    batch = [5, 2, 0, 3]  # one rank with no rows at all, one with fewer rows than chunks
+    assert_all_ok(run_ranks(_overlapped_ep, 4, 3, batch, timeout=300))
+
+
+def _bad_input_on_one_rank(rank, world, what):
+    import torch.distributed as dist
+
+    model = make_model(None, ep_group=dist.group.WORLD, E=4)
+    ov = lancet_rt.Overlapped(model, chunks=2, check=what == "check")
+    if what == "check":
+        # Rank 1's model is not separable along dim 0 (a batch-wide mean); rank 0's is.
+        model.blocks[0].attn.register_forward_hook(
+            lambda m, a, y: y - y.mean(0, keepdim=True) if rank == 1 else None)
+        x = torch.randn(4, 5, D)
+    else:
+        ov(torch.randn(4, 5, D))  # a good step first
+        x = torch.randn(4, 5, D) if rank == 0 else torch.tensor(1.0)  # rank 1: nothing to cut
+    try:
+        ov(x)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("what", ["input", "check"])
+def test_an_error_on_one_rank_raises_on_every_rank(what):
+    """A rank that rejects its step still takes part in the first counts exchange, with a failure
+    status: its peers raise there instead of waiting for it (a hang fails within the timeout)."""
+    errors = assert_all_ok(run_ranks(_bad_input_on_one_rank, 2, what, timeout=90))
+    assert all(e != "no error" for e in errors), errors
+    assert "rank" in errors[0] or "another" in errors[0] or "peer" in errors[0], errors[0]
+
+
+def _ddp_with_overlapped(rank, world, defer_wgrad):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = make_model(None)
     twin = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(rank)
-    B = batch[rank]
-    x, g = torch.randn(B, 5, D, generator=gen), torch.randn(B, 5, D, generator=gen)
-    ref = run_and_grads(model, model, x, g)
-    got = run_and_grads(twin, lancet_rt.Overlapped(twin, chunks=chunks, defer_wgrad=defer_wgrad), x, g)
-    assert_same_run(ref, got)
-    return B
+    plain, ov = DDP(model), DDP(lancet_rt.Overlapped(twin, chunks=2, defer_wgrad=defer_wgrad))
+    for step in range(2):  # a second step: DDP's reducer must have finished the first
+        x = torch.randn(4, 3, D, generator=gen)
+        plain(x).sum().backward()
+        ov(x).sum().backward()
+        ref = dict(model.named_parameters())
+        for n, p in twin.named_parameters():
+            assert_close(f"step {step} grad {n} under DDP", p.grad, ref[n].grad)
+    return True
 
 
-@pytest.mark.parametrize("chunks, capacity_factor, defer_wgrad", [(2, None, False), (3, 0.75, True), (4, 0.75, False)])
-def test_overlapped_expert_parallel_gloo(chunks, capacity_factor, defer_wgrad):
-    batch = [5, 2]  # rank 1 has fewer rows than chunks when chunks > 2
-    assert_all_ok(run_ranks(_overlapped_ep, 2, chunks, capacity_factor, defer_wgrad, batch, timeout=180))
+@pytest.mark.parametrize("defer_wgrad", [False, True])
+def test_ddp_around_overlapped(defer_wgrad):
+    """DDP all-reduces each gradient from its accumulator's hook: deferred dW reaches the accumulators
+    at the flush, once per parameter, so DDP averages complete gradients."""
+    assert assert_all_ok(run_ranks(_ddp_with_overlapped, 2, defer_wgrad, timeout=120)) == [True, True]
 
 
 def _dw_windows_follow_link_model(rank, world):
