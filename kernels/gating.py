@@ -13,6 +13,8 @@ tiles of ``BLOCK_T`` tokens x ``BLOCK_E = next_pow2(E)`` experts held in registe
 1. softmax (max, exp, sum: the logsumexp falls out for the z-loss) or sigmoid;
 2. top-k by K rounds of "max, then the lowest index holding the max" over the remaining
    candidates. This is exactly a stable descending sort cut at K, so ties go to the lower expert.
+   A NaN score (a NaN logit; under softmax also a +inf logit or an all -inf row) ranks first,
+   as in ``torch.sort``, and makes the token's normalised weights NaN, as in the reference.
    The round in which expert e was taken is kept in a ``[BLOCK_T, BLOCK_E]`` matrix ``kidx``;
 3. expert, weight and slot are scattered to ``t * K + kidx`` in one masked store each (every
    ``(t, k)`` has exactly one writer, and a tile's K-wide rows are contiguous, so stores coalesce);
@@ -199,13 +201,20 @@ def _gating_fwd_kernel(
         b_exp = tl.exp(b_l - b_max[:, None])
         b_den = tl.sum(b_exp, axis=1)
         b_lse = b_max + tl.log(b_den)
+        # An infinite row max (a +inf logit, or every logit -inf) makes b_den NaN; torch.logsumexp
+        # gives that max instead, or NaN when the row also holds a NaN (b_nan: NaN then, else 0).
+        b_nan = tl.sum(tl.where(b_l == b_l, 0.0, b_l), axis=1)
+        b_lse = tl.where((b_max == float("inf")) | (b_max == float("-inf")), b_max + b_nan, b_lse)
         if SIGMOID:
             b_s = tl.where(mask_e[None, :], tl.sigmoid(b_l), 0.0)
         else:
             b_s = b_exp / b_den[:, None]
 
         # Top-k: K rounds of (max, lowest index at the max) = stable descending sort cut at K.
-        b_cand = tl.where(mask_e[None, :], b_s, float("-inf"))
+        # torch.sort ranks NaN above everything; tl.max skips NaN, so a NaN score competes as +inf
+        # (scores are otherwise in [0, 1]) and turns back into NaN in the sum the weights divide by.
+        b_cand = tl.where(b_s == b_s, b_s, float("inf"))
+        b_cand = tl.where(mask_e[None, :], b_cand, float("-inf"))
         b_kidx = tl.full([BLOCK_T, BLOCK_E], -1, dtype=tl.int32)
         b_topsum = tl.zeros([BLOCK_T], dtype=acc_dtype)   # sum of chosen scores, in k order
         for k in range(K):
@@ -214,7 +223,7 @@ def _gating_fwd_kernel(
             b_hit = offs_e[None, :] == b_arg[:, None]
             b_kidx = tl.where(b_hit, k, b_kidx)
             b_cand = tl.where(b_hit, float("-inf"), b_cand)
-            b_topsum += b_best
+            b_topsum += tl.where(b_best == float("inf"), float("nan"), b_best)
 
         # Scatter expert, weight and slot of every chosen (t, e) to t * K + kidx (int32: the
         # launcher checks T * K < 2^31).

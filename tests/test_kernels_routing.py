@@ -1,12 +1,14 @@
 """Routing kernels (kernels/gating.py, kernels/permute.py) against their references (kernels/reference.py).
 
 CPU lane: the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py) on small odd shapes:
-T in {0, 1, 63, 257}, D = 60, E in {2, 7, 8, 64, 256}, K in {1, 2, E}; softmax and sigmoid, with and
-without renormalisation, dropless and dropping capacities, carried used capacity, an expert with no
-tokens, every token on one expert, exact ties; float32, bfloat16 and float16 rows. Outputs AND
-gradients are compared; every output buffer is poisoned before the launch (NaN for floats, a value
-no kernel writes for integers, through the launchers' ``out=``), so an unwritten element fails.
-Integer outputs must match exactly.
+T in {0, 1, 63, 257}, D in {60, 100}, E in {2, 7, 8, 64, 256}, K in {1, 2, E}; softmax and sigmoid,
+with and without renormalisation, dropless and dropping capacities (capacity 0 included), carried
+used capacity, an expert with no tokens, every token on one expert, exact ties, NaN / +inf / all
+-inf logit rows; float32, bfloat16 and float16 rows; small tiles pinned through the config
+environment variables, so token tiles, D tiles and scan blocks repeat. Outputs AND gradients are
+compared; every output buffer is poisoned before the launch (NaN for floats, or -7777 where NaN is
+a legitimate result, and a value no kernel writes for integers, through the launchers' ``out=``),
+so an unwritten element fails. Integer outputs must match exactly.
 
 Gating logits are drawn *well separated* (distinct ranks a step apart plus jitter): top-k over scores
 is discontinuous, and an exp that differs in the last bit from PyTorch's could otherwise swap two
@@ -26,8 +28,11 @@ import zlib
 
 import pytest
 import torch
+import triton
 
 from kernels import gating as gating_mod
+from kernels import permute as permute_mod
+from kernels._common import run_autotuned
 from kernels.gating import gating_bwd, gating_fwd
 from kernels.permute import dispatch_rows, permute_bwd, permute_fwd, unpermute_bwd, unpermute_fwd
 from kernels.reference import (
@@ -44,6 +49,9 @@ from tests.helpers import assert_close, nan_like
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 _INT_POISON = -7777  # no kernel writes this: slots/rows are >= -1, experts and counts >= 0
+# Where NaN is a legitimate result (non-finite logits), NaN cannot mark an unwritten element:
+# float outputs are filled with this instead, which no kernel computes there.
+_FLOAT_POISON = -7777.0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -64,14 +72,16 @@ def _logits(gen, T, E, *, dtype=torch.float32):
     return (shift + (ranks + jitter) * step).to(DEVICE, dtype)
 
 
-def _poison(t: torch.Tensor) -> torch.Tensor:
-    return nan_like(t) if t.dtype.is_floating_point else torch.full_like(t, _INT_POISON)
+def _poison(t: torch.Tensor, *, nan: bool = True) -> torch.Tensor:
+    if not t.dtype.is_floating_point:
+        return torch.full_like(t, _INT_POISON)
+    return nan_like(t) if nan else torch.full_like(t, _FLOAT_POISON)
 
 
-def _poisoned_gating_out(T, E, K, dtype) -> GatingOutput:
+def _poisoned_gating_out(T, E, K, dtype, *, nan: bool = True) -> GatingOutput:
     shapes = [(T, K), (T, K), (T, K), (E,), (E,), (E,), ()]
     dtypes = [torch.int32, dtype, torch.int32, torch.int32, torch.int32, dtype, dtype]
-    return GatingOutput(*(_poison(torch.empty(s, dtype=d, device=DEVICE)) for s, d in zip(shapes, dtypes)))
+    return GatingOutput(*(_poison(torch.empty(s, dtype=d, device=DEVICE), nan=nan) for s, d in zip(shapes, dtypes)))
 
 
 def _capacity(T, E, K, factor):
@@ -82,19 +92,36 @@ def _kept_E(expert_TK, slot_TK, E):
     return torch.bincount(expert_TK[slot_TK >= 0].long(), minlength=E).to(torch.int32)
 
 
-def _assert_gating_equal(name, got: GatingOutput, ref: GatingOutput):
+def _assert_close_nonfinite(name, got: torch.Tensor, want: torch.Tensor, dtype=None):
+    """NaN and +-inf exactly where the reference has them, the finite rest within the dtype's
+    tolerance (:func:`assert_close`, which itself fails on any NaN)."""
+    assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+    nan_got, nan_want = torch.isnan(got), torch.isnan(want)
+    assert torch.equal(nan_got, nan_want), (
+        f"{name}: NaN at {nan_got.nonzero().tolist()}, reference at {nan_want.nonzero().tolist()}")
+    inf_want = torch.isinf(want)
+    assert torch.equal(torch.isinf(got), inf_want) and torch.equal(got[inf_want], want[inf_want]), (
+        f"{name}: infinities {got[torch.isinf(got)].tolist()} != reference's {want[inf_want].tolist()}")
+    finite = ~(nan_want | inf_want)
+    assert_close(name, got[finite], want[finite], dtype or got.dtype)
+
+
+def _assert_gating_equal(name, got: GatingOutput, ref: GatingOutput, *, nonfinite: bool = False):
     for field, a, b in zip(GatingOutput._fields, got, ref):
         if a.dtype.is_floating_point:
-            assert_close(f"{name}.{field}", a, b, a.dtype)
+            (_assert_close_nonfinite if nonfinite else assert_close)(f"{name}.{field}", a, b, a.dtype)
         else:
             assert a.dtype == b.dtype, f"{name}.{field}: dtype {a.dtype} != {b.dtype}"
             assert torch.equal(a, b), f"{name}.{field}: {(a != b).sum().item()} of {a.numel()} differ"
 
 
-def _routing(gen, T, E, K, capacity_factor):
-    """A realistic row_TK (with drops when capacity_factor is set) from the reference gating."""
-    g = gating_fwd_ref(_logits(gen, T, E), K, capacity=_capacity(T, E, K, capacity_factor))
-    used = torch.zeros(E, dtype=torch.int32, device=DEVICE)
+def _routing(gen, T, E, K, capacity_factor, *, logits=None, capacity=None, used=None):
+    """A realistic row_TK (with drops when capacity_factor or capacity is set) from the reference
+    gating of ``logits`` (default: random) with ``used`` (default: zeros) carried."""
+    logits = _logits(gen, T, E) if logits is None else logits
+    capacity = _capacity(T, E, K, capacity_factor) if capacity is None else capacity
+    used = torch.zeros(E, dtype=torch.int32, device=DEVICE) if used is None else used
+    g = gating_fwd_ref(logits, K, used, capacity=capacity)
     kept = _kept_E(g.expert_TK, g.slot_TK, E)
     row_TK = dispatch_rows_ref(g.expert_TK, g.slot_TK, used, kept)
     return row_TK, int(kept.sum()), g.weight_TK
@@ -104,8 +131,8 @@ def _routing(gen, T, E, K, capacity_factor):
 # Gating: forward and backward against the reference
 # ----------------------------------------------------------------------------------------------
 # (T, E, K): the fused single-program forward (T <= 63) and the 3-launch scan path (T = 257, 3
-# spans under the interpreter), an expert with no tokens (E = 64, T = 63, K = 1), K = E, E = 7
-# (padded expert lanes) and E = 2.
+# spans under the interpreter), an expert with no tokens (E = 64, T = 63, K = 1), K = E (on both
+# paths, with padded lanes at E = 7), E = 7 (padded expert lanes) and E = 2.
 GATING_SHAPES = [
     (1, 8, 2),
     (63, 7, 2),
@@ -116,6 +143,9 @@ GATING_SHAPES = [
     (5, 256, 256),
     (257, 2, 1),
     (257, 256, 2),
+    (257, 64, 64),
+    (1, 256, 256),
+    (63, 7, 7),
 ]
 # (score_fn, normalize_topk, capacity_factor)
 GATING_MODES = [
@@ -126,9 +156,8 @@ GATING_MODES = [
 ]
 
 
-@pytest.mark.parametrize("mode", GATING_MODES, ids=lambda m: f"{m[0]}-norm{int(m[1])}-cf{m[2]}")
-@pytest.mark.parametrize("shape", GATING_SHAPES, ids=lambda s: "T{}-E{}-K{}".format(*s))
-def test_gating_matches_reference(gen, shape, mode):
+def _check_gating(gen, shape, mode):
+    """gating_fwd and gating_bwd (all three incoming gradients) against the reference."""
     (T, E, K), (score_fn, normalize, factor) = shape, mode
     logits = _logits(gen, T, E)
     capacity = _capacity(T, E, K, factor)
@@ -147,6 +176,141 @@ def test_gating_matches_reference(gen, shape, mode):
     want = gating_bwd_ref(logits, ref.expert_TK, grad_w, grad_p, grad_z, score_fn=score_fn,
                           normalize_topk=normalize)
     assert_close("gating_bwd.grad_logits", got, want, torch.float32)
+
+
+@pytest.mark.parametrize("mode", GATING_MODES, ids=lambda m: f"{m[0]}-norm{int(m[1])}-cf{m[2]}")
+@pytest.mark.parametrize("shape", GATING_SHAPES, ids=lambda s: "T{}-E{}-K{}".format(*s))
+def test_gating_matches_reference(gen, shape, mode):
+    _check_gating(gen, shape, mode)
+
+
+@pytest.mark.parametrize("case", [((63, 7, 2), GATING_MODES[1]), ((257, 64, 2), GATING_MODES[2])],
+                         ids=lambda c: "T{}-E{}-K{}-".format(*c[0]) + "{}-norm{:d}-cf{}".format(*c[1]))
+def test_gating_pinned_small_tile(gen, monkeypatch, case):
+    """A pinned 4-token tile (the interpreter otherwise takes the largest, 32 here): many tiles per
+    span, so the per-expert running count is carried across tiles, forward and backward."""
+    monkeypatch.setenv(gating_mod._ENV_FWD_CONFIG, "BLOCK_T=4,num_warps=1")
+    monkeypatch.setenv(gating_mod._ENV_BWD_CONFIG, "BLOCK_T=4,num_warps=1")
+    launched = []
+
+    def spy(tuner, grid, args, meta, env_var):
+        # The pin is read from the environment at every launch (nothing cached); record what ran.
+        (config,) = tuner.early_config_prune(tuner.configs, dict(zip(tuner.arg_names, args)), **meta)
+        launched.append((env_var, config.kwargs["BLOCK_T"], config.num_warps))
+        run_autotuned(tuner, grid, args, meta, env_var)
+
+    monkeypatch.setattr(gating_mod, "run_autotuned", spy)
+    _check_gating(gen, *case)
+    assert sorted(launched) == [(gating_mod._ENV_BWD_CONFIG, 4, 1), (gating_mod._ENV_FWD_CONFIG, 4, 1)]
+
+
+@pytest.mark.parametrize("path", ["single", "multi"])
+def test_gating_capacity_zero(gen, monkeypatch, path):
+    """capacity=0 is accepted: every assignment is dropped (slot -1, no dispatch row), while the
+    counts and the carried counter still count every assignment."""
+    if path == "multi":
+        monkeypatch.setattr(gating_mod, "_SINGLE_PROGRAM_MAX_T", 0)
+    T, E, K = 63, 8, 2
+    logits = _logits(gen, T, E)
+    used = torch.randint(0, 4, (E,), generator=gen, dtype=torch.int32).to(DEVICE)
+    out = gating_fwd(logits, K, used, capacity=0, out=_poisoned_gating_out(T, E, K, logits.dtype))
+    ref = gating_fwd_ref(logits, K, used, capacity=0)
+    _assert_gating_equal(f"gating_fwd[capacity=0,{path}]", out, ref)
+    assert bool((out.slot_TK == -1).all())
+    assert torch.equal(out.counts_E, torch.bincount(out.expert_TK.flatten().long(), minlength=E).int())
+    assert torch.equal(out.used_E, used + out.counts_E)
+    kept = _kept_E(out.expert_TK, out.slot_TK, E)
+    assert int(kept.sum()) == 0
+    row = dispatch_rows(out.expert_TK, out.slot_TK, used, kept, out=_poison(out.slot_TK))
+    assert bool((row == -1).all())
+
+
+# The interpreter evaluates inf - inf and 0 / 0 in numpy, which warns; NaN is the point here.
+_NONFINITE_OK = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
+
+
+def _nonfinite_logits(gen, T, E, rows):
+    """Random logits with special rows: {t: "nan" | "+inf" | "-inf_all" | "-inf_some"}."""
+    logits = _logits(gen, T, E)
+    for t, kind in rows.items():
+        if kind == "nan":
+            logits[t, (t + 4) % E] = float("nan")
+        elif kind == "+inf":
+            logits[t, (t + 2) % E] = float("inf")
+        elif kind == "-inf_all":
+            logits[t] = float("-inf")
+        else:   # some experts masked out, the rest finite: an ordinary row
+            logits[t, [t % E, (t + 3) % E]] = float("-inf")
+    return logits
+
+
+def _check_gating_nonfinite(gen, logits, K, used, capacity, score_fn, normalize):
+    """Forward, dispatch rows and backward against the reference, NaN/inf-exact; returns the
+    forward output."""
+    T, E = logits.shape
+    kw = dict(capacity=capacity, score_fn=score_fn, normalize_topk=normalize)
+    out = gating_fwd(logits, K, used, out=_poisoned_gating_out(T, E, K, logits.dtype, nan=False), **kw)
+    ref = gating_fwd_ref(logits, K, used, **kw)
+    assert bool(((out.expert_TK >= 0) & (out.expert_TK < E)).all()), "expert ids outside [0, E)"
+    _assert_gating_equal("gating_fwd[nonfinite]", out, ref, nonfinite=True)
+
+    kept = _kept_E(out.expert_TK, out.slot_TK, E)
+    row = dispatch_rows(out.expert_TK, out.slot_TK, used, kept, out=_poison(out.slot_TK))
+    assert torch.equal(row, dispatch_rows_ref(ref.expert_TK, ref.slot_TK, used, kept))
+    assert torch.equal(row[row >= 0].sort().values, torch.arange(int(kept.sum()), dtype=torch.int32, device=DEVICE))
+
+    grads = (torch.randn(T, K, generator=gen).to(DEVICE), torch.randn(E, generator=gen).to(DEVICE),
+             torch.randn((), generator=gen).to(DEVICE))
+    for present in ("w", "wpz"):
+        g = [x if name in present else None for name, x in zip("wpz", grads)]
+        got = gating_bwd(logits, out.expert_TK, *g, score_fn=score_fn, normalize_topk=normalize,
+                         out=_poison(logits, nan=False))
+        want = gating_bwd_ref(logits, ref.expert_TK, *g, score_fn=score_fn, normalize_topk=normalize)
+        _assert_close_nonfinite(f"gating_bwd[nonfinite,{present}]", got, want, torch.float32)
+    return out
+
+
+@_NONFINITE_OK
+@pytest.mark.parametrize("capacity", [None, 3], ids=["dropless-single", "cap3-multi"])
+@pytest.mark.parametrize("normalize", [True, False], ids=["norm1", "norm0"])
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+def test_gating_nonfinite_logits(gen, monkeypatch, score_fn, normalize, capacity):
+    """A NaN logit, a +inf logit and an all -inf row among ordinary rows, in both spans. The
+    reference (a stable descending sort) ranks a NaN score first and breaks ties to the lower
+    index: under softmax such a row is all NaN and takes experts 0..K-1, under sigmoid the NaN
+    expert comes first. Every (t, k) gets an expert in [0, E), a weight and a slot, and drops,
+    counts, dispatch rows and NaN/inf placement in every output and gradient match."""
+    T, E, K = 40, 7, 3
+    if capacity is not None:   # 2 spans of 32 tokens: the scan carries the NaN rows' claims
+        monkeypatch.setattr(gating_mod, "_SINGLE_PROGRAM_MAX_T", 0)
+    rows = {0: "nan", 3: "+inf", 6: "-inf_all", 9: "-inf_some", 33: "nan", 35: "+inf", 38: "-inf_all"}
+    logits = _nonfinite_logits(gen, T, E, rows)
+    used = torch.randint(0, 2, (E,), generator=gen, dtype=torch.int32).to(DEVICE)
+    out = _check_gating_nonfinite(gen, logits, K, used, capacity, score_fn, normalize)
+    # Spelled out: the rows whose scores hold a NaN (NaN logits at experts 4 and 2), their
+    # experts, and their weights (all NaN once normalised); ordinary rows stay finite.
+    nan_rows = [0, 3, 6, 33, 35, 38] if score_fn == "softmax" else [0, 6, 33, 38]
+    if score_fn == "softmax":
+        assert torch.equal(out.expert_TK[nan_rows].long(), torch.arange(K).expand(len(nan_rows), K).to(DEVICE))
+    else:
+        assert int(out.expert_TK[0, 0]) == 4 and int(out.expert_TK[33, 0]) == 2
+    if normalize:
+        assert bool(out.weight_TK[nan_rows].isnan().all())
+    assert not bool(out.weight_TK[[1, 9, 20, 39]].isnan().any())
+
+
+@_NONFINITE_OK
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+def test_gating_infinite_logits_statistics(gen, score_fn):
+    """Without a NaN logit, a +inf logit or an all -inf row gives logsumexp = +inf / -inf (as
+    torch.logsumexp), so zsq_sum is +inf, not NaN; sigmoid's +inf row is ordinary (score 1)."""
+    T, E, K = 9, 7, 2
+    logits = _nonfinite_logits(gen, T, E, {2: "+inf", 5: "-inf_all", 7: "-inf_some"})
+    used = torch.zeros(E, dtype=torch.int32, device=DEVICE)
+    out = _check_gating_nonfinite(gen, logits, K, used, 4, score_fn, True)
+    assert float(out.zsq_sum) == float("inf")
+    if score_fn == "sigmoid":
+        assert int(out.expert_TK[2, 0]) == 4 and float(out.weight_TK[2, 0]) > 0.5
 
 
 @pytest.mark.parametrize("present", ["w", "p", "z", "wp", "none"])
@@ -177,8 +341,8 @@ def test_gating_float64(gen, score_fn):
     grads = (torch.randn(T, K, generator=gen, dtype=torch.float64).to(DEVICE),
              torch.randn(E, generator=gen, dtype=torch.float64).to(DEVICE),
              torch.randn((), generator=gen, dtype=torch.float64).to(DEVICE))
-    assert_close("gating_bwd[float64]", gating_bwd(logits, out.expert_TK, *grads, score_fn=score_fn),
-                 gating_bwd_ref(logits, ref.expert_TK, *grads, score_fn=score_fn))
+    got = gating_bwd(logits, out.expert_TK, *grads, score_fn=score_fn, out=_poison(logits))
+    assert_close("gating_bwd[float64]", got, gating_bwd_ref(logits, ref.expert_TK, *grads, score_fn=score_fn))
 
 
 def test_gating_bwd_expanded_grads(gen):
@@ -188,21 +352,29 @@ def test_gating_bwd_expanded_grads(gen):
     expert = gating_fwd_ref(logits, K).expert_TK
     grad_w = torch.ones((), device=DEVICE).expand(T, K)
     grad_p = torch.full((1,), 0.3, device=DEVICE).expand(E)
-    got = gating_bwd(logits, expert, grad_w, grad_p, None, normalize_topk=False)
+    got = gating_bwd(logits, expert, grad_w, grad_p, None, normalize_topk=False, out=_poison(logits))
     want = gating_bwd_ref(logits, expert, grad_w, grad_p, None, normalize_topk=False)
     assert_close("gating_bwd[expanded]", got, want, torch.float32)
 
 
-@pytest.mark.parametrize("path", ["single", "multi"])
+@pytest.mark.parametrize("path", ["single", "multi", "multi-blocks"])
 @pytest.mark.parametrize("shape", [(63, 8, 2), (257, 7, 7), (40, 64, 8)], ids=lambda s: "T{}-E{}-K{}".format(*s))
 def test_gating_paths(gen, monkeypatch, shape, path):
-    """The fused single-program forward (many tiles in one span) and the 3-launch scan (many spans)."""
+    """The fused single-program forward (many tiles in one span) and the 3-launch scan (many
+    spans); "multi-blocks" shrinks the spans and the scan's step to 2 spans, so the scan walks
+    several blocks and carries the per-expert slot offsets (and the float sums) from block to block."""
     T, E, K = shape
     if path == "single":
         monkeypatch.setattr(gating_mod, "_SINGLE_PROGRAM_MAX_T", 1 << 30)
         monkeypatch.setattr(gating_mod, "_SINGLE_PROGRAM_MAX_ELEMENTS", 1 << 40)
     else:
         monkeypatch.setattr(gating_mod, "_SINGLE_PROGRAM_MAX_T", 0)
+    if path == "multi-blocks":
+        monkeypatch.setattr(gating_mod, "_SPAN_MIN", 8)
+        monkeypatch.setattr(gating_mod, "_PROGRAMS_PER_SM", 16)
+        monkeypatch.setattr(gating_mod, "_SCAN_BLOCK_B", 2)
+        span = gating_mod._plan_span(T, triton.next_power_of_2(E), DEVICE)
+        assert triton.cdiv(T, span) > 2 * gating_mod._SCAN_BLOCK_B, "expected 3+ scan blocks"
     logits = _logits(gen, T, E)
     capacity = _capacity(T, E, K, 0.75)
     used = torch.randint(0, 4, (E,), generator=gen, dtype=torch.int32).to(DEVICE)
@@ -218,7 +390,7 @@ def test_gating_paths(gen, monkeypatch, shape, path):
 def test_gating_ties_pick_lower_index(gen, score_fn, E):
     T, K = 63, 4
     logits = torch.randint(0, 3, (T, E), generator=gen).float().to(DEVICE)   # many exact ties
-    out = gating_fwd(logits, K, score_fn=score_fn, capacity=5)
+    out = gating_fwd(logits, K, score_fn=score_fn, capacity=5, out=_poisoned_gating_out(T, E, K, logits.dtype))
     ref = gating_fwd_ref(logits, K, score_fn=score_fn, capacity=5)
     _assert_gating_equal("gating_fwd[ties]", out, ref)
     # Spelled out: among equal scores, the chosen experts ascend.
@@ -242,8 +414,9 @@ def test_gating_skewed(gen, score_fn):
     assert int(out.counts_E[5]) == T and int(out.counts_E[2]) == 0
     assert int((out.slot_TK[:, 0] >= 0).sum()) == capacity   # expert 5 dropped past the capacity
     grad_w = torch.randn(T, K, generator=gen).to(DEVICE)
-    assert_close("gating_bwd[skewed]", gating_bwd(logits, out.expert_TK, grad_w, None, None, score_fn=score_fn),
-                 gating_bwd_ref(logits, ref.expert_TK, grad_w, None, None, score_fn=score_fn), torch.float32)
+    got = gating_bwd(logits, out.expert_TK, grad_w, None, None, score_fn=score_fn, out=_poison(logits))
+    want = gating_bwd_ref(logits, ref.expert_TK, grad_w, None, None, score_fn=score_fn)
+    assert_close("gating_bwd[skewed]", got, want, torch.float32)
 
 
 def test_gating_zero_tokens(gen):
@@ -266,7 +439,7 @@ def test_gating_carried_capacity_chunks(gen, case):
     T, E, K, factor, score_fn = case
     logits = _logits(gen, T, E)
     capacity = _capacity(T, E, K, factor)
-    whole = gating_fwd(logits, K, capacity=capacity, score_fn=score_fn)
+    whole = gating_fwd(logits, K, capacity=capacity, score_fn=score_fn, out=_poisoned_gating_out(T, E, K, logits.dtype))
     _assert_gating_equal("gating_fwd[whole]", whole, gating_fwd_ref(logits, K, capacity=capacity, score_fn=score_fn))
     zeros = torch.zeros(E, dtype=torch.int32, device=DEVICE)
     for n_chunks in (1, 2, 3, 4):
@@ -275,9 +448,10 @@ def test_gating_carried_capacity_chunks(gen, case):
         used = zeros
         parts, score_sum, zsq = [], torch.zeros_like(whole.score_sum_E), torch.zeros_like(whole.zsq_sum)
         for lo, hi in zip(bounds[:-1], bounds[1:]):
-            g = gating_fwd(logits[lo:hi], K, used, capacity=capacity, score_fn=score_fn)
+            g = gating_fwd(logits[lo:hi], K, used, capacity=capacity, score_fn=score_fn,
+                           out=_poisoned_gating_out(hi - lo, E, K, logits.dtype))
             kept = _kept_E(g.expert_TK, g.slot_TK, E)
-            rows = dispatch_rows(g.expert_TK, g.slot_TK, used, kept)
+            rows = dispatch_rows(g.expert_TK, g.slot_TK, used, kept, out=_poison(g.slot_TK))
             assert torch.equal(rows, dispatch_rows_ref(g.expert_TK, g.slot_TK, used, kept))
             parts.append(g)
             score_sum += g.score_sum_E
@@ -333,10 +507,9 @@ PERMUTE_CASES = [
 D = 60
 
 
-@pytest.mark.parametrize("case", PERMUTE_CASES, ids=lambda c: "T{}-E{}-K{}-cf{}-{}".format(*c[:4], str(c[4])[6:]))
-def test_permute_unpermute_match_reference(gen, case):
-    T, E, K, factor, dtype = case
-    row_TK, S, weight_TK = _routing(gen, T, E, K, factor)
+def _check_permute_family(gen, row_TK, S, weight_TK, dtype, D):
+    """permute_fwd, permute_bwd, unpermute_fwd and unpermute_bwd against the reference on [T, D] rows."""
+    T = row_TK.shape[0]
     x = torch.randn(T, D, generator=gen).to(DEVICE, dtype)
 
     x_SD, src_S = permute_fwd(x, row_TK, S, out=(_poison(x.new_empty(S, D)), _poison(row_TK.new_empty(S))))
@@ -356,9 +529,66 @@ def test_permute_unpermute_match_reference(gen, case):
     grad_y_SD, grad_w = unpermute_bwd(grad_y, y_SD, row_TK, weight_TK, src_S, out=out)
     grad_y_SD_ref, grad_w_ref = unpermute_bwd_ref(grad_y, y_SD, row_TK, weight_TK, src_S_ref)
     assert_close("unpermute_bwd.grad_y_SD", grad_y_SD, grad_y_SD_ref)
-    # grad_w is a float32 dot of D low-precision products: compare at the input's precision.
-    assert_close("unpermute_bwd.grad_weight_TK", grad_w, grad_w_ref, dtype)
+    # grad_w is float32 on both sides: products of 16-bit inputs are exact in float32, so only the
+    # summation order differs.
+    assert_close("unpermute_bwd.grad_weight_TK", grad_w, grad_w_ref, torch.float32)
     assert bool((grad_w[row_TK < 0] == 0).all()), "dropped assignments must get zero weight gradient"
+
+
+@pytest.mark.parametrize("case", PERMUTE_CASES, ids=lambda c: "T{}-E{}-K{}-cf{}-{}".format(*c[:4], str(c[4])[6:]))
+def test_permute_unpermute_match_reference(gen, case):
+    T, E, K, factor, dtype = case
+    row_TK, S, weight_TK = _routing(gen, T, E, K, factor)
+    _check_permute_family(gen, row_TK, S, weight_TK, dtype, D)
+
+
+@pytest.mark.parametrize("case", ["all-to-one", "T1"])
+def test_permute_unpermute_edge_routing(gen, case):
+    """Every token on one expert past its capacity (the other experts get nothing), and a single
+    token with some of its K assignments dropped (their experts filled by earlier chunks)."""
+    if case == "all-to-one":
+        T, E, K, capacity, dtype = 257, 8, 1, 40, torch.bfloat16
+        logits = _logits(gen, T, E)
+        logits[:, 3] += 50.0
+        used = torch.zeros(E, dtype=torch.int32, device=DEVICE)
+    else:
+        T, E, K, capacity, dtype = 1, 8, 4, 2, torch.float32
+        logits = _logits(gen, T, E)
+        chosen = gating_fwd_ref(logits, K).expert_TK[0].long()
+        used = torch.zeros(E, dtype=torch.int32, device=DEVICE)
+        used[chosen[[0, 2]]] = capacity   # the 1st and 3rd choices are full
+    row_TK, S, weight_TK = _routing(gen, T, E, K, None, logits=logits, capacity=capacity, used=used)
+    if case == "all-to-one":
+        assert S == capacity and bool((row_TK[capacity:] == -1).all())
+    else:
+        assert torch.equal(row_TK[0] >= 0, torch.tensor([False, True, False, True], device=DEVICE))
+    _check_permute_family(gen, row_TK, S, weight_TK, dtype, D)
+
+
+@pytest.mark.parametrize("case", [(63, 8, 2, 0.6, torch.float32, 60), (37, 7, 3, None, torch.bfloat16, 100)],
+                         ids=lambda c: "T{}-E{}-K{}-cf{}-{}-D{}".format(*c[:4], str(c[4])[6:], c[5]))
+def test_permute_unpermute_split_d(gen, monkeypatch, case):
+    """D split across programs (permute_fwd; unpermute_fwd and permute_bwd: pid_d > 0, src_S
+    written by the first D tile only) and walked in a loop (unpermute_bwd): 32-wide tiles pinned,
+    so D = 60 takes 2 tiles and D = 100 takes 4, the last one partial; 4-token tiles, T odd."""
+    T, E, K, factor, dtype, d = case
+    envs = (permute_mod._ENV_PERMUTE_FWD_CONFIG, permute_mod._ENV_UNPERMUTE_FWD_CONFIG,
+            permute_mod._ENV_UNPERMUTE_BWD_CONFIG)
+    for env in envs:
+        monkeypatch.setenv(env, "BLOCK_T=4,BLOCK_D=32,num_warps=4")
+    launched = []
+
+    def spy(tuner, grid, args, meta, env_var):
+        # The pin is read from the environment at every launch (nothing cached); record what ran.
+        (config,) = tuner.early_config_prune(tuner.configs, dict(zip(tuner.arg_names, args)), **meta)
+        launched.append((env_var, config.kwargs["BLOCK_T"], config.kwargs["BLOCK_D"]))
+        run_autotuned(tuner, grid, args, meta, env_var)
+
+    monkeypatch.setattr(permute_mod, "run_autotuned", spy)
+    row_TK, S, weight_TK = _routing(gen, T, E, K, factor)
+    _check_permute_family(gen, row_TK, S, weight_TK, dtype, d)
+    assert {env for env, _, _ in launched} == set(envs)
+    assert all((bt, bd) == (4, 32) for _, bt, bd in launched), launched
 
 
 def test_permute_strided_and_autograd_consistency(gen):
@@ -367,18 +597,20 @@ def test_permute_strided_and_autograd_consistency(gen):
     row_TK, S, weight_TK = _routing(gen, T, E, K, 0.75)
     x_big = torch.randn(T, 2 * D, generator=gen).to(DEVICE)
     x = x_big[:, ::2]                      # stride (2D, 2)
-    x_SD, src_S = permute_fwd(x, row_TK, S)
-    assert torch.equal(x_SD, permute_fwd_ref(x.contiguous(), row_TK, S)[0])
+    x_SD, src_S = permute_fwd(x, row_TK, S, out=(_poison(x.new_empty(S, D)), _poison(row_TK.new_empty(S))))
+    x_SD_ref, src_S_ref = permute_fwd_ref(x.contiguous(), row_TK, S)
+    assert torch.equal(x_SD, x_SD_ref) and torch.equal(src_S, src_S_ref)
     # The backward kernels are the adjoints of the forward ones:
     # <permute(x), g> == <x, permute_bwd(g)> and <unpermute(y), h> == <y, grad_y_SD(h)>.
     g = torch.randn(S, D, generator=gen).to(DEVICE)
     lhs = (x_SD.double() * g.double()).sum()
-    rhs = (x.double() * permute_bwd(g, row_TK).double()).sum()
+    rhs = (x.double() * permute_bwd(g, row_TK, out=_poison(x.contiguous())).double()).sum()
     assert torch.allclose(lhs, rhs, rtol=1e-5)
     y = torch.randn(D, S, generator=gen).to(DEVICE).t()   # column-major [S, D]
     h = torch.randn(T, D, generator=gen).to(DEVICE)
-    grad_y_SD, grad_w = unpermute_bwd(h, y, row_TK, weight_TK, src_S)
-    lhs = (unpermute_fwd(y, row_TK, weight_TK).double() * h.double()).sum()
+    grad_y_SD, grad_w = unpermute_bwd(h, y, row_TK, weight_TK, src_S,
+                                      out=(_poison(y.contiguous()), _poison(weight_TK)))
+    lhs = (unpermute_fwd(y, row_TK, weight_TK, out=_poison(h)).double() * h.double()).sum()
     assert torch.allclose(lhs, (y.double() * grad_y_SD.double()).sum(), rtol=1e-5)
     assert_close("grad_w[strided]", grad_w, unpermute_bwd_ref(h, y, row_TK, weight_TK, src_S)[1])
 
