@@ -46,7 +46,13 @@ its [BN, BK] tile once. An empty segment runs no iteration and writes zeros.
 All kernels accumulate in fp32 and write the input dtype (bf16, fp16 or fp32). fp32 inputs use exact
 fp32 products by default (``allow_tf32=False``, ``input_precision="ieee"``) so they match an fp32
 reference tightly; pass ``allow_tf32=True`` for the tensor-core rate at about 1e-3 relative error.
-Row, expert and stride products are formed in int64 (R * N and E * N * K pass 2^31 at real sizes).
+Index x stride products are formed in int64 (R * N and E * N * K pass 2^31 at real sizes, and so
+can N * R through a column-major view). Products bounded by a tile, the in-tile reduction offsets
+(< BLOCK_K) and the per-step pointer increments (BLOCK_K or BLOCK_M times a stride), stay int32 unless
+that bound reaches 2^31 (a column-major x with millions of rows, say), when the ``TILE_I64``
+heuristic switches them to int64: always in int64, they cost the fp32 TF32 dx kernel at 128 x 128 x 32
+(4 warps) 56 bytes of spills and its dW up to 84 registers (``python -m bench.compile_check
+--all-configs``). Masks stay int32.
 
 Tuning
 ------
@@ -171,6 +177,7 @@ def _grouped_gemm_fwd_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks in the main loop
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" (fp32 inputs only)
     DOT_FP32: tl.constexpr,  # interpreter-only bf16 workaround, see _dot
+    TILE_I64: tl.constexpr = False,  # BLOCK_K x a K stride reaches 2^31: in-tile K offsets, K steps in int64
 ):
     """y[r, n] = sum_k x[r, k] * w[e(r), n, k], one BLOCK_M x BLOCK_N tile per program."""
     pid = tl.program_id(0)
@@ -188,9 +195,13 @@ def _grouped_gemm_fwd_kernel(
     offs_wn = offs_n % N
     offs_k = tl.arange(0, BLOCK_K)
 
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xk  # [BM, BK]
+    # Index x stride products in int64; those bounded by BLOCK_K x a stride where needed (module docstring).
+    offs_kk = offs_k.to(tl.int64) if TILE_I64 else offs_k
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_kk[None, :] * stride_xk  # [BM, BK]
     w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
-              + offs_k[:, None] * stride_wk + offs_wn.to(tl.int64)[None, :] * stride_wn)  # [BK, BN]
+              + offs_kk[:, None] * stride_wk + offs_wn.to(tl.int64)[None, :] * stride_wn)  # [BK, BN]
+    x_step = (tl.cast(stride_xk, tl.int64) if TILE_I64 else stride_xk) * BLOCK_K
+    w_step = (tl.cast(stride_wk, tl.int64) if TILE_I64 else stride_wk) * BLOCK_K
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -202,10 +213,10 @@ def _grouped_gemm_fwd_kernel(
             b_x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
             b_w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         acc = _dot(b_x, b_w, acc, INPUT_PRECISION, DOT_FP32)
-        x_ptrs += BLOCK_K * stride_xk
-        w_ptrs += BLOCK_K * stride_wk
+        x_ptrs += x_step
+        w_ptrs += w_step
 
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n.to(tl.int64)[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n[None, :] < N))
 
 
@@ -231,6 +242,7 @@ def _gate_up_swiglu_fwd_kernel(
     EVEN_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    TILE_I64: tl.constexpr = False,
 ):
     """gu[:, j] = x @ w[e, j].T, gu[:, F + j] = x @ w[e, F + j].T, h[:, j] = silu(gu[:, j]) * gu[:, F + j]."""
     pid = tl.program_id(0)
@@ -247,10 +259,13 @@ def _gate_up_swiglu_fwd_kernel(
     offs_wn = offs_n % F
     offs_k = tl.arange(0, BLOCK_K)
 
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_k[None, :] * stride_xd  # [BM, BK]
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_k[:, None] * stride_wd
+    offs_kk = offs_k.to(tl.int64) if TILE_I64 else offs_k
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_kk[None, :] * stride_xd  # [BM, BK]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_kk[:, None] * stride_wd
     wg_ptrs = w_ptrs + offs_wn.to(tl.int64)[None, :] * stride_wf  # [BK, BN] gate: rows j
     wu_ptrs = w_ptrs + (offs_wn + F).to(tl.int64)[None, :] * stride_wf  # [BK, BN] up: rows F + j
+    x_step = (tl.cast(stride_xd, tl.int64) if TILE_I64 else stride_xd) * BLOCK_K
+    w_step = (tl.cast(stride_wd, tl.int64) if TILE_I64 else stride_wd) * BLOCK_K
 
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -266,9 +281,9 @@ def _gate_up_swiglu_fwd_kernel(
             b_wu = tl.load(wu_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
         acc_g = _dot(b_x, b_wg, acc_g, INPUT_PRECISION, DOT_FP32)
         acc_u = _dot(b_x, b_wu, acc_u, INPUT_PRECISION, DOT_FP32)
-        x_ptrs += BLOCK_K * stride_xd
-        wg_ptrs += BLOCK_K * stride_wd
-        wu_ptrs += BLOCK_K * stride_wd
+        x_ptrs += x_step
+        wg_ptrs += w_step
+        wu_ptrs += w_step
 
     # Epilogue: store gu, then h from the *rounded* gu, so h == swiglu_fwd_ref(gu) bit for bit.
     out_ty = gu_ptr.dtype.element_ty
@@ -276,12 +291,13 @@ def _gate_up_swiglu_fwd_kernel(
     b_u = acc_u.to(out_ty)
     mask_out = mask_m[:, None] & (offs_n[None, :] < F)
     offs_m64 = offs_m.to(tl.int64)
+    offs_n64 = offs_n.to(tl.int64)
     gu_rows = gu_ptr + offs_m64[:, None] * stride_gm
-    tl.store(gu_rows + offs_n[None, :] * stride_gf, b_g, mask=mask_out)
-    tl.store(gu_rows + (offs_n + F)[None, :] * stride_gf, b_u, mask=mask_out)
+    tl.store(gu_rows + offs_n64[None, :] * stride_gf, b_g, mask=mask_out)
+    tl.store(gu_rows + (offs_n64 + F)[None, :] * stride_gf, b_u, mask=mask_out)
     g = b_g.to(tl.float32)
     b_h = g / (1.0 + tl.exp(-g)) * b_u.to(tl.float32)
-    h_ptrs = h_ptr + offs_m64[:, None] * stride_hm + offs_n[None, :] * stride_hf
+    h_ptrs = h_ptr + offs_m64[:, None] * stride_hm + offs_n64[None, :] * stride_hf
     tl.store(h_ptrs, b_h.to(h_ptr.dtype.element_ty), mask=mask_out)
 
 
@@ -303,6 +319,7 @@ def _grouped_gemm_dw_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    TILE_I64: tl.constexpr = False,  # BLOCK_M x a row stride reaches 2^31: row steps in int64
 ):
     """dw[e, n, k] = sum over rows r of segment e of dy[r, n] * x[r, k]; zeros for an empty segment."""
     pid = tl.program_id(0)
@@ -324,8 +341,10 @@ def _grouped_gemm_dw_kernel(
     offs_xk = offs_k % K
 
     rows = (row_start + offs_m).to(tl.int64)
-    dy_ptrs = dy_ptr + rows[None, :] * stride_dym + offs_yn[:, None] * stride_dyn  # [BN, BM] = dy_seg.T
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_xk[None, :] * stride_xk  # [BM, BK]
+    dy_ptrs = dy_ptr + rows[None, :] * stride_dym + offs_yn.to(tl.int64)[:, None] * stride_dyn  # dy_seg.T
+    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_xk.to(tl.int64)[None, :] * stride_xk  # [BM, BK]
+    dy_step = (tl.cast(stride_dym, tl.int64) if TILE_I64 else stride_dym) * BLOCK_M
+    x_step = (tl.cast(stride_xm, tl.int64) if TILE_I64 else stride_xm) * BLOCK_M
 
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for m in range(0, tl.cdiv(row_end - row_start, BLOCK_M)):
@@ -333,11 +352,11 @@ def _grouped_gemm_dw_kernel(
         b_dyt = tl.load(dy_ptrs, mask=mask_m[None, :], other=0.0)
         b_x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
         acc = _dot(b_dyt, b_x, acc, INPUT_PRECISION, DOT_FP32)
-        dy_ptrs += BLOCK_M * stride_dym
-        x_ptrs += BLOCK_M * stride_xm
+        dy_ptrs += dy_step
+        x_ptrs += x_step
 
     dw_ptrs = (dw_ptr + expert.to(tl.int64) * stride_dwe
-               + offs_n.to(tl.int64)[:, None] * stride_dwn + offs_k[None, :] * stride_dwk)
+               + offs_n.to(tl.int64)[:, None] * stride_dwn + offs_k.to(tl.int64)[None, :] * stride_dwk)
     mask_out = (offs_n[:, None] < N) & (offs_k[None, :] < K)
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=mask_out)
 
@@ -346,13 +365,27 @@ def _even_k(args) -> bool:
     return args["K" if "K" in args else "D"] % args["BLOCK_K"] == 0
 
 
-_FWD = triton.heuristics({"EVEN_K": _even_k})(_grouped_gemm_fwd_kernel)
-_GATE_UP = triton.heuristics({"EVEN_K": _even_k})(_gate_up_swiglu_fwd_kernel)
+_INT32_LIMIT = 2**31
+
+
+def _tile_i64(block: str, *strides: str):
+    """The TILE_I64 heuristic: whether ``block`` times one of ``strides`` (the bound of the in-tile
+    offset and per-step pointer products) reaches 2^31."""
+    def needs_int64(args) -> bool:
+        return max(args[s] for s in strides) * args[block] >= _INT32_LIMIT
+    return needs_int64
+
+
+_FWD = triton.heuristics({"EVEN_K": _even_k, "TILE_I64": _tile_i64("BLOCK_K", "stride_xk", "stride_wk")})(
+    _grouped_gemm_fwd_kernel)
+_GATE_UP = triton.heuristics({"EVEN_K": _even_k, "TILE_I64": _tile_i64("BLOCK_K", "stride_xd", "stride_wd")})(
+    _gate_up_swiglu_fwd_kernel)
+_DW = triton.heuristics({"TILE_I64": _tile_i64("BLOCK_M", "stride_dym", "stride_xm")})(_grouped_gemm_dw_kernel)
 
 
 @functools.lru_cache(maxsize=None)
 def _autotuned(op: str):
-    kernel = {"fwd": _FWD, "dx": _FWD, "gate_up": _GATE_UP, "dw": _grouped_gemm_dw_kernel}[op]
+    kernel = {"fwd": _FWD, "dx": _FWD, "gate_up": _GATE_UP, "dw": _DW}[op]
     keys = {"gate_up": ["F", "D", "E", "M_BUCKET"]}.get(op, ["N", "K", "E", "M_BUCKET"])
     # Keep tuned choices on disk across processes where this Triton supports it (3.2+).
     extra = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
@@ -366,7 +399,7 @@ _LAST_CONFIG: dict = {}  # op -> the config of its latest launch, for selected_c
 
 def _launch_gemm(op: str, grid, args: tuple, device: torch.device, **const) -> None:
     """Launch ``op`` with the pinned config, the interpreter config, or the CUDA autotuner."""
-    kernel = {"fwd": _FWD, "dx": _FWD, "gate_up": _GATE_UP, "dw": _grouped_gemm_dw_kernel}[op]
+    kernel = {"fwd": _FWD, "dx": _FWD, "gate_up": _GATE_UP, "dw": _DW}[op]
     pinned = _pinned_config(op)
     if pinned is None and (device.type != "cuda" or _INTERPRET):
         pinned = _INTERPRETER_CONFIG

@@ -37,11 +37,12 @@ def _swiglu_fwd_kernel(
     offs_r = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (offs_r[:, None] < R) & (offs_f[None, :] < F)
+    offs_f64 = offs_f.to(tl.int64)  # F * stride_gf passes 2^31 through a column-major gu
     gu_rows = gu_ptr + offs_r[:, None] * stride_gm
-    g = tl.load(gu_rows + offs_f[None, :] * stride_gf, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_rows + (offs_f + F)[None, :] * stride_gf, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(gu_rows + offs_f64[None, :] * stride_gf, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_rows + (offs_f64 + F)[None, :] * stride_gf, mask=mask, other=0.0).to(tl.float32)
     b_h = g / (1.0 + tl.exp(-g)) * u
-    h_ptrs = h_ptr + offs_r[:, None] * stride_hm + offs_f[None, :] * stride_hf
+    h_ptrs = h_ptr + offs_r[:, None] * stride_hm + offs_f64[None, :] * stride_hf
     tl.store(h_ptrs, b_h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
@@ -66,18 +67,19 @@ def _swiglu_bwd_kernel(
     offs_r = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     offs_f = pid_f * BLOCK_F + tl.arange(0, BLOCK_F)
     mask = (offs_r[:, None] < R) & (offs_f[None, :] < F)
+    offs_f64 = offs_f.to(tl.int64)  # F * stride_gf passes 2^31 through a column-major gu
     gu_rows = gu_ptr + offs_r[:, None] * stride_gm
-    g = tl.load(gu_rows + offs_f[None, :] * stride_gf, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(gu_rows + (offs_f + F)[None, :] * stride_gf, mask=mask, other=0.0).to(tl.float32)
-    dh = tl.load(dh_ptr + offs_r[:, None] * stride_dhm + offs_f[None, :] * stride_dhf,
+    g = tl.load(gu_rows + offs_f64[None, :] * stride_gf, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(gu_rows + (offs_f64 + F)[None, :] * stride_gf, mask=mask, other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + offs_r[:, None] * stride_dhm + offs_f64[None, :] * stride_dhf,
                  mask=mask, other=0.0).to(tl.float32)
     s = 1.0 / (1.0 + tl.exp(-g))
     dg = dh * u * s * (1.0 + g * (1.0 - s))
     du = dh * g * s
     out_ty = dgu_ptr.dtype.element_ty
     dgu_rows = dgu_ptr + offs_r[:, None] * stride_dgm
-    tl.store(dgu_rows + offs_f[None, :] * stride_dgf, dg.to(out_ty), mask=mask)
-    tl.store(dgu_rows + (offs_f + F)[None, :] * stride_dgf, du.to(out_ty), mask=mask)
+    tl.store(dgu_rows + offs_f64[None, :] * stride_dgf, dg.to(out_ty), mask=mask)
+    tl.store(dgu_rows + (offs_f64 + F)[None, :] * stride_dgf, du.to(out_ty), mask=mask)
 
 
 def _swiglu_blocks(F: int, device: torch.device) -> Tuple[int, int, int]:

@@ -1,0 +1,109 @@
+"""The experts' weight gradients are deferred under ``Overlapped(defer_wgrad=True)``.
+
+tests/test_overlap.py checks that deferral gives the right gradients, but the DeferredLinear items
+alone satisfy its checks: an experts layer that computed dW inline in its backward would pass them.
+Here every ``grouped_mm_dw`` call the MoE layer makes is recorded with the Python stack it ran on:
+under deferral each must come from the weight-gradient queue (a backward all-to-all's drain window
+or the final flush), never from inside the experts' autograd backward; and the gradients must equal,
+bit for bit in float32, those of the same chunked run without deferral.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import lancet_rt
+from autotune.block import MoEBlocks
+from lancet_rt import experts as experts_mod, ops as ops_mod, wgrad as wgrad_mod
+
+D, CHUNKS, LAYERS = 16, 2, 1
+_EXPERTS_FILE = os.path.normcase(os.path.abspath(experts_mod.__file__))
+_QUEUE_CODES = {wgrad_mod.WGradQueue.drain_during.__code__: "drain", wgrad_mod.WGradQueue.flush.__code__: "flush"}
+
+
+def _caller():
+    """Where the current grouped_mm_dw call runs: "drain" or "flush" (the queue, innermost first)
+    or "inline" (inside the experts' autograd backward), else "other"."""
+    f = sys._getframe(2)
+    while f is not None:
+        code = f.f_code
+        if code in _QUEUE_CODES:
+            return _QUEUE_CODES[code]
+        if code.co_name in ("backward", "_backward") and os.path.normcase(code.co_filename) == _EXPERTS_FILE:
+            return "inline"
+        f = f.f_back
+    return "other"
+
+
+@pytest.fixture
+def dw_calls(monkeypatch):
+    """Record (caller, implementing module) of every ``grouped_mm_dw`` call through the op namespaces
+    the MoE layer gets."""
+    calls: list[tuple[str, str]] = []
+    get_ops = ops_mod.get_ops
+
+    def spied_get_ops(*args, **kwargs):
+        ns = get_ops(*args, **kwargs)
+        dw = ns.grouped_mm_dw
+
+        def grouped_mm_dw(*a, **k):
+            calls.append((_caller(), dw.__module__))
+            return dw(*a, **k)
+
+        return SimpleNamespace(**{**vars(ns), "grouped_mm_dw": grouped_mm_dw})
+
+    monkeypatch.setattr(ops_mod, "get_ops", spied_get_ops)
+    return calls
+
+
+def _run(model, runner, x, g):
+    """Output, input gradient and every parameter gradient of one forward + backward."""
+    x = x.clone().requires_grad_(True)
+    y = runner(x)
+    y.backward(g)
+    return y.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kernels", ["default", "triton"])
+def test_experts_dw_is_deferred_and_exact(kernels, monkeypatch, dw_calls):
+    if kernels == "triton":
+        monkeypatch.setenv("LANCET_KERNELS", "triton")  # the interpreter on CPU (tests/conftest.py)
+    else:
+        monkeypatch.delenv("LANCET_KERNELS", raising=False)
+    torch.manual_seed(0)
+    # The link holds each transfer 20 ms, so the backward all-to-alls have windows to drain into.
+    link = lancet_rt.EmulatedGroup(2, bandwidth_gbps=1.0, latency_us=20_000)
+    model = MoEBlocks(LAYERS, D, 2, dict(d_ffn=12, num_experts=4, top_k=2, ep_group=link))
+    twin = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    x, g = torch.randn(5, 3, D, generator=gen), torch.randn(5, 3, D, generator=gen)
+
+    impl = "kernels.grouped_gemm" if kernels == "triton" else "kernels.reference"
+    ref = _run(model, lancet_rt.Overlapped(model, chunks=CHUNKS, defer_wgrad=False), x, g)
+    assert dw_calls and set(dw_calls) == {("inline", impl)}, f"without deferral dW runs in the backward: {dw_calls}"
+    dw_calls.clear()
+    experts_fwd = []
+    for m in twin.moe_layers():
+        m.experts.register_forward_hook(lambda *_: experts_fwd.append(1))
+    ov = lancet_rt.Overlapped(twin, chunks=CHUNKS, defer_wgrad=True)
+    got = _run(twin, ov, x, g)
+
+    # Two dW GEMMs (gate_up, down) per experts call, every one run by the queue, none inline.
+    assert len(experts_fwd) == LAYERS * CHUNKS
+    assert len(dw_calls) == 2 * len(experts_fwd), dw_calls
+    assert {c[1] for c in dw_calls} == {impl}
+    assert {c[0] for c in dw_calls} <= {"drain", "flush"}, f"experts dW not deferred: {dw_calls}"
+    assert not ov.wgrad_queue.items
+    # Exactly the non-deferred gradients: the same per-chunk dW, summed over 2 chunks (commutative).
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert got[2].keys() == ref[2].keys()
+    assert {n for n in ref[2] if "experts" in n} == {f"blocks.{i}.moe.experts.{p}" for i in range(LAYERS)
+                                                     for p in ("gate_up_proj", "down_proj")}
+    for n in ref[2]:
+        assert got[2][n].dtype == torch.float32
+        assert torch.equal(got[2][n], ref[2][n]), f"grad {n}: max diff {(got[2][n] - ref[2][n]).abs().max()}"
