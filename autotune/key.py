@@ -49,8 +49,8 @@ def link_descriptor(group, device, *, measure: bool = True) -> LinkInfo:
     Args:
         group: ``moe.group``: None (no expert parallelism), an :class:`lancet_rt.EmulatedGroup`
             (its configured bandwidth and latency), a :class:`lancet_rt.TorchGroup` (its backend and
-            a measured bandwidth; measuring runs collectives, so every rank must call this together), or another :class:`lancet_rt.ExpertParallelGroup` (its type
-            name and its ``bandwidth_gbps``/``latency_us`` attributes if it has them).
+            a measured bandwidth; measuring runs collectives, so every rank must call this
+            together), or another :class:`lancet_rt.ExpertParallelGroup` (its type name and its ``bandwidth_gbps``/``latency_us`` attributes if it has them).
         device: where the model runs (NCCL measures with CUDA buffers).
         measure: measure a real group's bandwidth (False: leave it None).
 

@@ -227,6 +227,17 @@ class MoE(nn.Module):
         status = torch.full((W, 1), 0 if error is None else 1, dtype=torch.long, device=counts.device)
         return _Counts(self.group.exchange(torch.cat([counts, status], dim=1)), P, W, L, error)
 
+    def fail_peers(self, error: Exception) -> None:
+        """Raise ``error`` on this rank and on every peer of the group.
+
+        This rank takes part in the counts exchange the peers wait in, with a failure status, so they
+        raise there instead of waiting forever (without a group it just raises).
+        """
+        if self.group is not None:
+            z = torch.zeros(self.pipeline_chunks, self.num_experts, dtype=torch.long, device=self.router.weight.device)
+            self.exchange_counts(z, error).wait()  # raises error
+        raise error
+
     def dispatch(self, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL: torch.Tensor,
                  sent_WL: torch.Tensor) -> _Dispatched:
         """Send each kept row to its expert's rank (async).
@@ -268,12 +279,7 @@ class MoE(nn.Module):
         if not self._config_checked:
             self._check_config(error)
         if error is not None:
-            if self.group is not None:
-                # Take part in the counts exchange with a failure status so no peer waits forever.
-                z = torch.zeros(self.pipeline_chunks, self.num_experts, dtype=torch.long,
-                                device=self.router.weight.device)
-                self.exchange_counts(z, error).wait()
-            raise error
+            self.fail_peers(error)
         x_TD = x.reshape(-1, self.d_model)
         ops = _ops.get_ops(x_TD.device, x_TD.dtype)
         state = self._routing_state(x_TD.shape[0], x_TD.device)

@@ -147,15 +147,12 @@ class Overlapped(nn.Module):
     def _fail(self, error: Exception) -> None:
         """Raise ``error`` here and on every peer rank, before any collective of this step.
 
-        The peers passed their own checks and will wait in the first MoE layer's counts exchange; this
-        rank takes part in it with a failure status (as :meth:`lancet_rt.MoE.forward` does for a
-        rejected input), so they raise there instead of waiting forever.
+        The peers passed their own checks and will wait in the first MoE layer's counts exchange:
+        :meth:`lancet_rt.MoE.fail_peers` takes part in it with a failure status.
         """
         for m in self.moe_layers():
             if m.group is not None and m.ep_size > 1:
-                z = torch.zeros(m.pipeline_chunks, m.num_experts, dtype=torch.long, device=m.router.weight.device)
-                m.exchange_counts(z, error).wait()  # raises error
-                break
+                m.fail_peers(error)
         raise error
 
     @torch.no_grad()
