@@ -2,12 +2,12 @@
 
 Use it in one of two ways.
 
-**Ahead of time, with the command** (installed as ``lancet-autotune``; also ``python -m autotune``)::
+**Ahead of time, with the command** (installed as ``lancet-autotune``; also ``python -m lancet_rt.autotune``)::
 
     lancet-autotune --device cuda --link emulated --world-size 8 --bandwidth-gbps 50 --latency-us 20 \\
         --d-model 2048 --d-ffn 4096 --experts 16 --top-k 2 --capacity-factor 1.25 \\
         --tokens 16384 --seq 1024 --layers 2 --heads 16 --dtype bfloat16 [--defer-wgrad]
-    torchrun --nproc-per-node 8 -m autotune --device cuda --link torch --d-model 2048 ...   # the real group
+    torchrun --nproc-per-node 8 -m lancet_rt.autotune --device cuda --link torch --d-model 2048 ...   # the real group
 
 It builds ``--layers`` blocks of pre-norm causal attention + ``lancet_rt.MoE`` of that shape
 (``--tokens`` per rank as ``tokens / seq`` sequences of ``--seq``), measures every candidate chunk
@@ -16,8 +16,8 @@ chunks than sequences and, on CUDA, to those that fit in memory) as forward + ba
 ``Overlapped`` block, in interleaved rounds after a warm-up, and prints a table of predicted and
 measured step times with the choice (the fastest measured), its distance to the best measured time
 and the cost model's prediction error for it. The cost model is Lancet's: stage times profiled on a
-zero-cost link plus a fitted model of the link (:mod:`autotune.profiling`), simulated on one compute
-and one communication stream (:mod:`autotune.cost_model`). The choice is stored in the cache;
+zero-cost link plus a fitted model of the link (:mod:`lancet_rt.autotune.profiling`), simulated on one compute
+and one communication stream (:mod:`lancet_rt.autotune.cost_model`). The choice is stored in the cache;
 running the same command again prints the stored entry and measures nothing (``--force`` re-tunes).
 ``--link emulated`` makes this process rank 0 of ``--world-size`` symmetric ranks on a link of
 ``--bandwidth-gbps`` and ``--latency-us`` (``lancet_rt.EmulatedGroup``); ``--link torch`` uses the

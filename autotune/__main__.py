@@ -1,8 +1,8 @@
-"""``lancet-autotune`` / ``python -m autotune``: tune the chunk count of an MoE block and cache it.
+"""``lancet-autotune`` / ``python -m lancet_rt.autotune``: tune the chunk count of an MoE block and cache it.
 
-    python -m autotune --device cpu --link emulated --world-size 4 --bandwidth-gbps 0.05 \\
+    python -m lancet_rt.autotune --device cpu --link emulated --world-size 4 --bandwidth-gbps 0.05 \\
         --d-model 64 --d-ffn 128 --experts 8 --top-k 2 --tokens 1024 --seq 128 --layers 2 --heads 4
-    torchrun --nproc-per-node 2 -m autotune --device cpu --link torch --d-model 64 ...   # gloo (cpu) / nccl (cuda)
+    torchrun --nproc-per-node 2 -m lancet_rt.autotune --device cpu --link torch --d-model 64 ...   # gloo (cpu) / nccl (cuda)
 
 It builds ``--layers`` pre-norm attention + MoE blocks with the given shape, profiles them for the
 cost model, measures every candidate chunk count (forward + backward on the real ``Overlapped``

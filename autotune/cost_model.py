@@ -1,4 +1,4 @@
-"""Lancet's cost model for chunk counts: profiled stage times (:mod:`autotune.profiling`) plus a
+"""Lancet's cost model for chunk counts: profiled stage times (:mod:`lancet_rt.autotune.profiling`) plus a
 two-stream simulation.
 
 How a candidate N is predicted (:meth:`CostModel.predict`): computation at N chunks takes

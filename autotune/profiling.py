@@ -1,4 +1,4 @@
-"""What the cost model (:mod:`autotune.cost_model`) is fed: profiled computation and the link.
+"""What the cost model (:mod:`lancet_rt.autotune.cost_model`) is fed: profiled computation and the link.
 
 What is profiled (:class:`Profiler`, :meth:`LinkModel.measure`):
 

@@ -99,7 +99,7 @@ class Row:
 # The kernels, their representative arguments and their config spaces
 # ------------------------------------------------------------------------------------------------
 def _modules():
-    """kernels.* imported as compilable JITFunctions, or a RuntimeError saying why not.
+    """lancet_rt.kernels.* imported as compilable JITFunctions, or a RuntimeError saying why not.
 
     Triton decides when a kernel is *defined* whether ``@triton.jit`` returns a JITFunction or an
     interpreter stand-in (TRITON_INTERPRET=1); only the former compiles, and its helpers must be
@@ -107,11 +107,11 @@ def _modules():
     of it, and a process that imported kernels/ under the interpreter (the CPU test session) must
     run this module in a fresh process instead.
     """
-    if "kernels" not in sys.modules:
+    if "lancet_rt.kernels" not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "0"
     from triton.runtime.jit import JITFunction
 
-    from kernels import gating, grouped_gemm, permute, swiglu
+    from lancet_rt.kernels import gating, grouped_gemm, permute, swiglu
     if not isinstance(swiglu._swiglu_fwd_kernel, JITFunction):
         raise RuntimeError("kernels/ was imported with TRITON_INTERPRET=1, so its kernels are interpreter "
                            "stand-ins; run `python -m bench.compile_check` in a fresh process")

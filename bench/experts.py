@@ -46,8 +46,8 @@ def _cases(E: int, D: int, F: int, counts: list, device: torch.device, dtype=tor
 
     Returns a list of (op, kernel name for selected_config, flops, triton_fn, loop_fn, dense_fn).
     """
-    from kernels import grouped_gemm as gg
-    from kernels import reference as ref
+    from lancet_rt.kernels import grouped_gemm as gg
+    from lancet_rt.kernels import reference as ref
 
     R = sum(counts)
     g = torch.Generator(device=device).manual_seed(0)
@@ -97,7 +97,7 @@ def _matches(got: torch.Tensor, want: torch.Tensor) -> bool:
 def run(device: torch.device, quick: bool, *, json_path=None, max_seconds=None) -> list:
     """Measure every (F, routing, projection); rows go to ``json_path`` as they are made; nothing new
     starts after ``max_seconds``."""
-    from kernels import grouped_gemm as gg
+    from lancet_rt.kernels import grouped_gemm as gg
 
     sizes = QUICK if quick else FULL
     timing = dict(warmup=0, rep=3) if device.type != "cuda" else {}  # warmed up below
@@ -154,7 +154,7 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
     if device.type == "cpu":
-        if "kernels.grouped_gemm" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        if "lancet_rt.kernels.grouped_gemm" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             parser.error("--device cpu needs TRITON_INTERPRET=1 before kernels.grouped_gemm is imported")
         # Triton reads this when the kernels are defined, i.e. at the import inside run().
         os.environ["TRITON_INTERPRET"] = "1"

@@ -87,7 +87,7 @@ def step_command(step: str, py: str, out: Path, max_seconds: float) -> list:
                 "--png", str(out / "overlap.png"), "--trace", str(out / "overlap-trace.json")]
     ov = _rows(out, "overlap.json")
     bw = ov[-1]["bandwidth_gbps"] if ov else 50.0
-    return [py, "-m", "autotune", "--device", "cuda", "--link", "emulated", "--world-size", "8",
+    return [py, "-m", "lancet_rt.autotune", "--device", "cuda", "--link", "emulated", "--world-size", "8",
             "--bandwidth-gbps", f"{bw:.6g}", "--latency-us", "20", "--d-model", "2048", "--d-ffn", "4096",
             "--experts", "16", "--top-k", "2", "--capacity-factor", "1.25", "--tokens", "16384", "--seq", "1024",
             "--layers", "4", "--heads", "16", "--dtype", "bfloat16", "--cache", str(out / "autotune-cache.json"),

@@ -105,7 +105,7 @@ def _logits(T: int, E: int, device: torch.device, gen: torch.Generator) -> torch
 
 def _inputs(case: dict, device: torch.device, dtype: torch.dtype, gen: torch.Generator):
     """The (triton, reference) callables' arguments for one row, built outside the timed region."""
-    from kernels.reference import dispatch_rows_ref, gating_fwd_ref, permute_fwd_ref
+    from lancet_rt.kernels.reference import dispatch_rows_ref, gating_fwd_ref, permute_fwd_ref
 
     op, T, E, K, D = case["op"], case["T"], case["E"], case["K"], case["D"]
     randn = lambda *s, dt=torch.float32: torch.randn(*s, generator=gen, device=device).to(dt)  # noqa: E731
@@ -139,7 +139,7 @@ def run(device: torch.device, quick: bool, dtype: torch.dtype = torch.bfloat16, 
         max_seconds: Optional[float] = None) -> List[dict]:
     """Measure every case; rows go to ``json_path`` as they are made; no case starts after
     ``max_seconds``."""
-    from kernels import gating, permute, reference
+    from lancet_rt.kernels import gating, permute, reference
 
     triton_fns: Dict[str, Callable] = {
         "gating_fwd": gating.gating_fwd, "gating_bwd": gating.gating_bwd,
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available")
     if device.type == "cpu":
-        if "kernels.gating" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        if "lancet_rt.kernels.gating" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             parser.error("--device cpu needs TRITON_INTERPRET=1 before kernels/ is imported")
         os.environ["TRITON_INTERPRET"] = "1"   # read by Triton when kernels/ is imported (in run)
     try:

@@ -83,7 +83,7 @@ import triton.language as tl
 from ._common import (check_out as _check_out, check_tensor as _check_tensor, interpreting, pinned_config,
                       run_autotuned)
 
-from kernels.reference import GatingOutput
+from .reference import GatingOutput
 
 __all__ = ["gating_fwd", "gating_bwd", "GatingOutput"]
 

@@ -2,7 +2,7 @@
 
 The rows a rank receives are grouped by local expert: segment e is ``offsets[e]:offsets[e+1]`` of
 ``x_RK``, and expert e's weight is ``w_ENK[e]`` (the Hugging Face layout, out features first). The
-launchers here have the signatures and results of their references in :mod:`kernels.reference`:
+launchers here have the signatures and results of their references in :mod:`lancet_rt.kernels.reference`:
 
 ================  ====================================  =========================  =============
 launcher          computes                              reference                  FLOPs

@@ -33,7 +33,7 @@ _cache: dict[tuple, SimpleNamespace] = {}
 
 
 def _reference(names: list[str]) -> dict:
-    from kernels import reference as ref
+    from lancet_rt.kernels import reference as ref
 
     return {n: getattr(ref, n + "_ref") for n in names}
 
@@ -50,7 +50,7 @@ def _triton_ops(dtype) -> SimpleNamespace:
             ops.update(_reference(names))
             fallback.append(module)
             continue
-        mod = importlib.import_module(f"kernels.{module}")
+        mod = importlib.import_module(f"lancet_rt.kernels.{module}")
         ops.update({n: getattr(mod, n) for n in names})
     return SimpleNamespace(name="triton", reference_families=tuple(fallback), **ops)
 

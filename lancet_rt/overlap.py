@@ -93,7 +93,7 @@ class Overlapped(nn.Module):
         if self.chunks != "auto":
             return self.chunks
         if self._auto is None:
-            from autotune.online import AutoChunks  # the one place lancet_rt reaches into autotune
+            from lancet_rt.autotune.online import AutoChunks  # the one place lancet_rt reaches into autotune
 
             self._auto = AutoChunks(self)
         return self._auto.next_chunks(args, kwargs)

@@ -14,12 +14,12 @@ import pytest
 import torch
 
 import lancet_rt
-from autotune import (AutoChunks, CacheKey, ComputeProfile, CostModel, LinkModel, SimOp, TuneCache,
+from lancet_rt.autotune import (AutoChunks, CacheKey, ComputeProfile, CostModel, LinkModel, SimOp, TuneCache,
                       TuningBlocks, candidate_chunks, device_identity, simulate, token_bucket)
-from autotune import __main__ as cli
-from autotune import cache as cache_mod
-from autotune import gpu as gpu_mod
-from autotune.profiling import LayerStages
+from lancet_rt.autotune import __main__ as cli
+from lancet_rt.autotune import cache as cache_mod
+from lancet_rt.autotune import gpu as gpu_mod
+from lancet_rt.autotune.profiling import LayerStages
 from tests.dist import assert_all_ok, run_ranks
 from tests.helpers import assert_close
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import lancet_rt
-from autotune.block import MoEBlocks
+from lancet_rt.autotune.block import MoEBlocks
 from lancet_rt import experts as experts_mod, ops as ops_mod, wgrad as wgrad_mod
 
 D, CHUNKS, LAYERS = 16, 2, 1
@@ -83,7 +83,7 @@ def test_experts_dw_is_deferred_and_exact(kernels, monkeypatch, dw_calls):
     gen = torch.Generator().manual_seed(1)
     x, g = torch.randn(5, 3, D, generator=gen), torch.randn(5, 3, D, generator=gen)
 
-    impl = "kernels.grouped_gemm" if kernels == "triton" else "kernels.reference"
+    impl = "lancet_rt.kernels.grouped_gemm" if kernels == "triton" else "lancet_rt.kernels.reference"
     ref = _run(model, lancet_rt.Overlapped(model, chunks=CHUNKS, defer_wgrad=False), x, g)
     assert dw_calls and set(dw_calls) == {("inline", impl)}, f"without deferral dW runs in the backward: {dw_calls}"
     dw_calls.clear()

@@ -25,10 +25,10 @@ import zlib
 import pytest
 import torch
 
-from kernels import _gemm_space as space
-from kernels import grouped_gemm as gg
-from kernels import swiglu
-from kernels.reference import (
+from lancet_rt.kernels import _gemm_space as space
+from lancet_rt.kernels import grouped_gemm as gg
+from lancet_rt.kernels import swiglu
+from lancet_rt.kernels.reference import (
     gate_up_swiglu_ref,
     grouped_mm_dw_ref,
     grouped_mm_dx_ref,

@@ -30,12 +30,12 @@ import pytest
 import torch
 import triton
 
-from kernels import gating as gating_mod
-from kernels import permute as permute_mod
-from kernels._common import run_autotuned
-from kernels.gating import gating_bwd, gating_fwd
-from kernels.permute import dispatch_rows, permute_bwd, permute_fwd, unpermute_bwd, unpermute_fwd
-from kernels.reference import (
+from lancet_rt.kernels import gating as gating_mod
+from lancet_rt.kernels import permute as permute_mod
+from lancet_rt.kernels._common import run_autotuned
+from lancet_rt.kernels.gating import gating_bwd, gating_fwd
+from lancet_rt.kernels.permute import dispatch_rows, permute_bwd, permute_fwd, unpermute_bwd, unpermute_fwd
+from lancet_rt.kernels.reference import (
     GatingOutput,
     dispatch_rows_ref,
     gating_bwd_ref,
@@ -705,7 +705,7 @@ def test_config_spaces(monkeypatch):
     """Every shape keeps at least one config (timed on CUDA), and a pin overrides the space."""
     import triton
 
-    from kernels import permute as permute_mod
+    from lancet_rt.kernels import permute as permute_mod
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CUDA view of the space; nothing is launched
     prune = gating_mod._token_tile_prune(gating_mod._ENV_FWD_CONFIG)

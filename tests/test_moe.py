@@ -92,7 +92,7 @@ def test_any_leading_dims(kernels):
 
 
 def test_triton_path_is_used(monkeypatch):
-    from kernels import gating, grouped_gemm, reference
+    from lancet_rt.kernels import gating, grouped_gemm, reference
     from lancet_rt.ops import get_ops, implementation
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
