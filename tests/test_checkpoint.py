@@ -1,0 +1,265 @@
+"""Checkpoints across expert-parallel sizes: saved at EP=2, loaded at EP=1 and EP=4, same logits.
+
+One gloo run of 4 processes does every distributed check: ranks 0 and 1 form an EP=2 group, train
+one step and save (DCP with the optimizer, and the Hugging Face layout); then all four load at EP=4,
+and try checkpoints that do not fit. The EP=1 loads run in this process, without a process group.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from tests.dist import assert_all_ok, run_ranks
+from tests.helpers import assert_close
+
+D, HEADS, F, E = 8, 2, 6, 4
+EXPERT_KEY = "blocks.0.moe.experts.gate_up_proj"
+
+
+def _blocks(ep_group=None, *, num_experts=E, seed=0):
+    """Two attention + MoE blocks made from ``seed`` on every rank; with ``ep_group`` each rank keeps its experts."""
+    import torch.distributed as dist
+
+    from lancet_rt.autotune.block import MoEBlocks
+
+    kw = dict(d_ffn=F, num_experts=num_experts, top_k=2)
+    torch.manual_seed(seed)
+    full = MoEBlocks(2, D, HEADS, kw)
+    if ep_group is None:
+        return full
+    model = MoEBlocks(2, D, HEADS, dict(kw, ep_group=ep_group))
+    L = num_experts // dist.get_world_size(ep_group)
+    r = dist.get_rank(ep_group)
+    weights = full.state_dict()
+    with torch.no_grad():
+        for k, v in model.state_dict().items():
+            v.copy_(weights[k][r * L:(r + 1) * L] if ".experts." in k else weights[k])
+    return model
+
+
+def _logits(model) -> np.ndarray:
+    x = torch.randn(3, 5, D, generator=torch.Generator().manual_seed(7))  # the same rows on every rank
+    with torch.no_grad():
+        return model(x).numpy()
+
+
+def _train_one_step(model, group, rank):
+    import lancet_rt.parallel
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x = torch.randn(2, 5, D, generator=torch.Generator().manual_seed(100 + rank))
+    model(x).square().mean().backward()
+    lancet_rt.parallel.sync_gradients(model, group)
+    opt.step()
+    return opt
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except (ValueError, TypeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+class _RecordingFile:
+    """A safetensors file handle recording what is read: (key, None) whole, (key, (start, stop)) rows."""
+
+    def __init__(self, f, reads):
+        self.f, self.reads = f, reads
+
+    def get_tensor(self, key):
+        self.reads.append((key, None))
+        return self.f.get_tensor(key)
+
+    def get_slice(self, key):
+        return _RecordingSlice(key, self.f.get_slice(key), self.reads)
+
+
+class _RecordingSlice:
+    def __init__(self, key, inner, reads):
+        self.key, self.inner, self.reads = key, inner, reads
+
+    def get_shape(self):
+        return self.inner.get_shape()
+
+    def __getitem__(self, rows):
+        self.reads.append((self.key, (rows.start, rows.stop)))
+        return self.inner[rows]
+
+
+def _across_ep_sizes(rank, world, root):
+    import torch.distributed as dist
+
+    from lancet_rt import checkpoint
+    from lancet_rt.checkpoint import load_checkpoint, load_hf, save_checkpoint, save_hf
+
+    out = {}
+    ep2 = dist.new_group([0, 1])  # every rank takes part in creating it
+    if rank < 2:
+        model = _blocks(ep2)
+        opt = _train_one_step(model, ep2, rank)
+        # Ranks disagreeing on what they save (one passes the optimizer): both raise, nothing written.
+        out["disagree"] = _error(lambda: save_checkpoint(model, f"{root}/bad", opt if rank else None,
+                                                         process_group=ep2))
+        out["bad_written"] = os.path.exists(f"{root}/bad/.metadata")
+        save_checkpoint(model, f"{root}/dcp", opt, process_group=ep2)
+        save_hf(model, f"{root}/hf", max_shard_bytes=1500, process_group=ep2)  # several files per rank
+        out["ep2"] = _logits(model)
+        out["ep2_exp_avg"] = opt.state[model.blocks[0].moe.experts.gate_up_proj]["exp_avg"].numpy()
+    dist.barrier()
+
+    world_group = dist.group.WORLD
+    model = _blocks(world_group, seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    load_checkpoint(model, f"{root}/dcp", opt)
+    out["ep4_dcp"] = _logits(model)
+    out["ep4_exp_avg"] = opt.state[model.blocks[0].moe.experts.gate_up_proj]["exp_avg"].numpy()
+    out["ep4_lr_step"] = (opt.param_groups[0]["lr"], float(opt.state[model.blocks[0].moe.experts.gate_up_proj]["step"]))
+
+    model = _blocks(world_group, seed=2)
+    reads, original = [], checkpoint._Headers.file
+    checkpoint._Headers.file = lambda self, key: _RecordingFile(original(self, key), reads)
+    try:
+        load_hf(model, f"{root}/hf")
+    finally:
+        checkpoint._Headers.file = original
+    out["ep4_hf"] = _logits(model)
+    out["hf_reads"] = reads
+
+    # A checkpoint that does not fit (E=4 saved, E=8 here): every rank raises before reading anything.
+    wrong = _blocks(world_group, num_experts=8, seed=3)
+    before = {k: v.clone() for k, v in wrong.state_dict().items()}
+    out["wrong_E_dcp"] = _error(lambda: load_checkpoint(wrong, f"{root}/dcp"))
+    out["wrong_E_hf"] = _error(lambda: load_hf(wrong, f"{root}/hf"))
+    out["wrong_untouched"] = all(torch.equal(v, before[k]) for k, v in wrong.state_dict().items())
+    # One rank's bad path: every rank raises, the others naming that rank.
+    out["one_bad_path"] = _error(lambda: load_checkpoint(_blocks(world_group), f"{root}/dcp" if rank != 3 else
+                                                          f"{root}/nowhere"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def across(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    return root, assert_all_ok(run_ranks(_across_ep_sizes, 4, str(root), timeout=240))
+
+
+def test_dcp_saved_at_ep2_loads_at_ep4(across):
+    _, out = across
+    ep2 = torch.from_numpy(out[0]["ep2"])
+    assert_close("EP=2 logits, ranks 0 and 1", torch.from_numpy(out[1]["ep2"]), ep2)
+    full_exp_avg = torch.from_numpy(np.concatenate([out[0]["ep2_exp_avg"], out[1]["ep2_exp_avg"]]))
+    for r in range(4):
+        assert_close(f"EP=4 rank {r} logits (DCP)", torch.from_numpy(out[r]["ep4_dcp"]), ep2)
+        # The optimizer: rank r holds expert r's Adam moment, the saved step and learning rate.
+        assert torch.equal(torch.from_numpy(out[r]["ep4_exp_avg"]), full_exp_avg[r:r + 1])
+        assert out[r]["ep4_lr_step"] == (1e-2, 1.0)
+
+
+def test_dcp_saved_at_ep2_loads_at_ep1_in_one_process(across):
+    from lancet_rt.checkpoint import load_checkpoint
+
+    root, out = across
+    model = _blocks(seed=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    load_checkpoint(model, root / "dcp", opt)
+    assert_close("EP=1 logits (DCP)", torch.from_numpy(_logits(model)), torch.from_numpy(out[0]["ep2"]))
+    full_exp_avg = np.concatenate([out[0]["ep2_exp_avg"], out[1]["ep2_exp_avg"]])
+    assert torch.equal(opt.state[model.blocks[0].moe.experts.gate_up_proj]["exp_avg"], torch.from_numpy(full_exp_avg))
+    assert opt.param_groups[0]["lr"] == 1e-2
+
+
+def test_dcp_stores_each_expert_as_its_own_chunk(across):
+    # DCP reads whole chunks, so one chunk per expert is what lets any EP size read only its experts.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    root, _ = across
+    md = FileSystemReader(str(root / "dcp")).read_metadata().state_dict_metadata
+    for key in (f"model.{EXPERT_KEY}", f"optim.state.{EXPERT_KEY}.exp_avg"):
+        assert tuple(md[key].size) == (E, 2 * F, D)
+        assert sorted(tuple(c.offsets) for c in md[key].chunks) == [(e, 0, 0) for e in range(E)]
+        assert {tuple(c.sizes) for c in md[key].chunks} == {(1, 2 * F, D)}
+    assert [tuple(c.sizes) for c in md["model.blocks.0.norm1.weight"].chunks] == [(D,)]  # replicated: once
+
+
+def test_hf_layout_saved_at_ep2_loads_at_ep4_and_ep1(across):
+    from safetensors import safe_open
+
+    from lancet_rt.checkpoint import load_hf
+
+    root, out = across
+    ep2 = torch.from_numpy(out[0]["ep2"])
+    for r in range(4):
+        assert_close(f"EP=4 rank {r} logits (HF layout)", torch.from_numpy(out[r]["ep4_hf"]), ep2)
+        expert_reads = [(k, rows) for k, rows in out[r]["hf_reads"] if ".experts." in k]
+        assert expert_reads and all(rows == (r, r + 1) for _, rows in expert_reads), expert_reads
+    model = _blocks(seed=5)
+    load_hf(model, root / "hf")
+    assert_close("EP=1 logits (HF layout)", torch.from_numpy(_logits(model)), ep2)
+    # Several files (max_shard_bytes), an index naming each, a non-HF model's experts stored fused [E, ...].
+    import json
+
+    index = json.loads((root / "hf" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and sorted(f for f in os.listdir(root / "hf") if f.endswith(".safetensors")) == files
+    with safe_open(str(root / "hf" / index["weight_map"][EXPERT_KEY]), framework="pt") as f:
+        assert f.get_slice(EXPERT_KEY).get_shape() == [E, 2 * F, D]
+
+
+def test_checkpoint_that_does_not_fit_raises_on_every_rank(across):
+    root, out = across
+    for r in range(4):
+        assert out[r]["wrong_E_dcp"].startswith("ValueError") and "E=4" in out[r]["wrong_E_dcp"] \
+            and "E=8" in out[r]["wrong_E_dcp"], out[r]["wrong_E_dcp"]
+        assert out[r]["wrong_E_hf"].startswith("ValueError") and "E=8" in out[r]["wrong_E_hf"], out[r]["wrong_E_hf"]
+        assert out[r]["wrong_untouched"]
+        assert out[r]["one_bad_path"].startswith("ValueError")
+    assert "nowhere" in out[3]["one_bad_path"]
+    assert all("rank 3" in out[r]["one_bad_path"] for r in range(3))
+    for r in range(2):
+        assert "differently structured" in out[r]["disagree"] and not out[r]["bad_written"]
+    assert not (root / "bad" / ".metadata").exists()
+
+
+def test_emulated_group_is_rejected(tmp_path):
+    import lancet_rt
+    from lancet_rt.checkpoint import save_checkpoint, save_hf
+
+    link = lancet_rt.EmulatedGroup(2, bandwidth_gbps=1.0, latency_us=0.0)
+    model = lancet_rt.MoE(D, F, E, 2, ep_group=link)
+    for save in (save_checkpoint, save_hf):
+        with pytest.raises(TypeError, match="EmulatedGroup"):
+            save(model, tmp_path / "never")
+    assert not (tmp_path / "never").exists()
+
+
+def test_mismatches_name_what_differs(tmp_path):
+    from lancet_rt.checkpoint import load_checkpoint, load_hf, save_checkpoint, save_hf
+
+    model = _blocks()
+    save_checkpoint(model, tmp_path / "dcp")
+    save_hf(model, tmp_path / "hf")
+    assert (tmp_path / "hf" / "model.safetensors").exists() and not (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    fresh = _blocks()
+    with pytest.raises(ValueError, match="no optimizer state"):
+        load_checkpoint(fresh, tmp_path / "dcp", torch.optim.SGD(fresh.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="optimizer: holds parameters that are not model's"):
+        load_checkpoint(fresh, tmp_path / "dcp", torch.optim.SGD(model.parameters(), lr=0.1))
+    wider = torch.nn.ModuleDict({"blocks": _blocks().blocks, "extra": torch.nn.Linear(2, 2)})
+    with pytest.raises(ValueError, match=r"missing from the checkpoint: model\.extra\.weight"):
+        load_checkpoint(wider, tmp_path / "dcp")
+    with pytest.raises(ValueError, match=r"missing from the checkpoint: extra\.weight"):
+        load_hf(wider, tmp_path / "hf")
+    other_ffn = torch.nn.Module()
+    other_ffn.blocks = _blocks().blocks
+    other_ffn.blocks[1].moe.experts.down_proj = torch.nn.Parameter(torch.zeros(E, D, F + 1))
+    with pytest.raises(ValueError, match=r"blocks\.1\.moe\.experts\.down_proj: shape \(4, 8, 6\) in the checkpoint"):
+        load_checkpoint(other_ffn, tmp_path / "dcp")
+    with pytest.raises(ValueError, match="max_shard_bytes"):
+        save_hf(model, tmp_path / "hf2", max_shard_bytes=0)
+    with pytest.raises(ValueError, match="no readable"):
+        load_checkpoint(model, tmp_path / "nothing")
