@@ -94,7 +94,7 @@ class _RecordingSlice:
 def _across_ep_sizes(rank, world, root):
     import torch.distributed as dist
 
-    from lancet_rt import checkpoint
+    from lancet_rt import checkpoint_hf
     from lancet_rt.checkpoint import load_checkpoint, load_hf, save_checkpoint, save_hf
 
     out = {}
@@ -121,12 +121,12 @@ def _across_ep_sizes(rank, world, root):
     out["ep4_lr_step"] = (opt.param_groups[0]["lr"], float(opt.state[model.blocks[0].moe.experts.gate_up_proj]["step"]))
 
     model = _blocks(world_group, seed=2)
-    reads, original = [], checkpoint._Headers.file
-    checkpoint._Headers.file = lambda self, key: _RecordingFile(original(self, key), reads)
+    reads, original = [], checkpoint_hf._Headers.file
+    checkpoint_hf._Headers.file = lambda self, key: _RecordingFile(original(self, key), reads)
     try:
         load_hf(model, f"{root}/hf")
     finally:
-        checkpoint._Headers.file = original
+        checkpoint_hf._Headers.file = original
     out["ep4_hf"] = _logits(model)
     out["hf_reads"] = reads
 
@@ -249,6 +249,13 @@ def test_mismatches_name_what_differs(tmp_path):
         load_checkpoint(fresh, tmp_path / "dcp", torch.optim.SGD(fresh.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="optimizer: holds parameters that are not model's"):
         load_checkpoint(fresh, tmp_path / "dcp", torch.optim.SGD(model.parameters(), lr=0.1))
+    save_checkpoint(model, tmp_path / "with_opt", torch.optim.SGD(model.parameters(), lr=0.1))
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    params = list(fresh.parameters())
+    two_groups = torch.optim.SGD([{"params": params[:3]}, {"params": params[3:]}], lr=0.1)
+    with pytest.raises(ValueError, match="optimizer: has 2 param groups, the checkpoint's optimizer 1"):
+        load_checkpoint(fresh, tmp_path / "with_opt", two_groups)
+    assert all(torch.equal(v, before[k]) for k, v in fresh.state_dict().items())
     wider = torch.nn.ModuleDict({"blocks": _blocks().blocks, "extra": torch.nn.Linear(2, 2)})
     with pytest.raises(ValueError, match=r"missing from the checkpoint: model\.extra\.weight"):
         load_checkpoint(wider, tmp_path / "dcp")
