@@ -131,6 +131,10 @@ def _build(block, gate, group, capacity_factor, *, names=None, **kwargs) -> HFMo
     moe = HFMoE(D, experts.d_ffn, E, int(gate.top_k), capacity_factor=capacity_factor, ep_group=group,
                 router=_lancet_router(gate), experts=experts, names=names or dict(router="gate"), **kwargs)
     moe.hf_block_class = type(block).__name__
+    # The block's own child order, so that parameters() lists them as the model did (optimizer
+    # state and checkpoints that go by position stay valid).
+    order = [name for name, _ in block.named_children() if name in moe._modules]
+    moe._modules = {**{name: moe._modules[name] for name in order}, **moe._modules}
     return moe
 
 
@@ -188,7 +192,7 @@ class _ReplayingCheckpoint:
         keywords = getattr(fn, "keywords", {}) or {}
         if keywords.get("use_reentrant", False):
             raise ValueError("activation checkpointing around lancet MoE layers needs use_reentrant=False: "
-                             "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+                             "model.activation_checkpointing_enable(activation_checkpointing_kwargs="
                              "{'use_reentrant': False}) (the reentrant checkpoint cannot replay their routing)")
         if "context_fn" in keywords:
             raise ValueError("activation checkpointing around lancet MoE layers sets its own context_fn "

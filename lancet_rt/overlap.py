@@ -138,11 +138,15 @@ class Overlapped(nn.Module):
                 if lets[c].dead:
                     live.remove(c)
         finally:
+            for c, g in enumerate(lets):  # on an exception, end the others' coroutines
+                if not g.dead:
+                    modes[c].restore()  # (their context managers unwind in their own state)
+                    try:
+                        g.throw(_greenlet.GreenletExit)
+                    except Exception:  # noqa: BLE001 - the error in flight is the one to report
+                        pass
             outer.restore()
             _scope.set_current(prev)
-            for g in lets:  # on an exception, end the others' coroutines
-                if not g.dead:
-                    g.throw(_greenlet.GreenletExit)
         return _concat(outputs)
 
     def _fail(self, error: Exception) -> None:

@@ -119,6 +119,6 @@ def replayed() -> Optional[Snapshot]:
             "lancet's replay, which would route its chunk differently. Checkpoint with "
             "torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False, "
             "context_fn=lancet_rt.checkpoint_context), or lancet_rt.checkpoint(fn, ...); with Hugging Face "
-            "models, lancet_rt.from_hf does this for gradient_checkpointing_enable(...use_reentrant=False). "
+            "models, lancet_rt.from_hf does this for activation_checkpointing_enable() (use_reentrant=False). "
             "The reentrant checkpoint is not supported around MoE layers.")
     return None
