@@ -196,6 +196,8 @@ def permute_bwd_ref(grad_x_SD: torch.Tensor, row_TK: torch.Tensor) -> torch.Tens
     """grad_x_TD[t] = sum over kept k of grad_x_SD[row_TK[t, k]] (float32 accumulation)."""
     T, K = row_TK.shape
     acc = torch.zeros(T, grad_x_SD.shape[1], dtype=_acc(grad_x_SD), device=grad_x_SD.device)
+    if grad_x_SD.shape[0] == 0:  # every assignment dropped
+        return acc.to(grad_x_SD.dtype)
     for k in range(K):
         row = row_TK[:, k].long()
         keep = (row >= 0).unsqueeze(1)
@@ -210,6 +212,8 @@ def unpermute_fwd_ref(y_SD: torch.Tensor, row_TK: torch.Tensor, weight_TK: torch
     """
     T, K = row_TK.shape
     acc = torch.zeros(T, y_SD.shape[1], dtype=_acc(y_SD), device=y_SD.device)
+    if y_SD.shape[0] == 0:  # every assignment dropped (a late chunk past every expert's capacity)
+        return acc.to(y_SD.dtype)
     for k in range(K):
         row = row_TK[:, k].long()
         keep = (row >= 0).unsqueeze(1)
@@ -236,6 +240,8 @@ def unpermute_bwd_ref(
     w_S = weight_TK.reshape(-1).to(acc).index_select(0, src)
     grad_y_SD = (grad_y_TD.index_select(0, src // K).to(acc) * w_S.unsqueeze(1)).to(y_SD.dtype)
     grad_w = torch.zeros(T, K, dtype=torch.promote_types(weight_TK.dtype, acc), device=y_SD.device)
+    if y_SD.shape[0] == 0:
+        return grad_y_SD, grad_w
     for k in range(K):
         row = row_TK[:, k].long()
         rows = y_SD.index_select(0, row.clamp(min=0)).to(acc)

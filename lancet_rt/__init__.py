@@ -3,10 +3,12 @@ from .checkpoint import load_checkpoint, load_hf, save_checkpoint, save_hf
 from .comm import ExpertParallelGroup, TorchGroup
 from .experts import Experts
 from .emulated import EmulatedGroup
-from .moe import MoE, Router
+from .moe import MoE, Router, update_expert_bias
+from .recompute import checkpoint, checkpoint_context
 from .overlap import Overlapped
+from .hf import from_hf
 from .trace import Trace, tracing
 
 __all__ = ["MoE", "Router", "Experts", "Overlapped", "EmulatedGroup", "ExpertParallelGroup", "TorchGroup",
-           "tracing", "Trace"]
+           "tracing", "Trace", "update_expert_bias", "checkpoint", "checkpoint_context", "from_hf"]
 __version__ = "0.1.0"

@@ -69,6 +69,12 @@ class _ExpertsFn(torch.autograd.Function):
         return (dx_in, dgu if needs[0] else None, ddown if needs[1] else None) + none
 
 
+def _as(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in the rows' dtype: under autocast, float32 weights meet bfloat16 rows as
+    ``nn.Linear`` does (a differentiable cast, so float32 parameters get float32 gradients)."""
+    return w if w.dtype == dtype else w.to(dtype)
+
+
 class Experts(nn.Module):
     """``E_local`` SwiGLU experts in the Hugging Face layout.
 
@@ -110,10 +116,10 @@ class Experts(nn.Module):
         """
         q = wgrad.current()
         if q is not None and torch.is_grad_enabled():
-            return _ExpertsFn.apply(x_RD, self.gate_up_proj.detach(), self.down_proj.detach(), offsets_E1, ops,
-                                    to_expert, to_rank, link, q.probe, (self.gate_up_proj, self.down_proj))
-        return _ExpertsFn.apply(x_RD, self.gate_up_proj, self.down_proj, offsets_E1, ops, to_expert, to_rank, link,
-                                None, None)
+            return _ExpertsFn.apply(x_RD, _as(self.gate_up_proj.detach(), x_RD.dtype), _as(self.down_proj.detach(), x_RD.dtype),
+                                    offsets_E1, ops, to_expert, to_rank, link, q.probe, (self.gate_up_proj, self.down_proj))
+        return _ExpertsFn.apply(x_RD, _as(self.gate_up_proj, x_RD.dtype), _as(self.down_proj, x_RD.dtype), offsets_E1, ops,
+                                to_expert, to_rank, link, None, None)
 
     def extra_repr(self) -> str:
         return f"num_local_experts={self.num_local_experts}, d_model={self.d_model}, d_ffn={self.d_ffn}"

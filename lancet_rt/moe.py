@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm, ops as _ops, scope as _scope, trace as _trace
+from . import comm, ops as _ops, recompute as _recompute, scope as _scope, trace as _trace
 from .experts import Experts
 from .routing import BatchRouting, gate, permute, unpermute
 
@@ -31,16 +31,40 @@ _DTYPE_IDS = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3, torch.float
 
 
 class Router(nn.Module):
-    """The router: ``logits = x @ weight.T`` in float32 (float64 for a float64 layer). ``weight`` is [E, D]."""
+    """The router: ``logits = x @ weight.T (+ bias)`` in float32 (float64 for a float64 layer).
 
-    def __init__(self, d_model: int, num_experts: int, *, init_std: float = 0.02, device=None, dtype=None):
+    Args:
+        d_model: D.
+        num_experts: E.
+        bias: a learned logit bias [E] (GPT-OSS's router has one).
+        expert_bias: a selection bias buffer ``e_score_correction_bias`` [E] (float32, no gradient):
+            experts are chosen by score + bias, weighted by the score (DeepSeek-V3's aux-loss-free
+            balancing; :func:`update_expert_bias` adjusts it).
+
+    Attributes:
+        weight: [E, D]. bias: [E] or None. e_score_correction_bias: [E] float32 (with expert_bias).
+    """
+
+    def __init__(self, d_model: int, num_experts: int, *, bias: bool = False, expert_bias: bool = False,
+                 init_std: float = 0.02, device=None, dtype=None):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, d_model, device=device, dtype=dtype))
         nn.init.normal_(self.weight, std=init_std)
+        self.bias = nn.Parameter(torch.zeros(num_experts, device=device, dtype=dtype)) if bias else None
+        if expert_bias:
+            self.register_buffer("e_score_correction_bias",
+                                 torch.zeros(num_experts, device=device, dtype=torch.float32))
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        dtype = torch.promote_types(x_TD.dtype, torch.float32)
-        return F.linear(x_TD.to(dtype), self.weight.to(dtype))
+        return router_logits(x_TD, self.weight, self.bias)
+
+
+def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` in float32 (float64 if either is float64), whatever autocast says:
+    the routing decision is made in full precision, as the contract requires."""
+    dtype = torch.promote_types(torch.promote_types(x_TD.dtype, weight_ED.dtype), torch.float32)
+    with torch.autocast(x_TD.device.type, enabled=False):
+        return F.linear(x_TD.to(dtype), weight_ED.to(dtype), None if bias_E is None else bias_E.to(dtype))
 
 
 @dataclass
@@ -87,20 +111,51 @@ class MoE(nn.Module):
             such as :class:`lancet_rt.EmulatedGroup`. Expert e lives on rank e // (E / W).
         pipeline_chunks: split the dispatch, the experts and the combine of this layer into this
             many pieces and pipeline them (the Tutel-style baseline; 1 = off).
+        router_bias: the router has a learned logit bias [E] (GPT-OSS).
+        expert_bias: the router has a selection bias ``e_score_correction_bias`` [E]: experts are
+            chosen by score + bias and weighted by the score (DeepSeek-V3's aux-loss-free balancing,
+            updated by :func:`update_expert_bias`).
+        n_group, topk_group: group-limited top-k (DeepSeek-V3): the E experts form ``n_group`` groups;
+            only the ``topk_group`` groups with the largest sums of their two best selection scores
+            can be chosen (1, None: no limit).
+        routed_scaling_factor: the K weights are multiplied by it after the normalisation.
+        shared_experts: a dense module [T, D] -> [T, D] added to the routed output (Qwen2-MoE's
+            ``shared_expert``, DeepSeek's ``shared_experts``). It runs while the dispatch
+            all-to-all is in flight: dense compute that hides communication.
+        shared_expert_gate: a module [T, D] -> [T, 1]; the shared output is scaled by its sigmoid
+            (Qwen2-MoE).
+        router, experts: prebuilt modules to hold instead of new ones (an integration passes the
+            model's own): ``router(x_TD)`` returns float32 logits [T, E] and has ``weight`` [E, D]
+            (and ``e_score_correction_bias`` with ``expert_bias``); ``experts`` is an
+            :class:`~lancet_rt.Experts` holding this rank's E/W experts.
+        names: attribute names under which the submodules are registered, by role ("router",
+            "experts", "shared_experts", "shared_expert_gate"); an integration keeps a model's own
+            names (Hugging Face's router is "gate") so that state dicts keep their keys. The roles
+            stay reachable as ``moe.router`` etc. whatever their names.
         device, dtype: of the parameters.
+
+    Under ``torch.autocast`` with float32 parameters the router stays float32 and the tokens, the
+    all-to-alls and the expert GEMMs run in the autocast dtype (as ``nn.Linear`` would); the output
+    has the input's dtype.
 
     Attributes after each forward (detached, for logging): ``aux_loss``, ``z_loss`` (unscaled),
     ``tokens_per_expert`` (int64 [E], assignments before dropping), ``dropped`` (int, dropped
     assignments).
     """
 
+    _ROLES = ("router", "experts", "shared_experts", "shared_expert_gate")
+
     def __init__(self, d_model: int, d_ffn: int, num_experts: int, top_k: int, *,
                  capacity_factor: Optional[float] = None, score_fn: str = "softmax",
                  normalize_topk: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
-                 ep_group=None, pipeline_chunks: int = 1, device=None, dtype=None):
+                 ep_group=None, pipeline_chunks: int = 1, router_bias: bool = False,
+                 expert_bias: bool = False, n_group: int = 1, topk_group: Optional[int] = None,
+                 routed_scaling_factor: float = 1.0, shared_experts: Optional[nn.Module] = None,
+                 shared_expert_gate: Optional[nn.Module] = None, router: Optional[nn.Module] = None,
+                 experts: Optional[Experts] = None, names: Optional[dict] = None, device=None, dtype=None):
         super().__init__()
         for name, value in (("d_model", d_model), ("d_ffn", d_ffn), ("num_experts", num_experts),
-                            ("top_k", top_k), ("pipeline_chunks", pipeline_chunks)):
+                            ("top_k", top_k), ("pipeline_chunks", pipeline_chunks), ("n_group", n_group)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < 1:
@@ -121,6 +176,35 @@ class MoE(nn.Module):
                 raise ValueError(f"{name} must be >= 0, got {value}")
         if dtype is not None and dtype not in _DTYPE_IDS:
             raise TypeError(f"dtype must be one of {list(_DTYPE_IDS)}, got {dtype}")
+        topk_group = n_group if topk_group is None else topk_group
+        if num_experts % n_group:
+            raise ValueError(f"n_group must divide num_experts={num_experts}, got {n_group}")
+        if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+            raise ValueError(f"topk_group must be an int in [1, n_group={n_group}], got {topk_group!r}")
+        if top_k > topk_group * (num_experts // n_group):
+            raise ValueError(f"top_k ({top_k}) must be at most topk_group * num_experts / n_group "
+                             f"= {topk_group * (num_experts // n_group)}")
+        if (isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float))
+                or not 0 < routed_scaling_factor < math.inf):
+            raise ValueError(f"routed_scaling_factor must be a finite number > 0, got {routed_scaling_factor!r}")
+        for name, value in (("shared_experts", shared_experts), ("shared_expert_gate", shared_expert_gate),
+                            ("router", router)):
+            if value is not None and not isinstance(value, nn.Module):
+                raise TypeError(f"{name} must be None or an nn.Module, got {type(value).__name__}")
+        if shared_expert_gate is not None and shared_experts is None:
+            raise ValueError("shared_expert_gate needs shared_experts")
+        if experts is not None and not isinstance(experts, Experts):
+            raise TypeError(f"experts must be None or a lancet_rt.Experts, got {type(experts).__name__}")
+        names = dict(names or {})
+        unknown = set(names) - set(self._ROLES)
+        if unknown:
+            raise ValueError(f"names takes the roles {self._ROLES}, got {sorted(unknown)}")
+        taken = set(dir(type(self))) - set(self._ROLES)
+        for role, name in names.items():
+            if not isinstance(name, str) or not name.isidentifier() or name in taken or "." in name:
+                raise ValueError(f"names[{role!r}] must be a free attribute name, got {name!r}")
+        if len({names.get(r, r) for r in self._ROLES}) != len(self._ROLES):
+            raise ValueError(f"names must give each role its own name, got {names}")
 
         self.group = comm.as_group(ep_group)
         world = self.group.size if self.group is not None else 1
@@ -133,12 +217,23 @@ class MoE(nn.Module):
         self.score_fn, self.normalize_topk = score_fn, bool(normalize_topk)
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
         self.pipeline_chunks = pipeline_chunks
+        self.expert_bias, self.n_group, self.topk_group = bool(expert_bias), n_group, topk_group
+        self.routed_scaling_factor = float(routed_scaling_factor)
         self.ep_size = world
         self.ep_rank = self.group.rank if self.group is not None else 0
         self.num_local_experts = num_experts // world
 
-        self.router = Router(d_model, num_experts, device=device, dtype=dtype)
-        self.experts = Experts(self.num_local_experts, d_model, d_ffn, device=device, dtype=dtype)
+        self._names = {role: names.get(role, role) for role in self._ROLES}
+        if router is None:
+            router = Router(d_model, num_experts, bias=router_bias, expert_bias=expert_bias, device=device, dtype=dtype)
+        if experts is None:
+            experts = Experts(self.num_local_experts, d_model, d_ffn, device=device, dtype=dtype)
+        _check_prebuilt(router, experts, d_model, num_experts, self.num_local_experts, expert_bias)
+        for role, module in (("router", router), ("experts", experts), ("shared_experts", shared_experts),
+                             ("shared_expert_gate", shared_expert_gate)):
+            if module is not None:
+                # (not add_module: its "attribute exists" check would trip over the role properties)
+                self._modules[self._names[role]] = module
         self._config_checked = self.group is None
         self.trace_name = "moe"
 
@@ -146,6 +241,35 @@ class MoE(nn.Module):
         self.z_loss: Optional[torch.Tensor] = None
         self.tokens_per_expert: Optional[torch.Tensor] = None
         self._dropped: Optional[torch.Tensor] = None
+        # Assignments per expert since the last update_expert_bias (training forwards only).
+        self.expert_load: Optional[torch.Tensor] = None
+
+    # The submodules by role, whatever name they are registered under (``names``).
+    def _role(self, role: str) -> Optional[nn.Module]:
+        names = self.__dict__.get("_names")
+        return None if names is None else self._modules.get(names[role])
+
+    @property
+    def router(self) -> nn.Module:
+        module = self._role("router")
+        if module is None:  # (an AttributeError, so that hasattr() during construction says no)
+            raise AttributeError("router")
+        return module
+
+    @property
+    def experts(self) -> Experts:
+        module = self._role("experts")
+        if module is None:
+            raise AttributeError("experts")
+        return module
+
+    @property
+    def shared_experts(self) -> Optional[nn.Module]:
+        return self._role("shared_experts")
+
+    @property
+    def shared_expert_gate(self) -> Optional[nn.Module]:
+        return self._role("shared_expert_gate")
 
     @property
     def dropped(self) -> int:
@@ -159,9 +283,16 @@ class MoE(nn.Module):
         return range(self.ep_rank * L, (self.ep_rank + 1) * L)
 
     def extra_repr(self) -> str:
+        extra = ""
+        if self.expert_bias:
+            extra += ", expert_bias=True"
+        if self.n_group > 1:
+            extra += f", n_group={self.n_group}, topk_group={self.topk_group}"
+        if self.routed_scaling_factor != 1.0:
+            extra += f", routed_scaling_factor={self.routed_scaling_factor}"
         return (f"d_model={self.d_model}, d_ffn={self.d_ffn}, num_experts={self.num_experts}, "
                 f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, score_fn={self.score_fn!r}, "
-                f"ep_size={self.ep_size}")
+                f"ep_size={self.ep_size}{extra}")
 
     # ---------------------------------------------------------------- validation
     def _input_error(self, x) -> Optional[Exception]:
@@ -170,13 +301,24 @@ class MoE(nn.Module):
         if not x.dtype.is_floating_point:
             return TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
         p = self.router.weight
-        if x.dtype != p.dtype:
-            return TypeError(f"x must have the parameters' dtype {p.dtype}, got {x.dtype}")
-        if x.dim() == 0 or x.shape[-1] != self.d_model:
-            return ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
         if x.device != p.device:
             return ValueError(f"x must be on the parameters' device {p.device}, got {x.device}")
+        allowed = {p.dtype}
+        if torch.is_autocast_enabled(x.device.type):
+            allowed.add(torch.get_autocast_dtype(x.device.type))
+        if x.dtype not in allowed:
+            return TypeError(f"x must have the parameters' dtype {p.dtype} (or the autocast dtype under "
+                             f"torch.autocast), got {x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != self.d_model:
+            return ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
         return None
+
+    def _compute_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype of the tokens, the all-to-alls and the expert GEMMs: the autocast dtype under
+        ``torch.autocast`` (as ``nn.Linear`` computes), else the parameters'."""
+        if torch.is_autocast_enabled(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+        return self.experts.gate_up_proj.dtype
 
     def _config_vector(self, status: int) -> torch.Tensor:
         cf = -1 if self.capacity_factor is None else round(self.capacity_factor * 1e6)
@@ -184,6 +326,8 @@ class MoE(nn.Module):
             status, self.d_model, self.d_ffn, self.num_experts, self.top_k, cf,
             _SCORE_FNS.index(self.score_fn), int(self.normalize_topk), round(self.aux_loss_coef * 1e9),
             round(self.z_loss_coef * 1e9), _DTYPE_IDS[self.router.weight.dtype], self.pipeline_chunks,
+            int(self.expert_bias), self.n_group, self.topk_group, round(self.routed_scaling_factor * 1e9),
+            int(self.shared_experts is not None), int(self.shared_expert_gate is not None),
         ], dtype=torch.int64)
 
     def _check_config(self, error: Optional[Exception]) -> None:
@@ -192,7 +336,9 @@ class MoE(nn.Module):
         self._config_checked = True
         _raise_on_bad_status(rows[:, 0], error)
         names = ["d_model", "d_ffn", "num_experts", "top_k", "capacity_factor(1e-6)", "score_fn",
-                 "normalize_topk", "aux_loss_coef(1e-9)", "z_loss_coef(1e-9)", "dtype", "pipeline_chunks"]
+                 "normalize_topk", "aux_loss_coef(1e-9)", "z_loss_coef(1e-9)", "dtype", "pipeline_chunks",
+                 "expert_bias", "n_group", "topk_group", "routed_scaling_factor(1e-9)", "shared_experts",
+                 "shared_expert_gate"]
         for r in range(rows.shape[0]):
             diff = [n for n, a, b in zip(names, rows[r, 1:].tolist(), rows[self.ep_rank, 1:].tolist()) if a != b]
             if diff:
@@ -206,9 +352,16 @@ class MoE(nn.Module):
     def route(self, x_TD: torch.Tensor, state: BatchRouting, ops) -> _Route:
         """Router GEMM and gating for this chunk; advances the batch's carried capacity."""
         logits_TE = self.router(x_TD)
+        options = {}  # the contract's extensions, passed only when used
+        if self.expert_bias:
+            options["expert_bias"] = self.router.e_score_correction_bias
+        if self.n_group > 1:
+            options.update(n_group=self.n_group, topk_group=self.topk_group)
+        if self.routed_scaling_factor != 1.0:
+            options["scaling"] = self.routed_scaling_factor
         weight_TK, _expert_TK, row_TK, kept_E = gate(
             logits_TE, state, ops, score_fn=self.score_fn, normalize_topk=self.normalize_topk,
-            aux_coef=self.aux_loss_coef, z_coef=self.z_loss_coef)
+            aux_coef=self.aux_loss_coef, z_coef=self.z_loss_coef, **options)
         return _Route(weight_TK, row_TK, kept_E)
 
     def exchange_counts(self, kept_PE: torch.Tensor, error: Optional[Exception] = None) -> "_Counts":
@@ -273,6 +426,7 @@ class MoE(nn.Module):
             return comm.all_to_all(y_recv, self.group, d.send_splits, d.recv_splits)
 
     # ---------------------------------------------------------------- forward
+    @torch.compiler.disable  # collectives, host syncs and chunk switches: torch.compile runs around it
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Route, dispatch, compute and combine ``x`` [..., d_model]; returns the same shape and dtype."""
         error = self._input_error(x)
@@ -281,29 +435,46 @@ class MoE(nn.Module):
         if error is not None:
             self.fail_peers(error)
         x_TD = x.reshape(-1, self.d_model)
-        ops = _ops.get_ops(x_TD.device, x_TD.dtype)
-        state = self._routing_state(x_TD.shape[0], x_TD.device)
+        dtype = self._compute_dtype(x_TD)
+        ops = _ops.get_ops(x_TD.device, dtype)
+        state, replaying = self._routing_state(x_TD.shape[0], x_TD.device)
 
         chunk = _scope.current().chunk if _scope.current() is not None else None
         with _trace.span("route", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk):
             r = self.route(x_TD, state, ops)
         state.next_chunk += 1
-        if state.complete:
+        if state.complete and not replaying:
             self._record_stats(state)
+        x_c = x_TD.to(dtype)  # under autocast the tokens travel and meet the experts in its dtype
         if self.pipeline_chunks == 1:
-            y_SD, src_S, link = self._exchange_and_compute(x_TD, r, ops, chunk)
+            y_SD, src_S, link, shared = self._exchange_and_compute(x_c, r, ops, chunk, x_TD)
         else:
-            y_SD, src_S = self._pipelined_exchange_and_compute(x_TD, r, ops, chunk)
+            y_SD, src_S, shared = self._pipelined_exchange_and_compute(x_c, r, ops, chunk, x_TD)
             link = None
         with _trace.span("unpermute", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk):
             y_TD = unpermute(y_SD, r.row_TK, r.weight_TK, src_S, ops, link)
+        y_TD = y_TD.to(x.dtype)
+        if shared is not None:
+            y_TD = y_TD + shared
         return y_TD.view(x.shape)
+
+    def _shared_output(self, x_TD: torch.Tensor) -> Optional[torch.Tensor]:
+        """The shared experts' output (gated by sigmoid(shared_expert_gate(x)) if there is a gate)."""
+        if self.shared_experts is None:
+            return None
+        with _trace.span("shared experts", cuda=x_TD.is_cuda, layer=self.trace_name):
+            y_TD = self.shared_experts(x_TD)
+            if self.shared_expert_gate is not None:
+                y_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * y_TD
+        return y_TD
 
     def _permute(self, x_TD, r, num_rows, ops, chunk):
         with _trace.span("permute", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk):
             return permute(x_TD, r.row_TK, num_rows, ops)
 
-    def _exchange_and_compute(self, x_TD, r, ops, chunk):
+    def _exchange_and_compute(self, x_TD, r, ops, chunk, x_in):
+        """Permute, dispatch, experts, combine; the shared experts (on ``x_in``, the layer's input)
+        run while the dispatch is in flight."""
         if self.group is None:
             x_SD, src_S = self._permute(x_TD, r, int(r.kept_E.sum()), ops, chunk)  # host sync: rows
             d = self.dispatch(x_SD, r.kept_E, None, None)
@@ -313,13 +484,14 @@ class MoE(nn.Module):
             recv, sent = counts.wait()[0], counts.sent()[0]
             x_SD, src_S = self._permute(x_TD, r, int(sent.sum()), ops, chunk)
             d = self.dispatch(x_SD, r.kept_E, recv, sent)
+        shared = self._shared_output(x_in)
         _scope.switch()
         y_recv = self.compute_experts(d.pending.wait(), d, ops, d.pending.link)
         pending = self.combine(y_recv, d)
         _scope.switch()
-        return pending.wait(), src_S, pending.link
+        return pending.wait(), src_S, pending.link, shared
 
-    def _pipelined_exchange_and_compute(self, x_TD, r, ops, chunk):
+    def _pipelined_exchange_and_compute(self, x_TD, r, ops, chunk, x_in):
         """The Tutel-style baseline: every expert's rows cut into P pieces, each piece dispatched,
         computed and combined in turn, so piece p's experts overlap piece p+1's transfer."""
         P, E = self.pipeline_chunks, self.num_experts
@@ -340,15 +512,30 @@ class MoE(nn.Module):
         else:
             counts = sent = [None] * P
         ds = [self.dispatch(pieces[p], kept_PE[p], counts[p], sent[p]) for p in range(P)]
+        shared = self._shared_output(x_in)
         _scope.switch()
         combines = [self.combine(self.compute_experts(d.pending.wait(), d, ops), d) for d in ds]
         _scope.switch()
         y_pieces = torch.cat([c.wait() for c in combines])
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        return y_pieces.index_select(0, inverse), src_S
+        return y_pieces.index_select(0, inverse), src_S, shared
 
-    def _routing_state(self, T: int, device) -> BatchRouting:
+    def _routing_state(self, T: int, device) -> tuple[BatchRouting, bool]:
+        """This call's routing state, and whether it replays a recorded one (a recomputation)."""
+        snap = _recompute.replayed()
+        if snap is not None:
+            state = BatchRouting(self.num_experts, self.top_k, snap.total_tokens, self.capacity_factor, device)
+            state.used_E, state.kept_E = snap.used_E.clone(), snap.kept_E.clone()
+            state.routed_tokens = snap.routed_tokens
+            return state, True
+        state = self._live_routing_state(T, device)
+        if _recompute.recording():
+            _recompute.record(_recompute.Snapshot(state.total_tokens, state.routed_tokens, state.used_E.clone(),
+                                                  state.kept_E.clone()))
+        return state, False
+
+    def _live_routing_state(self, T: int, device) -> BatchRouting:
         s = _scope.current()
         if s is None:
             return BatchRouting(self.num_experts, self.top_k, T, self.capacity_factor, device)
@@ -377,6 +564,58 @@ class MoE(nn.Module):
             self.z_loss = state.z_loss().detach()
             self.tokens_per_expert = state.used_E.detach().long()
             self._dropped = state.used_E.long().sum() - state.kept_E.sum()  # read lazily: no sync here
+            if self.expert_bias and self.training:
+                load = state.used_E.long()
+                self.expert_load = load if self.expert_load is None else self.expert_load + load
+
+
+def _check_prebuilt(router: nn.Module, experts: Experts, d_model: int, num_experts: int, local: int,
+                    expert_bias: bool) -> None:
+    weight = getattr(router, "weight", None)
+    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (num_experts, d_model):
+        raise ValueError(f"router must have a weight of shape [num_experts={num_experts}, d_model={d_model}], "
+                         f"got {None if weight is None else tuple(weight.shape)}")
+    bias = getattr(router, "e_score_correction_bias", None)
+    if expert_bias and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (num_experts,)):
+        raise ValueError(f"expert_bias=True needs router.e_score_correction_bias of shape [{num_experts}], got "
+                         f"{None if bias is None else tuple(bias.shape)}")
+    if (experts.num_local_experts, experts.d_model) != (local, d_model):
+        raise ValueError(f"experts must hold num_experts / ep_size = {local} experts of d_model={d_model}, got "
+                         f"{experts.num_local_experts} of d_model={experts.d_model}")
+
+
+@torch.no_grad()
+def update_expert_bias(model: nn.Module, rate: float = 1e-3, group=None) -> None:
+    """DeepSeek-V3's aux-loss-free balancing: after a step, move each expert's selection bias by
+    ``rate`` towards balance, ``bias_e += rate * sign(mean load - load_e)``.
+
+    The load is the assignments per expert (before dropping) summed over the training forwards
+    since the last call (every microbatch of a step), and over ``group`` (the ranks that replicate
+    the router: the data-parallel world, expert-parallel ranks included) by one all-reduce, so that
+    every rank applies the same update. Layers without ``expert_bias`` are left alone.
+
+    Args:
+        model: a model holding :class:`MoE` layers.
+        rate: the bias update speed (DeepSeek-V3: 1e-3).
+        group: a torch.distributed ProcessGroup to sum loads over, or None (this process only).
+    """
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
+        raise ValueError(f"rate must be a finite number > 0, got {rate!r}")
+    layers = [m for m in model.modules() if isinstance(m, MoE) and m.expert_bias]
+    if not layers:
+        return
+    loads = torch.stack([m.expert_load if m.expert_load is not None else
+                         torch.zeros(m.num_experts, dtype=torch.long, device=m.router.weight.device)
+                         for m in layers])
+    if group is not None:
+        import torch.distributed as dist
+
+        # gloo reduces CPU tensors, NCCL CUDA ones: the loads live where the router does.
+        dist.all_reduce(loads, group=group)
+    for m, load in zip(layers, loads):
+        bias = m.router.e_score_correction_bias
+        bias += (rate * torch.sign(load.double().mean() - load.double())).to(bias.dtype)
+        m.expert_load = None
 
 
 class _Counts:

@@ -101,13 +101,9 @@ class Overlapped(nn.Module):
     def run_chunked(self, n: int, args: tuple, kwargs: dict):
         """Run the model on ``n`` chunks as coroutines and concatenate the outputs."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        cut = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.dim() > 0]
-        if not cut:
-            self._fail(ValueError("Overlapped: the model got no tensor argument to cut along dim 0"))
-        sizes = {leaves[i].shape[0] for i in cut}
-        if len(sizes) != 1:
-            self._fail(ValueError(f"Overlapped: every tensor argument is cut along dim 0, so they must "
-                                  f"agree in size; got sizes {sorted(sizes)}"))
+        cut = _batch_leaves(leaves)
+        if isinstance(cut, Exception):
+            self._fail(cut)
         pieces = {i: leaves[i].tensor_split(n) for i in cut}
         rows = [p.shape[0] for p in pieces[cut[0]]]
 
@@ -129,19 +125,28 @@ class Overlapped(nn.Module):
         last = None
         prev = _scope.current()
         _scope.set_current(scope)
+        outer = _TorchModes.capture()
+        modes = [outer] * n
         try:
             while live:
                 c = last = _next_chunk(live, scope.waiting, last)
                 scope.chunk = c
+                modes[c].restore()
                 with _trace.span(f"chunk {c}", "compute", _on_cuda(leaves), chunk=c):
                     lets[c].switch()
+                modes[c] = _TorchModes.capture()
                 if lets[c].dead:
                     live.remove(c)
         finally:
-            _scope.set_current(prev)
-            for g in lets:  # on an exception, end the others' coroutines
+            for c, g in enumerate(lets):  # on an exception, end the others' coroutines
                 if not g.dead:
-                    g.throw(_greenlet.GreenletExit)
+                    modes[c].restore()  # (their context managers unwind in their own state)
+                    try:
+                        g.throw(_greenlet.GreenletExit)
+                    except Exception:  # noqa: BLE001 - the error in flight is the one to report
+                        pass
+            outer.restore()
+            _scope.set_current(prev)
         return _concat(outputs)
 
     def _fail(self, error: Exception) -> None:
@@ -172,6 +177,70 @@ class Overlapped(nn.Module):
                         f"(max abs err {err:.3e}, scale {scale:.3e}); the model must be separable along "
                         f"dim 0 outside lancet MoE layers, with a deterministic forward"))
         self._checked = True
+
+
+def _batch_leaves(leaves: list):
+    """Indices of the leaves to cut along dim 0, or a ValueError.
+
+    The batch size B is the largest dim 0 among the tensor arguments; tensors with B rows are cut,
+    tensors with one row (batch-independent ones such as position embeddings [1, S, ...] or a mask
+    built for a batch of 1) are given whole to every chunk, anything else is an error.
+    """
+    tensors = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.dim() > 0]
+    if not tensors:
+        return ValueError("Overlapped: the model got no tensor argument to cut along dim 0")
+    B = max(leaves[i].shape[0] for i in tensors)
+    odd = sorted({leaves[i].shape[0] for i in tensors} - {B, 1})
+    if odd:
+        return ValueError(f"Overlapped: tensor arguments are cut along dim 0, so they must have the batch's "
+                          f"{B} rows (or 1 row, given whole to every chunk); got sizes {odd}")
+    return [i for i in tensors if leaves[i].shape[0] == B]
+
+
+class _TorchModes:
+    """Thread-local torch state a chunk may change and keep across a switch.
+
+    Grad mode, autocast and the saved-tensor hooks (activation checkpointing, ``save_on_cpu``) are
+    per thread, not per greenlet: a chunk that yields inside ``torch.no_grad()``, ``torch.autocast``
+    or a checkpointed region would hand them to the chunk resumed next (whose saved tensors would then
+    be packed into the first chunk's checkpoint). The scheduler captures each chunk's state when it
+    yields and restores it when the chunk resumes.
+    """
+
+    _DEVICES = ("cpu", "cuda")
+
+    def __init__(self, grad: bool, autocast: tuple, hooks: list):
+        self.grad, self.autocast, self.hooks = grad, autocast, hooks
+
+    @classmethod
+    def capture(cls) -> "_TorchModes":
+        hooks = _pop_saved_tensor_hooks()
+        _push_saved_tensor_hooks(hooks)
+        return cls(torch.is_grad_enabled(),
+                   tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in cls._DEVICES), hooks)
+
+    def restore(self) -> None:
+        torch.set_grad_enabled(self.grad)
+        for d, (enabled, dtype) in zip(self._DEVICES, self.autocast):
+            torch.set_autocast_enabled(d, enabled)
+            torch.set_autocast_dtype(d, dtype)
+        _pop_saved_tensor_hooks()
+        _push_saved_tensor_hooks(self.hooks)
+
+
+def _pop_saved_tensor_hooks() -> list:
+    """Empty this thread's stack of default saved-tensor hooks; returns it, bottom first."""
+    autograd = torch._C._autograd
+    stack = []
+    while (top := autograd._top_saved_tensors_default_hooks(True)) is not None:
+        stack.append(top)
+        autograd._pop_saved_tensors_default_hooks()
+    return stack[::-1]
+
+
+def _push_saved_tensor_hooks(stack: list) -> None:
+    for pack, unpack in stack:
+        torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
 
 
 def _next_chunk(live: list, waiting: dict, last) -> int:

@@ -258,5 +258,12 @@ class DeferredLinear(nn.Linear):
         if q is None or not torch.is_grad_enabled():
             return super().forward(x)
         params = (self.weight,) if self.bias is None else (self.weight, self.bias)
+        weight = self.weight.detach()
         bias = None if self.bias is None else self.bias.detach()
-        return _LinearFn.apply(x, self.weight.detach(), bias, q.probe, params, q)
+        if torch.is_autocast_enabled(x.device.type):
+            # As nn.Linear under autocast: input and weights in the autocast dtype (dW is summed in
+            # it and handed to the float32 parameter at the flush).
+            dtype = torch.get_autocast_dtype(x.device.type)
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = None if bias is None else bias.to(dtype)
+        return _LinearFn.apply(x, weight, bias, q.probe, params, q)

@@ -1,6 +1,8 @@
 """The MoE layer against the float64 contract reference, Mixtral parity, and input validation."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -209,3 +211,23 @@ def test_bad_input(x, exc, words):
     moe = lancet_rt.MoE(8, 8, 4, 2)
     with pytest.raises(exc, match=words):
         moe(x)
+
+
+def test_a_chunk_with_every_assignment_dropped(kernels):
+    """A late chunk that finds every expert full keeps no row at all (S = 0 while T > 0): its output
+    is zero and its gradients too, on both kernel paths, chunked as unchunked."""
+    from torch import nn
+
+    torch.manual_seed(2)
+    moe = lancet_rt.MoE(8, 12, 4, 2, capacity_factor=0.5)
+    model = nn.Sequential(moe)
+    x = torch.randn(6, 5, 8)
+    ref = copy.deepcopy(model)
+    y_ref = ref(x.clone())
+    y_ref.square().sum().backward()
+    y = lancet_rt.Overlapped(model, chunks=3)(x.clone())
+    y.square().sum().backward()
+    assert (y[4:] == 0).all(), "the last chunk should keep nothing (capacity spent by the chunks before)"
+    assert_close("y", y, y_ref)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        assert_close(f"grad {n}", p.grad, q.grad)

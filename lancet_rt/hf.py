@@ -1,0 +1,271 @@
+"""Hugging Face transformers MoE models under lancet-rt: :func:`from_hf`.
+
+``from_hf(model)`` patches a transformers ``*ForCausalLM`` (or its base model) in place: every sparse
+MoE block becomes a :class:`lancet_rt.MoE` holding the block's own weights (only this rank's experts
+with expert parallelism), under the block's own parameter names, so the model's ``state_dict`` keys,
+``named_parameters`` and ``save_pretrained`` layout do not change. The model's ``forward`` keeps its
+signature and returns the same logits and loss.
+
+With ``chunks > 1`` (or ``defer_wgrad``) the base model (embeddings, masks, rotary embeddings, the
+decoder layers, the final norm: everything separable along the batch) runs under
+:class:`lancet_rt.Overlapped`; the head and the loss see the whole batch. Masks and position
+embeddings built for a batch of one ([1, S, ...]) pass to every chunk whole.
+
+Router logits and the auxiliary loss: the router modules stay the model's own (their class is
+swapped for a subclass whose forward returns the float32 logits), so transformers'
+``output_router_logits`` records them as before and the model's own load-balancing loss is computed
+and added to the loss exactly as transformers does, with its gradient. lancet's built-in aux/z losses
+are off for converted models.
+
+Supported blocks (``SUPPORTED``): Mixtral, Qwen3-MoE, OLMoE (softmax top-k, optional
+renormalisation), Qwen2-MoE (plus a sigmoid-gated shared expert), DeepSeek-V3 and GLM-4.5 (sigmoid
+scores, selection bias, group-limited top-k, routed scaling factor, shared experts).
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from . import comm, recompute as _recompute
+from .experts import Experts
+from .moe import MoE, router_logits
+from .overlap import Overlapped
+
+
+class HFMoE(MoE):
+    """A :class:`lancet_rt.MoE` standing in for a transformers sparse MoE block.
+
+    Attributes:
+        hf_block_class: the name of the block class it replaced.
+        tuple_output: the replaced block returned ``(hidden_states, router_scores)`` (GPT-OSS); the
+            second element is None here.
+    """
+
+    hf_block_class: str = ""
+    tuple_output: bool = False
+
+    def forward(self, hidden_states: torch.Tensor):
+        y = super().forward(hidden_states)
+        return (y, None) if self.tuple_output else y
+
+
+# ------------------------------------------------------------------------------------------ routers
+_router_classes: dict = {}
+
+
+def _lancet_router(router: nn.Module) -> nn.Module:
+    """Swap ``router``'s class for a subclass whose forward returns float32 logits (with the
+    router's bias, if it has one). It stays an instance of its transformers class, so
+    ``output_router_logits`` still records its output, and keeps its parameters and buffers."""
+    cls = type(router)
+    if cls not in _router_classes.values():
+        if cls not in _router_classes:
+            _router_classes[cls] = type(f"Lancet{cls.__name__}", (cls,), {
+                "forward": lambda self, hidden_states: router_logits(
+                    hidden_states.reshape(-1, self.weight.shape[1]), self.weight, getattr(self, "bias", None)),
+                "__doc__": f"{cls.__name__} whose forward returns the float32 router logits [T, E] (lancet-rt).",
+            })
+        router.__class__ = _router_classes[cls]
+    return router
+
+
+# ------------------------------------------------------------------------------------------ experts
+def _local_experts(hf_experts: nn.Module, group, names=("gate_up_proj", "down_proj")) -> Experts:
+    """A lancet :class:`Experts` holding this rank's rows of the transformers experts' weights
+    (the same Parameter objects when every expert is local)."""
+    gate_up = hf_experts.gate_up_proj
+    E, twoF, D = gate_up.shape
+    W, r = (group.size, group.rank) if group is not None else (1, 0)
+    if E % W:
+        raise ValueError(f"the model has {E} experts, not divisible by the expert-parallel world size {W}")
+    L = E // W
+    experts = Experts(L, D, twoF // 2, device="meta", dtype=gate_up.dtype)
+    for name in names:
+        p = getattr(hf_experts, name)
+        if W > 1:
+            p = nn.Parameter(p.detach()[r * L:(r + 1) * L].clone(), requires_grad=p.requires_grad)
+        setattr(experts, name, p)
+    return experts
+
+
+def _check_silu(block: nn.Module, config) -> None:
+    act = getattr(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"{type(block).__name__}: lancet-rt's experts compute SwiGLU (silu); the model's "
+                         f"hidden_act is {act!r}")
+
+
+# ------------------------------------------------------------------------------------------ blocks
+def _softmax_block(block, config, group, capacity_factor, **extra) -> HFMoE:
+    """Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE: softmax over the logits, top-k, optional renormalisation."""
+    if getattr(block, "jitter_noise", 0) and block.jitter_noise > 0:
+        raise ValueError(f"{type(block).__name__}: router_jitter_noise={block.jitter_noise} draws random "
+                         f"noise on the tokens in training, which lancet-rt does not reproduce; set it to 0")
+    _check_silu(block, config)
+    gate = block.gate
+    return _build(block, gate, group, capacity_factor, score_fn="softmax",
+                  normalize_topk=bool(getattr(gate, "norm_topk_prob", True)), **extra)
+
+
+def _qwen2_block(block, config, group, capacity_factor) -> HFMoE:
+    return _softmax_block(block, config, group, capacity_factor, shared_experts=block.shared_expert,
+                          shared_expert_gate=block.shared_expert_gate,
+                          names=dict(router="gate", shared_experts="shared_expert"))
+
+
+def _deepseek_block(block, config, group, capacity_factor) -> HFMoE:
+    """DeepSeek-V3, GLM-4.5: sigmoid scores, selection bias, group-limited top-k, scaling, shared experts."""
+    _check_silu(block, config)
+    gate = block.gate
+    return _build(block, gate, group, capacity_factor, score_fn="sigmoid",
+                  normalize_topk=bool(gate.norm_topk_prob), expert_bias=True, n_group=int(gate.num_group),
+                  topk_group=int(gate.topk_group), routed_scaling_factor=float(gate.routed_scaling_factor),
+                  shared_experts=block.shared_experts, names=dict(router="gate"))
+
+
+def _build(block, gate, group, capacity_factor, *, names=None, **kwargs) -> HFMoE:
+    experts = _local_experts(block.experts, group)
+    E, _, D = block.experts.gate_up_proj.shape
+    moe = HFMoE(D, experts.d_ffn, E, int(gate.top_k), capacity_factor=capacity_factor, ep_group=group,
+                router=_lancet_router(gate), experts=experts, names=names or dict(router="gate"), **kwargs)
+    moe.hf_block_class = type(block).__name__
+    # The block's own child order, so that parameters() lists them as the model did (optimizer
+    # state and checkpoints that go by position stay valid).
+    order = [name for name, _ in block.named_children() if name in moe._modules]
+    moe._modules = {**{name: moe._modules[name] for name in order}, **moe._modules}
+    return moe
+
+
+#: transformers block class name -> builder(block, config, group, capacity_factor).
+SUPPORTED: dict[str, Callable] = {
+    "MixtralSparseMoeBlock": _softmax_block,
+    "Qwen3MoeSparseMoeBlock": _softmax_block,
+    "OlmoeSparseMoeBlock": _softmax_block,
+    "Qwen2MoeSparseMoeBlock": _qwen2_block,
+    "DeepseekV3MoE": _deepseek_block,
+    "Glm4MoeMoE": _deepseek_block,
+}
+
+
+def _is_moe_block(module: nn.Module) -> bool:
+    """A block holding fused experts (transformers 5's MoE layout) that is not ours."""
+    experts = getattr(module, "experts", None)
+    return (not isinstance(module, MoE) and isinstance(experts, nn.Module)
+            and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor))
+
+
+# ------------------------------------------------------------------------------------------ runner
+class _BaseModelRunner:
+    """Installed as the base model's ``forward``: runs it under :class:`Overlapped` (when chunking
+    or deferring dW), makes activation checkpointing replay MoE routing, and calls the model's own
+    forward for the chunks (and, unchunked, for generation with a KV cache)."""
+
+    def __init__(self, base: nn.Module, chunks, defer_wgrad: bool):
+        self.base = base
+        self.inner = type(base).forward
+        self.overlapped = Overlapped(base, chunks=chunks, defer_wgrad=defer_wgrad) \
+            if chunks != 1 or defer_wgrad else None
+        self.active = False
+
+    def __call__(self, *args, **kwargs):
+        if self.active or self.overlapped is None:
+            _replay_checkpoints(self.base)
+            return self.inner(self.base, *args, **kwargs)
+        if kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is True:
+            # Generation with a KV cache: unchunked (the numbers are the same; chunks only overlap).
+            return self.inner(self.base, *args, **kwargs)
+        _replay_checkpoints(self.base)
+        kwargs["use_cache"] = False  # a cache per chunk would be the chunk's, not the batch's
+        self.active = True
+        try:
+            return self.overlapped(*args, **kwargs)
+        finally:
+            self.active = False
+
+
+class _ReplayingCheckpoint:
+    """A decoder layer's checkpoint function with lancet's replay of MoE routing (``context_fn``)."""
+
+    def __init__(self, fn):
+        keywords = getattr(fn, "keywords", {}) or {}
+        if keywords.get("use_reentrant", False):
+            raise ValueError("activation checkpointing around lancet MoE layers needs use_reentrant=False: "
+                             "model.activation_checkpointing_enable(activation_checkpointing_kwargs="
+                             "{'use_reentrant': False}) (the reentrant checkpoint cannot replay their routing)")
+        if "context_fn" in keywords:
+            raise ValueError("activation checkpointing around lancet MoE layers sets its own context_fn "
+                             "(lancet_rt.checkpoint_context); the model's checkpoint kwargs already have one")
+        self.fn = fn
+
+    def __call__(self, function, *args, **kwargs):
+        return self.fn(function, *args, context_fn=_recompute.checkpoint_context, **kwargs)
+
+
+def _replay_checkpoints(base: nn.Module) -> None:
+    for m in base.modules():
+        fn = getattr(m, "_gradient_checkpointing_func", None)
+        if getattr(m, "gradient_checkpointing", False) and fn is not None and not isinstance(fn, _ReplayingCheckpoint):
+            m._gradient_checkpointing_func = _ReplayingCheckpoint(fn)
+
+
+# ------------------------------------------------------------------------------------------ entry
+def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = False,
+            capacity_factor: Optional[float] = None) -> nn.Module:
+    """Make a transformers MoE model a lancet-rt model, in place.
+
+    Args:
+        model: a transformers ``*ForCausalLM`` (or its base model) whose sparse MoE blocks are in
+            :data:`SUPPORTED`. With expert parallelism every rank passes the full model (for example
+            from one ``from_pretrained`` or state dict) and keeps its own experts.
+        ep_group: None (all experts local), a torch.distributed ProcessGroup or an
+            :class:`~lancet_rt.comm.ExpertParallelGroup` (e.g. :class:`lancet_rt.EmulatedGroup`).
+            Expert e lives on rank e // (E / W); every rank passes its own batch.
+        chunks: >= 1 or "auto": cut the base model's batch into this many chunks and overlap their
+            computation with the all-to-alls (:class:`lancet_rt.Overlapped`).
+        defer_wgrad: defer the weight gradients of the base model's linears and experts into the
+            backward all-to-alls.
+        capacity_factor: None (dropless, as transformers computes) or a capacity factor (tokens past
+            capacity are dropped, as in the routing contract).
+
+    Returns:
+        ``model``, patched: call it as before. Calling ``from_hf`` again on it changes ``chunks`` and
+        ``defer_wgrad``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a transformers model (an nn.Module), got {type(model).__name__}")
+    if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
+        raise ValueError(f"chunks must be an int >= 1 or 'auto', got {chunks!r}")
+    group = comm.as_group(ep_group)
+    config = getattr(model, "config", None)
+    converted = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            builder = SUPPORTED.get(type(child).__name__)
+            if builder is not None:
+                setattr(parent, name, builder(child, config, group, capacity_factor))
+                converted += 1
+            elif _is_moe_block(child):
+                raise ValueError(f"from_hf: the MoE block {type(child).__name__} is not supported; supported: "
+                                 f"{', '.join(SUPPORTED)}")
+    layers = [m for m in model.modules() if isinstance(m, HFMoE)]
+    if not layers:
+        raise ValueError(f"from_hf: {type(model).__name__} holds no MoE block lancet-rt supports "
+                         f"({', '.join(SUPPORTED)})")
+    if not converted and (group is not None or capacity_factor is not None):
+        raise ValueError("from_hf: the model is converted already; only chunks and defer_wgrad can change")
+    for name, m in model.named_modules():
+        if isinstance(m, HFMoE):
+            m.trace_name = name
+    base = getattr(model, "base_model", model)
+    old = base.__dict__.get("forward")
+    if isinstance(old, _BaseModelRunner) and old.overlapped is not None and old.overlapped.defer_wgrad and not defer_wgrad:
+        raise ValueError("from_hf: defer_wgrad cannot be turned off once on (the linears were made deferring)")
+    base.forward = _BaseModelRunner(base, chunks, defer_wgrad)
+    return model
+
+
+def moe_layers(model: nn.Module) -> list[HFMoE]:
+    """The lancet MoE layers of a converted model, in order."""
+    return [m for m in model.modules() if isinstance(m, HFMoE)]
