@@ -1,8 +1,10 @@
 """Checkpoints across expert-parallel sizes: saved at EP=2, loaded at EP=1 and EP=4, same logits.
 
 One gloo run of 4 processes does every distributed check: ranks 0 and 1 form an EP=2 group, train
-one step and save (DCP with the optimizer, and the Hugging Face layout); then all four load at EP=4,
-and try checkpoints that do not fit. The EP=1 loads run in this process, without a process group.
+one step and save (DCP with the optimizer, and the Hugging Face layout), for a model of lancet
+blocks and for a transformers Mixtral under ``lancet_rt.from_hf``; then all four load at EP=4 (also
+the directory transformers' own ``save_pretrained`` wrote), and try checkpoints that do not fit. The
+EP=1 loads, and ``AutoModelForCausalLM.from_pretrained`` of what EP=2 wrote, run in this process.
 """
 from __future__ import annotations
 
@@ -91,11 +93,67 @@ class _RecordingSlice:
         return self.inner[rows]
 
 
+def _mixtral(ep_group=None, seed=0):
+    import lancet_rt
+    from bench.hf_models import build
+
+    return lancet_rt.from_hf(build("mixtral", seed=seed), ep_group)  # 8 experts
+
+
+def _lm_logits(model) -> np.ndarray:
+    from bench.hf_models import batch
+
+    ids, mask, _ = batch(model.config.vocab_size, 2, 6, seed=3)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits.numpy()
+
+
+def _recording_reads(fn) -> list:
+    """Run ``fn`` with load_hf's files recording what it reads; returns [(key, rows or None)]."""
+    from lancet_rt import ep_checkpoint_hf
+
+    reads, original = [], ep_checkpoint_hf._Headers.file
+    ep_checkpoint_hf._Headers.file = lambda self, key: _RecordingFile(original(self, key), reads)
+    try:
+        fn()
+    finally:
+        ep_checkpoint_hf._Headers.file = original
+    return reads
+
+
+def _mixtral_across_ep_sizes(rank, root, ep2, out):
+    import torch.distributed as dist
+
+    import lancet_rt.parallel
+    from bench.hf_models import batch
+    from lancet_rt import load_checkpoint, load_hf, save_checkpoint, save_hf
+
+    if rank < 2:
+        model = _mixtral(ep2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ids, mask, labels = batch(model.config.vocab_size, 3, 7, seed=20 + rank)
+        model(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+        lancet_rt.parallel.sync_gradients(model, ep2)
+        opt.step()
+        save_checkpoint(model, f"{root}/mixtral_dcp", opt, process_group=ep2)
+        save_hf(model, f"{root}/mixtral_hf", max_shard_bytes=40_000, process_group=ep2)
+        out["mixtral_ep2"] = _lm_logits(model)
+    dist.barrier()
+    model = _mixtral(dist.group.WORLD, seed=1)
+    load_checkpoint(model, f"{root}/mixtral_dcp", torch.optim.AdamW(model.parameters()))
+    out["mixtral_ep4_dcp"] = _lm_logits(model)
+    model = _mixtral(dist.group.WORLD, seed=2)
+    out["mixtral_hf_reads"] = _recording_reads(lambda: load_hf(model, f"{root}/mixtral_hf"))
+    out["mixtral_ep4_hf"] = _lm_logits(model)
+    model = _mixtral(dist.group.WORLD, seed=3)
+    load_hf(model, f"{root}/transformers_saved")
+    out["transformers_saved_ep4"] = _lm_logits(model)
+
+
 def _across_ep_sizes(rank, world, root):
     import torch.distributed as dist
 
-    from lancet_rt import checkpoint_hf
-    from lancet_rt.checkpoint import load_checkpoint, load_hf, save_checkpoint, save_hf
+    from lancet_rt import load_checkpoint, load_hf, save_checkpoint, save_hf
 
     out = {}
     ep2 = dist.new_group([0, 1])  # every rank takes part in creating it
@@ -121,14 +179,8 @@ def _across_ep_sizes(rank, world, root):
     out["ep4_lr_step"] = (opt.param_groups[0]["lr"], float(opt.state[model.blocks[0].moe.experts.gate_up_proj]["step"]))
 
     model = _blocks(world_group, seed=2)
-    reads, original = [], checkpoint_hf._Headers.file
-    checkpoint_hf._Headers.file = lambda self, key: _RecordingFile(original(self, key), reads)
-    try:
-        load_hf(model, f"{root}/hf")
-    finally:
-        checkpoint_hf._Headers.file = original
+    out["hf_reads"] = _recording_reads(lambda: load_hf(model, f"{root}/hf"))
     out["ep4_hf"] = _logits(model)
-    out["hf_reads"] = reads
 
     # A checkpoint that does not fit (E=4 saved, E=8 here): every rank raises before reading anything.
     wrong = _blocks(world_group, num_experts=8, seed=3)
@@ -139,17 +191,22 @@ def _across_ep_sizes(rank, world, root):
     # One rank's bad path: every rank raises, the others naming that rank.
     out["one_bad_path"] = _error(lambda: load_checkpoint(_blocks(world_group), f"{root}/dcp" if rank != 3 else
                                                           f"{root}/nowhere"))
+    _mixtral_across_ep_sizes(rank, root, ep2, out)
     return out
 
 
 @pytest.fixture(scope="module")
 def across(tmp_path_factory):
+    """The 4-rank run's results per rank; first, transformers saves an unsharded Mixtral for it to load."""
     root = tmp_path_factory.mktemp("ckpt")
-    return root, assert_all_ok(run_ranks(_across_ep_sizes, 4, str(root), timeout=240))
+    reference = _mixtral(seed=6)
+    reference.save_pretrained(root / "transformers_saved")  # transformers' own layout: per-expert keys
+    root_out = assert_all_ok(run_ranks(_across_ep_sizes, 4, str(root), timeout=240))
+    return root, root_out, _lm_logits(reference)
 
 
 def test_dcp_saved_at_ep2_loads_at_ep4(across):
-    _, out = across
+    _, out, _ = across
     ep2 = torch.from_numpy(out[0]["ep2"])
     assert_close("EP=2 logits, ranks 0 and 1", torch.from_numpy(out[1]["ep2"]), ep2)
     full_exp_avg = torch.from_numpy(np.concatenate([out[0]["ep2_exp_avg"], out[1]["ep2_exp_avg"]]))
@@ -161,9 +218,9 @@ def test_dcp_saved_at_ep2_loads_at_ep4(across):
 
 
 def test_dcp_saved_at_ep2_loads_at_ep1_in_one_process(across):
-    from lancet_rt.checkpoint import load_checkpoint
+    from lancet_rt import load_checkpoint
 
-    root, out = across
+    root, out, _ = across
     model = _blocks(seed=4)
     opt = torch.optim.AdamW(model.parameters(), lr=0.5)
     load_checkpoint(model, root / "dcp", opt)
@@ -177,7 +234,7 @@ def test_dcp_stores_each_expert_as_its_own_chunk(across):
     # DCP reads whole chunks, so one chunk per expert is what lets any EP size read only its experts.
     from torch.distributed.checkpoint import FileSystemReader
 
-    root, _ = across
+    root, _, _ = across
     md = FileSystemReader(str(root / "dcp")).read_metadata().state_dict_metadata
     for key in (f"model.{EXPERT_KEY}", f"optim.state.{EXPERT_KEY}.exp_avg"):
         assert tuple(md[key].size) == (E, 2 * F, D)
@@ -189,9 +246,9 @@ def test_dcp_stores_each_expert_as_its_own_chunk(across):
 def test_hf_layout_saved_at_ep2_loads_at_ep4_and_ep1(across):
     from safetensors import safe_open
 
-    from lancet_rt.checkpoint import load_hf
+    from lancet_rt import load_hf
 
-    root, out = across
+    root, out, _ = across
     ep2 = torch.from_numpy(out[0]["ep2"])
     for r in range(4):
         assert_close(f"EP=4 rank {r} logits (HF layout)", torch.from_numpy(out[r]["ep4_hf"]), ep2)
@@ -211,7 +268,7 @@ def test_hf_layout_saved_at_ep2_loads_at_ep4_and_ep1(across):
 
 
 def test_checkpoint_that_does_not_fit_raises_on_every_rank(across):
-    root, out = across
+    root, out, _ = across
     for r in range(4):
         assert out[r]["wrong_E_dcp"].startswith("ValueError") and "E=4" in out[r]["wrong_E_dcp"] \
             and "E=8" in out[r]["wrong_E_dcp"], out[r]["wrong_E_dcp"]
@@ -225,9 +282,63 @@ def test_checkpoint_that_does_not_fit_raises_on_every_rank(across):
     assert not (root / "bad" / ".metadata").exists()
 
 
+def test_mixtral_saved_at_ep2_loads_at_ep4_and_ep1(across):
+    """The issue's acceptance: a checkpoint saved at EP=2 loads at EP=1 and EP=4 and gives the same logits."""
+    import lancet_rt
+
+    root, out, _ = across
+    ep2 = torch.from_numpy(out[0]["mixtral_ep2"])
+    assert_close("Mixtral EP=2 logits, ranks 0 and 1", torch.from_numpy(out[1]["mixtral_ep2"]), ep2)
+    for r in range(4):
+        assert_close(f"Mixtral EP=4 rank {r} logits (DCP)", torch.from_numpy(out[r]["mixtral_ep4_dcp"]), ep2)
+        assert_close(f"Mixtral EP=4 rank {r} logits (HF layout)", torch.from_numpy(out[r]["mixtral_ep4_hf"]), ep2)
+        # Rank r reads experts 2r and 2r+1 (8 experts over 4 ranks), per-expert tensors, nothing else.
+        experts = {int(k.split(".experts.")[1].split(".")[0]) for k, _ in out[r]["mixtral_hf_reads"] if ".experts." in k}
+        assert experts == {2 * r, 2 * r + 1}
+    model = _mixtral(seed=4)
+    opt = torch.optim.AdamW(model.parameters())
+    lancet_rt.load_checkpoint(model, root / "mixtral_dcp", opt)
+    assert_close("Mixtral EP=1 logits (DCP)", torch.from_numpy(_lm_logits(model)), ep2)
+    model = _mixtral(seed=5)
+    lancet_rt.load_hf(model, root / "mixtral_hf")
+    assert_close("Mixtral EP=1 logits (HF layout)", torch.from_numpy(_lm_logits(model)), ep2)
+
+
+def test_mixtral_save_pretrained_round_trip(across):
+    """What EP=2 wrote is what transformers writes (per-expert keys) and loads as the full model; what
+    transformers' own save_pretrained wrote loads at EP=4."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    root, out, transformers_logits = across
+    index = json.loads((root / "mixtral_hf" / "model.safetensors.index.json").read_text())
+    ours = set(index["weight_map"])
+    theirs = set(json.loads((root / "transformers_saved" / "model.safetensors.index.json").read_text())["weight_map"]) \
+        if (root / "transformers_saved" / "model.safetensors.index.json").exists() else _safetensors_keys(root / "transformers_saved")
+    assert ours == theirs
+    assert "model.layers.1.block_sparse_moe.experts.7.w3.weight" in ours
+    assert len(set(index["weight_map"].values())) > 2  # files from both ranks
+    # Eager attention as bench.hf_models builds it (sdpa differs on the fully masked rows of padding).
+    full = AutoModelForCausalLM.from_pretrained(root / "mixtral_hf", attn_implementation="eager")
+    assert type(full).__name__ == "MixtralForCausalLM" and full.config.num_local_experts == 8
+    assert_close("from_pretrained of the EP=2 save", torch.from_numpy(_lm_logits(full)),
+                 torch.from_numpy(out[0]["mixtral_ep2"]))
+    for r in range(4):
+        assert_close(f"transformers' save loaded at EP=4, rank {r}", torch.from_numpy(out[r]["transformers_saved_ep4"]),
+                     torch.from_numpy(transformers_logits))
+
+
+def _safetensors_keys(directory) -> set:
+    from safetensors import safe_open
+
+    with safe_open(str(directory / "model.safetensors"), framework="pt") as f:
+        return set(f.keys())
+
+
 def test_emulated_group_is_rejected(tmp_path):
     import lancet_rt
-    from lancet_rt.checkpoint import save_checkpoint, save_hf
+    from lancet_rt import save_checkpoint, save_hf
 
     link = lancet_rt.EmulatedGroup(2, bandwidth_gbps=1.0, latency_us=0.0)
     model = lancet_rt.MoE(D, F, E, 2, ep_group=link)
@@ -238,7 +349,7 @@ def test_emulated_group_is_rejected(tmp_path):
 
 
 def test_mismatches_name_what_differs(tmp_path):
-    from lancet_rt.checkpoint import load_checkpoint, load_hf, save_checkpoint, save_hf
+    from lancet_rt import load_checkpoint, load_hf, save_checkpoint, save_hf
 
     model = _blocks()
     save_checkpoint(model, tmp_path / "dcp")

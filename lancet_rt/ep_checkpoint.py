@@ -9,7 +9,7 @@ expert); everything else is replicated. Two formats:
   so the checkpoint records their global [E, ...] shape, and DCP reshards on load. The save planner
   writes each expert row as its own chunk: DCP reads whole chunks, so at any later EP size a rank
   reads exactly the experts it holds. Replicated tensors are written once (DCP's deduplication).
-- :func:`save_hf` / :func:`load_hf` (in :mod:`lancet_rt.checkpoint_hf`, re-exported here): the
+- :func:`save_hf` / :func:`load_hf` (in :mod:`lancet_rt.ep_checkpoint_hf`, re-exported here): the
   Hugging Face ``save_pretrained`` layout, in the on-disk format transformers itself writes; each
   rank writes the safetensors files of its own experts and reads only its experts' tensors.
 
@@ -394,10 +394,10 @@ def load_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Opti
 
 
 def __getattr__(name: str):
-    # save_hf/load_hf live in checkpoint_hf, which imports the helpers above: re-exported lazily so that
+    # save_hf/load_hf live in ep_checkpoint_hf, which imports the helpers above: re-exported lazily so that
     # either module can be imported first.
     if name in ("save_hf", "load_hf"):
-        from . import checkpoint_hf
+        from . import ep_checkpoint_hf
 
-        return getattr(checkpoint_hf, name)
+        return getattr(ep_checkpoint_hf, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

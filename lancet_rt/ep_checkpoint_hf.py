@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .checkpoint import _agree, _digest, _expert_shards, _listing, _process_group, _Shard, _tensor_id
+from .ep_checkpoint import _agree, _digest, _expert_shards, _listing, _process_group, _Shard, _tensor_id
 
 __all__ = ["save_hf", "load_hf"]
 
