@@ -56,8 +56,8 @@ def _tensor_id(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.dtype)
 
 
-def _expert_shards(model: nn.Module) -> dict:
-    """{tensor id: _Shard} for every parameter of every MoE layer's experts."""
+def _expert_shards(model: nn.Module, pg=None) -> dict:
+    """{tensor id: _Shard} for every parameter of every MoE layer's experts (EP groups within ``pg``)."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     shards = {}
@@ -73,6 +73,9 @@ def _expert_shards(model: nn.Module) -> dict:
                     f"None or a torch.distributed ProcessGroup (an EmulatedGroup has no ranks holding the other "
                     f"experts)")
             group = moe.group.group
+            if pg is not None and not set(dist.get_process_group_ranks(group)) <= set(dist.get_process_group_ranks(pg)):
+                raise ValueError(f"process_group: must hold every rank of MoE layer {layer!r}'s ep_group "
+                                 f"(ranks {dist.get_process_group_ranks(group)})")
         L = moe.num_local_experts
         for pname, p in moe.experts.named_parameters():
             if p.dim() == 0 or p.shape[0] != L:
@@ -117,6 +120,15 @@ def _agree(error: Optional[Exception], pg, use_dist: bool, digest: Optional[str]
             groups.setdefault(d, []).append(r)
         raise ValueError("model: the ranks hold differently structured models or optimizers (state-dict keys, "
                          f"shapes or dtypes differ); ranks agreeing with each other: {list(groups.values())}")
+
+
+def _bad_argument(exc: Exception, what: str) -> Exception:
+    """A failure while checking, as the TypeError/ValueError every rank raises (the cause chained)."""
+    if isinstance(exc, (TypeError, ValueError)):
+        return exc
+    err = ValueError(f"{what}: {type(exc).__name__}: {exc}")
+    err.__cause__ = exc
+    return err
 
 
 def _digest(items) -> str:
@@ -166,11 +178,11 @@ class _DCPState:
         return out
 
 
-def _dcp_state(model: nn.Module, optimizer) -> _DCPState:
+def _dcp_state(model: nn.Module, optimizer, pg) -> _DCPState:
     """The flat DCP state dict: ``model.<fqn>``, ``optim.state.<fqn>.<name>``, ``optim.param_groups``."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
-    by_id = _expert_shards(model)
+    by_id = _expert_shards(model, pg)
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be None or a torch.optim.Optimizer, got {type(optimizer).__name__}")
     if optimizer is not None:
@@ -221,31 +233,31 @@ def _row_planner(state: _DCPState):
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItemType
 
-    sharded = {k for k, s in state.shards.items() if s.group is not None}
-
     class _ExpertRowSavePlanner(DefaultSavePlanner):
+        # Unsharded expert tensors (EP size 1) are split too: a later EP size reads only its rows.
         def create_local_plan(self):
             plan = super().create_local_plan()
             items = []
             for item in plan.items:
-                if item.index.fqn not in sharded or item.type != WriteItemType.SHARD:
+                if item.index.fqn not in state.shards or item.type == WriteItemType.BYTE_IO:
                     items.append(item)
                     continue
                 chunk = item.tensor_data.chunk
                 for i in range(chunk.sizes[0]):
                     offsets = torch.Size((chunk.offsets[0] + i,) + tuple(chunk.offsets[1:]))
                     row = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size((1,) + tuple(chunk.sizes[1:])))
-                    items.append(dataclasses.replace(item, index=MetadataIndex(item.index.fqn, offsets),
+                    items.append(dataclasses.replace(item, type=WriteItemType.SHARD,
+                                                     index=MetadataIndex(item.index.fqn, offsets),
                                                      tensor_data=dataclasses.replace(item.tensor_data, chunk=row)))
             self.plan = dataclasses.replace(plan, items=items)
             return self.plan
 
         def lookup_object(self, index):
-            if index.fqn not in sharded:
+            if index.fqn not in state.shards:
                 return super().lookup_object(index)
-            shard = state.shards[index.fqn]
-            i = index.offset[0] - shard.offset
-            return self.state_dict[index.fqn].to_local()[i:i + 1]
+            v = self.state_dict[index.fqn]
+            i = index.offset[0] - state.shards[index.fqn].offset
+            return (v.to_local() if hasattr(v, "to_local") else v)[i:i + 1]
 
     return _ExpertRowSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
@@ -278,10 +290,10 @@ def save_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Opti
     error, state, digest = None, None, None
     try:
         path = os.fspath(path)
-        state = _dcp_state(model, optimizer)
+        state = _dcp_state(model, optimizer, pg)
         digest = _digest(state.signature())
-    except (TypeError, ValueError) as exc:
-        error = exc
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
+        error = _bad_argument(exc, "path")
     _agree(error, pg, use_dist, digest)
     with _single_process_quiet():
         dcp.save(state.flat, checkpoint_id=path, planner=_row_planner(state), process_group=pg,
@@ -302,7 +314,8 @@ def _check_dcp(state: _DCPState, path: str) -> None:
         raise ValueError(f"path: the checkpoint at {path!r} holds no optimizer state (saved without optimizer=); "
                          f"load it with optimizer=None")
     missing = [k for k in state.flat if k not in saved]
-    unexpected = [k for k in saved if k.startswith("model.") and k not in state.flat]
+    compared = ("model.", "optim.") if state.has_optim else ("model.",)  # saved optimizer state may go unread
+    unexpected = [k for k in saved if k.startswith(compared) and k not in state.flat]
     problems = []
     for key, v in state.flat.items():
         if key not in saved or not isinstance(v, torch.Tensor):
@@ -365,10 +378,10 @@ def load_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Opti
     error, state = None, None
     try:
         path = os.fspath(path)
-        state = _dcp_state(model, optimizer)
+        state = _dcp_state(model, optimizer, pg)
         _check_dcp(state, path)
-    except (TypeError, ValueError) as exc:
-        error = exc
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
+        error = _bad_argument(exc, "path")
     _agree(error, pg, use_dist)
 
     def read(entries: dict) -> None:

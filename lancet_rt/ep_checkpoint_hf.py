@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .ep_checkpoint import _agree, _digest, _expert_shards, _listing, _process_group, _Shard, _tensor_id
+from .ep_checkpoint import _agree, _bad_argument, _digest, _expert_shards, _listing, _process_group, _Shard, _tensor_id
 
 __all__ = ["save_hf", "load_hf"]
 
@@ -127,8 +127,8 @@ class _HFLayout:
                    for p in self.experts])
 
 
-def _hf_layout(model: nn.Module) -> _HFLayout:
-    shards = _expert_shards(model)
+def _hf_layout(model: nn.Module, pg) -> _HFLayout:
+    shards = _expert_shards(model, pg)
     sd = model.state_dict()
     if _is_hf(model):
         from transformers.modeling_utils import remove_tied_weights_from_state_dict
@@ -217,7 +217,7 @@ def save_hf(model: nn.Module, directory, *, max_shard_bytes: int = _DEFAULT_SHAR
 
     Call on every rank. Rank r writes the safetensors files of the experts it holds (per-expert
     keys, as transformers writes them; a tensor stored fused [E, ...] on disk is gathered over the
-    EP group to one rank per layer, in turn); rank 0 writes the replicated tensors, then, once every
+    EP group to one rank per tensor, the ranks in turn); rank 0 writes the replicated tensors, then, once every
     file is written, ``model.safetensors.index.json`` and (for a transformers model) ``config.json``
     and ``generation_config.json``. No rank holds more than its own tensors plus one file's worth
     (``max_shard_bytes``), so memory stays that of the sharded model. For a transformers
@@ -246,11 +246,11 @@ def save_hf(model: nn.Module, directory, *, max_shard_bytes: int = _DEFAULT_SHAR
         if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes must be an int >= 1, got {max_shard_bytes!r}")
         directory = os.fspath(directory)
-        layout = _hf_layout(model)
+        layout = _hf_layout(model, pg)
         digest = _digest(layout.signature())
         os.makedirs(directory, exist_ok=True)
-    except (TypeError, ValueError, OSError) as exc:
-        error = exc if not isinstance(exc, OSError) else ValueError(f"directory: {exc}")
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
+        error = _bad_argument(exc, "directory")
     _agree(error, pg, use_dist, digest)
 
     mine = _pack(_hf_tensors(layout, rank, root, materialize=False), max_shard_bytes)
@@ -273,7 +273,7 @@ def save_hf(model: nn.Module, directory, *, max_shard_bytes: int = _DEFAULT_SHAR
             if len(buffer) == len(planned):
                 _write_atomic(save_file, buffer, os.path.join(directory, names[first + j]))
                 buffer = {}
-    except OSError as exc:
+    except OSError as exc:  # a collective may be what failed otherwise: then there is nothing to agree on
         error = ValueError(f"directory: writing {directory!r} failed on rank {rank}: {exc}")
     _agree(error, pg, use_dist)
     if rank == 0:
@@ -420,11 +420,11 @@ def load_hf(model: nn.Module, directory, *, process_group: Optional[dist.Process
     error, headers, plan = None, None, None
     try:
         directory = os.fspath(directory)
-        layout = _hf_layout(model)
+        layout = _hf_layout(model, pg)
         headers = _Headers(directory, _weight_map(directory))
         plan = _plan_hf_load(layout, headers)
-    except (TypeError, ValueError, OSError) as exc:
-        error = exc if not isinstance(exc, OSError) else ValueError(f"directory: {exc}")
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
+        error = _bad_argument(exc, "directory")
     _agree(error, pg, use_dist)
     dense, experts = plan
     for src, t in dense:

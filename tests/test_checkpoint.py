@@ -125,7 +125,7 @@ def _mixtral_across_ep_sizes(rank, root, ep2, out):
     import torch.distributed as dist
 
     import lancet_rt.parallel
-    from bench.hf_models import batch
+    from bench.hf_models import batch, build
     from lancet_rt import load_checkpoint, load_hf, save_checkpoint, save_hf
 
     if rank < 2:
@@ -138,6 +138,10 @@ def _mixtral_across_ep_sizes(rank, root, ep2, out):
         save_checkpoint(model, f"{root}/mixtral_dcp", opt, process_group=ep2)
         save_hf(model, f"{root}/mixtral_hf", max_shard_bytes=40_000, process_group=ep2)
         out["mixtral_ep2"] = _lm_logits(model)
+        # Another conversion (per-expert gate_proj/up_proj/down_proj) and a shared expert, untrained.
+        qwen = lancet_rt.from_hf(build("qwen2_moe"), ep2)
+        save_hf(qwen, f"{root}/qwen2_moe_hf", process_group=ep2)
+        out["qwen2_moe_ep2"] = _lm_logits(qwen)
     dist.barrier()
     model = _mixtral(dist.group.WORLD, seed=1)
     load_checkpoint(model, f"{root}/mixtral_dcp", torch.optim.AdamW(model.parameters()))
@@ -188,6 +192,8 @@ def _across_ep_sizes(rank, world, root):
     out["wrong_E_dcp"] = _error(lambda: load_checkpoint(wrong, f"{root}/dcp"))
     out["wrong_E_hf"] = _error(lambda: load_hf(wrong, f"{root}/hf"))
     out["wrong_untouched"] = all(torch.equal(v, before[k]) for k, v in wrong.state_dict().items())
+    if rank < 2:  # a saving group that does not hold the model's EP group
+        out["group_too_small"] = _error(lambda: save_checkpoint(model, f"{root}/never", process_group=ep2))
     # One rank's bad path: every rank raises, the others naming that rank.
     out["one_bad_path"] = _error(lambda: load_checkpoint(_blocks(world_group), f"{root}/dcp" if rank != 3 else
                                                           f"{root}/nowhere"))
@@ -279,6 +285,8 @@ def test_checkpoint_that_does_not_fit_raises_on_every_rank(across):
     assert all("rank 3" in out[r]["one_bad_path"] for r in range(3))
     for r in range(2):
         assert "differently structured" in out[r]["disagree"] and not out[r]["bad_written"]
+        assert "process_group: must hold every rank" in out[r]["group_too_small"]
+    assert not (root / "never").exists()
     assert not (root / "bad" / ".metadata").exists()
 
 
@@ -314,9 +322,7 @@ def test_mixtral_save_pretrained_round_trip(across):
     root, out, transformers_logits = across
     index = json.loads((root / "mixtral_hf" / "model.safetensors.index.json").read_text())
     ours = set(index["weight_map"])
-    theirs = set(json.loads((root / "transformers_saved" / "model.safetensors.index.json").read_text())["weight_map"]) \
-        if (root / "transformers_saved" / "model.safetensors.index.json").exists() else _safetensors_keys(root / "transformers_saved")
-    assert ours == theirs
+    assert ours == set(_weight_map_keys(root / "transformers_saved"))
     assert "model.layers.1.block_sparse_moe.experts.7.w3.weight" in ours
     assert len(set(index["weight_map"].values())) > 2  # files from both ranks
     # Eager attention as bench.hf_models builds it (sdpa differs on the fully masked rows of padding).
@@ -327,6 +333,27 @@ def test_mixtral_save_pretrained_round_trip(across):
     for r in range(4):
         assert_close(f"transformers' save loaded at EP=4, rank {r}", torch.from_numpy(out[r]["transformers_saved_ep4"]),
                      torch.from_numpy(transformers_logits))
+
+
+def test_qwen2_moe_saved_at_ep2_loads_with_from_pretrained(across):
+    from transformers import AutoModelForCausalLM
+
+    from bench.hf_models import build
+
+    root, out, _ = across
+    keys = set(_weight_map_keys(root / "qwen2_moe_hf"))
+    assert "model.layers.1.mlp.experts.7.up_proj.weight" in keys and not any(k.endswith("gate_up_proj") for k in keys)
+    full = AutoModelForCausalLM.from_pretrained(root / "qwen2_moe_hf", attn_implementation="eager")
+    ep2 = torch.from_numpy(out[0]["qwen2_moe_ep2"])
+    assert_close("Qwen2-MoE from_pretrained of the EP=2 save", torch.from_numpy(_lm_logits(full)), ep2)
+    assert_close("Qwen2-MoE EP=2 vs transformers", ep2, torch.from_numpy(_lm_logits(build("qwen2_moe"))))
+
+
+def _weight_map_keys(directory):
+    import json
+
+    index = directory / "model.safetensors.index.json"
+    return json.loads(index.read_text())["weight_map"] if index.exists() else _safetensors_keys(directory)
 
 
 def _safetensors_keys(directory) -> set:
@@ -354,6 +381,11 @@ def test_mismatches_name_what_differs(tmp_path):
     model = _blocks()
     save_checkpoint(model, tmp_path / "dcp")
     save_hf(model, tmp_path / "hf")
+    # Saved unsharded, still one chunk per expert: a later EP size reads only its experts.
+    from torch.distributed.checkpoint import FileSystemReader
+
+    md = FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata[f"model.{EXPERT_KEY}"]
+    assert sorted(tuple(c.offsets) for c in md.chunks) == [(e, 0, 0) for e in range(E)]
     assert (tmp_path / "hf" / "model.safetensors").exists() and not (tmp_path / "hf" / "model.safetensors.index.json").exists()
     fresh = _blocks()
     with pytest.raises(ValueError, match="no optimizer state"):
