@@ -44,9 +44,12 @@ class Overlapped(nn.Module):
         check: verify once, on the first forward, that the chunked output equals the unchunked one
             (needs a deterministic forward: no dropout).
 
-    Every tensor argument with at least one dimension is cut along dim 0 (they must agree in size;
-    a rank with fewer rows than chunks still takes part in every all-to-all). Outputs (tensors, or
-    tuples/lists/dicts of them) are concatenated along dim 0.
+    Every tensor argument with the batch's rows along dim 0 (the most rows of any argument) is cut
+    along dim 0; a tensor with one row (position embeddings [1, S, ...], say) goes whole to every
+    chunk; other sizes are an error. A rank with fewer rows than chunks still takes part in every
+    all-to-all. Outputs (tensors, or tuples/lists/dicts/model outputs of them) are concatenated along
+    dim 0. Grad mode, autocast and saved-tensor hooks (activation checkpointing) are kept per chunk
+    across its switches.
     """
 
     def __init__(self, model: nn.Module, chunks=2, *, defer_wgrad: bool = False, check: bool = False):

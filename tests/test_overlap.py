@@ -437,3 +437,39 @@ def test_best_fit_is_lancets_greedy_rule():
     assert best_fit([7.0], 4.0, 1) == 0                  # within twice: still fits well enough
     assert best_fit([1.0], 0.0, 0) is None               # nothing left
     assert best_fit([], 4.0, 0) is None
+
+
+def test_torch_modes_stay_with_their_chunk():
+    """Grad mode and autocast are thread-local, not per coroutine: a chunk that yields inside
+    ``torch.no_grad()`` (here a frozen first layer) must not hand it to the chunk resumed next."""
+
+    class Frozen(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = lancet_rt.MoE(D, 12, 4, 2, ep_group=lancet_rt.EmulatedGroup(2))
+            self.b = lancet_rt.MoE(D, 12, 4, 2, ep_group=lancet_rt.EmulatedGroup(2))
+
+        def moe_layers(self):
+            return [self.a, self.b]
+
+        def forward(self, x):
+            with torch.no_grad():
+                h = self.a(x)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+                return self.b(h + x)
+
+    torch.manual_seed(0)
+    model = Frozen()
+    twin = copy.deepcopy(model)
+    x, g = torch.randn(6, 5, D), torch.randn(6, 5, D)
+    ref = run_and_grads(model, model, x, g)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):
+        got = run_and_grads(twin, lancet_rt.Overlapped(twin, chunks=3), x, g)
+    assert torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
+    y0, gx0, grads0, _ = ref
+    y1, gx1, grads1, _ = got
+    assert_close("y", y1, y0)
+    assert_close("grad x", gx1, gx0)
+    assert grads0.keys() == grads1.keys() and all(n.startswith("b.") for n in grads0)
+    for n in grads0:
+        assert_close(f"grad {n}", grads1[n], grads0[n])
