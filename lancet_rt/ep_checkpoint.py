@@ -402,7 +402,7 @@ def load_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Opti
         osd = {"state": {}, "param_groups": state.flat["optim.param_groups"]}
         for key, fqn, name in state.optim_keys:
             v = state.flat[key]
-            osd["state"].setdefault(fqn, {})[name] = v.to_local() if key in state.shards and hasattr(v, "to_local") else v
+            osd["state"].setdefault(fqn, {})[name] = v.to_local() if hasattr(v, "to_local") else v
         set_optimizer_state_dict(model, optimizer, osd)
 
 

@@ -375,17 +375,19 @@ def _plan_hf_load(layout: _HFLayout, headers: _Headers) -> tuple:
                 continue
             if not q.fused:
                 prefix, suffix = q.name.split("{}")
-                extra = [k for k in wm if k.startswith(prefix) and k.endswith(suffix)
-                         and k[len(prefix):len(k) - len(suffix)].isdigit() and int(k[len(prefix):len(k) - len(suffix)]) >= E]
+                numbers = (k[len(prefix):len(k) - len(suffix)] for k in wm
+                           if k.startswith(prefix) and k.endswith(suffix))
+                extra = [q.key(int(i)) for i in numbers if i.isdigit() and int(i) >= E]
                 if extra:
-                    problems.append(f"{p.fqn}: the checkpoint has {E + len(extra)} experts ({_listing(extra, 2)} "
+                    problems.append(f"{p.fqn}: the checkpoint has E={E + len(extra)} experts ({_listing(extra, 2)} "
                                     f"beyond), the model's layer {p.shard.layer!r} has E={E}")
                     continue
             for e in range(1 if q.fused else E):
                 got, want = headers.shape(q.key(e)), q.disk_shape(E)
                 if got != want:
-                    what = (f"the checkpoint has E={got[0]} experts, the model's layer {p.shard.layer!r} has E={E}"
-                            if q.fused and got[1:] == want[1:] else f"shape {got} in the checkpoint, {want} in the model")
+                    what = f"shape {got} in the checkpoint, {want} in the model"
+                    if q.fused and got[1:] == want[1:]:
+                        what = f"the checkpoint has E={got[0]} experts, the model's layer {p.shard.layer!r} has E={E}"
                     problems.append(f"{q.key(e)}: {what}")
                     break
         experts.append((p, parts))

@@ -301,7 +301,8 @@ def test_mixtral_saved_at_ep2_loads_at_ep4_and_ep1(across):
         assert_close(f"Mixtral EP=4 rank {r} logits (DCP)", torch.from_numpy(out[r]["mixtral_ep4_dcp"]), ep2)
         assert_close(f"Mixtral EP=4 rank {r} logits (HF layout)", torch.from_numpy(out[r]["mixtral_ep4_hf"]), ep2)
         # Rank r reads experts 2r and 2r+1 (8 experts over 4 ranks), per-expert tensors, nothing else.
-        experts = {int(k.split(".experts.")[1].split(".")[0]) for k, _ in out[r]["mixtral_hf_reads"] if ".experts." in k}
+        reads = [k for k, _ in out[r]["mixtral_hf_reads"] if ".experts." in k]
+        experts = {int(k.split(".experts.")[1].split(".")[0]) for k in reads}
         assert experts == {2 * r, 2 * r + 1}
     model = _mixtral(seed=4)
     opt = torch.optim.AdamW(model.parameters())
@@ -333,6 +334,14 @@ def test_mixtral_save_pretrained_round_trip(across):
     for r in range(4):
         assert_close(f"transformers' save loaded at EP=4, rank {r}", torch.from_numpy(out[r]["transformers_saved_ep4"]),
                      torch.from_numpy(transformers_logits))
+    # Per-expert keys and a model with another E: the error says how many experts each has.
+    import lancet_rt
+    from bench.hf_models import build
+
+    for experts in (4, 16):
+        model = lancet_rt.from_hf(build("mixtral", num_local_experts=experts))
+        with pytest.raises(ValueError, match=f"the checkpoint has E=8 experts.*has E={experts}"):
+            lancet_rt.load_hf(model, root / "mixtral_hf")
 
 
 def test_qwen2_moe_saved_at_ep2_loads_with_from_pretrained(across):
@@ -386,7 +395,8 @@ def test_mismatches_name_what_differs(tmp_path):
 
     md = FileSystemReader(str(tmp_path / "dcp")).read_metadata().state_dict_metadata[f"model.{EXPERT_KEY}"]
     assert sorted(tuple(c.offsets) for c in md.chunks) == [(e, 0, 0) for e in range(E)]
-    assert (tmp_path / "hf" / "model.safetensors").exists() and not (tmp_path / "hf" / "model.safetensors.index.json").exists()
+    assert (tmp_path / "hf" / "model.safetensors").exists()  # one file: no index, as transformers writes it
+    assert not (tmp_path / "hf" / "model.safetensors.index.json").exists()
     fresh = _blocks()
     with pytest.raises(ValueError, match="no optimizer state"):
         load_checkpoint(fresh, tmp_path / "dcp", torch.optim.SGD(fresh.parameters(), lr=0.1))
