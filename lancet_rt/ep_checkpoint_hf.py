@@ -53,17 +53,36 @@ def _revert(model, tensors: dict) -> dict:
 
 @dataclass
 class _Part:
-    """One on-disk tensor an expert parameter becomes: per expert (``name`` has ``{}``) or fused [E, ...]."""
+    """One on-disk tensor an expert parameter becomes: per expert (``name`` has ``{}``) or fused [E, ...].
+
+    For one expert, the disk tensor (``shape``) holds the elements ``idx`` of the expert's flat
+    row, or, in the common case of a plain slice, the elements ``span`` = [start, stop): a view.
+    """
 
     name: str
     fused: bool
-    idx: torch.Tensor         # for one expert: flat indices into that expert's row, in the disk tensor's shape
+    shape: tuple
+    idx: Optional[torch.Tensor] = None
+    span: Optional[tuple] = None
 
     def key(self, e: int) -> str:
         return self.name if self.fused else self.name.format(e)
 
     def disk_shape(self, E: int) -> tuple:
-        return ((E,) if self.fused else ()) + tuple(self.idx.shape)
+        return ((E,) if self.fused else ()) + self.shape
+
+    def take(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [R, n] (R experts' flat rows) -> their disk tensors [R, *shape]."""
+        picked = rows[:, self.span[0]:self.span[1]] if self.span else rows[:, self.idx.to(rows.device)]
+        return picked.reshape((rows.shape[0],) + self.shape)
+
+    def put(self, rows: torch.Tensor, values: torch.Tensor) -> None:
+        """The inverse of :meth:`take`: write disk tensors [R, *shape] into rows [R, n] in place."""
+        values = values.reshape(rows.shape[0], -1).to(rows.device, rows.dtype)
+        if self.span:
+            rows[:, self.span[0]:self.span[1]] = values
+        else:
+            rows[:, self.idx.to(rows.device)] = values
 
 
 @dataclass
@@ -85,18 +104,48 @@ def _expert_templates(keys, E: int) -> dict:
     return {k: ".".join(k[0] + ("{}",) + k[1]) for k, found in seen.items() if found == set(range(E)) and E > 1}
 
 
-def _expert_parts(model, fqn: str, local: torch.Tensor, shard: _Shard) -> list:
-    """How transformers stores one expert parameter, found by converting an index probe of one row."""
-    E, row = shard.num_experts, tuple(local.shape[1:])
+def _probe(model, fqn: str, row: tuple) -> list:
+    """(flat indices, span) of each on-disk tensor of one expert row, in transformers' output order.
+
+    Found by converting an index probe (each element holds its own position) as transformers would
+    on save; the check that every element lands exactly once is O(n).
+    """
     n = math.prod(row)
     probe = torch.arange(n, dtype=torch.int32 if n < 2**31 else torch.int64).view((1,) + row)
-    per_row = _revert(model, {fqn: probe})
+    out, seen = [], torch.zeros(n, dtype=torch.bool)
+    for idx in _revert(model, {fqn: probe}).values():
+        flat = idx.reshape(-1).long()
+        seen[flat] = True
+        contiguous = flat.numel() > 0 and bool((flat[1:] - flat[:-1] == 1).all())
+        span = (int(flat[0]), int(flat[0]) + flat.numel()) if contiguous else None
+        out.append((None if span else flat, span, idx.numel()))
+    if sum(k for _, _, k in out) != n or not bool(seen.all()):
+        raise ValueError(f"model: transformers' saved layout of {fqn} does not hold each element once")
+    return out
+
+
+def _expert_parts(model, fqn: str, local: torch.Tensor, shard: _Shard, probes: dict) -> list:
+    """How transformers stores one expert parameter: one _Part per on-disk tensor.
+
+    The index probe is the costly step (O(row size)); layers whose parameters differ only by their
+    numbers (the layer index) share one, matched in transformers' output order, shapes checked.
+    """
+    E, row = shard.num_experts, tuple(local.shape[1:])
+    per_row = _revert(model, {fqn: torch.empty((1,) + row, dtype=torch.int32, device="meta")})
     full = _revert(model, {fqn: torch.empty((E,) + row, dtype=local.dtype, device="meta")})
+    kind = (re.sub(r"\.\d+\.", ".#.", fqn), row)
+    if kind not in probes:
+        probes[kind] = _probe(model, fqn, row)
+    if len(probes[kind]) != len(per_row):
+        raise ValueError(f"model: transformers saves {fqn} unlike the other layers' {kind[0]}")
     templates = _expert_templates(full, E)
     parts = []
-    for key, idx in per_row.items():
-        if key in full and tuple(full[key].shape) == (E,) + tuple(idx.shape[1:]) and idx.shape[:1] == (1,):
-            parts.append(_Part(key, True, idx[0]))
+    for (key, meta), (idx, span, numel) in zip(per_row.items(), probes[kind]):
+        shape = tuple(meta.shape)
+        if math.prod(shape) != numel:
+            raise ValueError(f"model: transformers saves {fqn} unlike the other layers' {kind[0]}")
+        if key in full and tuple(full[key].shape) == (E,) + shape[1:] and shape[:1] == (1,):
+            parts.append(_Part(key, True, shape[1:], idx, span))
             continue
         fields = key.split(".")
         name = None
@@ -106,13 +155,10 @@ def _expert_parts(model, fqn: str, local: torch.Tensor, shard: _Shard) -> list:
                 name = t
         if name is None and E == 1 and key in full:
             name = key.replace("{", "{{").replace("}", "}}")
-        if name is None or tuple(full[name.format(0)].shape) != tuple(idx.shape):
+        if name is None or tuple(full[name.format(0)].shape) != shape:
             raise ValueError(f"model: cannot map expert parameter {fqn} to the layout transformers saves "
                              f"(on-disk key {key!r} is neither fused [E, ...] nor numbered by expert)")
-        parts.append(_Part(name, False, idx))
-    flat = torch.cat([p.idx.reshape(-1).long() for p in parts]) if parts else torch.empty(0, dtype=torch.long)
-    if flat.numel() != n or not torch.equal(flat.sort().values, torch.arange(n)):
-        raise ValueError(f"model: transformers' saved layout of {fqn} does not hold each element once")
+        parts.append(_Part(name, False, shape, idx, span))
     return parts
 
 
@@ -154,10 +200,11 @@ def _hf_layout(model: nn.Module, pg) -> _HFLayout:
                              f"layers saves with its own save_pretrained)")
         renamed[names[id(v)]] = disk
     layout = _HFLayout([(k, renamed[k], v) for k, v in dense.items()], [])
+    probes: dict = {}
     for k, v in sd.items():
         shard = shards.get(_tensor_id(v))
         if shard is not None:
-            layout.experts.append(_ExpertParam(k, v, shard, _expert_parts(model, k, v, shard)))
+            layout.experts.append(_ExpertParam(k, v, shard, _expert_parts(model, k, v, shard, probes)))
     return layout
 
 
@@ -181,11 +228,10 @@ def _hf_tensors(layout: _HFLayout, rank: int, root: int, materialize: bool) -> I
             continue
         rows = p.param.detach().reshape(s.rows, -1)
         for part in p.parts:
-            idx = part.idx.to(rows.device).reshape(-1).long()
             if part.fused:
                 W = E // s.rows
                 owner = n % W  # fused tensors gathered to the EP ranks in turn
-                local = rows[:, idx].reshape((s.rows,) + tuple(part.idx.shape)) if materialize else None
+                local = part.take(rows).contiguous() if materialize else None
                 if materialize and s.group is not None:
                     bufs = [torch.empty_like(local) for _ in range(W)] if s.offset // s.rows == owner else None
                     dist.gather(local, bufs, group=s.group, group_dst=owner)
@@ -194,7 +240,7 @@ def _hf_tensors(layout: _HFLayout, rank: int, root: int, materialize: bool) -> I
                     yield part.key(0), part.disk_shape(E), p.param.dtype, local
             else:
                 for i in range(s.rows):
-                    t = rows[i, idx].reshape(part.idx.shape) if materialize else None
+                    t = part.take(rows[i:i + 1])[0] if materialize else None
                     yield part.key(s.offset + i), part.disk_shape(E), p.param.dtype, t
 
 
@@ -362,8 +408,7 @@ def _plan_hf_load(layout: _HFLayout, headers: _Headers) -> tuple:
         E = p.shard.num_experts
         parts = p.parts
         if not all(q.key(0) in wm for q in parts) and p.fqn in wm:  # written fused: save_original_format=False
-            row = tuple(p.param.shape[1:])
-            parts = [_Part(p.fqn, True, torch.arange(math.prod(row)).view(row))]
+            parts = [_Part(p.fqn, True, tuple(p.param.shape[1:]), span=(0, math.prod(p.param.shape[1:])))]
         for q in parts:
             present = [e for e in range(E) if q.key(e) in wm]
             if 0 < len(present) < E and present == list(range(len(present))):
@@ -435,11 +480,9 @@ def load_hf(model: nn.Module, directory, *, process_group: Optional[dist.Process
         s = p.shard
         rows = p.param.detach().view(s.rows, -1)
         for q in parts:
-            idx = q.idx.to(rows.device).reshape(-1).long()
             if q.fused:
-                values = headers.file(q.name).get_slice(q.name)[s.offset:s.offset + s.rows]
-                rows[:, idx] = values.reshape(s.rows, -1).to(rows.device, rows.dtype)
+                q.put(rows, headers.file(q.name).get_slice(q.name)[s.offset:s.offset + s.rows])
             else:
                 for i in range(s.rows):
                     key = q.key(s.offset + i)
-                    rows[i, idx] = headers.file(key).get_tensor(key).reshape(-1).to(rows.device, rows.dtype)
+                    q.put(rows[i:i + 1], headers.file(key).get_tensor(key))

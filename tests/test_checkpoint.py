@@ -423,3 +423,31 @@ def test_mismatches_name_what_differs(tmp_path):
         save_hf(model, tmp_path / "hf2", max_shard_bytes=0)
     with pytest.raises(ValueError, match="no readable"):
         load_checkpoint(model, tmp_path / "nothing")
+
+
+def test_hf_layout_that_is_no_slice_goes_through_indices(tmp_path, monkeypatch):
+    """An expert conversion that rearranges elements (a transpose, like transformers' Transpose op)
+    is saved and loaded through the index probe's gather and scatter, not slices."""
+    from safetensors import safe_open
+
+    from lancet_rt import ep_checkpoint_hf, load_hf, save_hf
+
+    identity = ep_checkpoint_hf._revert
+
+    def transposing(model, tensors):
+        out = identity(model, tensors)
+        return {k + ".T" if k.endswith("down_proj") else k: v.transpose(-1, -2).contiguous()
+                if k.endswith("down_proj") else v for k, v in out.items()}
+
+    monkeypatch.setattr(ep_checkpoint_hf, "_revert", transposing)
+    model = _blocks()
+    parts = ep_checkpoint_hf._hf_layout(model, None).experts[1].parts
+    assert parts[0].name == "blocks.0.moe.experts.down_proj.T" and parts[0].span is None
+    save_hf(model, tmp_path / "hf")
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as f:
+        assert torch.equal(f.get_tensor("blocks.1.moe.experts.down_proj.T"),
+                           model.blocks[1].moe.experts.down_proj.detach().transpose(-1, -2))
+    fresh = _blocks(seed=9)
+    load_hf(fresh, tmp_path / "hf")
+    for (k, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(a, b), k
