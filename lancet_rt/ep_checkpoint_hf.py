@@ -208,9 +208,10 @@ def _hf_layout(model: nn.Module, pg) -> _HFLayout:
     return layout
 
 
-def _writes(shard: _Shard, root: int) -> bool:
-    """Whether this rank's EP group writes its experts: the one holding the saving group's rank 0."""
-    return shard.group is None or root in dist.get_process_group_ranks(shard.group)
+def _writes(shard: _Shard, rank: int, root: int) -> bool:
+    """Whether this rank writes its experts: its EP group holds the saving group's rank 0 (the first
+    of data-parallel replicas), or, every expert local, it is that rank."""
+    return rank == 0 if shard.group is None else root in dist.get_process_group_ranks(shard.group)
 
 
 def _hf_tensors(layout: _HFLayout, rank: int, root: int, materialize: bool) -> Iterator:
@@ -224,7 +225,7 @@ def _hf_tensors(layout: _HFLayout, rank: int, root: int, materialize: bool) -> I
             yield disk, tuple(t.shape), t.dtype, t if materialize else None
     for n, p in enumerate(layout.experts):
         s, E = p.shard, p.shard.num_experts
-        if not _writes(s, root):
+        if not _writes(s, rank, root):
             continue
         rows = p.param.detach().reshape(s.rows, -1)
         for part in p.parts:

@@ -160,7 +160,8 @@ def _across_ep_sizes(rank, world, root):
     from lancet_rt import load_checkpoint, load_hf, save_checkpoint, save_hf
 
     out = {}
-    ep2 = dist.new_group([0, 1])  # every rank takes part in creating it
+    ep2 = dist.new_group([0, 1])  # every rank takes part in creating each group
+    replica_ep2 = dist.new_group([2, 3])
     if rank < 2:
         model = _blocks(ep2)
         opt = _train_one_step(model, ep2, rank)
@@ -197,6 +198,12 @@ def _across_ep_sizes(rank, world, root):
     # One rank's bad path: every rank raises, the others naming that rank.
     out["one_bad_path"] = _error(lambda: load_checkpoint(_blocks(world_group), f"{root}/dcp" if rank != 3 else
                                                           f"{root}/nowhere"))
+    # Data parallel replicas saving together over the world: of EP=2 (ranks 0-1 and 2-3), and of the
+    # unsharded model on every rank. One copy of each tensor is written.
+    replicated = _blocks(ep2 if rank < 2 else replica_ep2, seed=10)
+    save_checkpoint(replicated, f"{root}/dp_ep2_dcp")
+    save_hf(replicated, f"{root}/dp_ep2_hf", max_shard_bytes=1500)
+    save_hf(_blocks(seed=11), f"{root}/dp_hf", max_shard_bytes=1500)
     _mixtral_across_ep_sizes(rank, root, ep2, out)
     return out
 
@@ -271,6 +278,23 @@ def test_hf_layout_saved_at_ep2_loads_at_ep4_and_ep1(across):
     assert len(files) > 2 and sorted(f for f in os.listdir(root / "hf") if f.endswith(".safetensors")) == files
     with safe_open(str(root / "hf" / index["weight_map"][EXPERT_KEY]), framework="pt") as f:
         assert f.get_slice(EXPERT_KEY).get_shape() == [E, 2 * F, D]
+
+
+def test_data_parallel_replicas_write_one_copy(across):
+    import json
+
+    from lancet_rt import load_checkpoint, load_hf
+
+    root, _, _ = across
+    for saved, seed in (("dp_ep2_dcp", 10), ("dp_ep2_hf", 10), ("dp_hf", 11)):
+        model = _blocks(seed=12)
+        (load_checkpoint if saved.endswith("dcp") else load_hf)(model, root / saved)
+        expected = torch.from_numpy(_logits(_blocks(seed=seed)))
+        assert_close(f"EP=1 logits of {saved}", torch.from_numpy(_logits(model)), expected)
+    for saved in ("dp_ep2_hf", "dp_hf"):  # each key in one file, the files those the index names
+        index = json.loads((root / saved / "model.safetensors.index.json").read_text())["weight_map"]
+        files = sorted(f for f in os.listdir(root / saved) if f.endswith(".safetensors"))
+        assert sorted(set(index.values())) == files and len(index) == len(_blocks().state_dict())
 
 
 def test_checkpoint_that_does_not_fit_raises_on_every_rank(across):
