@@ -996,6 +996,38 @@ def test_gpu_gating_carried_capacity(gen):
 
 
 @pytest.mark.gpu
+def test_gpu_gating_deepseek_v3(gen):
+    """DeepSeek-V3's router at real size (E=256, K=8, 8 groups, 4 kept, bias, scaling 2.5). Against
+    the reference in float64 (at 16384 random tokens, float32 group sums would tie within an ulp
+    somewhere); in float32, chunked with used_E carried equals one call, run to run identical."""
+    E, K = 256, 8
+    kw = dict(capacity=_capacity(GPU_T, E, K, 1.25), score_fn="sigmoid", n_group=8, topk_group=4, scaling=2.5,
+              expert_bias=(torch.randn(E, generator=gen) * 0.05).to(DEVICE))
+    logits = (torch.randn(GPU_T, E, generator=gen, dtype=torch.float64) * 2).to(DEVICE)
+    out = gating_fwd(logits, K, out=_poisoned_gating_out(GPU_T, E, K, logits.dtype), **kw)
+    ref = gating_fwd_ref(logits, K, **kw)
+    _assert_gating_equal("gpu gating_fwd[deepseek-v3, float64]", out, ref)
+    grads = (torch.randn(GPU_T, K, generator=gen, dtype=torch.float64).to(DEVICE),
+             torch.randn(E, generator=gen, dtype=torch.float64).to(DEVICE),
+             torch.randn((), generator=gen, dtype=torch.float64).to(DEVICE))
+    assert_close("gpu gating_bwd[deepseek-v3, float64]",
+                 gating_bwd(logits, out.expert_TK, *grads, score_fn="sigmoid", scaling=2.5, out=_poison(logits)),
+                 gating_bwd_ref(logits, ref.expert_TK, *grads, score_fn="sigmoid", scaling=2.5))
+    logits = logits.float()
+    whole = gating_fwd(logits, K, **kw)
+    again = gating_fwd(logits, K, **kw)
+    for field, a, b in zip(GatingOutput._fields, whole, again):
+        assert torch.equal(a, b), f"gpu gating_fwd[deepseek-v3].{field} not deterministic"
+    used, parts = torch.zeros(E, dtype=torch.int32, device=DEVICE), []
+    for chunk in torch.split(logits, [5000, 3, GPU_T - 5003]):
+        parts.append(gating_fwd(chunk, K, used, **kw))
+        used = parts[-1].used_E
+    for i in (0, 2):
+        assert torch.equal(torch.cat([p[i] for p in parts]), whole[i]), GatingOutput._fields[i]
+    assert torch.equal(used, whole.used_E)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("EK", GPU_EK, ids=lambda ek: "E{}-K{}".format(*ek))
 def test_gpu_permute_unpermute(gen, EK):
     E, K = EK
