@@ -4,7 +4,9 @@ CPU lane: the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py) on
 T in {0, 1, 63, 257}, D in {60, 100}, E in {2, 7, 8, 64, 256}, K in {1, 2, E}; softmax and sigmoid,
 with and without renormalisation, dropless and dropping capacities (capacity 0 included), carried
 used capacity, an expert with no tokens, every token on one expert, exact ties, NaN / +inf / all
--inf logit rows; float32, bfloat16 and float16 rows; small tiles pinned through the config
+-inf logit rows; DeepSeek-V3's router variants (selection-only expert bias, group-limited top-k,
+scaled weights: against the reference, the naive tests/contract_ref.py and transformers'
+DeepseekV3TopkRouter); float32, bfloat16 and float16 rows; small tiles pinned through the config
 environment variables, so token tiles, D tiles and scan blocks repeat. Outputs AND gradients are
 compared; every output buffer is poisoned before the launch (NaN for floats, or -7777 where NaN is
 a legitimate result, and a value no kernel writes for integers, through the launchers' ``out=``),
@@ -157,11 +159,11 @@ GATING_MODES = [
 ]
 
 
-def _check_gating(gen, shape, mode, *, logits=None, **variant):
+def _check_gating(gen, shape, mode, **variant):
     """gating_fwd and gating_bwd (all three incoming gradients) against the reference; ``variant``:
     the router-variant arguments (expert_bias, n_group, topk_group, scaling). Returns the output."""
     (T, E, K), (score_fn, normalize, factor) = shape, mode
-    logits = _logits(gen, T, E) if logits is None else logits
+    logits = _logits(gen, T, E)
     capacity = _capacity(T, E, K, factor)
     used = torch.randint(0, 1 + (capacity or 8) // 2, (E,), generator=gen, dtype=torch.int32).to(DEVICE)
     kw = dict(capacity=capacity, score_fn=score_fn, normalize_topk=normalize, **variant)
