@@ -48,6 +48,9 @@ ARCH, WARP_SIZE = 90, 32
 _T, _D, _F, _R, _E_LOCAL = 16384, 4096, 2048, 32768, 8
 _GATING_E = (64, 8, 256)      # DeepSeek-like first (the default), then Mixtral-like and a wide router
 _GATING_K = 8
+# Biased selection (E, n_group, topk_group): DeepSeek-V3 first (the default), Kimi-K2 (no groups),
+# and padded groups (E=160 in 8 groups of 20: 8 x 32 lanes).
+_GATING_BIASED = ((256, 8, 4), (384, 1, 1), (160, 8, 3))
 _PERMUTE_D = (4096, 128)      # model widths: the first covers every D >= 2048, the second small models
 _SWIGLU_F = (2048, 512, 256)
 # Grouped GEMM (dtype, dot precision): fp32 is exact ("ieee", FMA units) unless allow_tf32 asks for tf32.
@@ -138,12 +141,17 @@ def _cfg_meta(cfg) -> Dict[str, object]:
 
 def _gating_fwd(case):
     gating, *_ = _modules()
-    (E,) = case
-    args = (_buf("fp32"), _buf("i32"), _buf("i32"), _buf("fp32"), _buf("i32"), _buf("i32"), _buf("i32"),
-            _buf("fp32"), _buf("fp32"),
-            _T, E, _GATING_K, 128, 2**31 - 1, E, 1)
-    # The multi-span path with softmax and normalized weights: the common case at real T.
-    const = dict(SIGMOID=False, NORMALIZE=True, SINGLE_PROGRAM=False, BLOCK_E=_next_pow2(E))
+    E, n_group, topk_group, biased = case
+    args = (_buf("fp32"), _buf("fp32"), _buf("i32"), _buf("i32"), _buf("fp32"), _buf("i32"), _buf("i32"),
+            _buf("i32"), _buf("fp32"), _buf("fp32"),
+            _T, E, _GATING_K, 128, 2**31 - 1, n_group, E // n_group, topk_group, 2.5, 0.0, E, 1)
+    # The multi-span path with normalized weights: the common case at real T. Plain routing is
+    # softmax; biased routing is DeepSeek-V3's (sigmoid, expert bias, groups if any, scaled weights).
+    grouped = n_group > 1
+    block_g, block_gs = (_next_pow2(n_group), _next_pow2(E // n_group)) if grouped else (1, 1)
+    const = dict(SIGMOID=biased, NORMALIZE=True, SINGLE_PROGRAM=False, HAS_BIAS=biased, HAS_SCALE=biased,
+                 GROUPED=grouped, BLOCK_G=block_g, BLOCK_GS=block_gs,
+                 BLOCK_E=block_g * block_gs if grouped else _next_pow2(E))
     return gating._gating_fwd_kernel.fn, args, const
 
 
@@ -151,20 +159,22 @@ def _gating_bwd(case):
     gating, *_ = _modules()
     (E,) = case
     args = (_buf("fp32"), _buf("i32"), _buf("fp32"), _buf("fp32"), _buf("fp32"), _buf("fp32"),
-            _T, E, _GATING_K, E, 1, _GATING_K, 1, _GATING_K, 1, 1)
-    # Every incoming gradient present: the most live tile-sized values.
+            _T, E, _GATING_K, 2.5, 0.0, E, 1, _GATING_K, 1, _GATING_K, 1, 1)
+    # Every incoming gradient present, scaled weights: the most live tile-sized values.
     const = dict(SIGMOID=False, NORMALIZE=True, HAS_GRAD_W=True, HAS_GRAD_P=True, HAS_GRAD_Z=True,
-                 BLOCK_E=_next_pow2(E))
+                 HAS_SCALE=True, BLOCK_E=_next_pow2(E))
     return gating._gating_bwd_kernel.fn, args, const
 
 
 def _gating_tile_configs(env_var_name: str):
     def configs(case):
         gating, *_ = _modules()
-        (E,) = case
+        E, n_group = case[0], (case[1] if len(case) > 1 else 1)
+        # The expert lanes: next_pow2(E), or next_pow2(n_group) x next_pow2(E / n_group) when grouped.
+        block_e = _next_pow2(n_group) * _next_pow2(E // n_group) if n_group > 1 else _next_pow2(E)
         prune = gating._token_tile_prune(getattr(gating, env_var_name))
         return [_cfg_meta(c) for c in prune(gating._token_tile_configs(), {"E": E, "K": _GATING_K},
-                                            BLOCK_E=_next_pow2(E))]
+                                            BLOCK_E=block_e, GROUPED=n_group > 1)]
     return configs
 
 
@@ -293,7 +303,10 @@ def _fixed(case):
 
 # name -> (kernel builder, config space, cases as (variant label, case))
 _SPECS: Dict[str, Tuple[Callable, Callable, List[Tuple[str, tuple]]]] = {
-    "gating.fwd": (_gating_fwd, _gating_tile_configs("_ENV_FWD_CONFIG"), [(f"E={e} fp32", (e,)) for e in _GATING_E]),
+    "gating.fwd": (_gating_fwd, _gating_tile_configs("_ENV_FWD_CONFIG"),
+                   [(f"E={e} fp32", (e, 1, 1, False)) for e in _GATING_E]),
+    "gating.fwd_biased": (_gating_fwd, _gating_tile_configs("_ENV_FWD_CONFIG"),
+                          [(f"E={e} n_group={g} topk_group={kg} fp32", (e, g, kg, True)) for e, g, kg in _GATING_BIASED]),
     "gating.bwd": (_gating_bwd, _gating_tile_configs("_ENV_BWD_CONFIG"), [(f"E={e} fp32", (e,)) for e in _GATING_E]),
     "gating.scan": (_gating_scan, _fixed, [("fp32", ())]),
     "gating.slot": (_gating_slot, _fixed, [("i32", ())]),
@@ -336,9 +349,12 @@ def jobs(all_configs: bool = False, kernels: Optional[List[str]] = None) -> List
 
 
 def _arg_kind(arg) -> str:
-    """What the JIT specializes an argument on: a tensor's dtype, an int's being 1 or a multiple of 16."""
+    """What the JIT specializes an argument on: a tensor's dtype, an int's being 1 or a multiple of 16
+    (a float is not specialized)."""
     if isinstance(arg, int):
         return "1" if arg == 1 else "D" if arg % 16 == 0 else "i"
+    if isinstance(arg, float):
+        return "f"
     return str(arg.dtype)
 
 

@@ -48,6 +48,7 @@ def config(family: str, size: str = "tiny", **overrides):
         moe["num_hidden_layers"] = s["layers"] + 1  # the first layer dense, as in the real models
         if family == "deepseek_v3":
             head = s["hidden"] // s["heads"]
+            moe["num_key_value_heads"] = s["heads"]  # multi-head latent attention: as many as query heads
             cfg = tf.DeepseekV3Config(q_lora_rank=None, kv_lora_rank=head, qk_rope_head_dim=head // 2,
                                       qk_nope_head_dim=head // 2, v_head_dim=head, **moe)
         else:

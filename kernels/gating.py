@@ -24,6 +24,15 @@ tiles of ``BLOCK_T`` tokens x ``BLOCK_E = next_pow2(E)`` experts held in registe
    a running per-expert count carried from tile to tile within the span;
 5. per-span partial sums of counts, normalised scores and lse^2.
 
+DeepSeek-V3's router (``expert_bias``, ``n_group`` / ``topk_group``, ``scaling``) changes only
+step 2, under constexpr switches (the plain path compiles as before): experts are ranked by
+``scores + bias`` and, with groups, only within the token's ``topk_group`` best groups; the
+weights stay the unbiased scores (normalised, then times ``scaling``). With groups the expert
+lanes are laid out group-major, each group padded to ``BLOCK_GS = next_pow2(E / n_group)``
+lanes (``BLOCK_E = next_pow2(n_group) * BLOCK_GS``; the same as ``next_pow2(E)`` for
+DeepSeek-V3's 256 = 8 x 32), so a reshape to ``[BLOCK_T, n_group, BLOCK_GS]`` gives the group
+scores (top-two sums) as two row maxima, with no loop over groups (:mod:`kernels._topk`).
+
 Crossing spans needs a scan over the programs. It is done without atomics, in three launches:
 
 * ``_gating_fwd_kernel``  (grid ``NB = cdiv(T, span)``): the above; writes the rank within the
@@ -74,6 +83,7 @@ Configs
 from __future__ import annotations
 
 import functools
+import struct
 from typing import Optional
 
 import torch
@@ -83,11 +93,13 @@ import triton.language as tl
 from ._common import (check_out as _check_out, check_tensor as _check_tensor, interpreting, pinned_config,
                       run_autotuned)
 
-from .reference import GatingOutput
+from ._topk import kept_groups, select_topk
+from .reference import GatingOutput, check_router_args, check_scaling
 
 __all__ = ["gating_fwd", "gating_bwd", "GatingOutput"]
 
 _INT32_MAX = 2**31 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
 _MAX_EXPERTS = 1024          # BLOCK_E lives in registers; 1024 still leaves a 4-token tile
 _SCAN_BLOCK_E = 32           # expert columns per scan program
 _SCAN_BLOCK_B = 64           # spans per scan step
@@ -116,12 +128,13 @@ def _token_tile_configs():
     ]
 
 
-def _token_tile_keep(config: triton.Config, block_e: int) -> bool:
+def _token_tile_keep(config: triton.Config, block_e: int, grouped: bool = False) -> bool:
     """Keep tiles that give every thread 1..16 elements of the [BLOCK_T, BLOCK_E] tile: the
     forward keeps ~6 tile-shaped values live (scores, candidates, k index, rank, offsets, mask),
-    about 12 registers per element on sm_90, and spills past ~20."""
+    about 12 registers per element on sm_90, and spills past ~20. Group-limited selection keeps
+    a few more transients: 1..8 (at 16, Triton 3.6 reaches 255 registers and some builds spill)."""
     per_thread = config.kwargs["BLOCK_T"] * block_e / (32 * config.num_warps)
-    return 1 <= per_thread <= 16
+    return 1 <= per_thread <= (8 if grouped else 16)
 
 
 def _token_tile_prune(env_var):
@@ -130,7 +143,7 @@ def _token_tile_prune(env_var):
         if pinned is not None:
             return [pinned]
         block_e = kwargs["BLOCK_E"]
-        kept = [c for c in configs if _token_tile_keep(c, block_e)]
+        kept = [c for c in configs if _token_tile_keep(c, block_e, kwargs.get("GROUPED", False))]
         if not kept:  # tiny E: the largest tile; huge E: the smallest
             kept = [min(configs, key=lambda c: abs(c.kwargs["BLOCK_T"] * block_e / (32 * c.num_warps) - 8))]
         if interpreting():  # untimed: fewest tiles, fewest interpreted ops
@@ -145,13 +158,14 @@ def _token_tile_prune(env_var):
 # ----------------------------------------------------------------------------------------------
 @triton.autotune(
     configs=_token_tile_configs(),
-    key=["E", "K", "SINGLE_PROGRAM"],
+    key=["E", "K", "SINGLE_PROGRAM", "BLOCK_E", "BLOCK_G"],
     prune_configs_by={"early_config_prune": _token_tile_prune(_ENV_FWD_CONFIG)},
 )
 @triton.jit
 def _gating_fwd_kernel(
     # Pointers
     logits_ptr,      # [T, E] float32 | float64 router logits (strided)
+    bias_ptr,        # [E] float expert bias, selection only (unused unless HAS_BIAS)
     used_ptr,        # [E] int32 slots claimed by earlier chunks
     expert_ptr,      # [T, K] int32 out: chosen experts, best first
     weight_ptr,      # [T, K] out, logits dtype: combine weights
@@ -164,21 +178,42 @@ def _gating_fwd_kernel(
     T, E, K,
     span,            # tokens per program
     capacity,        # slots per expert (INT32_MAX when dropless)
+    n_group,         # expert groups (1 unless GROUPED)
+    group_size,      # E / n_group
+    topk_group,      # groups kept per token
+    scale_hi,        # scaling = scale_hi + scale_lo (two float32 halves; used if HAS_SCALE)
+    scale_lo,
     # Strides
     stride_lt, stride_le,
     # Meta-parameters
     SIGMOID: tl.constexpr,
     NORMALIZE: tl.constexpr,
     SINGLE_PROGRAM: tl.constexpr,
-    BLOCK_E: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
+    GROUPED: tl.constexpr,
+    BLOCK_G: tl.constexpr,     # next_pow2(n_group) (1 unless GROUPED)
+    BLOCK_GS: tl.constexpr,    # next_pow2(group_size) (unused unless GROUPED)
+    BLOCK_E: tl.constexpr,     # expert lanes: next_pow2(E), or BLOCK_G * BLOCK_GS if GROUPED
     BLOCK_T: tl.constexpr,
 ):
     pid = tl.program_id(0)
     t_start = pid * span
     t_end = tl.minimum(t_start + span, T)
-    offs_e = tl.arange(0, BLOCK_E)
-    mask_e = offs_e < E
+    if GROUPED:
+        # Group-major lanes, BLOCK_GS per group: lane g * BLOCK_GS + j holds expert g * group_size + j,
+        # so a [BLOCK_T, BLOCK_G, BLOCK_GS] reshape of a tile puts each group on its own row.
+        lanes = tl.arange(0, BLOCK_E)
+        offs_e = (lanes // BLOCK_GS) * group_size + lanes % BLOCK_GS
+        mask_e = (lanes % BLOCK_GS < group_size) & (lanes // BLOCK_GS < n_group)
+    else:
+        offs_e = tl.arange(0, BLOCK_E)
+        mask_e = offs_e < E
     acc_dtype = logits_ptr.dtype.element_ty
+    if HAS_BIAS:
+        b_bias = tl.load(bias_ptr + offs_e, mask=mask_e, other=0.0).to(acc_dtype)
+    if HAS_SCALE:
+        b_scale = tl.cast(scale_hi, acc_dtype) + tl.cast(scale_lo, acc_dtype)
 
     b_used = tl.load(used_ptr + offs_e, mask=mask_e, other=0)
     b_run = tl.zeros([BLOCK_E], dtype=tl.int32)          # assignments per expert so far in the span
@@ -210,20 +245,33 @@ def _gating_fwd_kernel(
         else:
             b_s = b_exp / b_den[:, None]
 
-        # Top-k: K rounds of (max, lowest index at the max) = stable descending sort cut at K.
-        # torch.sort ranks NaN above everything; tl.max skips NaN, so a NaN score competes as +inf
-        # (scores are otherwise in [0, 1]) and turns back into NaN in the sum the weights divide by.
-        b_cand = tl.where(b_s == b_s, b_s, float("inf"))
-        b_cand = tl.where(mask_e[None, :], b_cand, float("-inf"))
-        b_kidx = tl.full([BLOCK_T, BLOCK_E], -1, dtype=tl.int32)
-        b_topsum = tl.zeros([BLOCK_T], dtype=acc_dtype)   # sum of chosen scores, in k order
-        for k in range(K):
-            b_best = tl.max(b_cand, axis=1)
-            b_arg = tl.min(tl.where(b_cand == b_best[:, None], offs_e[None, :], BLOCK_E), axis=1)
-            b_hit = offs_e[None, :] == b_arg[:, None]
-            b_kidx = tl.where(b_hit, k, b_kidx)
-            b_cand = tl.where(b_hit, float("-inf"), b_cand)
-            b_topsum += tl.where(b_best == float("inf"), float("nan"), b_best)
+        if HAS_BIAS or GROUPED:
+            # Selection by scores + bias, within the token's best groups; weights from the scores.
+            b_sel = b_s
+            if HAS_BIAS:
+                b_sel = b_s + b_bias[None, :]
+            b_allowed = tl.broadcast_to(mask_e[None, :], [BLOCK_T, BLOCK_E])
+            if GROUPED:
+                b_allowed = b_allowed & kept_groups(b_sel, mask_e, n_group, topk_group,
+                                                     BLOCK_T, BLOCK_G, BLOCK_GS)
+            b_kidx = select_topk(b_sel, b_allowed, K, BLOCK_T, BLOCK_E)
+            b_topsum = tl.sum(tl.where(b_kidx >= 0, b_s, 0.0), axis=1)
+        else:
+            # Top-k: K rounds of (max, lowest index at the max) = stable descending sort cut at K.
+            # torch.sort ranks NaN above everything; tl.max skips NaN, so a NaN score competes as
+            # +inf (scores are otherwise in [0, 1]) and turns back into NaN in the sum the weights
+            # divide by.
+            b_cand = tl.where(b_s == b_s, b_s, float("inf"))
+            b_cand = tl.where(mask_e[None, :], b_cand, float("-inf"))
+            b_kidx = tl.full([BLOCK_T, BLOCK_E], -1, dtype=tl.int32)
+            b_topsum = tl.zeros([BLOCK_T], dtype=acc_dtype)   # sum of chosen scores, in k order
+            for k in range(K):
+                b_best = tl.max(b_cand, axis=1)
+                b_arg = tl.min(tl.where(b_cand == b_best[:, None], offs_e[None, :], BLOCK_E), axis=1)
+                b_hit = offs_e[None, :] == b_arg[:, None]
+                b_kidx = tl.where(b_hit, k, b_kidx)
+                b_cand = tl.where(b_hit, float("-inf"), b_cand)
+                b_topsum += tl.where(b_best == float("inf"), float("nan"), b_best)
 
         # Scatter expert, weight and slot of every chosen (t, e) to t * K + kidx (int32: the
         # launcher checks T * K < 2^31).
@@ -233,6 +281,8 @@ def _gating_fwd_kernel(
             b_w = b_s / b_topsum[:, None]
         else:
             b_w = b_s
+        if HAS_SCALE:
+            b_w = b_w * b_scale
         tl.store(expert_ptr + offs_tk, tl.broadcast_to(offs_e[None, :], [BLOCK_T, BLOCK_E]), mask=mask_tk)
         tl.store(weight_ptr + offs_tk, b_w.to(weight_ptr.dtype.element_ty), mask=mask_tk)
 
@@ -346,6 +396,8 @@ def _gating_bwd_kernel(
     grad_logits_ptr,  # [T, E] out, contiguous, logits dtype
     # Sizes
     T, E, K,
+    scale_hi,         # the weights' scaling = scale_hi + scale_lo (float32 halves; used if HAS_SCALE)
+    scale_lo,
     # Strides
     stride_lt, stride_le,
     stride_et, stride_ek,
@@ -357,6 +409,7 @@ def _gating_bwd_kernel(
     HAS_GRAD_W: tl.constexpr,
     HAS_GRAD_P: tl.constexpr,
     HAS_GRAD_Z: tl.constexpr,
+    HAS_SCALE: tl.constexpr,
     BLOCK_E: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
@@ -393,11 +446,20 @@ def _gating_bwd_kernel(
             b_hit = offs_e[None, :] == b_ek[:, None]
             b_gw = tl.where(b_hit, b_gk.to(acc_dtype)[:, None], b_gw)
             b_sel = b_sel | b_hit
+        # weight = scaling * (normalised) score: the scaling multiplies this term's per-token
+        # factor (a per-element product in the loop spills at 32 x 64 tiles on 8 warps).
+        if HAS_SCALE:
+            b_scale = tl.cast(scale_hi, acc_dtype) + tl.cast(scale_lo, acc_dtype)
         if NORMALIZE:
             b_topsum = tl.sum(tl.where(b_sel, b_s, 0.0), axis=1)
             b_topsum = tl.where(mask_t, b_topsum, 1.0)  # padded rows choose nothing: avoid 0/0
             b_dot = tl.sum(tl.where(b_sel, b_gw * b_s, 0.0), axis=1) / b_topsum   # sum_k g_w * w
-            b_gs += tl.where(b_sel, (b_gw - b_dot[:, None]) / b_topsum[:, None], 0.0)
+            if HAS_SCALE:
+                b_gs += tl.where(b_sel, (b_gw - b_dot[:, None]) * (b_scale / b_topsum)[:, None], 0.0)
+            else:
+                b_gs += tl.where(b_sel, (b_gw - b_dot[:, None]) / b_topsum[:, None], 0.0)
+        elif HAS_SCALE:
+            b_gs += b_gw * b_scale
         else:
             b_gs += b_gw
     if HAS_GRAD_P:
@@ -440,6 +502,13 @@ def _plan_span(T: int, block_e: int, device: torch.device) -> int:
     return min(max(span, _SPAN_MIN), _SPAN_MAX)
 
 
+def _split_scaling(scaling: float):
+    """``scaling`` as two float32 values whose sum is it to ~48 bits: exact in a float32 kernel
+    (the first one, as torch rounds a Python scalar), and float64 kernels add the second."""
+    if not abs(scaling) <= _FLOAT32_MAX:
+        raise ValueError(f"scaling must be at most {_FLOAT32_MAX:.4g} (float32), got {scaling!r}")
+    hi = struct.unpack("f", struct.pack("f", scaling))[0]
+    return hi, struct.unpack("f", struct.pack("f", scaling - hi))[0]
 
 
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16, torch.uint8, torch.int8)
@@ -454,19 +523,29 @@ def gating_fwd(
     capacity: Optional[int] = None,
     score_fn: str = "softmax",
     normalize_topk: bool = True,
+    expert_bias: Optional[torch.Tensor] = None,
+    n_group: int = 1,
+    topk_group: Optional[int] = None,
+    scaling: float = 1.0,
     out: Optional[GatingOutput] = None,
 ) -> GatingOutput:
     """Scores, top-k, capacity slots and aux/z statistics for one chunk of router logits.
 
-    Same semantics as :func:`kernels.reference.gating_fwd_ref`.
+    Same semantics as :func:`kernels.reference.gating_fwd_ref` (DeepSeek-V3's biased,
+    group-limited selection included).
 
     Args:
         logits_TE: float32 (or float64) [T, E] router logits, any strides.
-        top_k: experts per token, 1 <= top_k <= E.
+        top_k: experts per token, 1 <= top_k <= topk_group * E / n_group.
         used_E: integer [E] slots claimed by earlier chunks of the same batch (None: zeros).
         capacity: slots per expert for the whole batch, or None for dropless.
         score_fn: "softmax" or "sigmoid".
         normalize_topk: divide the K weights of a token by their sum.
+        expert_bias: None or float [E] on the logits' device, added to the scores to select
+            experts (not to the weights); no gradient.
+        n_group: groups of E / n_group consecutive experts (dividing E); 1: no restriction.
+        topk_group: groups a token may choose from, 1..n_group (None: n_group).
+        scaling: finite factor > 0 on the K weights, after the normalisation.
         out: optional preallocated :class:`GatingOutput` (contiguous, the dtypes and shapes
             below) written in place; ``out.used_E`` must not alias ``used_E``.
 
@@ -488,7 +567,19 @@ def gating_fwd(
         raise ValueError(f"capacity must be None or an int >= 0, got {capacity!r}")
     if T * top_k > _INT32_MAX:
         raise ValueError(f"T * top_k must fit int32, got {T} * {top_k}")
+    topk_group = check_router_args(E, top_k, expert_bias, n_group, topk_group, scaling, dev)
+    scale_hi, scale_lo = _split_scaling(scaling)
     K = top_k
+    grouped = n_group > 1
+    if grouped:   # group-major lanes (see _gating_fwd_kernel): each group padded to a power of two
+        block_g, block_gs = triton.next_power_of_2(n_group), triton.next_power_of_2(E // n_group)
+        block_e = block_g * block_gs
+        if block_e > _MAX_EXPERTS:
+            raise ValueError(f"n_group={n_group} with E={E} needs {block_g} x {block_gs} expert lanes, "
+                             f"more than {_MAX_EXPERTS}")
+    else:
+        block_g, block_gs, block_e = 1, 1, triton.next_power_of_2(E)
+    bias = logits_TE if expert_bias is None else expert_bias.contiguous()   # logits: never read
     if used_E is None:
         used_E = torch.zeros(E, dtype=torch.int32, device=dev)
     else:
@@ -516,24 +607,22 @@ def gating_fwd(
         out.zsq_sum.zero_()
         return out
 
-    block_e = triton.next_power_of_2(E)
     span = _plan_span(T, block_e, dev)
     n_spans = triton.cdiv(T, span)
-    meta = dict(SIGMOID=score_fn == "sigmoid", NORMALIZE=bool(normalize_topk), BLOCK_E=block_e)
-    stride_lt, stride_le = logits_TE.stride()
+    meta = dict(SIGMOID=score_fn == "sigmoid", NORMALIZE=bool(normalize_topk), HAS_BIAS=expert_bias is not None,
+                HAS_SCALE=scaling != 1.0, GROUPED=grouped, BLOCK_G=block_g, BLOCK_GS=block_gs, BLOCK_E=block_e)
+    sizes = (T, E, K, span, cap, n_group, E // n_group, topk_group, scale_hi, scale_lo, *logits_TE.stride())
     if n_spans == 1:
-        args = (logits_TE, used_E, out.expert_TK, out.weight_TK, out.slot_TK,
-                out.counts_E, out.used_E, out.score_sum_E, out.zsq_sum,
-                T, E, K, span, cap, stride_lt, stride_le)
+        args = (logits_TE, bias, used_E, out.expert_TK, out.weight_TK, out.slot_TK,
+                out.counts_E, out.used_E, out.score_sum_E, out.zsq_sum, *sizes)
         run_autotuned(_gating_fwd_kernel, (1,), args, dict(SINGLE_PROGRAM=True, **meta), _ENV_FWD_CONFIG)
         return out
 
     span_count = torch.empty(n_spans, E, dtype=torch.int32, device=dev)
     span_score = torch.empty(n_spans, E, dtype=logits_TE.dtype, device=dev)
     span_zsq = torch.empty(n_spans, dtype=logits_TE.dtype, device=dev)
-    args = (logits_TE, used_E, out.expert_TK, out.weight_TK, out.slot_TK,
-            span_count, out.used_E, span_score, span_zsq,
-            T, E, K, span, cap, stride_lt, stride_le)
+    args = (logits_TE, bias, used_E, out.expert_TK, out.weight_TK, out.slot_TK,
+            span_count, out.used_E, span_score, span_zsq, *sizes)
     run_autotuned(_gating_fwd_kernel, (n_spans,), args, dict(SINGLE_PROGRAM=False, **meta), _ENV_FWD_CONFIG)
     _gating_scan_kernel[(triton.cdiv(E, _SCAN_BLOCK_E),)](
         span_count, span_score, span_zsq, used_E,
@@ -558,6 +647,7 @@ def gating_bwd(
     *,
     score_fn: str = "softmax",
     normalize_topk: bool = True,
+    scaling: float = 1.0,
     out: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Gradient of the logits from the gradients of ``weight_TK``, ``score_sum_E`` and ``zsq_sum``.
@@ -570,6 +660,8 @@ def gating_bwd(
         grad_weight_TK: float [T, K] or None (any strides, e.g. expanded).
         grad_score_sum_E: float [E] or None.
         grad_zsq_sum: float [] (or one element) or None.
+        score_fn, normalize_topk, scaling: as given to :func:`gating_fwd` (the expert bias and
+            groups only select, so the backward does not need them).
         out: optional contiguous [T, E] buffer in the logits dtype.
 
     Returns:
@@ -582,6 +674,8 @@ def gating_bwd(
         raise ValueError(f"logits_TE must have 1..{_MAX_EXPERTS} experts (columns), got {E}")
     if score_fn not in ("softmax", "sigmoid"):
         raise ValueError(f"score_fn must be 'softmax' or 'sigmoid', got {score_fn!r}")
+    check_scaling(scaling)
+    scale_hi, scale_lo = _split_scaling(scaling)
     _check_tensor("expert_TK", expert_TK, ndim=2, dtypes=_INT_DTYPES, device=dev)
     if expert_TK.shape[0] != T or not 1 <= expert_TK.shape[1] <= E:
         raise ValueError(f"expert_TK must have shape [T={T}, K<=E={E}], got {tuple(expert_TK.shape)}")
@@ -614,10 +708,10 @@ def gating_bwd(
     stride_pe = 0 if grad_score_sum_E is None else grad_score_sum_E.stride(0)
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_T"]),)  # noqa: E731
     args = (logits_TE, expert_TK, grad_w, grad_p, grad_z, out,
-            T, E, K,
+            T, E, K, scale_hi, scale_lo,
             *logits_TE.stride(), *expert_TK.stride(), stride_gt, stride_gk, stride_pe)
     meta = dict(SIGMOID=score_fn == "sigmoid", NORMALIZE=bool(normalize_topk),
                 HAS_GRAD_W=grad_weight_TK is not None, HAS_GRAD_P=grad_score_sum_E is not None,
-                HAS_GRAD_Z=grad_zsq_sum is not None, BLOCK_E=triton.next_power_of_2(E))
+                HAS_GRAD_Z=grad_zsq_sum is not None, HAS_SCALE=scaling != 1.0, BLOCK_E=triton.next_power_of_2(E))
     run_autotuned(_gating_bwd_kernel, grid, args, meta, _ENV_BWD_CONFIG)
     return out

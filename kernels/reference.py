@@ -9,6 +9,7 @@ Shape letters: T tokens, E experts, K top-k, D model, F expert hidden, S dispatc
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -54,10 +55,73 @@ def _scores(logits_TE: torch.Tensor, score_fn: str) -> torch.Tensor:
     raise ValueError(f"score_fn must be 'softmax' or 'sigmoid', got {score_fn!r}")
 
 
-def _topk_weights(scores_TE, expert_TK, normalize_topk):
+_BIAS_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def check_router_args(E: int, top_k: int, expert_bias, n_group, topk_group, scaling, device) -> int:
+    """Validate the router-variant arguments of the gating forward; returns ``topk_group`` resolved.
+
+    Shared by :func:`gating_fwd_ref` and the Triton launcher, so both reject the same input.
+    Raises TypeError / ValueError naming the argument.
+    """
+    if expert_bias is not None:
+        if not isinstance(expert_bias, torch.Tensor):
+            raise TypeError(f"expert_bias must be None or a torch.Tensor, got {type(expert_bias).__name__}")
+        if expert_bias.dtype not in _BIAS_DTYPES:
+            raise TypeError(f"expert_bias must have a float dtype {[str(d) for d in _BIAS_DTYPES]}, "
+                            f"got {expert_bias.dtype}")
+        if tuple(expert_bias.shape) != (E,):
+            raise ValueError(f"expert_bias must have shape ({E},) (one entry per expert), got {tuple(expert_bias.shape)}")
+        if expert_bias.device != device:
+            raise ValueError(f"expert_bias must be on {device} (the logits' device), got {expert_bias.device}")
+    if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1 or E % n_group:
+        raise ValueError(f"n_group must be an int >= 1 dividing E={E}, got {n_group!r}")
+    if topk_group is None:
+        topk_group = n_group
+    if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be None or an int in [1, n_group={n_group}], got {topk_group!r}")
+    if top_k > topk_group * (E // n_group):
+        raise ValueError(f"top_k={top_k} must be <= topk_group * E / n_group = {topk_group} * {E // n_group}: "
+                         "the kept groups hold too few experts")
+    check_scaling(scaling)
+    return topk_group
+
+
+def check_scaling(scaling) -> None:
+    """The gating backward's one router-variant argument (see :func:`check_router_args`)."""
+    if isinstance(scaling, bool) or not isinstance(scaling, (int, float)):
+        raise TypeError(f"scaling must be a float, got {type(scaling).__name__}")
+    if not (math.isfinite(scaling) and scaling > 0):
+        raise ValueError(f"scaling must be finite and > 0, got {scaling!r}")
+
+
+def _select_order(scores_TE, expert_bias, n_group, topk_group):
+    """Experts of each token in selection order: best first by ``scores + expert_bias``, NaN
+    first and ties to the lower index (a stable descending sort), experts outside the token's
+    ``topk_group`` best groups after all the others."""
+    T, E = scores_TE.shape
+    sel_TE = scores_TE if expert_bias is None else scores_TE + expert_bias.to(scores_TE.dtype)
+    _, order_TE = torch.sort(sel_TE, dim=-1, descending=True, stable=True)
+    if n_group == 1:
+        return order_TE
+    # Group score: the sum of the group's top min(2, E / n_group) selection scores (DeepSeek-V3).
+    top = torch.sort(sel_TE.view(T, n_group, E // n_group), dim=-1, descending=True, stable=True).values
+    group_TG = top[..., 0] + top[..., 1] if E // n_group >= 2 else top[..., 0]
+    _, group_order = torch.sort(group_TG, dim=-1, descending=True, stable=True)
+    kept_TG = torch.zeros(T, n_group, dtype=torch.bool, device=scores_TE.device)
+    kept_TG.scatter_(1, group_order[:, :topk_group], True)
+    blocked_TE = ~kept_TG.repeat_interleave(E // n_group, dim=1)
+    # A stable sort on "blocked" moves the other groups' experts last, keeping every order else.
+    last = torch.sort(blocked_TE.gather(1, order_TE).to(torch.uint8), dim=-1, stable=True).indices
+    return order_TE.gather(1, last)
+
+
+def _topk_weights(scores_TE, expert_TK, normalize_topk, scaling=1.0):
     w_TK = torch.gather(scores_TE, 1, expert_TK.long())
     if normalize_topk:
         w_TK = w_TK / w_TK.sum(dim=-1, keepdim=True)
+    if scaling != 1.0:
+        w_TK = w_TK * scaling
     return w_TK
 
 
@@ -69,27 +133,44 @@ def gating_fwd_ref(
     capacity: Optional[int] = None,
     score_fn: str = "softmax",
     normalize_topk: bool = True,
+    expert_bias: Optional[torch.Tensor] = None,
+    n_group: int = 1,
+    topk_group: Optional[int] = None,
+    scaling: float = 1.0,
 ) -> GatingOutput:
     """Scores, top-k, capacity slots and aux/z statistics for one chunk of router logits.
 
+    Selection (DeepSeek-V3's router when ``expert_bias`` / ``n_group`` are given): experts are
+    ranked by the selection score ``scores + expert_bias``; with ``n_group > 1`` the experts are
+    ``n_group`` groups of E / n_group consecutive ones, each group scored by the sum of its top
+    min(2, E / n_group) selection scores, and only the ``topk_group`` best groups' experts can be
+    chosen. Rankings break ties to the lower index, and a NaN ranks first (as ``torch.sort``).
+    The weights are the *unbiased* scores of the chosen experts, normalised if asked, then times
+    ``scaling``.
+
     Args:
         logits_TE: float32 (or float64) [T, E] router logits.
-        top_k: experts per token, 1 <= top_k <= E.
+        top_k: experts per token, 1 <= top_k <= topk_group * E / n_group.
         used_E: int32 [E] assignments claimed by earlier chunks of the same batch (None: zeros).
         capacity: slots per expert for the whole batch, or None for dropless.
         score_fn: "softmax" or "sigmoid".
         normalize_topk: divide the K weights of a token by their sum.
+        expert_bias: None or float [E] added to the scores for selection only (DeepSeek-V3's
+            ``e_score_correction_bias``); it gets no gradient.
+        n_group: expert groups, dividing E; 1 (default): no group restriction.
+        topk_group: groups kept per token, 1..n_group (None: n_group).
+        scaling: factor on the K weights after the normalisation (``routed_scaling_factor``).
 
     Returns:
         :class:`GatingOutput`.
     """
     T, E = logits_TE.shape
     dev = logits_TE.device
+    topk_group = check_router_args(E, top_k, expert_bias, n_group, topk_group, scaling, dev)
     scores_TE = _scores(logits_TE, score_fn)
-    # A stable descending sort keeps equal scores in index order: ties go to the lower expert.
-    _, order_TE = torch.sort(scores_TE, dim=-1, descending=True, stable=True)
+    order_TE = _select_order(scores_TE, expert_bias, n_group, topk_group)
     expert_TK = order_TE[:, :top_k].to(torch.int32)
-    weight_TK = _topk_weights(scores_TE, expert_TK, normalize_topk)
+    weight_TK = _topk_weights(scores_TE, expert_TK, normalize_topk, scaling)
 
     if used_E is None:
         used_E = torch.zeros(E, dtype=torch.int32, device=dev)
@@ -124,21 +205,23 @@ def gating_bwd_ref(
     *,
     score_fn: str = "softmax",
     normalize_topk: bool = True,
+    scaling: float = 1.0,
 ) -> torch.Tensor:
     """Gradient of the logits from the gradients of ``weight_TK``, ``score_sum_E`` and ``zsq_sum``.
 
-    The top-k choice is piecewise constant, so only the weights' values carry gradient. Any of the
-    three incoming gradients may be None (zero).
+    The top-k choice (expert bias and groups included) is piecewise constant, so only the weights'
+    values (times ``scaling``) carry gradient. Any of the three incoming gradients may be None (zero).
 
     Returns:
         grad_logits_TE, same dtype and shape as ``logits_TE``.
     """
+    check_scaling(scaling)
     with torch.enable_grad():
         logits = logits_TE.detach().requires_grad_(True)
         scores = _scores(logits, score_fn)
         total = logits.new_zeros(())
         if grad_weight_TK is not None:
-            w_TK = _topk_weights(scores, expert_TK, normalize_topk)
+            w_TK = _topk_weights(scores, expert_TK, normalize_topk, scaling)
             total = total + (w_TK * grad_weight_TK).sum()
         if grad_score_sum_E is not None:
             norm = scores / scores.sum(dim=-1, keepdim=True)

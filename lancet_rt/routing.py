@@ -76,10 +76,12 @@ class _Gate(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits_TE, state: BatchRouting, ops, score_fn, normalize_topk, aux_coef, z_coef):
+    def forward(ctx, logits_TE, state: BatchRouting, ops, score_fn, normalize_topk, aux_coef, z_coef,
+                expert_bias, n_group, topk_group, scaling):
         used_in = state.used_E
         out = ops.gating_fwd(logits_TE, state.top_k, used_in, capacity=state.capacity,
-                             score_fn=score_fn, normalize_topk=normalize_topk)
+                             score_fn=score_fn, normalize_topk=normalize_topk, expert_bias=expert_bias,
+                             n_group=n_group, topk_group=topk_group, scaling=scaling)
         C = state.capacity if state.capacity is not None else torch.iinfo(torch.int64).max
         # Rows this chunk keeps per expert: the capacity-clamped counter's growth.
         kept_E = out.used_E.long().clamp(max=C) - used_in.long().clamp(max=C)
@@ -91,7 +93,7 @@ class _Gate(torch.autograd.Function):
         row_TK = ops.dispatch_rows(out.expert_TK, out.slot_TK, used_in, kept_E)
 
         ctx.save_for_backward(logits_TE, out.expert_TK)
-        ctx.state, ctx.ops, ctx.score_fn, ctx.normalize = state, ops, score_fn, normalize_topk
+        ctx.state, ctx.ops, ctx.score_fn, ctx.normalize, ctx.scaling = state, ops, score_fn, normalize_topk, scaling
         ctx.aux_coef, ctx.z_coef = aux_coef, z_coef
         ctx.mark_non_differentiable(out.expert_TK, row_TK, kept_E)
         return out.weight_TK, out.expert_TK, row_TK, kept_E
@@ -111,13 +113,31 @@ class _Gate(torch.autograd.Function):
             # copy, which on CUDA syncs the host with the stream once per chunk and layer in backward.
             grad_zsq = torch.full((), ctx.z_coef / T, dtype=logits_TE.dtype, device=logits_TE.device)
         grad_logits = ctx.ops.gating_bwd(logits_TE, expert_TK, grad_weight_TK, grad_score_sum, grad_zsq,
-                                         score_fn=ctx.score_fn, normalize_topk=ctx.normalize)
-        return grad_logits, None, None, None, None, None, None
+                                         score_fn=ctx.score_fn, normalize_topk=ctx.normalize, scaling=ctx.scaling)
+        return grad_logits, None, None, None, None, None, None, None, None, None, None
 
 
-def gate(logits_TE, state, ops, *, score_fn, normalize_topk, aux_coef, z_coef):
-    """Run the gating stage for one chunk. Returns (weight_TK, expert_TK, row_TK, kept_E)."""
-    return _Gate.apply(logits_TE, state, ops, score_fn, normalize_topk, aux_coef, z_coef)
+def gate(logits_TE, state, ops, *, score_fn, normalize_topk, aux_coef, z_coef, expert_bias=None, n_group=1,
+         topk_group=None, scaling=1.0):
+    """Run the gating stage for one chunk, carrying ``state`` (capacity, aux/z statistics).
+
+    Args:
+        logits_TE: float32 (or float64) [T, E] router logits of this chunk (differentiable).
+        state: the layer's :class:`BatchRouting` for this batch.
+        ops: the kernel namespace (:func:`lancet_rt.ops.get_ops`).
+        score_fn, normalize_topk: as :func:`kernels.reference.gating_fwd_ref`.
+        aux_coef, z_coef: coefficients of the aux and z losses, whose gradients the backward adds.
+        expert_bias: None or float [E]: selection-only bias (DeepSeek-V3's
+            ``e_score_correction_bias``); it gets no gradient.
+        n_group, topk_group: group-limited selection (1, None: none).
+        scaling: factor on the weights after the normalisation (``routed_scaling_factor``).
+
+    Returns:
+        (weight_TK, expert_TK, row_TK, kept_E): the weights (differentiable), the chosen experts,
+        each assignment's dispatch row (-1 when dropped), and the rows kept per expert.
+    """
+    return _Gate.apply(logits_TE, state, ops, score_fn, normalize_topk, aux_coef, z_coef, expert_bias, n_group,
+                       topk_group, scaling)
 
 
 class _Permute(torch.autograd.Function):

@@ -32,7 +32,8 @@ def _step(model, ids, mask, labels):
 def _assert_same(name, lm, out_l, hf, out_r, rows=None):
     assert_close(f"{name} logits", out_l.logits, out_r.logits)
     assert_close(f"{name} loss", out_l.loss.reshape(1), out_r.loss.reshape(1))
-    assert_close(f"{name} aux_loss", out_l.aux_loss.reshape(1), out_r.aux_loss.reshape(1))
+    if getattr(out_r, "aux_loss", None) is not None:  # (DeepSeek-V3 and GLM-4.5 have none: bias balancing)
+        assert_close(f"{name} aux_loss", out_l.aux_loss.reshape(1), out_r.aux_loss.reshape(1))
     ref = dict(hf.named_parameters())
     for n, p in lm.named_parameters():
         expected = ref[n].grad
@@ -54,8 +55,9 @@ def test_from_hf_equals_transformers(family):
     # The patched model is the same object, with the same parameter names and router logits.
     assert [n for n, _ in lm.named_parameters()] == [n for n, _ in hf.named_parameters()]
     assert lm.state_dict().keys() == hf.state_dict().keys()
-    assert len(out_l.router_logits) == len(lancet_rt.hf.moe_layers(lm))
-    assert all(t.dtype == torch.float32 and t.shape[0] == 5 * 9 for t in out_l.router_logits)
+    if getattr(out_r, "router_logits", None) is not None:
+        assert len(out_l.router_logits) == len(lancet_rt.hf.moe_layers(lm))
+        assert all(t.dtype == torch.float32 and t.shape[0] == 5 * 9 for t in out_l.router_logits)
 
 
 def test_activation_checkpointing_replays_routing():
@@ -258,3 +260,14 @@ def test_update_expert_bias_sums_loads_over_ranks():
     total = (l0 + l1).double()
     assert torch.equal(b0, b1)
     assert torch.equal(b0, (0.5 * torch.sign(total.mean() - total)).float())
+
+
+def test_deepseek_v3_on_the_triton_kernels(monkeypatch):
+    """The DeepSeek-V3 router (selection bias, groups, scaling) through the Triton gating kernels
+    (the interpreter on CPU), chunked with deferred dW, against transformers."""
+    monkeypatch.setenv("LANCET_KERNELS", "triton")
+    hf = build("deepseek_v3")
+    ids, mask, labels = batch(hf.config.vocab_size, 3, 7)
+    out_r = _step(hf, ids, mask, labels)
+    lm = lancet_rt.from_hf(copy.deepcopy(hf), chunks=2, defer_wgrad=True)
+    _assert_same("deepseek_v3 triton", lm, _step(lm, ids, mask, labels), hf, out_r)

@@ -4,7 +4,9 @@ CPU lane: the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py) on
 T in {0, 1, 63, 257}, D in {60, 100}, E in {2, 7, 8, 64, 256}, K in {1, 2, E}; softmax and sigmoid,
 with and without renormalisation, dropless and dropping capacities (capacity 0 included), carried
 used capacity, an expert with no tokens, every token on one expert, exact ties, NaN / +inf / all
--inf logit rows; float32, bfloat16 and float16 rows; small tiles pinned through the config
+-inf logit rows; DeepSeek-V3's router variants (selection-only expert bias, group-limited top-k,
+scaled weights: against the reference, the naive tests/contract_ref.py and transformers'
+DeepseekV3TopkRouter); float32, bfloat16 and float16 rows; small tiles pinned through the config
 environment variables, so token tiles, D tiles and scan blocks repeat. Outputs AND gradients are
 compared; every output buffer is poisoned before the launch (NaN for floats, or -7777 where NaN is
 a legitimate result, and a value no kernel writes for integers, through the launchers' ``out=``),
@@ -45,6 +47,7 @@ from lancet_rt.kernels.reference import (
     unpermute_bwd_ref,
     unpermute_fwd_ref,
 )
+from tests.contract_ref import route_contract_ref
 from tests.helpers import assert_close, nan_like
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -156,13 +159,15 @@ GATING_MODES = [
 ]
 
 
-def _check_gating(gen, shape, mode):
-    """gating_fwd and gating_bwd (all three incoming gradients) against the reference."""
+def _check_gating(gen, shape, mode, **variant):
+    """gating_fwd and gating_bwd (all three incoming gradients) against the reference; ``variant``:
+    the router-variant arguments (expert_bias, n_group, topk_group, scaling). Returns the output."""
     (T, E, K), (score_fn, normalize, factor) = shape, mode
     logits = _logits(gen, T, E)
     capacity = _capacity(T, E, K, factor)
     used = torch.randint(0, 1 + (capacity or 8) // 2, (E,), generator=gen, dtype=torch.int32).to(DEVICE)
-    kw = dict(capacity=capacity, score_fn=score_fn, normalize_topk=normalize)
+    kw = dict(capacity=capacity, score_fn=score_fn, normalize_topk=normalize, **variant)
+    bwd_kw = dict(score_fn=score_fn, normalize_topk=normalize, scaling=variant.get("scaling", 1.0))
 
     out = gating_fwd(logits, K, used, out=_poisoned_gating_out(T, E, K, logits.dtype), **kw)
     ref = gating_fwd_ref(logits, K, used, **kw)
@@ -171,11 +176,10 @@ def _check_gating(gen, shape, mode):
     grad_w = torch.randn(T, K, generator=gen).to(DEVICE)
     grad_p = torch.randn(E, generator=gen).to(DEVICE)
     grad_z = torch.randn((), generator=gen).to(DEVICE)
-    got = gating_bwd(logits, out.expert_TK, grad_w, grad_p, grad_z, score_fn=score_fn,
-                     normalize_topk=normalize, out=_poison(logits))
-    want = gating_bwd_ref(logits, ref.expert_TK, grad_w, grad_p, grad_z, score_fn=score_fn,
-                          normalize_topk=normalize)
+    got = gating_bwd(logits, out.expert_TK, grad_w, grad_p, grad_z, out=_poison(logits), **bwd_kw)
+    want = gating_bwd_ref(logits, ref.expert_TK, grad_w, grad_p, grad_z, **bwd_kw)
     assert_close("gating_bwd.grad_logits", got, want, torch.float32)
+    return out
 
 
 @pytest.mark.parametrize("mode", GATING_MODES, ids=lambda m: f"{m[0]}-norm{int(m[1])}-cf{m[2]}")
@@ -244,11 +248,12 @@ def _nonfinite_logits(gen, T, E, rows):
     return logits
 
 
-def _check_gating_nonfinite(gen, logits, K, used, capacity, score_fn, normalize):
+def _check_gating_nonfinite(gen, logits, K, used, capacity, score_fn, normalize, **variant):
     """Forward, dispatch rows and backward against the reference, NaN/inf-exact; returns the
-    forward output."""
+    forward output. ``variant``: the router-variant arguments."""
     T, E = logits.shape
-    kw = dict(capacity=capacity, score_fn=score_fn, normalize_topk=normalize)
+    kw = dict(capacity=capacity, score_fn=score_fn, normalize_topk=normalize, **variant)
+    bwd_kw = dict(score_fn=score_fn, normalize_topk=normalize, scaling=variant.get("scaling", 1.0))
     out = gating_fwd(logits, K, used, out=_poisoned_gating_out(T, E, K, logits.dtype, nan=False), **kw)
     ref = gating_fwd_ref(logits, K, used, **kw)
     assert bool(((out.expert_TK >= 0) & (out.expert_TK < E)).all()), "expert ids outside [0, E)"
@@ -263,9 +268,8 @@ def _check_gating_nonfinite(gen, logits, K, used, capacity, score_fn, normalize)
              torch.randn((), generator=gen).to(DEVICE))
     for present in ("w", "wpz"):
         g = [x if name in present else None for name, x in zip("wpz", grads)]
-        got = gating_bwd(logits, out.expert_TK, *g, score_fn=score_fn, normalize_topk=normalize,
-                         out=_poison(logits, nan=False))
-        want = gating_bwd_ref(logits, ref.expert_TK, *g, score_fn=score_fn, normalize_topk=normalize)
+        got = gating_bwd(logits, out.expert_TK, *g, out=_poison(logits, nan=False), **bwd_kw)
+        want = gating_bwd_ref(logits, ref.expert_TK, *g, **bwd_kw)
         _assert_close_nonfinite(f"gating_bwd[nonfinite,{present}]", got, want, torch.float32)
     return out
 
@@ -466,6 +470,235 @@ def test_gating_carried_capacity_chunks(gen, case):
         assert_close(f"weight_TK[{tag}]", cat(1), whole.weight_TK)
         assert_close(f"score_sum_E[{tag}]", score_sum, whole.score_sum_E)
         assert_close(f"zsq_sum[{tag}]", zsq, whole.zsq_sum)
+
+
+# ----------------------------------------------------------------------------------------------
+# Router variants: expert bias, group-limited top-k, scaled weights (DeepSeek-V3)
+# ----------------------------------------------------------------------------------------------
+def _tier_bias(gen, E):
+    """A selection bias of 0, 3 or 6 per expert. Scores lie in [0, 1], so ``scores + bias`` keeps
+    _logits' well-separated order within a tier, and different tiers (and group sums of two
+    scores, which differ by < 2 within a tier sum) never come near each other: no near-ties."""
+    return (torch.randint(0, 3, (E,), generator=gen) * 3.0).to(DEVICE)
+
+
+# (id, (T, E, K), (score_fn, normalize_topk, capacity_factor), variant without the bias, biased, path)
+VARIANT_CASES = [
+    ("bias", (63, 8, 2), ("softmax", True, 0.75), dict(), True, "single"),
+    # 4 groups of 3 experts: lanes padded to 4 per group
+    ("groups", (63, 12, 3), ("sigmoid", False, None), dict(n_group=4, topk_group=2), False, "single"),
+    # DeepSeek-V3 scaled down (E=256, K=8, 8 groups, 4 kept -> E=16, K=4, 4 groups, 2 kept)
+    ("deepseek", (63, 16, 4), ("sigmoid", True, 1.0), dict(n_group=4, topk_group=2, scaling=2.5), True, "single"),
+    ("deepseek-softmax-spans", (63, 16, 4), ("softmax", False, 0.5),
+     dict(n_group=4, topk_group=2, scaling=2.827), True, "multi"),
+    # groups of one expert (group score = the selection score), one token
+    ("T1-groups-of-1", (1, 6, 2), ("sigmoid", True, None), dict(n_group=6, topk_group=3, scaling=0.5), True, "single"),
+    # 3 groups of 5: a padded group (4 group lanes) and 8 lanes per group
+    ("padded-groups-spans", (63, 15, 4), ("sigmoid", True, 1.0), dict(n_group=3, topk_group=2), True, "multi"),
+    # K = topk_group * E / n_group: every expert of the kept groups is chosen
+    ("K-all-kept", (63, 8, 4), ("softmax", True, 0.75), dict(n_group=4, topk_group=2, scaling=1.5), True, "single"),
+]
+
+
+@pytest.mark.parametrize("case", VARIANT_CASES, ids=lambda c: c[0])
+def test_gating_variants_match_reference(gen, monkeypatch, case):
+    """Biased and group-limited selection, scaled weights: every forward output (NaN-poisoned)
+    and the logits' gradient against the reference, on the fused single program and the scan."""
+    _, shape, mode, variant, biased, path = case
+    if path == "multi":
+        monkeypatch.setattr(gating_mod, "_SINGLE_PROGRAM_MAX_T", 0)   # T = 63: two spans of 32
+    if biased:
+        variant = dict(variant, expert_bias=_tier_bias(gen, shape[1]))
+    out = _check_gating(gen, shape, mode, **variant)
+    # Spelled out: every token's experts lie in at most topk_group groups.
+    group_size, topk_group = shape[1] // variant.get("n_group", 1), variant.get("topk_group", 1)
+    assert all(len(set(row)) <= topk_group for row in (out.expert_TK.long() // group_size).tolist())
+
+
+def test_gating_variants_defaults_are_plain_routing(gen):
+    """A zero bias and n_group groups all kept take the biased/grouped code path and must give
+    plain routing: same experts, slots and counts, weights equal up to summation order; NaN
+    and infinite logits included (a NaN score still ranks first)."""
+    T, E, K = 40, 8, 3
+    logits = _nonfinite_logits(gen, T, E, {0: "nan", 3: "+inf", 6: "-inf_all", 9: "-inf_some"})
+    zeros = torch.zeros(E, device=DEVICE)
+    for score_fn in ("softmax", "sigmoid"):
+        plain = gating_fwd(logits, K, capacity=9, score_fn=score_fn)
+        for variant in (dict(expert_bias=zeros), dict(n_group=4, topk_group=4), dict(n_group=1, topk_group=1)):
+            got = gating_fwd(logits, K, capacity=9, score_fn=score_fn, **variant)
+            _assert_gating_equal(f"gating_fwd[{score_fn},{sorted(variant)}]", got, plain, nonfinite=True)
+
+
+def test_gating_variants_carried_capacity(gen):
+    """DeepSeek-shaped routing in two chunks with used_E carried equals one call."""
+    T, E, K = 63, 16, 4
+    logits = _logits(gen, T, E)
+    kw = dict(capacity=_capacity(T, E, K, 1.0), score_fn="sigmoid", expert_bias=_tier_bias(gen, E),
+              n_group=4, topk_group=2, scaling=2.5)
+    whole = gating_fwd(logits, K, **kw)
+    _assert_gating_equal("gating_fwd[whole]", whole, gating_fwd_ref(logits, K, **kw))
+    first = gating_fwd(logits[:20], K, **kw)
+    second = gating_fwd(logits[20:], K, first.used_E, out=_poisoned_gating_out(T - 20, E, K, logits.dtype), **kw)
+    for i in (0, 2):   # experts, slots (drops included)
+        assert torch.equal(torch.cat([first[i], second[i]]), whole[i]), GatingOutput._fields[i]
+    assert torch.equal(second.used_E, whole.used_E)
+    assert torch.equal(first.counts_E + second.counts_E, whole.counts_E)
+    assert_close("weight_TK[chunks]", torch.cat([first.weight_TK, second.weight_TK]), whole.weight_TK)
+    assert_close("score_sum_E[chunks]", first.score_sum_E + second.score_sum_E, whole.score_sum_E)
+    assert bool((whole.slot_TK == -1).any()), "expected drops at capacity factor 1.0"
+
+
+@pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
+def test_gating_variants_ties(gen, score_fn):
+    """Exact ties everywhere: integer logits and a bias repeating per group give equal selection
+    scores and equal group scores. Groups tie to the lower group, experts to the lower index,
+    against the reference and the naive contract."""
+    T, E, K, n_group, topk_group = 63, 16, 4, 4, 2
+    logits = torch.randint(0, 3, (T, E), generator=gen).float().to(DEVICE)
+    logits[0] = 1.0                                       # one token: every score equal
+    bias = torch.tensor([0.0, 3.0, 0.0, 3.0] * 4, device=DEVICE)
+    kw = dict(capacity=5, score_fn=score_fn, expert_bias=bias, n_group=n_group, topk_group=topk_group)
+    out = gating_fwd(logits, K, out=_poisoned_gating_out(T, E, K, logits.dtype), **kw)
+    _assert_gating_equal("gating_fwd[ties]", out, gating_fwd_ref(logits, K, **kw))
+    # Token 0: all four groups score 2 * (3 + s): groups 0 and 1 are kept; its biased experts first.
+    assert out.expert_TK[0].tolist() == [1, 3, 5, 7]
+    _, chosen, _, slots, _ = route_contract_ref(logits.double(), top_k=K, **kw)
+    assert out.expert_TK.tolist() == chosen and out.slot_TK.tolist() == slots
+
+
+@_NONFINITE_OK
+@pytest.mark.parametrize("case", ["bias-K=E-softmax", "groups-sigmoid"])
+def test_gating_variants_nonfinite(gen, monkeypatch, case):
+    """NaN / +inf / all -inf logit rows with a non-finite bias, on two spans. Experts: a NaN
+    selection score ranks first (its weight stays the finite score), then +inf, and an allowed
+    -inf expert comes before every expert of the groups left out. Groups: a NaN group score (a NaN
+    score, or a top two of +inf and -inf) ranks first, before +inf, ties to the lower group."""
+    monkeypatch.setattr(gating_mod, "_SINGLE_PROGRAM_MAX_T", 0)   # T = 40: two spans of 32
+    rows = {0: "nan", 3: "+inf", 6: "-inf_all", 9: "-inf_some", 33: "nan", 35: "+inf"}
+    inf, nan = float("inf"), float("nan")
+    if case == "bias-K=E-softmax":
+        T, E, K, score_fn, variant = 40, 7, 7, "softmax", dict(scaling=2.0)
+        bias = torch.tensor([0.1, nan, 0.0, 0.2, -inf, inf, 0.3], device=DEVICE)
+    else:   # groups (0, 1) score +inf, (6, 7) NaN; one group kept
+        T, E, K, score_fn, variant = 40, 8, 2, "sigmoid", dict(n_group=4, topk_group=1)
+        bias = torch.tensor([inf, 0.0, 0.1, 0.2, 0.3, 0.0, inf, -inf], device=DEVICE)
+    logits = _nonfinite_logits(gen, T, E, rows)
+    used = torch.randint(0, 2, (E,), generator=gen, dtype=torch.int32).to(DEVICE)
+    out = _check_gating_nonfinite(gen, logits, K, used, 3, score_fn, True, expert_bias=bias, **variant)
+    if case == "bias-K=E-softmax":   # ordinary rows: NaN-biased 1, +inf-biased 5, ..., -inf-biased 4 last
+        assert out.expert_TK[1, :2].tolist() == [1, 5] and int(out.expert_TK[1, -1]) == 4
+        assert not bool(out.weight_TK[[1, 9, 20]].isnan().any())
+    else:   # ordinary rows keep group 3 (+inf then -inf); NaN logits at 4 / 5 make group 2 the first NaN group
+        assert out.expert_TK[[1, 9, 20]].tolist() == [[6, 7]] * 3
+        assert out.expert_TK[[0, 33]].tolist() == [[4, 5], [5, 4]]
+
+
+def test_gating_variants_match_deepseek_v3_router(gen):
+    """Against transformers' DeepseekV3TopkRouter (sigmoid, e_score_correction_bias, groups,
+    renormalised and scaled weights) on random inputs without ties: the same expert sets and
+    weights (it picks with topk(sorted=False), so both sides are compared sorted by expert)."""
+    pytest.importorskip("transformers")
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    T, D, E, K, n_group, topk_group, scaling = 37, 24, 32, 6, 8, 3, 2.5
+    config = DeepseekV3Config(hidden_size=D, n_routed_experts=E, num_experts_per_tok=K, n_group=n_group,
+                              topk_group=topk_group, routed_scaling_factor=scaling, norm_topk_prob=True)
+    router = DeepseekV3TopkRouter(config)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(E, D, generator=gen))
+        router.e_score_correction_bias.copy_(torch.randn(E, generator=gen) * 0.3)
+        logits, hf_weight, hf_expert = router(torch.randn(T, D, generator=gen))
+    bias = router.e_score_correction_bias.to(DEVICE)
+    kw = dict(score_fn="sigmoid", expert_bias=bias, n_group=n_group, topk_group=topk_group, scaling=scaling)
+    hf_expert, order = hf_expert.sort(dim=1)
+    hf_weight = hf_weight.gather(1, order)
+    for name, fn in (("gating_fwd_ref", gating_fwd_ref), ("gating_fwd", gating_fwd)):
+        g = fn(logits.to(DEVICE), K, **kw)
+        expert, order = g.expert_TK.long().sort(dim=1)
+        assert torch.equal(expert.cpu(), hf_expert), f"{name}: expert sets differ from DeepseekV3TopkRouter"
+        assert_close(f"{name}.weight_TK vs DeepseekV3TopkRouter", g.weight_TK.gather(1, order), hf_weight)
+
+
+@pytest.mark.parametrize("case", [
+    dict(T=50, E=12, K=3, capacity=9, score_fn="sigmoid", normalize_topk=True, n_group=3, topk_group=2,
+         scaling=2.5, bias=True),
+    dict(T=50, E=12, K=4, capacity=None, score_fn="softmax", normalize_topk=False, n_group=6, topk_group=2,
+         scaling=1.0, bias=False),
+    dict(T=50, E=9, K=2, capacity=7, score_fn="softmax", normalize_topk=True, n_group=1, topk_group=None,
+         scaling=0.7, bias=True),
+], ids=["deepseek", "groups-softmax", "bias-only"])
+def test_gating_ref_matches_naive_contract(gen, case):
+    """The vectorised reference against tests/contract_ref.py's loops (float64): experts, slots,
+    counts and weights, with random (untied) biases and groups."""
+    c = dict(case)
+    T, E, K, biased = c.pop("T"), c.pop("E"), c.pop("K"), c.pop("bias")
+    logits = torch.randn(T, E, generator=gen, dtype=torch.float64).to(DEVICE)
+    bias = torch.randn(E, generator=gen, dtype=torch.float64).to(DEVICE) * 0.2 if biased else None
+    g = gating_fwd_ref(logits, K, expert_bias=bias, **c)
+    _, chosen, weights, slots, used = route_contract_ref(logits, top_k=K, expert_bias=bias, **c)
+    assert g.expert_TK.tolist() == chosen and g.slot_TK.tolist() == slots
+    assert g.counts_E.tolist() == used
+    assert_close("weight_TK vs contract", g.weight_TK, torch.stack(weights))
+
+
+def test_gate_passes_router_variants(gen):
+    """lancet_rt.routing.gate over two chunks: weights are those of one whole-batch call with the
+    variants, the logits' gradient includes the scaling, and the bias gets no gradient."""
+    from lancet_rt.ops import get_ops
+    from lancet_rt.routing import BatchRouting, gate
+
+    T, E, K = 30, 16, 4
+    logits = _logits(gen, T, E).requires_grad_(True)
+    bias = _tier_bias(gen, E).requires_grad_(True)
+    variant = dict(expert_bias=bias, n_group=4, topk_group=2, scaling=2.5)
+    state = BatchRouting(E, K, T, 1.0, DEVICE)
+    parts = [gate(chunk, state, get_ops(DEVICE), score_fn="sigmoid", normalize_topk=True, aux_coef=0.0,
+                  z_coef=0.0, **variant) for chunk in torch.split(logits, [11, 19])]
+    weight, expert = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    ref = gating_fwd_ref(logits.detach(), K, capacity=state.capacity, score_fn="sigmoid", **variant)
+    assert torch.equal(expert, ref.expert_TK) and torch.equal(state.used_E, ref.used_E)
+    assert_close("gate.weight_TK", weight, ref.weight_TK)
+    grad_w = torch.randn(T, K, generator=gen).to(DEVICE)
+    weight.backward(grad_w)
+    want = gating_bwd_ref(logits.detach(), ref.expert_TK, grad_w, None, None, score_fn="sigmoid", scaling=2.5)
+    assert_close("gate: grad of logits", logits.grad, want)
+    assert bias.grad is None
+
+
+def test_router_variant_arguments_are_validated():
+    """Each bad router-variant argument raises before launching, naming it, in the Triton launchers
+    and the references alike."""
+    logits = torch.randn(4, 8)
+    expert = torch.zeros(4, 2, dtype=torch.int32)
+    bad = [
+        (TypeError, "expert_bias", dict(expert_bias=[0.0] * 8)),
+        (TypeError, "expert_bias", dict(expert_bias=torch.zeros(8, dtype=torch.int32))),
+        (ValueError, "expert_bias", dict(expert_bias=torch.zeros(7))),
+        (ValueError, "expert_bias", dict(expert_bias=torch.zeros(8, device="meta"))),
+        (ValueError, "n_group", dict(n_group=3)),
+        (ValueError, "n_group", dict(n_group=0)),
+        (ValueError, "n_group", dict(n_group=True)),
+        (ValueError, "topk_group", dict(n_group=4, topk_group=5)),
+        (ValueError, "topk_group", dict(n_group=4, topk_group=0)),
+        (ValueError, "top_k=3", dict(n_group=4, topk_group=1, top_k=3)),
+        (ValueError, "scaling", dict(scaling=0.0)),
+        (ValueError, "scaling", dict(scaling=float("nan"))),
+        (ValueError, "scaling", dict(scaling=float("inf"))),
+        (TypeError, "scaling", dict(scaling="2")),
+    ]
+    for fn in (gating_fwd, gating_fwd_ref):
+        for exc, name, kw in bad:
+            kw = dict(kw)
+            with pytest.raises(exc, match=name):
+                fn(logits, kw.pop("top_k", 2), **kw)
+    with pytest.raises(ValueError, match="scaling"):
+        gating_fwd(logits, 2, scaling=1e39)        # beyond float32: the kernel takes float32 halves
+    for fn in (gating_bwd, gating_bwd_ref):
+        with pytest.raises(ValueError, match="scaling"):
+            fn(logits, expert, torch.ones(4, 2), None, None, scaling=-1.0)
+        with pytest.raises(TypeError, match="scaling"):
+            fn(logits, expert, torch.ones(4, 2), None, None, scaling=None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -762,6 +995,38 @@ def test_gpu_gating_carried_capacity(gen):
         slots.append(g.slot_TK)
         used = g.used_E
     assert torch.equal(torch.cat(slots), whole.slot_TK) and torch.equal(used, whole.used_E)
+
+
+@pytest.mark.gpu
+def test_gpu_gating_deepseek_v3(gen):
+    """DeepSeek-V3's router at real size (E=256, K=8, 8 groups, 4 kept, bias, scaling 2.5). Against
+    the reference in float64 (at 16384 random tokens, float32 group sums would tie within an ulp
+    somewhere); in float32, chunked with used_E carried equals one call, run to run identical."""
+    E, K = 256, 8
+    kw = dict(capacity=_capacity(GPU_T, E, K, 1.25), score_fn="sigmoid", n_group=8, topk_group=4, scaling=2.5,
+              expert_bias=(torch.randn(E, generator=gen) * 0.05).to(DEVICE))
+    logits = (torch.randn(GPU_T, E, generator=gen, dtype=torch.float64) * 2).to(DEVICE)
+    out = gating_fwd(logits, K, out=_poisoned_gating_out(GPU_T, E, K, logits.dtype), **kw)
+    ref = gating_fwd_ref(logits, K, **kw)
+    _assert_gating_equal("gpu gating_fwd[deepseek-v3, float64]", out, ref)
+    grads = (torch.randn(GPU_T, K, generator=gen, dtype=torch.float64).to(DEVICE),
+             torch.randn(E, generator=gen, dtype=torch.float64).to(DEVICE),
+             torch.randn((), generator=gen, dtype=torch.float64).to(DEVICE))
+    assert_close("gpu gating_bwd[deepseek-v3, float64]",
+                 gating_bwd(logits, out.expert_TK, *grads, score_fn="sigmoid", scaling=2.5, out=_poison(logits)),
+                 gating_bwd_ref(logits, ref.expert_TK, *grads, score_fn="sigmoid", scaling=2.5))
+    logits = logits.float()
+    whole = gating_fwd(logits, K, **kw)
+    again = gating_fwd(logits, K, **kw)
+    for field, a, b in zip(GatingOutput._fields, whole, again):
+        assert torch.equal(a, b), f"gpu gating_fwd[deepseek-v3].{field} not deterministic"
+    used, parts = torch.zeros(E, dtype=torch.int32, device=DEVICE), []
+    for chunk in torch.split(logits, [5000, 3, GPU_T - 5003]):
+        parts.append(gating_fwd(chunk, K, used, **kw))
+        used = parts[-1].used_E
+    for i in (0, 2):
+        assert torch.equal(torch.cat([p[i] for p in parts]), whole[i]), GatingOutput._fields[i]
+    assert torch.equal(used, whole.used_E)
 
 
 @pytest.mark.gpu
