@@ -14,7 +14,8 @@ expert); everything else is replicated. Two formats:
   rank writes the safetensors files of its own experts and reads only its experts' tensors.
 
 Every rank validates before anything is written or read and the ranks agree on the outcome with one
-all-gather, so a checkpoint that does not fit the model raises the same error on every rank.
+all-gather, so a checkpoint that does not fit the model raises the same error on every rank. With
+NCCL, as for DCP itself, each rank's CUDA device must be set (``torch.cuda.set_device``) first.
 """
 from __future__ import annotations
 
