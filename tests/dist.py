@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import queue as queue_mod
 import tempfile
 import time
 import traceback
@@ -48,9 +49,12 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0) -> dict:
             try:
                 rank, status, payload = queue.get(timeout=0.5)
                 results[rank] = (status, payload)
-            except Exception:  # queue.Empty
+            except queue_mod.Empty:
                 if all(not p.is_alive() for p in procs) and queue.empty():
                     break
+            except Exception as exc:  # noqa: BLE001 - e.g. a tensor result whose shared memory died with its rank
+                raise AssertionError(f"a rank's result could not be received ({type(exc).__name__}: {exc}); "
+                                     f"return plain Python values, not tensors") from exc
         hung = [r for r, p in enumerate(procs) if r not in results and p.is_alive()]
         for p in procs:
             p.join(timeout=5)

@@ -234,12 +234,22 @@ def _expert_parallel(rank, world, families):
     return checked
 
 
+def _gloo_checks(rank, world, families):
+    """One spawn for the distributed checks: expert parallelism per family, then the bias update."""
+    return _expert_parallel(rank, world, families), _bias_update(rank, world)
+
+
 def test_expert_parallel_over_gloo():
-    """Weights sharded from one full state dict over 2 gloo ranks, each rank with its own batch."""
+    """Weights sharded from one full state dict over 2 gloo ranks, each rank with its own batch;
+    and update_expert_bias summing the loads over the ranks."""
     families = ["mixtral", "qwen2_moe", "deepseek_v3"]
-    checked = assert_all_ok(run_ranks(_expert_parallel, 2, families, timeout=240))
-    assert [c[0] for c in checked[0]] == [f for f in families for _ in range(2)]
-    assert all(c[2] == 4 for c in checked[0])  # 8 experts over 2 ranks
+    (checked, (l0, b0)), (_, (l1, b1)) = assert_all_ok(run_ranks(_gloo_checks, 2, families, timeout=240))
+    assert [c[0] for c in checked] == [f for f in families for _ in range(2)]
+    assert all(c[2] == 4 for c in checked)  # 8 experts over 2 ranks
+    l0, l1, b0, b1 = (torch.tensor(v) for v in (l0, l1, b0, b1))
+    total = (l0 + l1).double()
+    assert torch.equal(b0, b1)
+    assert torch.equal(b0, (0.5 * torch.sign(total.mean() - total)).float())
 
 
 def _bias_update(rank, world):
@@ -252,22 +262,5 @@ def _bias_update(rank, world):
     moe(torch.randn(10 + 7 * rank, 8))
     local = moe.expert_load.clone()
     lancet_rt.update_expert_bias(moe, rate=0.5, group=dist.group.WORLD)
-    return local, moe.router.e_score_correction_bias.clone()
-
-
-def test_update_expert_bias_sums_loads_over_ranks():
-    (l0, b0), (l1, b1) = assert_all_ok(run_ranks(_bias_update, 2, timeout=90))
-    total = (l0 + l1).double()
-    assert torch.equal(b0, b1)
-    assert torch.equal(b0, (0.5 * torch.sign(total.mean() - total)).float())
-
-
-def test_deepseek_v3_on_the_triton_kernels(monkeypatch):
-    """The DeepSeek-V3 router (selection bias, groups, scaling) through the Triton gating kernels
-    (the interpreter on CPU), chunked with deferred dW, against transformers."""
-    monkeypatch.setenv("LANCET_KERNELS", "triton")
-    hf = build("deepseek_v3")
-    ids, mask, labels = batch(hf.config.vocab_size, 3, 7)
-    out_r = _step(hf, ids, mask, labels)
-    lm = lancet_rt.from_hf(copy.deepcopy(hf), chunks=2, defer_wgrad=True)
-    _assert_same("deepseek_v3 triton", lm, _step(lm, ids, mask, labels), hf, out_r)
+    # Plain lists: a tensor crosses the result queue through shared memory, gone once the rank exits.
+    return local.tolist(), moe.router.e_score_correction_bias.tolist()
