@@ -1,4 +1,5 @@
 """lancet-rt: whole-graph all-to-all overlap for Mixture-of-Experts training in eager PyTorch."""
+from .ep_checkpoint import load_checkpoint, load_hf, save_checkpoint, save_hf
 from .comm import ExpertParallelGroup, TorchGroup
 from .experts import Experts
 from .emulated import EmulatedGroup
