@@ -10,5 +10,6 @@ from .hf import from_hf
 from .trace import Trace, tracing
 
 __all__ = ["MoE", "Router", "Experts", "Overlapped", "EmulatedGroup", "ExpertParallelGroup", "TorchGroup",
-           "tracing", "Trace", "update_expert_bias", "checkpoint", "checkpoint_context", "from_hf"]
+           "tracing", "Trace", "update_expert_bias", "checkpoint", "checkpoint_context", "from_hf",
+           "save_checkpoint", "load_checkpoint", "save_hf", "load_hf"]
 __version__ = "0.1.0"

@@ -263,7 +263,15 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
     if isinstance(old, _BaseModelRunner) and old.overlapped is not None and old.overlapped.defer_wgrad and not defer_wgrad:
         raise ValueError("from_hf: defer_wgrad cannot be turned off once on (the linears were made deferring)")
     base.forward = _BaseModelRunner(base, chunks, defer_wgrad)
+    if any(m.ep_size > 1 for m in layers) and callable(getattr(model, "save_pretrained", None)):
+        model.save_pretrained = _save_pretrained_refused
     return model
+
+
+def _save_pretrained_refused(*args, **kwargs):
+    raise ValueError("save_pretrained on an expert-parallel lancet model would write each rank's slice of "
+                     "the experts as the whole; call lancet_rt.save_hf(model, directory) on every rank instead "
+                     "(it writes the layout save_pretrained writes, loadable with from_pretrained)")
 
 
 def moe_layers(model: nn.Module) -> list[HFMoE]:

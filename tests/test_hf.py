@@ -199,6 +199,9 @@ def test_bad_arguments():
         lancet_rt.from_hf(moe, capacity_factor=1.0)
     with pytest.raises(ValueError, match="divisible"):
         lancet_rt.from_hf(build("mixtral"), lancet_rt.EmulatedGroup(world_size=3))
+    sharded = lancet_rt.from_hf(build("mixtral"), lancet_rt.EmulatedGroup(world_size=2))
+    with pytest.raises(ValueError, match="lancet_rt.save_hf"):
+        sharded.save_pretrained("never-written")
 
 
 def _expert_parallel(rank, world, families):
