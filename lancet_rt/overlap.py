@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import scope as _scope, trace as _trace, wgrad as _wgrad
+from . import faults as _faults, scope as _scope, trace as _trace, wgrad as _wgrad
 from .moe import MoE
 
 try:  # greenlet is a dependency; imported lazily so `import lancet_rt` never fails without it
@@ -78,16 +78,18 @@ class Overlapped(nn.Module):
     def forward(self, *args, **kwargs):
         if self.wgrad_queue is not None:
             self.wgrad_queue.discard_orphans()  # left by a backward that raised (e.g. out of memory)
-        n = self._resolve_chunks(args, kwargs)
-        if self.check and not self._checked:
-            self._check_separable(n, args, kwargs)
-        prev = _wgrad.set_current(self.wgrad_queue)
-        try:
-            if n == 1:
-                return self.model(*args, **kwargs)
-            return self.run_chunked(n, args, kwargs)
-        finally:
-            _wgrad.set_current(prev)
+        _faults.check_schedule(self)  # once: chunks, defer_wgrad and check agree across ranks
+        with _faults.StepGuard(self):  # an exception here ends on every rank and leaves no state
+            n = self._resolve_chunks(args, kwargs)
+            if self.check and not self._checked:
+                self._check_separable(n, args, kwargs)
+            prev = _wgrad.set_current(self.wgrad_queue)
+            try:
+                if n == 1:
+                    return self.model(*args, **kwargs)
+                return self.run_chunked(n, args, kwargs)
+            finally:
+                _wgrad.set_current(prev)
 
     def _resolve_chunks(self, args, kwargs) -> int:
         if self.chunks != "auto":
@@ -142,6 +144,7 @@ class Overlapped(nn.Module):
             for g in lets:  # on an exception, end the others' coroutines
                 if not g.dead:
                     g.throw(_greenlet.GreenletExit)
+        _faults.check_output_rows(outputs, rows)
         return _concat(outputs)
 
     def _fail(self, error: Exception) -> None:
