@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from . import env, faults, scope as _scope, trace as _trace, wgrad
+from .group_monitor import GroupMonitor
 
 
 @runtime_checkable
@@ -81,7 +82,7 @@ class TorchGroup:
     collective reports itself unfinished, which on CUDA, where the host runs ahead of the device,
     tends to empty the queue into the first window.
 
-    Every collective goes through a :class:`lancet_rt.faults.GroupMonitor`: a rank waits at most
+    Every collective goes through a :class:`lancet_rt.group_monitor.GroupMonitor`: a rank waits at most
     ``timeout_s`` in one collective, learns within a fraction of a second that a peer failed in the
     middle of a step, and then raises :class:`lancet_rt.faults.PeerError` naming it (README,
     "Reliability").
@@ -106,7 +107,7 @@ class TorchGroup:
         self.latency_us = 0.0
         if bandwidth_gbps is not None:
             self.set_link(bandwidth_gbps, latency_us)
-        self.monitor = faults.GroupMonitor(group, self._rank, self._size, self.backend,
+        self.monitor = GroupMonitor(group, self._rank, self._size, self.backend,
                                            env.timeout_s() if timeout_s is None else timeout_s)
 
     @property
