@@ -13,8 +13,8 @@ each ends fast, on every rank, with an error that names the rank at fault (READM
 - **After they started** (an exception in chunk 2 of 4, in backward, a KeyboardInterrupt): the
   ranks are out of step for good. The failing rank writes a failure record to the process group's
   store and marks the group broken; a peer blocked in a collective reads the record within
-  :data:`lancet_rt.group_monitor.POLL_S` and raises :class:`PeerError` naming it. Any later collective on the group raises
-  :class:`GroupError` at once.
+  :data:`lancet_rt.group_monitor.POLL_S` and raises :class:`PeerError` naming it. Any later
+  collective on the group raises :class:`GroupError` at once.
 - **A peer that stops answering** (killed, hung, partitioned): a rank waiting in a collective for
   longer than the group's timeout (``LANCET_TIMEOUT_S``, default 300 s, or
   :meth:`lancet_rt.TorchGroup.set_timeout`) raises :class:`PeerTimeout`; one whose collective

@@ -59,7 +59,8 @@ class GroupMonitor:
         self.set_timeout(timeout_s)
         self._store = _group_store(group)
         self._gloo = _gloo_backend(group) if "gloo" in backend else None
-        self._watchdog = "nccl" in backend  # the host never waits for NCCL collectives: a thread does
+        self._nccl = "nccl" in backend  # the host never waits for NCCL collectives: the streams do
+        self._watchdog = self._nccl and size > 1  # so a thread watches them (nothing to watch alone)
         self._fatal: Optional[GroupError] = None
         self._inflight: "collections.deque" = collections.deque()
         self._lock = threading.Lock()
@@ -96,7 +97,7 @@ class GroupMonitor:
                     self._gloo._set_default_timeout(prev)
             else:
                 work = launch()
-        except Exception as exc:  # gloo refuses new work on a closed connection
+        except RuntimeError as exc:  # gloo refuses new work on a closed connection (DistError)
             raise self.break_(self._lost(seq, what, exc)) from exc
         if self._watchdog:
             with self._lock:
@@ -108,12 +109,12 @@ class GroupMonitor:
 
     def wait(self, work, seq: int, what: str) -> None:
         """Wait for ``work``: in slices on gloo, reading failure records between them."""
-        if self._watchdog:
+        if self._nccl or self._watchdog:
             try:
                 self.block(work.wait)
             except GroupError:
                 raise
-            except Exception as exc:
+            except RuntimeError as exc:
                 raise self.break_(self._lost(seq, what, exc)) from exc
             return
         started = None
@@ -121,12 +122,12 @@ class GroupMonitor:
             try:
                 work.wait(timeout=self._slice_td)
                 return
-            except Exception as exc:
+            except RuntimeError as exc:
                 if work.is_completed():  # finished after the slice ended, or failed
                     try:
                         work.wait()
                         return
-                    except Exception as real:
+                    except RuntimeError as real:
                         raise self.break_(self._lost(seq, what, real)) from real
                 now = time.monotonic()
                 if started is None:
@@ -177,7 +178,8 @@ class GroupMonitor:
             return None
         at_fault = sorted({r for rec in records.values() for r in rec["ranks"]})
         origin = {q: rec for q, rec in records.items() if q in rec["ranks"]}  # not ranks that gave up on others
-        told = "; ".join(f"rank {q}: {rec['msg'].splitlines()[0][:600]}" for q, rec in sorted((origin or records).items()))
+        told = "; ".join(f"rank {q}: {rec['msg'].splitlines()[0][:600]}"
+                         for q, rec in sorted((origin or records).items()))
         if at_fault == [self.rank]:
             return PeerError(f"expert-parallel rank {self.rank} was reported as not answering while it waited in "
                              f"collective #{seq} ({what}) (by {told}){cause}. {ADVICE}", at_fault)

@@ -389,7 +389,8 @@ def test_cache_eight_concurrent_writers_keep_every_entry(tmp_path):
     entries = json.loads(open(path).read())["entries"]
     assert sorted(e["value"]["writer"] for e in entries.values()) == list(range(8))
     cache = TuneCache(path, defaults_path=None)
-    assert [cache.lookup(_key(d_model=100 + w), nearest=False).chunks for w in range(8)] == [1 + w % 8 for w in range(8)]
+    chunks = [cache.lookup(_key(d_model=100 + w), nearest=False).chunks for w in range(8)]
+    assert chunks == [1 + w % 8 for w in range(8)]
 
 
 @pytest.mark.parametrize("call, exc, words", [

@@ -146,24 +146,15 @@ def _assert_raised(outcome, exc: str, *words, ranks=None):
         assert at_fault == ranks, (at_fault, msg)
 
 
-def test_chunks_must_agree_across_ranks(three_ranks):
+@pytest.mark.parametrize("case, words", [
+    ("chunks differ", "chunks: rank 0=2, rank 1=2, rank 2=3"),
+    ("defer_wgrad differs", "defer_wgrad: rank 0=False, rank 1=True, rank 2=False"),
+    ("auto on one rank", "chunks: rank 0='auto', rank 1=2, rank 2=2"),
+    ("check differs", "check: rank 0=False, rank 1=True, rank 2=False"),
+])
+def test_schedule_must_agree_across_ranks(three_ranks, case, words):
     for res in three_ranks:
-        _assert_raised(res["chunks differ"], "ValueError", "chunks: rank 0=2, rank 1=2, rank 2=3")
-
-
-def test_defer_wgrad_must_agree_across_ranks(three_ranks):
-    for res in three_ranks:
-        _assert_raised(res["defer_wgrad differs"], "ValueError", "defer_wgrad: rank 0=False, rank 1=True, rank 2=False")
-
-
-def test_auto_chunks_must_agree_across_ranks(three_ranks):
-    for res in three_ranks:
-        _assert_raised(res["auto on one rank"], "ValueError", "chunks: rank 0='auto', rank 1=2, rank 2=2")
-
-
-def test_check_must_agree_across_ranks(three_ranks):
-    for res in three_ranks:
-        _assert_raised(res["check differs"], "ValueError", "check: rank 0=False, rank 1=True, rank 2=False")
+        _assert_raised(res[case], "ValueError", words)
 
 
 def test_moe_config_must_agree_across_ranks(three_ranks):
@@ -193,7 +184,8 @@ def test_keyboard_interrupt_before_the_collectives_raises_everywhere(three_ranks
 
 def test_next_step_after_early_failures_equals_a_fresh_model(three_ranks):
     for res in three_ranks:
-        assert res["next step after them equals a fresh model"][0] == "ok", res["next step after them equals a fresh model"]
+        outcome = res["next step after them equals a fresh model"]
+        assert outcome[0] == "ok", outcome
 
 
 def test_error_in_chunk_two_of_four_reaches_every_rank(three_ranks):
