@@ -27,6 +27,7 @@ collective is added per chunk on either backend.
 """
 from __future__ import annotations
 
+import functools
 import weakref
 from typing import Callable, Optional
 
@@ -240,6 +241,17 @@ class StepGuard:
                 exc.add_note(f"lancet-rt: this happened after the step's collectives had started, so the peers were "
                              f"told and the expert-parallel group is unusable now. {ADVICE}.")
         return False
+
+
+def guarded_step(forward):
+    """Decorates :meth:`lancet_rt.Overlapped.forward`: :func:`check_schedule`, then the step under a
+    :class:`StepGuard`."""
+    @functools.wraps(forward)
+    def step(overlapped, *args, **kwargs):
+        check_schedule(overlapped)
+        with StepGuard(overlapped):
+            return forward(overlapped, *args, **kwargs)
+    return step
 
 
 def _groups(overlapped) -> list:

@@ -75,21 +75,20 @@ class Overlapped(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.model.modules() if isinstance(m, MoE)]
 
+    @_faults.guarded_step  # schedule agreed across ranks once; an exception ends on every rank, leaves no state
     def forward(self, *args, **kwargs):
         if self.wgrad_queue is not None:
             self.wgrad_queue.discard_orphans()  # left by a backward that raised (e.g. out of memory)
-        _faults.check_schedule(self)  # once: chunks, defer_wgrad and check agree across ranks
-        with _faults.StepGuard(self):  # an exception here ends on every rank and leaves no state
-            n = self._resolve_chunks(args, kwargs)
-            if self.check and not self._checked:
-                self._check_separable(n, args, kwargs)
-            prev = _wgrad.set_current(self.wgrad_queue)
-            try:
-                if n == 1:
-                    return self.model(*args, **kwargs)
-                return self.run_chunked(n, args, kwargs)
-            finally:
-                _wgrad.set_current(prev)
+        n = self._resolve_chunks(args, kwargs)
+        if self.check and not self._checked:
+            self._check_separable(n, args, kwargs)
+        prev = _wgrad.set_current(self.wgrad_queue)
+        try:
+            if n == 1:
+                return self.model(*args, **kwargs)
+            return self.run_chunked(n, args, kwargs)
+        finally:
+            _wgrad.set_current(prev)
 
     def _resolve_chunks(self, args, kwargs) -> int:
         if self.chunks != "auto":
