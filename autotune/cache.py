@@ -21,6 +21,7 @@ device identity). This module does not import torch, so it is cheap in helper pr
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -36,6 +37,7 @@ except ImportError:  # pragma: no cover - Windows
     fcntl = None
 
 SCHEMA = "lancet-rt/autotune-cache"
+_WHERE = "point LANCET_AUTOTUNE_CACHE (or --cache) at a writable file"
 VERSION = 1
 DEFAULTS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "defaults.json")
 
@@ -257,7 +259,9 @@ class TuneCache:
                 entries are named by GPU name).
 
         Raises:
-            OSError: the directory cannot be created or written.
+            OSError: the directory cannot be created or written (``IsADirectoryError`` when the path is a
+                directory, ``NotADirectoryError`` when a folder on it is a file, ``PermissionError``...),
+                with the cache path as its ``filename``; the file is left whole.
         """
         if by not in ("device", "device_name"):
             raise ValueError(f"by must be 'device' or 'device_name', got {by!r}")
@@ -269,15 +273,31 @@ class TuneCache:
             value = dict(value)
             value.setdefault("written_at", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
             new[key.string(by)] = {"key": key.as_dict(), "value": value}
+        if os.path.isdir(self.path):
+            raise IsADirectoryError(errno.EISDIR, f"the autotune cache path is a directory, not a file; {_WHERE}",
+                                    self.path)
         directory = os.path.dirname(self.path)
-        os.makedirs(directory, exist_ok=True)
-        with _locked(self.path + ".lock"):
-            entries = _read_entries(self.path, what="autotune cache", replacing=True)
-            entries.update(new)
-            data = {"schema": SCHEMA, "version": VERSION, "entries": entries}
-            if by == "device_name":
-                data["keyed_by"] = by
-            _atomic_write_json(self.path, data)
+        parent = directory
+        while parent and not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if parent and not os.path.isdir(parent):
+            raise NotADirectoryError(errno.ENOTDIR, f"the autotune cache's folder {parent} is a file; {_WHERE}",
+                                     self.path)
+        try:
+            os.makedirs(directory, exist_ok=True)
+            with _locked(self.path + ".lock"):
+                entries = _read_entries(self.path, what="autotune cache", replacing=True)
+                entries.update(new)
+                data = {"schema": SCHEMA, "version": VERSION, "entries": entries}
+                if by == "device_name":
+                    data["keyed_by"] = by
+                _atomic_write_json(self.path, data)
+        except OSError as exc:
+            if exc.errno is None:
+                raise
+            # The same error type (callers catch OSError), named after the cache, not a side file.
+            raise type(exc)(exc.errno, f"cannot write the autotune cache ({exc.strerror}: "
+                                       f"{exc.filename}); {_WHERE}", self.path) from exc
 
 
 def _check_value(value) -> None:

@@ -13,7 +13,8 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from . import scope as _scope, trace as _trace, wgrad
+from . import env, faults, scope as _scope, trace as _trace, wgrad
+from .group_monitor import GroupMonitor
 
 
 @runtime_checkable
@@ -81,15 +82,22 @@ class TorchGroup:
     collective reports itself unfinished, which on CUDA, where the host runs ahead of the device,
     tends to empty the queue into the first window.
 
+    Every collective goes through a :class:`lancet_rt.group_monitor.GroupMonitor`: a rank waits at most
+    ``timeout_s`` in one collective, learns within a fraction of a second that a peer failed in the
+    middle of a step, and then raises :class:`lancet_rt.faults.PeerError` naming it (README,
+    "Reliability").
+
     Args:
         group: the process group.
         bandwidth_gbps: the link's all-to-all bandwidth per rank for off-rank bytes, GB/s (None:
             no link model).
         latency_us: the per-collective latency of that model.
+        timeout_s: seconds a rank waits in one collective before it raises
+            :class:`lancet_rt.faults.PeerTimeout` (None: ``LANCET_TIMEOUT_S``, default 300).
     """
 
     def __init__(self, group: dist.ProcessGroup, *, bandwidth_gbps: Optional[float] = None,
-                 latency_us: float = 0.0):
+                 latency_us: float = 0.0, timeout_s: Optional[float] = None):
         self.group = group
         self._size = dist.get_world_size(group)
         self._rank = dist.get_rank(group)
@@ -99,6 +107,17 @@ class TorchGroup:
         self.latency_us = 0.0
         if bandwidth_gbps is not None:
             self.set_link(bandwidth_gbps, latency_us)
+        self.monitor = GroupMonitor(group, self._rank, self._size, self.backend,
+                                           env.timeout_s() if timeout_s is None else timeout_s)
+
+    @property
+    def timeout_s(self) -> float:
+        """Seconds a rank waits in one collective of this group before it raises."""
+        return self.monitor.timeout_s
+
+    def set_timeout(self, timeout_s: float) -> None:
+        """Wait at most ``timeout_s`` seconds in one collective (set it on every rank)."""
+        self.monitor.set_timeout(timeout_s)
 
     def set_link(self, bandwidth_gbps: float, latency_us: float = 0.0) -> None:
         """Model the link as ``latency_us + off-rank bytes / bandwidth_gbps`` per collective."""
@@ -128,14 +147,14 @@ class TorchGroup:
         return torch.device("cpu")
 
     def all_to_all(self, output, input, output_splits, input_splits) -> Work:
-        return dist.all_to_all_single(
-            output, input, list(output_splits), list(input_splits), group=self.group, async_op=True
-        )
+        return self.monitor.issue("all-to-all", lambda: dist.all_to_all_single(
+            output, input, list(output_splits), list(input_splits), group=self.group, async_op=True))
 
     def exchange(self, send_WN: torch.Tensor) -> "Exchange":
         send = send_WN.to(self._small_device(), torch.int64).contiguous()
         recv = torch.empty_like(send)
-        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        work = self.monitor.issue("counts exchange", lambda: dist.all_to_all_single(
+            recv, send, group=self.group, async_op=True))
         if not recv.is_cuda:
             return Exchange(recv, work, send)
         # NCCL: the counts (received and sent) come to pinned host memory on a side stream once the
@@ -151,26 +170,29 @@ class TorchGroup:
             send.record_stream(side)
             event = torch.cuda.Event()
             event.record(side)
-        return Exchange(host[0], event, host[1])
+        return Exchange(host[0], event, host[1], self.monitor)
 
     def all_gather(self, vec_N: torch.Tensor) -> torch.Tensor:
         vec = vec_N.to(self._small_device(), torch.int64).contiguous()
         out = [torch.empty_like(vec) for _ in range(self._size)]
-        dist.all_gather(out, vec, group=self.group)
-        return torch.stack(out).cpu()
+        self.monitor.issue("all-gather", lambda: dist.all_gather(out, vec, group=self.group, async_op=True)).wait()
+        return self.monitor.block(lambda: torch.stack(out).cpu())
 
 
 class Exchange:
     """A counts exchange in flight; ``wait()`` returns the received counts on the host, and
     ``sent`` (valid after ``wait()``) this rank's own send counts, also on the host."""
 
-    def __init__(self, host: torch.Tensor, work, sent: torch.Tensor):
-        self._host, self._work, self.sent = host, work, sent
+    def __init__(self, host: torch.Tensor, work, sent: torch.Tensor, monitor=None):
+        self._host, self._work, self.sent, self._monitor = host, work, sent, monitor
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
             if isinstance(self._work, torch.cuda.Event):
-                self._work.synchronize()
+                if self._monitor is not None:  # a watchdog can end this wait (faults.GroupMonitor.block)
+                    self._monitor.block(self._work.synchronize)
+                else:
+                    self._work.synchronize()
             else:
                 self._work.wait()
             self._work = None
@@ -253,6 +275,7 @@ class BackwardLink:
 
     def issue(self, grad_out: torch.Tensor) -> None:
         """Start the backward (dual) all-to-all of ``grad_out`` now."""
+        faults.note_dual(self.group)
         grad_out = grad_out.contiguous()
         grad_in = grad_out.new_empty((sum(self.input_splits),) + tuple(grad_out.shape[1:]))
         work = self.group.all_to_all(grad_in, grad_out, self.input_splits, self.output_splits)
@@ -287,5 +310,7 @@ def all_to_all(x: torch.Tensor, group: ExpertParallelGroup, output_splits: Seque
                input_splits: Sequence[int]) -> Pending:
     """Start an autograd-aware all-to-all of the rows of ``x``; returns a :class:`Pending`."""
     link = BackwardLink(group, output_splits, input_splits)
+    if torch.is_grad_enabled() and x.requires_grad:
+        faults.note_link(group)
     out = _AllToAll.apply(x, link)
     return Pending(out, link)

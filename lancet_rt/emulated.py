@@ -34,6 +34,7 @@ class _LinkWork:
         self.copy = copy
         self.start = self.end = None
         self.expected_end: Optional[float] = None  # perf_counter() deadline, once known
+        self.epoch = 0  # the link's epoch when submitted; a cancelled epoch's transfers end at once
         self._done = threading.Event()
 
     def is_completed(self) -> bool:
@@ -59,7 +60,9 @@ class _CpuLink:
             sys.setswitchinterval(self.SWITCH_INTERVAL_S)
         self._q: "queue.Queue[_LinkWork]" = queue.Queue()
         self._busy_until = 0.0
+        self._epoch = 0
         self._lock = threading.Lock()
+        self._cancelled = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._serve, name="lancet-emulated-link", daemon=True)
         self._thread.start()
 
@@ -68,6 +71,7 @@ class _CpuLink:
             now = time.perf_counter()
             start = max(now, self._busy_until)
             work.expected_end = start + work.hold_s
+            work.epoch = self._epoch
             self._busy_until = work.expected_end
             inline = work.hold_s == 0 and start == now  # a free transfer on an idle link
         if inline:
@@ -85,13 +89,24 @@ class _CpuLink:
         while True:
             work = self._q.get()
             work.start = time.perf_counter()
-            if work.copy is not None:
+            if work.copy is not None and work.epoch == self._epoch:
                 work.copy()
-            remaining = work.expected_end - time.perf_counter()
-            if remaining > 0:
-                time.sleep(remaining)
+            with self._cancelled:  # sleeps until the planned end, or until the transfer is cancelled
+                while work.epoch == self._epoch:
+                    remaining = work.expected_end - time.perf_counter()
+                    if remaining <= 0:
+                        break
+                    self._cancelled.wait(remaining)
             work.end = time.perf_counter()
             work._done.set()
+
+    def cancel(self) -> None:
+        """End every transfer in flight or queued now, without its copy (a step that raised left
+        them; their buffers are that step's), and free the link."""
+        with self._cancelled:
+            self._epoch += 1
+            self._busy_until = time.perf_counter()
+            self._cancelled.notify_all()
 
 
 class _CudaWork:
@@ -169,6 +184,13 @@ class EmulatedGroup:
     @property
     def rank(self) -> int:
         return 0
+
+    def cancel_pending(self) -> None:
+        """End the transfers a failed step left on the link (CPU link; on CUDA they end by
+        themselves), so the next step starts on an idle link. :class:`lancet_rt.Overlapped` calls
+        this when a step raises."""
+        if self._cpu_link is not None:
+            self._cpu_link.cancel()
 
     def reset(self) -> None:
         self.modeled_ms = 0.0

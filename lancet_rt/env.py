@@ -1,6 +1,7 @@
 """Every environment variable lancet-rt reads, in one place (listed in the README)."""
 from __future__ import annotations
 
+import math
 import os
 
 #: "triton" or "torch": force the kernel implementation. Default: triton on CUDA, torch on CPU.
@@ -9,6 +10,10 @@ KERNELS = "LANCET_KERNELS"
 TRITON_INTERPRET = "TRITON_INTERPRET"
 #: Path of the autotuner's chunk-count cache (default: ~/.cache/lancet-rt/autotune.json).
 AUTOTUNE_CACHE = "LANCET_AUTOTUNE_CACHE"
+#: Seconds a rank waits in one collective of an expert-parallel group before it names the peers
+#: that stopped answering and raises (default 300).
+TIMEOUT = "LANCET_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 300.0
 
 
 def kernels_override() -> str | None:
@@ -30,3 +35,17 @@ def autotune_cache_path() -> str:
         return path
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "lancet-rt", "autotune.json")
+
+
+def timeout_s() -> float:
+    """``LANCET_TIMEOUT_S`` as seconds > 0 (default :data:`DEFAULT_TIMEOUT_S`); a ValueError naming it otherwise."""
+    text = os.environ.get(TIMEOUT, "").strip()
+    if not text:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise ValueError(f"{TIMEOUT} must be a finite number of seconds > 0, got {text!r}")
+    return value

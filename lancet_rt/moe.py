@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm, ops as _ops, recompute as _recompute, scope as _scope, trace as _trace
+from . import comm, faults, ops as _ops, recompute as _recompute, scope as _scope, trace as _trace
 from .experts import Experts
 from .routing import BatchRouting, gate, permute, unpermute
 
@@ -332,21 +332,20 @@ class MoE(nn.Module):
 
     def _check_config(self, error: Optional[Exception]) -> None:
         """One all-gather on first use: every rank raises if configurations or inputs disagree."""
-        rows = self.group.all_gather(self._config_vector(0 if error is None else 1))
-        self._config_checked = True
-        _raise_on_bad_status(rows[:, 0], error)
+        rows = self.group.all_gather(self._config_vector(faults.status_code(error)))
         names = ["d_model", "d_ffn", "num_experts", "top_k", "capacity_factor(1e-6)", "score_fn",
                  "normalize_topk", "aux_loss_coef(1e-9)", "z_loss_coef(1e-9)", "dtype", "pipeline_chunks",
                  "expert_bias", "n_group", "topk_group", "routed_scaling_factor(1e-9)", "shared_experts",
                  "shared_expert_gate"]
-        for r in range(rows.shape[0]):
+        for r in range(rows.shape[0]):  # compared before the status, so a rejected input cannot skip it
             diff = [n for n, a, b in zip(names, rows[r, 1:].tolist(), rows[self.ep_rank, 1:].tolist()) if a != b]
             if diff:
-                self._config_checked = False
-                raise ValueError(
+                raise faults.agreed(ValueError(
                     f"MoE configuration differs across expert-parallel ranks: rank {r} and rank "
                     f"{self.ep_rank} differ in {', '.join(diff)}"
-                )
+                ))
+        self._config_checked = True
+        _raise_on_bad_status(rows[:, 0], error)
 
     # ---------------------------------------------------------------- stages
     def route(self, x_TD: torch.Tensor, state: BatchRouting, ops) -> _Route:
@@ -377,8 +376,9 @@ class MoE(nn.Module):
         L, W = self.num_local_experts, self.ep_size
         P = kept_PE.shape[0]
         counts = kept_PE.view(P, W, L).permute(1, 0, 2).reshape(W, P * L).long()
-        status = torch.full((W, 1), 0 if error is None else 1, dtype=torch.long, device=counts.device)
-        return _Counts(self.group.exchange(torch.cat([counts, status], dim=1)), P, W, L, error)
+        status = torch.full((W, 1), faults.status_code(error), dtype=torch.long, device=counts.device)
+        return faults.in_order(self.group, lambda: _Counts(self.group.exchange(torch.cat([counts, status], dim=1)),
+                                                           P, W, L, error))
 
     def fail_peers(self, error: Exception) -> None:
         """Raise ``error`` on this rank and on every peer of the group.
@@ -387,6 +387,8 @@ class MoE(nn.Module):
         raise there instead of waiting forever (without a group it just raises).
         """
         if self.group is not None:
+            if not self._config_checked:  # the peers' first collective is the configuration check
+                self._check_config(error)
             z = torch.zeros(self.pipeline_chunks, self.num_experts, dtype=torch.long, device=self.router.weight.device)
             self.exchange_counts(z, error).wait()  # raises error
         raise error
@@ -688,13 +690,4 @@ def _to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-def _raise_on_bad_status(status_W: torch.Tensor, local_error: Optional[Exception]) -> None:
-    bad = [r for r, s in enumerate(status_W.tolist()) if s != 0]
-    if not bad:
-        return
-    if local_error is not None:
-        raise local_error
-    raise ValueError(
-        f"MoE input rejected on expert-parallel rank(s) {bad} (see the error raised there); "
-        f"every rank stops instead of waiting in the all-to-all"
-    )
+_raise_on_bad_status = faults.raise_on_bad_status

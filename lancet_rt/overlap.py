@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import scope as _scope, trace as _trace, wgrad as _wgrad
+from . import faults as _faults, scope as _scope, trace as _trace, wgrad as _wgrad
 from .moe import MoE
 
 try:  # greenlet is a dependency; imported lazily so `import lancet_rt` never fails without it
@@ -78,6 +78,7 @@ class Overlapped(nn.Module):
     def moe_layers(self) -> list[MoE]:
         return [m for m in self.model.modules() if isinstance(m, MoE)]
 
+    @_faults.guarded_step  # schedule agreed across ranks once; an exception ends on every rank, leaves no state
     def forward(self, *args, **kwargs):
         if self.wgrad_queue is not None:
             self.wgrad_queue.discard_orphans()  # left by a backward that raised (e.g. out of memory)
@@ -150,6 +151,7 @@ class Overlapped(nn.Module):
                         pass
             outer.restore()
             _scope.set_current(prev)
+        _faults.check_output_rows(outputs, rows)
         return _concat(outputs)
 
     def _fail(self, error: Exception) -> None:

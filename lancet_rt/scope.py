@@ -22,6 +22,8 @@ class ChunkScope:
         waiting: for each chunk, (the order in which it yielded, whether its next step issues a
             transfer); the scheduler decides from these alone, so every rank runs the same schedule
             and issues its collectives in the same order.
+        first_exchange: the step's first counts exchange per group (``id(group)``), which later
+            chunks wait for before issuing theirs (:func:`lancet_rt.faults.in_order`).
     """
 
     def __init__(self, rows: list[int], switch: Callable[[], None]):
@@ -32,6 +34,7 @@ class ChunkScope:
         self.layer_state: dict = {}
         self._calls: dict = {}
         self.waiting: dict = {}
+        self.first_exchange: dict = {}
         self._yields = 0
 
     def switch(self, issues_next: bool = False) -> None:

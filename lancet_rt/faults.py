@@ -1,0 +1,279 @@
+"""Faults across expert-parallel ranks: agreement, bounded waits, and clean state after a failure.
+
+Every rank of an expert-parallel group issues the same collectives in the same order (the schedule
+is decided from its own state, never from timing). A fault breaks that in one of three ways, and
+each ends fast, on every rank, with an error that names the rank at fault (README, "Reliability"):
+
+- **Before the step's collectives** (bad input, mismatched configuration or schedule, an exception
+  in the model before the step's first counts exchange): the failing rank still takes part in that
+  exchange with a failure status (or in the configuration/schedule all-gather), every rank raises
+  there, and the group stays usable. To make "before" well defined, a chunk does not issue its
+  counts exchange until the step's first one has been waited (:func:`in_order`): no rank runs ahead
+  into a second exchange that a failing rank would never match.
+- **After they started** (an exception in chunk 2 of 4, in backward, a KeyboardInterrupt): the
+  ranks are out of step for good. The failing rank writes a failure record to the process group's
+  store and marks the group broken; a peer blocked in a collective reads the record within
+  :data:`lancet_rt.group_monitor.POLL_S` and raises :class:`PeerError` naming it. Any later
+  collective on the group raises :class:`GroupError` at once.
+- **A peer that stops answering** (killed, hung, partitioned): a rank waiting in a collective for
+  longer than the group's timeout (``LANCET_TIMEOUT_S``, default 300 s, or
+  :meth:`lancet_rt.TorchGroup.set_timeout`) raises :class:`PeerTimeout`; one whose collective
+  fails (gloo notices a closed connection at once) raises :class:`PeerError`. Either names the
+  ranks that did not reach the collective and says whether their process exited (same machine) or
+  is alive.
+
+How a wait is bounded on gloo and on NCCL: :mod:`lancet_rt.group_monitor`. No host sync and no
+collective is added per chunk on either backend.
+"""
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Callable, Optional
+
+import torch
+
+from . import scope as _scope
+
+ADVICE = ("This expert-parallel group is out of step and cannot be used again: end the process "
+          "(torchrun restarts the job), or destroy the process group and build the model on a new one")
+
+
+class GroupError(RuntimeError):
+    """The expert-parallel group cannot go on (a rank failed in the middle of a step, stopped
+    answering, or died). ``ranks``: the group ranks at fault."""
+
+    def __init__(self, message: str, ranks=()):
+        super().__init__(message)
+        self.ranks = sorted(set(ranks))
+
+
+class PeerError(GroupError):
+    """A peer failed in the middle of a step, or was lost (its collective failed, its process exited)."""
+
+
+class PeerTimeout(PeerError, TimeoutError):
+    """Peers did not reach a collective within the group's timeout."""
+
+
+# ------------------------------------------------------------------------------ agreement
+def check_schedule(overlapped) -> None:
+    """Compare ``chunks``, ``defer_wgrad`` and ``check`` across each expert-parallel group once.
+
+    One all-gather per group with peers, on the first forward and again if the schedule changes
+    (it must change on every rank). Ranks with different schedules would issue different
+    collectives (hang, or mix up data), so every rank raises a ValueError naming the ranks and values.
+    """
+    chunks = overlapped.chunks
+    mine = (0 if chunks == "auto" else int(chunks), int(overlapped.defer_wgrad), int(overlapped.check))
+    if getattr(overlapped, "_agreed_schedule", None) == mine:
+        return
+    for group in _groups(overlapped):
+        if group.size == 1:
+            continue
+        rows = group.all_gather(torch.tensor(mine, dtype=torch.int64)).tolist()
+        diff = []
+        for j, name in enumerate(("chunks", "defer_wgrad", "check")):
+            if len({row[j] for row in rows}) > 1:
+                shown = [("'auto'" if v == 0 else str(v)) if name == "chunks" else str(bool(v))
+                         for v in (row[j] for row in rows)]
+                diff.append(f"{name}: " + ", ".join(f"rank {r}={v}" for r, v in enumerate(shown)))
+        if diff:
+            raise ValueError(
+                f"Overlapped schedule differs across expert-parallel ranks ({'; '.join(diff)}); every rank "
+                f"must use the same chunks, defer_wgrad and check, or the ranks issue different collectives")
+    overlapped._agreed_schedule = mine
+
+
+def agreed(error: BaseException) -> BaseException:
+    """Mark ``error`` as raised on every rank at the same point (the group stays in step)."""
+    error._lancet_agreed = True
+    return error
+
+
+def check_output_rows(outputs: list, rows: list) -> None:
+    """Every output tensor of chunk c must have a fixed multiple of chunk c's rows along dim 0 (the
+    rows themselves, or rows x seq for token-major outputs such as transformers' router logits
+    [B * S, E]), else concatenating the chunks' outputs would silently give a different result from
+    the unchunked model."""
+    from torch.utils import _pytree as pytree
+
+    per_chunk = [pytree.tree_leaves(out) for out in outputs]
+    for j in range(len(per_chunk[0]) if per_chunk else 0):
+        ratio = None
+        for c, (leaves, n) in enumerate(zip(per_chunk, rows)):
+            leaf = leaves[j] if j < len(leaves) else None
+            if not isinstance(leaf, torch.Tensor) or leaf.dim() == 0:
+                continue
+            k = leaf.shape[0] / n if n else (0 if leaf.shape[0] == 0 else None)
+            if n and ratio is None:
+                ratio = k
+            if k is None or (n and (k != ratio or k != int(k))):
+                raise ValueError(
+                    f"Overlapped: output {j} of chunk {c} has {leaf.shape[0]} rows along dim 0 for the chunk's "
+                    f"{n} input rows{'' if ratio is None else f' (other chunks: {ratio:g} per row)'}; the model "
+                    f"must keep dim 0 (row i of the output from row i of the inputs)")
+
+
+def status_code(error: Optional[BaseException]) -> int:
+    """The status a rank sends on the counts exchange: 0 ok, 1 input rejected, 2 failed otherwise."""
+    if error is None:
+        return 0
+    return getattr(error, "_lancet_status", 1)
+
+
+def raise_on_bad_status(status_W: torch.Tensor, local_error: Optional[BaseException]) -> None:
+    """Raise on every rank once any rank reported a failure on the counts exchange or the config
+    all-gather (the ranks stay in step: the error is marked so the step guard leaves the group usable)."""
+    codes = status_W.tolist()
+    bad = [r for r, s in enumerate(codes) if s != 0]
+    if not bad:
+        return
+    if local_error is not None:
+        error = local_error
+    elif all(codes[r] == 1 for r in bad):
+        error = ValueError(f"MoE input rejected on expert-parallel rank(s) {bad} (see the error raised there); "
+                           f"every rank stops instead of waiting in the all-to-all")
+    else:
+        error = PeerError(f"expert-parallel rank(s) {bad} failed in this step before its collectives started "
+                          f"(see the error raised there); every rank stops, and the group stays usable", bad)
+    raise agreed(error)
+
+
+def in_order(group, issue: Callable[[], object]):
+    """Issue a counts exchange, but first wait for the step's first one on ``group`` (real groups).
+
+    A rank that fails before the step's collectives reports it on that first exchange; a peer that
+    had already issued a second exchange would wait in it forever. Waiting the first exchange before
+    issuing the second costs nothing in the steady state: it is waited right after anyway, and the
+    other chunk's computation has been queued meanwhile.
+    """
+    s = _scope.current()
+    if s is None or getattr(group, "monitor", None) is None or group.size == 1:
+        return issue()
+    first = s.first_exchange.get(id(group))
+    if first is not None:
+        first.wait()  # raises here if a rank reported a failure
+        return issue()
+    handle = issue()
+    s.first_exchange[id(group)] = handle
+    return handle
+
+
+# ------------------------------------------------------------------------------ per-group state
+class _State:
+    """Backward bookkeeping of one group (any kind): did the last backward end, and how far it got."""
+
+    def __init__(self):
+        self.backward_open = False
+        self.links = 0   # forward all-to-alls with grad since the last backward ended
+        self.duals = 0   # backward all-to-alls issued since the backward opened
+
+    def close(self):
+        self.backward_open = False
+        self.links = self.duals = 0
+
+
+_states: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _state(group) -> _State:
+    st = _states.get(group)
+    if st is None:
+        st = _states[group] = _State()
+    return st
+
+
+def _in_backward() -> bool:
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def note_link(group) -> None:
+    """A forward all-to-all whose backward will issue a dual all-to-all."""
+    _state(group).links += 1
+
+
+def note_dual(group) -> None:
+    """A backward all-to-all is issued: the backward is open until the engine's final callback."""
+    st = _state(group)
+    st.duals += 1
+    if not st.backward_open and _in_backward():
+        st.backward_open = True
+        torch.autograd.Variable._execution_engine.queue_callback(st.close)
+
+
+class StepGuard:
+    """Around one step of :class:`lancet_rt.Overlapped`: find a backward that raised before this
+    step, and make an exception in this step end cleanly on every rank (module docstring)."""
+
+    def __init__(self, overlapped):
+        self.overlapped = overlapped
+        self.groups = _groups(overlapped)
+        self.marks: dict = {}
+
+    def __enter__(self):
+        for g in self.groups:
+            st = _state(g)
+            if not st.backward_open or _in_backward():
+                continue
+            # The engine dropped the callback that ends the backward: the last backward raised.
+            complete = st.duals >= st.links
+            duals, links = st.duals, st.links
+            st.close()
+            _cancel_link(g)
+            monitor = getattr(g, "monitor", None)
+            if monitor is not None and g.size > 1 and not complete and monitor.broken is None:
+                raise monitor.break_(GroupError(
+                    f"expert-parallel rank {g.rank}: the last backward raised after issuing {duals} of its {links} "
+                    f"backward all-to-alls, so its peers are still waiting in the others. {ADVICE}", [g.rank]))
+        self.marks = {g: g.monitor.exchanges for g in self.groups if getattr(g, "monitor", None) is not None}
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc is None:
+            return False
+        for g in self.groups:
+            _cancel_link(g)
+        if getattr(exc, "_lancet_agreed", False):
+            return False  # every rank raised at the same collective: in step
+        for g, mark in self.marks.items():
+            monitor = g.monitor
+            if g.size == 1 or monitor.broken is not None:
+                continue
+            if monitor.exchanges == mark:
+                # No counts exchange of this step yet: the peers wait in the first one (or will).
+                exc._lancet_status = 2
+                layer = next(m for m in self.overlapped.moe_layers() if m.group is g)
+                layer.fail_peers(exc)  # raises on every rank
+            monitor.break_(GroupError(f"expert-parallel rank {g.rank} raised {type(exc).__name__}: {exc}",
+                                      [g.rank]))
+            if hasattr(exc, "add_note"):
+                exc.add_note(f"lancet-rt: this happened after the step's collectives had started, so the peers were "
+                             f"told and the expert-parallel group is unusable now. {ADVICE}.")
+        return False
+
+
+def guarded_step(forward):
+    """Decorates :meth:`lancet_rt.Overlapped.forward`: :func:`check_schedule`, then the step under a
+    :class:`StepGuard`."""
+    @functools.wraps(forward)
+    def step(overlapped, *args, **kwargs):
+        check_schedule(overlapped)
+        with StepGuard(overlapped):
+            return forward(overlapped, *args, **kwargs)
+    return step
+
+
+def _groups(overlapped) -> list:
+    seen = []
+    for m in overlapped.moe_layers():
+        if m.group is not None and all(m.group is not g for g in seen):
+            seen.append(m.group)
+    return seen
+
+
+def _cancel_link(group) -> None:
+    cancel = getattr(group, "cancel_pending", None)
+    if cancel is not None:
+        cancel()

@@ -1,0 +1,395 @@
+"""Bounded waits and failure records of one expert-parallel process group (:class:`GroupMonitor`).
+
+Every collective of a :class:`lancet_rt.TorchGroup` is issued and waited through its monitor. It
+numbers the collectives (the same sequence on every rank), bounds each wait by the group's timeout,
+writes this rank's failure to the process group's store and reads the peers' there, and, when a
+peer is lost, names the ranks that did not reach the collective and says whether their process
+exited (same machine) or is alive. :mod:`lancet_rt.faults` describes the guarantees; README,
+"Reliability", lists them.
+
+gloo: the waiting thread waits in slices of :data:`POLL_S` and reads the store between them (one
+store operation per slice, only in a wait that already lasted a slice); lancet's collectives are
+issued with gloo's operation timeout set to the group's timeout, so a pending receive ends by
+itself and the process can exit. NCCL: the host does not wait for collectives (the streams do), so
+a watchdog thread follows the collectives in flight and, on a failure record or after the timeout,
+logs the diagnosis and aborts the communicator, which ends the stuck kernels and wakes a host
+blocked on the counts; the main thread then raises.
+"""
+from __future__ import annotations
+
+import collections
+import datetime
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import env
+from .faults import ADVICE, GroupError, PeerError, PeerTimeout
+
+log = logging.getLogger("lancet_rt")
+
+#: A rank blocked in a collective looks for failure records this often (seconds).
+POLL_S = 0.1
+#: After a collective failed or timed out, how long peers get to report where they are (seconds).
+ROLL_CALL_S = 2 * POLL_S
+
+
+class GroupMonitor:
+    """Sequence numbers, bounded waits and failure records of one :class:`lancet_rt.TorchGroup`.
+
+    Args:
+        group: the process group.
+        rank, size: this rank and the group size.
+        backend: the group's backend name.
+        timeout_s: how long a rank waits in one collective before it raises :class:`PeerTimeout`.
+    """
+
+    def __init__(self, group, rank: int, size: int, backend: str, timeout_s: float):
+        self.group, self.rank, self.size = group, rank, size
+        self.issued = 0       # collectives issued on this group, in order (the same on every rank)
+        self.exchanges = 0    # of which counts exchanges
+        self.broken: Optional[GroupError] = None
+        self.set_timeout(timeout_s)
+        self._store = _group_store(group)
+        self._gloo = _gloo_backend(group) if "gloo" in backend else None
+        self._nccl = "nccl" in backend  # the host never waits for NCCL collectives: the streams do
+        self._watchdog = self._nccl and size > 1  # so a thread watches them (nothing to watch alone)
+        self._fatal: Optional[GroupError] = None
+        self._inflight: "collections.deque" = collections.deque()
+        self._lock = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+        self._events_seen = 0
+        self._published_at = -1
+        if size > 1:
+            self._put(f"who/{rank}", _process_identity())
+
+    def set_timeout(self, timeout_s: float) -> None:
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
+            raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        self._timeout_td = datetime.timedelta(seconds=self.timeout_s)
+        self._slice_td = datetime.timedelta(seconds=min(POLL_S, self.timeout_s))
+
+    # ---------------------------------------------------------------- issuing and waiting
+    def issue(self, what: str, launch: Callable[[], object]) -> "Watched":
+        """Issue a collective (``launch()`` returns its work) with this group's bounds."""
+        if self.broken is not None:
+            raise GroupError(f"expert-parallel group unusable since an earlier failure: {self.broken}",
+                             self.broken.ranks)
+        self.issued += 1
+        seq = self.issued
+        if what == "counts exchange":
+            self.exchanges += 1
+        try:
+            if self._gloo is not None:  # gloo's own operation timeout ends a pending receive by itself
+                prev = self._gloo.options._timeout
+                self._gloo._set_default_timeout(self._timeout_td)
+                try:
+                    work = launch()
+                finally:
+                    self._gloo._set_default_timeout(prev)
+            else:
+                work = launch()
+        except RuntimeError as exc:  # gloo refuses new work on a closed connection (DistError)
+            raise self.break_(self._lost(seq, what, exc)) from exc
+        if self._watchdog:
+            with self._lock:
+                while self._inflight and self._inflight[0][2].is_completed():
+                    self._inflight.popleft()
+                self._inflight.append((seq, what, work, time.monotonic()))
+            self._start_watchdog()
+        return Watched(work, self, seq, what)
+
+    def wait(self, work, seq: int, what: str) -> None:
+        """Wait for ``work``: in slices on gloo, reading failure records between them."""
+        if self._nccl or self._watchdog:
+            try:
+                self.block(work.wait)
+            except GroupError:
+                raise
+            except RuntimeError as exc:
+                raise self.break_(self._lost(seq, what, exc)) from exc
+            return
+        started = None
+        while True:
+            try:
+                work.wait(timeout=self._slice_td)
+                return
+            except RuntimeError as exc:
+                if work.is_completed():  # finished after the slice ended, or failed
+                    try:
+                        work.wait()
+                        return
+                    except RuntimeError as real:
+                        raise self.break_(self._lost(seq, what, real)) from real
+                now = time.monotonic()
+                if started is None:
+                    started = now - POLL_S
+                    self._publish_at(seq)
+                err = self._peer_failure(seq, what)
+                if err is None and now - started >= self.timeout_s:
+                    err = self._timed_out(seq, what, now - started)
+                if err is not None:
+                    raise self.break_(err) from exc
+
+    def block(self, call: Callable[[], object]):
+        """Run a host-blocking call (a CUDA event synchronisation) that the watchdog can end by
+        aborting the communicator; raises the watchdog's error if it did."""
+        try:
+            out = call()
+        except Exception as exc:
+            if self._fatal is not None:
+                raise self._fatal from exc
+            raise
+        if self._fatal is not None:
+            raise self._fatal
+        return out
+
+    # ---------------------------------------------------------------- failure records
+    def break_(self, error: GroupError) -> GroupError:
+        """Mark the group unusable and tell the peers (a record in the store); returns ``error``."""
+        if self.broken is None:
+            self.broken = error
+            self._put(f"fail/{self.rank}", json.dumps({"ranks": error.ranks, "msg": str(error)[:2000],
+                                                       "kind": type(error).__name__}))
+            self._add("events", 1)
+        return error
+
+    def _peer_failure(self, seq: int, what: str) -> Optional[GroupError]:
+        """A failure record of a peer (one store operation when there is none)."""
+        events = self._add("events", 0)
+        if events is None or events == self._events_seen:
+            return None
+        self._events_seen = events
+        self._publish_at(seq, force=True)  # someone may be asking where everyone is
+        return self._from_records(seq, what)
+
+    def _from_records(self, seq: int, what: str, cause: str = "") -> Optional[GroupError]:
+        """The error the peers' failure records describe, if any rank wrote one."""
+        records = self._records()
+        if not records:
+            return None
+        at_fault = sorted({r for rec in records.values() for r in rec["ranks"]})
+        origin = {q: rec for q, rec in records.items() if q in rec["ranks"]}  # not ranks that gave up on others
+        told = "; ".join(f"rank {q}: {rec['msg'].splitlines()[0][:600]}"
+                         for q, rec in sorted((origin or records).items()))
+        if at_fault == [self.rank]:
+            return PeerError(f"expert-parallel rank {self.rank} was reported as not answering while it waited in "
+                             f"collective #{seq} ({what}) (by {told}){cause}. {ADVICE}", at_fault)
+        timeout = all(rec.get("kind") == "PeerTimeout" for rec in records.values())
+        return (PeerTimeout if timeout else PeerError)(
+            f"expert-parallel rank(s) {at_fault} failed or stopped answering in the middle of a step; rank "
+            f"{self.rank} was waiting in collective #{seq} ({what}) ({told}){cause}. {ADVICE}", at_fault)
+
+    def _records(self) -> dict:
+        out = {}
+        for q in range(self.size):
+            text = self._get(f"fail/{q}") if q != self.rank else None
+            if text:
+                try:
+                    out[q] = json.loads(text)
+                except ValueError:
+                    out[q] = {"ranks": [q], "msg": text}
+        return out
+
+    def _timed_out(self, seq: int, what: str, waited: float) -> GroupError:
+        known = self._from_records(seq, what)
+        if known is not None:
+            return known
+        ranks, notes = self._roll_call(seq)
+        who = f"rank(s) {ranks} stopped answering ({'; '.join(notes)})" if ranks else _unnamed(notes)
+        return PeerTimeout(f"expert-parallel rank {self.rank} waited {waited:.1f} s (timeout {self.timeout_s:g} s, "
+                           f"{env.TIMEOUT}) in collective #{seq} ({what}): {who}. {ADVICE}", ranks)
+
+    def _lost(self, seq: int, what: str, exc: BaseException) -> GroupError:
+        cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        known = self._from_records(seq, what, f"; backend error: {cause}")
+        if known is not None:
+            return known
+        ranks, notes = self._roll_call(seq)
+        who = f"rank(s) {ranks} stopped answering ({'; '.join(notes)})" if ranks else _unnamed(notes)
+        if "timed out" in cause.lower():  # gloo's operation timeout, set to the group's
+            return PeerTimeout(f"collective #{seq} ({what}) timed out on expert-parallel rank {self.rank} (timeout "
+                               f"{self.timeout_s:g} s, {env.TIMEOUT}): {who}. Backend error: {cause}. {ADVICE}", ranks)
+        return PeerError(f"collective #{seq} ({what}) failed on expert-parallel rank {self.rank}: {who}. "
+                         f"Backend error: {cause}. {ADVICE}", ranks)
+
+    def _roll_call(self, seq: int) -> tuple[list, list]:
+        """Which peers have not reached collective ``seq``, and why (exited, alive, failed)."""
+        self._publish_at(seq, force=True)
+        if self._add("events", 1) is None:
+            where = "none found" if self._store is None else "unreachable: its host, often rank 0, may have died"
+            return [], [f"the process group's store is {where}"]
+        time.sleep(ROLL_CALL_S)  # peers blocked in a collective report where they are
+        records = self._records()
+        ranks, notes = [], []
+        for q in range(self.size):
+            if q == self.rank:
+                continue
+            if q in records:
+                if q in records[q]["ranks"]:  # it failed itself (not a rank that gave up on another)
+                    ranks.append(q)
+                    notes.append(f"rank {q} failed: {records[q]['msg'].splitlines()[0][:300]}")
+                continue
+            state = _process_state(self._get(f"who/{q}"))
+            at = self._get(f"at/{q}")
+            reached = at is not None and int(at.split()[1]) >= seq
+            if state == "exited":
+                ranks.append(q)
+                notes.append(f"rank {q}: its process has exited")
+            elif not reached:
+                ranks.append(q)
+                where = f"last seen waiting in #{at.split()[0]}" if at else "no report"
+                alive = ", its process is alive" if state == "alive" else ""
+                notes.append(f"rank {q} has not reached collective #{seq} ({where}{alive})")
+        return ranks, notes
+
+    def _publish_at(self, seq: int, force: bool = False) -> None:
+        if force or self._published_at != seq:
+            self._published_at = seq
+            self._put(f"at/{self.rank}", f"{seq} {self.issued}")
+
+    # ---------------------------------------------------------------- NCCL watchdog
+    def _start_watchdog(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._watch, name="lancet-rt-watchdog", daemon=True)
+            self._thread.start()
+
+    def _watch(self) -> None:
+        while self.broken is None:
+            time.sleep(POLL_S)
+            with self._lock:
+                while self._inflight and self._inflight[0][2].is_completed():
+                    self._inflight.popleft()
+                front = self._inflight[0] if self._inflight else None
+            if front is None:
+                continue
+            seq, what, _work, since = front
+            age = time.monotonic() - since
+            if age < POLL_S:
+                continue
+            self._publish_at(seq)
+            err = self._peer_failure(seq, what)
+            if err is None and age >= self.timeout_s:
+                err = self._timed_out(seq, what, age)
+            if err is not None:
+                log.error("lancet-rt: %s", err)  # before the abort: NCCL's error handling may end the process
+                self._fatal = self.break_(err)
+                _abort(self.group)
+                return
+
+    # ---------------------------------------------------------------- store access (never blocks)
+    def _put(self, key: str, value: str) -> None:
+        if self._store is not None:
+            try:
+                self._store.set(f"lancet_rt/{key}", value)
+            except Exception:  # noqa: BLE001 - the store's host may be the rank that died
+                pass
+
+    def _add(self, key: str, n: int) -> Optional[int]:
+        if self._store is None:
+            return None
+        try:
+            return self._store.add(f"lancet_rt/{key}", n)
+        except Exception:  # noqa: BLE001
+            return None
+
+    def _get(self, key: str) -> Optional[str]:
+        if self._store is None:
+            return None
+        try:
+            if not self._store.check([f"lancet_rt/{key}"]):
+                return None
+            return self._store.get(f"lancet_rt/{key}").decode()
+        except Exception:  # noqa: BLE001
+            return None
+
+
+class Watched:
+    """A collective's work whose ``wait()`` is bounded by its group's :class:`GroupMonitor`."""
+
+    __slots__ = ("work", "monitor", "seq", "what")
+
+    def __init__(self, work, monitor: GroupMonitor, seq: int, what: str):
+        self.work, self.monitor, self.seq, self.what = work, monitor, seq, what
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self) -> bool:
+        self.monitor.wait(self.work, self.seq, self.what)
+        return True
+
+
+def _unnamed(notes: list) -> str:
+    return "no peer could be named" + (f" ({'; '.join(notes)})" if notes else "")
+
+
+def _group_store(group):
+    try:
+        return dist.distributed_c10d._get_process_group_store(group)
+    except Exception:  # noqa: BLE001 - a private API: without it, failures are found by timeout only
+        return None
+
+
+def _gloo_backend(group):
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+        backend.options._timeout  # noqa: B018 - the API the operation timeout needs
+        return backend
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _abort(group) -> None:
+    try:
+        dist.distributed_c10d._abort_process_group(group)
+    except Exception as exc:  # noqa: BLE001
+        log.error("lancet-rt: could not abort the communicator (%s); the process waits for the process group's "
+                  "own timeout", exc)
+
+
+# ------------------------------------------------------------------------------ processes
+def _machine() -> Optional[str]:
+    """This machine and PID namespace (two ranks with the same value can see each other's PIDs)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{socket.gethostname()}:{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return None
+
+
+def _proc_stat(pid: int) -> Optional[tuple[str, str]]:
+    """(state, start time) of a process from /proc, or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return fields[0], fields[19]
+
+
+def _process_identity() -> str:
+    stat = _proc_stat(os.getpid())
+    return json.dumps({"machine": _machine(), "pid": os.getpid(), "start": stat[1] if stat else None})
+
+
+def _process_state(identity: Optional[str]) -> Optional[str]:
+    """"exited" or "alive" for a process on this machine, None when that cannot be told."""
+    if not identity:
+        return None
+    who = json.loads(identity)
+    if who["machine"] is None or who["machine"] != _machine():
+        return None
+    stat = _proc_stat(who["pid"])
+    if stat is None or stat[0] == "Z" or (who["start"] is not None and stat[1] != who["start"]):
+        return "exited"
+    return "alive"
