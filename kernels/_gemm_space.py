@@ -69,7 +69,9 @@ def _gemm_configs(op: str) -> list:
 # accumulators: on the FMA units (fp32 without TF32), and in dW with TF32 too, whose operands are both
 # MN-major (dy_seg.T, x_seg), which tf32 wgmma cannot read from shared memory. There, sm_90 builds with
 # 128 accumulator registers spill 20-500 bytes per thread, those with 64 at most 20
-# (``python -m bench.compile_check --all-configs``, Triton 3.6 and 3.9).
+# (``python -m bench.compile_check --all-configs``, Triton 3.6 and 3.9). The interleaved gate_up
+# (GPT-OSS's [E, D, 2F] weight: an MN-major operand) joins them: with TF32 and 128 accumulator
+# registers its epilogue's gate/up split spills 220-240 bytes per thread.
 _FP32_ACC_REGS = 64
 
 
@@ -106,14 +108,15 @@ def _cuda_smem_bytes(index: int) -> int:
 def _prune_configs(op: str):
     """The autotuner's early_config_prune for one op: :func:`_config_fits` for the input's element
     size and the device's shared memory, at most :data:`_FP32_ACC_REGS` accumulator registers where
-    fp32 operands live in registers (no TF32, or dW), and no tile much larger than the problem (tile
+    fp32 operands live in registers (no TF32, dW, or the interleaved gate_up), and no tile much larger than the problem (tile
     rows against the mean rows per expert, tile columns against the output width)."""
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
         x = args["x_ptr"]
         smem = _smem_bytes(x.device)
-        fp32_in_regs = x.element_size() == 4 and (op == "dw" or args.get("INPUT_PRECISION", "ieee") == "ieee")
+        fp32_in_regs = x.element_size() == 4 and (op == "dw" or args.get("INPUT_PRECISION", "ieee") == "ieee"
+                                                   or (op == "gate_up" and args.get("INTERLEAVED", False)))
         max_acc = _FP32_ACC_REGS if fp32_in_regs else 128
         if op == "dw":
             out_rows, out_cols = args["N"], args["K"]
