@@ -14,8 +14,11 @@ Representative inputs: bf16 token rows, fp32 router logits and combine weights, 
 grouped GEMM in bf16, fp16 and fp32 (exact fp32 on FMA units, the launchers' default, and TF32), sizes
 divisible by 16 as at real model sizes (D = 4096). Which configs: for every autotuned kernel the
 configs its pruning predicate keeps for those sizes (for the gating kernels per number of experts,
-since BLOCK_E is a compile-time constant); for the fixed-config kernels the launcher's choice. By
-default only the first of each (per GEMM dtype); ``--all-configs`` compiles every one.
+since BLOCK_E is a compile-time constant); for the fixed-config kernels the launcher's choice. The
+expert kernels also come in variants (bias, interleaved gate/up, the "swiglu_oai" activation; "gpt_oss"
+is GPT-OSS's combination, its weights the transposed views the experts pass). By default only the
+first config of each kernel's first case and of the cases in ``_DEFAULT_VARIANTS`` (every GEMM dtype,
+every variant constexpr value once); ``--all-configs`` compiles every config of every case.
 
 The table has one row per compile: kernel, variant, config, registers per thread, spilled bytes
 (stores/loads), shared memory per block against Hopper's 227 KiB, compile seconds and the error, if
@@ -379,8 +382,9 @@ _SPECS: Dict[str, Tuple[Callable, Callable, List[Tuple[str, tuple]]]] = {
 
 
 def jobs(all_configs: bool = False, kernels: Optional[List[str]] = None) -> List[Job]:
-    """The compiles to run: by default each kernel's first config (per GEMM dtype); with
-    ``all_configs`` every config its pruned space keeps in every case, each distinct compile once."""
+    """The compiles to run: by default the first config of each kernel's first case and of its cases
+    in ``_DEFAULT_VARIANTS``; with ``all_configs`` every config its pruned space keeps in every case,
+    each distinct compile once."""
     out, seen = [], set()
     for name, (build, configs, cases) in _SPECS.items():
         if kernels and name not in kernels:

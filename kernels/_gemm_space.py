@@ -108,8 +108,8 @@ def _cuda_smem_bytes(index: int) -> int:
 def _prune_configs(op: str):
     """The autotuner's early_config_prune for one op: :func:`_config_fits` for the input's element
     size and the device's shared memory, at most :data:`_FP32_ACC_REGS` accumulator registers where
-    fp32 operands live in registers (no TF32, dW, or the interleaved gate_up), and no tile much larger than the problem (tile
-    rows against the mean rows per expert, tile columns against the output width)."""
+    fp32 operands live in registers (no TF32, dW, or the interleaved gate_up), and no tile much larger
+    than the problem (tile rows against the mean rows per expert, tile columns against the output width)."""
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}

@@ -4,15 +4,23 @@ The rows a rank receives are grouped by local expert: segment e is ``offsets[e]:
 ``x_RK``, and expert e's weight is ``w_ENK[e]`` (the Hugging Face layout, out features first). The
 launchers here have the signatures and results of their references in :mod:`lancet_rt.kernels.reference`:
 
-================  ====================================  =========================  =============
-launcher          computes                              reference                  FLOPs
-================  ====================================  =========================  =============
-grouped_mm        y[r] = x[r] @ w[e].T                  grouped_mm_ref             2 R N K
-grouped_mm_dx     dx[r] = dy[r] @ w[e]                  grouped_mm_dx_ref          2 R N K
-grouped_mm_dw     dw[e] = dy_seg.T @ x_seg (0 if empty) grouped_mm_dw_ref          2 R N K
-gate_up_swiglu    gu = x @ w[e].T, h = silu(g) * u      gate_up_swiglu_ref         2 R (2F) D
-swiglu_fwd/_bwd   elementwise SwiGLU and its gradient   swiglu_fwd_ref / _bwd_ref  memory-bound (kernels/swiglu.py)
-================  ====================================  =========================  =============
+================  ======================================  =========================  =============
+launcher          computes                                reference                  FLOPs
+================  ======================================  =========================  =============
+grouped_mm        y[r] = x[r] @ w[e].T (+ b[e])           grouped_mm_ref             2 R N K
+grouped_mm_dx     dx[r] = dy[r] @ w[e]                    grouped_mm_dx_ref          2 R N K
+grouped_mm_dw     dw[e] = dy_seg.T @ x_seg (0 if empty)   grouped_mm_dw_ref          2 R N K
+gate_up_swiglu    gu = x @ w[e].T (+ b[e]), h = act(g, u) gate_up_swiglu_ref         2 R (2F) D
+segment_sum       s[e] = sum of g_seg's rows (0 if empty) segment_sum_ref            memory-bound (bias gradients)
+swiglu_fwd/_bwd   elementwise act and its gradient        swiglu_fwd_ref / _bwd_ref  memory-bound (kernels/swiglu.py)
+================  ======================================  =========================  =============
+
+Expert variants (GPT-OSS's experts are all three): an optional per-expert bias on ``grouped_mm`` and
+``gate_up_swiglu`` (``HAS_BIAS``), the activation ``act`` = "swiglu" (silu(g) * u) or "swiglu_oai"
+(GPT-OSS: (clamp(u, -limit, limit) + 1) * gc * sigmoid(alpha * gc), gc = min(g, limit); ``ACTIVATION``),
+and the gate/up order of gate_up's weight rows, bias and gu: gate first, or ``interleaved`` (gate 2j,
+up 2j + 1; ``INTERLEAVED``). Weights may be any strided view, so GPT-OSS's transposed parameters
+(``gate_up_proj [E, D, 2F]``, ``down_proj [E, F, D]``) pass as their transposes, not copies.
 
 Algorithm
 ---------
@@ -37,6 +45,24 @@ tile (rows F + j) with two fp32 accumulators from the same x tile, so x is read 
 The epilogue rounds both to the output dtype, stores them into gu (columns j and F + j, kept for
 backward), and computes ``h = silu(g) * u`` in fp32 *from the rounded values*, so h is
 ``swiglu_fwd_ref(gu)`` of the stored gu (up to fp32 rounding inside silu) without a second pass over gu.
+A bias is added to both fp32 accumulators before that rounding. *Interleaved* gate/up rows 2j and 2j + 1
+are adjacent, so a program instead loads one [BLOCK_K, 2 BLOCK_N] weight tile per step into one
+[BLOCK_M, 2 BLOCK_N] accumulator (a plain GEMM over gu's columns: with GPT-OSS's [E, D, 2F] weight the
+tile is contiguous along 2F), stores it as gu's interleaved columns, and splits it in registers
+(reshape to [BM, BN, 2], ``tl.split``) into the gate and up tiles of the activation. Two accumulators
+or one twice as wide hold the same registers; the split epilogue needs more (sm_90 builds of the bf16
+128 x 128 tile: 248 registers against 206), and fp32 configs are capped at 64 accumulator registers
+(:mod:`kernels._gemm_space`).
+
+*Bias gradient* (``segment_sum``). A per-expert bias's gradient is the sum of its segment's output-
+gradient rows. One program per (expert, column tile) loops over the segment's rows (bounds read from
+the device, no host sync), accumulating a [BLOCK_M, BLOCK_N] fp32 partial sum reduced once at the end:
+no atomics, the same bits every run. It is its own launch rather than a side reduction of the dW
+GEMM, whose configs are register-bound already (fp32 ones capped for spills) and whose pipelined
+operand tiles go to shared memory, not through registers a row sum could reuse. It reads the
+gradient once: 2 R N bytes in bf16 against the dW GEMM's 2 R N K FLOPs, i.e. at an H100's peak rates
+(3.35 TB/s, 990 TFLOP/s) 296 / K of the dW GEMM's time, 10% at GPT-OSS's K = 2880 (an estimate, not
+measured; one dW of the four GEMMs of the experts' backward).
 
 *Weight gradient* (``grouped_mm_dw``). A reduction over each segment's rows, so it is its own launch:
 the grid is E x cdiv(N, BN) x cdiv(K, BK) output tiles (sizes known on the host), experts outermost;
@@ -294,8 +320,6 @@ def _gate_up_swiglu_fwd_kernel(
     x_step = (tl.cast(stride_xd, tl.int64) if TILE_I64 else stride_xd) * BLOCK_K
     w_step = (tl.cast(stride_wd, tl.int64) if TILE_I64 else stride_wd) * BLOCK_K
     out_ty = gu_ptr.dtype.element_ty
-    offs_m64 = offs_m.to(tl.int64)
-    gu_rows = gu_ptr + offs_m64[:, None] * stride_gm
 
     if INTERLEAVED:
         # Gate and up of columns j are the adjacent rows 2j, 2j + 1 of w: one [BK, 2 BN] weight tile
@@ -319,6 +343,7 @@ def _gate_up_swiglu_fwd_kernel(
             b_b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_wc.to(tl.int64) * stride_bf)
             acc += b_b.to(tl.float32)[None, :]
         b_gu = acc.to(out_ty)
+        gu_rows = gu_ptr + offs_m.to(tl.int64)[:, None] * stride_gm
         tl.store(gu_rows + offs_c.to(tl.int64)[None, :] * stride_gf, b_gu,
                  mask=mask_m[:, None] & (offs_c[None, :] < 2 * F))
         g, u = tl.split(tl.reshape(b_gu.to(tl.float32), (BLOCK_M, BLOCK_N, 2)))
@@ -349,18 +374,20 @@ def _gate_up_swiglu_fwd_kernel(
             b_rows = b_ptr + expert.to(tl.int64) * stride_be
             acc_g += tl.load(b_rows + offs_wn.to(tl.int64) * stride_bf).to(tl.float32)[None, :]
             acc_u += tl.load(b_rows + (offs_wn + F).to(tl.int64) * stride_bf).to(tl.float32)[None, :]
+        # Epilogue: store gu, then h from the *rounded* gu, so h == swiglu_fwd_ref(gu) bit for bit.
         b_g = acc_g.to(out_ty)
         b_u = acc_u.to(out_ty)
-        mask_gu = mask_m[:, None] & (offs_n[None, :] < F)
+        mask_out = mask_m[:, None] & (offs_n[None, :] < F)
         offs_n64 = offs_n.to(tl.int64)
-        tl.store(gu_rows + offs_n64[None, :] * stride_gf, b_g, mask=mask_gu)
-        tl.store(gu_rows + (offs_n64 + F)[None, :] * stride_gf, b_u, mask=mask_gu)
+        gu_rows = gu_ptr + offs_m.to(tl.int64)[:, None] * stride_gm
+        tl.store(gu_rows + offs_n64[None, :] * stride_gf, b_g, mask=mask_out)
+        tl.store(gu_rows + (offs_n64 + F)[None, :] * stride_gf, b_u, mask=mask_out)
         g = b_g.to(tl.float32)
         u = b_u.to(tl.float32)
 
-    # h from the *rounded* gu, so h == swiglu_fwd_ref(gu) of the stored gu.
+    # h from the rounded gu (both branches), so h is swiglu_fwd_ref(gu) of the stored gu.
     b_h = _glu(g, u, alpha, limit, ACTIVATION)
-    h_ptrs = h_ptr + offs_m64[:, None] * stride_hm + offs_n.to(tl.int64)[None, :] * stride_hf
+    h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n.to(tl.int64)[None, :] * stride_hf
     tl.store(h_ptrs, b_h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n[None, :] < F))
 
 

@@ -64,7 +64,7 @@ def _split(gu, interleaved):
 # ------------------------------------------------------------------------------------------------
 # Kernels against their references
 # ------------------------------------------------------------------------------------------------
-GATE_UP_CASES = ([("gpt_oss", seg, dt) for seg in SEGMENTS for dt in DTYPES]
+GATE_UP_CASES = ([("gpt_oss", SEGMENTS[0], dt) for dt in DTYPES] + [("gpt_oss", SEGMENTS[1], torch.bfloat16)]
                  + [(v, SEGMENTS[0], torch.float32) for v in ("bias_oai", "interleaved")])
 
 
@@ -90,7 +90,7 @@ def test_gate_up_variants(variant, case, dtype, gen):
     assert (gate > LIMIT).any() and (up.abs() > LIMIT).any(), "the clamps were not exercised"
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_grouped_mm_bias(dtype, gen):
     """The down projection of GPT-OSS: its [E, F, D] parameter as the [E, D, F] view, plus a bias."""
     _, counts, D, F = SEGMENTS[0]
@@ -104,8 +104,10 @@ def test_grouped_mm_bias(dtype, gen):
     assert_close("bias y", y, y_ref)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", SEGMENTS, ids=[s[0] for s in SEGMENTS])
+SEGMENT_SUM_CASES = [(SEGMENTS[0], dt) for dt in DTYPES] + [(SEGMENTS[1], torch.float32)]
+
+
+@pytest.mark.parametrize("case, dtype", SEGMENT_SUM_CASES, ids=[f"{c[0]}-{str(d)[6:]}" for c, d in SEGMENT_SUM_CASES])
 def test_segment_sum(case, dtype, gen):
     """Bias gradients: per-expert sums of the output gradient's rows; zeros for an empty expert."""
     _, counts, D, F = case
@@ -262,7 +264,7 @@ def test_references_are_autograd_gradients(gen):
 # ------------------------------------------------------------------------------------------------
 # lancet_rt.Experts against transformers' GptOssExperts
 # ------------------------------------------------------------------------------------------------
-T_TOKENS, D_MODEL, D_FFN, N_EXPERTS = 13, 60, 36, 4
+T_TOKENS, D_MODEL, D_FFN, N_EXPERTS = 13, 60, 20, 4  # D with a K tail, F below one 32-wide tile
 
 
 def _gpt_oss_pair(gen):
