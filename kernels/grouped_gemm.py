@@ -51,8 +51,9 @@ are adjacent, so a program instead loads one [BLOCK_K, 2 BLOCK_N] weight tile pe
 tile is contiguous along 2F), stores it as gu's interleaved columns, and splits it in registers
 (reshape to [BM, BN, 2], ``tl.split``) into the gate and up tiles of the activation. Two accumulators
 or one twice as wide hold the same registers; the split epilogue needs more (sm_90 builds of the bf16
-128 x 128 tile: 248 registers against 206), and fp32 configs are capped at 64 accumulator registers
-(:mod:`kernels._gemm_space`).
+128 x 128 tile with bias and "swiglu_oai": 248 registers against the default's 184 on Triton 3.9, 217
+against 182 on 3.6; one block per SM either way, as its 144 KiB of shared memory allow), and fp32
+configs are capped at 64 accumulator registers (:mod:`kernels._gemm_space`).
 
 *Bias gradient* (``segment_sum``). A per-expert bias's gradient is the sum of its segment's output-
 gradient rows. One program per (expert, column tile) loops over the segment's rows (bounds read from
@@ -158,6 +159,25 @@ def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _k_loop(acc, x_ptrs, w_ptrs, x_step, w_step, mask_m, offs_k, K,
+            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc + x_tile @ w_tile over the reduction: [BM, BK] x tiles and [BK, BN] w tiles, BLOCK_K per step
+    (rows of x past mask_m and, unless EVEN_K, reduction steps past K read as zeros)."""
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            b_x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            b_w = tl.load(w_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            b_x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            b_w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = _dot(b_x, b_w, acc, INPUT_PRECISION, DOT_FP32)
+        x_ptrs += x_step
+        w_ptrs += w_step
+    return acc
+
+
+@triton.jit
 def _segment_tile(offsets_ptr, pid_m, R, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr):
     """Map the pid_m-th M tile over all segments to (expert, first row, row end, tile count).
 
@@ -234,17 +254,8 @@ def _grouped_gemm_fwd_kernel(
     w_step = (tl.cast(stride_wk, tl.int64) if TILE_I64 else stride_wk) * BLOCK_K
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            b_x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-            b_w = tl.load(w_ptrs)
-        else:
-            k_left = K - k * BLOCK_K
-            b_x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            b_w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = _dot(b_x, b_w, acc, INPUT_PRECISION, DOT_FP32)
-        x_ptrs += x_step
-        w_ptrs += w_step
+    acc = _k_loop(acc, x_ptrs, w_ptrs, x_step, w_step, mask_m, offs_k, K,
+                  BLOCK_K, EVEN_K, INPUT_PRECISION, DOT_FP32)
 
     if HAS_BIAS:
         b_b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_wn.to(tl.int64) * stride_bn)
@@ -328,17 +339,8 @@ def _gate_up_swiglu_fwd_kernel(
         offs_wc = offs_c % (2 * F)
         wc_ptrs = w_ptrs + offs_wc.to(tl.int64)[None, :] * stride_wf  # [BK, 2 BN]
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        for k in range(0, tl.cdiv(D, BLOCK_K)):
-            if EVEN_K:
-                b_x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-                b_w = tl.load(wc_ptrs)
-            else:
-                k_left = D - k * BLOCK_K
-                b_x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-                b_w = tl.load(wc_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            acc = _dot(b_x, b_w, acc, INPUT_PRECISION, DOT_FP32)
-            x_ptrs += x_step
-            wc_ptrs += w_step
+        acc = _k_loop(acc, x_ptrs, wc_ptrs, x_step, w_step, mask_m, offs_k, D,
+                      BLOCK_K, EVEN_K, INPUT_PRECISION, DOT_FP32)
         if HAS_BIAS:
             b_b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_wc.to(tl.int64) * stride_bf)
             acc += b_b.to(tl.float32)[None, :]

@@ -303,7 +303,7 @@ def _run_transformers(hf, x, idx, weights):
     import transformers
 
     if int(transformers.__version__.split(".")[0]) < 5:
-        weights = torch.zeros(idx.shape[0], hf.num_experts).scatter(1, idx, weights)
+        weights = torch.zeros(idx.shape[0], hf.num_experts, dtype=weights.dtype).scatter(1, idx, weights)
     return hf(x, idx, weights).reshape(x.shape)
 
 
@@ -345,6 +345,32 @@ def test_experts_match_transformers_gpt_oss(kernels, routing, monkeypatch, gen):
     for name, p in ours.named_parameters():
         assert p.grad.shape == hf_grads[name].shape
         assert_close(f"d{name}", p.grad, hf_grads[name].grad)
+
+
+def test_ops_serve_the_new_ops_float64_on_references(monkeypatch, gen):
+    """The kernel selection: segment_sum on both paths; float64 layers under LANCET_KERNELS=triton run
+    the grouped GEMM and SwiGLU families' references, and match GptOssExperts in float64."""
+    from lancet_rt.kernels import reference
+
+    monkeypatch.setenv("LANCET_KERNELS", "triton")
+    cpu = torch.device("cpu")
+    assert get_ops(cpu, torch.float32).segment_sum is gg.segment_sum
+    assert get_ops(cpu, torch.float64).segment_sum is reference.segment_sum_ref
+    assert get_ops(cpu, torch.float64).gate_up_swiglu is reference.gate_up_swiglu_ref
+    hf, ours = _gpt_oss_pair(gen)
+    hf.double()
+    ours.double()
+    x = torch.randn(T_TOKENS, D_MODEL, generator=gen, dtype=torch.float64)
+    idx, weights = _routing(gen, "mixed")
+    x_hf, x_ours = x.clone().requires_grad_(True), x.clone().requires_grad_(True)
+    _run_transformers(hf, x_hf, idx, weights.double()).sum().backward()
+    y = _run_lancet(ours, x_ours, idx, weights.double())
+    y.sum().backward()
+    assert y.dtype == torch.float64
+    assert_close("float64 dx", x_ours.grad, x_hf.grad)
+    assert_close("float64 ddown_proj_bias", ours.down_proj_bias.grad, hf.down_proj_bias.grad)
+    monkeypatch.setenv("LANCET_KERNELS", "torch")
+    assert get_ops(cpu, torch.float32).segment_sum is reference.segment_sum_ref
 
 
 def test_lancet_layout_with_bias_and_oai_equals_gpt_oss(monkeypatch, gen):
