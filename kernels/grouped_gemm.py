@@ -48,9 +48,11 @@ backward), and computes ``h = silu(g) * u`` in fp32 *from the rounded values*, s
 A bias is added to both fp32 accumulators before that rounding. *Interleaved* gate/up rows 2j and 2j + 1
 are adjacent, so a program instead loads one [BLOCK_K, 2 BLOCK_N] weight tile per step into one
 [BLOCK_M, 2 BLOCK_N] accumulator (a plain GEMM over gu's columns: with GPT-OSS's [E, D, 2F] weight the
-tile is contiguous along 2F), stores it as gu's interleaved columns, and splits it in registers
-(reshape to [BM, BN, 2], ``tl.split``) into the gate and up tiles of the activation. Two accumulators
-or one twice as wide hold the same registers; the split epilogue needs more (sm_90 builds of the bf16
+tile is contiguous along 2F), stores it as gu's interleaved columns, and splits it (reshape to
+[BM, BN, 2], ``tl.split``) into the gate and up tiles of the activation: in sm_90 builds a layout
+conversion through the shared memory the main loop is done with (no more shared memory per block, 16
+more vector shared loads per thread in the bf16 128 x 128 PTX). Two accumulators or one twice as wide
+hold the same registers; the split epilogue needs more (sm_90 builds of the bf16
 128 x 128 tile with bias and "swiglu_oai": 248 registers against the default's 184 on Triton 3.9, 217
 against 182 on 3.6; one block per SM either way, as its 144 KiB of shared memory allow), and fp32
 configs are capped at 64 accumulator registers (:mod:`kernels._gemm_space`).

@@ -226,6 +226,23 @@ def test_validation(gen):
         Experts(2, 8, 4, layout="gpt_oss", limit=-1.0)
 
 
+def test_interleaved_search_space():
+    """The interleaved gate_up keeps at most 64 accumulator registers in fp32 even with TF32 (128
+    spilled 220-240 bytes per thread in sm_90 builds) and at 4 warps in bf16 (128 sat at 253-255
+    registers); with 8 warps bf16 keeps its 128-register tiles, and the gate-first layout all of them."""
+    from lancet_rt.kernels import _gemm_space as space
+
+    def kept(dtype, interleaved):
+        args = dict(x_ptr=torch.empty(1, 1, dtype=dtype), F=2880, D=2880, M_BUCKET=4096, INPUT_PRECISION="tf32")
+        configs = space._prune_configs("gate_up")(space._gemm_configs("gate_up"), args, INTERLEAVED=interleaved)
+        assert configs
+        return {(space._acc_regs("gate_up", c), c.num_warps) for c in configs}
+
+    assert max(kept(torch.float32, True))[0] == 64 and max(kept(torch.float32, False))[0] == 128
+    assert (128, 8) in kept(torch.bfloat16, True) and (128, 4) not in kept(torch.bfloat16, True)
+    assert (128, 4) in kept(torch.bfloat16, False)
+
+
 # ------------------------------------------------------------------------------------------------
 # The references: torch autograd of the same formulas, and transformers' own activation
 # ------------------------------------------------------------------------------------------------
