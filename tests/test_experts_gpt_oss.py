@@ -90,7 +90,7 @@ def test_gate_up_variants(variant, case, dtype, gen):
     assert (gate > LIMIT).any() and (up.abs() > LIMIT).any(), "the clamps were not exercised"
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_grouped_mm_bias(dtype, gen):
     """The down projection of GPT-OSS: its [E, F, D] parameter as the [E, D, F] view, plus a bias."""
     _, counts, D, F = SEGMENTS[0]
