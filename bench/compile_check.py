@@ -316,18 +316,22 @@ def _gemm_cases(op: str) -> List[Tuple[str, tuple]]:
 
 
 def _segment_sum(case):
-    *_, gg, _ = _modules()
+    _modules()  # first: with the interpreter off
+    from lancet_rt.kernels import segment_sum
+
     dtype, N = case
     args = (_buf(dtype), _buf(dtype), _buf("i32"), _R, N, N, 1, N, 1)
-    return gg._segment_sum_kernel, args, {}
+    return segment_sum._segment_sum_kernel, args, {}
 
 
 def _segment_sum_configs(case):
     import torch
 
-    *_, gg, _ = _modules()
+    _modules()
+    from lancet_rt.kernels import segment_sum
+
     _, N = case
-    block_m, block_n, num_warps = gg._segment_sum_blocks(N, _E_LOCAL, torch.device("cuda"))  # the CUDA choice
+    block_m, block_n, num_warps = segment_sum._segment_sum_blocks(N, _E_LOCAL, torch.device("cuda"))  # the CUDA choice
     return [dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)]
 
 
@@ -372,7 +376,7 @@ _SPECS: Dict[str, Tuple[Callable, Callable, List[Tuple[str, tuple]]]] = {
                       [(f"D={d} bf16", (d,)) for d in _PERMUTE_D]),
     **{f"grouped_gemm.{op}": (*_gemm(op), _gemm_cases(op)) for op in _GEMM_OPS},
     # Bias gradients: the segment sums of dgu [R, 2F] (and of dy [R, D]: the same compile at D = 2F).
-    "grouped_gemm.segment_sum": (_segment_sum, _segment_sum_configs,
+    "segment_sum": (_segment_sum, _segment_sum_configs,
                                  [(f"N={2 * _F} {dt}", (dt, 2 * _F)) for dt in ("bf16", "fp32")]),
     **{f"swiglu.{d}": (*_swiglu(d), [(f"F={f} bf16 {name}".rstrip(), (f, tuple(flags.items())))
                                      for f in _SWIGLU_F for name, flags in _SWIGLU_VARIANTS])

@@ -11,7 +11,7 @@ grouped_mm        y[r] = x[r] @ w[e].T (+ b[e])           grouped_mm_ref        
 grouped_mm_dx     dx[r] = dy[r] @ w[e]                    grouped_mm_dx_ref          2 R N K
 grouped_mm_dw     dw[e] = dy_seg.T @ x_seg (0 if empty)   grouped_mm_dw_ref          2 R N K
 gate_up_swiglu    gu = x @ w[e].T (+ b[e]), h = act(g, u) gate_up_swiglu_ref         2 R (2F) D
-segment_sum       s[e] = sum of g_seg's rows (0 if empty) segment_sum_ref            memory-bound (bias gradients)
+segment_sum       s[e] = sum of g_seg's rows (0 if empty) segment_sum_ref            memory-bound (kernels/segment_sum.py)
 swiglu_fwd/_bwd   elementwise act and its gradient        swiglu_fwd_ref / _bwd_ref  memory-bound (kernels/swiglu.py)
 ================  ======================================  =========================  =============
 
@@ -57,15 +57,8 @@ hold the same registers; the split epilogue needs more (sm_90 builds of the bf16
 against 182 on 3.6; one block per SM either way, as its 144 KiB of shared memory allow), and fp32
 configs are capped at 64 accumulator registers (:mod:`kernels._gemm_space`).
 
-*Bias gradient* (``segment_sum``). A per-expert bias's gradient is the sum of its segment's output-
-gradient rows. One program per (expert, column tile) loops over the segment's rows (bounds read from
-the device, no host sync), accumulating a [BLOCK_M, BLOCK_N] fp32 partial sum reduced once at the end:
-no atomics, the same bits every run. It is its own launch rather than a side reduction of the dW
-GEMM, whose configs are register-bound already (fp32 ones capped for spills) and whose pipelined
-operand tiles go to shared memory, not through registers a row sum could reuse. It reads the
-gradient once: 2 R N bytes in bf16 against the dW GEMM's 2 R N K FLOPs, i.e. at an H100's peak rates
-(3.35 TB/s, 990 TFLOP/s) 296 / K of the dW GEMM's time, 10% at GPT-OSS's K = 2880 (an estimate, not
-measured; one dW of the four GEMMs of the experts' backward).
+*Bias gradient* (``segment_sum``, kernels/segment_sum.py): per-expert sums of the output gradient's
+rows, one deterministic launch.
 
 *Weight gradient* (``grouped_mm_dw``). A reduction over each segment's rows, so it is its own launch:
 the grid is E x cdiv(N, BN) x cdiv(K, BK) output tiles (sizes known on the host), experts outermost;
@@ -113,23 +106,20 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from ._expert_checks import (_INTERPRET, _check_activation, _check_bias, _check_device, _check_float, _check_ndim,
+                             _check_offsets, _check_out, _check_same_dtype)
 from ._gemm_space import CONFIG_ENV, _TILE_NAMES, _gemm_configs, _make_config, _pinned_config, _prune_configs, _tile_of
-from .reference import ACTIVATIONS  # the activations' names; their semantics are the references
+from .segment_sum import segment_sum  # the bias gradients: in the grouped_gemm op family (lancet_rt.ops)
 
 # ------------------------------------------------------------------------------------------------
-# Environment: read here, and for pinned configs in kernels/_gemm_space.py (CONFIG_ENV).
+# Environment: the interpreter switch in kernels/_expert_checks.py, pinned configs in kernels/_gemm_space.py.
 # ------------------------------------------------------------------------------------------------
-#: Triton decides at definition time whether @triton.jit kernels run in the CPU interpreter.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (output tile rows, output tile cols, reduction step, num_warps, num_stages) under the interpreter.
 _INTERPRETER_CONFIG = (16, 32, 32, 4, 1)
 
@@ -455,46 +445,6 @@ def _grouped_gemm_dw_kernel(
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=mask_out)
 
 
-@triton.jit
-def _segment_sum_kernel(
-    # pointers
-    g_ptr,  # [R, N] rows grouped by expert
-    s_ptr,  # [E, N] output: s[e] = sum of segment e's rows, g's dtype
-    offsets_ptr,  # [E + 1] int32/int64 segment bounds
-    # sizes
-    R, N,
-    # strides
-    stride_gm, stride_gn,
-    stride_se, stride_sn,
-    # meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    """s[e, n] = sum over rows r of segment e of g[r, n], in fp32; zeros for an empty segment.
-
-    One program per (expert, column tile) loops over its segment's rows: a [BM, BN] fp32 partial sum,
-    reduced over BM once at the end (the same order every run: deterministic, no atomics)."""
-    expert = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    row_start = tl.load(offsets_ptr + expert).to(tl.int32)
-    row_end = tl.load(offsets_ptr + expert + 1).to(tl.int32)
-    row_start = tl.minimum(tl.maximum(row_start, 0), R)
-    row_end = tl.maximum(tl.minimum(row_end, R), row_start)
-
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < N
-    g_ptrs = g_ptr + (row_start + offs_m).to(tl.int64)[:, None] * stride_gm + offs_n.to(tl.int64)[None, :] * stride_gn
-    g_step = tl.cast(stride_gm, tl.int64) * BLOCK_M
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for m in range(0, tl.cdiv(row_end - row_start, BLOCK_M)):
-        mask_m = offs_m < row_end - row_start - m * BLOCK_M
-        acc += tl.load(g_ptrs, mask=mask_m[:, None] & mask_n[None, :], other=0.0).to(tl.float32)
-        g_ptrs += g_step
-    b_s = tl.sum(acc, axis=0)
-    s_ptrs = s_ptr + expert.to(tl.int64) * stride_se + offs_n.to(tl.int64) * stride_sn
-    tl.store(s_ptrs, b_s.to(s_ptr.dtype.element_ty), mask=mask_n)
-
-
 def _even_k(args) -> bool:
     return args["K" if "K" in args else "D"] % args["BLOCK_K"] == 0
 
@@ -556,79 +506,6 @@ def selected_config(op: str) -> Optional[str]:
         raise ValueError(f"op must be one of {sorted(_TILE_NAMES)}, got {op!r}")
     cfg = _LAST_CONFIG.get(op)
     return None if cfg is None else ",".join(map(str, cfg))
-
-
-# ================================================================================================
-# Validation helpers
-# ================================================================================================
-def _check_float(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
-
-
-def _check_ndim(name: str, t: torch.Tensor, ndim: int, letters: Sequence[str]) -> None:
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D [{', '.join(letters)}], got shape {tuple(t.shape)}")
-
-
-def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device} like the other inputs, got {t.device}")
-    if device.type != "cuda" and not _INTERPRET:
-        raise ValueError(f"{name} is on {device}: the Triton kernels need CUDA tensors "
-                         f"(or TRITON_INTERPRET=1 set before kernels are imported)")
-
-
-def _check_same_dtype(name: str, t: torch.Tensor, dtype: torch.dtype, other: str) -> None:
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must have the dtype of {other} ({dtype}), got {t.dtype}")
-
-
-def _check_offsets(offsets: torch.Tensor, E: int, R: int, device: torch.device) -> None:
-    if not isinstance(offsets, torch.Tensor):
-        raise TypeError(f"offsets_E1 must be a torch.Tensor, got {type(offsets).__name__}")
-    if offsets.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"offsets_E1 must be int32 or int64, got {offsets.dtype}")
-    if offsets.shape != (E + 1,):
-        raise ValueError(f"offsets_E1 must have shape [E + 1] = [{E + 1}], got {tuple(offsets.shape)}")
-    if E == 0 and R > 0:
-        raise ValueError(f"no experts (E = 0) but {R} rows")
-    _check_device("offsets_E1", offsets, device)
-
-
-def _check_out(out, shape: tuple, dtype: torch.dtype, device: torch.device, name: str = "out") -> torch.Tensor:
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
-        raise ValueError(f"{name} must be a {dtype} tensor of shape {list(shape)} on {device}, "
-                         f"got {out.dtype} {list(out.shape)} on {out.device}")
-    return out
-
-
-def _check_bias(name: str, bias, shape: tuple, dtype: torch.dtype, device: torch.device, weight: str) -> None:
-    """A per-expert bias: a tensor of ``shape`` in the weight's dtype, on its device."""
-    if bias is None:
-        return
-    if not isinstance(bias, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(bias).__name__}")
-    _check_same_dtype(name, bias, dtype, weight)
-    if tuple(bias.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {list(shape)}, got {list(bias.shape)}")
-    _check_device(name, bias, device)
-
-
-def _check_activation(activation, alpha, limit) -> None:
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-    for name, value in (("alpha", alpha), ("limit", limit)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{name} must be a float, got {type(value).__name__}")
-    if not limit > 0:  # also rejects NaN
-        raise ValueError(f"limit must be > 0, got {limit}")
 
 
 def _m_bucket(R: int, E: int) -> int:
@@ -834,53 +711,6 @@ def gate_up_swiglu(x_RD: torch.Tensor, w_E2FD: torch.Tensor, offsets_E1: torch.T
                  HAS_BIAS=bias_E2F is not None, INTERLEAVED=bool(interleaved), ACTIVATION=activation,
                  **_dot_meta(x_RD.dtype, allow_tf32))
     return h, gu
-
-
-def _segment_sum_blocks(N: int, E: int, device: torch.device) -> Tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps). On CUDA 64-row steps over column tiles of 128 (bf16: 256 bytes
-    per row), narrowed to 64 or 32 columns while that keeps fewer than ~264 programs (2 per H100 SM):
-    the rows of a segment are not split, so narrow tiles are the parallelism when E_local is small."""
-    if device.type != "cuda" or _INTERPRET:
-        return 16, min(32, triton.next_power_of_2(max(N, 1))), 4
-    block_n = 128
-    while block_n > 32 and E * triton.cdiv(N, block_n) < 264:
-        block_n //= 2
-    return 64, block_n, 4
-
-
-def segment_sum(g_RN: torch.Tensor, offsets_E1: torch.Tensor, *,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """s[e] = the sum of rows offsets[e]:offsets[e+1] of g (zeros for an empty segment): the
-    gradient of a per-expert bias (:func:`grouped_mm`'s ``bias_EN``, :func:`gate_up_swiglu`'s
-    ``bias_E2F``) from the gradient of its output. One launch, fp32 accumulation, no atomics: the
-    same bits every run. Memory-bound: reads g once.
-
-    Args:
-        g_RN: [R, N] bf16/fp16/fp32 rows grouped by local expert (any strides).
-        offsets_E1: int32/int64 [E + 1] segment bounds (as in :func:`grouped_mm`); E from its length.
-        out: optional [E, N] output buffer in g's dtype (every element is written).
-
-    Returns:
-        s_EN [E, N] in g's dtype.
-    """
-    _check_float("g_RN", g_RN)
-    _check_ndim("g_RN", g_RN, 2, "RN")
-    _check_device("g_RN", g_RN, g_RN.device)
-    if not isinstance(offsets_E1, torch.Tensor) or offsets_E1.dim() != 1 or offsets_E1.shape[0] < 1:
-        raise ValueError("offsets_E1 must be a 1-D tensor of E + 1 >= 1 segment bounds")
-    E = offsets_E1.shape[0] - 1
-    R, N = g_RN.shape
-    _check_offsets(offsets_E1, E, R, g_RN.device)
-    s = _check_out(out, (E, N), g_RN.dtype, g_RN.device)
-    if E == 0 or N == 0:
-        return s
-    block_m, block_n, num_warps = _segment_sum_blocks(N, E, g_RN.device)
-    _segment_sum_kernel[(E, triton.cdiv(N, block_n))](
-        g_RN, s, offsets_E1, R, N,
-        g_RN.stride(0), g_RN.stride(1), s.stride(0), s.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-    )
-    return s
 
 
 __all__ = ["grouped_mm", "grouped_mm_dx", "grouped_mm_dw", "gate_up_swiglu", "segment_sum", "selected_config",

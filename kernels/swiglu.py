@@ -17,8 +17,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .grouped_gemm import (_INTERPRET, _check_activation, _check_device, _check_float, _check_ndim, _check_out,
-                           _check_same_dtype, _glu)
+from ._expert_checks import (_INTERPRET, _check_activation, _check_device, _check_float, _check_ndim, _check_out,
+                             _check_same_dtype)
+from .grouped_gemm import _glu
 
 
 @triton.jit

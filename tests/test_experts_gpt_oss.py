@@ -17,6 +17,7 @@ import torch
 from lancet_rt.experts import Experts
 from lancet_rt.kernels import grouped_gemm as gg
 from lancet_rt.kernels import swiglu
+from lancet_rt.kernels.segment_sum import segment_sum
 from lancet_rt.kernels.reference import (
     gate_up_swiglu_ref,
     grouped_mm_dw_ref,
@@ -114,13 +115,13 @@ def test_segment_sum(case, dtype, gen):
     g = _randn(gen, sum(counts), 2 * F + 8, dtype=dtype)[:, 3 : 3 + 2 * F]  # strided rows
     off = _offsets(counts)
     expected = segment_sum_ref(g.double(), off)
-    s = gg.segment_sum(g, off, out=nan_like(expected.to(dtype)))
+    s = segment_sum(g, off, out=nan_like(expected.to(dtype)))
     assert s.dtype == dtype
     assert_close("segment_sum", s, expected)
     for e, n in enumerate(counts):
         if n == 0:
             assert not s[e].any(), f"s[{e}] of an empty segment is not zero"
-    assert torch.equal(s, gg.segment_sum(g, off)), "not the same bits run to run"
+    assert torch.equal(s, segment_sum(g, off)), "not the same bits run to run"
 
 
 def _boundary_gu(gen, R, F, dtype, interleaved):
@@ -162,7 +163,7 @@ def test_swiglu_variants(variant, dtype, gen):
 def test_edge_cases(gen):
     """No rows; an empty reduction (K = 0 / D = 0) with a bias: the output is the bias (and its activation)."""
     off0 = _offsets([0, 0, 0])
-    s = gg.segment_sum(_randn(gen, 0, 20), off0, out=torch.full((3, 20), float("nan"), device=DEVICE))
+    s = segment_sum(_randn(gen, 0, 20), off0, out=torch.full((3, 20), float("nan"), device=DEVICE))
     assert torch.equal(s, torch.zeros_like(s))
     counts = [2, 0, 3]
     off, R = _offsets(counts), sum(counts)
@@ -188,7 +189,7 @@ def test_launchers_do_not_sync(gen):
     w_down, b_down = _randn(gen, E, F, D).transpose(1, 2), _randn(gen, E, D)
     launches = [lambda: gg.gate_up_swiglu(x, w, off, b, **_act("gpt_oss")),
                 lambda: gg.grouped_mm(dh, w_down, off, b_down),
-                lambda: gg.segment_sum(gu, off),
+                lambda: segment_sum(gu, off),
                 lambda: swiglu.swiglu_fwd(gu, **_act("gpt_oss")),
                 lambda: swiglu.swiglu_bwd(gu, dh, **_act("gpt_oss"))]
     if DEVICE.type == "cuda":  # the autotuner's first run benchmarks (and syncs) once per key: warm up
@@ -215,9 +216,9 @@ def test_validation(gen):
     with pytest.raises(TypeError, match="alpha"):
         swiglu.swiglu_fwd(_randn(gen, 5, 8), activation="swiglu_oai", alpha="1.7")
     with pytest.raises(ValueError, match="offsets_E1"):
-        gg.segment_sum(_randn(gen, 5, 8), off[:1].reshape(1, 1))
+        segment_sum(_randn(gen, 5, 8), off[:1].reshape(1, 1))
     with pytest.raises(TypeError, match="g_RN"):
-        gg.segment_sum(_randn(gen, 5, 8).double(), off)
+        segment_sum(_randn(gen, 5, 8).double(), off)
     with pytest.raises(ValueError, match="layout"):
         Experts(2, 8, 4, layout="mixtral")
     with pytest.raises(ValueError, match="activation"):
@@ -371,7 +372,7 @@ def test_ops_serve_the_new_ops_float64_on_references(monkeypatch, gen):
 
     monkeypatch.setenv("LANCET_KERNELS", "triton")
     cpu = torch.device("cpu")
-    assert get_ops(cpu, torch.float32).segment_sum is gg.segment_sum
+    assert get_ops(cpu, torch.float32).segment_sum is segment_sum
     assert get_ops(cpu, torch.float64).segment_sum is reference.segment_sum_ref
     assert get_ops(cpu, torch.float64).gate_up_swiglu is reference.gate_up_swiglu_ref
     hf, ours = _gpt_oss_pair(gen)
@@ -476,5 +477,5 @@ def test_gpu_gpt_oss_experts(routing):
                           torch.bfloat16)
     del dw
     for name, grad, n in (("gate_up", dgu, 2 * F), ("down", dy, D)):
-        db = gg.segment_sum(grad, off, out=_nan(E, n))
+        db = segment_sum(grad, off, out=_nan(E, n))
         assert_close(f"gpu gpt_oss dbias {name}", db, segment_sum_ref(grad.float(), off))
