@@ -14,8 +14,11 @@ Representative inputs: bf16 token rows, fp32 router logits and combine weights, 
 grouped GEMM in bf16, fp16 and fp32 (exact fp32 on FMA units, the launchers' default, and TF32), sizes
 divisible by 16 as at real model sizes (D = 4096). Which configs: for every autotuned kernel the
 configs its pruning predicate keeps for those sizes (for the gating kernels per number of experts,
-since BLOCK_E is a compile-time constant); for the fixed-config kernels the launcher's choice. By
-default only the first of each (per GEMM dtype); ``--all-configs`` compiles every one.
+since BLOCK_E is a compile-time constant); for the fixed-config kernels the launcher's choice. The
+expert kernels also come in variants (bias, interleaved gate/up, the "swiglu_oai" activation; "gpt_oss"
+is GPT-OSS's combination, its weights the transposed views the experts pass). By default only the
+first config of each kernel's first case and of the cases in ``_DEFAULT_VARIANTS`` (every GEMM dtype,
+every variant constexpr value once); ``--all-configs`` compiles every config of every case.
 
 The table has one row per compile: kernel, variant, config, registers per thread, spilled bytes
 (stores/loads), shared memory per block against Hopper's 227 KiB, compile seconds and the error, if
@@ -56,6 +59,34 @@ _SWIGLU_F = (2048, 512, 256)
 # Grouped GEMM (dtype, dot precision): fp32 is exact ("ieee", FMA units) unless allow_tf32 asks for tf32.
 _GEMM_CASES = (("bf16", "ieee"), ("fp16", "ieee"), ("fp32", "ieee"), ("fp32", "tf32"))
 _GEMM_OPS = ("fwd", "dx", "gate_up", "dw")
+# Expert variants (the constexprs of the GEMM epilogues and the activation kernels), as (label, flags).
+# "gpt_oss" is GPT-OSS's experts: interleaved gate/up in its transposed weight, biases, the clamped
+# activation (for the fwd op: the down projection, bias and transposed weight); the other labels
+# cover the remaining combinations in bf16.
+_GPT_OSS = dict(HAS_BIAS=True, INTERLEAVED=True, ACTIVATION="swiglu_oai")
+_GEMM_VARIANTS = {
+    "fwd": (("", {}), ("gpt_oss", dict(HAS_BIAS=True))),
+    "dx": (("", {}),),
+    "dw": (("", {}),),
+    "gate_up": (("", {}), ("gpt_oss", _GPT_OSS)),
+}
+_GEMM_EXTRA = {"gate_up": (("bias swiglu_oai", dict(HAS_BIAS=True, ACTIVATION="swiglu_oai")),
+                           ("interleaved", dict(INTERLEAVED=True)))}
+_SWIGLU_VARIANTS = (("", {}), ("gpt_oss", dict(INTERLEAVED=True, ACTIVATION="swiglu_oai")),
+                    ("swiglu_oai", dict(ACTIVATION="swiglu_oai")), ("interleaved", dict(INTERLEAVED=True)))
+# The cases the default check compiles beyond each kernel's first: every dtype of the lancet GEMMs, and
+# every branch of every expert constexpr once (the flags' code blocks compose: INTERLEAVED's main loop
+# and split epilogue, HAS_BIAS in both gate_up branches and in fwd, "swiglu_oai"), GPT-OSS's gate_up in
+# the dtypes whose registers are tightest (fp32 on the FMA units and with TF32, bf16 the common case).
+# ``--all-configs`` compiles every case.
+_DEFAULT_VARIANTS = {
+    **{f"grouped_gemm.{op}": {"bf16", "fp16", "fp32", "fp32 tf32"} for op in _GEMM_OPS},
+    "grouped_gemm.fwd": {"bf16", "fp16", "fp32", "fp32 tf32", "bf16 gpt_oss"},
+    "grouped_gemm.gate_up": {"bf16", "fp16", "fp32", "fp32 tf32", "bf16 gpt_oss", "fp32 gpt_oss",
+                             "fp32 tf32 gpt_oss", "bf16 bias swiglu_oai"},
+    "swiglu.fwd": {"F=2048 bf16", "F=2048 bf16 gpt_oss"},
+    "swiglu.bwd": {"F=2048 bf16", "F=2048 bf16 gpt_oss"},
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +111,7 @@ class Row:
     variant: str
     config: str
     fn: str = ""  # the @triton.jit function's name
+    constexprs: Dict[str, object] = dataclasses.field(default_factory=dict)  # the launcher's, with the config's
     regs: Optional[int] = None
     spill_stores: Optional[int] = None
     spill_loads: Optional[int] = None
@@ -237,23 +269,29 @@ def _row_tile_configs(env_var_name: str):
 
 
 def _gemm(op: str):
-    """Arguments of grouped GEMM ``op`` for dtype ``case[0]``, laid out as its launcher lays them out."""
+    """Arguments of grouped GEMM ``op`` for case (dtype, dot precision, flags), laid out as its launcher
+    lays them out; flags are the epilogue constexprs (HAS_BIAS, INTERLEAVED, ACTIVATION). The weights
+    are views as the experts pass them: the lancet layout, or GPT-OSS's transposed parameters."""
     def build(case):
         *_, gg, _ = _modules()
-        dtype, input_precision = case
+        dtype, input_precision, flags = case
+        flags = dict(flags)
         E, R, D, F = _E_LOCAL, _R, _D, _F
-        x, w, y, off = _buf(dtype), _buf(dtype), _buf(dtype), _buf("i32")
+        x, w, b, y, off = _buf(dtype), _buf(dtype), _buf(dtype), _buf(dtype), _buf("i32")
         precision = dict(INPUT_PRECISION=input_precision, DOT_FP32=False)
         block_e = max(16, _next_pow2(E))
-        if op == "fwd":   # down projection: y[R, D] = h[R, F] @ w[e].T, w [E, D, F]
-            args = (x, w, y, off, R, D, F, E, 4096, F, 1, D * F, F, 1, D, 1)
-            return gg._grouped_gemm_fwd_kernel, args, dict(BLOCK_E=block_e, **precision), F
+        if op == "fwd":   # down projection: y[R, D] = h[R, F] @ w[e].T, w [E, D, F] (GPT-OSS: [E, F, D] transposed)
+            w_strides = (F * D, 1, D) if flags.get("HAS_BIAS") else (D * F, F, 1)
+            args = (x, w, b, y, off, R, D, F, E, 4096, F, 1, *w_strides, D, 1, D, 1)
+            return gg._grouped_gemm_fwd_kernel, args, dict(BLOCK_E=block_e, **precision, **flags), F
         if op == "dx":    # dh[R, F] = dy[R, D] @ w[e] through the view w[e].T: [E, F, D], strides (D*F, 1, F)
-            args = (x, w, y, off, R, F, D, E, 4096, D, 1, D * F, 1, F, F, 1)
+            args = (x, w, b, y, off, R, F, D, E, 4096, D, 1, D * F, 1, F, 0, 0, F, 1)
             return gg._grouped_gemm_fwd_kernel, args, dict(BLOCK_E=block_e, **precision), D
-        if op == "gate_up":  # h, gu = swiglu(x[R, D] @ w[e].T), w [E, 2F, D]
-            args = (x, w, y, _buf(dtype), off, R, F, D, E, 4096, D, 1, 2 * F * D, D, 1, F, 1, 2 * F, 1)
-            return gg._gate_up_swiglu_fwd_kernel, args, dict(BLOCK_E=block_e, **precision), D
+        if op == "gate_up":  # h, gu = act(x[R, D] @ w[e].T + b[e]), w [E, 2F, D] (GPT-OSS: [E, D, 2F] transposed)
+            w_strides = (2 * F * D, 1, 2 * F) if flags.get("INTERLEAVED") else (2 * F * D, D, 1)
+            args = (x, w, b, y, _buf(dtype), off, R, F, D, E, 4096, 1.702, 7.0, D, 1, *w_strides, 2 * F, 1,
+                    F, 1, 2 * F, 1)
+            return gg._gate_up_swiglu_fwd_kernel, args, dict(BLOCK_E=block_e, **precision, **flags), D
         # dw[e] = dy_seg.T @ x_seg for the down projection: dy [R, D], x [R, F], dw [E, D, F]
         args = (x, w, y, off, R, D, F, E, 4096, D, 1, F, 1, D * F, F, 1)
         return gg._grouped_gemm_dw_kernel, args, dict(**precision), None
@@ -276,21 +314,52 @@ def _gemm(op: str):
     return kernel, configs
 
 
+def _gemm_cases(op: str) -> List[Tuple[str, tuple]]:
+    """Every dtype case of each of ``op``'s variants, then the extra variants in bf16."""
+    def label(dtype, precision, name):
+        return " ".join(p for p in (dtype, "" if precision == "ieee" else precision, name) if p)
+
+    cases = [(label(dt, p, name), (dt, p, tuple(flags.items())))
+             for name, flags in _GEMM_VARIANTS[op] for dt, p in _GEMM_CASES]
+    return cases + [(label("bf16", "ieee", name), ("bf16", "ieee", tuple(flags.items())))
+                    for name, flags in _GEMM_EXTRA.get(op, ())]
+
+
+def _segment_sum(case):
+    _modules()  # first: with the interpreter off
+    from lancet_rt.kernels import segment_sum
+
+    dtype, N = case
+    args = (_buf(dtype), _buf(dtype), _buf("i32"), _R, N, N, 1, N, 1)
+    return segment_sum._segment_sum_kernel, args, {}
+
+
+def _segment_sum_configs(case):
+    import torch
+
+    _modules()
+    from lancet_rt.kernels import segment_sum
+
+    _, N = case
+    block_m, block_n, num_warps = segment_sum._segment_sum_blocks(N, _E_LOCAL, torch.device("cuda"))  # the CUDA choice
+    return [dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)]
+
+
 def _swiglu(direction: str):
     def kernel(case):
         *_, swiglu = _modules()
-        (F,) = case
+        F, flags = case
         if direction == "fwd":
-            args = (_buf("bf16"), _buf("bf16"), _R, F, 2 * F, 1, F, 1)
-            return swiglu._swiglu_fwd_kernel, args, {}
-        args = (_buf("bf16"), _buf("bf16"), _buf("bf16"), _R, F, 2 * F, 1, F, 1, 2 * F, 1)
-        return swiglu._swiglu_bwd_kernel, args, {}
+            args = (_buf("bf16"), _buf("bf16"), _R, F, 1.702, 7.0, 2 * F, 1, F, 1)
+            return swiglu._swiglu_fwd_kernel, args, dict(flags)
+        args = (_buf("bf16"), _buf("bf16"), _buf("bf16"), _R, F, 1.702, 7.0, 2 * F, 1, F, 1, 2 * F, 1)
+        return swiglu._swiglu_bwd_kernel, args, dict(flags)
 
     def configs(case):
         import torch
 
         *_, swiglu = _modules()
-        (F,) = case
+        F, _ = case
         block_r, block_f, num_warps = swiglu._swiglu_blocks(F, torch.device("cuda"))  # the CUDA choice
         return [dict(BLOCK_R=block_r, BLOCK_F=block_f, num_warps=num_warps)]
 
@@ -318,24 +387,27 @@ _SPECS: Dict[str, Tuple[Callable, Callable, List[Tuple[str, tuple]]]] = {
                       [(f"D={d} bf16", (d,)) for d in _PERMUTE_D]),
     "unpermute.bwd": (_unpermute_bwd, _row_tile_configs("_ENV_UNPERMUTE_BWD_CONFIG"),
                       [(f"D={d} bf16", (d,)) for d in _PERMUTE_D]),
-    **{f"grouped_gemm.{op}": (*_gemm(op), [(dt if p == "ieee" else f"{dt} {p}", (dt, p)) for dt, p in _GEMM_CASES])
-       for op in _GEMM_OPS},
-    "swiglu.fwd": (*_swiglu("fwd"), [(f"F={f} bf16", (f,)) for f in _SWIGLU_F]),
-    "swiglu.bwd": (*_swiglu("bwd"), [(f"F={f} bf16", (f,)) for f in _SWIGLU_F]),
+    **{f"grouped_gemm.{op}": (*_gemm(op), _gemm_cases(op)) for op in _GEMM_OPS},
+    # Bias gradients: the segment sums of dgu [R, 2F] (and of dy [R, D]: the same compile at D = 2F).
+    "segment_sum": (_segment_sum, _segment_sum_configs,
+                                 [(f"N={2 * _F} {dt}", (dt, 2 * _F)) for dt in ("bf16", "fp32")]),
+    **{f"swiglu.{d}": (*_swiglu(d), [(f"F={f} bf16 {name}".rstrip(), (f, tuple(flags.items())))
+                                     for f in _SWIGLU_F for name, flags in _SWIGLU_VARIANTS])
+       for d in ("fwd", "bwd")},
 }
-# Compiled in every case by the default check (one per dtype): the others check their first case only.
-_DEFAULT_ALL_CASES = {f"grouped_gemm.{op}" for op in _GEMM_OPS}
+
 
 
 def jobs(all_configs: bool = False, kernels: Optional[List[str]] = None) -> List[Job]:
-    """The compiles to run: by default each kernel's first config (per GEMM dtype); with
-    ``all_configs`` every config its pruned space keeps in every case, each distinct compile once."""
+    """The compiles to run: by default the first config of each kernel's first case and of its cases
+    in ``_DEFAULT_VARIANTS``; with ``all_configs`` every config its pruned space keeps in every case,
+    each distinct compile once."""
     out, seen = [], set()
     for name, (build, configs, cases) in _SPECS.items():
         if kernels and name not in kernels:
             continue
-        if not all_configs and name not in _DEFAULT_ALL_CASES:
-            cases = cases[:1]
+        if not all_configs:
+            cases = [c for i, c in enumerate(cases) if i == 0 or c[0] in _DEFAULT_VARIANTS.get(name, ())]
         for variant, case in cases:
             space = configs(case)
             for meta in (space if all_configs else space[:1]):
@@ -350,11 +422,11 @@ def jobs(all_configs: bool = False, kernels: Optional[List[str]] = None) -> List
 
 def _arg_kind(arg) -> str:
     """What the JIT specializes an argument on: a tensor's dtype, an int's being 1 or a multiple of 16
-    (a float is not specialized)."""
-    if isinstance(arg, int):
-        return "1" if arg == 1 else "D" if arg % 16 == 0 else "i"
+    (a float: nothing)."""
     if isinstance(arg, float):
         return "f"
+    if isinstance(arg, int):
+        return "1" if arg == 1 else "D" if arg % 16 == 0 else "i"
     return str(arg.dtype)
 
 
@@ -393,6 +465,7 @@ def _compile_job(job: Job) -> Row:
     try:
         fn, args, const = build(job.case)
         row.fn = fn.fn.__name__
+        row.constexprs = {**const, **dict(job.meta)}
         kwargs = {**const, **dict(job.meta), "debug": False}
         target = GPUTarget("cuda", ARCH, WARP_SIZE)
         backend = make_backend(target)

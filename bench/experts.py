@@ -1,6 +1,6 @@
 """Expert GEMMs: the Triton grouped GEMM vs a loop of torch matmuls vs one dense cuBLAS GEMM.
 
-    python -m bench.experts [--json PATH] [--quick] [--device cuda|cpu]
+    python -m bench.experts [--json PATH] [--quick] [--device cuda|cpu] [--gpt-oss]
 
 For each projection of a SwiGLU expert layer (forward: gate_up + SwiGLU, down; backward: dx and dW of
 both) it times three ways to do the same FLOPs:
@@ -16,7 +16,11 @@ Zipf-like routing with the same rows (half in one expert, then 1/4, 1/8, ..., th
 in bf16. Reported: TFLOP/s, the fraction of the dense GEMM and of the dense matmul rate measured at
 the start of the same run (bench.common.matmul_tflops), and the speedup over the loop. Rows are
 appended to ``--json`` with the run metadata. ``--quick`` uses tiny sizes (on the CPU the kernels run
-in the Triton interpreter, so its numbers only show that the command works).
+in the Triton interpreter, so its numbers only show that the command works). ``--gpt-oss`` adds the
+projections whose kernels differ in GPT-OSS's layout (``layout="gpt_oss"`` rows): gate_up with the
+interleaved transposed weight, bias and "swiglu_oai"; down with bias through the transposed weight;
+dx and dW of gate_up through that layout (dW written as the [E, D, 2F] parameter); the bias gradients
+are memory-bound segment sums, not timed here.
 """
 from __future__ import annotations
 
@@ -41,10 +45,11 @@ def skewed_counts(E: int, R: int) -> list:
     return counts + [0] * (E - busy)
 
 
-def _cases(E: int, D: int, F: int, counts: list, device: torch.device, dtype=torch.bfloat16):
-    """Inputs for every projection (built outside the timed region) and the three ways to run each.
+def _cases(E: int, D: int, F: int, counts: list, device: torch.device, dtype=torch.bfloat16, gpt_oss=False):
+    """Inputs for every projection (built outside the timed region) and the three ways to run each;
+    with ``gpt_oss`` also GPT-OSS's variants (module docstring).
 
-    Returns a list of (op, kernel name for selected_config, flops, triton_fn, loop_fn, dense_fn).
+    Returns a list of (op, kernel name for selected_config, flops, triton_fn, loop_fn, dense_fn, layout).
     """
     from lancet_rt.kernels import grouped_gemm as gg
     from lancet_rt.kernels import reference as ref
@@ -63,7 +68,7 @@ def _cases(E: int, D: int, F: int, counts: list, device: torch.device, dtype=tor
     dgu, dy = randn(R, 2 * F), randn(R, D)
     wd_gu, wd_down = w_gu[0], w_down[0]  # the dense ceilings' weights: one expert's shape
 
-    return [
+    cases = [
         ("fwd gate_up+swiglu", "gate_up", 2 * R * 2 * F * D,
          lambda: gg.gate_up_swiglu(x, w_gu, off), lambda: ref.gate_up_swiglu_ref(x, w_gu, off),
          lambda: x @ wd_gu.t()),
@@ -83,6 +88,28 @@ def _cases(E: int, D: int, F: int, counts: list, device: torch.device, dtype=tor
          lambda: gg.grouped_mm_dw(dy, h, off), lambda: ref.grouped_mm_dw_ref(dy, h, off),
          lambda: dy.t() @ h),
     ]
+    cases = [c + ("lancet",) for c in cases]
+    if not gpt_oss:
+        return cases
+    # GPT-OSS: gate_up_proj [E, D, 2F] (gate/up interleaved) and down_proj [E, F, D], as the experts pass them.
+    p_gu, p_down = randn(E, D, 2 * F, scale=4 * D**-0.5), randn(E, F, D, scale=F**-0.5)
+    v_gu, v_down = p_gu.transpose(1, 2), p_down.transpose(1, 2)
+    b_gu, b_down = randn(E, 2 * F), randn(E, D)
+    act = dict(activation="swiglu_oai", interleaved=True)
+    return cases + [c + ("gpt_oss",) for c in [
+        ("fwd gate_up+swiglu_oai", "gate_up", 2 * R * 2 * F * D,
+         lambda: gg.gate_up_swiglu(x, v_gu, off, b_gu, **act),
+         lambda: ref.gate_up_swiglu_ref(x, v_gu, off, b_gu, **act), lambda: x @ p_gu[0]),
+        ("fwd down+bias", "fwd", 2 * R * D * F,
+         lambda: gg.grouped_mm(h, v_down, off, b_down), lambda: ref.grouped_mm_ref(h, v_down, off, b_down),
+         lambda: h @ p_down[0]),
+        ("bwd dx gate_up", "dx", 2 * R * 2 * F * D,
+         lambda: gg.grouped_mm_dx(dgu, v_gu, off), lambda: ref.grouped_mm_dx_ref(dgu, v_gu, off),
+         lambda: dgu @ p_gu[0].t()),
+        ("bwd dw gate_up", "dw", 2 * R * 2 * F * D,
+         lambda: gg.grouped_mm_dw(x, dgu, off), lambda: ref.grouped_mm_dw_ref(x, dgu, off),
+         lambda: x.t() @ dgu),
+    ]]
 
 
 def _matches(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -94,9 +121,9 @@ def _matches(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(((got.float() - want.float()).abs().max() / scale) <= 2e-2)
 
 
-def run(device: torch.device, quick: bool, *, json_path=None, max_seconds=None) -> list:
+def run(device: torch.device, quick: bool, *, json_path=None, max_seconds=None, gpt_oss=False) -> list:
     """Measure every (F, routing, projection); rows go to ``json_path`` as they are made; nothing new
-    starts after ``max_seconds``."""
+    starts after ``max_seconds``. ``gpt_oss`` adds GPT-OSS's projections (module docstring)."""
     from lancet_rt.kernels import grouped_gemm as gg
 
     sizes = QUICK if quick else FULL
@@ -115,9 +142,10 @@ def run(device: torch.device, quick: bool, *, json_path=None, max_seconds=None) 
             if budget.spent():
                 print(f"# --max-seconds {max_seconds} spent: F={F} {routing} not run", flush=True)
                 continue
-            for op, kernel, flops, triton_fn, loop_fn, dense_fn in _cases(E, D, F, counts, device):
-                base = dict(meta, bench="experts", op=op, routing=routing, dtype="bfloat16", E=E, R=R, D=D, F=F,
-                            counts=counts, flops=flops)
+            for op, kernel, flops, triton_fn, loop_fn, dense_fn, layout in _cases(E, D, F, counts, device,
+                                                                                  gpt_oss=gpt_oss):
+                base = dict(meta, bench="experts", op=op, layout=layout, routing=routing, dtype="bfloat16", E=E,
+                            R=R, D=D, F=F, counts=counts, flops=flops)
                 try:  # warm-up (autotuning and compilation) and the correctness check
                     check = "ok" if _matches(triton_fn(), loop_fn()) else "MISMATCH"
                     dense_fn()
@@ -136,7 +164,8 @@ def run(device: torch.device, quick: bool, *, json_path=None, max_seconds=None) 
                     frac_dense=tf["triton"] / tf["dense"], frac_peak=tf["triton"] / peak,
                     speedup_vs_loop=t["loop"]["ms"] / t["triton"]["ms"],
                 ))
-                print(f"# {op:20s} {routing:8s} F={F}: {tf['triton']:.1f} TFLOP/s, {rows[-1]['frac_dense']:.2f} of "
+                print(f"# {op:22s} {layout:7s} {routing:8s} F={F}: {tf['triton']:.1f} TFLOP/s, "
+                      f"{rows[-1]['frac_dense']:.2f} of "
                       f"dense, {rows[-1]['speedup_vs_loop']:.2f}x loop, check {check}", flush=True)
     return rows
 
@@ -147,6 +176,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: check that the command works")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="start no new (F, routing) group after this many seconds")
+    parser.add_argument("--gpt-oss", action="store_true",
+                        help="add GPT-OSS's projections (interleaved transposed weights, biases, swiglu_oai)")
     parser.add_argument("--device", choices=("cuda", "cpu"),
                         default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
@@ -161,10 +192,10 @@ def main(argv=None) -> int:
         if not args.quick:
             print("# note: full sizes in the CPU interpreter take hours; use --quick", file=sys.stderr)
 
-    rows = run(device, args.quick, json_path=args.json, max_seconds=args.max_seconds)
+    rows = run(device, args.quick, json_path=args.json, max_seconds=args.max_seconds, gpt_oss=args.gpt_oss)
     if not rows:
         return 1
-    print_table(rows, ["op", "routing", "F", "config", "triton_ms", "loop_ms", "dense_ms", "triton_tflops",
+    print_table(rows, ["op", "layout", "routing", "F", "config", "triton_ms", "loop_ms", "dense_ms", "triton_tflops",
                        "dense_tflops", "frac_dense", "frac_peak", "speedup_vs_loop", "check"],
                 title=f"\nexpert GEMMs, bf16, E={rows[0]['E']} R={rows[0]['R']} D={rows[0]['D']}")
     if args.json:

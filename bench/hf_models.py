@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "glm4_moe")
+FAMILIES = ("mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "deepseek_v3", "glm4_moe", "gpt_oss")
 
 # Per size: hidden, heads, kv heads, layers, experts, top-k, expert hidden, vocab.
 SIZES = {
@@ -53,6 +53,10 @@ def config(family: str, size: str = "tiny", **overrides):
                                       qk_nope_head_dim=head // 2, v_head_dim=head, **moe)
         else:
             cfg = tf.Glm4MoeConfig(**moe)
+    elif family == "gpt_oss":
+        cfg = tf.GptOssConfig(intermediate_size=s["ffn"], num_local_experts=s["experts"],
+                              head_dim=s["hidden"] // s["heads"], sliding_window=8,
+                              rope_parameters=dict(rope_type="default", rope_theta=10000.0), **common)
     else:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     for k, v in overrides.items():
@@ -72,6 +76,8 @@ def build(family: str, size: str = "tiny", seed: int = 0, **overrides):
         for name, p in model.named_parameters():
             if name.endswith(("gate.weight", "router.weight")):
                 p.normal_(std=0.5)  # routers are zeros at init in some families: break the ties
+            elif name.endswith(("_bias", "router.bias")) and (".experts." in name or ".router." in name):
+                p.normal_(std=0.1)  # GPT-OSS's expert and router biases start at zero: make them count
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.normal_(std=0.05)

@@ -69,7 +69,10 @@ def _gemm_configs(op: str) -> list:
 # accumulators: on the FMA units (fp32 without TF32), and in dW with TF32 too, whose operands are both
 # MN-major (dy_seg.T, x_seg), which tf32 wgmma cannot read from shared memory. There, sm_90 builds with
 # 128 accumulator registers spill 20-500 bytes per thread, those with 64 at most 20
-# (``python -m bench.compile_check --all-configs``, Triton 3.6 and 3.9).
+# (``python -m bench.compile_check --all-configs``, Triton 3.6 and 3.9). The interleaved gate_up
+# (GPT-OSS's [E, D, 2F] weight: an MN-major operand, and a gate/up split in the epilogue) joins them in
+# fp32 (with TF32 and 128 accumulator registers it spilled 220-240 bytes per thread), and at 4 warps in
+# every dtype (bf16 128 x 64: 253-255 registers, 36 bytes of spills without bias on Triton 3.9).
 _FP32_ACC_REGS = 64
 
 
@@ -106,15 +109,21 @@ def _cuda_smem_bytes(index: int) -> int:
 def _prune_configs(op: str):
     """The autotuner's early_config_prune for one op: :func:`_config_fits` for the input's element
     size and the device's shared memory, at most :data:`_FP32_ACC_REGS` accumulator registers where
-    fp32 operands live in registers (no TF32, or dW), and no tile much larger than the problem (tile
-    rows against the mean rows per expert, tile columns against the output width)."""
+    fp32 operands live in registers (no TF32, dW, the interleaved gate_up) and for the interleaved
+    gate_up at 4 warps, and no tile much larger than the problem (tile rows against the mean rows per
+    expert, tile columns against the output width)."""
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
         x = args["x_ptr"]
         smem = _smem_bytes(x.device)
-        fp32_in_regs = x.element_size() == 4 and (op == "dw" or args.get("INPUT_PRECISION", "ieee") == "ieee")
-        max_acc = _FP32_ACC_REGS if fp32_in_regs else 128
+        interleaved = op == "gate_up" and bool(args.get("INTERLEAVED", False))
+        fp32_in_regs = x.element_size() == 4 and (op == "dw" or args.get("INPUT_PRECISION", "ieee") == "ieee"
+                                                   or interleaved)
+
+        def max_acc(cfg) -> int:
+            return _FP32_ACC_REGS if fp32_in_regs or (interleaved and cfg.num_warps < 8) else 128
+
         if op == "dw":
             out_rows, out_cols = args["N"], args["K"]
         elif op == "gate_up":
@@ -125,7 +134,7 @@ def _prune_configs(op: str):
         max_cols = max(64, triton.next_power_of_2(out_cols))
         kept = [
             cfg for cfg in configs
-            if _config_fits(op, cfg, elt_bytes=x.element_size(), smem_bytes=smem) and _acc_regs(op, cfg) <= max_acc
+            if _config_fits(op, cfg, elt_bytes=x.element_size(), smem_bytes=smem) and _acc_regs(op, cfg) <= max_acc(cfg)
             and _tile_of(op, cfg)[0] <= max_rows and _tile_of(op, cfg)[1] <= max_cols
         ]
         # Never return nothing: the smallest tile with the right reduction step always compiles.

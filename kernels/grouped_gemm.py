@@ -4,15 +4,23 @@ The rows a rank receives are grouped by local expert: segment e is ``offsets[e]:
 ``x_RK``, and expert e's weight is ``w_ENK[e]`` (the Hugging Face layout, out features first). The
 launchers here have the signatures and results of their references in :mod:`lancet_rt.kernels.reference`:
 
-================  ====================================  =========================  =============
-launcher          computes                              reference                  FLOPs
-================  ====================================  =========================  =============
-grouped_mm        y[r] = x[r] @ w[e].T                  grouped_mm_ref             2 R N K
-grouped_mm_dx     dx[r] = dy[r] @ w[e]                  grouped_mm_dx_ref          2 R N K
-grouped_mm_dw     dw[e] = dy_seg.T @ x_seg (0 if empty) grouped_mm_dw_ref          2 R N K
-gate_up_swiglu    gu = x @ w[e].T, h = silu(g) * u      gate_up_swiglu_ref         2 R (2F) D
-swiglu_fwd/_bwd   elementwise SwiGLU and its gradient   swiglu_fwd_ref / _bwd_ref  memory-bound (kernels/swiglu.py)
-================  ====================================  =========================  =============
+================  ======================================  =========================  =============
+launcher          computes                                reference                  FLOPs
+================  ======================================  =========================  =============
+grouped_mm        y[r] = x[r] @ w[e].T (+ b[e])           grouped_mm_ref             2 R N K
+grouped_mm_dx     dx[r] = dy[r] @ w[e]                    grouped_mm_dx_ref          2 R N K
+grouped_mm_dw     dw[e] = dy_seg.T @ x_seg (0 if empty)   grouped_mm_dw_ref          2 R N K
+gate_up_swiglu    gu = x @ w[e].T (+ b[e]), h = act(g, u) gate_up_swiglu_ref         2 R (2F) D
+segment_sum       s[e] = sum of g_seg's rows (0 if empty) segment_sum_ref            memory-bound (kernels/segment_sum.py)
+swiglu_fwd/_bwd   elementwise act and its gradient        swiglu_fwd_ref / _bwd_ref  memory-bound (kernels/swiglu.py)
+================  ======================================  =========================  =============
+
+Expert variants (GPT-OSS's experts are all three): an optional per-expert bias on ``grouped_mm`` and
+``gate_up_swiglu`` (``HAS_BIAS``), the activation ``act`` = "swiglu" (silu(g) * u) or "swiglu_oai"
+(GPT-OSS: (clamp(u, -limit, limit) + 1) * gc * sigmoid(alpha * gc), gc = min(g, limit); ``ACTIVATION``),
+and the gate/up order of gate_up's weight rows, bias and gu: gate first, or ``interleaved`` (gate 2j,
+up 2j + 1; ``INTERLEAVED``). Weights may be any strided view, so GPT-OSS's transposed parameters
+(``gate_up_proj [E, D, 2F]``, ``down_proj [E, F, D]``) pass as their transposes, not copies.
 
 Algorithm
 ---------
@@ -37,6 +45,20 @@ tile (rows F + j) with two fp32 accumulators from the same x tile, so x is read 
 The epilogue rounds both to the output dtype, stores them into gu (columns j and F + j, kept for
 backward), and computes ``h = silu(g) * u`` in fp32 *from the rounded values*, so h is
 ``swiglu_fwd_ref(gu)`` of the stored gu (up to fp32 rounding inside silu) without a second pass over gu.
+A bias is added to both fp32 accumulators before that rounding. *Interleaved* gate/up rows 2j and 2j + 1
+are adjacent, so a program instead loads one [BLOCK_K, 2 BLOCK_N] weight tile per step into one
+[BLOCK_M, 2 BLOCK_N] accumulator (a plain GEMM over gu's columns: with GPT-OSS's [E, D, 2F] weight the
+tile is contiguous along 2F), stores it as gu's interleaved columns, and splits it (reshape to
+[BM, BN, 2], ``tl.split``) into the gate and up tiles of the activation: in sm_90 builds a layout
+conversion through the shared memory the main loop is done with (no more shared memory per block, 16
+more vector shared loads per thread in the bf16 128 x 128 PTX). Two accumulators or one twice as wide
+hold the same registers; the split epilogue needs more (sm_90 builds of the bf16
+128 x 128 tile with bias and "swiglu_oai": 248 registers against the default's 184 on Triton 3.9, 217
+against 182 on 3.6; one block per SM either way, as its 144 KiB of shared memory allow), and fp32
+configs are capped at 64 accumulator registers (:mod:`kernels._gemm_space`).
+
+*Bias gradient* (``segment_sum``, kernels/segment_sum.py): per-expert sums of the output gradient's
+rows, one deterministic launch.
 
 *Weight gradient* (``grouped_mm_dw``). A reduction over each segment's rows, so it is its own launch:
 the grid is E x cdiv(N, BN) x cdiv(K, BK) output tiles (sizes known on the host), experts outermost;
@@ -84,22 +106,20 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from ._expert_checks import (_INTERPRET, _check_activation, _check_bias, _check_device, _check_float, _check_ndim,
+                             _check_offsets, _check_out, _check_same_dtype)
 from ._gemm_space import CONFIG_ENV, _TILE_NAMES, _gemm_configs, _make_config, _pinned_config, _prune_configs, _tile_of
+from .segment_sum import segment_sum  # the bias gradients: in the grouped_gemm op family (lancet_rt.ops)
 
 # ------------------------------------------------------------------------------------------------
-# Environment: read here, and for pinned configs in kernels/_gemm_space.py (CONFIG_ENV).
+# Environment: the interpreter switch in kernels/_expert_checks.py, pinned configs in kernels/_gemm_space.py.
 # ------------------------------------------------------------------------------------------------
-#: Triton decides at definition time whether @triton.jit kernels run in the CPU interpreter.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-_FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # (output tile rows, output tile cols, reduction step, num_warps, num_stages) under the interpreter.
 _INTERPRETER_CONFIG = (16, 32, 32, 4, 1)
 
@@ -128,6 +148,25 @@ def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, acc=acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def _k_loop(acc, x_ptrs, w_ptrs, x_step, w_step, mask_m, offs_k, K,
+            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc + x_tile @ w_tile over the reduction: [BM, BK] x tiles and [BK, BN] w tiles, BLOCK_K per step
+    (rows of x past mask_m and, unless EVEN_K, reduction steps past K read as zeros)."""
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        if EVEN_K:
+            b_x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+            b_w = tl.load(w_ptrs)
+        else:
+            k_left = K - k * BLOCK_K
+            b_x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            b_w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        acc = _dot(b_x, b_w, acc, INPUT_PRECISION, DOT_FP32)
+        x_ptrs += x_step
+        w_ptrs += w_step
+    return acc
 
 
 @triton.jit
@@ -162,6 +201,7 @@ def _grouped_gemm_fwd_kernel(
     # pointers
     x_ptr,  # [R, K] rows grouped by expert
     w_ptr,  # [E, N, K] as seen through (stride_wn, stride_wk): w[e, n, k]
+    b_ptr,  # [E, N] bias (read only with HAS_BIAS)
     y_ptr,  # [R, N] output, x's dtype
     offsets_ptr,  # [E + 1] int32/int64 segment bounds
     # sizes
@@ -170,6 +210,7 @@ def _grouped_gemm_fwd_kernel(
     # strides
     stride_xm, stride_xk,
     stride_we, stride_wn, stride_wk,
+    stride_be, stride_bn,
     stride_ym, stride_yn,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -177,9 +218,10 @@ def _grouped_gemm_fwd_kernel(
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks in the main loop
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" (fp32 inputs only)
     DOT_FP32: tl.constexpr,  # interpreter-only bf16 workaround, see _dot
+    HAS_BIAS: tl.constexpr = False,  # add b[e] to the fp32 accumulator before rounding
     TILE_I64: tl.constexpr = False,  # BLOCK_K x a K stride reaches 2^31: in-tile K offsets, K steps in int64
 ):
-    """y[r, n] = sum_k x[r, k] * w[e(r), n, k], one BLOCK_M x BLOCK_N tile per program."""
+    """y[r, n] = sum_k x[r, k] * w[e(r), n, k] (+ b[e(r), n]), one BLOCK_M x BLOCK_N tile per program."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(R, BLOCK_M) + E - 1  # upper bound on sum_e cdiv(n_e, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -204,36 +246,49 @@ def _grouped_gemm_fwd_kernel(
     w_step = (tl.cast(stride_wk, tl.int64) if TILE_I64 else stride_wk) * BLOCK_K
 
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        if EVEN_K:
-            b_x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-            b_w = tl.load(w_ptrs)
-        else:
-            k_left = K - k * BLOCK_K
-            b_x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            b_w = tl.load(w_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc = _dot(b_x, b_w, acc, INPUT_PRECISION, DOT_FP32)
-        x_ptrs += x_step
-        w_ptrs += w_step
+    acc = _k_loop(acc, x_ptrs, w_ptrs, x_step, w_step, mask_m, offs_k, K,
+                  BLOCK_K, EVEN_K, INPUT_PRECISION, DOT_FP32)
 
+    if HAS_BIAS:
+        b_b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_wn.to(tl.int64) * stride_bn)
+        acc += b_b.to(tl.float32)[None, :]
     y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n.to(tl.int64)[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n[None, :] < N))
+
+
+@triton.jit
+def _glu(g, u, alpha, limit, ACTIVATION: tl.constexpr):
+    """The activation of fp32 gate and up values: "swiglu" silu(g) * u, or "swiglu_oai" (GPT-OSS)
+    (clamp(u, -limit, limit) + 1) * gc * sigmoid(alpha * gc) with gc = min(g, limit). The clamps
+    propagate NaN, as torch.clamp does."""
+    if ACTIVATION == "swiglu_oai":
+        gc = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+        uc = tl.maximum(tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL), -limit,
+                        propagate_nan=tl.PropagateNan.ALL)
+        h = (uc + 1.0) * (gc / (1.0 + tl.exp(-alpha * gc)))
+    else:
+        h = g / (1.0 + tl.exp(-g)) * u
+    return h
 
 
 @triton.jit
 def _gate_up_swiglu_fwd_kernel(
     # pointers
     x_ptr,  # [R, D] rows grouped by expert
-    w_ptr,  # [E, 2F, D] gate rows [0, F), up rows [F, 2F)
-    h_ptr,  # [R, F] output: silu(gate) * up
-    gu_ptr,  # [R, 2F] output: the pre-activation, kept for backward
+    w_ptr,  # [E, 2F, D] gate rows [0, F), up rows [F, 2F); INTERLEAVED: gate rows 2j, up rows 2j + 1
+    b_ptr,  # [E, 2F] bias in w's row order (read only with HAS_BIAS)
+    h_ptr,  # [R, F] output: the activation
+    gu_ptr,  # [R, 2F] output: the pre-activation in w's row order, kept for backward
     offsets_ptr,  # [E + 1] int32/int64 segment bounds
     # sizes
     R, F, D, E,
     M_BUCKET,  # autotune key only
+    # activation constants ("swiglu_oai" only)
+    alpha, limit,
     # strides
     stride_xm, stride_xd,
     stride_we, stride_wf, stride_wd,
+    stride_be, stride_bf,
     stride_hm, stride_hf,
     stride_gm, stride_gf,
     # meta-parameters (BLOCK_N tiles F, BLOCK_K tiles D)
@@ -242,9 +297,13 @@ def _gate_up_swiglu_fwd_kernel(
     EVEN_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    HAS_BIAS: tl.constexpr = False,
+    INTERLEAVED: tl.constexpr = False,  # gate and up alternate along 2F (the GPT-OSS layout)
+    ACTIVATION: tl.constexpr = "swiglu",  # or "swiglu_oai", see _glu
     TILE_I64: tl.constexpr = False,
 ):
-    """gu[:, j] = x @ w[e, j].T, gu[:, F + j] = x @ w[e, F + j].T, h[:, j] = silu(gu[:, j]) * gu[:, F + j]."""
+    """gu = x @ w[e].T (+ b[e]) over one tile of h's columns j and their gate and up columns of gu,
+    h[:, j] = act(gate_j, up_j)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(R, BLOCK_M) + E - 1
     num_pid_n = tl.cdiv(F, BLOCK_N)
@@ -256,49 +315,74 @@ def _gate_up_swiglu_fwd_kernel(
     offs_m = row_start + tl.arange(0, BLOCK_M)
     mask_m = offs_m < row_end
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # columns j of h (and of the gate half of gu)
-    offs_wn = offs_n % F
     offs_k = tl.arange(0, BLOCK_K)
 
     offs_kk = offs_k.to(tl.int64) if TILE_I64 else offs_k
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_kk[None, :] * stride_xd  # [BM, BK]
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_kk[:, None] * stride_wd
-    wg_ptrs = w_ptrs + offs_wn.to(tl.int64)[None, :] * stride_wf  # [BK, BN] gate: rows j
-    wu_ptrs = w_ptrs + (offs_wn + F).to(tl.int64)[None, :] * stride_wf  # [BK, BN] up: rows F + j
     x_step = (tl.cast(stride_xd, tl.int64) if TILE_I64 else stride_xd) * BLOCK_K
     w_step = (tl.cast(stride_wd, tl.int64) if TILE_I64 else stride_wd) * BLOCK_K
-
-    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(D, BLOCK_K)):
-        if EVEN_K:
-            b_x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-            b_wg = tl.load(wg_ptrs)
-            b_wu = tl.load(wu_ptrs)
-        else:
-            k_left = D - k * BLOCK_K
-            b_x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            b_wg = tl.load(wg_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-            b_wu = tl.load(wu_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        acc_g = _dot(b_x, b_wg, acc_g, INPUT_PRECISION, DOT_FP32)
-        acc_u = _dot(b_x, b_wu, acc_u, INPUT_PRECISION, DOT_FP32)
-        x_ptrs += x_step
-        wg_ptrs += w_step
-        wu_ptrs += w_step
-
-    # Epilogue: store gu, then h from the *rounded* gu, so h == swiglu_fwd_ref(gu) bit for bit.
     out_ty = gu_ptr.dtype.element_ty
-    b_g = acc_g.to(out_ty)
-    b_u = acc_u.to(out_ty)
-    mask_out = mask_m[:, None] & (offs_n[None, :] < F)
-    offs_m64 = offs_m.to(tl.int64)
-    offs_n64 = offs_n.to(tl.int64)
-    gu_rows = gu_ptr + offs_m64[:, None] * stride_gm
-    tl.store(gu_rows + offs_n64[None, :] * stride_gf, b_g, mask=mask_out)
-    tl.store(gu_rows + (offs_n64 + F)[None, :] * stride_gf, b_u, mask=mask_out)
-    g = b_g.to(tl.float32)
-    b_h = g / (1.0 + tl.exp(-g)) * b_u.to(tl.float32)
-    h_ptrs = h_ptr + offs_m64[:, None] * stride_hm + offs_n64[None, :] * stride_hf
-    tl.store(h_ptrs, b_h.to(h_ptr.dtype.element_ty), mask=mask_out)
+
+    if INTERLEAVED:
+        # Gate and up of columns j are the adjacent rows 2j, 2j + 1 of w: one [BK, 2 BN] weight tile
+        # and one [BM, 2 BN] accumulator cover both (a plain GEMM over gu's columns), split in the epilogue.
+        offs_c = pid_n * (2 * BLOCK_N) + tl.arange(0, 2 * BLOCK_N)  # columns of gu
+        offs_wc = offs_c % (2 * F)
+        wc_ptrs = w_ptrs + offs_wc.to(tl.int64)[None, :] * stride_wf  # [BK, 2 BN]
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        acc = _k_loop(acc, x_ptrs, wc_ptrs, x_step, w_step, mask_m, offs_k, D,
+                      BLOCK_K, EVEN_K, INPUT_PRECISION, DOT_FP32)
+        if HAS_BIAS:
+            b_b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_wc.to(tl.int64) * stride_bf)
+            acc += b_b.to(tl.float32)[None, :]
+        b_gu = acc.to(out_ty)
+        gu_rows = gu_ptr + offs_m.to(tl.int64)[:, None] * stride_gm
+        tl.store(gu_rows + offs_c.to(tl.int64)[None, :] * stride_gf, b_gu,
+                 mask=mask_m[:, None] & (offs_c[None, :] < 2 * F))
+        g, u = tl.split(tl.reshape(b_gu.to(tl.float32), (BLOCK_M, BLOCK_N, 2)))
+    else:
+        # A program owns columns j of h: the gate tile (weight rows j) and the up tile (rows F + j),
+        # two accumulators fed by the same x tile.
+        offs_wn = offs_n % F
+        wg_ptrs = w_ptrs + offs_wn.to(tl.int64)[None, :] * stride_wf  # [BK, BN] gate: rows j
+        wu_ptrs = w_ptrs + (offs_wn + F).to(tl.int64)[None, :] * stride_wf  # [BK, BN] up: rows F + j
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(D, BLOCK_K)):
+            if EVEN_K:
+                b_x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
+                b_wg = tl.load(wg_ptrs)
+                b_wu = tl.load(wu_ptrs)
+            else:
+                k_left = D - k * BLOCK_K
+                b_x = tl.load(x_ptrs, mask=mask_m[:, None] & (offs_k[None, :] < k_left), other=0.0)
+                b_wg = tl.load(wg_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+                b_wu = tl.load(wu_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            acc_g = _dot(b_x, b_wg, acc_g, INPUT_PRECISION, DOT_FP32)
+            acc_u = _dot(b_x, b_wu, acc_u, INPUT_PRECISION, DOT_FP32)
+            x_ptrs += x_step
+            wg_ptrs += w_step
+            wu_ptrs += w_step
+        if HAS_BIAS:
+            b_rows = b_ptr + expert.to(tl.int64) * stride_be
+            acc_g += tl.load(b_rows + offs_wn.to(tl.int64) * stride_bf).to(tl.float32)[None, :]
+            acc_u += tl.load(b_rows + (offs_wn + F).to(tl.int64) * stride_bf).to(tl.float32)[None, :]
+        # Epilogue: store gu, then h from the *rounded* gu, so h == swiglu_fwd_ref(gu) bit for bit.
+        b_g = acc_g.to(out_ty)
+        b_u = acc_u.to(out_ty)
+        mask_out = mask_m[:, None] & (offs_n[None, :] < F)
+        offs_n64 = offs_n.to(tl.int64)
+        gu_rows = gu_ptr + offs_m.to(tl.int64)[:, None] * stride_gm
+        tl.store(gu_rows + offs_n64[None, :] * stride_gf, b_g, mask=mask_out)
+        tl.store(gu_rows + (offs_n64 + F)[None, :] * stride_gf, b_u, mask=mask_out)
+        g = b_g.to(tl.float32)
+        u = b_u.to(tl.float32)
+
+    # h from the rounded gu (both branches), so h is swiglu_fwd_ref(gu) of the stored gu.
+    b_h = _glu(g, u, alpha, limit, ACTIVATION)
+    h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n.to(tl.int64)[None, :] * stride_hf
+    tl.store(h_ptrs, b_h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n[None, :] < F))
 
 
 @triton.jit
@@ -386,7 +470,8 @@ _DW = triton.heuristics({"TILE_I64": _tile_i64("BLOCK_M", "stride_dym", "stride_
 @functools.lru_cache(maxsize=None)
 def _autotuned(op: str):
     kernel = {"fwd": _FWD, "dx": _FWD, "gate_up": _GATE_UP, "dw": _DW}[op]
-    keys = {"gate_up": ["F", "D", "E", "M_BUCKET"]}.get(op, ["N", "K", "E", "M_BUCKET"])
+    # The gate_up key holds the weight layout: interleaved loads one [BK, 2 BN] tile, not two [BK, BN].
+    keys = {"gate_up": ["F", "D", "E", "M_BUCKET", "INTERLEAVED"]}.get(op, ["N", "K", "E", "M_BUCKET"])
     # Keep tuned choices on disk across processes where this Triton supports it (3.2+).
     extra = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
     # One autotuner per op (fwd and dx share a kernel but not a cache: their strides differ).
@@ -423,57 +508,6 @@ def selected_config(op: str) -> Optional[str]:
     return None if cfg is None else ",".join(map(str, cfg))
 
 
-# ================================================================================================
-# Validation helpers
-# ================================================================================================
-def _check_float(name: str, t) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPES:
-        raise TypeError(f"{name} must be bfloat16, float16 or float32, got {t.dtype}")
-
-
-def _check_ndim(name: str, t: torch.Tensor, ndim: int, letters: Sequence[str]) -> None:
-    if t.dim() != ndim:
-        raise ValueError(f"{name} must be {ndim}-D [{', '.join(letters)}], got shape {tuple(t.shape)}")
-
-
-def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
-    if t.device != device:
-        raise ValueError(f"{name} must be on {device} like the other inputs, got {t.device}")
-    if device.type != "cuda" and not _INTERPRET:
-        raise ValueError(f"{name} is on {device}: the Triton kernels need CUDA tensors "
-                         f"(or TRITON_INTERPRET=1 set before kernels are imported)")
-
-
-def _check_same_dtype(name: str, t: torch.Tensor, dtype: torch.dtype, other: str) -> None:
-    if t.dtype != dtype:
-        raise TypeError(f"{name} must have the dtype of {other} ({dtype}), got {t.dtype}")
-
-
-def _check_offsets(offsets: torch.Tensor, E: int, R: int, device: torch.device) -> None:
-    if not isinstance(offsets, torch.Tensor):
-        raise TypeError(f"offsets_E1 must be a torch.Tensor, got {type(offsets).__name__}")
-    if offsets.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"offsets_E1 must be int32 or int64, got {offsets.dtype}")
-    if offsets.shape != (E + 1,):
-        raise ValueError(f"offsets_E1 must have shape [E + 1] = [{E + 1}], got {tuple(offsets.shape)}")
-    if E == 0 and R > 0:
-        raise ValueError(f"no experts (E = 0) but {R} rows")
-    _check_device("offsets_E1", offsets, device)
-
-
-def _check_out(out, shape: tuple, dtype: torch.dtype, device: torch.device, name: str = "out") -> torch.Tensor:
-    if out is None:
-        return torch.empty(shape, dtype=dtype, device=device)
-    if not isinstance(out, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
-    if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
-        raise ValueError(f"{name} must be a {dtype} tensor of shape {list(shape)} on {device}, "
-                         f"got {out.dtype} {list(out.shape)} on {out.device}")
-    return out
-
-
 def _m_bucket(R: int, E: int) -> int:
     """Autotune key from the row count: a power of two of the mean rows per expert, in [16, 4096]."""
     return min(4096, max(16, triton.next_power_of_2(max(1, -(-R // max(E, 1))))))
@@ -489,34 +523,40 @@ def _dot_meta(dtype: torch.dtype, allow_tf32: bool) -> dict:
 # Launchers
 # ================================================================================================
 def _grouped_mm(op: str, x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor,
-                out: Optional[torch.Tensor], allow_tf32: bool) -> torch.Tensor:
-    """y[r] = x[r] @ w[e].T over segments; w is any [E, N, K] view (dx passes w[e].T)."""
+                out: Optional[torch.Tensor], allow_tf32: bool, bias_EN: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y[r] = x[r] @ w[e].T (+ bias[e]) over segments; w is any [E, N, K] view (dx passes w[e].T)."""
     R, K = x_RK.shape
     E, N, _ = w_ENK.shape
     y = _check_out(out, (R, N), x_RK.dtype, x_RK.device)
     if R == 0 or N == 0:
         return y
-    if K == 0:
+    if K == 0 and bias_EN is None:
         return y.zero_()
     grid = lambda META: ((triton.cdiv(R, META["BLOCK_M"]) + E - 1) * triton.cdiv(N, META["BLOCK_N"]),)  # noqa: E731
-    args = (x_RK, w_ENK, y, offsets_E1, R, N, K, E, _m_bucket(R, E),
+    b, b_strides = (w_ENK, (0, 0)) if bias_EN is None else (bias_EN, bias_EN.stride())  # unread without bias
+    args = (x_RK, w_ENK, b, y, offsets_E1, R, N, K, E, _m_bucket(R, E),
             x_RK.stride(0), x_RK.stride(1),
             w_ENK.stride(0), w_ENK.stride(1), w_ENK.stride(2),
+            *b_strides,
             y.stride(0), y.stride(1))
     _launch_gemm(op, grid, args, x_RK.device, BLOCK_E=max(16, triton.next_power_of_2(E)),
-                 **_dot_meta(x_RK.dtype, allow_tf32))
+                 HAS_BIAS=bias_EN is not None, **_dot_meta(x_RK.dtype, allow_tf32))
     return y
 
 
-def grouped_mm(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor, *,
+def grouped_mm(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor,
+               bias_EN: Optional[torch.Tensor] = None, *,
                out: Optional[torch.Tensor] = None, allow_tf32: bool = False) -> torch.Tensor:
-    """y[r] = x[r] @ w[e].T for the rows r of segment e = offsets[e]:offsets[e+1]; one launch.
+    """y[r] = x[r] @ w[e].T (+ bias[e]) for the rows r of segment e = offsets[e]:offsets[e+1]; one launch.
 
     Args:
         x_RK: [R, K] bf16/fp16/fp32 rows grouped by local expert (any strides).
-        w_ENK: [E, N, K] weights, x's dtype (the Hugging Face layout: out features first).
+        w_ENK: [E, N, K] weights, x's dtype (the Hugging Face layout: out features first; any
+            strides, so GPT-OSS's [E, K, N] parameter passes as its transpose view).
         offsets_E1: int32/int64 [E + 1] segment bounds on x's device, offsets[0] = 0,
             offsets[E] = R, non-decreasing (not checked: that would synchronise).
+        bias_EN: optional [E, N] per-expert bias in x's dtype, added to the fp32 accumulator
+            before the one rounding to x's dtype.
         out: optional [R, N] output buffer in x's dtype.
         allow_tf32: fp32 inputs only: use TF32 tensor cores (about 1e-3 relative error).
 
@@ -534,7 +574,8 @@ def grouped_mm(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor
         raise ValueError(f"w_ENK must be [E, N, K] with K = x_RK.shape[1] = {x_RK.shape[1]}, "
                          f"got shape {tuple(w_ENK.shape)}")
     _check_offsets(offsets_E1, w_ENK.shape[0], x_RK.shape[0], x_RK.device)
-    return _grouped_mm("fwd", x_RK, w_ENK, offsets_E1, out, allow_tf32)
+    _check_bias("bias_EN", bias_EN, w_ENK.shape[:2], x_RK.dtype, x_RK.device, "x_RK")
+    return _grouped_mm("fwd", x_RK, w_ENK, offsets_E1, out, allow_tf32, bias_EN)
 
 
 def grouped_mm_dx(dy_RN: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor, *,
@@ -607,20 +648,30 @@ def grouped_mm_dw(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets_E1: torch.Ten
     return dw
 
 
-def gate_up_swiglu(x_RD: torch.Tensor, w_E2FD: torch.Tensor, offsets_E1: torch.Tensor, *,
+def gate_up_swiglu(x_RD: torch.Tensor, w_E2FD: torch.Tensor, offsets_E1: torch.Tensor,
+                   bias_E2F: Optional[torch.Tensor] = None, *, activation: str = "swiglu",
+                   interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0,
                    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
                    allow_tf32: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The expert input projection with SwiGLU fused into its epilogue.
+    """The expert input projection with its activation fused into the epilogue.
 
     Args:
         x_RD: [R, D] rows grouped by local expert.
-        w_E2FD: [E, 2F, D] ``experts.gate_up_proj`` (gate rows first), x's dtype.
+        w_E2FD: [E, 2F, D] x's dtype, any strides: ``experts.gate_up_proj`` (gate rows first), or
+            with ``interleaved`` gate rows 2j and up rows 2j + 1 (GPT-OSS's ``gate_up_proj`` [E, D, 2F]
+            passes as its transpose view, no copy).
         offsets_E1: int32/int64 [E + 1] segment bounds (as in :func:`grouped_mm`).
+        bias_E2F: optional [E, 2F] bias in w's row order, x's dtype, added before the rounding.
+        activation: "swiglu": h = silu(gate) * up; "swiglu_oai" (GPT-OSS): with g = min(gate, limit)
+            and u = clamp(up, -limit, limit), h = (u + 1) * g * sigmoid(alpha * g).
+        interleaved: w's rows, the bias and gu alternate gate and up (GPT-OSS) instead of gate first.
+        alpha, limit: the "swiglu_oai" constants (GPT-OSS's ``swiglu_alpha``, ``swiglu_limit``).
         out: optional (h [R, F], gu [R, 2F]) output buffers in x's dtype.
         allow_tf32: fp32 inputs only: use TF32 tensor cores.
 
     Returns:
-        (h_RF, gu_R2F): h = silu(gu[:, :F]) * gu[:, F:], and gu = grouped_mm(x, w) kept for backward.
+        (h_RF, gu_R2F): gu = grouped_mm(x, w, bias), kept for backward (in w's row order), and
+        h = swiglu_fwd(gu) of that gu, as rounded to x's dtype.
     """
     _check_float("x_RD", x_RD)
     _check_float("w_E2FD", w_E2FD)
@@ -629,12 +680,14 @@ def gate_up_swiglu(x_RD: torch.Tensor, w_E2FD: torch.Tensor, offsets_E1: torch.T
     _check_same_dtype("w_E2FD", w_E2FD, x_RD.dtype, "x_RD")
     _check_device("x_RD", x_RD, x_RD.device)
     _check_device("w_E2FD", w_E2FD, x_RD.device)
+    _check_activation(activation, alpha, limit)
     E, F2, D = w_E2FD.shape
     R = x_RD.shape[0]
     if D != x_RD.shape[1] or F2 % 2:
         raise ValueError(f"w_E2FD must be [E, 2F, D] with D = x_RD.shape[1] = {x_RD.shape[1]} and an even "
                          f"second dim, got shape {tuple(w_E2FD.shape)}")
     _check_offsets(offsets_E1, E, R, x_RD.device)
+    _check_bias("bias_E2F", bias_E2F, (E, F2), x_RD.dtype, x_RD.device, "x_RD")
     F = F2 // 2
     if out is None:
         out = (None, None)
@@ -644,17 +697,21 @@ def gate_up_swiglu(x_RD: torch.Tensor, w_E2FD: torch.Tensor, offsets_E1: torch.T
     gu = _check_out(out[1], (R, F2), x_RD.dtype, x_RD.device, "out[1] (gu_R2F)")
     if R == 0 or F == 0:
         return h, gu
-    if D == 0:
+    if D == 0 and bias_E2F is None:  # gu = 0, and both activations map (0, 0) to 0
         return h.zero_(), gu.zero_()
     grid = lambda META: ((triton.cdiv(R, META["BLOCK_M"]) + E - 1) * triton.cdiv(F, META["BLOCK_N"]),)  # noqa: E731
-    args = (x_RD, w_E2FD, h, gu, offsets_E1, R, F, D, E, _m_bucket(R, E),
+    b, b_strides = (w_E2FD, (0, 0)) if bias_E2F is None else (bias_E2F, bias_E2F.stride())  # unread without bias
+    args = (x_RD, w_E2FD, b, h, gu, offsets_E1, R, F, D, E, _m_bucket(R, E), float(alpha), float(limit),
             x_RD.stride(0), x_RD.stride(1),
             w_E2FD.stride(0), w_E2FD.stride(1), w_E2FD.stride(2),
+            *b_strides,
             h.stride(0), h.stride(1),
             gu.stride(0), gu.stride(1))
     _launch_gemm("gate_up", grid, args, x_RD.device, BLOCK_E=max(16, triton.next_power_of_2(E)),
+                 HAS_BIAS=bias_E2F is not None, INTERLEAVED=bool(interleaved), ACTIVATION=activation,
                  **_dot_meta(x_RD.dtype, allow_tf32))
     return h, gu
 
 
-__all__ = ["grouped_mm", "grouped_mm_dx", "grouped_mm_dw", "gate_up_swiglu", "selected_config", "CONFIG_ENV"]
+__all__ = ["grouped_mm", "grouped_mm_dx", "grouped_mm_dw", "gate_up_swiglu", "segment_sum", "selected_config",
+           "CONFIG_ENV"]

@@ -337,13 +337,38 @@ def _bounds(offsets_E1: torch.Tensor):
     return offsets_E1.tolist()  # host sync: fine for a reference
 
 
-def grouped_mm_ref(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
-    """y[r] = x[r] @ w[e].T for the rows r of segment e = offsets[e]:offsets[e+1].
+#: The experts' activations: "swiglu" is silu(gate) * up (Mixtral, Qwen, DeepSeek); "swiglu_oai" is
+#: GPT-OSS's clamped variant, (clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with g = min(gate, limit).
+ACTIVATIONS = ("swiglu", "swiglu_oai")
+
+
+def _split_gu(gu_R2F: torch.Tensor, interleaved: bool):
+    """(gate, up) of a pre-activation: gate columns first, or interleaved (gate 2j, up 2j + 1)."""
+    if interleaved:
+        return gu_R2F[:, 0::2], gu_R2F[:, 1::2]
+    return gu_R2F.chunk(2, dim=-1)
+
+
+def _join_gu(g_RF: torch.Tensor, u_RF: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    if interleaved:
+        return torch.stack([g_RF, u_RF], dim=-1).flatten(-2)
+    return torch.cat([g_RF, u_RF], dim=-1)
+
+
+def _check_activation(activation: str) -> None:
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+
+
+def grouped_mm_ref(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor,
+                   bias_EN: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """y[r] = x[r] @ w[e].T (+ bias[e]) for the rows r of segment e = offsets[e]:offsets[e+1].
 
     Args:
         x_RK: [R, K] rows grouped by local expert.
         w_ENK: [E, N, K] weights (the Hugging Face expert layout: out features first).
         offsets_E1: integer [E + 1] segment bounds, offsets[0] = 0, offsets[E] = R.
+        bias_EN: optional [E, N] per-expert bias.
 
     Returns:
         y_RN [R, N] in x's dtype.
@@ -351,7 +376,8 @@ def grouped_mm_ref(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Te
     b = _bounds(offsets_E1)
     y = x_RK.new_empty(x_RK.shape[0], w_ENK.shape[1])
     for e in range(w_ENK.shape[0]):
-        y[b[e] : b[e + 1]] = x_RK[b[e] : b[e + 1]] @ w_ENK[e].t()
+        y_e = x_RK[b[e] : b[e + 1]] @ w_ENK[e].t()
+        y[b[e] : b[e + 1]] = y_e if bias_EN is None else y_e + bias_EN[e]
     return y
 
 
@@ -379,27 +405,80 @@ def grouped_mm_dw_ref(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets_E1: torch
     return dw
 
 
-def swiglu_fwd_ref(gu_R2F: torch.Tensor) -> torch.Tensor:
-    """h = silu(gate) * up with gate = gu[:, :F], up = gu[:, F:], computed in float32."""
-    g, u = gu_R2F.to(_acc(gu_R2F)).chunk(2, dim=-1)
-    return (F.silu(g) * u).to(gu_R2F.dtype)
+def segment_sum_ref(g_RN: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
+    """s[e] = sum of the rows of segment e (zeros for an empty one), accumulated in float32: the
+    gradient of a per-expert bias from its output's gradient.
+
+    Returns:
+        s_EN [E, N] in g's dtype.
+    """
+    b = _bounds(offsets_E1)
+    E = len(b) - 1
+    s = torch.zeros(E, g_RN.shape[1], dtype=_acc(g_RN), device=g_RN.device)
+    for e in range(E):
+        s[e] = g_RN[b[e] : b[e + 1]].to(s.dtype).sum(dim=0)
+    return s.to(g_RN.dtype)
 
 
-def swiglu_bwd_ref(gu_R2F: torch.Tensor, grad_h_RF: torch.Tensor) -> torch.Tensor:
-    """Gradient of :func:`swiglu_fwd_ref` with respect to gu, in gu's dtype."""
-    g, u = gu_R2F.to(_acc(gu_R2F)).chunk(2, dim=-1)
+def swiglu_fwd_ref(gu_R2F: torch.Tensor, *, activation: str = "swiglu", interleaved: bool = False,
+                   alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """The experts' activation of the pre-activation gu, computed in float32.
+
+    Args:
+        gu_R2F: [R, 2F] pre-activation: gate columns first, or interleaved (gate 2j, up 2j + 1).
+        activation: "swiglu": silu(gate) * up; "swiglu_oai" (GPT-OSS): with g = min(gate, limit)
+            and u = clamp(up, -limit, limit), (u + 1) * g * sigmoid(alpha * g).
+        interleaved: the column order of gu.
+        alpha, limit: the "swiglu_oai" constants (ignored by "swiglu").
+
+    Returns:
+        h_RF [R, F] in gu's dtype.
+    """
+    _check_activation(activation)
+    g, u = _split_gu(gu_R2F.to(_acc(gu_R2F)), interleaved)
+    if activation == "swiglu":
+        return (F.silu(g) * u).to(gu_R2F.dtype)
+    g = g.clamp(max=limit)
+    u = u.clamp(min=-limit, max=limit)
+    return ((u + 1) * (g * torch.sigmoid(alpha * g))).to(gu_R2F.dtype)
+
+
+def swiglu_bwd_ref(gu_R2F: torch.Tensor, grad_h_RF: torch.Tensor, *, activation: str = "swiglu",
+                   interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+    """Gradient of :func:`swiglu_fwd_ref` with respect to gu, in gu's dtype and column order.
+
+    For "swiglu_oai" the clamps pass the gradient where torch.clamp's does (gate <= limit,
+    -limit <= up <= limit: bounds included) and give zero elsewhere.
+    """
+    _check_activation(activation)
+    g, u = _split_gu(gu_R2F.to(_acc(gu_R2F)), interleaved)
     dh = grad_h_RF.to(g.dtype)
-    sig = torch.sigmoid(g)
-    dg = dh * u * sig * (1 + g * (1 - sig))
-    du = dh * g * sig
-    return torch.cat([dg, du], dim=-1).to(gu_R2F.dtype)
+    if activation == "swiglu":
+        sig = torch.sigmoid(g)
+        dg = dh * u * sig * (1 + g * (1 - sig))
+        du = dh * g * sig
+    else:
+        gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+        sig = torch.sigmoid(alpha * gc)
+        dg = torch.where(g <= limit, dh * (uc + 1) * sig * (1 + alpha * gc * (1 - sig)), 0.0)
+        du = torch.where((u >= -limit) & (u <= limit), dh * gc * sig, 0.0)
+    return _join_gu(dg, du, interleaved).to(gu_R2F.dtype)
 
 
-def gate_up_swiglu_ref(x_RD: torch.Tensor, w_E2FD: torch.Tensor, offsets_E1: torch.Tensor):
-    """The expert input projection with its activation: gu = grouped_mm(x, w), h = swiglu(gu).
+def gate_up_swiglu_ref(x_RD: torch.Tensor, w_E2FD: torch.Tensor, offsets_E1: torch.Tensor,
+                       bias_E2F: Optional[torch.Tensor] = None, *, activation: str = "swiglu",
+                       interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0):
+    """The expert input projection with its activation: gu = grouped_mm(x, w, bias), h = act(gu).
+
+    Args:
+        x_RD: [R, D] rows grouped by local expert.
+        w_E2FD: [E, 2F, D] weights (any strides); rows in gu's column order (``interleaved``).
+        offsets_E1: integer [E + 1] segment bounds.
+        bias_E2F: optional [E, 2F] bias, in the same order.
+        activation, interleaved, alpha, limit: as in :func:`swiglu_fwd_ref`.
 
     Returns:
         (h_RF, gu_R2F): the activation and the pre-activation kept for backward.
     """
-    gu = grouped_mm_ref(x_RD, w_E2FD, offsets_E1)
-    return swiglu_fwd_ref(gu), gu
+    gu = grouped_mm_ref(x_RD, w_E2FD, offsets_E1, bias_E2F)
+    return swiglu_fwd_ref(gu, activation=activation, interleaved=interleaved, alpha=alpha, limit=limit), gu

@@ -1,33 +1,70 @@
-"""The local experts: SwiGLU FFNs in the Hugging Face layout, computed as grouped GEMMs.
+"""The local experts: gated FFNs in a Hugging Face layout, computed as grouped GEMMs.
 
-``gate_up_proj [E_local, 2F, D]`` (gate rows first) and ``down_proj [E_local, D, F]``; expert e
-computes ``down(silu(gate x) * up x)``. One launch per projection covers all local experts'
-variable-size row segments; the weight gradients are separate launches the overlap runtime may
-defer into the backward all-to-alls.
+Two parameter layouts, each under its Hugging Face names and shapes (so a state_dict loads as is):
+
+* ``layout="lancet"`` (Mixtral, Qwen-MoE, DeepSeek-MoE): ``gate_up_proj [E_local, 2F, D]`` (gate rows
+  first), ``down_proj [E_local, D, F]``; expert e computes ``down(silu(gate x) * up x)``.
+* ``layout="gpt_oss"`` (``transformers``' ``GptOssExperts``): ``gate_up_proj [E_local, D, 2F]`` with gate
+  and up interleaved along 2F (gate columns 0, 2, ..., up 1, 3, ...), ``gate_up_proj_bias [E_local, 2F]``
+  (interleaved likewise), ``down_proj [E_local, F, D]``, ``down_proj_bias [E_local, D]``, and the
+  clamped activation "swiglu_oai".
+
+The kernels see both layouts as strided views, never copies: GPT-OSS's weights are the transposes of
+``[E, 2F, D]`` and ``[E, D, F]``; its interleaved gate/up rows are read by the fused gate_up kernel as
+one contiguous tile per step (``interleaved=True``), and the pre-activation it saves for backward keeps
+that column order, so dX is an ordinary grouped GEMM over the same view and dW comes out in the
+parameter's own layout (``grouped_mm_dw(x, dgu)`` is ``[E, D, 2F]``). One launch per projection covers
+all local experts' variable-size row segments; the weight and bias gradients (grouped dW GEMMs and
+per-expert segment sums) are separate launches the overlap runtime may defer into the backward
+all-to-alls.
 """
 from __future__ import annotations
 
 import math
+from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
 
 from . import scope as _scope, trace as _trace, wgrad
+from .kernels.reference import ACTIVATIONS
+
+#: Parameter layouts (module docstring).
+LAYOUTS = ("lancet", "gpt_oss")
+
+
+class _Spec(NamedTuple):
+    """How the experts call the kernels: the activation's arguments and whether the parameters are
+    stored transposed ([E, D, 2F] / [E, F, D], GPT-OSS) with interleaved gate/up."""
+
+    activation: str
+    alpha: float
+    limit: float
+    gpt_oss: bool
+
+    def act(self) -> dict:
+        return dict(activation=self.activation, interleaved=self.gpt_oss, alpha=self.alpha, limit=self.limit)
 
 
 class _ExpertsFn(torch.autograd.Function):
     """Rows in the received (rank-major) order in and out; expert-major inside for the GEMMs."""
 
     @staticmethod
-    def forward(ctx, x_in, gate_up_E2FD, down_EDF, offsets_E1, ops, to_expert, to_rank, link, probe, params):
+    def forward(ctx, x_in, gate_up, down, gate_up_bias, down_bias, offsets_E1, ops, spec, to_expert, to_rank, link,
+                probe, params):
         x_RD = x_in if to_expert is None else x_in.index_select(0, to_expert)
-        h_RF, gu_R2F = ops.gate_up_swiglu(x_RD, gate_up_E2FD, offsets_E1)
-        y_RD = ops.grouped_mm(h_RF, down_EDF, offsets_E1)
-        ctx.perms, ctx.link = (to_expert, to_rank), link
-        ctx.save_for_backward(x_RD, gu_R2F, h_RF, gate_up_E2FD, down_EDF, offsets_E1)
+        # The kernels' views: [E, 2F, D] and [E, D, F] (GPT-OSS: transposes of its parameters).
+        w_E2FD = gate_up.transpose(1, 2) if spec.gpt_oss else gate_up
+        w_EDF = down.transpose(1, 2) if spec.gpt_oss else down
+        h_RF, gu_R2F = ops.gate_up_swiglu(x_RD, w_E2FD, offsets_E1, gate_up_bias, **spec.act())
+        y_RD = ops.grouped_mm(h_RF, w_EDF, offsets_E1, down_bias)
+        ctx.perms, ctx.link, ctx.spec = (to_expert, to_rank), link, spec
+        ctx.save_for_backward(x_RD, gu_R2F, h_RF, gate_up, down, offsets_E1)
+        ctx.has_bias = (gate_up_bias is not None, down_bias is not None)
         ctx.ops = ops
-        # Deferring (a dW queue is active), the weights come detached and dW reaches ``params`` (the
-        # Parameters) through the queue; ``probe`` tells backward whether the engine accumulates.
+        # Deferring (a dW queue is active), the parameters come detached and their gradients reach
+        # ``params`` (the Parameters) through the queue; ``probe`` tells backward whether the engine
+        # accumulates.
         ctx.params, ctx.probe = params, probe
         ctx.wgrad = wgrad.current() if params is not None else None
         ctx.chunk = _scope.current().chunk if _scope.current() is not None else None
@@ -40,33 +77,51 @@ class _ExpertsFn(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dy_out):
-        x_RD, gu_R2F, h_RF, gate_up_E2FD, down_EDF, offsets_E1 = ctx.saved_tensors
-        ops = ctx.ops
+        x_RD, gu_R2F, h_RF, gate_up, down, offsets_E1 = ctx.saved_tensors
+        ops, spec = ctx.ops, ctx.spec
+        w_E2FD = gate_up.transpose(1, 2) if spec.gpt_oss else gate_up
+        w_EDF = down.transpose(1, 2) if spec.gpt_oss else down
         to_expert, to_rank = ctx.perms
         dy_RD = dy_out.contiguous() if to_expert is None else dy_out.index_select(0, to_expert)
-        dh_RF = ops.grouped_mm_dx(dy_RD, down_EDF, offsets_E1)
-        dgu_R2F = ops.swiglu_bwd(gu_R2F, dh_RF)
-        dx_RD = ops.grouped_mm_dx(dgu_R2F, gate_up_E2FD, offsets_E1)
+        dh_RF = ops.grouped_mm_dx(dy_RD, w_EDF, offsets_E1)
+        dgu_R2F = ops.swiglu_bwd(gu_R2F, dh_RF, **spec.act())
+        dx_RD = ops.grouped_mm_dx(dgu_R2F, w_E2FD, offsets_E1)
         dx_in = dx_RD if to_rank is None else dx_RD.index_select(0, to_rank)
         if ctx.link is not None:
             ctx.link.issue(dx_in)  # the dispatch's backward all-to-all starts now
-        none = (None,) * 7
+        none = (None,) * 8
 
-        def weight_grads():
-            return (ops.grouped_mm_dw(dgu_R2F, x_RD, offsets_E1),
-                    ops.grouped_mm_dw(dy_RD, h_RF, offsets_E1))
+        def param_grads(needs):
+            """Gradients of (gate_up, down, gate_up_bias, down_bias), each None where not needed. In the
+            GPT-OSS layout the dW GEMMs take their operands swapped, so they write the parameters' own
+            [E, D, 2F] and [E, F, D] layouts."""
+            if spec.gpt_oss:
+                dgate_up = ops.grouped_mm_dw(x_RD, dgu_R2F, offsets_E1) if needs[0] else None
+                ddown = ops.grouped_mm_dw(h_RF, dy_RD, offsets_E1) if needs[1] else None
+            else:
+                dgate_up = ops.grouped_mm_dw(dgu_R2F, x_RD, offsets_E1) if needs[0] else None
+                ddown = ops.grouped_mm_dw(dy_RD, h_RF, offsets_E1) if needs[1] else None
+            dgate_up_bias = ops.segment_sum(dgu_R2F, offsets_E1) if needs[2] else None
+            ddown_bias = ops.segment_sum(dy_RD, offsets_E1) if needs[3] else None
+            return dgate_up, ddown, dgate_up_bias, ddown_bias
 
         if ctx.wgrad is not None:
-            needs = tuple(p.requires_grad for p in ctx.params)
-            if any(needs) and wgrad.accumulating(ctx.probe):
+            # params: (gate_up, down) then the biases the module has, in that order.
+            present = (True, True) + ctx.has_bias
+            it = iter(p.requires_grad for p in ctx.params)
+            needs_all = tuple(next(it) if has else False for has in present)
+            if any(needs_all) and wgrad.accumulating(ctx.probe):
                 flops = 3 * x_RD.shape[0] * gu_R2F.shape[1] * x_RD.shape[1]  # 2RD(2F) + 2RDF
+
+                def weight_grads():
+                    grads = param_grads(needs_all)
+                    return tuple(g for g, has in zip(grads, present) if has)
+
+                needs = tuple(n for n, has in zip(needs_all, present) if has)
                 ctx.wgrad.push(ctx.params, needs, weight_grads, flops)
-            return (dx_in, None, None) + none
-        needs = ctx.needs_input_grad[1:3]
-        if not any(needs):
-            return (dx_in, None, None) + none
-        dgu, ddown = weight_grads()
-        return (dx_in, dgu if needs[0] else None, ddown if needs[1] else None) + none
+            return (dx_in, None, None, None, None) + none
+        needs = ctx.needs_input_grad[1:5]
+        return (dx_in, *param_grads(needs)) + none
 
 
 def _as(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -76,32 +131,83 @@ def _as(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 class Experts(nn.Module):
-    """``E_local`` SwiGLU experts in the Hugging Face layout.
+    """``E_local`` gated experts in a Hugging Face layout (module docstring).
 
     Args:
         num_local_experts: E_local.
         d_model: D.
         d_ffn: F.
-        init_std: standard deviation of the normal initialisation.
+        activation: "swiglu" (silu(gate) * up) or "swiglu_oai" (GPT-OSS: with g = min(gate, limit) and
+            u = clamp(up, -limit, limit), (u + 1) * g * sigmoid(alpha * g)). None: the layout's own
+            ("swiglu" for "lancet", "swiglu_oai" for "gpt_oss").
+        bias: biases on both projections (added in the GEMM epilogues). None: the layout's own
+            (False for "lancet", True for "gpt_oss").
+        alpha, limit: the "swiglu_oai" constants (GPT-OSS's config ``swiglu_alpha``, ``swiglu_limit``).
+        layout: "lancet" or "gpt_oss": the parameters' names, shapes and gate/up order.
+        init_std: standard deviation of the weights' normal initialisation (biases start at zero).
 
-    Attributes:
-        gate_up_proj: [E_local, 2F, D], gate rows first.
-        down_proj: [E_local, D, F].
+    Attributes (shapes for "lancet" / "gpt_oss"):
+        gate_up_proj: [E_local, 2F, D] gate rows first / [E_local, D, 2F] gate and up interleaved.
+        down_proj: [E_local, D, F] / [E_local, F, D].
+        gate_up_proj_bias: [E_local, 2F] in gate_up_proj's gate/up order, or None without bias.
+        down_proj_bias: [E_local, D], or None without bias.
     """
 
-    def __init__(self, num_local_experts: int, d_model: int, d_ffn: int, *, init_std: float = 0.02,
-                 device=None, dtype=None):
+    def __init__(self, num_local_experts: int, d_model: int, d_ffn: int, *, activation: Optional[str] = None,
+                 bias: Optional[bool] = None, alpha: float = 1.702, limit: float = 7.0, layout: str = "lancet",
+                 init_std: float = 0.02, device=None, dtype=None):
         super().__init__()
+        for name, value in (("num_local_experts", num_local_experts), ("d_model", d_model), ("d_ffn", d_ffn)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+        gpt_oss = layout == "gpt_oss"
+        activation = ("swiglu_oai" if gpt_oss else "swiglu") if activation is None else activation
+        bias = gpt_oss if bias is None else bias
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be a bool or None, got {type(bias).__name__}")
+        for name, value in (("alpha", alpha), ("limit", limit)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a finite float, got {value!r}")
+        if not limit > 0:
+            raise ValueError(f"limit must be > 0, got {limit}")
         factory = dict(device=device, dtype=dtype)
-        self.num_local_experts, self.d_model, self.d_ffn = num_local_experts, d_model, d_ffn
-        self.gate_up_proj = nn.Parameter(torch.empty(num_local_experts, 2 * d_ffn, d_model, **factory))
-        self.down_proj = nn.Parameter(torch.empty(num_local_experts, d_model, d_ffn, **factory))
+        E, D, F = num_local_experts, d_model, d_ffn
+        self.num_local_experts, self.d_model, self.d_ffn = E, D, F
+        self.layout, self.activation, self.alpha, self.limit = layout, activation, float(alpha), float(limit)
+        self._spec = _Spec(activation, float(alpha), float(limit), gpt_oss)
+        self.gate_up_proj = nn.Parameter(torch.empty(*((E, D, 2 * F) if gpt_oss else (E, 2 * F, D)), **factory))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * F, **factory)) if bias else None
+        self.down_proj = nn.Parameter(torch.empty(*((E, F, D) if gpt_oss else (E, D, F)), **factory))
+        self.down_proj_bias = nn.Parameter(torch.empty(E, D, **factory)) if bias else None
         self.init_std = init_std
         self.reset_parameters()
+
+    @classmethod
+    def from_gpt_oss_config(cls, config, *, num_local_experts: Optional[int] = None, device=None,
+                            dtype=None) -> "Experts":
+        """GPT-OSS's experts from a ``transformers`` ``GptOssConfig`` (read: ``hidden_size``,
+        ``intermediate_size``, ``num_local_experts``, ``swiglu_alpha``, ``swiglu_limit``,
+        ``initializer_range``); ``num_local_experts`` overrides the config's (expert parallelism)."""
+        return cls(config.num_local_experts if num_local_experts is None else num_local_experts,
+                   config.hidden_size, config.intermediate_size, layout="gpt_oss",
+                   alpha=config.swiglu_alpha, limit=config.swiglu_limit,
+                   init_std=getattr(config, "initializer_range", 0.02), device=device, dtype=dtype)
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.gate_up_proj, std=self.init_std)
         nn.init.normal_(self.down_proj, std=self.init_std / math.sqrt(2))
+        for b in (self.gate_up_proj_bias, self.down_proj_bias):
+            if b is not None:
+                nn.init.zeros_(b)
+
+    def _params(self) -> tuple:
+        """The Parameters in the order the autograd Function returns their gradients."""
+        return tuple(p for p in (self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias)
+                     if p is not None)
 
     def forward(self, x_RD: torch.Tensor, offsets_E1: torch.Tensor, ops, *, to_expert=None, to_rank=None,
                 link=None) -> torch.Tensor:
@@ -114,12 +220,19 @@ class Experts(nn.Module):
             to_expert, to_rank: optional row permutations received -> expert-major and back.
             link: the dispatch all-to-all that produced ``x_RD``; its backward is issued from here.
         """
+        tensors = (self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias)
         q = wgrad.current()
         if q is not None and torch.is_grad_enabled():
-            return _ExpertsFn.apply(x_RD, _as(self.gate_up_proj.detach(), x_RD.dtype), _as(self.down_proj.detach(), x_RD.dtype),
-                                    offsets_E1, ops, to_expert, to_rank, link, q.probe, (self.gate_up_proj, self.down_proj))
-        return _ExpertsFn.apply(x_RD, _as(self.gate_up_proj, x_RD.dtype), _as(self.down_proj, x_RD.dtype), offsets_E1, ops,
-                                to_expert, to_rank, link, None, None)
+            detached = tuple(None if t is None else _as(t.detach(), x_RD.dtype) for t in tensors)
+            return _ExpertsFn.apply(x_RD, *detached, offsets_E1, ops, self._spec, to_expert, to_rank, link,
+                                    q.probe, self._params())
+        tensors = tuple(None if t is None else _as(t, x_RD.dtype) for t in tensors)
+        return _ExpertsFn.apply(x_RD, *tensors, offsets_E1, ops, self._spec, to_expert, to_rank, link, None, None)
 
     def extra_repr(self) -> str:
-        return f"num_local_experts={self.num_local_experts}, d_model={self.d_model}, d_ffn={self.d_ffn}"
+        text = f"num_local_experts={self.num_local_experts}, d_model={self.d_model}, d_ffn={self.d_ffn}"
+        if self.layout != "lancet" or self.activation != "swiglu" or self.gate_up_proj_bias is not None:
+            text += f", layout={self.layout!r}, activation={self.activation!r}, bias={self.gate_up_proj_bias is not None}"
+            if self.activation == "swiglu_oai":
+                text += f", alpha={self.alpha}, limit={self.limit}"
+        return text

@@ -19,7 +19,8 @@ are off for converted models.
 
 Supported blocks (``SUPPORTED``): Mixtral, Qwen3-MoE, OLMoE (softmax top-k, optional
 renormalisation), Qwen2-MoE (plus a sigmoid-gated shared expert), DeepSeek-V3 and GLM-4.5 (sigmoid
-scores, selection bias, group-limited top-k, routed scaling factor, shared experts).
+scores, selection bias, group-limited top-k, routed scaling factor, shared experts), GPT-OSS
+(router bias, softmax over the chosen logits, expert biases and the clamped SwiGLU).
 """
 from __future__ import annotations
 
@@ -72,17 +73,17 @@ def _lancet_router(router: nn.Module) -> nn.Module:
 
 
 # ------------------------------------------------------------------------------------------ experts
-def _local_experts(hf_experts: nn.Module, group, names=("gate_up_proj", "down_proj")) -> Experts:
-    """A lancet :class:`Experts` holding this rank's rows of the transformers experts' weights
-    (the same Parameter objects when every expert is local)."""
-    gate_up = hf_experts.gate_up_proj
-    E, twoF, D = gate_up.shape
+def _local_experts(hf_experts: nn.Module, group, d_model: int, d_ffn: int, **layout) -> Experts:
+    """A lancet :class:`Experts` holding this rank's rows of the transformers experts' weights (the
+    same Parameter objects when every expert is local). ``layout``: :class:`Experts` options
+    (GPT-OSS's parameter layout, activation and biases)."""
+    E = hf_experts.gate_up_proj.shape[0]
     W, r = (group.size, group.rank) if group is not None else (1, 0)
     if E % W:
         raise ValueError(f"the model has {E} experts, not divisible by the expert-parallel world size {W}")
     L = E // W
-    experts = Experts(L, D, twoF // 2, device="meta", dtype=gate_up.dtype)
-    for name in names:
+    experts = Experts(L, d_model, d_ffn, device="meta", dtype=hf_experts.gate_up_proj.dtype, **layout)
+    for name, _ in experts.named_parameters():
         p = getattr(hf_experts, name)
         if W > 1:
             p = nn.Parameter(p.detach()[r * L:(r + 1) * L].clone(), requires_grad=p.requires_grad)
@@ -125,10 +126,25 @@ def _deepseek_block(block, config, group, capacity_factor) -> HFMoE:
                   shared_experts=block.shared_experts, names=dict(router="gate"))
 
 
-def _build(block, gate, group, capacity_factor, *, names=None, **kwargs) -> HFMoE:
-    experts = _local_experts(block.experts, group)
-    E, _, D = block.experts.gate_up_proj.shape
-    moe = HFMoE(D, experts.d_ffn, E, int(gate.top_k), capacity_factor=capacity_factor, ep_group=group,
+def _gpt_oss_block(block, config, group, capacity_factor) -> HFMoE:
+    """GPT-OSS: a router with a bias, top-k over the logits then softmax over the K chosen (the
+    contract's softmax with renormalisation: the same choice and weights), experts with biases and
+    the clamped SwiGLU in transformers' own interleaved layout; the block returns a tuple."""
+    hf = block.experts
+    experts = _local_experts(hf, group, hf.hidden_size, hf.intermediate_size, layout="gpt_oss",
+                             alpha=float(hf.alpha), limit=float(hf.limit))
+    moe = _build(block, block.router, group, capacity_factor, experts=experts, score_fn="softmax",
+                 normalize_topk=True, names=dict(router="router"))
+    moe.tuple_output = True
+    return moe
+
+
+def _build(block, gate, group, capacity_factor, *, names=None, experts=None, **kwargs) -> HFMoE:
+    if experts is None:  # transformers' fused layout: gate_up_proj [E, 2F, D]
+        _, twoF, D = block.experts.gate_up_proj.shape
+        experts = _local_experts(block.experts, group, D, twoF // 2)
+    E = block.experts.gate_up_proj.shape[0]
+    moe = HFMoE(experts.d_model, experts.d_ffn, E, int(gate.top_k), capacity_factor=capacity_factor, ep_group=group,
                 router=_lancet_router(gate), experts=experts, names=names or dict(router="gate"), **kwargs)
     moe.hf_block_class = type(block).__name__
     # The block's own child order, so that parameters() lists them as the model did (optimizer
@@ -146,6 +162,7 @@ SUPPORTED: dict[str, Callable] = {
     "Qwen2MoeSparseMoeBlock": _qwen2_block,
     "DeepseekV3MoE": _deepseek_block,
     "Glm4MoeMoE": _deepseek_block,
+    "GptOssMLP": _gpt_oss_block,
 }
 
 

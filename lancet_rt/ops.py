@@ -19,7 +19,7 @@ from . import env
 _OP_NAMES = {
     "gating": ["gating_fwd", "gating_bwd"],
     "permute": ["dispatch_rows", "permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd"],
-    "grouped_gemm": ["grouped_mm", "grouped_mm_dx", "grouped_mm_dw", "gate_up_swiglu"],
+    "grouped_gemm": ["grouped_mm", "grouped_mm_dx", "grouped_mm_dw", "gate_up_swiglu", "segment_sum"],
     "swiglu": ["swiglu_fwd", "swiglu_bwd"],
 }
 # Dtypes each Triton family takes; the others fall back to the family's references.

@@ -5,9 +5,10 @@ sm_90 with the ptxas bundled in the Triton wheel (``python -m bench.compile_chec
 a kernel that does not compile for Hopper, spills registers or overflows shared memory fails here
 instead of on the GPU machine. The check runs in a subprocess: this session imported kernels/ under
 TRITON_INTERPRET=1, which makes every ``@triton.jit`` an interpreter stand-in that cannot compile.
-About 20 s on two cores; ``--all-configs`` (every config of every pruned autotune space, several
+About 30 s on two cores; ``--all-configs`` (every config of every pruned autotune space, several
 minutes) is a command, not a test.
 """
+import ast
 import json
 import os
 import pathlib
@@ -18,6 +19,7 @@ import sys
 import pytest
 
 from bench import compile_check
+from lancet_rt.kernels.reference import ACTIVATIONS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 _MISSING = compile_check.toolchain_missing()
@@ -30,6 +32,24 @@ def _jit_kernels():
     for path in (ROOT / "kernels").glob("*.py"):
         names |= set(re.findall(r"@triton\.jit\s*\ndef (\w+_kernel)\(", path.read_text()))
     return names
+
+
+# The expert variants' constexprs and the values each must be compiled with (kernels declaring them).
+_VARIANT_VALUES = {"HAS_BIAS": {False, True}, "INTERLEAVED": {False, True}, "ACTIVATION": set(ACTIVATIONS)}
+
+
+def _variant_constexprs():
+    """{kernel name: {constexpr: default}} for the launchable kernels declaring a _VARIANT_VALUES name."""
+    out = {}
+    for path in (ROOT / "kernels").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel"):
+                args = node.args.args
+                defaults = dict(zip([a.arg for a in args[len(args) - len(node.args.defaults):]], node.args.defaults))
+                found = {a.arg: ast.literal_eval(defaults[a.arg]) for a in args if a.arg in _VARIANT_VALUES}
+                if found:
+                    out[node.name] = found
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -48,6 +68,21 @@ def test_every_kernel_is_checked(report):
     data, _ = report
     missing = _jit_kernels() - {r["fn"] for r in data["rows"]}
     assert not missing, f"@triton.jit kernels that bench.compile_check does not compile: {sorted(missing)}"
+
+
+@pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
+def test_every_expert_variant_is_checked(report):
+    """Each value of the expert kernels' variant constexprs (bias, interleaved gate/up, activation) is
+    compiled at least once: a branch the CPU lane interprets but that does not build for sm_90 fails here."""
+    data, _ = report
+    declared = _variant_constexprs()
+    assert {"_grouped_gemm_fwd_kernel", "_gate_up_swiglu_fwd_kernel", "_swiglu_fwd_kernel",
+            "_swiglu_bwd_kernel"} <= declared.keys()
+    for fn, defaults in declared.items():
+        rows = [r for r in data["rows"] if r["fn"] == fn]
+        for name, default in defaults.items():
+            seen = {r["constexprs"].get(name, default) for r in rows}
+            assert seen >= _VARIANT_VALUES[name], f"{fn}: {name} compiled only with {seen}"
 
 
 @pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")

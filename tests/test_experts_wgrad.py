@@ -1,11 +1,12 @@
-"""The experts' weight gradients are deferred under ``Overlapped(defer_wgrad=True)``.
+"""The experts' weight (and bias) gradients are deferred under ``Overlapped(defer_wgrad=True)``.
 
 tests/test_overlap.py checks that deferral gives the right gradients, but the DeferredLinear items
 alone satisfy its checks: an experts layer that computed dW inline in its backward would pass them.
-Here every ``grouped_mm_dw`` call the MoE layer makes is recorded with the Python stack it ran on:
-under deferral each must come from the weight-gradient queue (a backward all-to-all's drain window
-or the final flush), never from inside the experts' autograd backward; and the gradients must equal,
-bit for bit in float32, those of the same chunked run without deferral.
+Here every ``grouped_mm_dw`` and ``segment_sum`` (bias gradient) call the MoE layer makes is recorded
+with the Python stack it ran on: under deferral each must come from the weight-gradient queue (a
+backward all-to-all's drain window or the final flush), never from inside the experts' autograd
+backward; and the gradients must equal, bit for bit in float32, those of the same chunked run without
+deferral. Both layouts: the default experts, and GPT-OSS's (biases deferred with their weights).
 """
 from __future__ import annotations
 
@@ -40,22 +41,25 @@ def _caller():
     return "other"
 
 
+_SPIED = ("grouped_mm_dw", "segment_sum")
+
+
 @pytest.fixture
 def dw_calls(monkeypatch):
-    """Record (caller, implementing module) of every ``grouped_mm_dw`` call through the op namespaces
-    the MoE layer gets."""
-    calls: list[tuple[str, str]] = []
+    """Record (caller, implementing module, op) of every ``grouped_mm_dw`` and ``segment_sum`` call
+    through the op namespaces the MoE layer gets."""
+    calls: list[tuple[str, str, str]] = []
     get_ops = ops_mod.get_ops
+
+    def spy(name, fn):
+        def spied(*a, **k):
+            calls.append((_caller(), fn.__module__, name))
+            return fn(*a, **k)
+        return spied
 
     def spied_get_ops(*args, **kwargs):
         ns = get_ops(*args, **kwargs)
-        dw = ns.grouped_mm_dw
-
-        def grouped_mm_dw(*a, **k):
-            calls.append((_caller(), dw.__module__))
-            return dw(*a, **k)
-
-        return SimpleNamespace(**{**vars(ns), "grouped_mm_dw": grouped_mm_dw})
+        return SimpleNamespace(**{**vars(ns), **{n: spy(n, getattr(ns, n)) for n in _SPIED}})
 
     monkeypatch.setattr(ops_mod, "get_ops", spied_get_ops)
     return calls
@@ -69,8 +73,19 @@ def _run(model, runner, x, g):
     return y.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def _gpt_oss_experts(model):
+    """Give every MoE layer GPT-OSS's experts (same sizes), with random biases."""
+    for m in model.moe_layers():
+        e = m.experts
+        m.experts = experts_mod.Experts(e.num_local_experts, e.d_model, e.d_ffn, layout="gpt_oss")
+        with torch.no_grad():
+            for b in (m.experts.gate_up_proj_bias, m.experts.down_proj_bias):
+                b.normal_(std=0.1)
+
+
+@pytest.mark.parametrize("layout", ["lancet", "gpt_oss"])
 @pytest.mark.parametrize("kernels", ["default", "triton"])
-def test_experts_dw_is_deferred_and_exact(kernels, monkeypatch, dw_calls):
+def test_experts_dw_is_deferred_and_exact(kernels, layout, monkeypatch, dw_calls):
     if kernels == "triton":
         monkeypatch.setenv("LANCET_KERNELS", "triton")  # the interpreter on CPU (tests/conftest.py)
     else:
@@ -79,13 +94,19 @@ def test_experts_dw_is_deferred_and_exact(kernels, monkeypatch, dw_calls):
     # The link holds each transfer 20 ms, so the backward all-to-alls have windows to drain into.
     link = lancet_rt.EmulatedGroup(2, bandwidth_gbps=1.0, latency_us=20_000)
     model = MoEBlocks(LAYERS, D, 2, dict(d_ffn=12, num_experts=4, top_k=2, ep_group=link))
+    if layout == "gpt_oss":
+        _gpt_oss_experts(model)
     twin = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(1)
     x, g = torch.randn(5, 3, D, generator=gen), torch.randn(5, 3, D, generator=gen)
 
-    impl = "lancet_rt.kernels.grouped_gemm" if kernels == "triton" else "lancet_rt.kernels.reference"
+    impl = {"grouped_mm_dw": "lancet_rt.kernels.grouped_gemm", "segment_sum": "lancet_rt.kernels.segment_sum"}
+    if kernels != "triton":
+        impl = dict.fromkeys(impl, "lancet_rt.kernels.reference")
     ref = _run(model, lancet_rt.Overlapped(model, chunks=CHUNKS, defer_wgrad=False), x, g)
-    assert dw_calls and set(dw_calls) == {("inline", impl)}, f"without deferral dW runs in the backward: {dw_calls}"
+    ops = set(_SPIED) if layout == "gpt_oss" else {"grouped_mm_dw"}
+    assert dw_calls and set(dw_calls) == {("inline", impl[op], op) for op in ops}, \
+        f"without deferral dW runs in the backward: {dw_calls}"
     dw_calls.clear()
     experts_fwd = []
     for m in twin.moe_layers():
@@ -93,17 +114,19 @@ def test_experts_dw_is_deferred_and_exact(kernels, monkeypatch, dw_calls):
     ov = lancet_rt.Overlapped(twin, chunks=CHUNKS, defer_wgrad=True)
     got = _run(twin, ov, x, g)
 
-    # Two dW GEMMs (gate_up, down) per experts call, every one run by the queue, none inline.
+    # Two dW GEMMs (gate_up, down) per experts call, and with biases two segment sums, every one run
+    # by the queue, none inline.
     assert len(experts_fwd) == LAYERS * CHUNKS
-    assert len(dw_calls) == 2 * len(experts_fwd), dw_calls
-    assert {c[1] for c in dw_calls} == {impl}
+    assert len(dw_calls) == 2 * len(ops) * len(experts_fwd), dw_calls
+    assert {(c[1], c[2]) for c in dw_calls} == {(impl[op], op) for op in ops}
     assert {c[0] for c in dw_calls} <= {"drain", "flush"}, f"experts dW not deferred: {dw_calls}"
     assert not ov.wgrad_queue.items
     # Exactly the non-deferred gradients: the same per-chunk dW, summed over 2 chunks (commutative).
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     assert got[2].keys() == ref[2].keys()
+    params = ("gate_up_proj", "down_proj") + (("gate_up_proj_bias", "down_proj_bias") if layout == "gpt_oss" else ())
     assert {n for n in ref[2] if "experts" in n} == {f"blocks.{i}.moe.experts.{p}" for i in range(LAYERS)
-                                                     for p in ("gate_up_proj", "down_proj")}
+                                                     for p in params}
     for n in ref[2]:
         assert got[2][n].dtype == torch.float32
         assert torch.equal(got[2][n], ref[2][n]), f"grad {n}: max diff {(got[2][n] - ref[2][n]).abs().max()}"

@@ -245,7 +245,7 @@ def _gloo_checks(rank, world, families):
 def test_expert_parallel_over_gloo():
     """Weights sharded from one full state dict over 2 gloo ranks, each rank with its own batch;
     and update_expert_bias summing the loads over the ranks."""
-    families = ["mixtral", "qwen2_moe", "deepseek_v3"]
+    families = ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss"]
     (checked, (l0, b0)), (_, (l1, b1)) = assert_all_ok(run_ranks(_gloo_checks, 2, families, timeout=240))
     assert [c[0] for c in checked] == [f for f in families for _ in range(2)]
     assert all(c[2] == 4 for c in checked)  # 8 experts over 2 ranks
@@ -267,3 +267,16 @@ def _bias_update(rank, world):
     lancet_rt.update_expert_bias(moe, rate=0.5, group=dist.group.WORLD)
     # Plain lists: a tensor crosses the result queue through shared memory, gone once the rank exits.
     return local.tolist(), moe.router.e_score_correction_bias.tolist()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss"])
+def test_on_the_triton_kernels(family, monkeypatch):
+    """DeepSeek-V3's router (selection bias, groups, scaling) through the Triton gating kernels, and
+    GPT-OSS's experts (interleaved gate/up, biases, clamped SwiGLU) through the grouped GEMMs (the
+    interpreter on CPU), chunked with deferred dW, against transformers."""
+    monkeypatch.setenv("LANCET_KERNELS", "triton")
+    hf = build(family)
+    ids, mask, labels = batch(hf.config.vocab_size, 3, 7)
+    out_r = _step(hf, ids, mask, labels)
+    lm = lancet_rt.from_hf(copy.deepcopy(hf), chunks=2, defer_wgrad=True)
+    _assert_same(f"{family} triton", lm, _step(lm, ids, mask, labels), hf, out_r)
