@@ -255,6 +255,7 @@ class _AllToAll(torch.autograd.Function):
             link.issue(grad_out)
         grad_in, work = link.early
         link.early = None
+        _scope.backward_wait()  # a forward running beside this backward (lancet_rt.accumulate) goes on
         if ctx.wgrad is not None:
             with _trace.span("dW", chunk=link.chunk):
                 ctx.wgrad.drain_during(work, link.window_ms(grad_out))
