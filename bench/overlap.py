@@ -75,7 +75,9 @@ def parse_args(argv=None):
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of one overlapped step")
     p.add_argument("--png", default=None, help="draw the timeline of one sequential and one overlapped step")
     p.add_argument("--check", action="store_true",
-                   help="exit 1 unless hidden_comm_fraction >= 0.6 and Overlapped beats both baselines")
+                   help="exit 1 unless hidden_comm_fraction >= 0.6 and Overlapped beats both baselines "
+                        "(with --microbatches M > 1, also the cross-microbatch acceptance)")
+    add_accumulation_args(p)
     return p.parse_args(argv)
 
 
@@ -119,12 +121,16 @@ class Runner:
         }
         self.x = torch.randn(s["batch"], s["seq"], s["d_model"], device=device, dtype=dtype)
         self.g = torch.randn_like(self.x)
+        self.steps: dict = {}  # mode -> a whole training step (add_accumulation)
 
     def step(self, mode: str) -> None:
         for m in self.model.moe_layers():
             m.pipeline_chunks = self.chunks if mode == "moe_pipelined" else 1
-        x = self.x.detach().requires_grad_(True)
-        self.runners[mode](x).backward(self.g)
+        if mode in self.steps:  # a whole step of its own (the cross-microbatch schedules)
+            self.steps[mode]()
+        else:
+            x = self.x.detach().requires_grad_(True)
+            self.runners[mode](x).backward(self.g)
         for model in (self.model, self.model_dw):
             for p in model.parameters():
                 p.grad = None
@@ -249,9 +255,14 @@ def main(argv=None) -> dict:
           f"bound {row['bound_ms']:.2f} ms ({row['over_bound']:+.1%}), pass-aware bound {pass_bound_ms:.2f} ms "
           f"({row['over_pass_bound']:+.1%}; hides at most {row['max_hidden_comm_fraction']:.3f})  speedup vs sequential "
           f"{row['speedup_vs_sequential']:.2f}x, vs MoE-internal chunking {row['speedup_vs_moe_pipelined']:.2f}x")
+    if args.microbatches > 1:
+        add_accumulation(r, args)
+        row.update(measure_accumulation(r, args, s, (bw, s["latency_us"]), row))
+    if args.dp_allreduce:
+        row.update(measure_lina(r, args, s, (bw, s["latency_us"])))
     if args.trace or args.png:
         traces = {}
-        for mode in ("sequential", "overlapped"):
+        for mode in ("sequential", "overlapped") + (("accumulate",) if args.microbatches > 1 else ()):
             with lancet_rt.tracing() as tr:
                 r.step(mode)
                 synchronize(device)
@@ -266,9 +277,152 @@ def main(argv=None) -> dict:
         ok = (row["hidden_comm_fraction"] >= 0.6 and overlapped_ms < ms["sequential"]
               and overlapped_ms < ms["moe_pipelined"])
         print(f"check: {'PASS' if ok else 'FAIL'} (hidden >= 0.6, faster than sequential and MoE-internal chunking)")
+        if args.microbatches > 1:
+            ok = check_accumulation(row) and ok
         if not ok:
             raise SystemExit(1)
     return row
+
+
+# ---------------------------------------------------------------- cross-microbatch overlap (issue 12)
+# A training step of M microbatches: Overlapped.accumulate interleaves the backward of microbatch i
+# with the forward of microbatch i+1 (lancet_rt.accumulate). Its baselines are the single-step
+# schedules above run M times over (a step of M microbatches one after the other takes M single
+# steps) and the Megatron-style pairing: the same cross-microbatch interleaving on unchunked
+# microbatches (chunks=1: the passes take turns layer by layer, as Megatron-Core's
+# --overlap-moe-expert-parallel-comm pairs them, with no chunking inside a microbatch).
+
+ACCUM_MODES = ("accumulate", "accumulate_dw", "accumulate_megatron")
+LINA_MODES = ("lina_fifo", "lina_priority")
+
+
+def add_accumulation_args(p) -> None:
+    p.add_argument("--microbatches", type=int, default=1,
+                   help="M > 1: also time a training step of M microbatches under the cross-microbatch "
+                        "schedule (Overlapped.accumulate) and the Megatron-style pairing")
+    p.add_argument("--accum-steps", type=int, default=None,
+                   help="timed steps per cross-microbatch schedule (default: --steps, at most 5)")
+    p.add_argument("--dp-allreduce", action="store_true",
+                   help="also time the step with a data-parallel all-reduce of every gradient on the same link "
+                        "(lancet_rt.parallel.GradientSync): whole buckets in FIFO order vs Lina's pieces at low priority")
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help="--dp-allreduce bucket size (default: a quarter of the gradients, so buckets start during backward)")
+    p.add_argument("--piece-mb", type=float, default=None,
+                   help="--dp-allreduce piece size with priority (default: an eighth of a bucket)")
+
+
+def add_accumulation(r: Runner, args) -> None:
+    """The cross-microbatch schedules as whole steps of ``r``: M microbatches of ``r.x``'s shape."""
+    M = args.microbatches
+    gen = torch.Generator().manual_seed(1)
+    r.xs = [torch.randn(r.x.shape, generator=gen).to(r.x.device, r.x.dtype).requires_grad_(True) for _ in range(M)]
+    r.gs = [torch.randn(r.x.shape, generator=gen).to(r.x.device, r.x.dtype) for _ in range(M)]
+    megatron = lancet_rt.Overlapped(r.model, chunks=1)
+    for mode, ov in (("accumulate", r.runners["overlapped"]), ("accumulate_dw", r.runners["overlapped_dw"]),
+                     ("accumulate_megatron", megatron)):
+        r.steps[mode] = lambda ov=ov, sync=None: _accumulate_step(r, ov, sync)
+
+
+def _accumulate_step(r: Runner, ov, sync) -> None:
+    ov.accumulate(r.xs, lambda out, i: (out * r.gs[i]).sum(), grad_sync=sync)
+    for x in r.xs:
+        x.grad = None
+
+
+def measure_accumulation(r: Runner, args, s: dict, link: tuple, single: dict) -> dict:
+    """Time the cross-microbatch schedules (free link and ``link``); ``single``: the single-step row."""
+    M = args.microbatches
+    steps = args.accum_steps or min(s["steps"], 5)
+    free = (math.inf, 0.0)
+    t = r.time_all(ACCUM_MODES, steps, {"free": free, "link": link})
+    r.set_link(*link)
+    comm_ms, _, transfers = r.per_step_link("accumulate")
+    ms = {m: t[("link", m)] for m in ACCUM_MODES}
+    compute = {m: t[("free", m)] for m in ACCUM_MODES}
+    hidden = {m: 1 - (ms[m] - compute[m]) / comm_ms for m in ACCUM_MODES}
+    # The cross-microbatch analogue of the pass-aware bound: the first forward and the last backward
+    # run alone, every other forward pairs with the previous microbatch's backward.
+    fc, fm = single["forward_compute_ms"], single["forward_comm_ms"]
+    bc, bm = single["compute_ms"] - fc, single["comm_ms"] - fm
+    bound = max(fc, fm) + (M - 1) * max(fc + bc, fm + bm) + max(bc, bm)
+    out = dict(
+        microbatches=M, accum_steps=steps, accum_comm_ms=comm_ms, accum_transfers_per_step=transfers,
+        **{f"{m}_ms": ms[m] for m in ACCUM_MODES}, **{f"{m}_compute_ms": compute[m] for m in ACCUM_MODES},
+        hidden_comm_fraction_accum=hidden["accumulate"], hidden_comm_fraction_accum_dw=hidden["accumulate_dw"],
+        hidden_comm_fraction_accum_megatron=hidden["accumulate_megatron"],
+        speedup_accum_vs_sequential=M * single["sequential_ms"] / ms["accumulate"],
+        speedup_accum_vs_moe_pipelined=M * single["moe_pipelined_ms"] / ms["accumulate"],
+        speedup_accum_vs_overlapped=M * single["overlapped_ms"] / ms["accumulate"],
+        speedup_accum_vs_megatron=ms["accumulate_megatron"] / ms["accumulate"],
+        accum_pass_bound_ms=bound,
+        max_hidden_comm_fraction_accum=1 - (bound - M * single["compute_ms"]) / (M * single["comm_ms"]),
+    )
+    base = dict(schedule=f"{M} x sequential", step_ms=M * single["sequential_ms"],
+                compute_ms=M * single["sequential_compute_ms"])
+    table = [base] + [dict(schedule=f"{M} x {m}", step_ms=M * single[f"{m}_ms"],
+                           compute_ms=M * single[{"overlapped": "compute_ms"}.get(m, f"{m}_compute_ms")])
+                      for m in ("moe_pipelined", "overlapped", "overlapped_dw")]
+    table += [dict(schedule=m, step_ms=ms[m], compute_ms=compute[m]) for m in ACCUM_MODES]
+    for row in table:
+        row["hidden"] = 1 - (row["step_ms"] - row["compute_ms"]) / comm_ms
+        row["speedup"] = base["step_ms"] / row["step_ms"]
+    print_table(table, ["schedule", "step_ms", "compute_ms", "hidden", "speedup"],
+                title=f"a step of {M} microbatches: comm {comm_ms:.2f} ms = {comm_ms / compute['accumulate']:.2f} x compute")
+    print(f"hidden_comm_fraction_accum {out['hidden_comm_fraction_accum']:.3f} (with deferred dW "
+          f"{out['hidden_comm_fraction_accum_dw']:.3f}, Megatron-style {out['hidden_comm_fraction_accum_megatron']:.3f}; "
+          f"single-step pass-aware bound {single['max_hidden_comm_fraction']:.3f}, cross-microbatch bound "
+          f"{out['max_hidden_comm_fraction_accum']:.3f})  speedup vs {M} x MoE-internal chunking "
+          f"{out['speedup_accum_vs_moe_pipelined']:.2f}x, vs {M} x Overlapped {out['speedup_accum_vs_overlapped']:.2f}x, "
+          f"vs Megatron-style {out['speedup_accum_vs_megatron']:.2f}x")
+    return out
+
+
+def check_accumulation(row: dict) -> bool:
+    """The CPU acceptance of the cross-microbatch schedule: it hides >= 0.9 of the communication,
+    more than any single-step schedule could (the pass-aware bound measured in the same run)."""
+    hidden = row["hidden_comm_fraction_accum"]
+    ok = hidden >= 0.9 and hidden > row["max_hidden_comm_fraction"]
+    print(f"check accumulate: {'PASS' if ok else 'FAIL'} (hidden {hidden:.3f} >= 0.9 and above the single-step "
+          f"pass-aware bound {row['max_hidden_comm_fraction']:.3f})")
+    return ok
+
+
+def measure_lina(r: Runner, args, s: dict, link: tuple) -> dict:
+    """The step (M microbatches, Overlapped.accumulate) with a data-parallel all-reduce of every
+    gradient during the last backward, on the all-to-alls' link: whole buckets in FIFO order (as DDP
+    issues them), then Lina's rule (pieces that start only when no all-to-all waits)."""
+    from lancet_rt.parallel import GradientSync
+
+    if not r.steps:
+        add_accumulation(r, args)
+    grad_bytes = sum(p.numel() * p.element_size() for p in r.model.parameters())
+    bucket_mb = args.bucket_mb or grad_bytes / 4 / 1e6
+    piece_mb = args.piece_mb or bucket_mb / 8
+    syncs = {"lina_fifo": GradientSync(r.model, r.link, params="all", bucket_mb=bucket_mb, low_priority=False),
+             "lina_priority": GradientSync(r.model, r.link, params="all", bucket_mb=bucket_mb, piece_mb=piece_mb,
+                                           low_priority=True)}
+    for mode, sync in syncs.items():
+        r.steps[mode] = lambda sync=sync: _accumulate_step(r, r.runners["overlapped"], sync)
+    steps = args.accum_steps or min(s["steps"], 5)
+    t = r.time_all(LINA_MODES, steps, {"link": link})
+    r.set_link(*link)
+    comm_ms, _, _ = r.per_step_link("accumulate")
+    out = dict(dp_bucket_mb=bucket_mb, dp_piece_mb=piece_mb, dp_grad_mb=grad_bytes / 1e6)
+    for mode in LINA_MODES:
+        total, _, _ = r.per_step_link(mode)
+        out[f"{mode}_ms"] = t[("link", mode)]
+        out[f"{mode}_behind_allreduce_ms"] = r.link.behind_all_reduce_ms  # of that one step
+        out["dp_allreduce_comm_ms"] = total - comm_ms
+        out[f"{mode}_allreduces"] = syncs[mode].issued
+    for sync in syncs.values():
+        sync.remove()
+    out["lina_speedup"] = out["lina_fifo_ms"] / out["lina_priority_ms"]
+    print(f"data-parallel all-reduce ({out['dp_grad_mb']:.2f} MB of gradients, {out['dp_allreduce_comm_ms']:.1f} ms "
+          f"on the link): step {out['lina_fifo_ms']:.1f} ms with {out['lina_fifo_allreduces']} buckets in FIFO order "
+          f"(all-to-alls waited {out['lina_fifo_behind_allreduce_ms']:.1f} ms behind them), "
+          f"{out['lina_priority_ms']:.1f} ms with {out['lina_priority_allreduces']} pieces behind the all-to-alls "
+          f"(waited {out['lina_priority_behind_allreduce_ms']:.1f} ms): {out['lina_speedup']:.3f}x")
+    return out
 
 
 def _wall_ms(fn) -> float:
@@ -305,7 +459,12 @@ def draw_timeline(traces: dict, path: str, row: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(12, 3.4))
+    traces = dict(traces)
+    accum = traces.pop("accumulate", None)
+    if accum is None:
+        fig, ax = plt.subplots(figsize=(12, 3.4))
+    else:
+        fig, (ax, accum_ax) = plt.subplots(2, 1, figsize=(12, 6.2), gridspec_kw=dict(height_ratios=[4, 3]))
     colors = plt.get_cmap("tab10")
     lanes = []
     for mode, tr in traces.items():
@@ -334,9 +493,44 @@ def draw_timeline(traces: dict, path: str, row: dict) -> None:
     ax.set_title(f"{row['device']}: sequential {row['sequential_ms']:.1f} ms vs overlapped "
                  f"{row['overlapped_ms']:.1f} ms (comm {row['comm_ms']:.1f} ms, compute {row['compute_ms']:.1f} ms); "
                  f"grey: busy, colours: chunks", fontsize=9)
+    if accum is not None:
+        draw_accumulate_lanes(accum_ax, accum, row)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+def draw_accumulate_lanes(ax, tr, row: dict) -> None:
+    """The cross-microbatch step: the link's transfers (red: all-to-alls, blue: all-reduces), and
+    which pass the host runs: microbatch i's forward (light) and backward (dark, hatched) in
+    microbatch i's colour, white where the host waits for a transfer."""
+    import matplotlib.pyplot as plt
+
+    colors = plt.get_cmap("tab10")
+    events = tr.events()
+    host = [e for e in events if e["tid"] in ("compute", "wait")]
+    t0 = min(e["ts"] for e in host)
+    t1 = max(e["ts"] + e["dur"] for e in host)
+    kind = {"all_reduce": "tab:blue", "exchange": "dimgray"}
+    for e in events:
+        if e["tid"] == "link":
+            ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (1.6, 0.8),
+                           facecolors=kind.get(e["name"], "tab:red"), edgecolor="white", linewidth=0.3)
+    for name, alpha, hatch in (("forward", 0.35, None), ("backward", 0.95, "///")):
+        for e in events:
+            if e["tid"] == "compute" and e["name"].startswith(name + " "):
+                i = e["args"]["microbatch"]
+                ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (0.6, 0.8), facecolors=colors(i % 10),
+                               alpha=alpha, hatch=hatch, edgecolor="white" if hatch else None, linewidth=0)
+    busy = _busy_intervals(events, t0, t1)
+    idle = [(a, b) for (_, a), (b, _) in zip(busy, busy[1:])]
+    ax.broken_barh([((a - t0) / 1e3, (b - a) / 1e3) for a, b in idle], (0.6, 0.8), facecolors="white")
+    ax.set_yticks([1, 2], ["accumulate\nhost", "accumulate\nlink"], fontsize=8)
+    ax.set_xlabel(f"ms (one step of {row['microbatches']} microbatches)")
+    ax.set_title(f"Overlapped.accumulate: {row['accumulate_ms']:.1f} ms vs {row['microbatches']} x overlapped "
+                 f"{row['microbatches'] * row['overlapped_ms']:.1f} ms (comm {row['accum_comm_ms']:.1f} ms, hides "
+                 f"{row['hidden_comm_fraction_accum']:.2f}); light: forward i, dark: backward i beside forward i+1",
+                 fontsize=9)
+
 
 if __name__ == "__main__":
     main()
