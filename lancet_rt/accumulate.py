@@ -20,8 +20,11 @@ take turns with a baton, exactly one of them running at a time:
 
 The turns are decided from the schedule alone, never from completion timing, so every rank issues
 its collectives in the same order. The forward keeps its own chunk schedule (``Overlapped``), the
-backward the engine's order; deferred dW (``defer_wgrad=True``) still fills what is left of each
-backward all-to-all's window when the backward resumes, and is flushed when that backward ends.
+backward the engine's order. Deferred dW (``defer_wgrad=True``) fills what is left of each backward
+all-to-all's window when the backward resumes, and the forward's waits too: when the host is about
+to wait for a forward transfer (:func:`lancet_rt.scope.host_wait`), the backward's queued dW runs
+meanwhile (on CPU, where the host's wait is the device's). Each backward flushes its queue before it
+ends, as a single-step backward does.
 
 Exactness: each microbatch's forward is an ordinary ``Overlapped`` forward (its own capacity, aux
 and z losses: those of the microbatch, as in M sequential steps), and its backward is one
@@ -50,8 +53,9 @@ class _Backward:
     Two semaphores form the baton: exactly one of the two threads runs.
     """
 
-    def __init__(self, loss: torch.Tensor, index: int):
+    def __init__(self, loss: torch.Tensor, index: int, queue=None):
         self.index = index
+        self.queue = queue
         self.turns = 0
         self.done = False
         self.error: Optional[BaseException] = None
@@ -68,6 +72,8 @@ class _Backward:
         self._go.acquire()
         try:
             if not self._abort:
+                if loss.is_cuda:  # host-side work of this backward on the loss's device, as on the host
+                    torch.cuda.set_device(loss.device)
                 loss.backward()
         except BaseException as e:  # noqa: BLE001 - handed to the host, which raises it
             self.error = e
@@ -96,6 +102,12 @@ class _Backward:
         self._go.acquire()
         if self._abort:
             raise _Aborted("lancet_rt.accumulate: the forward beside this backward failed")
+
+    def fill(self, work) -> None:
+        """Host, about to wait for ``work``: run the backward's deferred dW until it arrives."""
+        if self.queue is not None and self.queue.items and not self.done and not self._cuda:
+            with torch.no_grad(), _trace.span("dW", "compute", microbatch=self.index):
+                self.queue.drain_during(work)  # (as the engine would: the forward runs with grad on)
 
     def finish(self) -> None:
         """Run the rest of the backward alone (nothing beside it yields to)."""
@@ -187,7 +199,7 @@ def accumulate(overlapped, microbatches: Iterable, loss_fn: Callable[[Any, int],
         beside = None
         if pending is not None:
             if interleave:
-                beside = _Backward(pending, i - 1)
+                beside = _Backward(pending, i - 1, overlapped.wgrad_queue)
             else:
                 _host_backward(pending, i - 1, None)
         try:

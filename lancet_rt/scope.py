@@ -95,3 +95,10 @@ def backward_wait() -> None:
     b = _backward_beside
     if b is not None:
         b.yield_()
+
+
+def host_wait(work) -> None:
+    """The host is about to wait for ``work``: a backward beside this forward runs deferred dW meanwhile."""
+    beside = getattr(_local, "beside", None)
+    if beside is not None:
+        beside.fill(work)
