@@ -28,6 +28,18 @@ it, and ``max_hidden_comm_fraction``, the most any schedule could hide.
 
 ``--check`` exits with status 1 unless the CPU acceptance holds: hidden_comm_fraction >= 0.6 and
 Overlapped faster than both sequential and MoE-internal chunking.
+
+``--microbatches M`` (M > 1) also times a training step of M microbatches: ``Overlapped.accumulate``
+(the backward of microbatch i interleaved with the forward of microbatch i+1; with and without
+deferred dW) and the Megatron-style pairing (the same turns on unchunked microbatches). The row
+gains ``hidden_comm_fraction_accum`` (same definition, over the step's M x communication and the
+schedule's own computation on the free link), speedups against M single steps of each schedule
+above (``speedup_accum_vs_moe_pipelined``: against the Tutel-style baseline, whose backward is
+pipelined too) and ``max_hidden_comm_fraction_accum``, the cross-microbatch analogue of the
+pass-aware bound. With ``--check`` the step must hide >= 0.9 and more than the single-step bound.
+``--dp-allreduce`` times that step with a data-parallel all-reduce of every gradient on the same
+link (``lancet_rt.parallel.GradientSync``): whole buckets in FIFO order (``lina_fifo_ms``) vs Lina's
+low-priority pieces (``lina_priority_ms``), and the time the all-to-alls waited behind them.
 """
 from __future__ import annotations
 
@@ -180,6 +192,8 @@ class Runner:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    if args.microbatches < 1:
+        raise SystemExit(f"--microbatches must be >= 1, got {args.microbatches}")
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
@@ -453,7 +467,8 @@ def _busy_intervals(events, t0, t1):
 
 def draw_timeline(traces: dict, path: str, row: dict) -> None:
     """Two lanes per schedule: the link's transfers, and the computation (grey: busy; colours: the
-    chunk a stage belongs to; forward chunks, then backward stages of the MoE layers)."""
+    chunk a stage belongs to; forward chunks, then backward stages of the MoE layers). With an
+    "accumulate" trace, a second panel shows the cross-microbatch step (:func:`draw_accumulate_lanes`)."""
     import matplotlib
 
     matplotlib.use("Agg")

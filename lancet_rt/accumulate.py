@@ -33,6 +33,8 @@ starts, so gradients accumulate in the order of the M sequential steps.
 """
 from __future__ import annotations
 
+import os
+import queue
 import threading
 from typing import Any, Callable, Iterable, Optional
 
@@ -64,9 +66,7 @@ class _Backward:
         self._cuda = loss.is_cuda
         self._go = threading.Semaphore(0)    # the backward may run
         self._back = threading.Semaphore(0)  # the host may run
-        self._thread = threading.Thread(target=self._main, args=(loss,), daemon=True,
-                                        name=f"lancet-backward-{index}")
-        self._thread.start()
+        _worker().submit(lambda: self._main(loss))
 
     def _main(self, loss: torch.Tensor) -> None:
         self._go.acquire()
@@ -113,7 +113,6 @@ class _Backward:
         """Run the rest of the backward alone (nothing beside it yields to)."""
         while not self.done:
             self.turn()
-        self._thread.join()
 
     def abort(self) -> None:
         """Unwind the backward (its next all-to-all wait raises) and wait for its thread."""
@@ -121,7 +120,33 @@ class _Backward:
         while not self.done:
             self._go.release()
             self._back.acquire()
-        self._thread.join()
+
+
+class _Worker:
+    """The helper thread that runs the backwards, one at a time, kept for the life of the process
+    (a thread per microbatch would start cold: its own allocator arena, its own caches)."""
+
+    def __init__(self):
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="lancet-backward", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def _serve(self) -> None:
+        while True:
+            self._jobs.get()()
+
+
+_workers: dict = {}
+
+
+def _worker() -> _Worker:
+    pid = os.getpid()  # a forked child gets a worker of its own
+    if pid not in _workers:
+        _workers[pid] = _Worker()
+    return _workers[pid]
 
 
 def _as_call(microbatch, i: int) -> tuple[tuple, dict]:

@@ -131,7 +131,7 @@ class GradientSync:
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
         self._handles = [p.register_post_accumulate_grad_hook(self._ready) for p in reduced]
 
-    def world_size(self) -> int:
+    def _world_size(self) -> int:
         if self._emulated:
             return self.group.size
         return dist.get_world_size(self.group)
@@ -155,7 +155,7 @@ class GradientSync:
         for b in self._buckets:  # buckets whose gradients did not all arrive (unused parameters)
             if b.flat is None:
                 self._issue(b)
-        world = self.world_size()
+        world = self._world_size()
         with torch.no_grad():
             for b in self._buckets:
                 for w in b.works:

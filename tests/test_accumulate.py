@@ -10,19 +10,28 @@ import pytest
 import torch
 
 import lancet_rt
-from bench.model import MoEBlocks
 from lancet_rt.accumulate import accumulate
 from lancet_rt.parallel import GradientSync, sync_gradients
+from tests import test_overlap as overlap_tests
 from tests.dist import assert_all_ok, run_ranks
 from tests.helpers import assert_close
 
 D = 16
 
 
-def make_model(capacity_factor, ep_group=None, E=8, seed=0):
-    torch.manual_seed(seed)
-    return MoEBlocks(2, D, 2, dict(d_ffn=12, num_experts=E, top_k=2, capacity_factor=capacity_factor,
-                                   aux_loss_coef=0.01, z_loss_coef=0.001, ep_group=ep_group))
+def make_model(capacity_factor, ep_group=None, E=8):
+    return overlap_tests.make_model(capacity_factor, ep_group, E=E)
+
+
+def ep_model(capacity_factor, rank, world):
+    """The model on a real expert-parallel group, each rank its own experts."""
+    import torch.distributed as dist
+
+    model = make_model(capacity_factor, ep_group=dist.group.WORLD, E=2 * world)
+    torch.manual_seed(10 + rank)
+    for m in model.moe_layers():
+        m.experts.reset_parameters()
+    return model
 
 
 def microbatches(M, rows, gen=None):
@@ -155,16 +164,11 @@ def test_failure_in_a_forward_beside_a_backward():
 def _accumulate_gloo(rank, world):
     """Every (capacity, deferred dW) cell, then data-parallel gradients with GradientSync, in one set
     of processes. Rank 1 has fewer rows than chunks in one microbatch."""
-    import torch.distributed as dist
-
     gen = torch.Generator().manual_seed(rank)
     drops = 0
     for capacity_factor in (None, 0.75):
         for defer_wgrad in (False, True):
-            model = make_model(capacity_factor, ep_group=dist.group.WORLD, E=2 * world)
-            torch.manual_seed(10 + rank)  # each rank its own experts
-            for m in model.moe_layers():
-                m.experts.reset_parameters()
+            model = ep_model(capacity_factor, rank, world)
             twin = copy.deepcopy(model)
             xs, gs = microbatches(3, [5, 2] if rank else [4, 6], gen)
             ref = sequential_reference(model, xs, gs)
@@ -173,7 +177,7 @@ def _accumulate_gloo(rank, world):
             drops += sum(m.dropped for m in twin.moe_layers())
     # Data + expert parallelism over one group: GradientSync during the last backward (buckets and
     # pieces of all-reduce) equals sync_gradients after it.
-    model = make_model(None, ep_group=dist.group.WORLD, E=2 * world)
+    model = ep_model(None, rank, world)
     twin = copy.deepcopy(model)
     xs, gs = microbatches(2, [4], gen)
     for i, x in enumerate(xs):
