@@ -81,8 +81,11 @@ def parse_args(argv=None):
                    help="summary of each schedule's interleaved steps (default min: load from elsewhere "
                         "only ever slows a step, so the fastest is the steadiest estimate)")
     p.add_argument("--threads", type=int, default=1,
-                   help="CPU intra-op threads (default 1: the emulated link's thread keeps a core, and "
-                        "OpenMP spin-waits under oversubscription do not distort the timings)")
+                   help="CPU intra-op threads (default 1: the host is one device, and OpenMP spin-waits "
+                        "under oversubscription do not distort the timings)")
+    p.add_argument("--malloc", choices=["keep", "default"], default="keep",
+                   help="CPU, glibc: keep freed memory in the process (default; see keep_freed_memory) or "
+                        "leave the allocator as it is")
     p.add_argument("--json", default=None, help="append a JSON row here")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of one overlapped step")
     p.add_argument("--png", default=None, help="draw the timeline of one sequential and one overlapped step")
@@ -197,6 +200,8 @@ def main(argv=None) -> dict:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
+        if args.malloc == "keep":
+            keep_freed_memory()
     s = sizes(args)
     r = Runner(args, s, device)
 
@@ -437,6 +442,25 @@ def measure_lina(r: Runner, args, s: dict, link: tuple) -> dict:
           f"{out['lina_priority_ms']:.1f} ms with {out['lina_priority_allreduces']} pieces behind the all-to-alls "
           f"(waited {out['lina_priority_behind_allreduce_ms']:.1f} ms): {out['lina_speedup']:.3f}x")
     return out
+
+
+def keep_freed_memory() -> bool:
+    """glibc only: keep freed memory in the process, as a GPU's caching allocator does.
+
+    By default glibc gives every block over 128 KB (an activation here) its own mapping and returns
+    it to the OS when freed, so each step faults its activations' pages in again; with a backward
+    on a second thread (Overlapped.accumulate) the two threads' allocator arenas double that. Page
+    faults were most of the CPU-time difference between schedules, none of it the schedules' own.
+    Returns whether the allocator took the settings (False off glibc).
+    """
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+    return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
 
 
 def _wall_ms(fn) -> float:

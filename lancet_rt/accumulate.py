@@ -40,7 +40,7 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import scope as _scope, trace as _trace
+from . import faults as _faults, scope as _scope, trace as _trace
 
 
 class _Aborted(RuntimeError):
@@ -215,6 +215,14 @@ def accumulate(overlapped, microbatches: Iterable, loss_fn: Callable[[Any, int],
     if grad_sync is not None and not isinstance(grad_sync, GradientSync):
         raise TypeError(f"grad_sync must be None or a lancet_rt.parallel.GradientSync, got {type(grad_sync).__name__}")
 
+    # As Overlapped.forward: the schedule agreed across ranks once; an exception ends on every rank
+    # and leaves no state behind (lancet_rt.faults).
+    _faults.check_schedule(overlapped)
+    with _faults.StepGuard(overlapped):
+        return _step(overlapped, calls, loss_fn, interleave, grad_sync)
+
+
+def _step(overlapped, calls: list, loss_fn, interleave: bool, grad_sync) -> torch.Tensor:
     if overlapped.wgrad_queue is not None:
         overlapped.wgrad_queue.discard_orphans()  # left by a backward that raised
     n = overlapped._resolve_chunks(*calls[0])

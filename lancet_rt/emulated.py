@@ -350,8 +350,8 @@ class EmulatedGroup:
             raise ValueError("EmulatedGroup: a symmetric world sends and receives the same splits")
         row_bytes = input.element_size() * math.prod(input.shape[1:])
         off_rank = (sum(input_splits) - input_splits[0]) * row_bytes
-        # The link moves data outside autograd, like a collective: detached tensors, so a copy on the
-        # link thread (where grad mode is on by default) never enters the graph.
+        # The link moves data outside autograd, like a collective: detached tensors, so the copy
+        # (made where the caller is, grad mode on or off) never enters the graph.
         src, dst = input.detach(), output.detach()
         copy = (lambda: dst.copy_(src)) if src.numel() else None
         return self._submit(off_rank, copy, (src, dst))
