@@ -83,8 +83,10 @@ _backward_beside = None
 
 
 def set_beside(backward) -> None:
-    """Run ``backward`` (an object with ``turn()`` and ``yield_()``; None: nothing) beside the
-    forward that this thread runs from now on."""
+    """Run ``backward`` beside the forward that this thread runs from now on (None: nothing).
+
+    ``backward`` has ``turn()`` (run until its next all-to-all waits), ``yield_()`` (called there,
+    on the engine's thread) and ``fill(work)`` (the host is about to wait for ``work``)."""
     global _backward_beside
     _local.beside = backward
     _backward_beside = backward
