@@ -188,6 +188,7 @@ class Exchange:
 
     def wait(self) -> torch.Tensor:
         if self._work is not None:
+            _scope.host_wait(self._work)
             if isinstance(self._work, torch.cuda.Event):
                 if self._monitor is not None:  # a watchdog can end this wait (faults.GroupMonitor.block)
                     self._monitor.block(self._work.synchronize)
@@ -255,6 +256,7 @@ class _AllToAll(torch.autograd.Function):
             link.issue(grad_out)
         grad_in, work = link.early
         link.early = None
+        _scope.backward_wait()  # a forward running beside this backward (lancet_rt.accumulate) goes on
         if ctx.wgrad is not None:
             with _trace.span("dW", chunk=link.chunk):
                 ctx.wgrad.drain_during(work, link.window_ms(grad_out))
@@ -300,6 +302,7 @@ class Pending:
 
     def wait(self) -> torch.Tensor:
         if self.link is not None and self.link.work is not None:
+            _scope.host_wait(self.link.work)  # a backward beside this forward fills the wait with its dW
             with _trace.span("wait", "wait", chunk=self.link.chunk):
                 self.link.work.wait()
             self.link.work = None

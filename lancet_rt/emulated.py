@@ -8,14 +8,20 @@ experts get the same number of rows, and the link the same bytes, as in the real
 experts' identities alias (expert r * E_local + l computes with local expert l's weights).
 
 The link is a FIFO like a communication stream: a transfer starts when the one before it has ended.
-On CPU a background thread holds it (sleeping, so computation runs meanwhile); on CUDA a timed
-kernel on a communication stream holds it and the consumer's stream waits on an event.
+On CPU the link is a timeline kept by the host: each transfer is planned when it is submitted (it
+starts when the link frees, it ends a hold later), its data moves at once, and ``wait()`` sleeps
+until its planned end, so computation runs meanwhile and nothing else (no thread, no GIL hand-off)
+touches the host's time. On CUDA a timed kernel on a communication stream holds the link and the
+consumer's stream waits on an event.
+
+All-reduces (:meth:`EmulatedGroup.all_reduce`) share the link. A low-priority transfer waits in a
+queue of its own and starts only when the link is free and no normal transfer waits for it (Lina,
+ATC'23): a later all-to-all overtakes it; one already on the link is not preempted.
 """
 from __future__ import annotations
 
+import collections
 import math
-import queue
-import sys
 import threading
 import time
 from typing import Optional, Sequence
@@ -29,84 +35,111 @@ from .comm import check_link, link_ms
 class _LinkWork:
     """A transfer on the CPU link. ``wait()`` blocks until it has arrived."""
 
-    def __init__(self, hold_s: float, copy):
+    def __init__(self, link: "_CpuLink", hold_s: float, copy, kind: str = "all_to_all"):
+        self._link = link
         self.hold_s = hold_s
         self.copy = copy
-        self.start = self.end = None
+        self.kind = kind  # "all_to_all", "exchange" or "all_reduce"
+        self.submitted = time.perf_counter()
+        self.start = self.end = None  # planned when committed (perf_counter() times)
         self.expected_end: Optional[float] = None  # perf_counter() deadline, once known
-        self.epoch = 0  # the link's epoch when submitted; a cancelled epoch's transfers end at once
-        self._done = threading.Event()
+        self.epoch = 0  # the link's epoch when committed; a cancelled epoch's transfers end at once
 
     def is_completed(self) -> bool:
-        return self._done.is_set()
+        return self._link.completed(self)
 
     def wait(self) -> bool:
-        self._done.wait()
+        self._link.wait(self)
         return True
 
 
 class _CpuLink:
-    """A single background thread serving transfers in order.
+    """The CPU link's timeline.
 
-    The thread needs the GIL to start and finish a transfer; with CPython's default switch interval
-    (5 ms) it could wait that long behind the computing main thread, so creating a CPU link lowers
-    the interval to 0.5 ms (process-wide: ``sys.setswitchinterval``).
+    Normal transfers are committed when submitted: start = when the link frees, end = start + hold.
+    Low-priority ones are committed lazily, whenever the link is asked anything: the first of them
+    starts at the first moment the link is free (after its submission), since no normal transfer
+    was waiting then (any earlier one is committed already). The data moves when a transfer is
+    submitted (its consumer reads it only after ``wait()``). Thread-safe: the host and the autograd
+    engine's threads may use the link.
     """
 
-    SWITCH_INTERVAL_S = 5e-4
-
     def __init__(self):
-        if sys.getswitchinterval() > self.SWITCH_INTERVAL_S:
-            sys.setswitchinterval(self.SWITCH_INTERVAL_S)
-        self._q: "queue.Queue[_LinkWork]" = queue.Queue()
+        self._lock = threading.Lock()
         self._busy_until = 0.0
         self._epoch = 0
-        self._lock = threading.Lock()
-        self._cancelled = threading.Condition(self._lock)
-        self._thread = threading.Thread(target=self._serve, name="lancet-emulated-link", daemon=True)
-        self._thread.start()
+        self._low: "collections.deque[_LinkWork]" = collections.deque()  # not yet committed
+        self._planned_all_reduce: "collections.deque[tuple[float, float]]" = collections.deque()
+        self.behind_all_reduce_s = 0.0  # time normal transfers waited behind all-reduces
 
-    def submit(self, work: _LinkWork) -> None:
+    def submit(self, work: _LinkWork, low_priority: bool = False) -> None:
+        if work.copy is not None:
+            work.copy()
         with self._lock:
             now = time.perf_counter()
-            start = max(now, self._busy_until)
-            work.expected_end = start + work.hold_s
-            work.epoch = self._epoch
-            self._busy_until = work.expected_end
-            inline = work.hold_s == 0 and start == now  # a free transfer on an idle link
-        if inline:
-            work.start = now
-            if work.copy is not None:
-                work.copy()
-            work.end = time.perf_counter()
-            work._done.set()
-        else:
-            self._q.put(work)
+            self._advance(now)
+            if low_priority:
+                self._low.append(work)
+            else:
+                self._commit(work, max(now, self._busy_until), now)
 
-    def _serve(self) -> None:
-        # Each transfer ends at the time planned when it was submitted (a FIFO of fixed-length
-        # holds), so a late wake-up of this thread (it needs the GIL) never lengthens the link.
+    def _commit(self, work: _LinkWork, start: float, now: float) -> None:
+        work.start, work.expected_end = start, start + work.hold_s
+        work.end = work.expected_end
+        work.epoch = self._epoch
+        self._busy_until = work.expected_end
+        ar = self._planned_all_reduce
+        while ar and ar[0][1] <= now:
+            ar.popleft()
+        if work.kind == "all_reduce":
+            ar.append((start, work.expected_end))
+        else:
+            self.behind_all_reduce_s += sum(end - max(a, now) for a, end in ar)
+
+    def _advance(self, now: float) -> None:
+        """Commit the low-priority transfers the link has started by ``now``."""
+        while self._low:
+            start = max(self._low[0].submitted, self._busy_until)
+            if start >= now:
+                return
+            self._commit(self._low.popleft(), start, start)
+
+    def completed(self, work: _LinkWork) -> bool:
+        with self._lock:
+            now = time.perf_counter()
+            self._advance(now)
+            return work.expected_end is not None and (work.epoch != self._epoch or work.expected_end <= now)
+
+    def wait(self, work: _LinkWork) -> None:
         while True:
-            work = self._q.get()
-            work.start = time.perf_counter()
-            if work.copy is not None and work.epoch == self._epoch:
-                work.copy()
-            with self._cancelled:  # sleeps until the planned end, or until the transfer is cancelled
-                while work.epoch == self._epoch:
-                    remaining = work.expected_end - time.perf_counter()
-                    if remaining <= 0:
-                        break
-                    self._cancelled.wait(remaining)
-            work.end = time.perf_counter()
-            work._done.set()
+            with self._lock:
+                now = time.perf_counter()
+                self._advance(now)
+                if work.expected_end is not None and (work.epoch != self._epoch or work.expected_end <= now):
+                    return
+                if work.expected_end is not None:
+                    until = work.expected_end
+                else:  # a low-priority transfer not started yet: it starts when the link frees
+                    until = max(self._busy_until, now) + work.hold_s
+            time.sleep(max(until - now, 0.0))
 
     def cancel(self) -> None:
-        """End every transfer in flight or queued now, without its copy (a step that raised left
-        them; their buffers are that step's), and free the link."""
-        with self._cancelled:
+        """End every transfer in flight or queued now (a step that raised left them), and free the link."""
+        with self._lock:
+            now = time.perf_counter()
             self._epoch += 1
-            self._busy_until = time.perf_counter()
-            self._cancelled.notify_all()
+            self._busy_until = now
+            for work in self._low:
+                work.start = work.end = work.expected_end = now
+            self._low.clear()
+            self._planned_all_reduce.clear()
+
+    def idle(self) -> bool:
+        """No transfer holds the link or waits for it: a new one starts now."""
+        with self._lock:
+            now = time.perf_counter()
+            self._advance(now)
+            return self._busy_until <= now and not self._low
 
 
 class _CudaWork:
@@ -119,6 +152,45 @@ class _CudaWork:
     def wait(self) -> bool:
         torch.cuda.current_stream().wait_event(self.event)
         return True
+
+
+class _CudaLowWork:
+    """A low-priority transfer on the CUDA link, held on the host until the link is idle."""
+
+    def __init__(self, group: "EmulatedGroup", launch):
+        self._group, self._launch, self._work = group, launch, None
+
+    def launch(self) -> None:
+        if self._work is None:
+            self._work = self._launch()
+
+    def is_completed(self) -> bool:
+        self._group._pump()
+        return self._work is not None and self._work.is_completed()
+
+    def wait(self) -> bool:
+        self._group._pump(upto=self)
+        return self._work.wait()
+
+
+def _reduce_op_names() -> dict:
+    try:
+        from torch.distributed import ReduceOp
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return {}
+    return {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max", ReduceOp.MIN: "min",
+            ReduceOp.PRODUCT: "product"}
+
+
+_REDUCE_OPS = _reduce_op_names()
+
+
+def _hashable(v) -> bool:
+    try:
+        hash(v)
+    except TypeError:
+        return False
+    return True
 
 
 _cycles_per_ms: dict = {}
@@ -172,6 +244,8 @@ class EmulatedGroup:
         self.device = torch.device(device)
         self._cpu_link = _CpuLink() if self.device.type == "cpu" else None
         self._stream = None
+        self._last_event = None  # CUDA: the last transfer queued on the link
+        self._low: "collections.deque[_CudaLowWork]" = collections.deque()  # CUDA: not yet started
         self.reset()
 
     def __deepcopy__(self, memo):
@@ -196,6 +270,14 @@ class EmulatedGroup:
         self.modeled_ms = 0.0
         self.transfers = 0
         self.off_rank_bytes = 0
+        if self._cpu_link is not None:
+            self._cpu_link.behind_all_reduce_s = 0.0
+
+    @property
+    def behind_all_reduce_ms(self) -> float:
+        """Time the other transfers spent queued behind all-reduces since :meth:`reset` (CPU link;
+        on CUDA 0: not tracked)."""
+        return 0.0 if self._cpu_link is None else self._cpu_link.behind_all_reduce_s * 1e3
 
     def hold_ms(self, off_rank_bytes: int) -> float:
         """Modeled time of one collective moving ``off_rank_bytes`` off rank."""
@@ -209,16 +291,27 @@ class EmulatedGroup:
             self._stream = torch.cuda.Stream(self.device, priority=-1)
         return self._stream
 
-    def _submit(self, off_rank_bytes: int, copy=None, src=None, dst=None):
+    def _submit(self, off_rank_bytes: int, copy=None, tensors=(), kind: str = "all_to_all",
+                low_priority: bool = False):
+        """Hold the link for ``off_rank_bytes``; ``copy()`` moves the data (when submitted on CPU;
+        on the communication stream when the transfer starts on CUDA, ``tensors`` kept alive there)."""
         ms = self.hold_ms(off_rank_bytes)
         self.modeled_ms += ms
         self.transfers += 1
         self.off_rank_bytes += off_rank_bytes
         if self._cpu_link is not None:
-            work = _LinkWork(ms * 1e-3, copy)
-            self._cpu_link.submit(work)
+            work = _LinkWork(self._cpu_link, ms * 1e-3, copy, kind)
+            self._cpu_link.submit(work, low_priority)
             _trace.record_link(work, off_rank_bytes)
             return work
+        if low_priority:
+            work = _CudaLowWork(self, lambda: self._launch(ms, off_rank_bytes, copy, tensors))
+            self._low.append(work)
+            self._pump()
+            return work
+        return self._launch(ms, off_rank_bytes, copy, tensors)
+
+    def _launch(self, ms: float, off_rank_bytes: int, copy, tensors) -> "_CudaWork":
         # Calibrate (once) before anything is queued on the link: the calibration syncs the host
         # and would otherwise sit inside this transfer and its trace span.
         cycles = int(ms * _sleep_cycles_per_ms(self.device)) if ms > 0 else 0
@@ -226,17 +319,29 @@ class EmulatedGroup:
         stream.wait_stream(torch.cuda.current_stream(self.device))  # the producer's data is ready
         with torch.cuda.stream(stream):
             span = _trace.cuda_link_span(stream, off_rank_bytes)
-            if dst is not None:
-                dst.copy_(src)
-                dst.record_stream(stream)
-                src.record_stream(stream)
+            if copy is not None:
+                copy()
+                for t in tensors:
+                    t.record_stream(stream)
             if cycles > 0:
                 torch.cuda._sleep(cycles)
             event = torch.cuda.Event()
             event.record(stream)
             if span is not None:
                 span.end()
+        self._last_event = event
         return _CudaWork(event, stream)
+
+    def _pump(self, upto: Optional["_CudaLowWork"] = None) -> None:
+        """Start low-priority CUDA transfers: one if the link is idle now; with ``upto``, every one
+        queued up to it (it is being waited for)."""
+        while self._low:
+            if upto is None and self._last_event is not None and not self._last_event.query():
+                return  # the link is busy
+            work = self._low.popleft()
+            work.launch()
+            if upto is None or work is upto:
+                return
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
                    output_splits: Sequence[int], input_splits: Sequence[int]):
@@ -245,12 +350,51 @@ class EmulatedGroup:
             raise ValueError("EmulatedGroup: a symmetric world sends and receives the same splits")
         row_bytes = input.element_size() * math.prod(input.shape[1:])
         off_rank = (sum(input_splits) - input_splits[0]) * row_bytes
-        # The link moves data outside autograd, like a collective: detached tensors, so a copy on the
-        # link thread (where grad mode is on by default) never enters the graph.
+        # The link moves data outside autograd, like a collective: detached tensors, so the copy
+        # (made where the caller is, grad mode on or off) never enters the graph.
         src, dst = input.detach(), output.detach()
-        if self._cpu_link is not None:
-            return self._submit(off_rank, copy=(lambda: dst.copy_(src)) if src.numel() else None)
-        return self._submit(off_rank, src=src, dst=dst)
+        copy = (lambda: dst.copy_(src)) if src.numel() else None
+        return self._submit(off_rank, copy, (src, dst))
+
+    def all_reduce(self, tensor: torch.Tensor, op="sum", *, low_priority: bool = False):
+        """Start an all-reduce of ``tensor`` in place over the emulated world; returns a handle whose
+        ``wait()`` makes the result valid (on CUDA: for the current stream).
+
+        By symmetry every rank holds this tensor, so "sum" gives W x tensor, "avg", "max" and "min"
+        leave it as it is, "product" gives tensor ** W. The link is held as for a ring all-reduce:
+        ``latency + 2 (W - 1) / W x bytes / bandwidth`` (each rank sends, and receives, that many
+        bytes), in the same FIFO as the all-to-alls, so it delays the transfers submitted after it.
+
+        Args:
+            tensor: any shape, dtype and device of this group (a contiguous tensor or view).
+            op: "sum", "avg", "max", "min" or "product", or the matching ``torch.distributed.ReduceOp``.
+            low_priority: start only when the link is free and no other transfer waits for it
+                (Lina, ATC'23: an all-to-all submitted later overtakes it; one already on the link is
+                not preempted, so cut a large all-reduce into pieces to bound that wait). On CUDA a
+                low-priority transfer starts when it is submitted, or another one is waited on or
+                polled, while the link is idle, and at the latest when it is waited on.
+
+        Returns:
+            A handle with ``wait()`` and ``is_completed()``.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device.type != self.device.type:
+            raise ValueError(f"tensor must be on this group's device type {self.device.type}, got {tensor.device}")
+        name = op if isinstance(op, str) else _REDUCE_OPS.get(op) if _hashable(op) else None
+        if name not in ("sum", "avg", "max", "min", "product"):
+            raise ValueError(f"op must be 'sum', 'avg', 'max', 'min' or 'product' (or a torch.distributed "
+                             f"ReduceOp of those), got {op!r}")
+        W = self._size
+        data = tensor.detach()
+        if name == "sum" and W > 1 and data.numel():
+            copy = lambda: data.mul_(W)  # noqa: E731
+        elif name == "product" and W > 1 and data.numel():
+            copy = lambda: data.pow_(W)  # noqa: E731
+        else:
+            copy = None
+        nbytes = 2 * (W - 1) * data.numel() * data.element_size() // W
+        return self._submit(nbytes, copy, (data,), "all_reduce", low_priority)
 
     def exchange(self, send_WN: torch.Tensor):
         """The counts exchange: by symmetry every rank receives what this one sends. Like a real
@@ -259,8 +403,8 @@ class EmulatedGroup:
 
         if self._cpu_link is not None:
             host = send_WN.detach().to(torch.int64).cpu().clone()
-            return Exchange(host, self._submit(0), host)
-        done = self._submit(0)  # on the communication stream, behind the transfers in flight
+            return Exchange(host, self._submit(0, kind="exchange"), host)
+        done = self._submit(0, kind="exchange")  # on the communication stream, behind the transfers in flight
         side = _side_stream(send_WN.device)
         side.wait_stream(torch.cuda.current_stream(send_WN.device))
         with torch.cuda.stream(side):

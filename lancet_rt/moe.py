@@ -495,7 +495,10 @@ class MoE(nn.Module):
 
     def _pipelined_exchange_and_compute(self, x_TD, r, ops, chunk, x_in):
         """The Tutel-style baseline: every expert's rows cut into P pieces, each piece dispatched,
-        computed and combined in turn, so piece p's experts overlap piece p+1's transfer."""
+        computed and combined in turn, so piece p's experts overlap piece p+1's transfer. The
+        backward is pipelined the same way, as Tutel's is: every piece's combine gradient leaves at
+        once (:class:`_JoinPieces`), and each piece's expert backward issues its dispatch gradient
+        while the other pieces' transfers are in flight."""
         P, E = self.pipeline_chunks, self.num_experts
         kept = r.kept_E.tolist()  # host sync: the pieces' bounds
         x_SD, src_S = self._permute(x_TD, r, sum(kept), ops, chunk)
@@ -516,12 +519,10 @@ class MoE(nn.Module):
         ds = [self.dispatch(pieces[p], kept_PE[p], counts[p], sent[p]) for p in range(P)]
         shared = self._shared_output(x_in)
         _scope.switch()
-        combines = [self.combine(self.compute_experts(d.pending.wait(), d, ops), d) for d in ds]
+        combines = [self.combine(self.compute_experts(d.pending.wait(), d, ops, d.pending.link), d) for d in ds]
         _scope.switch()
-        y_pieces = torch.cat([c.wait() for c in combines])
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        return y_pieces.index_select(0, inverse), src_S, shared
+        y_pieces = [c.wait() for c in combines]
+        return _JoinPieces.apply(order, [c.link for c in combines], *y_pieces), src_S, shared
 
     def _routing_state(self, T: int, device) -> tuple[BatchRouting, bool]:
         """This call's routing state, and whether it replays a recorded one (a recomputation)."""
@@ -618,6 +619,34 @@ def update_expert_bias(model: nn.Module, rate: float = 1e-3, group=None) -> None
         bias = m.router.e_score_correction_bias
         bias += (rate * torch.sign(load.double().mean() - load.double())).to(bias.dtype)
         m.expert_load = None
+
+
+class _JoinPieces(torch.autograd.Function):
+    """The pipelined baseline's combined pieces back in dispatch-row order (``y_SD[order] = cat(pieces)``).
+
+    Backward issues every piece's combine all-to-all gradient at once, last piece first: the engine
+    then runs the pieces' backward from the last to the first (latest-created node first), so each
+    piece's transfer is the next to arrive when its expert backward needs it, and the expert
+    backward of one piece overlaps the transfers of the others (Tutel pipelines its backward too).
+    """
+
+    @staticmethod
+    def forward(ctx, order, links, *pieces):
+        ctx.save_for_backward(order)
+        ctx.links, ctx.sizes = links, [p.shape[0] for p in pieces]
+        y_SD = torch.cat(pieces)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        return y_SD.index_select(0, inverse)
+
+    @staticmethod
+    def backward(ctx, grad_y_SD):
+        (order,) = ctx.saved_tensors
+        grads = grad_y_SD.index_select(0, order).split(ctx.sizes)
+        for link, g in reversed(list(zip(ctx.links, grads))):
+            if link is not None:
+                link.issue(g)
+        return (None, None) + tuple(grads)
 
 
 class _Counts:

@@ -82,7 +82,17 @@ class Overlapped(nn.Module):
     def forward(self, *args, **kwargs):
         if self.wgrad_queue is not None:
             self.wgrad_queue.discard_orphans()  # left by a backward that raised (e.g. out of memory)
-        n = self._resolve_chunks(args, kwargs)
+        return self.forward_chunked(self._resolve_chunks(args, kwargs), args, kwargs)
+
+    def accumulate(self, microbatches, loss_fn, **options):
+        """One training step over M microbatches, the backward of microbatch i interleaved with the
+        forward of microbatch i+1 (:func:`lancet_rt.accumulate.accumulate`, which documents it)."""
+        from .accumulate import accumulate
+
+        return accumulate(self, microbatches, loss_fn, **options)
+
+    def forward_chunked(self, n: int, args: tuple, kwargs: dict):
+        """The forward on ``n`` chunks (``forward`` once the chunk count is known)."""
         if self.check and not self._checked:
             self._check_separable(n, args, kwargs)
         prev = _wgrad.set_current(self.wgrad_queue)

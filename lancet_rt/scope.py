@@ -63,8 +63,44 @@ def switch(issues_next: bool = False) -> None:
     """Give the other chunks a turn (after issuing a collective); no-op outside a chunk scope.
 
     ``issues_next``: this chunk's next step issues a transfer (its counts are on their way), so the
-    scheduler resumes it as soon as another chunk has had a turn.
+    scheduler resumes it as soon as another chunk has had a turn. Otherwise a backward running
+    beside this forward (:func:`set_beside`) takes a turn first.
     """
+    beside = getattr(_local, "beside", None)
+    if beside is not None and not issues_next:
+        beside.turn()
     s = current()
     if s is not None:
         s.switch(issues_next)
+
+
+# Cross-microbatch overlap (lancet_rt.accumulate): the backward of one microbatch runs on a helper
+# thread beside the forward of the next, and the two take turns. The forward gives the backward a
+# turn each time it yields after issuing a transfer (the host's thread-local ``beside``); the
+# backward gives the host back each time one of its all-to-alls is about to wait (backward_wait,
+# called by the autograd engine's thread, so the hook is process-wide).
+_backward_beside = None
+
+
+def set_beside(backward) -> None:
+    """Run ``backward`` beside the forward that this thread runs from now on (None: nothing).
+
+    ``backward`` has ``turn()`` (run until its next all-to-all waits), ``yield_()`` (called there,
+    on the engine's thread) and ``fill(work)`` (the host is about to wait for ``work``)."""
+    global _backward_beside
+    _local.beside = backward
+    _backward_beside = backward
+
+
+def backward_wait() -> None:
+    """A backward all-to-all is about to wait: a forward running beside this backward takes its turn."""
+    b = _backward_beside
+    if b is not None:
+        b.yield_()
+
+
+def host_wait(work) -> None:
+    """The host is about to wait for ``work``: a backward beside this forward runs deferred dW meanwhile."""
+    beside = getattr(_local, "beside", None)
+    if beside is not None:
+        beside.fill(work)

@@ -67,7 +67,8 @@ class Trace:
         out = []
         for work, nbytes in self._links:
             if work.start is not None and work.end is not None:
-                out.append(self._event("all_to_all" if nbytes else "exchange", "link",
+                name = getattr(work, "kind", None) or ("all_to_all" if nbytes else "exchange")
+                out.append(self._event(name, "link",
                                        work.start, work.end, dict(bytes=nbytes)))
         for s in self.spans:
             if s.ev0 is not None:

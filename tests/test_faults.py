@@ -199,8 +199,7 @@ def test_pinned_gating_config_is_validated(monkeypatch):
 # ====================================================================================== recovered
 def _link_idle(link) -> bool:
     """No transfer holds the link: a new one starts now (cancelled ones still queued end at once)."""
-    cpu = link._cpu_link
-    return cpu._busy_until <= time.perf_counter() and all(w.epoch != cpu._epoch for w in list(cpu._q.queue))
+    return link._cpu_link.idle()
 
 
 def _fail_in_chunk_forward(model, ov):

@@ -1,0 +1,269 @@
+"""Cross-microbatch overlap: a training step of M microbatches whose passes hide each other's
+all-to-alls (``Overlapped.accumulate``).
+
+Inside one forward + backward, the forward's all-to-alls can hide only behind forward computation:
+the backward starts when the loss has every chunk's output. Gradient accumulation lifts that limit.
+The backward of microbatch i and the forward of microbatch i+1 are independent, so they run
+interleaved: while one pass's tokens travel, the other computes (the schedule of Megatron-Core's
+``--overlap-moe-expert-parallel-comm`` and of DeepSeek's DualPipe, here on an unmodified eager model).
+
+How. The autograd engine cannot be suspended mid-backward from Python (on CUDA its device threads
+run the nodes, and greenlets are per thread), but a node can block. So the backward of microbatch i
+runs as one ``loss.backward()`` on a helper thread, and it and the host's forward of microbatch i+1
+take turns with a baton, exactly one of them running at a time:
+
+- the forward hands the baton to the backward each time one of its chunks yields after issuing a
+  dispatch or a combine (:func:`lancet_rt.scope.switch`), and once before it starts;
+- the backward hands it back each time one of its all-to-alls is about to wait
+  (:func:`lancet_rt.scope.backward_wait`, in the all-to-all's backward node): its transfer is in
+  flight, and the forward computes meanwhile.
+
+The turns are decided from the schedule alone, never from completion timing, so every rank issues
+its collectives in the same order. The forward keeps its own chunk schedule (``Overlapped``), the
+backward the engine's order. Deferred dW (``defer_wgrad=True``) fills what is left of each backward
+all-to-all's window when the backward resumes, and the forward's waits too: when the host is about
+to wait for a forward transfer (:func:`lancet_rt.scope.host_wait`), the backward's queued dW runs
+meanwhile (on CPU, where the host's wait is the device's). Each backward flushes its queue before it
+ends, as a single-step backward does.
+
+Exactness: each microbatch's forward is an ordinary ``Overlapped`` forward (its own capacity, aux
+and z losses: those of the microbatch, as in M sequential steps), and its backward is one
+``backward()`` of its loss that accumulates into ``.grad``. Backward i ends before backward i+1
+starts, so gradients accumulate in the order of the M sequential steps.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from typing import Any, Callable, Iterable, Optional
+
+import torch
+
+from . import faults as _faults, scope as _scope, trace as _trace
+
+
+class _Aborted(RuntimeError):
+    """Raised inside a suspended backward when the forward beside it failed: it unwinds the engine."""
+
+
+class _Backward:
+    """One microbatch's backward on a helper thread, taking turns with the host.
+
+    ``turn()`` (host) lets it run until its next all-to-all waits, or to its end; ``yield_()``
+    (called by :func:`lancet_rt.scope.backward_wait` on the engine's thread) gives the host back.
+    Two semaphores form the baton: exactly one of the two threads runs.
+    """
+
+    def __init__(self, loss: torch.Tensor, index: int, queue=None):
+        self.index = index
+        self.queue = queue
+        self.turns = 0
+        self.done = False
+        self.error: Optional[BaseException] = None
+        self._abort = False
+        self._host = threading.current_thread()
+        self._cuda = loss.is_cuda
+        self._go = threading.Semaphore(0)    # the backward may run
+        self._back = threading.Semaphore(0)  # the host may run
+        _worker().submit(lambda: self._main(loss))
+
+    def _main(self, loss: torch.Tensor) -> None:
+        self._go.acquire()
+        try:
+            if not self._abort:
+                if loss.is_cuda:  # host-side work of this backward on the loss's device, as on the host
+                    torch.cuda.set_device(loss.device)
+                loss.backward()
+        except BaseException as e:  # noqa: BLE001 - handed to the host, which raises it
+            self.error = e
+        finally:
+            self.done = True
+            self._back.release()
+
+    def turn(self) -> None:
+        """Run the backward until its next all-to-all waits (or it ends); raise what it raised."""
+        if self.done:
+            return
+        self.turns += 1
+        with _trace.span(f"backward {self.index}", "compute", self._cuda, microbatch=self.index):
+            self._go.release()
+            self._back.acquire()
+        if self.error is not None and not self._abort:
+            raise self.error
+
+    def yield_(self) -> None:
+        """Engine thread, at a backward all-to-all's wait: the host runs until it gives a turn back."""
+        if threading.current_thread() is self._host:
+            return  # a backward the host runs itself is not this one
+        if self._abort:
+            raise _Aborted("lancet_rt.accumulate: the forward beside this backward failed")
+        self._back.release()
+        self._go.acquire()
+        if self._abort:
+            raise _Aborted("lancet_rt.accumulate: the forward beside this backward failed")
+
+    def fill(self, work) -> None:
+        """Host, about to wait for ``work``: run the backward's deferred dW until it arrives."""
+        if self.queue is not None and self.queue.items and not self.done and not self._cuda:
+            with torch.no_grad(), _trace.span("dW", "compute", microbatch=self.index):
+                self.queue.drain_during(work)  # (as the engine would: the forward runs with grad on)
+
+    def finish(self) -> None:
+        """Run the rest of the backward alone (nothing beside it yields to)."""
+        while not self.done:
+            self.turn()
+
+    def abort(self) -> None:
+        """Unwind the backward (its next all-to-all wait raises) and wait for its thread."""
+        self._abort = True
+        while not self.done:
+            self._go.release()
+            self._back.acquire()
+
+
+class _Worker:
+    """The helper thread that runs the backwards, one at a time, kept for the life of the process
+    (a thread per microbatch would start cold: its own allocator arena, its own caches)."""
+
+    def __init__(self):
+        self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._serve, name="lancet-backward", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def _serve(self) -> None:
+        while True:
+            self._jobs.get()()
+
+
+_workers: dict = {}
+
+
+def _worker() -> _Worker:
+    pid = os.getpid()  # a forked child gets a worker of its own
+    if pid not in _workers:
+        _workers[pid] = _Worker()
+    return _workers[pid]
+
+
+def _as_call(microbatch, i: int) -> tuple[tuple, dict]:
+    if isinstance(microbatch, torch.Tensor):
+        return (microbatch,), {}
+    if isinstance(microbatch, (tuple, list)):
+        return tuple(microbatch), {}
+    if isinstance(microbatch, dict):
+        return (), dict(microbatch)
+    raise TypeError(f"microbatches[{i}] must be a tensor, a tuple/list of positional arguments or a dict of "
+                    f"keyword arguments, got {type(microbatch).__name__}")
+
+
+def _check_loss(loss, i: int) -> torch.Tensor:
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__} for microbatch {i}")
+    if loss.numel() != 1 or not loss.dtype.is_floating_point or not loss.requires_grad:
+        raise ValueError(f"loss_fn must return a one-element floating-point tensor that requires grad, got "
+                         f"shape {tuple(loss.shape)} dtype {loss.dtype} requires_grad={loss.requires_grad} "
+                         f"for microbatch {i}")
+    return loss
+
+
+def accumulate(overlapped, microbatches: Iterable, loss_fn: Callable[[Any, int], torch.Tensor], *,
+               interleave: bool = True, grad_sync=None) -> torch.Tensor:
+    """Forward and backward of M microbatches, gradients accumulated into ``.grad``: one training step.
+
+    With ``interleave=True`` the backward of microbatch i runs interleaved with the forward of
+    microbatch i+1 (see the module docstring), so each pass's all-to-alls hide behind the other
+    pass's computation. Gradients equal those of ``for i, mb: loss_fn(overlapped(*mb), i).backward()``
+    (``interleave=False`` runs exactly that); capacity and the aux/z losses are per microbatch.
+
+    Requirements beyond :class:`lancet_rt.Overlapped`'s: the forward and ``loss_fn`` run no backward
+    of their own, and they do not modify tensors the previous microbatch's backward still needs
+    (optimizer steps belong between calls). DDP's reducer cannot wrap the model (a forward starts
+    before the previous backward has ended); use ``grad_sync`` for data-parallel gradients.
+
+    Args:
+        overlapped: the :class:`lancet_rt.Overlapped` model; its ``chunks`` and ``defer_wgrad`` hold
+            for every microbatch (``chunks="auto"`` is resolved once per call, on the first one).
+        microbatches: M >= 1 microbatches, each the model's arguments: a tensor, a tuple/list of
+            positional arguments, or a dict of keyword arguments.
+        loss_fn: ``loss_fn(output, i)`` -> the one-element loss of microbatch i, whose ``backward()``
+            runs (scale it by 1/M for the mean over microbatches).
+        interleave: False runs the microbatches one after another (the reference schedule).
+        grad_sync: a :class:`lancet_rt.parallel.GradientSync` that all-reduces the gradients during
+            the last microbatch's backward (None: no data-parallel reduction).
+
+    Returns:
+        [M] the losses, detached.
+    """
+    from .overlap import Overlapped
+    from .parallel import GradientSync
+
+    if not isinstance(overlapped, Overlapped):
+        raise TypeError(f"overlapped must be a lancet_rt.Overlapped, got {type(overlapped).__name__}")
+    if isinstance(microbatches, (torch.Tensor, dict)) or not isinstance(microbatches, Iterable):
+        raise TypeError(f"microbatches must be a sequence of microbatches, got {type(microbatches).__name__}")
+    calls = [_as_call(mb, i) for i, mb in enumerate(microbatches)]
+    if not calls:
+        raise ValueError("microbatches must hold at least one microbatch, got none")
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+    if not isinstance(interleave, bool):
+        raise TypeError(f"interleave must be a bool, got {type(interleave).__name__}")
+    if grad_sync is not None and not isinstance(grad_sync, GradientSync):
+        raise TypeError(f"grad_sync must be None or a lancet_rt.parallel.GradientSync, got {type(grad_sync).__name__}")
+
+    # As Overlapped.forward: the schedule agreed across ranks once; an exception ends on every rank
+    # and leaves no state behind (lancet_rt.faults).
+    _faults.check_schedule(overlapped)
+    with _faults.StepGuard(overlapped):
+        return _step(overlapped, calls, loss_fn, interleave, grad_sync)
+
+
+def _step(overlapped, calls: list, loss_fn, interleave: bool, grad_sync) -> torch.Tensor:
+    if overlapped.wgrad_queue is not None:
+        overlapped.wgrad_queue.discard_orphans()  # left by a backward that raised
+    n = overlapped._resolve_chunks(*calls[0])
+    losses = []
+    pending: Optional[torch.Tensor] = None  # the loss whose backward has not run yet
+    for i, (args, kwargs) in enumerate(calls):
+        beside = None
+        if pending is not None:
+            if interleave:
+                beside = _Backward(pending, i - 1, overlapped.wgrad_queue)
+            else:
+                _host_backward(pending, i - 1, None)
+        try:
+            on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in (*args, *kwargs.values()))
+            with _trace.span(f"forward {i}", "compute", on_cuda, microbatch=i):
+                _scope.set_beside(beside)
+                try:
+                    if beside is not None:
+                        beside.turn()  # the backward's first all-to-all leaves before the forward starts
+                    out = overlapped.forward_chunked(n, args, kwargs)
+                finally:
+                    _scope.set_beside(None)
+                loss = _check_loss(loss_fn(out, i), i)
+        except BaseException:
+            if beside is not None:
+                beside.abort()
+            raise
+        if beside is not None:
+            beside.finish()
+            if beside.error is not None:
+                raise beside.error
+        losses.append(loss.detach().reshape(()))
+        pending = loss
+    _host_backward(pending, len(calls) - 1, grad_sync)
+    return torch.stack(losses)
+
+
+def _host_backward(loss: torch.Tensor, i: int, grad_sync) -> None:
+    with _trace.span(f"backward {i}", "compute", loss.is_cuda, microbatch=i):
+        if grad_sync is None:
+            loss.backward()
+        else:
+            with grad_sync:
+                loss.backward()

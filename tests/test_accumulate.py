@@ -1,0 +1,295 @@
+"""Issue 12: cross-microbatch overlap (Overlapped.accumulate), the Tutel-style baseline's pipelined
+backward, and Lina's all-reduce behind the all-to-alls (EmulatedGroup.all_reduce, GradientSync)."""
+from __future__ import annotations
+
+import copy
+import math
+import threading
+
+import pytest
+import torch
+
+import lancet_rt
+from lancet_rt.accumulate import accumulate
+from lancet_rt.parallel import GradientSync, sync_gradients
+from tests import test_overlap as overlap_tests
+from tests.dist import assert_all_ok, run_ranks
+from tests.helpers import assert_close
+
+D = 16
+
+
+def make_model(capacity_factor, ep_group=None, E=8):
+    return overlap_tests.make_model(capacity_factor, ep_group, E=E)
+
+
+def ep_model(capacity_factor, rank, world):
+    """The model on a real expert-parallel group, each rank its own experts."""
+    import torch.distributed as dist
+
+    model = make_model(capacity_factor, ep_group=dist.group.WORLD, E=2 * world)
+    torch.manual_seed(10 + rank)
+    for m in model.moe_layers():
+        m.experts.reset_parameters()
+    return model
+
+
+def microbatches(M, rows, gen=None):
+    xs = [torch.randn(rows[i % len(rows)], 5, D, generator=gen) for i in range(M)]
+    gs = [torch.randn(x.shape, generator=gen) for x in xs]
+    return xs, gs
+
+
+def sequential_reference(model, xs, gs):
+    """M plain steps of the unwrapped model, gradients accumulated: what accumulate must equal."""
+    losses, stats = [], []
+    for i, x in enumerate(xs):
+        loss = (model(x) * gs[i]).sum()
+        loss.backward()
+        losses.append(loss.detach())
+        stats.append([(m.aux_loss.clone(), m.dropped) for m in model.moe_layers()])
+    return torch.stack(losses), {n: p.grad.clone() for n, p in model.named_parameters()}, stats
+
+
+def assert_same_step(ref, model, losses, stats=None):
+    ref_losses, ref_grads, ref_stats = ref
+    assert_close("losses", losses, ref_losses)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    assert grads.keys() == ref_grads.keys()
+    for n in ref_grads:
+        assert_close(f"grad {n}", grads[n], ref_grads[n])
+    last = [(m.aux_loss, m.dropped) for m in model.moe_layers()]  # the last microbatch's, as sequential
+    for (a0, d0), (a1, d1) in zip(ref_stats[-1], last):
+        assert_close("aux_loss", a1.reshape(1), a0.reshape(1))
+        assert d0 == d1
+
+
+# ---------------------------------------------------------------- one process, emulated link
+@pytest.mark.parametrize("chunks, capacity_factor, defer_wgrad", [
+    (2, None, False), (3, 0.75, True), (1, 0.75, False), (2, None, True),
+])
+def test_accumulate_equals_sequential_microbatches(chunks, capacity_factor, defer_wgrad):
+    """M microbatches under the cross-microbatch schedule: losses, per-microbatch capacity and aux
+    loss, and every gradient equal M plain steps; and the passes really took turns."""
+    link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=0.05, latency_us=500)
+    model = make_model(capacity_factor, link)
+    twin = copy.deepcopy(model)
+    xs, gs = microbatches(3, [6, 5])
+    ref = sequential_reference(model, xs, gs)
+    ov = lancet_rt.Overlapped(twin, chunks=chunks, defer_wgrad=defer_wgrad)
+    with lancet_rt.tracing() as tr:
+        losses = ov.accumulate(xs, lambda out, i: (out * gs[i]).sum())
+    assert_same_step(ref, twin, losses)
+    if capacity_factor is not None:
+        assert any(m.dropped > 0 for m in twin.moe_layers()), "the capacity case must drop something"
+    spans = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in tr.events() if e["tid"] == "compute"]
+    for i in (0, 1):  # backward i ran in turns inside forward i + 1 (and the rest after it)
+        (_, f0, f1), = [s for s in spans if s[0] == f"forward {i + 1}"]
+        inside = [s for s in spans if s[0] == f"backward {i}" and f0 <= s[1] and s[2] <= f1]
+        assert len(inside) >= 4, (i, len(inside))
+    if defer_wgrad:
+        assert not ov.wgrad_queue.items
+
+
+def test_accumulate_issues_collectives_in_schedule_order():
+    """The turns are decided from the schedule, never from completion timing: on a free link and on
+    a slow one, the same collectives are issued in the same order."""
+    orders = []
+    for gbps, latency_us in ((math.inf, 0.0), (0.01, 3000)):
+        link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=gbps, latency_us=latency_us)
+        log = []
+        a2a, exchange = link.all_to_all, link.exchange
+        link.all_to_all = lambda out, x, o, i: log.append(("a2a", x.shape[0])) or a2a(out, x, o, i)
+        link.exchange = lambda send: log.append(("counts", int(send.sum()))) or exchange(send)
+        model = make_model(0.75, link)
+        xs, gs = microbatches(3, [4])
+        lancet_rt.Overlapped(model, chunks=2, defer_wgrad=True).accumulate(xs, lambda out, i: (out * gs[i]).sum())
+        orders.append(log)
+    assert len(orders[0]) == 3 * 2 * 2 * (1 + 2 + 2)  # microbatches x layers x chunks x (counts + 2 fwd + 2 bwd)
+    assert orders[0] == orders[1]
+
+
+def test_accumulate_rejects_bad_arguments():
+    ov = lancet_rt.Overlapped(make_model(None), chunks=2)
+    loss = lambda out, i: out.sum()  # noqa: E731
+    x = torch.randn(4, 3, D)
+    with pytest.raises(TypeError, match="overlapped"):
+        accumulate(make_model(None), [x], loss)
+    with pytest.raises(ValueError, match="at least one"):
+        ov.accumulate([], loss)
+    with pytest.raises(TypeError, match="microbatches must be a sequence"):
+        ov.accumulate(x, loss)
+    with pytest.raises(TypeError, match=r"microbatches\[1\]"):
+        ov.accumulate([x, 3], loss)
+    with pytest.raises(TypeError, match="loss_fn"):
+        ov.accumulate([x], "sum")
+    with pytest.raises(TypeError, match="interleave"):
+        ov.accumulate([x], loss, interleave=1)
+    with pytest.raises(TypeError, match="grad_sync"):
+        ov.accumulate([x], loss, grad_sync=object())
+    with pytest.raises(ValueError, match="one-element"):
+        ov.accumulate([x, x], lambda out, i: out.sum(0))
+
+
+def test_failure_in_a_forward_beside_a_backward():
+    """A forward that raises while the previous microbatch's backward is suspended: the error
+    reaches the caller, the backward's thread ends, and the next step is exact."""
+    link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=0.1, latency_us=100)
+    model = make_model(None, link)
+    twin = copy.deepcopy(model)
+    ov = lancet_rt.Overlapped(twin, chunks=2, defer_wgrad=True)
+    xs, gs = microbatches(2, [4])
+    calls = []
+
+    def fail_in_microbatch_1(module, args, out):  # blocks[1] runs twice (2 chunks) per microbatch
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected forward failure")
+
+    handle = twin.blocks[1].attn.register_forward_hook(fail_in_microbatch_1)
+    with lancet_rt.tracing() as tr:
+        with pytest.raises(RuntimeError, match="injected"):
+            ov.accumulate(xs, lambda out, i: (out * gs[i]).sum())
+    handle.remove()
+    assert any(e["name"] == "backward 0" for e in tr.events()), "backward 0 must have been suspended"
+    # The suspended backward was unwound: nothing waits for a turn, the helper thread is free.
+    assert lancet_rt.scope._backward_beside is None
+    worker = lancet_rt.accumulate._worker()
+    done = threading.Event()
+    worker.submit(done.set)
+    assert done.wait(10)
+    for p in twin.parameters():
+        p.grad = None
+    ref = sequential_reference(model, xs, gs)
+    assert_same_step(ref, twin, ov.accumulate(xs, lambda out, i: (out * gs[i]).sum()))
+    assert not ov.wgrad_queue.items
+
+
+# ---------------------------------------------------------------- 2 gloo ranks
+def _accumulate_gloo(rank, world):
+    """Every (capacity, deferred dW) cell, then data-parallel gradients with GradientSync, in one set
+    of processes. Rank 1 has fewer rows than chunks in one microbatch."""
+    gen = torch.Generator().manual_seed(rank)
+    drops = 0
+    for capacity_factor in (None, 0.75):
+        for defer_wgrad in (False, True):
+            model = ep_model(capacity_factor, rank, world)
+            twin = copy.deepcopy(model)
+            xs, gs = microbatches(3, [5, 2] if rank else [4, 6], gen)
+            ref = sequential_reference(model, xs, gs)
+            ov = lancet_rt.Overlapped(twin, chunks=3, defer_wgrad=defer_wgrad)
+            assert_same_step(ref, twin, ov.accumulate(xs, lambda out, i: (out * gs[i]).sum()))
+            drops += sum(m.dropped for m in twin.moe_layers())
+    # Data + expert parallelism over one group: GradientSync during the last backward (buckets and
+    # pieces of all-reduce) equals sync_gradients after it.
+    model = ep_model(None, rank, world)
+    twin = copy.deepcopy(model)
+    xs, gs = microbatches(2, [4], gen)
+    for i, x in enumerate(xs):
+        (model(x) * gs[i]).sum().backward()
+    sync_gradients(model)
+    sync = GradientSync(twin, bucket_mb=0.002, piece_mb=0.0005)
+    lancet_rt.Overlapped(twin, chunks=2).accumulate(xs, lambda out, i: (out * gs[i]).sum(), grad_sync=sync)
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert_close(f"synced grad {n}", q.grad, p.grad)
+    return drops, sync.issued, len(sync._buckets)
+
+
+def test_accumulate_expert_parallel_gloo():
+    results = assert_all_ok(run_ranks(_accumulate_gloo, 2, timeout=240))
+    assert sum(r[0] for r in results) > 0, "the capacity cells must drop"
+    for _, issued, buckets in results:
+        assert issued > buckets > 1  # buckets during backward, cut into pieces
+
+
+# ---------------------------------------------------------------- the Tutel-style baseline's backward
+def test_moe_pipelined_backward_is_pipelined():
+    """MoE(pipeline_chunks=P) pipelines its backward as Tutel does: every piece's combine gradient
+    leaves before the first expert backward, and each piece's dispatch gradient leaves before the
+    next piece's expert backward runs. Exactness: tests/test_overlap.py."""
+    from lancet_rt import experts as experts_mod
+
+    link = lancet_rt.EmulatedGroup(2)
+    log = []
+    a2a = link.all_to_all
+    link.all_to_all = lambda out, x, o, i: log.append(("a2a", x.shape[0])) or a2a(out, x, o, i)
+    moe = lancet_rt.MoE(D, 12, 4, 2, ep_group=link, pipeline_chunks=3)
+    y = moe(torch.randn(30, D, requires_grad=True))
+    sizes = [n for _, n in log[:3]]  # the pieces' rows, as dispatched
+    assert log == [("a2a", n) for n in sizes * 2] and len(set(sizes)) == 3
+    log.clear()
+    backward = experts_mod._ExpertsFn.backward
+    try:
+        experts_mod._ExpertsFn.backward = staticmethod(lambda ctx, dy: log.append(("experts bwd", dy.shape[0]))
+                                                        or backward(ctx, dy))
+        y.backward(torch.randn_like(y))
+    finally:
+        experts_mod._ExpertsFn.backward = backward
+    last_first = sizes[::-1]
+    assert log == ([("a2a", n) for n in last_first]
+                   + [e for n in last_first for e in (("experts bwd", n), ("a2a", n))])
+
+
+# ---------------------------------------------------------------- Lina: all-reduce behind the all-to-alls
+def test_emulated_all_reduce():
+    link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=0.001, latency_us=1000)
+    x = torch.randn(250)
+    for op, expected in (("sum", 4 * x), ("avg", x), (torch.distributed.ReduceOp.MAX, x), ("product", x ** 4)):
+        t = x.clone()
+        link.reset()
+        link.all_reduce(t, op).wait()
+        assert_close(f"all_reduce {op}", t, expected)
+        # a ring all-reduce: each rank sends 2 (W - 1) / W of the 1000 bytes; at 1e6 B/s, + 1 ms
+        assert math.isclose(link.modeled_ms, 1.0 + 1.5, rel_tol=1e-9)
+    with pytest.raises(ValueError, match="op"):
+        link.all_reduce(x, "mean")
+    with pytest.raises(TypeError, match="tensor"):
+        link.all_reduce([1.0])
+
+
+@pytest.mark.parametrize("low_priority", [False, True])
+def test_all_reduce_priority(low_priority):
+    """Lina's rule: a low-priority all-reduce waits while an all-to-all is queued, and one already
+    on the link is not preempted; in FIFO order the all-to-all waits behind it."""
+    link = lancet_rt.EmulatedGroup(2, bandwidth_gbps=1e-3, latency_us=0)
+    rows = torch.randn(2, 100_000 // 4)  # one row off rank: 100 ms
+    first = link.all_to_all(torch.empty_like(rows), rows, [1, 1], [1, 1])
+    ar = link.all_reduce(torch.randn(50_000 // 4), low_priority=low_priority)  # 2 (W-1)/W: 50 ms
+    second = link.all_to_all(torch.empty_like(rows), rows, [1, 1], [1, 1])
+    for w in (first, ar, second):
+        w.wait()
+    if low_priority:
+        assert first.end <= second.start and second.end <= ar.start
+        assert link.behind_all_reduce_ms == 0.0
+    else:
+        assert first.end <= ar.start and ar.end <= second.start
+        assert link.behind_all_reduce_ms == pytest.approx(50.0, abs=1.0)
+
+
+def test_gradient_sync_on_the_emulated_link():
+    """GradientSync averages every gradient ('all') over the emulated world: by symmetry each rank
+    holds the same gradient, so it comes back unchanged; buckets are cut into pieces."""
+    link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=0.1, latency_us=50)
+    model = make_model(None, link)
+    twin = copy.deepcopy(model)
+    xs, gs = microbatches(2, [4])
+    ref = sequential_reference(model, xs, gs)
+    with pytest.raises(ValueError, match="params"):
+        GradientSync(twin, link, params="experts")
+    with pytest.raises(ValueError, match="piece_mb"):
+        GradientSync(twin, link, piece_mb=0)
+    with pytest.raises(TypeError, match="group"):
+        GradientSync(twin, "world")
+    sync = GradientSync(twin, link, params="all", bucket_mb=0.004, piece_mb=0.001)
+    twin.blocks[0].moe(torch.randn(3, D)).sum().backward()  # outside the with: no all-reduce
+    assert sync.issued == 0
+    for p in twin.parameters():
+        p.grad = None
+    link.reset()
+    losses = lancet_rt.Overlapped(twin, chunks=2).accumulate(xs, lambda out, i: (out * gs[i]).sum(), grad_sync=sync)
+    assert_same_step(ref, twin, losses)
+    grad_bytes = sum(p.numel() * 4 for p in twin.parameters())
+    assert sync.issued >= grad_bytes / 1000 and len(sync._buckets) >= grad_bytes / 4000
+    transfers = link.transfers
+    sync.remove()
+    assert transfers == 2 * 2 * 2 * 5 + sync.issued  # 2 microbatches x 2 layers x 2 chunks x 5, + pieces
