@@ -74,6 +74,10 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="append a JSON row here")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of one overlapped step")
     p.add_argument("--png", default=None, help="draw the timeline of one sequential and one overlapped step")
+    p.add_argument("--compare", default=None, choices=["balanced-chunks", "dispatchers", "replay"],
+                   help="instead of the four schedules, a seed system against the default (bench/seeds.py)")
+    p.add_argument("--balance-order", default="sorted", choices=["sorted", "shuffled"],
+                   help="--compare balanced-chunks: the packed sequences longest first, or shuffled")
     p.add_argument("--check", action="store_true",
                    help="exit 1 unless hidden_comm_fraction >= 0.6 and Overlapped beats both baselines")
     return p.parse_args(argv)
@@ -178,6 +182,10 @@ def main(argv=None) -> dict:
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     s = sizes(args)
+    if args.compare:
+        from bench import seeds
+
+        return seeds.main(args, s, device)
     r = Runner(args, s, device)
 
     # 1. Calibration: the step's computation on a zero-cost link sets the bandwidth so that one
