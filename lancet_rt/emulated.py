@@ -230,6 +230,25 @@ class EmulatedGroup:
             return self._submit(off_rank, copy=(lambda: dst.copy_(src)) if src.numel() else None)
         return self._submit(off_rank, src=src, dst=dst)
 
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum"):
+        """Start an all-reduce (sum) of ``tensor`` in place over the emulated world; returns a handle
+        whose ``wait()`` makes the result valid (on CUDA: for the current stream).
+
+        By symmetry every rank holds this tensor, so the sum is W x tensor. The link is held as for a
+        ring all-reduce, ``latency + 2 (W - 1) / W x bytes / bandwidth`` (each rank sends, and
+        receives, that many bytes), in the same FIFO as the all-to-alls.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        if op != "sum":
+            raise ValueError(f"op must be 'sum', got {op!r}")
+        W = self._size
+        data = tensor.detach()
+        nbytes = 2 * (W - 1) * data.numel() * data.element_size() // W
+        if self._cpu_link is not None:
+            return self._submit(nbytes, copy=(lambda: data.mul_(W)) if W > 1 and data.numel() else None)
+        return self._submit(nbytes, src=data * W, dst=data) if W > 1 and data.numel() else self._submit(nbytes)
+
     def exchange(self, send_WN: torch.Tensor):
         """The counts exchange: by symmetry every rank receives what this one sends. Like a real
         collective it queues behind the transfers in flight (latency only, no bytes)."""
