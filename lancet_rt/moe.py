@@ -285,7 +285,7 @@ class MoE(nn.Module):
         state = self._routing_state(x_TD.shape[0], x_TD.device)
 
         chunk = _scope.current().chunk if _scope.current() is not None else None
-        with _trace.span("route", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk):
+        with _trace.span("route", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk, tokens=x_TD.shape[0]):
             r = self.route(x_TD, state, ops)
         state.next_chunk += 1
         if state.complete:
@@ -310,7 +310,8 @@ class MoE(nn.Module):
         else:
             counts = self.exchange_counts(r.kept_E.view(1, -1))
             _scope.switch(issues_next=True)  # another chunk runs while the counts travel
-            recv, sent = counts.wait()[0], counts.sent()[0]
+            with _trace.span("wait", "wait", chunk=chunk, counts=True):
+                recv, sent = counts.wait()[0], counts.sent()[0]
             x_SD, src_S = self._permute(x_TD, r, int(sent.sum()), ops, chunk)
             d = self.dispatch(x_SD, r.kept_E, recv, sent)
         _scope.switch()
