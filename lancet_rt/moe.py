@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm, ops as _ops, scope as _scope, trace as _trace
+from . import comm, dispatch as _dispatch, ops as _ops, scope as _scope, trace as _trace
 from .experts import Experts
 from .routing import BatchRouting, gate, permute, unpermute
 
@@ -87,6 +87,10 @@ class MoE(nn.Module):
             such as :class:`lancet_rt.EmulatedGroup`. Expert e lives on rank e // (E / W).
         pipeline_chunks: split the dispatch, the experts and the combine of this layer into this
             many pieces and pipeline them (the Tutel-style baseline; 1 = off).
+        dispatcher: "alltoall" (expert parallelism: each rank its own tokens) or "allreduce"
+            (PPMoE: the tokens are the same on every rank of ``ep_group``, each rank computes the
+            rows routed to its experts and one all-reduce sums the outputs; see
+            :mod:`lancet_rt.dispatch`).
         device, dtype: of the parameters.
 
     Attributes after each forward (detached, for logging): ``aux_loss``, ``z_loss`` (unscaled),
@@ -97,7 +101,7 @@ class MoE(nn.Module):
     def __init__(self, d_model: int, d_ffn: int, num_experts: int, top_k: int, *,
                  capacity_factor: Optional[float] = None, score_fn: str = "softmax",
                  normalize_topk: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
-                 ep_group=None, pipeline_chunks: int = 1, device=None, dtype=None):
+                 ep_group=None, pipeline_chunks: int = 1, dispatcher: str = "alltoall", device=None, dtype=None):
         super().__init__()
         for name, value in (("d_model", d_model), ("d_ffn", d_ffn), ("num_experts", num_experts),
                             ("top_k", top_k), ("pipeline_chunks", pipeline_chunks)):
@@ -122,7 +126,14 @@ class MoE(nn.Module):
         if dtype is not None and dtype not in _DTYPE_IDS:
             raise TypeError(f"dtype must be one of {list(_DTYPE_IDS)}, got {dtype}")
 
+        if dispatcher not in _dispatch.DISPATCHERS:
+            raise ValueError(f"dispatcher must be one of {_dispatch.DISPATCHERS}, got {dispatcher!r}")
+        if dispatcher == "allreduce" and pipeline_chunks != 1:
+            raise ValueError(f"pipeline_chunks must be 1 with dispatcher='allreduce', got {pipeline_chunks}")
         self.group = comm.as_group(ep_group)
+        if dispatcher == "allreduce":
+            _dispatch.check_group(self.group)
+        self.dispatcher = dispatcher
         world = self.group.size if self.group is not None else 1
         if num_experts % world != 0:
             raise ValueError(
@@ -161,7 +172,7 @@ class MoE(nn.Module):
     def extra_repr(self) -> str:
         return (f"d_model={self.d_model}, d_ffn={self.d_ffn}, num_experts={self.num_experts}, "
                 f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, score_fn={self.score_fn!r}, "
-                f"ep_size={self.ep_size}")
+                f"ep_size={self.ep_size}" + (f", dispatcher={self.dispatcher!r}" if self.dispatcher != "alltoall" else ""))
 
     # ---------------------------------------------------------------- validation
     def _input_error(self, x) -> Optional[Exception]:
@@ -184,6 +195,7 @@ class MoE(nn.Module):
             status, self.d_model, self.d_ffn, self.num_experts, self.top_k, cf,
             _SCORE_FNS.index(self.score_fn), int(self.normalize_topk), round(self.aux_loss_coef * 1e9),
             round(self.z_loss_coef * 1e9), _DTYPE_IDS[self.router.weight.dtype], self.pipeline_chunks,
+            _dispatch.DISPATCHERS.index(self.dispatcher),
         ], dtype=torch.int64)
 
     def _check_config(self, error: Optional[Exception]) -> None:
@@ -192,7 +204,8 @@ class MoE(nn.Module):
         self._config_checked = True
         _raise_on_bad_status(rows[:, 0], error)
         names = ["d_model", "d_ffn", "num_experts", "top_k", "capacity_factor(1e-6)", "score_fn",
-                 "normalize_topk", "aux_loss_coef(1e-9)", "z_loss_coef(1e-9)", "dtype", "pipeline_chunks"]
+                 "normalize_topk", "aux_loss_coef(1e-9)", "z_loss_coef(1e-9)", "dtype", "pipeline_chunks",
+                 "dispatcher"]
         for r in range(rows.shape[0]):
             diff = [n for n, a, b in zip(names, rows[r, 1:].tolist(), rows[self.ep_rank, 1:].tolist()) if a != b]
             if diff:
@@ -223,7 +236,11 @@ class MoE(nn.Module):
         """
         L, W = self.num_local_experts, self.ep_size
         P = kept_PE.shape[0]
-        counts = kept_PE.view(P, W, L).permute(1, 0, 2).reshape(W, P * L).long()
+        if self.dispatcher == "allreduce":  # every rank gets every rank's counts (they must agree)
+            L = self.num_experts
+            counts = kept_PE.reshape(1, P * L).expand(W, -1).long()
+        else:
+            counts = kept_PE.view(P, W, L).permute(1, 0, 2).reshape(W, P * L).long()
         status = torch.full((W, 1), 0 if error is None else 1, dtype=torch.long, device=counts.device)
         return _Counts(self.group.exchange(torch.cat([counts, status], dim=1)), P, W, L, error)
 
@@ -290,6 +307,8 @@ class MoE(nn.Module):
         state.next_chunk += 1
         if state.complete:
             self._record_stats(state)
+        if self.dispatcher == "allreduce" and self.group is not None:
+            return _dispatch.allreduce_forward(self, x_TD, r, ops, chunk).view(x.shape)
         if self.pipeline_chunks == 1:
             y_SD, src_S, link = self._exchange_and_compute(x_TD, r, ops, chunk)
         else:

@@ -1,0 +1,172 @@
+"""Pipeline MoE dispatch (PPMoE, Chen et al., arXiv 2304.11414): no all-to-all, one all-reduce.
+
+``MoE(..., dispatcher="allreduce")``. Inside a tensor-parallel group every rank already holds the
+same tokens (the layer before the MoE ends in an all-reduce), so nothing needs sending to the
+experts: each rank holds **whole experts** (the same ``[E/W, ...]`` layout and expert-to-rank map as
+expert parallelism: expert e on rank e // (E/W)), routes the whole batch (the router is replicated),
+takes the rows routed to its own experts by index slicing, computes them, and sums its partial
+outputs with the other ranks' in **one all-reduce**.
+
+Per layer and chunk of T tokens (D wide, b bytes per element, W ranks, K experts per token):
+
+- forward: an all-reduce of the partial outputs ``[T, D]`` (a ring moves ``2 (W-1)/W x T D b`` per
+  rank) against the all-to-all path's dispatch and combine (``2 x (W-1)/W x T K D b``, less the
+  dropped assignments); both exchange the counts first (latency only: here they carry every rank's
+  routing, which must agree, so a rank with other tokens raises on every rank instead of hanging);
+- backward: the input's gradient through the experts is partial on each rank and is all-reduced
+  (``[T, D]``); so are the routing weights' gradients (``[T, K]`` float32), which makes the router's
+  backward, aux and z-loss included, the same full computation on every rank (Megatron's
+  "copy to tensor-parallel region": identity forward, all-reduce backward);
+- memory: parameters as expert parallelism (E/W experts per rank); activations: the routing of the
+  whole batch (replicated), and the local experts' rows only.
+
+Per rank the all-reduce path moves ``1/K`` of the all-to-all path's bytes for the same T, but the
+group shares one batch: for the group to process as many tokens as W expert-parallel ranks do
+(each rank computing as many expert rows), T is W times larger, and the all-reduce moves ``W/K``
+times the all-to-all's bytes. On one link it wins when ``W < K``, when latency dominates (fewer,
+larger collectives), or when its link is faster (a tensor-parallel group inside a node, NVLink,
+against an expert-parallel all-to-all across nodes: it wins while ``W/K`` stays under the
+bandwidth ratio). It also replicates the router, gating and permutation over the group's batch.
+
+Exactness: the routing is the contract's over the whole (replicated) batch, so outputs, drops,
+aux/z losses and every gradient equal the unsharded layer's on every rank (tests/test_seeds.py,
+2 gloo ranks, dropless and with capacity, chunked or not).
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from . import comm, scope as _scope, trace as _trace, wgrad
+from .routing import permute, unpermute
+
+DISPATCHERS = ("alltoall", "allreduce")
+
+
+@runtime_checkable
+class TensorParallelGroup(comm.ExpertParallelGroup, Protocol):
+    """An expert-parallel group that can also all-reduce (what ``dispatcher="allreduce"`` needs).
+
+    Implemented by :class:`lancet_rt.TorchGroup` and :class:`lancet_rt.EmulatedGroup`.
+    """
+
+    def all_reduce(self, tensor: torch.Tensor) -> comm.Work:
+        """Start a sum all-reduce of ``tensor`` in place; ``tensor`` is valid after ``wait()``."""
+
+
+class _InFlight:
+    """An all-reduce in flight, as :class:`lancet_rt.comm.Pending` waits on it."""
+
+    def __init__(self, chunk):
+        self.work, self.chunk = None, chunk
+
+
+def _ring_bytes(group, t: torch.Tensor) -> int:
+    W = group.size
+    return 2 * (W - 1) * t.numel() * t.element_size() // W
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """Sum over the group (async; the consumer waits). Backward: identity, since the output is the
+    same on every rank and so is its gradient (Megatron's "reduce from tensor-parallel region")."""
+
+    @staticmethod
+    def forward(ctx, y_TD, group, flight):
+        out = y_TD.contiguous().clone()
+        flight.work = group.all_reduce(out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class _GradAllReduce(torch.autograd.Function):
+    """Identity forward; backward: sum the (partial) gradient over the group, draining deferred dW
+    while the all-reduce is in flight (Megatron's "copy to tensor-parallel region")."""
+
+    @staticmethod
+    def forward(ctx, x, group, chunk):
+        ctx.group, ctx.chunk, ctx.wgrad = group, chunk, wgrad.current()
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.contiguous().clone()
+        work = ctx.group.all_reduce(g)
+        if ctx.wgrad is not None:
+            hold = getattr(ctx.group, "hold_ms", None)
+            with _trace.span("dW", chunk=ctx.chunk):
+                ctx.wgrad.drain_during(work, hold(_ring_bytes(ctx.group, g)) if hold else None)
+        with _trace.span("wait", "wait", chunk=ctx.chunk):
+            work.wait()
+        return g, None, None
+
+
+def check_group(group) -> None:
+    """A TypeError unless ``group`` can all-reduce (``dispatcher="allreduce"``)."""
+    if group is not None and not isinstance(group, TensorParallelGroup):
+        raise TypeError(f"dispatcher='allreduce' needs a group with all_reduce(tensor) (a ProcessGroup, "
+                        f"lancet_rt.TorchGroup or lancet_rt.EmulatedGroup), got {type(group).__name__}")
+
+
+def allreduce_forward(moe, x_TD: torch.Tensor, r, ops, chunk) -> torch.Tensor:
+    """The MoE layer's stages after routing, PPMoE style (module docstring): returns y_TD.
+
+    Args:
+        moe: the :class:`lancet_rt.MoE` (its group, experts and counts exchange).
+        x_TD: [T, D] this chunk's tokens, the same on every rank of the group.
+        r: the chunk's routing (weight_TK, row_TK, kept_E), the same on every rank.
+        ops: the kernel namespace.
+        chunk: the chunk index (traces), or None.
+    """
+    group, L = moe.group, moe.num_local_experts
+    counts = moe.exchange_counts(r.kept_E.view(1, -1))  # every rank's kept rows per expert, + status
+    _scope.switch(issues_next=True)  # another chunk runs while the counts travel
+    with _trace.span("wait", "wait", chunk=chunk, counts=True):
+        recv_WE = counts.wait()[0]
+    differ = [q for q in range(recv_WE.shape[0]) if not torch.equal(recv_WE[q], recv_WE[moe.ep_rank])]
+    if differ:  # every rank holds the same matrix, so every rank raises
+        raise ValueError(f"x must be the same on every rank of the group with dispatcher='allreduce' (the tokens "
+                         f"are replicated); rank(s) {differ} route other tokens than rank {moe.ep_rank}")
+    kept = recv_WE[moe.ep_rank].tolist()
+    lo = sum(kept[: moe.ep_rank * L])
+    rows = sum(kept[moe.ep_rank * L:(moe.ep_rank + 1) * L])
+    with _trace.span("permute", cuda=x_TD.is_cuda, layer=moe.trace_name, chunk=chunk):
+        row_TK = r.row_TK
+        local_TK = (row_TK >= lo) & (row_TK < lo + rows)
+        row_TK = torch.where(local_TK, row_TK - lo, torch.full_like(row_TK, -1))
+        x_SD, src_S = permute(_GradAllReduce.apply(x_TD, group, chunk), row_TK, rows, ops)
+    from .moe import _to_device  # (moe imports this module)
+
+    bounds = list(itertools.accumulate(kept[moe.ep_rank * L:(moe.ep_rank + 1) * L], initial=0))
+    offsets = _to_device(torch.tensor(bounds, dtype=torch.int64), x_TD.device)
+    with _trace.span("experts", cuda=x_TD.is_cuda, layer=moe.trace_name, rows=rows):
+        y_SD = moe.experts(x_SD, offsets, ops)
+    with _trace.span("unpermute", cuda=x_TD.is_cuda, layer=moe.trace_name, chunk=chunk):
+        y_TD = unpermute(y_SD, row_TK, _GradAllReduce.apply(r.weight_TK, group, chunk), src_S, ops)
+    flight = _InFlight(chunk)
+    with _trace.span("all_reduce", cuda=x_TD.is_cuda, layer=moe.trace_name, rows=x_TD.shape[0]):
+        pending = comm.Pending(_AllReduceSum.apply(y_TD, group, flight), flight)
+    _scope.switch()
+    return pending.wait()
+
+
+def modeled_bytes(tokens: int, d_model: int, top_k: int, world: int, element_size: int,
+                  kept_fraction: float = 1.0) -> dict:
+    """Off-rank bytes per rank of one MoE layer's forward + backward, by dispatcher (the link model).
+
+    Args:
+        tokens: T on this rank (replicated over the group for "allreduce").
+        d_model, top_k, world, element_size: D, K, W, b.
+        kept_fraction: kept assignments / (T K) (capacity drops shrink the all-to-alls).
+
+    Returns:
+        ``{"alltoall": 4 x (W-1)/W x T K D b x kept, "allreduce": 2 x 2 (W-1)/W x T D b + the
+        routing weights' gradient 2 (W-1)/W x T K 4}``.
+    """
+    share = (world - 1) / world
+    return dict(alltoall=4 * share * tokens * top_k * d_model * element_size * kept_fraction,
+                allreduce=2 * 2 * share * tokens * d_model * element_size + 2 * share * tokens * top_k * 4)
