@@ -83,26 +83,51 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None, None
 
 
+class _GradLink:
+    """A backward all-reduce's plan: issued early by a hook on the output, as soon as the gradient
+    exists (the consumer's backward has run), and waited by the node, created before the consumer,
+    so that the autograd engine runs other work (this chunk's router, other chunks) in between."""
+
+    def __init__(self, group, chunk):
+        self.group, self.chunk, self.early = group, chunk, None
+
+    def issue(self, grad: torch.Tensor) -> None:
+        g = grad.contiguous().clone()
+        self.early = (g, self.group.all_reduce(g))
+
+
 class _GradAllReduce(torch.autograd.Function):
-    """Identity forward; backward: sum the (partial) gradient over the group, draining deferred dW
-    while the all-reduce is in flight (Megatron's "copy to tensor-parallel region")."""
+    """Identity forward; backward: the (partial) gradient summed over the group, the all-reduce in
+    flight while deferred dW drains (Megatron's "copy to tensor-parallel region")."""
 
     @staticmethod
-    def forward(ctx, x, group, chunk):
-        ctx.group, ctx.chunk, ctx.wgrad = group, chunk, wgrad.current()
+    def forward(ctx, x, link):
+        ctx.link, ctx.wgrad = link, wgrad.current()
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        g = grad.contiguous().clone()
-        work = ctx.group.all_reduce(g)
+        link = ctx.link
+        if link.early is None:
+            link.issue(grad)
+        g, work = link.early
+        link.early = None
         if ctx.wgrad is not None:
-            hold = getattr(ctx.group, "hold_ms", None)
-            with _trace.span("dW", chunk=ctx.chunk):
-                ctx.wgrad.drain_during(work, hold(_ring_bytes(ctx.group, g)) if hold else None)
-        with _trace.span("wait", "wait", chunk=ctx.chunk):
+            hold = getattr(link.group, "hold_ms", None)
+            with _trace.span("dW", chunk=link.chunk):
+                ctx.wgrad.drain_during(work, hold(_ring_bytes(link.group, g)) if hold else None)
+        with _trace.span("wait", "wait", chunk=link.chunk):
             work.wait()
-        return g, None, None
+        return g, None
+
+
+def _grad_all_reduce(x: torch.Tensor, group, chunk) -> torch.Tensor:
+    """``x`` (identity) whose gradient is all-reduced: issued when it is computed, waited in backward."""
+    link = _GradLink(group, chunk)
+    out = _GradAllReduce.apply(x, link)
+    if out.requires_grad:
+        out.register_hook(lambda grad: link.issue(grad))
+    return out
 
 
 def check_group(group) -> None:
@@ -112,17 +137,25 @@ def check_group(group) -> None:
                         f"lancet_rt.TorchGroup or lancet_rt.EmulatedGroup), got {type(group).__name__}")
 
 
-def allreduce_forward(moe, x_TD: torch.Tensor, r, ops, chunk) -> torch.Tensor:
+def replicated_input(x_TD: torch.Tensor, group, chunk) -> torch.Tensor:
+    """The tokens as the experts' path sees them (call before routing, so the gradient's all-reduce,
+    issued when the permutation's backward has run, is waited for after the router's backward)."""
+    return _grad_all_reduce(x_TD, group, chunk)
+
+
+def allreduce_forward(moe, x_in: torch.Tensor, r, ops, chunk) -> torch.Tensor:
     """The MoE layer's stages after routing, PPMoE style (module docstring): returns y_TD.
 
     Args:
         moe: the :class:`lancet_rt.MoE` (its group, experts and counts exchange).
-        x_TD: [T, D] this chunk's tokens, the same on every rank of the group.
+        x_in: [T, D] this chunk's tokens, the same on every rank of the group, from
+            :func:`replicated_input` (created before the routing).
         r: the chunk's routing (weight_TK, row_TK, kept_E), the same on every rank.
         ops: the kernel namespace.
         chunk: the chunk index (traces), or None.
     """
-    group, L = moe.group, moe.num_local_experts
+    group, L, x_TD = moe.group, moe.num_local_experts, x_in
+    w_TK = _grad_all_reduce(r.weight_TK, group, chunk)  # its all-reduce waited for before the gating's backward
     counts = moe.exchange_counts(r.kept_E.view(1, -1))  # every rank's kept rows per expert, + status
     _scope.switch(issues_next=True)  # another chunk runs while the counts travel
     with _trace.span("wait", "wait", chunk=chunk, counts=True):
@@ -138,7 +171,7 @@ def allreduce_forward(moe, x_TD: torch.Tensor, r, ops, chunk) -> torch.Tensor:
         row_TK = r.row_TK
         local_TK = (row_TK >= lo) & (row_TK < lo + rows)
         row_TK = torch.where(local_TK, row_TK - lo, torch.full_like(row_TK, -1))
-        x_SD, src_S = permute(_GradAllReduce.apply(x_TD, group, chunk), row_TK, rows, ops)
+        x_SD, src_S = permute(x_in, row_TK, rows, ops)
     from .moe import _to_device  # (moe imports this module)
 
     bounds = list(itertools.accumulate(kept[moe.ep_rank * L:(moe.ep_rank + 1) * L], initial=0))
@@ -146,7 +179,7 @@ def allreduce_forward(moe, x_TD: torch.Tensor, r, ops, chunk) -> torch.Tensor:
     with _trace.span("experts", cuda=x_TD.is_cuda, layer=moe.trace_name, rows=rows):
         y_SD = moe.experts(x_SD, offsets, ops)
     with _trace.span("unpermute", cuda=x_TD.is_cuda, layer=moe.trace_name, chunk=chunk):
-        y_TD = unpermute(y_SD, row_TK, _GradAllReduce.apply(r.weight_TK, group, chunk), src_S, ops)
+        y_TD = unpermute(y_SD, row_TK, w_TK, src_S, ops)
     flight = _InFlight(chunk)
     with _trace.span("all_reduce", cuda=x_TD.is_cuda, layer=moe.trace_name, rows=x_TD.shape[0]):
         pending = comm.Pending(_AllReduceSum.apply(y_TD, group, flight), flight)

@@ -302,13 +302,15 @@ class MoE(nn.Module):
         state = self._routing_state(x_TD.shape[0], x_TD.device)
 
         chunk = _scope.current().chunk if _scope.current() is not None else None
+        allreduce = self.dispatcher == "allreduce" and self.group is not None
+        x_in = _dispatch.replicated_input(x_TD, self.group, chunk) if allreduce else None
         with _trace.span("route", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk, tokens=x_TD.shape[0]):
             r = self.route(x_TD, state, ops)
         state.next_chunk += 1
         if state.complete:
             self._record_stats(state)
-        if self.dispatcher == "allreduce" and self.group is not None:
-            return _dispatch.allreduce_forward(self, x_TD, r, ops, chunk).view(x.shape)
+        if allreduce:
+            return _dispatch.allreduce_forward(self, x_in, r, ops, chunk).view(x.shape)
         if self.pipeline_chunks == 1:
             y_SD, src_S, link = self._exchange_and_compute(x_TD, r, ops, chunk)
         else:
