@@ -402,6 +402,12 @@ def replay(profile: ReplayProfile, chunks: int, gbps: Optional[float] = None,
         if entry is not None:
             created.append(entry)
 
+    def transfer(l, c, which):
+        """Issue layer l's forward ``which`` all-to-all of chunk c (its autograd node is created)."""
+        nbytes = profile.bytes_per_token[(l, which)] * tokens[c]
+        created.append(("a2a", (l, c, which), nbytes))
+        return link.issue(clock["host"], nbytes)
+
     def program(c):
         t = tokens[c]
         for l in range(L):
@@ -418,14 +424,12 @@ def replay(profile: ReplayProfile, chunks: int, gbps: Optional[float] = None,
             for stage in ("permute", "issue"):
                 ms = profile.stage_ms((l, stage), t)
                 compute(ms, ("op", stage, ms))
-            dispatch = link.issue(clock["host"], profile.bytes_per_token[(l, "dispatch")] * t)
-            created.append(("a2a", (l, c, "dispatch"), profile.bytes_per_token[(l, "dispatch")] * t))
+            dispatch = transfer(l, c, "dispatch")
             yield False
             clock["host"] = max(clock["host"], dispatch)
             ms = profile.stage_ms((l, "experts"), t)
             compute(ms, ("op", "experts", ms, (l, c)))
-            combine = link.issue(clock["host"], profile.bytes_per_token[(l, "combine")] * t)
-            created.append(("a2a", (l, c, "combine"), profile.bytes_per_token[(l, "combine")] * t))
+            combine = transfer(l, c, "combine")
             yield False
             clock["host"] = max(clock["host"], combine)
             ms = profile.stage_ms((l, "post"), t)

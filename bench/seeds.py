@@ -61,6 +61,15 @@ def bandwidth_for_ratio(ratio: float, compute_ms: float, nbytes: int, transfers:
     return nbytes / (budget_ms * 1e-3) / 1e9
 
 
+def _blocks_on_link(cls, args, s: dict, device):
+    """(a free emulated link of ``--world-size``, ``cls(layers, d_model, heads, moe_kwargs)`` on it)."""
+    link = lancet_rt.EmulatedGroup(args.world_size, math.inf, 0.0, device=device)
+    moe_kwargs = dict(d_ffn=s["d_ffn"], num_experts=s["experts"], top_k=args.top_k,
+                      capacity_factor=args.capacity_factor, ep_group=link, aux_loss_coef=1e-2)
+    torch.manual_seed(0)
+    return link, cls(s["layers"], s["d_model"], s["heads"], moe_kwargs, device=device, dtype=getattr(torch, s["dtype"]))
+
+
 # ------------------------------------------------------------------------------ balanced chunks
 def balanced_chunks(args, s: dict, device: torch.device) -> list:
     """Equal sequence counts vs balanced chunk boundaries on a packed batch of skewed lengths.
@@ -75,11 +84,7 @@ def balanced_chunks(args, s: dict, device: torch.device) -> list:
     from lancet_rt.balance import BalancedChunks, transformer_costs
 
     dtype = getattr(torch, s["dtype"])
-    link = lancet_rt.EmulatedGroup(args.world_size, math.inf, 0.0, device=device)
-    moe_kwargs = dict(d_ffn=s["d_ffn"], num_experts=s["experts"], top_k=args.top_k,
-                      capacity_factor=args.capacity_factor, ep_group=link, aux_loss_coef=1e-2)
-    torch.manual_seed(0)
-    model = VarlenBlocks(s["layers"], s["d_model"], s["heads"], moe_kwargs, device=device, dtype=dtype)
+    link, model = _blocks_on_link(VarlenBlocks, args, s, device)
     lengths = skewed_lengths(2 * s["batch"], 2 * s["seq"], sort=args.balance_order == "sorted", seed=1)
     cu = cu_seqlens_of(lengths, device=device)
     T = int(sum(lengths))
@@ -149,7 +154,177 @@ def _spread(costs) -> float:
     return max(costs) / (sum(costs) / len(costs)) if costs and sum(costs) else float("nan")
 
 
-COMPARISONS = {"balanced-chunks": balanced_chunks}
+# -------------------------------------------------------------------------------------- dispatchers
+class MoEOnlyBlocks(torch.nn.Module):
+    """``x + moe(norm(x))`` x layers: the layers where the dispatchers differ, nothing else."""
+
+    def __init__(self, layers: int, d_model: int, moe_kwargs: dict, *, device=None, dtype=None):
+        super().__init__()
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(d_model, device=device, dtype=dtype) for _ in range(layers))
+        self.moes = torch.nn.ModuleList(lancet_rt.MoE(d_model, device=device, dtype=dtype, **moe_kwargs)
+                                        for _ in range(layers))
+
+    def forward(self, x):
+        for norm, moe in zip(self.norms, self.moes):
+            x = x + moe(norm(x))
+        return x
+
+    def moe_layers(self) -> list:
+        return list(self.moes)
+
+
+DISPATCH_CELLS = ((2, 4), (2, 2), (4, 2), (8, 2))  # (W, K): the all-reduce moves W/K x the all-to-all's bytes
+
+
+def dispatchers(args, s: dict, device: torch.device) -> list:
+    """PPMoE's all-reduce dispatch against the all-to-all path, at equal work, on the emulated link.
+
+    Per cell (W ranks, top-K): ``--layers`` blocks of norm + MoE. The all-to-all path gets
+    ``--batch`` x ``--seq`` tokens per rank (expert parallelism: W batches); the all-reduce path gets
+    W times as many, the same on every rank (one tensor-parallel group's batch), so each rank computes
+    as many expert rows and the group as many tokens. The link's bandwidth is set so that the
+    all-to-all path's step communicates ``--comm-ratio`` x its computation (Overlapped, ``--chunks``);
+    both paths then run sequential and Overlapped on that link and on a free one.
+    """
+    from lancet_rt.dispatch import modeled_bytes
+
+    dtype = getattr(torch, s["dtype"])
+    rows = []
+    for W, K in DISPATCH_CELLS:
+        E = max(s["experts"], W)
+        link = lancet_rt.EmulatedGroup(W, math.inf, 0.0, device=device)
+        T = s["batch"] * s["seq"]
+        models, xs = {}, {}
+        for d, batch in (("alltoall", s["batch"]), ("allreduce", W * s["batch"])):
+            torch.manual_seed(0)
+            models[d] = MoEOnlyBlocks(s["layers"], s["d_model"], dict(
+                d_ffn=s["d_ffn"], num_experts=E, top_k=K, capacity_factor=args.capacity_factor, ep_group=link,
+                aux_loss_coef=1e-2, dispatcher=d), device=device, dtype=dtype)
+            xs[d] = torch.randn(batch, s["seq"], s["d_model"], device=device, dtype=dtype)
+        runners = {}
+        for d, m in models.items():
+            runners[(d, "sequential")] = m
+            runners[(d, "overlapped")] = lancet_rt.Overlapped(m, chunks=args.chunks)
+
+        def step(key):
+            d = key[0]
+
+            def run():
+                x = xs[d].detach().requires_grad_(True)
+                runners[key](x).backward(torch.ones_like(x))
+                for p in models[d].parameters():
+                    p.grad = None
+            return run
+
+        steps = {key: step(key) for key in runners}
+        calib = time_interleaved({0: steps[("alltoall", "overlapped")]}, link, {"free": FREE}, 3,
+                                 args.statistic, device)[("free", 0)]
+        _, nbytes, transfers = link_per_step(link, steps[("alltoall", "sequential")])
+        bw = bandwidth_for_ratio(args.comm_ratio, calib, nbytes, transfers, s["latency_us"])
+        t = time_interleaved(steps, link, {"free": FREE, "link": (bw, s["latency_us"])}, s["steps"],
+                             args.statistic, device)
+        link.bandwidth_gbps, link.latency_us = bw, s["latency_us"]
+        comm = {d: link_per_step(link, steps[(d, "sequential")]) for d in models}
+        model_bytes = modeled_bytes(T, s["d_model"], K, W, torch.empty((), dtype=dtype).element_size())
+        model_bytes["allreduce"] = modeled_bytes(W * T, s["d_model"], K, W,
+                                                 torch.empty((), dtype=dtype).element_size())["allreduce"]
+        row = dict(bench="overlap.dispatchers", **run_metadata(device), **{**s, "experts": E}, world_size=W, top_k=K,
+                   chunks=args.chunks, capacity_factor=args.capacity_factor, comm_ratio=args.comm_ratio,
+                   bandwidth_gbps=bw, tokens_per_rank_alltoall=T, tokens_per_rank_allreduce=W * T,
+                   **{f"{d}_{sch}_ms": t[("link", (d, sch))] for d, sch in runners},
+                   **{f"{d}_{sch}_compute_ms": t[("free", (d, sch))] for d, sch in runners},
+                   **{f"{d}_comm_ms": comm[d][0] for d in models},
+                   **{f"{d}_off_rank_bytes": comm[d][1] for d in models},
+                   **{f"{d}_modeled_bytes_per_layer": model_bytes[d] for d in models},
+                   allreduce_over_alltoall_bytes=comm["allreduce"][1] / comm["alltoall"][1],
+                   allreduce_speedup_sequential=t[("link", ("alltoall", "sequential"))] / t[("link", ("allreduce", "sequential"))],
+                   allreduce_speedup_overlapped=t[("link", ("alltoall", "overlapped"))] / t[("link", ("allreduce", "overlapped"))])
+        rows.append(row)
+        print_table([dict(dispatcher=d, schedule=sch, step_ms=t[("link", (d, sch))], compute_ms=t[("free", (d, sch))],
+                          comm_ms=comm[d][0], off_rank_MB=comm[d][1] / 1e6) for d, sch in runners],
+                    ["dispatcher", "schedule", "step_ms", "compute_ms", "comm_ms", "off_rank_MB"],
+                    title=f"dispatchers on {row['device']}: W={W} K={K} E={E}, {s['layers']} x (norm + MoE) "
+                          f"D={s['d_model']} F={s['d_ffn']}, {T} tokens per rank (all-to-all) / {W * T} replicated "
+                          f"(all-reduce), {bw:.3g} GB/s ({args.comm_ratio} x the all-to-all path's compute)")
+        print(f"all-reduce / all-to-all bytes {row['allreduce_over_alltoall_bytes']:.2f} (W/K = {W / K:.2f}); "
+              f"all-reduce speedup: sequential {row['allreduce_speedup_sequential']:.2f}x, overlapped "
+              f"{row['allreduce_speedup_overlapped']:.2f}x\n")
+    return rows
+
+
+# ------------------------------------------------------------------------------------------ replay
+REPLAY_CHUNKS = (1, 2, 4, 8)
+REPLAY_RATIOS = (0.5, 1.0, 2.0)
+
+
+def replay_check(args, s: dict, device: torch.device) -> list:
+    """dPRO-style replay against measurement: traces at ``--replay-from`` chunk counts (several steps
+    each, merged by their fastest parts) at comm ratio 1, replayed at chunks {1, 2, 4, 8} x comm
+    ratios {0.5, 1, 2}, each cell measured (interleaved, fastest step). Two predictions per cell:
+    from the first traced chunk count alone (no per-chunk overhead) and from all of them."""
+    from bench.model import MoEBlocks
+    from lancet_rt.autotune.replay import build_profile, parse_trace, replay
+
+    dtype = getattr(torch, s["dtype"])
+    link, model = _blocks_on_link(MoEBlocks, args, s, device)
+    x = torch.randn(s["batch"], s["seq"], s["d_model"], device=device, dtype=dtype)
+    g = torch.randn_like(x)
+    traced_at = [int(v) for v in args.replay_from.split(",")]
+    counts = sorted(set(REPLAY_CHUNKS) | set(traced_at))
+    runners = {n: lancet_rt.Overlapped(model, chunks=n, defer_wgrad=args.replay_defer_wgrad) for n in counts}
+
+    def step(n):
+        def run():
+            runners[n](x.detach().requires_grad_(True)).backward(g)
+            for p in model.parameters():
+                p.grad = None
+        return run
+
+    steps = {n: step(n) for n in counts}
+    calib = time_interleaved({4: steps[4]}, link, {"free": FREE}, 3, args.statistic, device)[("free", 4)]
+    _, nbytes, transfers = link_per_step(link, steps[1])
+    bws = {r: bandwidth_for_ratio(r, calib, nbytes, transfers, s["latency_us"]) for r in REPLAY_RATIOS}
+    link.bandwidth_gbps, link.latency_us = bws[1.0], s["latency_us"]
+    traces = {n: [] for n in traced_at}
+    for _ in range(args.replay_traces):
+        for n in traced_at:
+            with lancet_rt.tracing() as tr:
+                steps[n]()
+                synchronize(device)
+            traces[n].append(parse_trace(tr))
+    profiles = {"one_trace": build_profile(traces[traced_at[0]]),
+                "all_traces": build_profile([t for n in traced_at for t in traces[n]])}
+    t = time_interleaved({n: steps[n] for n in REPLAY_CHUNKS}, link,
+                         {r: (bws[r], s["latency_us"]) for r in REPLAY_RATIOS}, s["steps"], args.statistic, device)
+    cells = []
+    for r in REPLAY_RATIOS:
+        for n in REPLAY_CHUNKS:
+            cell = dict(chunks=n, comm_ratio=r, bandwidth_gbps=bws[r], measured_ms=t[(r, n)])
+            for name, prof in profiles.items():
+                q = replay(prof, n, bws[r], s["latency_us"] * 1e-3)
+                cell[f"{name}_ms"] = q.step_ms
+                cell[f"{name}_error"] = q.step_ms / t[(r, n)] - 1
+            cells.append(cell)
+    summary = {f"{name}_{k}": f(abs(c[f"{name}_error"]) for c in cells)
+               for name in profiles for k, f in (("max_abs_error", max), ("mean_abs_error", statistics.fmean))}
+    row = dict(bench="overlap.replay", **run_metadata(device), **s, world_size=args.world_size, top_k=args.top_k,
+               capacity_factor=args.capacity_factor, defer_wgrad=args.replay_defer_wgrad, traced_chunks=traced_at,
+               traces_per_count=args.replay_traces, traced_bandwidth_gbps=bws[1.0],
+               traced_step_ms={str(n): min(tr.step_ms for tr in traces[n]) for n in traced_at},
+               fitted_alpha_ms_per_chunk=sum(profiles["all_traces"].alpha.values()),
+               cells=cells, **summary)
+    print_table(cells, ["chunks", "comm_ratio", "measured_ms", "one_trace_ms", "one_trace_error", "all_traces_ms",
+                        "all_traces_error"],
+                title=f"replay on {row['device']}: {s['layers']} blocks D={s['d_model']} E={s['experts']} "
+                      f"K={args.top_k} W={args.world_size} tokens={s['batch'] * s['seq']}, traced at chunks "
+                      f"{traced_at} (comm ratio 1, {bws[1.0]:.3g} GB/s)" + (", deferred dW" if args.replay_defer_wgrad else ""))
+    print("prediction error |predicted / measured - 1|: " + ", ".join(
+        f"{name} max {summary[name + '_max_abs_error']:.1%} mean {summary[name + '_mean_abs_error']:.1%}"
+        for name in profiles))
+    return [row]
+
+
+COMPARISONS = {"balanced-chunks": balanced_chunks, "dispatchers": dispatchers, "replay": replay_check}
 
 
 def main(args, s: dict, device: torch.device) -> list:
