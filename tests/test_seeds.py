@@ -60,7 +60,7 @@ def test_balanced_chunks_packed_equals_model():
     """Packed sequences of skewed lengths, cut at cost-balanced sequence boundaries: outputs, drops,
     aux/z losses and every gradient equal the unchunked model's (capacity carried across uneven chunks)."""
     torch.manual_seed(0)
-    model = VarlenBlocks(2, D, 2, dict(d_ffn=12, num_experts=4, top_k=2, capacity_factor=0.75,
+    model = VarlenBlocks(1, D, 2, dict(d_ffn=12, num_experts=4, top_k=2, capacity_factor=0.75,
                                        aux_loss_coef=0.01, z_loss_coef=0.001))
     twin = copy.deepcopy(model)
     lengths = skewed_lengths(9, 24, seed=1)
@@ -245,6 +245,12 @@ def test_replay_of_a_recorded_step(tmp_path):
         free = replay(p, n, math.inf, 0.0)
         assert math.isclose(free.step_ms, free.compute_ms, rel_tol=1e-9)
         assert replay(p, n, 0.01, 0.5).step_ms >= q.step_ms >= replay(p, n, 1.0, 0.5).step_ms
+    # Deferred dW: traced in the windows and the flush, replayed from a pool that the waits drain.
+    sd = parse_trace(_record(link, copy.deepcopy(model), 2, x, g, defer=True))
+    pd = build_profile([sd])
+    assert sd.deferred and sd.backward["dw"] > 0 and pd.dw_ratio > 0
+    assert math.isclose(replay(pd, 2, 0.05, 0.5).compute_ms,
+                        sum(map(sum, sd.forward.values())) + sd.glue_ms + sum(sd.backward.values()), rel_tol=1e-9)
     path = tmp_path / "t.json"
     tr.save(str(path))
     preds = main([str(path), "--chunks", "1,2", "--bandwidth-gbps", "0.05,1", "--json", str(tmp_path / "p.json")])
