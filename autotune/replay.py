@@ -536,6 +536,8 @@ def main(argv=None) -> list:
         profile = build_profile([parse_trace(t) for t in args.traces])
     except (OSError, ValueError) as exc:
         p.exit(2, f"replay: {exc}\n")
+    if args.latency_us is not None and not args.latency_us >= 0:
+        p.error(f"--latency-us must be >= 0, got {args.latency_us}")
     lat = None if args.latency_us is None else args.latency_us * 1e-3
     preds = [replay(profile, n, b, lat) for b in (args.bandwidth_gbps or [None]) for n in args.chunks]
     print(f"replay of {len(args.traces)} trace(s): {len(profile.layers)} MoE layers, {profile.tokens} tokens, traced "
