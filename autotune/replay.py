@@ -265,8 +265,8 @@ def build_profile(steps: Sequence[TracedStep]) -> ReplayProfile:
 
     Args:
         steps: at least one :class:`TracedStep`; with two or more chunk counts the per-chunk cost
-            ``alpha`` of every stage is fitted, else it is 0. Steps at the same chunk count are
-            merged part by part by their minimum (:func:`_fastest`).
+            ``alpha`` of every stage is fitted, else it is 0. Of several steps at one chunk count
+            the fastest is kept (:func:`_fastest`).
     """
     steps = list(steps)
     if not steps:
@@ -309,23 +309,10 @@ def _by_chunks(steps) -> list:
 
 
 def _fastest(steps: Sequence[TracedStep]) -> TracedStep:
-    """Steps at one chunk count merged part by part by their minimum: load from elsewhere only ever
-    slows a stage, so the fastest record of each is the steadiest estimate (as benchmarks take the
-    fastest step)."""
-    if len(steps) == 1:
-        return steps[0]
-    s0 = steps[0]
-
-    def low(get):
-        return min(get(s) for s in steps)
-
-    forward = {k: [low(lambda s, k=k, c=c: s.forward[k][c]) for c in range(s0.chunks)] for k in s0.forward}
-    backward = {k: low(lambda s, k=k: s.backward[k]) for k in s0.backward}
-    return TracedStep(chunks=s0.chunks, layers=s0.layers, tokens=s0.tokens, forward=forward,
-                      glue_ms=low(lambda s: s.glue_ms), segments=s0.segments, backward=backward, bytes=s0.bytes,
-                      link_samples=[p for s in steps for p in s.link_samples], step_ms=low(lambda s: s.step_ms),
-                      forward_ms=low(lambda s: s.forward_ms), forward_waits_ms=low(lambda s: s.forward_waits_ms),
-                      backward_waits_ms=low(lambda s: s.backward_waits_ms), deferred=s0.deferred)
+    """The fastest of several traced steps at one chunk count: load from elsewhere only ever slows a
+    step, so the fastest is the steadiest record (as the benchmarks take the fastest step). Whole
+    steps, not the fastest record of each stage: those would add up to a step faster than any."""
+    return min(steps, key=lambda s: s.step_ms)
 
 
 def _slope(pts) -> float:
