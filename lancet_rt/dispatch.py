@@ -11,8 +11,10 @@ Per layer and chunk of T tokens (D wide, b bytes per element, W ranks, K experts
 
 - forward: an all-reduce of the partial outputs ``[T, D]`` (a ring moves ``2 (W-1)/W x T D b`` per
   rank) against the all-to-all path's dispatch and combine (``2 x (W-1)/W x T K D b``, less the
-  dropped assignments); both exchange the counts first (latency only: here they carry every rank's
-  routing, which must agree, so a rank with other tokens raises on every rank instead of hanging);
+  dropped assignments); both exchange counts (latency only). Here they carry every rank's
+  routing, which must agree, and are waited for only before the all-reduce (the experts need just
+  the local counts), so a rank with other tokens, or a rejected input, raises on every rank
+  instead of hanging;
 - backward: the input's gradient through the experts is partial on each rank and is all-reduced
   (``[T, D]``); so are the routing weights' gradients (``[T, K]`` float32), which makes the router's
   backward, aux and z-loss included, the same full computation on every rank (Megatron's
@@ -154,32 +156,35 @@ def allreduce_forward(moe, x_in: torch.Tensor, r, ops, chunk) -> torch.Tensor:
         ops: the kernel namespace.
         chunk: the chunk index (traces), or None.
     """
+    from .moe import _to_device  # (moe imports this module)
+
     group, L, x_TD = moe.group, moe.num_local_experts, x_in
     w_TK = _grad_all_reduce(r.weight_TK, group, chunk)  # its all-reduce waited for before the gating's backward
-    counts = moe.exchange_counts(r.kept_E.view(1, -1))  # every rank's kept rows per expert, + status
-    _scope.switch(issues_next=True)  # another chunk runs while the counts travel
-    with _trace.span("wait", "wait", chunk=chunk, counts=True):
-        recv_WE = counts.wait()[0]
-    differ = [q for q in range(recv_WE.shape[0]) if not torch.equal(recv_WE[q], recv_WE[moe.ep_rank])]
-    if differ:  # every rank holds the same matrix, so every rank raises
-        raise ValueError(f"x must be the same on every rank of the group with dispatcher='allreduce' (the tokens "
-                         f"are replicated); rank(s) {differ} route other tokens than rank {moe.ep_rank}")
-    kept = recv_WE[moe.ep_rank].tolist()
+    # Every rank's kept rows per expert (+ status), checked before the all-reduce: waiting for them
+    # now would hold this chunk's experts behind the transfers in flight (a FIFO link, one NCCL
+    # communicator), so the local counts size the permutation.
+    counts = moe.exchange_counts(r.kept_E.view(1, -1))
+    kept = r.kept_E.tolist()  # host sync: the local experts' rows size the permutation
     lo = sum(kept[: moe.ep_rank * L])
-    rows = sum(kept[moe.ep_rank * L:(moe.ep_rank + 1) * L])
+    mine = kept[moe.ep_rank * L:(moe.ep_rank + 1) * L]
+    rows = sum(mine)
     with _trace.span("permute", cuda=x_TD.is_cuda, layer=moe.trace_name, chunk=chunk):
         row_TK = r.row_TK
         local_TK = (row_TK >= lo) & (row_TK < lo + rows)
         row_TK = torch.where(local_TK, row_TK - lo, torch.full_like(row_TK, -1))
         x_SD, src_S = permute(x_in, row_TK, rows, ops)
-    from .moe import _to_device  # (moe imports this module)
-
-    bounds = list(itertools.accumulate(kept[moe.ep_rank * L:(moe.ep_rank + 1) * L], initial=0))
-    offsets = _to_device(torch.tensor(bounds, dtype=torch.int64), x_TD.device)
+    offsets = _to_device(torch.tensor(list(itertools.accumulate(mine, initial=0)), dtype=torch.int64), x_TD.device)
     with _trace.span("experts", cuda=x_TD.is_cuda, layer=moe.trace_name, rows=rows):
         y_SD = moe.experts(x_SD, offsets, ops)
     with _trace.span("unpermute", cuda=x_TD.is_cuda, layer=moe.trace_name, chunk=chunk):
         y_TD = unpermute(y_SD, row_TK, w_TK, src_S, ops)
+    _scope.switch(issues_next=True)  # other chunks run while the counts arrive
+    with _trace.span("wait", "wait", chunk=chunk, counts=True):
+        recv_WE = counts.wait()[0]
+    differ = [q for q in range(recv_WE.shape[0]) if not torch.equal(recv_WE[q], recv_WE[moe.ep_rank])]
+    if differ:  # every rank holds the same matrix, so every rank raises (before the all-reduce)
+        raise ValueError(f"x must be the same on every rank of the group with dispatcher='allreduce' (the tokens "
+                         f"are replicated); rank(s) {differ} route other tokens than rank {moe.ep_rank}")
     flight = _InFlight(chunk)
     with _trace.span("all_reduce", cuda=x_TD.is_cuda, layer=moe.trace_name, rows=x_TD.shape[0]):
         pending = comm.Pending(_AllReduceSum.apply(y_TD, group, flight), flight)

@@ -317,6 +317,12 @@ def _allreduce_matches(rank, world):
         out.append("no error")
     except ValueError as exc:
         out.append(str(exc))
+    # A rejected input on one rank (the wrong width): the other raises too.
+    try:
+        full_ar(torch.randn(9, D + 1 if rank else D))
+        out.append("no error")
+    except ValueError as exc:
+        out.append(str(exc))
     return out
 
 
@@ -332,6 +338,7 @@ def test_allreduce_dispatch_equals_contract_on_two_ranks():
     for r in results:
         assert r[1] > 0 and r[2] > 0, "the capacity cases must drop"
         assert "same on every rank" in r[3], r[3]
+    assert "d_model=16" in results[1][4] and "rejected on expert-parallel rank(s) [1]" in results[0][4], results
 
 
 def test_allreduce_dispatch_on_the_emulated_link():
