@@ -26,7 +26,8 @@ transfers the trace records), and the replay rebuilds the step at N chunks on a 
    (computation) and the link, a FIFO. The backward runs the forward's creation order in reverse
    (the autograd engine's order on one device): each backward all-to-all is issued by its gradient's
    producer (the unpermute's backward, the experts' after their dX) and waited by its own node, which
-   drains deferred dW meanwhile; what is left is flushed at the end.
+   drains deferred dW meanwhile by the queue's own rule (:func:`lancet_rt.wgrad.best_fit` over whole
+   items, one per stage holding weights); what is left is flushed at the end.
 
 What it cannot see: contention for the CPU and the GIL between the link's thread and the
 computation (and other processes), the link thread's wake-up delay, the expert load of other ranks
@@ -369,6 +370,7 @@ def replay(profile: ReplayProfile, chunks: int, gbps: Optional[float] = None,
         latency_ms: per-collective latency (default: the traced link's fit).
     """
     from lancet_rt.overlap import _next_chunk  # the scheduler's own rule
+    from lancet_rt.wgrad import best_fit  # the dW queue's own rule
 
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
@@ -445,18 +447,18 @@ def replay(profile: ReplayProfile, chunks: int, gbps: Optional[float] = None,
                 live.remove(c)
     forward_ms = clock["host"]
 
-    # Backward: reverse creation order; all-to-alls issued by their gradient's producer.
-    r, pool, bwd = profile.ratios, 0.0, {}
+    # Backward: reverse creation order; all-to-alls issued by their gradient's producer, waited by
+    # their own node, which drains deferred dW by the runtime's own rule (best fit, whole items).
+    r, queue, bwd = profile.ratios, [], {}
     for entry in reversed(created):
         if entry[0] == "a2a":
             end = bwd.get(entry[1])
             if end is None:
                 continue
-            left = end - clock["host"]
-            if pool > 0 and left > 0:
-                drained = min(pool, left)
-                compute(drained)
-                pool -= drained
+            ran = 0
+            while (i := best_fit(queue, end - clock["host"], ran)) is not None:
+                compute(queue.pop(i))
+                ran += 1
             clock["host"] = max(clock["host"], end)
             continue
         kind, ms = entry[1], entry[2]
@@ -474,8 +476,8 @@ def replay(profile: ReplayProfile, chunks: int, gbps: Optional[float] = None,
         else:
             compute(back)
         if profile.deferred and kind in ("pre", "experts"):
-            pool += ms * profile.dw_ratio
-    compute(pool)  # the final flush
+            queue.append(ms * profile.dw_ratio)  # one dW item per stage holding weights
+    compute(sum(queue))  # the final flush
     return ReplayPrediction(chunks=n, gbps=gbps, latency_ms=latency_ms, step_ms=clock["host"], forward_ms=forward_ms,
                             compute_ms=clock["work"], comm_ms=link.busy, segments=segments)
 
