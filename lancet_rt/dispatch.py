@@ -86,9 +86,10 @@ class _AllReduceSum(torch.autograd.Function):
 
 
 class _GradLink:
-    """A backward all-reduce's plan: issued early by a hook on the output, as soon as the gradient
-    exists (the consumer's backward has run), and waited by the node, created before the consumer,
-    so that the autograd engine runs other work (this chunk's router, other chunks) in between."""
+    """A backward all-reduce's plan: issued by a hook on its consumer's backward node as soon as that
+    node has produced the gradient, and waited for by its own node, created before the consumer (a
+    tensor hook would only run when its own node does), so that the autograd engine runs other work
+    (this chunk's gating and router, other chunks) while it flies."""
 
     def __init__(self, group, chunk):
         self.group, self.chunk, self.early = group, chunk, None
@@ -96,6 +97,13 @@ class _GradLink:
     def issue(self, grad: torch.Tensor) -> None:
         g = grad.contiguous().clone()
         self.early = (g, self.group.all_reduce(g))
+
+    def issue_after(self, consumer_output: torch.Tensor, index: int) -> None:
+        """Issue once the backward node of ``consumer_output`` has computed its input ``index``'s gradient."""
+        node = consumer_output.grad_fn
+        if node is not None:
+            node.register_hook(lambda grad_inputs, _: self.issue(grad_inputs[index])
+                               if grad_inputs[index] is not None and self.early is None else None)
 
 
 class _GradAllReduce(torch.autograd.Function):
@@ -123,13 +131,10 @@ class _GradAllReduce(torch.autograd.Function):
         return g, None
 
 
-def _grad_all_reduce(x: torch.Tensor, group, chunk) -> torch.Tensor:
-    """``x`` (identity) whose gradient is all-reduced: issued when it is computed, waited in backward."""
+def _grad_all_reduce(x: torch.Tensor, group, chunk) -> tuple:
+    """(``x`` as identity whose gradient is all-reduced in backward, its :class:`_GradLink`)."""
     link = _GradLink(group, chunk)
-    out = _GradAllReduce.apply(x, link)
-    if out.requires_grad:
-        out.register_hook(lambda grad: link.issue(grad))
-    return out
+    return _GradAllReduce.apply(x, link), link
 
 
 def check_group(group) -> None:
@@ -139,32 +144,36 @@ def check_group(group) -> None:
                         f"lancet_rt.TorchGroup or lancet_rt.EmulatedGroup), got {type(group).__name__}")
 
 
-def replicated_input(x_TD: torch.Tensor, group, chunk) -> torch.Tensor:
-    """The tokens as the experts' path sees them (call before routing, so the gradient's all-reduce,
-    issued when the permutation's backward has run, is waited for after the router's backward)."""
+def replicated_input(x_TD: torch.Tensor, group, chunk) -> tuple:
+    """The tokens as the experts' path sees them, and their gradient's link (call before routing, so
+    that the all-reduce, issued when the permutation's backward has run, is waited for after the
+    router's backward)."""
     return _grad_all_reduce(x_TD, group, chunk)
 
 
-def allreduce_forward(moe, x_in: torch.Tensor, r, ops, chunk) -> torch.Tensor:
+def allreduce_forward(moe, x_in: tuple, r, ops, chunk) -> torch.Tensor:
     """The MoE layer's stages after routing, PPMoE style (module docstring): returns y_TD.
 
     Args:
         moe: the :class:`lancet_rt.MoE` (its group, experts and counts exchange).
-        x_in: [T, D] this chunk's tokens, the same on every rank of the group, from
-            :func:`replicated_input` (created before the routing).
+        x_in: from :func:`replicated_input` (created before the routing): [T, D] this chunk's tokens,
+            the same on every rank of the group, and their gradient's link.
         r: the chunk's routing (weight_TK, row_TK, kept_E), the same on every rank.
         ops: the kernel namespace.
         chunk: the chunk index (traces), or None.
     """
     from .moe import _to_device  # (moe imports this module)
 
-    group, L, x_TD = moe.group, moe.num_local_experts, x_in
-    w_TK = _grad_all_reduce(r.weight_TK, group, chunk)  # its all-reduce waited for before the gating's backward
+    (x_TD, x_link), group, L = x_in, moe.group, moe.num_local_experts
+    w_TK, w_link = _grad_all_reduce(r.weight_TK, group, chunk)  # waited for before the gating's backward
     # Every rank's kept rows per expert (+ status), checked before the all-reduce: waiting for them
     # now would hold this chunk's experts behind the transfers in flight (a FIFO link, one NCCL
     # communicator), so the local counts size the permutation.
     counts = moe.exchange_counts(r.kept_E.view(1, -1))
     kept = r.kept_E.tolist()  # host sync: the local experts' rows size the permutation
+    # Other chunks run (and create their autograd nodes) between this chunk's routing and its experts:
+    # in backward their work then fills the window of this chunk's gradient all-reduces.
+    _scope.switch()
     lo = sum(kept[: moe.ep_rank * L])
     mine = kept[moe.ep_rank * L:(moe.ep_rank + 1) * L]
     rows = sum(mine)
@@ -172,13 +181,15 @@ def allreduce_forward(moe, x_in: torch.Tensor, r, ops, chunk) -> torch.Tensor:
         row_TK = r.row_TK
         local_TK = (row_TK >= lo) & (row_TK < lo + rows)
         row_TK = torch.where(local_TK, row_TK - lo, torch.full_like(row_TK, -1))
-        x_SD, src_S = permute(x_in, row_TK, rows, ops)
+        x_SD, src_S = permute(x_TD, row_TK, rows, ops)
+    x_link.issue_after(x_SD, 0)
     offsets = _to_device(torch.tensor(list(itertools.accumulate(mine, initial=0)), dtype=torch.int64), x_TD.device)
     with _trace.span("experts", cuda=x_TD.is_cuda, layer=moe.trace_name, rows=rows):
         y_SD = moe.experts(x_SD, offsets, ops)
     with _trace.span("unpermute", cuda=x_TD.is_cuda, layer=moe.trace_name, chunk=chunk):
         y_TD = unpermute(y_SD, row_TK, w_TK, src_S, ops)
-    _scope.switch(issues_next=True)  # other chunks run while the counts arrive
+    w_link.issue_after(y_TD, 2)
+    _scope.switch(issues_next=True)  # other chunks run while the counts arrive; then the all-reduce
     with _trace.span("wait", "wait", chunk=chunk, counts=True):
         recv_WE = counts.wait()[0]
     differ = [q for q in range(recv_WE.shape[0]) if not torch.equal(recv_WE[q], recv_WE[moe.ep_rank])]
