@@ -15,11 +15,11 @@ transfers the trace records), and the replay rebuilds the step at N chunks on a 
    split into the traced ``unpermute bwd``, ``experts bwd`` and deferred dW (``dW``,
    ``dW flush``) and the untraced rest. The link's transfers give each layer's bytes per token and
    the link model (``latency + bytes / bandwidth``, least squares).
-2. **Scale.** A stage of a chunk of t tokens costs ``alpha + beta * t``. One trace fixes beta
-   (alpha = 0: per-chunk overheads are not seen); traces at two or more chunk counts of the same
-   batch fit alpha too (least squares of each stage's total against the chunk count), as the
-   autotuner fits its per-chunk overhead. Backward work is each stage's forward time times the
-   ratio measured for its kind (experts, post, the rest), deferred dW likewise.
+2. **Scale.** Each stage's time summed over the chunks is known at the traced chunk count(s); at
+   others it is interpolated piecewise-linearly between traced counts (the nearest two's line
+   beyond them), and with a single trace it stays the traced total (per-chunk overheads are not
+   seen). A chunk gets the share of its tokens. Backward work is each stage's forward time times
+   the ratio measured for its kind (experts, post, the rest), deferred dW likewise.
 3. **Replay** (:func:`replay`). The forward runs Overlapped's own scheduling rule
    (:func:`lancet_rt.overlap._next_chunk`, imported, with the gating-in-order wait of
    :meth:`lancet_rt.MoE._routing_state`) over each chunk's stage program on two resources: the host
@@ -235,10 +235,13 @@ class ReplayProfile:
     Attributes:
         layers: MoE layer names.
         tokens: tokens of the batch.
-        alpha, beta: ``{(layer, stage): ms}`` per chunk and ms per token of each forward stage.
+        totals: ``{(layer, stage): {chunks: ms}}``: each forward stage's time summed over the chunks,
+            at each traced chunk count.
         glue_per_segment_ms: forward host time outside chunk segments, per segment.
-        ratios: backward ms per forward ms: ``experts``, ``post``, ``rest`` (the other stages).
-        dw_ratio: deferred dW ms per forward ms of the stages holding weights (``pre``, ``experts``).
+        ratios: ``{kind: {chunks: ratio}}``: backward ms per forward ms of ``experts``, ``post`` and
+            ``rest`` (the other stages).
+        dw_ratio: ``{chunks: ratio}``: deferred dW ms per forward ms of the stages holding weights
+            (``pre``, ``experts``).
         bytes_per_token: ``{(layer, "dispatch" | "combine"): off-rank bytes per token}``.
         link: the link model fitted to the traced transfers.
         deferred: whether dW is deferred.
@@ -247,27 +250,46 @@ class ReplayProfile:
 
     layers: list
     tokens: int
-    alpha: dict
-    beta: dict
+    totals: dict
     glue_per_segment_ms: float
     ratios: dict
-    dw_ratio: float
+    dw_ratio: dict
     bytes_per_token: dict
     link: LinkModel
     deferred: bool
     traced: dict = field(default_factory=dict)
 
-    def stage_ms(self, key, tokens: float) -> float:
-        return self.alpha[key] + self.beta[key] * tokens
+    def stage_ms(self, key, chunks: int, tokens: float) -> float:
+        """A stage's time for a chunk of ``tokens`` when the batch is cut into ``chunks``: its total at
+        ``chunks`` (piecewise linear through the traced counts, the nearest segment's line beyond
+        them, flat with one) shared in proportion to the tokens."""
+        return max(_interp(self.totals[key], chunks, extend=True), 0.0) * tokens / self.tokens if self.tokens else 0.0
+
+    def ratio(self, kind: str, chunks: int) -> float:
+        return _interp(self.ratios[kind], chunks)
+
+    def dw(self, chunks: int) -> float:
+        return _interp(self.dw_ratio, chunks)
+
+
+def _interp(points: dict, x: float, extend: bool = False) -> float:
+    """Piecewise-linear through ``{x: y}``; beyond the ends the nearest segment's line (``extend``)
+    or the nearest value."""
+    xs = sorted(points)
+    if len(xs) == 1 or (not extend and (x <= xs[0] or x >= xs[-1])):
+        return points[min(xs, key=lambda v: abs(v - x))]
+    i = max(1, min(len(xs) - 1, next((k for k, v in enumerate(xs) if v >= x), len(xs) - 1)))
+    x0, x1 = xs[i - 1], xs[i]
+    return points[x0] + (points[x1] - points[x0]) * (x - x0) / (x1 - x0)
 
 
 def build_profile(steps: Sequence[TracedStep]) -> ReplayProfile:
     """Fit the replay's model (module docstring, step 2) to traced steps of one model and batch.
 
     Args:
-        steps: at least one :class:`TracedStep`; with two or more chunk counts the per-chunk cost
-            ``alpha`` of every stage is fitted, else it is 0. Of several steps at one chunk count
-            the fastest is kept (:func:`_fastest`).
+        steps: at least one :class:`TracedStep`; at two or more chunk counts the replay interpolates
+            between them (and extrapolates the nearest two beyond), at one it scales by tokens alone.
+            Of several steps at one chunk count the fastest is kept (:func:`_fastest`).
     """
     steps = list(steps)
     if not steps:
@@ -279,25 +301,20 @@ def build_profile(steps: Sequence[TracedStep]) -> ReplayProfile:
                              "deferral differ)")
     T = first.total_tokens
     steps = [_fastest(group) for group in _by_chunks(steps)]
-    counts = sorted({s.chunks for s in steps})
-    alpha, beta = {}, {}
-    for key in first.forward:
-        pts = [(s.chunks, sum(s.forward[key])) for s in steps]
-        a = _slope(pts) if len(counts) > 1 else 0.0
-        a = max(a, 0.0)
-        b = max(statistics.fmean(tot - a * n for n, tot in pts), 0.0)
-        alpha[key], beta[key] = a, (b / T if T else 0.0)
+    totals = {key: {s.chunks: sum(s.forward[key]) for s in steps} for key in first.forward}
     kinds = dict(experts=["experts"], post=["post"], rest=["pre", "route", "permute", "issue", "tail"])
-    f_tot = {k: sum(sum(v) for s in steps for (l, st), v in s.forward.items() if st in kinds[k]) for k in kinds}
-    b_tot = {k: sum(s.backward[k] for s in steps) for k in kinds}
-    ratios = {k: (b_tot[k] / f_tot[k] if f_tot[k] > 0 else 0.0) for k in kinds}
-    f_w = sum(sum(v) for s in steps for (l, st), v in s.forward.items() if st in ("pre", "experts"))
-    dw_ratio = sum(s.backward["dw"] for s in steps) / f_w if f_w > 0 else 0.0
+    ratios, dw_ratio = {k: {} for k in kinds}, {}
+    for s in steps:
+        f = {k: sum(sum(v) for (l, st), v in s.forward.items() if st in kinds[k]) for k in kinds}
+        for k in kinds:
+            ratios[k][s.chunks] = s.backward[k] / f[k] if f[k] > 0 else 0.0
+        f_w = sum(sum(v) for (l, st), v in s.forward.items() if st in ("pre", "experts"))
+        dw_ratio[s.chunks] = s.backward["dw"] / f_w if f_w > 0 else 0.0
     segs = sum(s.segments for s in steps)
     glue = sum(s.glue_ms for s in steps if s.segments) / segs if segs else 0.0
     bpt = {k: statistics.fmean(sum(s.bytes[k]) for s in steps) / T if T else 0.0 for k in first.bytes}
     link = LinkModel.fit([p for s in steps for p in s.link_samples])
-    return ReplayProfile(layers=list(first.layers), tokens=T, alpha=alpha, beta=beta, glue_per_segment_ms=glue,
+    return ReplayProfile(layers=list(first.layers), tokens=T, totals=totals, glue_per_segment_ms=glue,
                          ratios=ratios, dw_ratio=dw_ratio, bytes_per_token=bpt, link=link, deferred=first.deferred,
                          traced={s.chunks: s.step_ms for s in steps})
 
@@ -314,13 +331,6 @@ def _fastest(steps: Sequence[TracedStep]) -> TracedStep:
     step, so the fastest is the steadiest record (as the benchmarks take the fastest step). Whole
     steps, not the fastest record of each stage: those would add up to a step faster than any."""
     return min(steps, key=lambda s: s.step_ms)
-
-
-def _slope(pts) -> float:
-    mx = statistics.fmean(x for x, _ in pts)
-    my = statistics.fmean(y for _, y in pts)
-    var = sum((x - mx) ** 2 for x, _ in pts)
-    return sum((x - mx) * (y - my) for x, y in pts) / var if var > 0 else 0.0
 
 
 # -------------------------------------------------------------------------------------- replay
@@ -400,30 +410,30 @@ def replay(profile: ReplayProfile, chunks: int, gbps: Optional[float] = None,
     def program(c):
         t = tokens[c]
         for l in range(L):
-            pre = profile.stage_ms((l, "pre"), t)
+            pre = profile.stage_ms((l, "pre"), n, t)
             compute(pre, ("op", "pre", pre))
             while routed[l] != c:  # chunks pass the gating in order
                 yield False
-            route = profile.stage_ms((l, "route"), t)
+            route = profile.stage_ms((l, "route"), n, t)
             compute(route, ("op", "route", route))
             routed[l] += 1
             exchange = link.issue(clock["host"], 0)
             yield True
             clock["host"] = max(clock["host"], exchange)
             for stage in ("permute", "issue"):
-                ms = profile.stage_ms((l, stage), t)
+                ms = profile.stage_ms((l, stage), n, t)
                 compute(ms, ("op", stage, ms))
             dispatch = transfer(l, c, "dispatch")
             yield False
             clock["host"] = max(clock["host"], dispatch)
-            ms = profile.stage_ms((l, "experts"), t)
+            ms = profile.stage_ms((l, "experts"), n, t)
             compute(ms, ("op", "experts", ms, (l, c)))
             combine = transfer(l, c, "combine")
             yield False
             clock["host"] = max(clock["host"], combine)
-            ms = profile.stage_ms((l, "post"), t)
+            ms = profile.stage_ms((l, "post"), n, t)
             compute(ms, ("op", "post", ms, (l, c)))
-        ms = profile.stage_ms((-1, "tail"), t)
+        ms = profile.stage_ms((-1, "tail"), n, t)
         compute(ms, ("op", "tail", ms))
 
     # Forward: Overlapped.run_chunked's loop (N = 1 is the plain model: no scheduler, no yields).
@@ -449,7 +459,7 @@ def replay(profile: ReplayProfile, chunks: int, gbps: Optional[float] = None,
 
     # Backward: reverse creation order; all-to-alls issued by their gradient's producer, waited by
     # their own node, which drains deferred dW by the runtime's own rule (best fit, whole items).
-    r, queue, bwd = profile.ratios, [], {}
+    r, queue, bwd = {k: profile.ratio(k, n) for k in profile.ratios}, [], {}
     for entry in reversed(created):
         if entry[0] == "a2a":
             end = bwd.get(entry[1])
@@ -476,7 +486,7 @@ def replay(profile: ReplayProfile, chunks: int, gbps: Optional[float] = None,
         else:
             compute(back)
         if profile.deferred and kind in ("pre", "experts"):
-            queue.append(ms * profile.dw_ratio)  # one dW item per stage holding weights
+            queue.append(ms * profile.dw(n))  # one dW item per stage holding weights
     compute(sum(queue))  # the final flush
     return ReplayPrediction(chunks=n, gbps=gbps, latency_ms=latency_ms, step_ms=clock["host"], forward_ms=forward_ms,
                             compute_ms=clock["work"], comm_ms=link.busy, segments=segments)

@@ -261,7 +261,8 @@ def replay_check(args, s: dict, device: torch.device) -> list:
     """dPRO-style replay against measurement: traces at ``--replay-from`` chunk counts (several steps
     each, merged by their fastest parts) at comm ratio 1, replayed at chunks {1, 2, 4, 8} x comm
     ratios {0.5, 1, 2}, each cell measured (interleaved, fastest step). Two predictions per cell:
-    from the first traced chunk count alone (no per-chunk overhead) and from all of them."""
+    from the first traced chunk count alone (no per-chunk overhead) and from all of them
+    (interpolated between them)."""
     from bench.model import MoEBlocks
     from lancet_rt.autotune.replay import build_profile, parse_trace, replay
 
@@ -324,7 +325,8 @@ def replay_check(args, s: dict, device: torch.device) -> list:
                capacity_factor=args.capacity_factor, defer_wgrad=args.replay_defer_wgrad, traced_chunks=traced_at,
                traces_per_count=args.replay_traces, traced_bandwidth_gbps=bws[1.0],
                traced_step_ms={str(n): min(tr.step_ms for tr in traces[n]) for n in traced_at},
-               fitted_alpha_ms_per_chunk=sum(profiles["all_traces"].alpha.values()),
+               forward_compute_ms_at={str(n): sum(v[n] for v in profiles["all_traces"].totals.values())
+                                      for n in traced_at},
                cells=cells, **summary)
     print_table(cells, ["chunks", "comm_ratio", "measured_ms", "one_trace_ms", "one_trace_error", "all_traces_ms",
                         "all_traces_error"],

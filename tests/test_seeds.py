@@ -196,6 +196,11 @@ def test_replay_parses_a_trace_by_stage():
     assert not s.deferred and math.isclose(s.step_ms, 40.0)
     with pytest.raises(ValueError, match="one step"):
         parse_trace(_synthetic_trace() + [e for e in _synthetic_trace() if e["name"] == "route"])
+    # Between traced chunk counts stage totals are interpolated, beyond them extended (ratios held).
+    from lancet_rt.autotune.replay import _interp
+    assert [_interp({2: 10.0, 8: 22.0}, n, extend=True) for n in (1, 2, 4, 8, 10)] == [8.0, 10.0, 14.0, 22.0, 26.0]
+    assert [_interp({2: 10.0, 8: 22.0}, n) for n in (1, 5, 10)] == [10.0, 16.0, 22.0]
+    assert _interp({4: 3.0}, 1, extend=True) == 3.0
     with pytest.raises(ValueError, match="extent"):
         parse_trace([e for e in _synthetic_trace() if e["tid"] != "tracing"])
 
@@ -248,7 +253,7 @@ def test_replay_of_a_recorded_step(tmp_path):
     # Deferred dW: traced in the windows and the flush, replayed from a pool that the waits drain.
     sd = parse_trace(_record(link, copy.deepcopy(model), 2, x, g, defer=True))
     pd = build_profile([sd])
-    assert sd.deferred and sd.backward["dw"] > 0 and pd.dw_ratio > 0
+    assert sd.deferred and sd.backward["dw"] > 0 and pd.dw(2) > 0
     assert math.isclose(replay(pd, 2, 0.05, 0.5).compute_ms,
                         sum(map(sum, sd.forward.values())) + sd.glue_ms + sum(sd.backward.values()), rel_tol=1e-9)
     path = tmp_path / "t.json"
