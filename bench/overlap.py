@@ -81,7 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--replay-from", default="2,8",
                    help="--compare replay: chunk counts to trace (the first alone, then all, predict; far "
                         "apart, so that noise weighs little on the per-chunk overhead they fit)")
-    p.add_argument("--replay-traces", type=int, default=10,
+    p.add_argument("--replay-traces", type=int, default=20,
                    help="--compare replay: traced steps per chunk count (the fastest is kept)")
     p.add_argument("--replay-defer-wgrad", action="store_true", help="--compare replay: Overlapped(defer_wgrad=True)")
     p.add_argument("--check", action="store_true",
