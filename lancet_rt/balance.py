@@ -108,12 +108,12 @@ class BalancedChunks:
             raise TypeError(f"BalancedChunks: the {name} argument must be a tensor, got {type(t).__name__}")
         return t
 
-    def row_leaves(self, leaves: list, cut: list, args: tuple, kwargs: dict) -> list:
-        """The leaves cut along dim 0: ``cut`` without ``cu_seqlens`` (it is cut by sequence)."""
+    def lengths_leaf(self, leaves: list, args: tuple, kwargs: dict) -> Optional[int]:
+        """The index among ``leaves`` of ``cu_seqlens`` (cut by sequence, not along dim 0), or None."""
         if not self.packed:
-            return cut
+            return None
         cu = self._find(args, kwargs)
-        return [i for i in cut if leaves[i] is not cu]
+        return next(i for i, v in enumerate(leaves) if v is cu)
 
     def cut(self, leaves: list, cut: list, n: int, args: tuple, kwargs: dict) -> dict:
         """Split every leaf in ``cut`` along dim 0 into ``n`` pieces at balanced boundaries.

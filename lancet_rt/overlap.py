@@ -108,9 +108,9 @@ class Overlapped(nn.Module):
     def run_chunked(self, n: int, args: tuple, kwargs: dict):
         """Run the model on ``n`` chunks as coroutines and concatenate the outputs."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        cut = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.dim() > 0]
-        if self.balance is not None:
-            cut = self._or_fail(self.balance.row_leaves, leaves, cut, args, kwargs)
+        # (cu_seqlens of a packed batch is cut by sequence, not along dim 0)
+        skip = self._or_fail(self.balance.lengths_leaf, leaves, args, kwargs) if self.balance is not None else None
+        cut = [i for i, v in enumerate(leaves) if i != skip and isinstance(v, torch.Tensor) and v.dim() > 0]
         if not cut:
             self._fail(ValueError("Overlapped: the model got no tensor argument to cut along dim 0"))
         sizes = {leaves[i].shape[0] for i in cut}
