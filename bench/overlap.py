@@ -91,6 +91,16 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="append a JSON row here")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of one overlapped step")
     p.add_argument("--png", default=None, help="draw the timeline of one sequential and one overlapped step")
+    p.add_argument("--compare", default=None, choices=["balanced-chunks", "dispatchers", "replay"],
+                   help="instead of the four schedules, a seed system against the default (bench/seeds.py)")
+    p.add_argument("--balance-order", default="sorted", choices=["sorted", "shuffled"],
+                   help="--compare balanced-chunks: the packed sequences longest first, or shuffled")
+    p.add_argument("--replay-from", default="2,8",
+                   help="--compare replay: chunk counts to trace (the first alone, then all, predict; far "
+                        "apart, so that noise weighs little on the per-chunk overhead they fit)")
+    p.add_argument("--replay-traces", type=int, default=20,
+                   help="--compare replay: traced steps per chunk count (the fastest is kept)")
+    p.add_argument("--replay-defer-wgrad", action="store_true", help="--compare replay: Overlapped(defer_wgrad=True)")
     p.add_argument("--check", action="store_true",
                    help="exit 1 unless hidden_comm_fraction >= 0.6 and Overlapped beats both baselines "
                         "(with --microbatches M > 1, also the cross-microbatch acceptance)")
@@ -205,6 +215,10 @@ def main(argv=None) -> dict:
         if args.malloc == "keep":
             keep_freed_memory()
     s = sizes(args)
+    if args.compare:
+        from bench import seeds
+
+        return seeds.main(args, s, device)
     r = Runner(args, s, device)
 
     # 1. Calibration: the step's computation on a zero-cost link sets the bandwidth so that one

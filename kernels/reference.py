@@ -275,6 +275,14 @@ def permute_fwd_ref(x_TD: torch.Tensor, row_TK: torch.Tensor, num_rows: int):
     return x_SD, src_S
 
 
+def _rows(x_SD: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
+    """x_SD[row] with the dropped (-1) rows read as row 0, to be masked; zeros when S = 0 (every
+    assignment of the chunk dropped: there is no row 0 to read)."""
+    if x_SD.shape[0] == 0:
+        return x_SD.new_zeros((row.shape[0],) + tuple(x_SD.shape[1:]))
+    return x_SD.index_select(0, row.clamp(min=0))
+
+
 def permute_bwd_ref(grad_x_SD: torch.Tensor, row_TK: torch.Tensor) -> torch.Tensor:
     """grad_x_TD[t] = sum over kept k of grad_x_SD[row_TK[t, k]] (float32 accumulation)."""
     T, K = row_TK.shape
@@ -284,7 +292,7 @@ def permute_bwd_ref(grad_x_SD: torch.Tensor, row_TK: torch.Tensor) -> torch.Tens
     for k in range(K):
         row = row_TK[:, k].long()
         keep = (row >= 0).unsqueeze(1)
-        acc += torch.where(keep, grad_x_SD.index_select(0, row.clamp(min=0)).to(acc.dtype), 0.0)
+        acc += torch.where(keep, _rows(grad_x_SD, row).to(acc.dtype), 0.0)
     return acc.to(grad_x_SD.dtype)
 
 
@@ -300,7 +308,7 @@ def unpermute_fwd_ref(y_SD: torch.Tensor, row_TK: torch.Tensor, weight_TK: torch
     for k in range(K):
         row = row_TK[:, k].long()
         keep = (row >= 0).unsqueeze(1)
-        rows = y_SD.index_select(0, row.clamp(min=0)).to(acc.dtype)
+        rows = _rows(y_SD, row).to(acc.dtype)
         acc += torch.where(keep, weight_TK[:, k : k + 1].to(acc.dtype) * rows, 0.0)
     return acc.to(y_SD.dtype)
 
@@ -327,7 +335,7 @@ def unpermute_bwd_ref(
         return grad_y_SD, grad_w
     for k in range(K):
         row = row_TK[:, k].long()
-        rows = y_SD.index_select(0, row.clamp(min=0)).to(acc)
+        rows = _rows(y_SD, row).to(acc)
         dot = (rows * grad_y_TD.to(acc)).sum(dim=1)
         grad_w[:, k] = torch.where(row >= 0, dot, 0.0)
     return grad_y_SD, grad_w

@@ -150,6 +150,13 @@ class TorchGroup:
         return self.monitor.issue("all-to-all", lambda: dist.all_to_all_single(
             output, input, list(output_splits), list(input_splits), group=self.group, async_op=True))
 
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Work:
+        """Start a sum all-reduce of ``tensor`` in place (async); ``tensor`` is valid after ``wait()``."""
+        if op != "sum":
+            raise ValueError(f"op must be 'sum', got {op!r}")
+        return self.monitor.issue("all-reduce", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM,
+                                                                        group=self.group, async_op=True))
+
     def exchange(self, send_WN: torch.Tensor) -> "Exchange":
         send = send_WN.to(self._small_device(), torch.int64).contiguous()
         recv = torch.empty_like(send)

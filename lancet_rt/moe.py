@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm, faults, ops as _ops, recompute as _recompute, scope as _scope, trace as _trace
+from . import comm, dispatch as _dispatch, faults, ops as _ops, recompute as _recompute, scope as _scope, trace as _trace
 from .experts import Experts
 from .routing import BatchRouting, gate, permute, unpermute
 
@@ -132,6 +132,10 @@ class MoE(nn.Module):
             "experts", "shared_experts", "shared_expert_gate"); an integration keeps a model's own
             names (Hugging Face's router is "gate") so that state dicts keep their keys. The roles
             stay reachable as ``moe.router`` etc. whatever their names.
+        dispatcher: "alltoall" (expert parallelism: each rank its own tokens) or "allreduce"
+            (PPMoE: the tokens are the same on every rank of ``ep_group``, each rank computes the
+            rows routed to its experts and one all-reduce sums the outputs; see
+            :mod:`lancet_rt.dispatch`).
         device, dtype: of the parameters.
 
     Under ``torch.autocast`` with float32 parameters the router stays float32 and the tokens, the
@@ -148,7 +152,7 @@ class MoE(nn.Module):
     def __init__(self, d_model: int, d_ffn: int, num_experts: int, top_k: int, *,
                  capacity_factor: Optional[float] = None, score_fn: str = "softmax",
                  normalize_topk: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
-                 ep_group=None, pipeline_chunks: int = 1, router_bias: bool = False,
+                 ep_group=None, pipeline_chunks: int = 1, dispatcher: str = "alltoall", router_bias: bool = False,
                  expert_bias: bool = False, n_group: int = 1, topk_group: Optional[int] = None,
                  routed_scaling_factor: float = 1.0, shared_experts: Optional[nn.Module] = None,
                  shared_expert_gate: Optional[nn.Module] = None, router: Optional[nn.Module] = None,
@@ -206,7 +210,14 @@ class MoE(nn.Module):
         if len({names.get(r, r) for r in self._ROLES}) != len(self._ROLES):
             raise ValueError(f"names must give each role its own name, got {names}")
 
+        if dispatcher not in _dispatch.DISPATCHERS:
+            raise ValueError(f"dispatcher must be one of {_dispatch.DISPATCHERS}, got {dispatcher!r}")
+        if dispatcher == "allreduce" and pipeline_chunks != 1:
+            raise ValueError(f"pipeline_chunks must be 1 with dispatcher='allreduce', got {pipeline_chunks}")
         self.group = comm.as_group(ep_group)
+        if dispatcher == "allreduce":
+            _dispatch.check_group(self.group)
+        self.dispatcher = dispatcher
         world = self.group.size if self.group is not None else 1
         if num_experts % world != 0:
             raise ValueError(
@@ -292,7 +303,7 @@ class MoE(nn.Module):
             extra += f", routed_scaling_factor={self.routed_scaling_factor}"
         return (f"d_model={self.d_model}, d_ffn={self.d_ffn}, num_experts={self.num_experts}, "
                 f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, score_fn={self.score_fn!r}, "
-                f"ep_size={self.ep_size}{extra}")
+                f"ep_size={self.ep_size}{extra}" + (f", dispatcher={self.dispatcher!r}" if self.dispatcher != "alltoall" else ""))
 
     # ---------------------------------------------------------------- validation
     def _input_error(self, x) -> Optional[Exception]:
@@ -328,6 +339,7 @@ class MoE(nn.Module):
             round(self.z_loss_coef * 1e9), _DTYPE_IDS[self.router.weight.dtype], self.pipeline_chunks,
             int(self.expert_bias), self.n_group, self.topk_group, round(self.routed_scaling_factor * 1e9),
             int(self.shared_experts is not None), int(self.shared_expert_gate is not None),
+            _dispatch.DISPATCHERS.index(self.dispatcher),
         ], dtype=torch.int64)
 
     def _check_config(self, error: Optional[Exception]) -> None:
@@ -336,7 +348,7 @@ class MoE(nn.Module):
         names = ["d_model", "d_ffn", "num_experts", "top_k", "capacity_factor(1e-6)", "score_fn",
                  "normalize_topk", "aux_loss_coef(1e-9)", "z_loss_coef(1e-9)", "dtype", "pipeline_chunks",
                  "expert_bias", "n_group", "topk_group", "routed_scaling_factor(1e-9)", "shared_experts",
-                 "shared_expert_gate"]
+                 "shared_expert_gate", "dispatcher"]
         for r in range(rows.shape[0]):  # compared before the status, so a rejected input cannot skip it
             diff = [n for n, a, b in zip(names, rows[r, 1:].tolist(), rows[self.ep_rank, 1:].tolist()) if a != b]
             if diff:
@@ -375,7 +387,11 @@ class MoE(nn.Module):
         """
         L, W = self.num_local_experts, self.ep_size
         P = kept_PE.shape[0]
-        counts = kept_PE.view(P, W, L).permute(1, 0, 2).reshape(W, P * L).long()
+        if self.dispatcher == "allreduce":  # every rank gets every rank's counts (they must agree)
+            L = self.num_experts
+            counts = kept_PE.reshape(1, P * L).expand(W, -1).long()
+        else:
+            counts = kept_PE.view(P, W, L).permute(1, 0, 2).reshape(W, P * L).long()
         status = torch.full((W, 1), faults.status_code(error), dtype=torch.long, device=counts.device)
         return faults.in_order(self.group, lambda: _Counts(self.group.exchange(torch.cat([counts, status], dim=1)),
                                                            P, W, L, error))
@@ -442,11 +458,18 @@ class MoE(nn.Module):
         state, replaying = self._routing_state(x_TD.shape[0], x_TD.device)
 
         chunk = _scope.current().chunk if _scope.current() is not None else None
-        with _trace.span("route", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk):
+        allreduce = self.dispatcher == "allreduce" and self.group is not None
+        # (under autocast the replicated tokens meet the experts in the autocast dtype)
+        x_in = _dispatch.replicated_input(x_TD.to(dtype), self.group, chunk) if allreduce else None
+        with _trace.span("route", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk, tokens=x_TD.shape[0]):
             r = self.route(x_TD, state, ops)
         state.next_chunk += 1
         if state.complete and not replaying:
             self._record_stats(state)
+        if allreduce:
+            y_TD = _dispatch.allreduce_forward(self, x_in, r, ops, chunk).to(x.dtype)
+            shared = self._shared_output(x_TD)
+            return (y_TD if shared is None else y_TD + shared).view(x.shape)
         x_c = x_TD.to(dtype)  # under autocast the tokens travel and meet the experts in its dtype
         if self.pipeline_chunks == 1:
             y_SD, src_S, link, shared = self._exchange_and_compute(x_c, r, ops, chunk, x_TD)
@@ -483,7 +506,8 @@ class MoE(nn.Module):
         else:
             counts = self.exchange_counts(r.kept_E.view(1, -1))
             _scope.switch(issues_next=True)  # another chunk runs while the counts travel
-            recv, sent = counts.wait()[0], counts.sent()[0]
+            with _trace.span("wait", "wait", chunk=chunk, counts=True):
+                recv, sent = counts.wait()[0], counts.sent()[0]
             x_SD, src_S = self._permute(x_TD, r, int(sent.sum()), ops, chunk)
             d = self.dispatch(x_SD, r.kept_E, recv, sent)
         shared = self._shared_output(x_in)

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import faults as _faults, scope as _scope, trace as _trace, wgrad as _wgrad
+from .balance import BalancedChunks
 from .moe import MoE
 
 try:  # greenlet is a dependency; imported lazily so `import lancet_rt` never fails without it
@@ -43,6 +44,8 @@ class Overlapped(nn.Module):
             and flushed before ``backward()`` returns.
         check: verify once, on the first forward, that the chunked output equals the unchunked one
             (needs a deterministic forward: no dropout).
+        balance: None (equal rows) or a :class:`lancet_rt.BalancedChunks`: chunk boundaries by the
+            estimated cost of variable-length sequences (from a mask or ``cu_seqlens``).
 
     Every tensor argument with the batch's rows along dim 0 (the most rows of any argument) is cut
     along dim 0; a tensor with one row (position embeddings [1, S, ...], say) goes whole to every
@@ -52,18 +55,22 @@ class Overlapped(nn.Module):
     across its switches.
     """
 
-    def __init__(self, model: nn.Module, chunks=2, *, defer_wgrad: bool = False, check: bool = False):
+    def __init__(self, model: nn.Module, chunks=2, *, defer_wgrad: bool = False, check: bool = False,
+                 balance: Optional[BalancedChunks] = None):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
             raise ValueError(f"chunks must be an int >= 1 or 'auto', got {chunks!r}")
+        if balance is not None and not isinstance(balance, BalancedChunks):
+            raise TypeError(f"balance must be None or a lancet_rt.BalancedChunks, got {type(balance).__name__}")
         if _greenlet is None:
             raise ImportError("lancet_rt.Overlapped needs the 'greenlet' package (pip install greenlet)")
         self.model = model
         self.chunks = chunks
         self.defer_wgrad = bool(defer_wgrad)
         self.check = bool(check)
+        self.balance = balance
         self._checked = False
         self.wgrad_queue: Optional[_wgrad.WGradQueue] = _wgrad.WGradQueue() if defer_wgrad else None
         self._auto = None
@@ -115,10 +122,15 @@ class Overlapped(nn.Module):
     def run_chunked(self, n: int, args: tuple, kwargs: dict):
         """Run the model on ``n`` chunks as coroutines and concatenate the outputs."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        cut = _batch_leaves(leaves)
+        # (cu_seqlens of a packed batch is cut by sequence, not along dim 0)
+        skip = self._or_fail(self.balance.lengths_leaf, leaves, args, kwargs) if self.balance is not None else None
+        cut = _batch_leaves([None if i == skip else v for i, v in enumerate(leaves)])
         if isinstance(cut, Exception):
             self._fail(cut)
-        pieces = {i: leaves[i].tensor_split(n) for i in cut}
+        if self.balance is None:
+            pieces = {i: leaves[i].tensor_split(n) for i in cut}
+        else:
+            pieces = self._or_fail(self.balance.cut, leaves, cut, n, args, kwargs)
         rows = [p.shape[0] for p in pieces[cut[0]]]
 
         def chunk_inputs(c):
@@ -163,6 +175,13 @@ class Overlapped(nn.Module):
             _scope.set_current(prev)
         _faults.check_output_rows(outputs, rows)
         return _concat(outputs)
+
+    def _or_fail(self, fn, *args):
+        """``fn(*args)``; a ValueError/TypeError it raises is raised on every rank (:meth:`_fail`)."""
+        try:
+            return fn(*args)
+        except (ValueError, TypeError) as exc:
+            self._fail(exc)
 
     def _fail(self, error: Exception) -> None:
         """Raise ``error`` here and on every peer rank, before any collective of this step.

@@ -97,9 +97,13 @@ def tracing():
     """Record every stage while the context is open; yields the :class:`Trace`."""
     global _active
     prev, _active = _active, Trace()
+    # The context's own extent (track "tracing"): where a traced step ends, untraced work included
+    # (a replay of the trace needs it); on CUDA it ends on the current stream.
+    extent = _active.begin("tracing", "tracing", torch.cuda.is_available() and torch.cuda.is_initialized())
     try:
         yield _active
     finally:
+        extent.end()
         _active = prev
 
 

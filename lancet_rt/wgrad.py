@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import trace as _trace
+
 _active: Optional["WGradQueue"] = None
 
 
@@ -200,9 +202,10 @@ class WGradQueue:
     def flush(self) -> None:
         """Run everything still queued and deliver the sums (the engine calls this before backward returns)."""
         self._callback_queued = False
-        while self.items:
-            self._run(self.items.pop(0))
-            self.flushed += 1
+        with _trace.span("dW flush"):
+            while self.items:
+                self._run(self.items.pop(0))
+                self.flushed += 1
         if self._sums:
             params, grads = zip(*self._sums.values())
             self._sums.clear()
