@@ -18,11 +18,11 @@ SIZES = {
 }
 
 
-def config(family: str, size: str = "tiny", **overrides):
-    """The transformers config of ``family`` at ``size`` (see :data:`SIZES`)."""
+def config(family: str, size="tiny", **overrides):
+    """The transformers config of ``family`` at ``size``: a name in :data:`SIZES` or such a dict."""
     import transformers as tf
 
-    s = SIZES[size]
+    s = SIZES[size] if isinstance(size, str) else size
     common = dict(vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
                   num_attention_heads=s["heads"], num_key_value_heads=s["kv"], max_position_embeddings=256,
                   output_router_logits=True, router_aux_loss_coef=0.02, num_experts_per_tok=s["top_k"],
@@ -65,7 +65,7 @@ def config(family: str, size: str = "tiny", **overrides):
     return cfg
 
 
-def build(family: str, size: str = "tiny", seed: int = 0, **overrides):
+def build(family: str, size="tiny", seed: int = 0, **overrides):
     """A float32 ``*ForCausalLM`` of ``family`` with weights from ``seed``, in train mode."""
     import transformers as tf
 

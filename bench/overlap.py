@@ -56,6 +56,7 @@ import torch
 
 import lancet_rt
 from bench.common import bench_ms, print_table, run_metadata, synchronize, write_json
+from bench.hf_models import FAMILIES as HF_FAMILIES
 from bench.model import MoEBlocks
 
 MODES = ("sequential", "moe_pipelined", "overlapped", "overlapped_dw")
@@ -91,6 +92,10 @@ def parse_args(argv=None):
     p.add_argument("--json", default=None, help="append a JSON row here")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of one overlapped step")
     p.add_argument("--png", default=None, help="draw the timeline of one sequential and one overlapped step")
+    p.add_argument("--model", default="blocks", choices=("blocks",) + HF_FAMILIES,
+                   help="blocks: pre-norm attention + lancet MoE blocks (bench.model); or a transformers MoE "
+                        "architecture built from its config at these sizes and made lancet by lancet_rt.from_hf "
+                        "(its own attention, norms, router and loss; dropless, as transformers computes)")
     p.add_argument("--compare", default=None, choices=["balanced-chunks", "dispatchers", "replay"],
                    help="instead of the four schedules, a seed system against the default (bench/seeds.py)")
     p.add_argument("--balance-order", default="sorted", choices=["sorted", "shuffled"],
@@ -133,13 +138,20 @@ class Runner:
         self.device = device
         dtype = getattr(torch, s["dtype"])
         self.link = lancet_rt.EmulatedGroup(args.world_size, math.inf, 0.0, device=device)
+        self.chunks = args.chunks
+        self.statistic = args.statistic
+        self.steps: dict = {}  # mode -> a whole training step (add_accumulation)
+        self.hf = args.model != "blocks"
+        if self.hf:
+            self._build_hf(args, s, device, dtype)
+            return
         moe_kwargs = dict(d_ffn=s["d_ffn"], num_experts=s["experts"], top_k=args.top_k,
                           capacity_factor=args.capacity_factor, ep_group=self.link, aux_loss_coef=1e-2)
         torch.manual_seed(0)
         self.model = MoEBlocks(s["layers"], s["d_model"], s["heads"], moe_kwargs, device=device, dtype=dtype)
         self.model_dw = copy.deepcopy(self.model)  # the copy shares the link
-        self.chunks = args.chunks
-        self.statistic = args.statistic
+        self.models = (self.model, self.model_dw)
+        self.moe_layers = self.model.moe_layers()
         self.runners = {
             "sequential": self.model,
             "moe_pipelined": self.model,
@@ -148,17 +160,46 @@ class Runner:
         }
         self.x = torch.randn(s["batch"], s["seq"], s["d_model"], device=device, dtype=dtype)
         self.g = torch.randn_like(self.x)
-        self.steps: dict = {}  # mode -> a whole training step (add_accumulation)
+
+    def _build_hf(self, args, s, device, dtype) -> None:
+        """A transformers architecture at the benchmark's sizes, made lancet with from_hf on the link:
+        one copy unchunked (sequential, MoE-internal chunking), one chunked, one chunked deferring dW."""
+        from bench import hf_models
+
+        size = dict(hidden=s["d_model"], heads=s["heads"], kv=max(1, s["heads"] // 2), layers=s["layers"],
+                    experts=s["experts"], top_k=args.top_k, ffn=s["d_ffn"], vocab=1024)
+        base = hf_models.build(args.model, size, seed=0).to(device=device, dtype=dtype)
+        self.model = lancet_rt.from_hf(copy.deepcopy(base), self.link)
+        overlapped = lancet_rt.from_hf(copy.deepcopy(base), self.link, chunks=args.chunks)
+        self.model_dw = lancet_rt.from_hf(base, self.link, chunks=args.chunks, defer_wgrad=True)
+        self.models = (self.model, overlapped, self.model_dw)
+        self.moe_layers = lancet_rt.hf.moe_layers(self.model)
+        self.runners = {"sequential": self.model, "moe_pipelined": self.model, "overlapped": overlapped,
+                        "overlapped_dw": self.model_dw}
+        ids, mask, labels = hf_models.batch(size["vocab"], s["batch"], s["seq"], seed=1, pad_rows=0)
+        self.batch = dict(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device))
+
+    def _run(self, mode: str, backward: bool = True) -> None:
+        for m in self.moe_layers:
+            m.pipeline_chunks = self.chunks if mode == "moe_pipelined" else 1
+        if self.hf:
+            loss = self.runners[mode](**self.batch).loss
+            if backward:
+                loss.backward()
+            return
+        x = self.x.detach().requires_grad_(True)
+        y = self.runners[mode](x)
+        if backward:
+            y.backward(self.g)
 
     def step(self, mode: str) -> None:
-        for m in self.model.moe_layers():
-            m.pipeline_chunks = self.chunks if mode == "moe_pipelined" else 1
         if mode in self.steps:  # a whole step of its own (the cross-microbatch schedules)
+            for m in self.moe_layers:
+                m.pipeline_chunks = 1
             self.steps[mode]()
         else:
-            x = self.x.detach().requires_grad_(True)
-            self.runners[mode](x).backward(self.g)
-        for model in (self.model, self.model_dw):
+            self._run(mode)
+        for model in self.models:
             for p in model.parameters():
                 p.grad = None
 
@@ -191,9 +232,7 @@ class Runner:
 
     def forward(self, mode: str) -> None:
         """The forward of one training step (the graph is built, then dropped unused)."""
-        for m in self.model.moe_layers():
-            m.pipeline_chunks = self.chunks if mode == "moe_pipelined" else 1
-        self.runners[mode](self.x.detach().requires_grad_(True))
+        self._run(mode, backward=False)
 
     def forward_ms(self, mode: str, steps: int) -> float:
         """The forward's time on the current link, summarised like :meth:`time_all`."""
@@ -215,6 +254,8 @@ def main(argv=None) -> dict:
         if args.malloc == "keep":
             keep_freed_memory()
     s = sizes(args)
+    if args.model != "blocks" and (args.compare or args.microbatches > 1 or args.dp_allreduce):
+        raise SystemExit(f"--model {args.model}: --compare, --microbatches and --dp-allreduce run on --model blocks")
     if args.compare:
         from bench import seeds
 
@@ -259,8 +300,9 @@ def main(argv=None) -> dict:
 
     overlapped_ms = ms["overlapped"]
     row = dict(
-        bench="overlap", **run_metadata(device), **{k: v for k, v in s.items()},
-        world_size=args.world_size, chunks=args.chunks, top_k=args.top_k, capacity_factor=args.capacity_factor,
+        bench="overlap", **run_metadata(device), **{k: v for k, v in s.items()}, model=args.model,
+        world_size=args.world_size, chunks=args.chunks, top_k=args.top_k,
+        capacity_factor=None if r.hf else args.capacity_factor,
         comm_ratio=args.comm_ratio, measured_comm_ratio=comm_ms / compute_ms, bandwidth_gbps=bw,
         transfers_per_step=transfers, off_rank_bytes_per_step=nbytes,
         sequential_ms=ms["sequential"], moe_pipelined_ms=ms["moe_pipelined"], overlapped_ms=overlapped_ms,
@@ -281,7 +323,7 @@ def main(argv=None) -> dict:
     table = [dict(schedule=m, step_ms=ms[m], compute_ms=compute[m],
                   hidden=1 - (ms[m] - compute[m]) / comm_ms, speedup=ms["sequential"] / ms[m]) for m in MODES]
     print_table(table, ["schedule", "step_ms", "compute_ms", "hidden", "speedup"],
-                title=f"bench.overlap on {row['device']}: {s['layers']} blocks D={s['d_model']} F={s['d_ffn']} "
+                title=f"bench.overlap on {row['device']}: {s['layers']} {args.model} layers D={s['d_model']} F={s['d_ffn']} "
                       f"E={s['experts']} K={args.top_k} W={args.world_size} tokens={s['batch'] * s['seq']} "
                       f"{s['dtype']}, chunks={args.chunks}, comm {comm_ms:.2f} ms = {comm_ms / compute_ms:.2f} x compute "
                       f"({bw:.3g} GB/s, {s['latency_us']} us)")
