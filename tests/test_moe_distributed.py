@@ -62,15 +62,28 @@ def _ep_matches_single(rank, world, K, capacity_factor, score_fn, aux):
     return y.shape[0]
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("K, capacity_factor, score_fn, aux", [
+CONFIGS = [  # K, capacity_factor, score_fn, aux
     (2, None, "softmax", 0.0),
     (2, 0.75, "sigmoid", 0.01),
     (1, 1.25, "softmax", 0.1),
-])
-def test_expert_parallel_equals_single_process(world, K, capacity_factor, score_fn, aux):
-    rows = assert_all_ok(run_ranks(_ep_matches_single, world, K, capacity_factor, score_fn, aux, timeout=180))
-    assert rows == [_tokens(r, world) for r in range(world)]
+]
+
+
+def _ep_matches_single_all(rank, world):
+    """Every configuration in one spawn (a spawn costs seconds of imports; the checks milliseconds)."""
+    rows = []
+    for config in CONFIGS:
+        try:
+            rows.append(_ep_matches_single(rank, world, *config))
+        except AssertionError as e:
+            raise AssertionError(f"K, capacity_factor, score_fn, aux = {config}: {e}") from e
+    return rows
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_equals_single_process(world):
+    rows = assert_all_ok(run_ranks(_ep_matches_single_all, world, timeout=240))
+    assert rows == [[_tokens(r, world)] * len(CONFIGS) for r in range(world)]
 
 
 def _bad_input_on_one_rank(rank, world):
@@ -115,39 +128,30 @@ def _first_input_bad(rank, world):
     return "no error"
 
 
-def test_bad_input_on_one_rank_raises_everywhere():
-    msgs = assert_all_ok(run_ranks(_bad_input_on_one_rank, 2, timeout=120))
-    assert "d_model=10" in msgs[1]
-    assert "rank(s) [1]" in msgs[0]
+def _every_bad_case(rank, world):
+    """The three bad cases one after the other in one set of processes: each raises on every rank
+    before any row moves, and the group stays usable for the next."""
+    return _bad_input_on_one_rank(rank, world), _first_input_bad(rank, world), _config_differs(rank, world)
 
 
-def test_bad_first_input_raises_everywhere():
-    msgs = assert_all_ok(run_ranks(_first_input_bad, 2, timeout=120))
-    assert msgs[0].startswith("TypeError") and "floating" in msgs[0]
-    assert msgs[1].startswith("ValueError") and "rank(s) [0]" in msgs[1]
-
-
-def test_config_mismatch_raises_on_every_rank():
-    msgs = assert_all_ok(run_ranks(_config_differs, 2, timeout=120))
-    for m in msgs:
+def test_bad_input_and_config_raise_on_every_rank():
+    (bad0, first0, config0), (bad1, first1, config1) = assert_all_ok(run_ranks(_every_bad_case, 2, timeout=120))
+    # A bad input on rank 1 after a good step.
+    assert "d_model=10" in bad1
+    assert "rank(s) [1]" in bad0
+    # A bad very first input on rank 0 (it meets the peers' configuration check).
+    assert first0.startswith("TypeError") and "floating" in first0
+    assert first1.startswith("ValueError") and "rank(s) [0]" in first1
+    # Configurations that differ.
+    for m in (config0, config1):
         assert "differs across expert-parallel ranks" in m and "top_k" in m
 
 
-def _indivisible(rank, world):
-    import torch.distributed as dist
-
+def test_experts_not_divisible_by_world():
     import lancet_rt
 
-    try:
-        lancet_rt.MoE(D, F, 6, 2, ep_group=dist.group.WORLD)
-    except ValueError as exc:
-        return str(exc)
-    return "no error"
-
-
-def test_experts_not_divisible_by_world():
-    msgs = assert_all_ok(run_ranks(_indivisible, 4, timeout=120))
-    assert all("divisible" in m for m in msgs)
+    with pytest.raises(ValueError, match="divisible"):
+        lancet_rt.MoE(D, F, 6, 2, ep_group=lancet_rt.EmulatedGroup(world_size=4))
 
 
 def _one_rank_group_takes_the_collective_path(rank, world):
