@@ -258,18 +258,25 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        link = ctx.link
-        if link.early is None:
-            link.issue(grad_out)
-        grad_in, work = link.early
-        link.early = None
-        _scope.backward_wait()  # a forward running beside this backward (lancet_rt.accumulate) goes on
-        if ctx.wgrad is not None:
-            with _trace.span("dW", chunk=link.chunk):
-                ctx.wgrad.drain_during(work, link.window_ms(grad_out))
-        with _trace.span("wait", "wait", chunk=link.chunk):
-            work.wait()
-        return grad_in, None
+        return finish_backward(ctx.link, grad_out, ctx.wgrad, lambda: ctx.link.window_ms(grad_out)), None
+
+
+def finish_backward(link, grad, queue, window_ms) -> torch.Tensor:
+    """The backward of a collective whose dual its consumer may have issued early (``link.issue``):
+    issue it now if not, give a forward running beside this backward its turn
+    (:mod:`lancet_rt.accumulate`), drain deferred dW (``queue``) while it flies for ``window_ms()``,
+    then wait. Returns the dual's result."""
+    if link.early is None:
+        link.issue(grad)
+    result, work = link.early
+    link.early = None
+    _scope.backward_wait()  # a forward running beside this backward (lancet_rt.accumulate) goes on
+    if queue is not None:
+        with _trace.span("dW", chunk=link.chunk):
+            queue.drain_during(work, window_ms())
+    with _trace.span("wait", "wait", chunk=link.chunk):
+        work.wait()
+    return result
 
 
 class BackwardLink:

@@ -118,18 +118,9 @@ class _GradAllReduce(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         link = ctx.link
-        if link.early is None:
-            link.issue(grad)
-        g, work = link.early
-        link.early = None
-        _scope.backward_wait()  # a forward running beside this backward (lancet_rt.accumulate) goes on
-        if ctx.wgrad is not None:
-            hold = getattr(link.group, "hold_ms", None)
-            with _trace.span("dW", chunk=link.chunk):
-                ctx.wgrad.drain_during(work, hold(_ring_bytes(link.group, g)) if hold else None)
-        with _trace.span("wait", "wait", chunk=link.chunk):
-            work.wait()
-        return g, None
+        hold = getattr(link.group, "hold_ms", None)
+        window = (lambda: hold(_ring_bytes(link.group, grad))) if hold is not None else (lambda: None)
+        return comm.finish_backward(link, grad, ctx.wgrad, window), None
 
 
 def _grad_all_reduce(x: torch.Tensor, group, chunk) -> tuple:

@@ -13,7 +13,6 @@ import math
 import multiprocessing
 import os
 import tempfile
-import time
 
 import pytest
 import torch
