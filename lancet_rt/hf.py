@@ -254,6 +254,8 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
         raise TypeError(f"model must be a transformers model (an nn.Module), got {type(model).__name__}")
     if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
         raise ValueError(f"chunks must be an int >= 1 or 'auto', got {chunks!r}")
+    if not isinstance(defer_wgrad, bool):
+        raise TypeError(f"defer_wgrad must be a bool, got {type(defer_wgrad).__name__}")
     group = comm.as_group(ep_group)
     config = getattr(model, "config", None)
     converted = 0

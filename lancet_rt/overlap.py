@@ -62,14 +62,17 @@ class Overlapped(nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
             raise ValueError(f"chunks must be an int >= 1 or 'auto', got {chunks!r}")
+        for name, flag in (("defer_wgrad", defer_wgrad), ("check", check)):
+            if not isinstance(flag, bool):  # a truthy string or tensor would silently change the schedule
+                raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
         if balance is not None and not isinstance(balance, BalancedChunks):
             raise TypeError(f"balance must be None or a lancet_rt.BalancedChunks, got {type(balance).__name__}")
         if _greenlet is None:
             raise ImportError("lancet_rt.Overlapped needs the 'greenlet' package (pip install greenlet)")
         self.model = model
         self.chunks = chunks
-        self.defer_wgrad = bool(defer_wgrad)
-        self.check = bool(check)
+        self.defer_wgrad = defer_wgrad
+        self.check = check
         self.balance = balance
         self._checked = False
         self.wgrad_queue: Optional[_wgrad.WGradQueue] = _wgrad.WGradQueue() if defer_wgrad else None

@@ -133,6 +133,9 @@ CLEAR = [
     # Overlapped
     ("overlapped chunks='3'", lambda: lancet_rt.Overlapped(make_model(), chunks="3"), ValueError, "chunks"),
     ("overlapped chunks=-1", lambda: lancet_rt.Overlapped(make_model(), chunks=-1), ValueError, "chunks"),
+    ("overlapped defer_wgrad='no'", lambda: lancet_rt.Overlapped(make_model(), defer_wgrad="no"), TypeError,
+     "defer_wgrad"),
+    ("overlapped check=1", lambda: lancet_rt.Overlapped(make_model(), check=1), TypeError, "check"),
     ("overlapped no tensor to cut", lambda: lancet_rt.Overlapped(make_model(), chunks=2)(3.0), ValueError,
      "tensor argument"),
     ("overlapped tokens not a multiple of rows",

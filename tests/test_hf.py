@@ -186,6 +186,9 @@ def test_bad_arguments():
     hf = build("mixtral")
     with pytest.raises(ValueError, match="chunks"):
         lancet_rt.from_hf(hf, chunks=0)
+    with pytest.raises(TypeError, match="defer_wgrad"):
+        lancet_rt.from_hf(hf, chunks=2, defer_wgrad="yes")
+    assert all(type(m).__name__ != "MoE" for m in hf.modules())  # refused before anything was patched
     with pytest.raises(ValueError, match="router_jitter_noise"):
         lancet_rt.from_hf(build("mixtral", router_jitter_noise=0.1))
     import transformers as tf
