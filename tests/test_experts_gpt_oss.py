@@ -29,8 +29,8 @@ from lancet_rt.kernels.reference import (
 )
 from lancet_rt.ops import get_ops
 from tests.helpers import assert_close, nan_like
-from tests.test_kernels_experts import (  # noqa: F401 (gen is a fixture)
-    DEVICE, DTYPES, _assert_close_sampled, _gpu_problem, _nan, _no_host_sync, _offsets, _randn, gen,
+from tests.test_kernels_experts import (
+    DEVICE, DTYPES, _assert_close_sampled, _gpu_problem, _nan, _no_host_sync, _offsets, _randn,
 )
 
 ALPHA, LIMIT = 1.702, 7.0

@@ -20,7 +20,6 @@ docstring of kernels.grouped_gemm), and gu against the float64 GEMM.
 from __future__ import annotations
 
 import contextlib
-import zlib
 
 import pytest
 import torch
@@ -50,12 +49,6 @@ SEGMENTS = [
 ]
 SEG_IDS = [s[0] for s in SEGMENTS]
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-
-
-@pytest.fixture
-def gen(request) -> torch.Generator:
-    """A generator seeded from the test's id: fresh inputs per test, reproducible per test."""
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 def _randn(gen, *shape, dtype=torch.float32, scale=1.0) -> torch.Tensor:
