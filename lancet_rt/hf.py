@@ -8,8 +8,11 @@ signature and returns the same logits and loss.
 
 With ``chunks > 1`` (or ``defer_wgrad``) the base model (embeddings, masks, rotary embeddings, the
 decoder layers, the final norm: everything separable along the batch) runs under
-:class:`lancet_rt.Overlapped`; the head and the loss see the whole batch. Masks and position
-embeddings built for a batch of one ([1, S, ...]) pass to every chunk whole.
+:class:`lancet_rt.Overlapped`, and so does a ``*ForCausalLM``'s LM head when the model wants the
+logits of every position (training, ``logits_to_keep=0``): each chunk ends with its own rows of the
+logits, so the head's matmul, forward and backward, hides other chunks' all-to-alls; the loss sees
+the whole batch. Masks and position embeddings built for a batch of one ([1, S, ...]) pass to every
+chunk whole.
 
 Router logits and the auxiliary loss: the router modules stay the model's own (their class is
 swapped for a subclass whose forward returns the float32 logits), so transformers'
@@ -29,7 +32,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from . import comm, recompute as _recompute
+from . import comm, recompute as _recompute, scope as _scope
 from .experts import Experts
 from .moe import MoE, router_logits
 from .overlap import Overlapped
@@ -177,29 +180,96 @@ def _is_moe_block(module: nn.Module) -> bool:
 class _BaseModelRunner:
     """Installed as the base model's ``forward``: runs it under :class:`Overlapped` (when chunking
     or deferring dW), makes activation checkpointing replay MoE routing, and calls the model's own
-    forward for the chunks (and, unchunked, for generation with a KV cache)."""
+    forward for the chunks (and, unchunked, for generation with a KV cache).
 
-    def __init__(self, base: nn.Module, chunks, defer_wgrad: bool):
+    With ``head`` (a ``*ForCausalLM``'s LM head) and ``head_wanted`` set by :class:`_CausalLMForward`
+    for this call, each chunk also runs the head on its rows of the last hidden state; the logits,
+    concatenated, wait in ``stash`` for the model's own ``lm_head`` call (:class:`_HeadForward`).
+    """
+
+    def __init__(self, base: nn.Module, chunks, defer_wgrad: bool, head: Optional[nn.Module] = None):
         self.base = base
         self.inner = type(base).forward
         self.overlapped = Overlapped(base, chunks=chunks, defer_wgrad=defer_wgrad) \
             if chunks != 1 or defer_wgrad else None
         self.active = False
+        self.head = head
+        self.head_wanted = False
+        self.stash: Optional[tuple] = None  # (last hidden state, its logits) of the call in progress
+        self._chunk_logits: Optional[dict] = None
 
     def __call__(self, *args, **kwargs):
         if self.active or self.overlapped is None:
             _replay_checkpoints(self.base)
-            return self.inner(self.base, *args, **kwargs)
+            out = self.inner(self.base, *args, **kwargs)
+            if self._chunk_logits is not None:  # a chunk (or the one run) of a call that wants the head
+                scope = _scope.current()
+                self._chunk_logits[scope.chunk if scope is not None else 0] = self.head(out.last_hidden_state)
+            return out
         if kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is True:
             # Generation with a KV cache: unchunked (the numbers are the same; chunks only overlap).
             return self.inner(self.base, *args, **kwargs)
         _replay_checkpoints(self.base)
         kwargs["use_cache"] = False  # a cache per chunk would be the chunk's, not the batch's
+        self.stash = None
+        self._chunk_logits = {} if self.head is not None and self.head_wanted else None
         self.active = True
         try:
-            return self.overlapped(*args, **kwargs)
+            out = self.overlapped(*args, **kwargs)
+            parts = self._chunk_logits
+            if parts:
+                logits = torch.cat([parts[c] for c in sorted(parts)], dim=0)
+                hidden = getattr(out, "last_hidden_state", None)
+                if isinstance(hidden, torch.Tensor) and logits.shape[:-1] == hidden.shape[:-1]:
+                    self.stash = (hidden, logits)
+            return out
         finally:
             self.active = False
+            self._chunk_logits = None
+
+
+class _CausalLMForward:
+    """Installed as a ``*ForCausalLM``'s ``forward``: tells the base model's runner whether this call
+    wants the logits of every position (keyword arguments only, ``logits_to_keep`` 0), so that the
+    chunks run the head; the stashed logits never outlive the call."""
+
+    def __init__(self, model: nn.Module, runner: _BaseModelRunner):
+        self.model, self.runner = model, runner
+        self.inner = type(model).forward
+
+    def __call__(self, *args, **kwargs):
+        keep = kwargs.get("logits_to_keep", 0)
+        self.runner.head_wanted = len(args) <= 1 and isinstance(keep, int) and keep == 0
+        try:
+            return self.inner(self.model, *args, **kwargs)
+        finally:
+            self.runner.head_wanted = False
+            self.runner.stash = None
+
+
+class _HeadForward:
+    """Installed as the LM head's ``forward``: for the last hidden state whose logits the chunks
+    computed (the model slices it whole, ``hidden[:, 0:, :]``), returns them; otherwise the head's
+    own forward."""
+
+    def __init__(self, head: nn.Module, runner: _BaseModelRunner):
+        self.head, self.runner = head, runner
+        self.inner = type(head).forward
+
+    def __call__(self, hidden: torch.Tensor, *args, **kwargs):
+        stash = self.runner.stash
+        if stash is not None and not args and not kwargs and _same_view(hidden, stash[0]):
+            self.runner.stash = None
+            return stash[1]
+        return self.inner(self.head, hidden, *args, **kwargs)
+
+
+def _same_view(t: torch.Tensor, whole: torch.Tensor) -> bool:
+    """Whether ``t`` is ``whole`` or a view of all of it (same shape, strides and offset)."""
+    if t is whole:
+        return True
+    return (isinstance(t, torch.Tensor) and t._base is whole and t.shape == whole.shape
+            and t.stride() == whole.stride() and t.storage_offset() == whole.storage_offset())
 
 
 class _ReplayingCheckpoint:
@@ -281,7 +351,12 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
     old = base.__dict__.get("forward")
     if isinstance(old, _BaseModelRunner) and old.overlapped is not None and old.overlapped.defer_wgrad and not defer_wgrad:
         raise ValueError("from_hf: defer_wgrad cannot be turned off once on (the linears were made deferring)")
-    base.forward = _BaseModelRunner(base, chunks, defer_wgrad)
+    head = model.get_output_embeddings() if base is not model and hasattr(model, "get_output_embeddings") else None
+    runner = _BaseModelRunner(base, chunks, defer_wgrad, head if isinstance(head, nn.Linear) else None)
+    base.forward = runner
+    if runner.head is not None:  # the head runs per chunk in training (see _BaseModelRunner)
+        model.forward = _CausalLMForward(model, runner)
+        runner.head.forward = _HeadForward(runner.head, runner)
     if any(m.ep_size > 1 for m in layers) and callable(getattr(model, "save_pretrained", None)):
         model.save_pretrained = _save_pretrained_refused
     return model

@@ -146,6 +146,27 @@ def test_hf_model_trains_under_autocast():
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in lm.parameters())
 
 
+def test_lm_head_runs_per_chunk_when_every_position_is_wanted():
+    """Training (labels, logits_to_keep=0): each chunk ends with its rows of the logits, so the head
+    hides other chunks' all-to-alls; the model's own lm_head call gets them whole. With
+    logits_to_keep=1 (generation) the head runs once, on the model's slice."""
+    hf = build("mixtral")
+    ids, mask, labels = batch(hf.config.vocab_size, 5, 9)
+    want = hf(input_ids=ids, attention_mask=mask, labels=labels)
+    lm = lancet_rt.from_hf(copy.deepcopy(hf), chunks=2)
+    seen = []
+    lm.lm_head.register_forward_hook(lambda m, args, out: seen.append(tuple(out.shape[:2])))
+    out = lm(input_ids=ids, attention_mask=mask, labels=labels)
+    assert seen == [(3, 9), (2, 9), (5, 9)]  # chunk 0, chunk 1, then the model's call, served whole
+    assert_close("logits", out.logits, want.logits)
+    assert_close("loss", out.loss.reshape(1), want.loss.reshape(1))
+    seen.clear()
+    last = lm(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits
+    assert seen == [(5, 1)]
+    assert_close("last logits", last, hf(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits)
+    assert lm.model.forward.stash is None  # nothing outlives the call
+
+
 def test_shared_experts_run_while_the_dispatch_travels():
     link = lancet_rt.EmulatedGroup(world_size=2, bandwidth_gbps=0.01, latency_us=2000)
     shared = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 16))
