@@ -190,6 +190,7 @@ class _BaseModelRunner:
     def __init__(self, base: nn.Module, chunks, defer_wgrad: bool, head: Optional[nn.Module] = None):
         self.base = base
         self.inner = type(base).forward
+        self.__wrapped__ = self.inner.__get__(base)  # inspect.signature(base.forward): the model's own
         self.overlapped = Overlapped(base, chunks=chunks, defer_wgrad=defer_wgrad) \
             if chunks != 1 or defer_wgrad else None
         self.active = False
@@ -236,6 +237,7 @@ class _CausalLMForward:
     def __init__(self, model: nn.Module, runner: _BaseModelRunner):
         self.model, self.runner = model, runner
         self.inner = type(model).forward
+        self.__wrapped__ = self.inner.__get__(model)  # (Trainer and generate() read the signature)
 
     def __call__(self, *args, **kwargs):
         keep = kwargs.get("logits_to_keep", 0)
@@ -255,6 +257,7 @@ class _HeadForward:
     def __init__(self, head: nn.Module, runner: _BaseModelRunner):
         self.head, self.runner = head, runner
         self.inner = type(head).forward
+        self.__wrapped__ = self.inner.__get__(head)
 
     def __call__(self, hidden: torch.Tensor, *args, **kwargs):
         stash = self.runner.stash

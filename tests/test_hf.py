@@ -8,6 +8,7 @@ deferred dW, with activation checkpointing, with expert parallelism over gloo ra
 from __future__ import annotations
 
 import copy
+import inspect
 
 import pytest
 import torch
@@ -165,6 +166,12 @@ def test_lm_head_runs_per_chunk_when_every_position_is_wanted():
     assert seen == [(5, 1)]
     assert_close("last logits", last, hf(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits)
     assert lm.model.forward.stash is None  # nothing outlives the call
+    # The patched forwards keep the model's signatures (HF's Trainer keeps dataset columns by them,
+    # generate() validates its kwargs by them), and greedy generation is transformers'.
+    for patched, own in ((lm.forward, hf.forward), (lm.model.forward, hf.model.forward)):
+        assert inspect.signature(patched) == inspect.signature(own)
+    assert torch.equal(lm.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False),
+                       hf.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False))
 
 
 def test_shared_experts_run_while_the_dispatch_travels():
