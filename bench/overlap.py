@@ -131,6 +131,51 @@ def sizes(args) -> dict:
     return d
 
 
+def time_interleaved(steps: dict, link, links: dict, reps: int, statistic: str = "min", device=None) -> dict:
+    """``{(link name, step name): ms}``: every step on every link, interleaved step by step after one
+    warm-up each, so that a slow period of a shared machine weighs on all of them alike; each
+    summarised by ``statistic`` (min or median).
+
+    Args:
+        steps: name -> a callable running one training step.
+        link: the :class:`lancet_rt.EmulatedGroup` whose bandwidth and latency ``links`` set.
+        links: link name -> (bandwidth_gbps, latency_us).
+        reps: timed rounds.
+    """
+    for fn in steps.values():
+        fn()
+    times = {(lk, s): [] for lk in links for s in steps}
+    for _ in range(reps):
+        for s, fn in steps.items():
+            for lk, (bw, lat) in links.items():
+                link.bandwidth_gbps, link.latency_us = bw, lat
+                times[(lk, s)].append(step_ms(fn, device))
+    reduce = min if statistic == "min" else statistics.median
+    return {k: reduce(v) for k, v in times.items()}
+
+
+def link_per_step(link, step) -> tuple:
+    """(modeled ms, off-rank bytes, transfers) of one run of ``step`` on ``link``'s current setting."""
+    link.reset()
+    step()
+    return link.modeled_ms, link.off_rank_bytes, link.transfers
+
+
+def bandwidth_for_ratio(ratio: float, compute_ms: float, nbytes: int, transfers: int, latency_us: float) -> float:
+    """The bandwidth (GB/s) at which ``nbytes`` in ``transfers`` collectives take ``ratio x compute_ms``."""
+    budget_ms = ratio * compute_ms - transfers * latency_us * 1e-3
+    if budget_ms <= 0:
+        raise SystemExit(f"latency {latency_us} us x {transfers} transfers alone exceeds {ratio} x {compute_ms:.2f} ms")
+    return nbytes / (budget_ms * 1e-3) / 1e9
+
+
+def step_ms(fn, device=None) -> float:
+    """One timed run of ``fn``: CUDA events on a GPU, the wall clock (garbage collector paused) on CPU."""
+    if device is not None and torch.device(device).type == "cuda":
+        return bench_ms(fn, device, warmup=0, rep=1)["ms"]
+    return _wall_ms(fn)
+
+
 class Runner:
     """One model and its four schedules over one emulated link."""
 
@@ -207,28 +252,13 @@ class Runner:
         self.link.bandwidth_gbps, self.link.latency_us = bandwidth_gbps, latency_us
 
     def time_all(self, modes, steps: int, links: dict) -> dict:
-        """Median step time of each (link, mode), interleaved step by step so that a slow period of
-        a shared machine weighs on all of them alike. ``links``: name -> (bandwidth, latency)."""
-        for m in modes:  # warm-up
-            self.step(m)
-        times = {(lk, m): [] for lk in links for m in modes}
-        for _ in range(steps):
-            for m in modes:
-                for lk, (bw, lat) in links.items():
-                    self.set_link(bw, lat)
-                    if self.device.type == "cuda":
-                        t = bench_ms(lambda: self.step(m), self.device, warmup=0, rep=1)["ms"]
-                    else:
-                        t = _wall_ms(lambda: self.step(m))
-                    times[(lk, m)].append(t)
-        reduce = min if self.statistic == "min" else statistics.median
-        return {k: reduce(t) for k, t in times.items()}
+        """:func:`time_interleaved` of the schedules ``modes``. ``links``: name -> (bandwidth, latency)."""
+        return time_interleaved({m: (lambda m=m: self.step(m)) for m in modes}, self.link, links, steps,
+                                self.statistic, self.device)
 
     def per_step_link(self, mode: str, forward_only: bool = False):
-        self.link.reset()
-        self.forward(mode) if forward_only else self.step(mode)
-        synchronize(self.device)
-        return self.link.modeled_ms, self.link.off_rank_bytes, self.link.transfers
+        run = self.forward if forward_only else self.step
+        return link_per_step(self.link, lambda: (run(mode), synchronize(self.device)))
 
     def forward(self, mode: str) -> None:
         """The forward of one training step (the graph is built, then dropped unused)."""
@@ -237,10 +267,7 @@ class Runner:
     def forward_ms(self, mode: str, steps: int) -> float:
         """The forward's time on the current link, summarised like :meth:`time_all`."""
         self.forward(mode)
-        if self.device.type == "cuda":
-            times = [bench_ms(lambda: self.forward(mode), self.device, warmup=0, rep=1)["ms"] for _ in range(steps)]
-        else:
-            times = [_wall_ms(lambda: self.forward(mode)) for _ in range(steps)]
+        times = [step_ms(lambda: self.forward(mode), self.device) for _ in range(steps)]
         return (min if self.statistic == "min" else statistics.median)(times)
 
 
@@ -268,10 +295,7 @@ def main(argv=None) -> dict:
     calib = r.time_all(["overlapped"], 5, {"free": free})[("free", "overlapped")]
     _, nbytes, transfers = r.per_step_link("sequential")
     lat_ms = s["latency_us"] * 1e-3
-    budget_ms = args.comm_ratio * calib - transfers * lat_ms
-    if budget_ms <= 0:
-        raise SystemExit(f"--latency-us {s['latency_us']} alone exceeds R x compute ({args.comm_ratio} x {calib:.2f} ms)")
-    bw = nbytes / (budget_ms * 1e-3) / 1e9
+    bw = bandwidth_for_ratio(args.comm_ratio, calib, nbytes, transfers, s["latency_us"])
     # 2. Every schedule on the free link (its computation) and on the real one, interleaved. If the
     #    measured ratio misses R by more than 10% (the calibration pass was short), rescale the
     #    bandwidth and measure again, once.

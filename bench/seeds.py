@@ -18,47 +18,10 @@ import torch
 
 import lancet_rt
 from bench.common import print_table, run_metadata, synchronize, write_json
+from bench.overlap import _wall_ms, bandwidth_for_ratio, link_per_step, time_interleaved
 from bench.varlen import VarlenBlocks, cu_seqlens_of, skewed_lengths
 
 FREE = (math.inf, 0.0)
-
-
-def time_interleaved(steps: dict, link, links: dict, reps: int, statistic: str = "min", device=None) -> dict:
-    """``{(link name, step name): ms}``: every step on every link, interleaved, after one warm-up each.
-
-    Args:
-        steps: name -> a callable running one training step.
-        link: the :class:`lancet_rt.EmulatedGroup` whose bandwidth and latency ``links`` set.
-        links: link name -> (bandwidth_gbps, latency_us).
-        reps: timed rounds.
-    """
-    from bench.overlap import _wall_ms
-
-    for fn in steps.values():
-        fn()
-    times = {(lk, s): [] for lk in links for s in steps}
-    for _ in range(reps):
-        for s, fn in steps.items():
-            for lk, (bw, lat) in links.items():
-                link.bandwidth_gbps, link.latency_us = bw, lat
-                times[(lk, s)].append(_wall_ms(lambda: (fn(), synchronize(device or torch.device("cpu")))))
-    reduce = min if statistic == "min" else statistics.median
-    return {k: reduce(v) for k, v in times.items()}
-
-
-def link_per_step(link, step) -> tuple:
-    """(modeled ms, off-rank bytes, transfers) of one run of ``step`` on ``link``'s current setting."""
-    link.reset()
-    step()
-    return link.modeled_ms, link.off_rank_bytes, link.transfers
-
-
-def bandwidth_for_ratio(ratio: float, compute_ms: float, nbytes: int, transfers: int, latency_us: float) -> float:
-    """The bandwidth (GB/s) at which ``nbytes`` in ``transfers`` collectives take ``ratio x compute_ms``."""
-    budget_ms = ratio * compute_ms - transfers * latency_us * 1e-3
-    if budget_ms <= 0:
-        raise SystemExit(f"latency {latency_us} us x {transfers} transfers alone exceeds {ratio} x {compute_ms:.2f} ms")
-    return nbytes / (budget_ms * 1e-3) / 1e9
 
 
 def _blocks_on_link(cls, args, s: dict, device):
@@ -287,8 +250,6 @@ def replay_check(args, s: dict, device: torch.device) -> list:
     bws = {r: bandwidth_for_ratio(r, calib, nbytes, transfers, s["latency_us"]) for r in REPLAY_RATIOS}
     # The traced steps are recorded in the same rounds as the measured ones, so that load from
     # elsewhere weighs on both alike: each round measures every cell once and traces each count once.
-    from bench.overlap import _wall_ms
-
     for fn in steps.values():
         fn()
     times = {(r, n): [] for r in REPLAY_RATIOS for n in REPLAY_CHUNKS}
