@@ -4,7 +4,8 @@ from .ep_checkpoint import load_checkpoint, load_hf, save_checkpoint, save_hf
 from .comm import ExpertParallelGroup, TorchGroup
 from .experts import Experts
 from .emulated import EmulatedGroup
-from .moe import MoE, Router, update_expert_bias
+from .moe import MoE
+from .router import Router, update_expert_bias
 from .recompute import checkpoint, checkpoint_context
 from .overlap import Overlapped
 from .hf import from_hf
