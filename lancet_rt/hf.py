@@ -34,7 +34,8 @@ from torch import nn
 
 from . import comm, recompute as _recompute, scope as _scope
 from .experts import Experts
-from .moe import MoE, router_logits
+from .moe import MoE
+from .router import router_logits
 from .overlap import Overlapped
 
 
@@ -194,7 +195,7 @@ class _BaseModelRunner:
         self.overlapped = Overlapped(base, chunks=chunks, defer_wgrad=defer_wgrad) \
             if chunks != 1 or defer_wgrad else None
         self.active = False
-        self.head = head
+        self.head = head if self.overlapped is not None else None  # (unchunked, the model runs as written)
         self.head_wanted = False
         self.stash: Optional[tuple] = None  # (last hidden state, its logits) of the call in progress
         self._chunk_logits: Optional[dict] = None
@@ -355,11 +356,16 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
     if isinstance(old, _BaseModelRunner) and old.overlapped is not None and old.overlapped.defer_wgrad and not defer_wgrad:
         raise ValueError("from_hf: defer_wgrad cannot be turned off once on (the linears were made deferring)")
     head = model.get_output_embeddings() if base is not model and hasattr(model, "get_output_embeddings") else None
-    runner = _BaseModelRunner(base, chunks, defer_wgrad, head if isinstance(head, nn.Linear) else None)
+    head = head if isinstance(head, nn.Linear) else None
+    runner = _BaseModelRunner(base, chunks, defer_wgrad, head)
     base.forward = runner
     if runner.head is not None:  # the head runs per chunk in training (see _BaseModelRunner)
         model.forward = _CausalLMForward(model, runner)
-        runner.head.forward = _HeadForward(runner.head, runner)
+        head.forward = _HeadForward(head, runner)
+    else:  # converted again, unchunked: the forwards of an earlier conversion go
+        for m, cls in ((model, _CausalLMForward), (head, _HeadForward)):
+            if m is not None and isinstance(m.__dict__.get("forward"), cls):
+                del m.forward
     if any(m.ep_size > 1 for m in layers) and callable(getattr(model, "save_pretrained", None)):
         model.save_pretrained = _save_pretrained_refused
     return model

@@ -172,6 +172,10 @@ def test_lm_head_runs_per_chunk_when_every_position_is_wanted():
         assert inspect.signature(patched) == inspect.signature(own)
     assert torch.equal(lm.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False),
                        hf.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False))
+    # Converted again unchunked, the model's and the head's own forwards are back.
+    lancet_rt.from_hf(lm, chunks=1)
+    assert "forward" not in lm.__dict__ and "forward" not in lm.lm_head.__dict__
+    assert_close("unchunked logits", lm(input_ids=ids, attention_mask=mask).logits, want.logits)
 
 
 def test_shared_experts_run_while_the_dispatch_travels():
