@@ -26,6 +26,13 @@ to wait for a forward transfer (:func:`lancet_rt.scope.host_wait`), the backward
 meanwhile (on CPU, where the host's wait is the device's). Each backward flushes its queue before it
 ends, as a single-step backward does.
 
+On CPU, where the host thread is the device, the two threads are pinned to the core the host is on
+for the interleaved part of the step (:class:`_OneCore`) and given back their affinity after it. The
+passes take turns, so they lose no parallelism, and each hand-off otherwise wakes the other thread
+on the other, idle core, whose caches hold none of the step's data (measured on a 2-core VM: the
+interleaved passes' computation took 1.10-1.21x that of the same work in sequence, 1.04-1.07x
+pinned). On CUDA nothing is pinned: the host only queues kernels.
+
 Exactness: each microbatch's forward is an ordinary ``Overlapped`` forward (its own capacity, aux
 and z losses: those of the microbatch, as in M sequential steps), and its backward is one
 ``backward()`` of its loss that accumulates into ``.grad``. Backward i ends before backward i+1
@@ -130,6 +137,7 @@ class _Worker:
         self._jobs: "queue.SimpleQueue" = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._serve, name="lancet-backward", daemon=True)
         self.thread.start()
+        self.native_id: int = self.thread.native_id  # set by start()
 
     def submit(self, job: Callable[[], None]) -> None:
         self._jobs.put(job)
@@ -147,6 +155,64 @@ def _worker() -> _Worker:
     if pid not in _workers:
         _workers[pid] = _Worker()
     return _workers[pid]
+
+
+def _current_cpu() -> Optional[int]:
+    """The CPU the calling thread runs on (glibc/musl ``sched_getcpu``), None where unknown."""
+    global _sched_getcpu
+    if _sched_getcpu is None:
+        try:
+            import ctypes
+
+            _sched_getcpu = ctypes.CDLL(None, use_errno=True).sched_getcpu
+        except (OSError, AttributeError):
+            _sched_getcpu = False
+    if _sched_getcpu is False:
+        return None
+    cpu = _sched_getcpu()
+    return cpu if cpu >= 0 else None
+
+
+_sched_getcpu = None
+
+
+class _OneCore:
+    """The host thread and the backward's helper thread on one core, the host's, while a step's
+    passes take turns on CPU (module docstring); :meth:`release` restores both threads' affinity.
+
+    A no-op where affinity cannot be set (not Linux, ``sched_getcpu`` unknown) or the host may run
+    on one CPU only."""
+
+    def __init__(self):
+        self.saved: Optional[tuple] = None  # (helper's native id, host's mask, helper's mask)
+
+    def pin(self) -> None:
+        if self.saved is not None or not hasattr(os, "sched_setaffinity"):
+            return
+        cpu, tid = _current_cpu(), _worker().native_id
+        try:
+            host, helper = os.sched_getaffinity(0), os.sched_getaffinity(tid)
+        except OSError:
+            return
+        if cpu is None or len(host) < 2 or cpu not in host or cpu not in helper:
+            return
+        self.saved = (tid, host, helper)
+        try:
+            os.sched_setaffinity(0, {cpu})  # pid 0: the calling thread
+            os.sched_setaffinity(tid, {cpu})
+        except OSError:
+            self.release()
+
+    def release(self) -> None:
+        if self.saved is None:
+            return
+        tid, host, helper = self.saved
+        self.saved = None
+        os.sched_setaffinity(0, host)
+        try:
+            os.sched_setaffinity(tid, helper)
+        except OSError:  # the helper is gone (interpreter exit)
+            pass
 
 
 def _as_call(microbatch, i: int) -> tuple[tuple, dict]:
@@ -228,36 +294,48 @@ def _step(overlapped, calls: list, loss_fn, interleave: bool, grad_sync) -> torc
     n = overlapped._resolve_chunks(*calls[0])
     losses = []
     pending: Optional[torch.Tensor] = None  # the loss whose backward has not run yet
-    for i, (args, kwargs) in enumerate(calls):
-        beside = None
-        if pending is not None:
-            if interleave:
-                beside = _Backward(pending, i - 1, overlapped.wgrad_queue)
-            else:
-                _host_backward(pending, i - 1, None)
-        try:
-            on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in (*args, *kwargs.values()))
-            with _trace.span(f"forward {i}", "compute", on_cuda, microbatch=i):
-                _scope.set_beside(beside)
-                try:
-                    if beside is not None:
-                        beside.turn()  # the backward's first all-to-all leaves before the forward starts
-                    out = overlapped.forward_chunked(n, args, kwargs)
-                finally:
-                    _scope.set_beside(None)
-                loss = _check_loss(loss_fn(out, i), i)
-        except BaseException:
-            if beside is not None:
-                beside.abort()
-            raise
-        if beside is not None:
-            beside.finish()
-            if beside.error is not None:
-                raise beside.error
-        losses.append(loss.detach().reshape(()))
-        pending = loss
+    one_core = _OneCore()
+    try:
+        for i, (args, kwargs) in enumerate(calls):
+            pending = _microbatch(overlapped, n, i, args, kwargs, loss_fn, pending, interleave, one_core)
+            losses.append(pending.detach().reshape(()))
+    finally:
+        one_core.release()  # the last backward runs alone
     _host_backward(pending, len(calls) - 1, grad_sync)
     return torch.stack(losses)
+
+
+def _microbatch(overlapped, n: int, i: int, args: tuple, kwargs: dict, loss_fn, pending: Optional[torch.Tensor],
+                interleave: bool, one_core: _OneCore) -> torch.Tensor:
+    """Forward of microbatch i (and its loss), with the backward of ``pending`` (i - 1) beside it."""
+    beside = None
+    if pending is not None:
+        if interleave:
+            if not pending.is_cuda:
+                one_core.pin()
+            beside = _Backward(pending, i - 1, overlapped.wgrad_queue)
+        else:
+            _host_backward(pending, i - 1, None)
+    try:
+        on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in (*args, *kwargs.values()))
+        with _trace.span(f"forward {i}", "compute", on_cuda, microbatch=i):
+            _scope.set_beside(beside)
+            try:
+                if beside is not None:
+                    beside.turn()  # the backward's first all-to-all leaves before the forward starts
+                out = overlapped.forward_chunked(n, args, kwargs)
+            finally:
+                _scope.set_beside(None)
+            loss = _check_loss(loss_fn(out, i), i)
+    except BaseException:
+        if beside is not None:
+            beside.abort()
+        raise
+    if beside is not None:
+        beside.finish()
+        if beside.error is not None:
+            raise beside.error
+    return loss
 
 
 def _host_backward(loss: torch.Tensor, i: int, grad_sync) -> None:

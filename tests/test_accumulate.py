@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import threading
 
 import pytest
@@ -109,6 +110,41 @@ def test_accumulate_issues_collectives_in_schedule_order():
     assert orders[0] == orders[1]
 
 
+def test_interleaved_passes_share_the_host_core_on_cpu():
+    """On CPU the interleaved passes run on one core, the host's (lancet_rt.accumulate._OneCore):
+    the forwards beside a backward and those backwards see the same single-CPU mask; the first
+    forward and the last backward (alone) and both threads after the step see their own masks."""
+    host_mask = os.sched_getaffinity(0)
+    helper = lancet_rt.accumulate._worker()
+    helper_mask = os.sched_getaffinity(helper.native_id)
+    link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=0.05, latency_us=100)
+    ov = lancet_rt.Overlapped(make_model(None, link), chunks=2)
+    xs, gs = microbatches(3, [4])
+    seen = {}
+
+    def loss_fn(out, i):
+        seen[("forward", i)] = os.sched_getaffinity(0)
+        out.register_hook(lambda g: seen.setdefault(
+            ("backward", i), (threading.get_native_id(), os.sched_getaffinity(0))) and None)
+        return (out * gs[i]).sum()
+
+    ov.accumulate(xs, loss_fn)
+    assert seen[("backward", 0)][0] == seen[("backward", 1)][0] == helper.native_id
+    assert seen[("backward", 2)][0] == threading.get_native_id()  # the last backward runs on the host
+    assert seen[("forward", 0)] == seen[("backward", 2)][1] == host_mask
+    if len(host_mask) > 1:
+        pinned = seen[("forward", 1)]
+        assert len(pinned) == 1 and pinned <= host_mask, pinned
+        assert seen[("forward", 2)] == seen[("backward", 0)][1] == seen[("backward", 1)][1] == pinned
+    else:  # nothing to choose: nothing pinned
+        assert seen[("forward", 1)] == seen[("backward", 0)][1] == host_mask
+    assert os.sched_getaffinity(0) == host_mask
+    assert os.sched_getaffinity(helper.native_id) == helper_mask
+    # A step with no backward beside a forward (interleave=False) pins nothing.
+    ov.accumulate(xs, loss_fn, interleave=False)
+    assert seen[("forward", 1)] == host_mask
+
+
 def test_accumulate_rejects_bad_arguments():
     ov = lancet_rt.Overlapped(make_model(None), chunks=2)
     loss = lambda out, i: out.sum()  # noqa: E731
@@ -140,6 +176,7 @@ def test_failure_in_a_forward_beside_a_backward():
     ov = lancet_rt.Overlapped(twin, chunks=2, defer_wgrad=True)
     xs, gs = microbatches(2, [4])
     calls = []
+    host_mask = os.sched_getaffinity(0)
 
     def fail_in_microbatch_1(module, args, out):  # blocks[1] runs twice (2 chunks) per microbatch
         calls.append(1)
@@ -152,6 +189,7 @@ def test_failure_in_a_forward_beside_a_backward():
             ov.accumulate(xs, lambda out, i: (out * gs[i]).sum())
     handle.remove()
     assert any(e["name"] == "backward 0" for e in tr.events()), "backward 0 must have been suspended"
+    assert os.sched_getaffinity(0) == host_mask  # the step gave the host its CPUs back
     # The suspended backward was unwound: nothing waits for a turn, the helper thread is free.
     assert lancet_rt.scope._backward_beside is None
     worker = lancet_rt.accumulate._worker()
