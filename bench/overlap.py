@@ -70,6 +70,9 @@ def parse_args(argv=None):
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--latency-us", type=float, default=None)
+    p.add_argument("--counts-channel", choices=("own", "shared"), default="own",
+                   help="the counts exchanges on a channel of their own (default; TorchGroup(counts_group=...)) or "
+                        "queued behind the tokens on theirs (one communicator for both)")
     p.add_argument("--layers", type=int, default=None)
     p.add_argument("--d-model", type=int, default=None)
     p.add_argument("--d-ffn", type=int, default=None)
@@ -182,7 +185,8 @@ class Runner:
     def __init__(self, args, s, device):
         self.device = device
         dtype = getattr(torch, s["dtype"])
-        self.link = lancet_rt.EmulatedGroup(args.world_size, math.inf, 0.0, device=device)
+        self.link = lancet_rt.EmulatedGroup(args.world_size, math.inf, 0.0, device=device,
+                                            counts_channel=args.counts_channel)
         self.chunks = args.chunks
         self.statistic = args.statistic
         self.steps: dict = {}  # mode -> a whole training step (add_accumulation)
@@ -325,7 +329,7 @@ def main(argv=None) -> dict:
     overlapped_ms = ms["overlapped"]
     row = dict(
         bench="overlap", **run_metadata(device), **{k: v for k, v in s.items()}, model=args.model,
-        world_size=args.world_size, chunks=args.chunks, top_k=args.top_k,
+        world_size=args.world_size, chunks=args.chunks, top_k=args.top_k, counts_channel=args.counts_channel,
         capacity_factor=None if r.hf else args.capacity_factor,
         comm_ratio=args.comm_ratio, measured_comm_ratio=comm_ms / compute_ms, bandwidth_gbps=bw,
         transfers_per_step=transfers, off_rank_bytes_per_step=nbytes,
@@ -350,7 +354,7 @@ def main(argv=None) -> dict:
                 title=f"bench.overlap on {row['device']}: {s['layers']} {args.model} layers D={s['d_model']} F={s['d_ffn']} "
                       f"E={s['experts']} K={args.top_k} W={args.world_size} tokens={s['batch'] * s['seq']} "
                       f"{s['dtype']}, chunks={args.chunks}, comm {comm_ms:.2f} ms = {comm_ms / compute_ms:.2f} x compute "
-                      f"({bw:.3g} GB/s, {s['latency_us']} us)")
+                      f"({bw:.3g} GB/s, {s['latency_us']} us, counts on {'their own' if args.counts_channel == 'own' else 'the tokens'} channel)")
     print(f"hidden_comm_fraction {row['hidden_comm_fraction']:.3f} (with deferred dW "
           f"{row['hidden_comm_fraction_dw']:.3f})  overlapped {overlapped_ms:.2f} ms vs "
           f"bound {row['bound_ms']:.2f} ms ({row['over_bound']:+.1%}), pass-aware bound {pass_bound_ms:.2f} ms "

@@ -26,7 +26,7 @@ FREE = (math.inf, 0.0)
 
 def _blocks_on_link(cls, args, s: dict, device):
     """(a free emulated link of ``--world-size``, ``cls(layers, d_model, heads, moe_kwargs)`` on it)."""
-    link = lancet_rt.EmulatedGroup(args.world_size, math.inf, 0.0, device=device)
+    link = lancet_rt.EmulatedGroup(args.world_size, math.inf, 0.0, device=device)  # counts in the FIFO: the replay models that
     moe_kwargs = dict(d_ffn=s["d_ffn"], num_experts=s["experts"], top_k=args.top_k,
                       capacity_factor=args.capacity_factor, ep_group=link, aux_loss_coef=1e-2)
     torch.manual_seed(0)

@@ -94,21 +94,31 @@ class TorchGroup:
         latency_us: the per-collective latency of that model.
         timeout_s: seconds a rank waits in one collective before it raises
             :class:`lancet_rt.faults.PeerTimeout` (None: ``LANCET_TIMEOUT_S``, default 300).
+        counts_group: a process group of the same ranks for the counts exchanges (None: ``group``).
+            On ``group`` a chunk's counts queue behind the tokens in flight (one communicator runs
+            its collectives in order); on a group of their own they arrive in about the link's
+            latency, which matters most when two passes share the link
+            (:meth:`lancet_rt.Overlapped.accumulate`). Create it as any group, on every rank:
+            ``dist.new_group(ranks)`` (on NCCL a second communicator, its buffers allocated at the
+            first exchange).
     """
 
     def __init__(self, group: dist.ProcessGroup, *, bandwidth_gbps: Optional[float] = None,
-                 latency_us: float = 0.0, timeout_s: Optional[float] = None):
+                 latency_us: float = 0.0, timeout_s: Optional[float] = None,
+                 counts_group: Optional[dist.ProcessGroup] = None):
         self.group = group
         self._size = dist.get_world_size(group)
         self._rank = dist.get_rank(group)
         backend = dist.get_backend(group)
         self.backend = str(backend).lower()
+        self.counts_group = _counts_group(group, counts_group)
         self.bandwidth_gbps: Optional[float] = None
         self.latency_us = 0.0
         if bandwidth_gbps is not None:
             self.set_link(bandwidth_gbps, latency_us)
         self.monitor = GroupMonitor(group, self._rank, self._size, self.backend,
-                                           env.timeout_s() if timeout_s is None else timeout_s)
+                                    env.timeout_s() if timeout_s is None else timeout_s,
+                                    counts_group=self.counts_group)
 
     @property
     def timeout_s(self) -> float:
@@ -161,7 +171,7 @@ class TorchGroup:
         send = send_WN.to(self._small_device(), torch.int64).contiguous()
         recv = torch.empty_like(send)
         work = self.monitor.issue("counts exchange", lambda: dist.all_to_all_single(
-            recv, send, group=self.group, async_op=True))
+            recv, send, group=self.counts_group, async_op=True))
         if not recv.is_cuda:
             return Exchange(recv, work, send)
         # NCCL: the counts (received and sent) come to pinned host memory on a side stream once the
@@ -184,6 +194,21 @@ class TorchGroup:
         out = [torch.empty_like(vec) for _ in range(self._size)]
         self.monitor.issue("all-gather", lambda: dist.all_gather(out, vec, group=self.group, async_op=True)).wait()
         return self.monitor.block(lambda: torch.stack(out).cpu())
+
+
+def _counts_group(group: dist.ProcessGroup, counts_group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    """:class:`TorchGroup`'s ``counts_group`` argument, checked: a group of ``group``'s ranks and backend."""
+    if counts_group is None:
+        return group
+    if not isinstance(counts_group, dist.ProcessGroup):
+        raise TypeError(f"counts_group must be None or a torch.distributed ProcessGroup, got {type(counts_group).__name__}")
+    ranks, theirs = dist.get_process_group_ranks(group), dist.get_process_group_ranks(counts_group)
+    if theirs != ranks:
+        raise ValueError(f"counts_group must have the ranks of group, {ranks}, got {theirs}")
+    if str(dist.get_backend(counts_group)) != str(dist.get_backend(group)):
+        raise ValueError(f"counts_group must have the backend of group, {dist.get_backend(group)}, got "
+                         f"{dist.get_backend(counts_group)}")
+    return counts_group
 
 
 class Exchange:

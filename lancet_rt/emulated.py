@@ -228,22 +228,33 @@ class EmulatedGroup:
             ``math.inf`` for a free link.
         latency_us: fixed cost of every collective, in microseconds.
         device: "cpu" or a CUDA device; where the link is held.
+        counts_channel: "shared" (default): the counts exchanges queue in the tokens' FIFO, as on
+            a :class:`lancet_rt.TorchGroup` whose counts and tokens share one communicator; "own":
+            on a channel of their own (latency only), as with ``TorchGroup(counts_group=...)``, so
+            a chunk's counts never wait behind the tokens in flight.
 
     Attributes:
-        modeled_ms: total link time modeled so far (sum over transfers; reset with :meth:`reset`).
-        transfers: number of transfers so far.
+        modeled_ms: total link time modeled so far (sum over transfers, counts exchanges included;
+            reset with :meth:`reset`).
+        transfers: number of transfers so far (counts exchanges included).
         off_rank_bytes: bytes sent off rank so far.
     """
 
     def __init__(self, world_size: int, bandwidth_gbps: float = math.inf, latency_us: float = 0.0,
-                 device="cpu"):
+                 device="cpu", *, counts_channel: str = "shared"):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if counts_channel not in ("own", "shared"):
+            raise ValueError(f"counts_channel must be 'own' or 'shared', got {counts_channel!r}")
         self._size = world_size
         self.bandwidth_gbps, self.latency_us = check_link(bandwidth_gbps, latency_us)
         self.device = torch.device(device)
-        self._cpu_link = _CpuLink() if self.device.type == "cpu" else None
+        self.counts_channel = counts_channel
+        cpu = self.device.type == "cpu"
+        self._cpu_link = _CpuLink() if cpu else None
+        self._cpu_counts = _CpuLink() if cpu and counts_channel == "own" else None
         self._stream = None
+        self._counts_stream = None  # CUDA, counts_channel="own"
         self._last_event = None  # CUDA: the last transfer queued on the link
         self._low: "collections.deque[_CudaLowWork]" = collections.deque()  # CUDA: not yet started
         self.reset()
@@ -263,8 +274,9 @@ class EmulatedGroup:
         """End the transfers a failed step left on the link (CPU link; on CUDA they end by
         themselves), so the next step starts on an idle link. :class:`lancet_rt.Overlapped` calls
         this when a step raises."""
-        if self._cpu_link is not None:
-            self._cpu_link.cancel()
+        for link in (self._cpu_link, self._cpu_counts):
+            if link is not None:
+                link.cancel()
 
     def reset(self) -> None:
         self.modeled_ms = 0.0
@@ -283,11 +295,15 @@ class EmulatedGroup:
         """Modeled time of one collective moving ``off_rank_bytes`` off rank."""
         return link_ms(off_rank_bytes, self.bandwidth_gbps, self.latency_us)
 
-    def _comm_stream(self):
+    def _comm_stream(self, kind: str = "all_to_all"):
+        # High priority, as a link is: when the compute stream's kernels fill the SMs, the link's
+        # copy and timed kernel take the next free slot instead of queueing behind a whole GEMM
+        # grid, so a transfer starts when the link is free, not when compute lets it.
+        if kind == "exchange" and self.counts_channel == "own":
+            if self._counts_stream is None:
+                self._counts_stream = torch.cuda.Stream(self.device, priority=-1)
+            return self._counts_stream
         if self._stream is None:
-            # High priority, as a link is: when the compute stream's kernels fill the SMs, the
-            # link's copy and timed kernel take the next free slot instead of queueing behind a
-            # whole GEMM grid, so a transfer starts when the link is free, not when compute lets it.
             self._stream = torch.cuda.Stream(self.device, priority=-1)
         return self._stream
 
@@ -300,8 +316,9 @@ class EmulatedGroup:
         self.transfers += 1
         self.off_rank_bytes += off_rank_bytes
         if self._cpu_link is not None:
-            work = _LinkWork(self._cpu_link, ms * 1e-3, copy, kind)
-            self._cpu_link.submit(work, low_priority)
+            link = self._cpu_counts if kind == "exchange" and self._cpu_counts is not None else self._cpu_link
+            work = _LinkWork(link, ms * 1e-3, copy, kind)
+            link.submit(work, low_priority)
             _trace.record_link(work, off_rank_bytes)
             return work
         if low_priority:
@@ -309,13 +326,13 @@ class EmulatedGroup:
             self._low.append(work)
             self._pump()
             return work
-        return self._launch(ms, off_rank_bytes, copy, tensors)
+        return self._launch(ms, off_rank_bytes, copy, tensors, kind)
 
-    def _launch(self, ms: float, off_rank_bytes: int, copy, tensors) -> "_CudaWork":
+    def _launch(self, ms: float, off_rank_bytes: int, copy, tensors, kind: str = "all_to_all") -> "_CudaWork":
         # Calibrate (once) before anything is queued on the link: the calibration syncs the host
         # and would otherwise sit inside this transfer and its trace span.
         cycles = int(ms * _sleep_cycles_per_ms(self.device)) if ms > 0 else 0
-        stream = self._comm_stream()
+        stream = self._comm_stream(kind)
         stream.wait_stream(torch.cuda.current_stream(self.device))  # the producer's data is ready
         with torch.cuda.stream(stream):
             span = _trace.cuda_link_span(stream, off_rank_bytes)
@@ -329,7 +346,8 @@ class EmulatedGroup:
             event.record(stream)
             if span is not None:
                 span.end()
-        self._last_event = event
+        if stream is self._stream:
+            self._last_event = event  # the tokens' link is busy until then
         return _CudaWork(event, stream)
 
     def _pump(self, upto: Optional["_CudaLowWork"] = None) -> None:
@@ -397,14 +415,15 @@ class EmulatedGroup:
         return self._submit(nbytes, copy, (data,), "all_reduce", low_priority)
 
     def exchange(self, send_WN: torch.Tensor):
-        """The counts exchange: by symmetry every rank receives what this one sends. Like a real
-        collective it queues behind the transfers in flight (latency only, no bytes)."""
+        """The counts exchange: by symmetry every rank receives what this one sends. It holds its
+        channel for the latency (no bytes): its own channel, or with ``counts_channel="shared"``
+        the tokens' FIFO, behind the transfers in flight, like a collective on their communicator."""
         from .comm import Exchange, _side_stream
 
         if self._cpu_link is not None:
             host = send_WN.detach().to(torch.int64).cpu().clone()
             return Exchange(host, self._submit(0, kind="exchange"), host)
-        done = self._submit(0, kind="exchange")  # on the communication stream, behind the transfers in flight
+        done = self._submit(0, kind="exchange")  # on its channel's stream
         side = _side_stream(send_WN.device)
         side.wait_stream(torch.cuda.current_stream(send_WN.device))
         with torch.cuda.stream(side):
@@ -421,4 +440,4 @@ class EmulatedGroup:
 
     def __repr__(self) -> str:
         return (f"EmulatedGroup(world_size={self._size}, bandwidth_gbps={self.bandwidth_gbps}, "
-                f"latency_us={self.latency_us}, device={self.device})")
+                f"latency_us={self.latency_us}, device={self.device}, counts_channel={self.counts_channel!r})")

@@ -49,16 +49,20 @@ class GroupMonitor:
         rank, size: this rank and the group size.
         backend: the group's backend name.
         timeout_s: how long a rank waits in one collective before it raises :class:`PeerTimeout`.
+        counts_group: the process group of the counts exchanges (None: ``group``); its collectives
+            are numbered, bounded and aborted with ``group``'s.
     """
 
-    def __init__(self, group, rank: int, size: int, backend: str, timeout_s: float):
+    def __init__(self, group, rank: int, size: int, backend: str, timeout_s: float, counts_group=None):
         self.group, self.rank, self.size = group, rank, size
+        self.counts_group = group if counts_group is None else counts_group
         self.issued = 0       # collectives issued on this group, in order (the same on every rank)
         self.exchanges = 0    # of which counts exchanges
         self.broken: Optional[GroupError] = None
         self.set_timeout(timeout_s)
         self._store = _group_store(group)
         self._gloo = _gloo_backend(group) if "gloo" in backend else None
+        self._counts_gloo = _gloo_backend(self.counts_group) if "gloo" in backend else None
         self._nccl = "nccl" in backend  # the host never waits for NCCL collectives: the streams do
         self._watchdog = self._nccl and size > 1  # so a thread watches them (nothing to watch alone)
         self._fatal: Optional[GroupError] = None
@@ -87,14 +91,15 @@ class GroupMonitor:
         seq = self.issued
         if what == "counts exchange":
             self.exchanges += 1
+        gloo = self._counts_gloo if what == "counts exchange" else self._gloo
         try:
-            if self._gloo is not None:  # gloo's own operation timeout ends a pending receive by itself
-                prev = self._gloo.options._timeout
-                self._gloo._set_default_timeout(self._timeout_td)
+            if gloo is not None:  # gloo's own operation timeout ends a pending receive by itself
+                prev = gloo.options._timeout
+                gloo._set_default_timeout(self._timeout_td)
                 try:
                     work = launch()
                 finally:
-                    self._gloo._set_default_timeout(prev)
+                    gloo._set_default_timeout(prev)
             else:
                 work = launch()
         except RuntimeError as exc:  # gloo refuses new work on a closed connection (DistError)
@@ -283,6 +288,8 @@ class GroupMonitor:
                 log.error("lancet-rt: %s", err)  # before the abort: NCCL's error handling may end the process
                 self._fatal = self.break_(err)
                 _abort(self.group)
+                if self.counts_group is not self.group:
+                    _abort(self.counts_group)
                 return
 
     # ---------------------------------------------------------------- store access (never blocks)

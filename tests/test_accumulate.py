@@ -207,6 +207,8 @@ def test_failure_in_a_forward_beside_a_backward():
 def _accumulate_gloo(rank, world):
     """Every (capacity, deferred dW) cell, then data-parallel gradients with GradientSync, in one set
     of processes. Rank 1 has fewer rows than chunks in one microbatch."""
+    import torch.distributed as dist
+
     gen = torch.Generator().manual_seed(rank)
     drops = 0
     for capacity_factor in (None, 0.75):
@@ -230,13 +232,48 @@ def _accumulate_gloo(rank, world):
     lancet_rt.Overlapped(twin, chunks=2).accumulate(xs, lambda out, i: (out * gs[i]).sum(), grad_sync=sync)
     for (n, p), q in zip(model.named_parameters(), twin.parameters()):
         assert_close(f"synced grad {n}", q.grad, p.grad)
-    return drops, sync.issued, len(sync._buckets)
+    # The counts on a group of their own (TorchGroup(counts_group=)): the same step, exactly; a
+    # counts group of other ranks or of the wrong type is refused on every rank before any collective.
+    from lancet_rt.comm import TorchGroup
+
+    counts = dist.new_group(list(range(world)))
+    group = TorchGroup(dist.group.WORLD, counts_group=counts)
+    model = ep_model(None, rank, world)
+    twin = copy.deepcopy(model)
+    for m in twin.moe_layers():
+        m.group = group
+    xs, gs = microbatches(2, [3, 5], gen)
+    ref = sequential_reference(model, xs, gs)
+    a2a, on = dist.all_to_all_single, []
+
+    def recording(out, x, *args, group=None, **kwargs):
+        on.append(("counts" if group is counts else "world" if group is dist.group.WORLD else "?", x.dtype == torch.int64))
+        return a2a(out, x, *args, group=group, **kwargs)
+
+    dist.all_to_all_single = recording
+    try:
+        losses = lancet_rt.Overlapped(twin, chunks=2).accumulate(xs, lambda out, i: (out * gs[i]).sum())
+    finally:
+        dist.all_to_all_single = a2a
+    assert_same_step(ref, twin, losses)
+    assert sorted(set(on)) == [("counts", True), ("world", False)], set(on)  # counts alone on their group
+    refused = []
+    for bad in (dist.new_group([1, 0], sort_ranks=False), "own"):
+        try:
+            TorchGroup(dist.group.WORLD, counts_group=bad)
+        except (TypeError, ValueError) as e:
+            refused.append(f"{type(e).__name__}: {e}")
+    return drops, sync.issued, len(sync._buckets), group.monitor.exchanges, refused
 
 
 def test_accumulate_expert_parallel_gloo():
     results = assert_all_ok(run_ranks(_accumulate_gloo, 2, timeout=240))
     assert sum(r[0] for r in results) > 0, "the capacity cells must drop"
-    for _, issued, buckets in results:
+    for r in results:
+        assert r[3] == 2 * 2 * 2, r[3]  # microbatches x layers x chunks counts exchanges on the counts group
+        assert len(r[4]) == 2 and r[4][0].startswith("ValueError: counts_group must have the ranks of group")
+        assert r[4][1].startswith("TypeError: counts_group must be None or a torch.distributed ProcessGroup")
+    for _, issued, buckets, _, _ in results:
         assert issued > buckets > 1  # buckets during backward, cut into pieces
 
 

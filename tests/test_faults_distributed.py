@@ -113,8 +113,12 @@ def _three_ranks(rank, world, out_dir):
     res["error in backward"] = _outcome(lambda: _step(bwd, x, g))
     res["step after the failed backward"] = _outcome(lambda: _step(bwd, x, g))
 
-    hung_group = _group(timeout_s=2.0)
-    hung = lancet_rt.Overlapped(make_model(hung_group, E=6), chunks=2)
+    # Here the counts have a group of their own: its waits are bounded and read the records too.
+    import torch.distributed as dist
+
+    hung_group = _group()
+    hung_ep = lancet_rt.TorchGroup(hung_group, timeout_s=2.0, counts_group=dist.new_group())
+    hung = lancet_rt.Overlapped(make_model(hung_ep, E=6), chunks=2)
     if rank == 2:
         in_chunk(hung.model.blocks[1], 1, lambda: _until_given_up(hung_group, [0, 1]))
     res["a rank stops answering"] = _outcome(lambda: _step(hung, x))

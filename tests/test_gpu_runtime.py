@@ -86,6 +86,27 @@ def test_emulated_cuda_link_holds_modeled_time_without_blocking_the_host():
     assert torch.equal(link.exchange(send).wait(), send.cpu())  # the counts land on the host
 
 
+@pytest.mark.parametrize("channel", ["shared", "own"])
+def test_emulated_cuda_counts_channel(channel):
+    """CPU twin: tests/test_overlap.py::test_emulated_counts_channel. Behind a 20 ms transfer the
+    counts arrive after it ("shared") or after the latency, the transfer still in flight ("own")."""
+    link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=1.0, latency_us=100, device="cuda", counts_channel=channel)
+    x = torch.randn(4096, 1600, device="cuda")  # 3/4 of 26 MB leave rank 0: about 19.7 ms at 1 GB/s
+    splits = [1024] * 4
+    link.all_to_all(torch.empty_like(x), x, splits, splits).wait()  # the streams and the calibration
+    torch.cuda.synchronize()
+    work = link.all_to_all(torch.empty_like(x), x, splits, splits)
+    send = torch.arange(8, device="cuda").view(2, 4)
+    t0 = time.perf_counter()
+    assert torch.equal(link.exchange(send).wait(), send.cpu())
+    waited_ms = (time.perf_counter() - t0) * 1e3
+    if channel == "shared":
+        assert waited_ms >= 15, waited_ms
+    else:
+        assert waited_ms < 10 and not work.is_completed(), waited_ms
+    torch.cuda.synchronize()
+
+
 def test_trace_on_cuda_records_stages_and_link(tmp_path):
     """CUDA-event spans resolve (both events recorded, synchronized) and the link spans last at
     least the modeled time. CPU twin: tests/test_overlap.py::test_trace_records_stages_and_link."""

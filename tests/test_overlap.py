@@ -4,6 +4,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -387,6 +388,27 @@ def _dw_windows_follow_link_model(rank, world):
 def test_dw_windows_follow_the_torch_groups_link_model():
     for ran in assert_all_ok(run_ranks(_dw_windows_follow_link_model, 2, timeout=120)):
         assert ran["free"] == 0 and ran["slow"] > 0, ran
+
+
+@pytest.mark.parametrize("channel", ["shared", "own"])
+def test_emulated_counts_channel(channel):
+    """A counts exchange behind a 210 ms transfer: "shared" queues it in the tokens' FIFO (it ends
+    after the transfer), "own" gives it a channel of its own (it ends after the 10 ms latency, with
+    the transfer still in flight). GPU twin: tests/test_gpu_runtime.py::test_emulated_cuda_counts_channel."""
+    link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=0.0002, latency_us=10_000, counts_channel=channel)
+    x = torch.randn(150, 100)  # 100 rows x 400 bytes leave rank 0: 40 KB at 2e5 B/s = 200 ms, + 10 ms
+    work = link.all_to_all(torch.empty_like(x), x, [50, 50, 25, 25], [50, 50, 25, 25])
+    t0 = time.perf_counter()
+    send = torch.arange(8).view(2, 4)
+    assert torch.equal(link.exchange(send).wait(), send)
+    waited = time.perf_counter() - t0
+    if channel == "shared":
+        assert work.is_completed() and waited >= 0.2, waited
+    else:
+        assert not work.is_completed() and waited < 0.15, waited
+    assert link.transfers == 2 and math.isclose(link.modeled_ms, 210.0 + 10.0, rel_tol=1e-9)
+    with pytest.raises(ValueError, match="counts_channel must be 'own' or 'shared'"):
+        lancet_rt.EmulatedGroup(4, counts_channel="separate")
 
 
 def test_emulated_all_to_all_stays_in_its_autograd_node():
