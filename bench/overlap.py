@@ -34,7 +34,7 @@ Overlapped faster than both sequential and MoE-internal chunking.
 deferred dW) and the Megatron-style pairing (the same turns on unchunked microbatches). The row
 gains ``hidden_comm_fraction_accum`` (1 - exposed / the step's M x communication, the exposed time
 being the median over the timed rounds of a round's step on the link minus its step on the free
-link, run just before it; ``hidden_comm_fraction_accum_fastest`` is the single-step table's
+link, run next to it; ``hidden_comm_fraction_accum_fastest`` is the single-step table's
 estimate, from the fastest steps, which on a shared machine may come from different moments), its speedup against M Overlapped steps one after
 the other timed with it (``accumulate_sequential``), against M steps of the other schedules above
 scaled by their single-step ratio to Overlapped (``speedup_accum_vs_moe_pipelined``: against the
@@ -149,14 +149,15 @@ def time_interleaved(steps: dict, link, links: dict, reps: int, statistic: str =
         links: link name -> (bandwidth_gbps, latency_us).
         reps: timed rounds.
         raw: if given, filled with ``{(link name, step name): [ms of each round]}`` (a step's runs
-            on the links of one round are adjacent in time).
+            on the links of one round are adjacent in time, in alternating order).
     """
     for fn in steps.values():
         fn()
     times = {(lk, s): [] for lk in links for s in steps}
-    for _ in range(reps):
+    for rep in range(reps):
         for s, fn in steps.items():
-            for lk, (bw, lat) in links.items():
+            # The links' order alternates: the first run after another step pays for the switch.
+            for lk, (bw, lat) in (list(links.items()) if rep % 2 == 0 else list(links.items())[::-1]):
                 link.bandwidth_gbps, link.latency_us = bw, lat
                 times[(lk, s)].append(step_ms(fn, device))
     if raw is not None:
@@ -468,10 +469,9 @@ def measure_accumulation(r: Runner, args, s: dict, link: tuple, single: dict) ->
     comm_ms, _, transfers = r.per_step_link("accumulate")
     ms = {m: t[("link", m)] for m in ACCUM_MODES}
     compute = {m: t[("free", m)] for m in ACCUM_MODES}
-    # The exposed communication of each round, its link step minus its free-link step run just
-    # before it (the same period of a shared machine), and the median over the rounds. The
-    # difference of the two fastest steps (the single-step table's estimate) takes them from
-    # different moments: on a 2-core VM it scattered 0.84-1.15 where the paired one gives 0.9-0.97.
+    # The exposed communication of each round, its link step minus its free-link step run next to
+    # it (the same period of a shared machine), and the median over the rounds. The difference of
+    # the two fastest steps (the single-step table's estimate) takes them from different moments.
     exposed = {m: statistics.median(a - b for a, b in zip(raw[("link", m)], raw[("free", m)])) for m in ACCUM_MODES}
     hidden = {m: 1 - exposed[m] / comm_ms for m in ACCUM_MODES}
     hidden_fastest = {m: 1 - (ms[m] - compute[m]) / comm_ms for m in ACCUM_MODES}
