@@ -208,11 +208,11 @@ class _OneCore:
             return
         tid, host, helper = self.saved
         self.saved = None
-        os.sched_setaffinity(0, host)
-        try:
-            os.sched_setaffinity(tid, helper)
-        except OSError:  # the helper is gone (interpreter exit)
-            pass
+        for thread, mask in ((0, host), (tid, helper)):
+            try:
+                os.sched_setaffinity(thread, mask)
+            except OSError:  # the helper is gone (interpreter exit), or the cpuset shrank meanwhile
+                pass
 
 
 def _as_call(microbatch, i: int) -> tuple[tuple, dict]:
