@@ -9,7 +9,8 @@ order :class:`lancet_rt.Overlapped`'s round-robin scheduler issues it (per layer
 counts exchange and dispatch, then every chunk's experts and combine, then every chunk's post with
 the next layer's pre, ...) and simulated on two streams, one compute and one communication (a FIFO
 link), each op starting at ``max(end of its dependencies, end of the previous op on its stream)``;
-the counts exchange blocks the host. The backward runs the forward's compute ops in reverse creation
+the counts exchange blocks the host, and queues in the link's FIFO or, with ``counts_channel="own"``,
+takes the latency on a channel of its own. The backward runs the forward's compute ops in reverse creation
 order (the autograd engine's order), each taking ``(backward time at 1 chunk) / (forward time)`` of
 its forward time; each backward all-to-all is issued by its gradient's producer (the unpermute's
 backward, the experts' backward after its dX) and waited for by its own node, which drains deferred
@@ -32,7 +33,8 @@ class SimOp:
 
     Attributes:
         name: for the record (``"L0 c1 experts"``).
-        stream: ``"compute"`` or ``"comm"``.
+        stream: ``"compute"``, ``"comm"`` (the link, a FIFO) or ``"counts"`` (the counts exchanges'
+            own channel, with ``counts_channel="own"``).
         ms: duration.
         deps: indices of earlier ops it waits for (its stream's previous op is implied).
         start, end: filled in by the simulation.
@@ -46,7 +48,7 @@ class SimOp:
     end: float = 0.0
 
 
-_STREAMS = ("compute", "comm")
+_STREAMS = ("compute", "comm", "counts")
 
 
 def simulate(ops: list[SimOp]) -> float:
@@ -131,14 +133,20 @@ class CostModel:
         profile: the compute profile.
         link: the link model (ignored when the profile's world size is 1: no communication).
         defer_wgrad: whether dW is deferred into the backward all-to-all windows.
+        counts_channel: "shared": the counts exchanges queue in the link's FIFO (one communicator);
+            "own": they take the latency on a channel of their own (``TorchGroup(counts_group=)``).
     """
 
-    def __init__(self, profile: ComputeProfile, link: LinkModel, *, defer_wgrad: bool = False):
+    def __init__(self, profile: ComputeProfile, link: LinkModel, *, defer_wgrad: bool = False,
+                 counts_channel: str = "shared"):
         if not isinstance(profile, ComputeProfile):
             raise TypeError(f"profile must be a ComputeProfile, got {type(profile).__name__}")
         if not isinstance(link, LinkModel):
             raise TypeError(f"link must be a LinkModel, got {type(link).__name__}")
+        if counts_channel not in ("shared", "own"):
+            raise ValueError(f"counts_channel must be 'shared' or 'own', got {counts_channel!r}")
         self.profile, self.link, self.defer_wgrad = profile, link, bool(defer_wgrad)
+        self.counts_stream = "counts" if counts_channel == "own" else "comm"
 
     def compute_ms(self, n: int) -> float:
         """C(N) = C(1) + (N - 1) * o."""
@@ -180,7 +188,7 @@ class CostModel:
             pre = add("pre", f"L{layer} c{c} pre", "compute", st.pre * scale * shares[c], (after,))
             if not comm:
                 return add("issue", f"L{layer} c{c} issue", "compute", st.issue * scale * shares[c])
-            ex = add("exchange", f"L{layer} c{c} exchange", "comm", self.link.time_ms(0), (pre,))
+            ex = add("exchange", f"L{layer} c{c} exchange", self.counts_stream, self.link.time_ms(0), (pre,))
             issue = add("issue", f"L{layer} c{c} issue", "compute", st.issue * scale * shares[c], (ex,))
             return add("dispatch", f"L{layer} c{c} dispatch", "comm",
                        self.link.time_ms(st.dispatch_bytes * shares[c]), (issue,))

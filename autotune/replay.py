@@ -370,7 +370,7 @@ class _Link:
 
 
 def replay(profile: ReplayProfile, chunks: int, gbps: Optional[float] = None,
-           latency_ms: Optional[float] = None) -> ReplayPrediction:
+           latency_ms: Optional[float] = None, counts_channel: str = "shared") -> ReplayPrediction:
     """Replay one step at ``chunks`` on a link of ``gbps`` (default: the traced link's fit).
 
     Args:
@@ -378,12 +378,16 @@ def replay(profile: ReplayProfile, chunks: int, gbps: Optional[float] = None,
         chunks: N >= 1; chunk c gets ``tensor_split`` shares of the batch's tokens.
         gbps: link bandwidth, GB/s for off-rank bytes (``math.inf``: free).
         latency_ms: per-collective latency (default: the traced link's fit).
+        counts_channel: "shared": the counts exchanges queue in the link's FIFO; "own": a channel of
+            their own, latency only (``TorchGroup(counts_group=)``, ``EmulatedGroup(counts_channel="own")``).
     """
     from lancet_rt.overlap import _next_chunk  # the scheduler's own rule
     from lancet_rt.wgrad import best_fit  # the dW queue's own rule
 
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")
+    if counts_channel not in ("shared", "own"):
+        raise ValueError(f"counts_channel must be 'shared' or 'own', got {counts_channel!r}")
     gbps = profile.link.gbps if gbps is None else float(gbps)
     latency_ms = profile.link.latency_ms if latency_ms is None else float(latency_ms)
     if not gbps > 0 or not latency_ms >= 0:
@@ -391,6 +395,7 @@ def replay(profile: ReplayProfile, chunks: int, gbps: Optional[float] = None,
     n, L, T = chunks, len(profile.layers), profile.tokens
     tokens = [T // n + (c < T % n) for c in range(n)]
     link = _Link(gbps, latency_ms)
+    counts = link if counts_channel == "shared" else _Link(gbps, latency_ms)  # latency only: no bytes
     clock = dict(host=0.0, work=0.0)
     created: list = []  # the forward's autograd nodes, in creation order
     routed = [0] * L
@@ -417,7 +422,7 @@ def replay(profile: ReplayProfile, chunks: int, gbps: Optional[float] = None,
             route = profile.stage_ms((l, "route"), n, t)
             compute(route, ("op", "route", route))
             routed[l] += 1
-            exchange = link.issue(clock["host"], 0)
+            exchange = counts.issue(clock["host"], 0)
             yield True
             clock["host"] = max(clock["host"], exchange)
             for stage in ("permute", "issue"):
@@ -493,10 +498,10 @@ def replay(profile: ReplayProfile, chunks: int, gbps: Optional[float] = None,
 
 
 def replay_traces(traces: Iterable, chunks: Sequence[int], bandwidths: Sequence[Optional[float]] = (None,),
-                  latency_ms: Optional[float] = None) -> list:
+                  latency_ms: Optional[float] = None, counts_channel: str = "shared") -> list:
     """Parse ``traces`` (paths or Trace objects), fit the profile and replay every (chunks, bandwidth)."""
     profile = build_profile([parse_trace(t) for t in traces])
-    return [replay(profile, n, b, latency_ms) for b in bandwidths for n in chunks]
+    return [replay(profile, n, b, latency_ms, counts_channel) for b in bandwidths for n in chunks]
 
 
 # ---------------------------------------------------------------------------------------- command
@@ -529,6 +534,8 @@ def main(argv=None) -> list:
     p.add_argument("--bandwidth-gbps", type=_floats, default=None,
                    help="link bandwidths to predict, GB/s (default: the traced link's)")
     p.add_argument("--latency-us", type=float, default=None, help="link latency (default: the traced link's)")
+    p.add_argument("--counts-channel", choices=("shared", "own"), default="shared",
+                   help="the counts exchanges in the link's FIFO (default) or on a channel of their own")
     p.add_argument("--json", default=None, help="write the predictions here (a JSON list)")
     args = p.parse_args(argv)
     try:
@@ -538,7 +545,7 @@ def main(argv=None) -> list:
     if args.latency_us is not None and not args.latency_us >= 0:
         p.error(f"--latency-us must be >= 0, got {args.latency_us}")
     lat = None if args.latency_us is None else args.latency_us * 1e-3
-    preds = [replay(profile, n, b, lat) for b in (args.bandwidth_gbps or [None]) for n in args.chunks]
+    preds = [replay(profile, n, b, lat, args.counts_channel) for b in (args.bandwidth_gbps or [None]) for n in args.chunks]
     print(f"replay of {len(args.traces)} trace(s): {len(profile.layers)} MoE layers, {profile.tokens} tokens, traced "
           + ", ".join(f"{n} chunk(s) {ms:.2f} ms" for n, ms in sorted(profile.traced.items()))
           + f"; link {profile.link.latency_ms * 1e3:.0f} us + bytes / {profile.link.gbps:.3g} GB/s"

@@ -344,6 +344,15 @@ def test_cost_model_predictions():
     assert two.step_ms >= max(slow.compute_ms(2), two.comm_ms)
     with pytest.raises(ValueError, match="n must be"):
         slow.predict(0)
+    # The counts on a channel of their own: off the link, never queued behind the tokens.
+    lat = LinkModel(1.0, 1.0)
+    shared, own = CostModel(_profile(), lat).predict(2), CostModel(_profile(), lat, counts_channel="own").predict(2)
+    assert {o.stream for o in own.ops if o.name.endswith("exchange")} == {"counts"}
+    assert {o.stream for o in shared.ops if o.name.endswith("exchange")} == {"comm"}
+    assert own.comm_ms == pytest.approx(shared.comm_ms - 2 * 1.0)  # 2 chunks' exchanges left the link
+    assert own.step_ms < shared.step_ms
+    with pytest.raises(ValueError, match="counts_channel"):
+        CostModel(_profile(), lat, counts_channel="separate")
 
 
 def test_link_model_fit():

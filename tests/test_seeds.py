@@ -250,6 +250,10 @@ def test_replay_of_a_recorded_step(tmp_path):
         free = replay(p, n, math.inf, 0.0)
         assert math.isclose(free.step_ms, free.compute_ms, rel_tol=1e-9)
         assert replay(p, n, 0.01, 0.5).step_ms >= q.step_ms >= replay(p, n, 1.0, 0.5).step_ms
+        own = replay(p, n, 0.05, 0.5, counts_channel="own")  # the counts' latency leaves the link
+        assert math.isclose(own.comm_ms, q.comm_ms - L * n * 0.5, rel_tol=1e-9) and own.step_ms <= q.step_ms + 1e-9
+    with pytest.raises(ValueError, match="counts_channel"):
+        replay(p, 2, 0.05, 0.5, counts_channel="separate")
     # Deferred dW: traced in the windows and the flush, replayed from a pool that the waits drain.
     sd = parse_trace(_record(link, copy.deepcopy(model), 2, x, g, defer=True))
     pd = build_profile([sd])
