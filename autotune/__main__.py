@@ -283,9 +283,8 @@ def _tune(args, env) -> dict:
             link_model = LinkModel(0.0, math.inf)
     finally:
         bar.close()
-    own = (getattr(group, "counts_channel", None) == "own"  # the emulated link's, or a TorchGroup's counts group
-           or (isinstance(group, lancet_rt.TorchGroup) and group.counts_group is not group.group))
-    cost = CostModel(profile, link_model, defer_wgrad=args.defer_wgrad, counts_channel="own" if own else "shared")
+    cost = CostModel(profile, link_model, defer_wgrad=args.defer_wgrad,
+                     counts_channel=getattr(group, "counts_channel", "shared"))  # TorchGroup's or EmulatedGroup's
     predicted = {m.chunks: cost.predict(m.chunks, rows).step_ms for m in result.table if m.status == "ok"}
 
     best = result.best_ms

@@ -40,6 +40,7 @@ starts, so gradients accumulate in the order of the M sequential steps.
 """
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -157,23 +158,22 @@ def _worker() -> _Worker:
     return _workers[pid]
 
 
-def _current_cpu() -> Optional[int]:
-    """The CPU the calling thread runs on (glibc/musl ``sched_getcpu``), None where unknown."""
-    global _sched_getcpu
-    if _sched_getcpu is None:
-        try:
-            import ctypes
+@functools.lru_cache(maxsize=None)
+def _sched_getcpu() -> Optional[Callable[[], int]]:
+    """libc's ``sched_getcpu`` (glibc, musl), None where there is none."""
+    try:
+        import ctypes
 
-            _sched_getcpu = ctypes.CDLL(None, use_errno=True).sched_getcpu
-        except (OSError, AttributeError):
-            _sched_getcpu = False
-    if _sched_getcpu is False:
+        return ctypes.CDLL(None, use_errno=True).sched_getcpu
+    except (OSError, AttributeError):
         return None
-    cpu = _sched_getcpu()
+
+
+def _current_cpu() -> Optional[int]:
+    """The CPU the calling thread runs on, None where unknown."""
+    getcpu = _sched_getcpu()
+    cpu = getcpu() if getcpu is not None else -1
     return cpu if cpu >= 0 else None
-
-
-_sched_getcpu = None
 
 
 class _OneCore:

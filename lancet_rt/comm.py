@@ -121,6 +121,11 @@ class TorchGroup:
                                     counts_group=self.counts_group)
 
     @property
+    def counts_channel(self) -> str:
+        """"own" with a counts group of its own, else "shared" (as :class:`lancet_rt.EmulatedGroup`'s)."""
+        return "shared" if self.counts_group is self.group else "own"
+
+    @property
     def timeout_s(self) -> float:
         """Seconds a rank waits in one collective of this group before it raises."""
         return self.monitor.timeout_s

@@ -238,6 +238,7 @@ def _accumulate_gloo(rank, world):
 
     counts = dist.new_group(list(range(world)))
     group = TorchGroup(dist.group.WORLD, counts_group=counts)
+    assert group.counts_channel == "own" and TorchGroup(dist.group.WORLD).counts_channel == "shared"
     model = ep_model(None, rank, world)
     twin = copy.deepcopy(model)
     for m in twin.moe_layers():
