@@ -55,7 +55,7 @@ Main pieces: :class:`AutoChunks` (online), :class:`TuneCache`/:class:`CacheKey` 
 :func:`device_identity` (GPU identity), :func:`search`/:class:`StepRunner` (measurement),
 :class:`CostModel`/:class:`Profiler`/:class:`LinkModel`/:func:`simulate` (cost model).
 """
-from .block import TuningBlocks
+from lancet_rt.models.blocks import TuningBlocks
 from .cache import CacheHit, CacheKey, TuneCache, token_bucket
 from .cost_model import CostModel, Prediction, SimOp, simulate
 from .profiling import ComputeProfile, LinkModel, Profiler, profile_compute

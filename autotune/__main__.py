@@ -22,7 +22,7 @@ import torch
 
 import lancet_rt
 
-from .block import TuningBlocks
+from lancet_rt.models.blocks import TuningBlocks
 from .cache import TuneCache
 from .cost_model import CostModel
 from .profiling import LinkModel, Profiler

@@ -21,12 +21,12 @@ transfers the trace records), and the replay rebuilds the step at N chunks on a 
    seen). A chunk gets the share of its tokens. Backward work is each stage's forward time times
    the ratio measured for its kind (experts, post, the rest), deferred dW likewise.
 3. **Replay** (:func:`replay`). The forward runs Overlapped's own scheduling rule
-   (:func:`lancet_rt.overlap._next_chunk`, imported, with the gating-in-order wait of
+   (:func:`lancet_rt.schedule.overlap._next_chunk`, imported, with the gating-in-order wait of
    :meth:`lancet_rt.MoE._routing_state`) over each chunk's stage program on two resources: the host
    (computation) and the link, a FIFO. The backward runs the forward's creation order in reverse
    (the autograd engine's order on one device): each backward all-to-all is issued by its gradient's
    producer (the unpermute's backward, the experts' after their dX) and waited by its own node, which
-   drains deferred dW meanwhile by the queue's own rule (:func:`lancet_rt.wgrad.best_fit` over whole
+   drains deferred dW meanwhile by the queue's own rule (:func:`lancet_rt.schedule.wgrad.best_fit` over whole
    items, one per stage holding weights); what is left is flushed at the end.
 
 What it cannot see: contention for the CPU and the GIL between the link's thread and the
@@ -381,8 +381,8 @@ def replay(profile: ReplayProfile, chunks: int, gbps: Optional[float] = None,
         counts_channel: "shared": the counts exchanges queue in the link's FIFO; "own": a channel of
             their own, latency only (``TorchGroup(counts_group=)``, ``EmulatedGroup(counts_channel="own")``).
     """
-    from lancet_rt.overlap import _next_chunk  # the scheduler's own rule
-    from lancet_rt.wgrad import best_fit  # the dW queue's own rule
+    from lancet_rt.schedule.overlap import _next_chunk  # the scheduler's own rule
+    from lancet_rt.schedule.wgrad import best_fit  # the dW queue's own rule
 
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
         raise ValueError(f"chunks must be an int >= 1, got {chunks!r}")

@@ -1,7 +1,7 @@
 """The cross-microbatch part of ``bench.overlap`` (issue 12): ``--microbatches M`` and ``--dp-allreduce``.
 
 A training step of M microbatches: Overlapped.accumulate interleaves the backward of microbatch i
-with the forward of microbatch i+1 (lancet_rt.accumulate). Its baselines are the single-step
+with the forward of microbatch i+1 (lancet_rt.schedule.accumulate). Its baselines are the single-step
 schedules of bench.overlap run M times over (a step of M microbatches one after the other takes M
 single steps) and the Megatron-style pairing: the same cross-microbatch interleaving on unchunked
 microbatches (chunks=1: the passes take turns layer by layer, as Megatron-Core's

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lancet_rt.autotune.block import Block, CausalSelfAttention, MoEBlocks
+from lancet_rt.models.blocks import Block, CausalSelfAttention, MoEBlocks
 
 __all__ = ["Block", "CausalSelfAttention", "MoEBlocks", "MoELanguageModel"]
 

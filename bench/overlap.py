@@ -233,7 +233,7 @@ class Runner:
         overlapped = lancet_rt.from_hf(copy.deepcopy(base), self.link, chunks=args.chunks)
         self.model_dw = lancet_rt.from_hf(base, self.link, chunks=args.chunks, defer_wgrad=True)
         self.models = (self.model, overlapped, self.model_dw)
-        self.moe_layers = lancet_rt.hf.moe_layers(self.model)
+        self.moe_layers = lancet_rt.integrations.hf.moe_layers(self.model)
         self.runners = {"sequential": self.model, "moe_pipelined": self.model, "overlapped": overlapped,
                         "overlapped_dw": self.model_dw}
         ids, mask, labels = hf_models.batch(size["vocab"], s["batch"], s["seq"], seed=1, pad_rows=0)

@@ -42,9 +42,9 @@ def balanced_chunks(args, s: dict, device: torch.device) -> list:
     longest first (``--balance-order sorted``) or shuffled. Three schedules: sequential, Overlapped
     with equal sequence counts per chunk (``BalancedChunks(per_sequence=1, per_token=0)``: the
     equal-rows cut of a packed batch), and Overlapped with chunks balanced by
-    :func:`lancet_rt.balance.transformer_costs`.
+    :func:`lancet_rt.schedule.balance.transformer_costs`.
     """
-    from lancet_rt.balance import BalancedChunks, transformer_costs
+    from lancet_rt.schedule.balance import BalancedChunks, transformer_costs
 
     dtype = getattr(torch, s["dtype"])
     link, model = _blocks_on_link(VarlenBlocks, args, s, device)
@@ -107,7 +107,7 @@ def balanced_chunks(args, s: dict, device: torch.device) -> list:
 
 
 def _sequence_bounds(balance, lengths, n) -> list:
-    from lancet_rt.balance import balanced_bounds
+    from lancet_rt.schedule.balance import balanced_bounds
 
     return balanced_bounds(balance.costs(lengths), n, nonempty_first=lengths)
 
@@ -149,7 +149,7 @@ def dispatchers(args, s: dict, device: torch.device) -> list:
     all-to-all path's step communicates ``--comm-ratio`` x its computation (Overlapped, ``--chunks``);
     both paths then run sequential and Overlapped on that link and on a free one.
     """
-    from lancet_rt.dispatch import modeled_bytes
+    from lancet_rt.moe.dispatch.allreduce import modeled_bytes
 
     dtype = getattr(torch, s["dtype"])
     rows = []

@@ -1,15 +1,15 @@
 """lancet-rt: whole-graph all-to-all overlap for Mixture-of-Experts training in eager PyTorch."""
-from .balance import BalancedChunks
-from .ep_checkpoint import load_checkpoint, load_hf, save_checkpoint, save_hf
-from .comm import ExpertParallelGroup, TorchGroup
-from .experts import Experts
-from .emulated import EmulatedGroup
-from .moe import MoE
-from .router import Router, update_expert_bias
-from .recompute import checkpoint, checkpoint_context
-from .overlap import Overlapped
-from .hf import from_hf
-from .trace import Trace, tracing
+from lancet_rt.schedule.balance import BalancedChunks
+from lancet_rt.checkpoint.dcp import load_checkpoint, load_hf, save_checkpoint, save_hf
+from lancet_rt.comm.group import ExpertParallelGroup, TorchGroup
+from lancet_rt.moe.experts import Experts
+from lancet_rt.comm.emulated import EmulatedGroup
+from lancet_rt.moe.layer import MoE
+from lancet_rt.routing.router import Router, update_expert_bias
+from lancet_rt.schedule.recompute import checkpoint, checkpoint_context
+from lancet_rt.schedule.overlap import Overlapped
+from lancet_rt.integrations.hf import from_hf
+from lancet_rt.trace import Trace, tracing
 
 __all__ = ["MoE", "Router", "Experts", "Overlapped", "EmulatedGroup", "ExpertParallelGroup", "TorchGroup",
            "tracing", "Trace", "update_expert_bias", "checkpoint", "checkpoint_context", "from_hf",

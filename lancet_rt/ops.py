@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from . import env
+from lancet_rt import env
 
 _OP_NAMES = {
     "gating": ["gating_fwd", "gating_bwd"],

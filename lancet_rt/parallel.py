@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .experts import Experts
+from lancet_rt.moe.experts import Experts
 
 
 def expert_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
@@ -102,7 +102,7 @@ class GradientSync:
 
     def __init__(self, model: nn.Module, group=None, *, params: str = "dense", bucket_mb: float = 25.0,
                  piece_mb: Optional[float] = None, low_priority: bool = True):
-        from .emulated import EmulatedGroup
+        from lancet_rt.comm.emulated import EmulatedGroup
 
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import lancet_rt
-from lancet_rt.accumulate import accumulate
+from lancet_rt.schedule.accumulate import accumulate
 from lancet_rt.parallel import GradientSync, sync_gradients
 from tests import test_overlap as overlap_tests
 from tests.dist import assert_all_ok, run_ranks
@@ -111,11 +111,11 @@ def test_accumulate_issues_collectives_in_schedule_order():
 
 
 def test_interleaved_passes_share_the_host_core_on_cpu():
-    """On CPU the interleaved passes run on one core, the host's (lancet_rt.accumulate._OneCore):
+    """On CPU the interleaved passes run on one core, the host's (lancet_rt.schedule.accumulate._OneCore):
     the forwards beside a backward and those backwards see the same single-CPU mask; the first
     forward and the last backward (alone) and both threads after the step see their own masks."""
     host_mask = os.sched_getaffinity(0)
-    helper = lancet_rt.accumulate._worker()
+    helper = lancet_rt.schedule.accumulate._worker()
     helper_mask = os.sched_getaffinity(helper.native_id)
     link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=0.05, latency_us=100)
     ov = lancet_rt.Overlapped(make_model(None, link), chunks=2)
@@ -191,8 +191,8 @@ def test_failure_in_a_forward_beside_a_backward():
     assert any(e["name"] == "backward 0" for e in tr.events()), "backward 0 must have been suspended"
     assert os.sched_getaffinity(0) == host_mask  # the step gave the host its CPUs back
     # The suspended backward was unwound: nothing waits for a turn, the helper thread is free.
-    assert lancet_rt.scope._backward_beside is None
-    worker = lancet_rt.accumulate._worker()
+    assert lancet_rt.schedule.scope._backward_beside is None
+    worker = lancet_rt.schedule.accumulate._worker()
     done = threading.Event()
     worker.submit(done.set)
     assert done.wait(10)
@@ -234,7 +234,7 @@ def _accumulate_gloo(rank, world):
         assert_close(f"synced grad {n}", q.grad, p.grad)
     # The counts on a group of their own (TorchGroup(counts_group=)): the same step, exactly; a
     # counts group of other ranks or of the wrong type is refused on every rank before any collective.
-    from lancet_rt.comm import TorchGroup
+    from lancet_rt.comm.group import TorchGroup
 
     counts = dist.new_group(list(range(world)))
     group = TorchGroup(dist.group.WORLD, counts_group=counts)
@@ -283,7 +283,7 @@ def test_moe_pipelined_backward_is_pipelined():
     """MoE(pipeline_chunks=P) pipelines its backward as Tutel does: every piece's combine gradient
     leaves before the first expert backward, and each piece's dispatch gradient leaves before the
     next piece's expert backward runs. Exactness: tests/test_overlap.py."""
-    from lancet_rt import experts as experts_mod
+    from lancet_rt.moe import experts as experts_mod
 
     link = lancet_rt.EmulatedGroup(2)
     log = []

@@ -25,7 +25,7 @@ def _blocks(ep_group=None, *, num_experts=E, seed=0):
     """Two attention + MoE blocks made from ``seed`` on every rank; with ``ep_group`` each rank keeps its experts."""
     import torch.distributed as dist
 
-    from lancet_rt.autotune.block import MoEBlocks
+    from lancet_rt.models.blocks import MoEBlocks
 
     kw = dict(d_ffn=F, num_experts=num_experts, top_k=2)
     torch.manual_seed(seed)
@@ -110,7 +110,7 @@ def _lm_logits(model) -> np.ndarray:
 
 def _recording_reads(fn) -> list:
     """Run ``fn`` with load_hf's files recording what it reads; returns [(key, rows or None)]."""
-    from lancet_rt import ep_checkpoint_hf
+    from lancet_rt.checkpoint import hf as ep_checkpoint_hf
 
     reads, original = [], ep_checkpoint_hf._Headers.file
     ep_checkpoint_hf._Headers.file = lambda self, key: _RecordingFile(original(self, key), reads)
@@ -454,7 +454,8 @@ def test_hf_layout_that_is_no_slice_goes_through_indices(tmp_path, monkeypatch):
     is saved and loaded through the index probe's gather and scatter, not slices."""
     from safetensors import safe_open
 
-    from lancet_rt import ep_checkpoint_hf, load_hf, save_hf
+    from lancet_rt import load_hf, save_hf
+    from lancet_rt.checkpoint import hf as ep_checkpoint_hf
 
     identity = ep_checkpoint_hf._revert
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lancet_rt.experts import Experts
+from lancet_rt.moe.experts import Experts
 from lancet_rt.kernels import grouped_gemm as gg
 from lancet_rt.kernels import swiglu
 from lancet_rt.kernels.segment_sum import segment_sum

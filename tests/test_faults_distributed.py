@@ -56,7 +56,7 @@ def _group(timeout_s=None):
 
     g = dist.new_group()
     if timeout_s is not None:
-        lancet_rt.comm.as_group(g).set_timeout(timeout_s)
+        lancet_rt.comm.group.as_group(g).set_timeout(timeout_s)
     return g
 
 
@@ -236,9 +236,9 @@ def _two_ranks(rank, world, out_dir):
     x, g = torch.randn(4, 3, D, generator=gen), torch.randn(4, 3, D, generator=gen)
     res = {}
     healthy = _group()
-    res["timeout from LANCET_TIMEOUT_S"] = ["ok", lancet_rt.comm.as_group(healthy).timeout_s, None]
+    res["timeout from LANCET_TIMEOUT_S"] = ["ok", lancet_rt.comm.group.as_group(healthy).timeout_s, None]
     res["chunks 2 and 4"] = _outcome(lambda: _step(lancet_rt.Overlapped(make_model(healthy), chunks=2 + 2 * rank), x))
-    res["set_timeout(0)"] = _outcome(lambda: lancet_rt.comm.as_group(healthy).set_timeout(0))
+    res["set_timeout(0)"] = _outcome(lambda: lancet_rt.comm.group.as_group(healthy).set_timeout(0))
 
     late = _group()
     if rank == 1:  # never starts the step until rank 0 has given up on it
@@ -248,7 +248,7 @@ def _two_ranks(rank, world, out_dir):
     # The CUDA path's watchdog (a thread follows the collectives in flight; the host wait is plain),
     # run on gloo: it finds rank 1's failure record and aborts; gloo's operation timeout ends the wait.
     watched = _group(timeout_s=1.0)
-    monitor = lancet_rt.comm.as_group(watched).monitor
+    monitor = lancet_rt.comm.group.as_group(watched).monitor
     monitor._watchdog = True
     wd = lancet_rt.Overlapped(make_model(watched), chunks=3)
     if rank == 1:

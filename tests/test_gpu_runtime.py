@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import lancet_rt
-from lancet_rt.autotune.block import MoEBlocks
+from lancet_rt.models.blocks import MoEBlocks
 from tests.helpers import assert_close
 from tests.test_moe import build, reference
 

@@ -57,7 +57,7 @@ def test_from_hf_equals_transformers(family):
     assert [n for n, _ in lm.named_parameters()] == [n for n, _ in hf.named_parameters()]
     assert lm.state_dict().keys() == hf.state_dict().keys()
     if getattr(out_r, "router_logits", None) is not None:
-        assert len(out_l.router_logits) == len(lancet_rt.hf.moe_layers(lm))
+        assert len(out_l.router_logits) == len(lancet_rt.integrations.hf.moe_layers(lm))
         assert all(t.dtype == torch.float32 and t.shape[0] == 5 * 9 for t in out_l.router_logits)
 
 
@@ -73,7 +73,7 @@ def test_activation_checkpointing_replays_routing():
 
     dropping = lancet_rt.from_hf(copy.deepcopy(hf), capacity_factor=0.5)
     ref = _step(dropping, ids, mask, labels)
-    assert sum(m.dropped for m in lancet_rt.hf.moe_layers(dropping)) > 0
+    assert sum(m.dropped for m in lancet_rt.integrations.hf.moe_layers(dropping)) > 0
     lm = lancet_rt.from_hf(copy.deepcopy(hf), chunks=3, capacity_factor=0.5)
     lm.activation_checkpointing_enable()
     _assert_same("checkpointed with drops", lm, _step(lm, ids, mask, labels), dropping, ref)
@@ -263,7 +263,7 @@ def _expert_parallel(rank, world, families):
             lm = lancet_rt.from_hf(copy.deepcopy(hf), dist.group.WORLD, chunks=chunks, defer_wgrad=defer)
             if family == "qwen2_moe":
                 lm.activation_checkpointing_enable()
-            layer = lancet_rt.hf.moe_layers(lm)[0]
+            layer = lancet_rt.integrations.hf.moe_layers(lm)[0]
             L = layer.num_local_experts
             out = _step(lm, *batches[rank])
             _assert_same(f"{family} EP rank {rank} chunks={chunks}", lm, out, hf, own,

@@ -569,10 +569,10 @@ def test_gating_ref_matches_naive_contract(gen, case):
 
 
 def test_gate_passes_router_variants(gen):
-    """lancet_rt.routing.gate over two chunks: weights are those of one whole-batch call with the
+    """lancet_rt.routing.functions.gate over two chunks: weights are those of one whole-batch call with the
     variants, the logits' gradient includes the scaling, and the bias gets no gradient."""
     from lancet_rt.ops import get_ops
-    from lancet_rt.routing import BatchRouting, gate
+    from lancet_rt.routing.functions import BatchRouting, gate
 
     T, E, K = 30, 16, 4
     logits = _logits(gen, T, E).requires_grad_(True)

@@ -158,7 +158,7 @@ def _one_rank_group_takes_the_collective_path(rank, world):
     import torch.distributed as dist
 
     import lancet_rt
-    from lancet_rt import comm
+    from lancet_rt.comm import group as comm
     from tests.helpers import assert_close
 
     calls = []

@@ -163,7 +163,7 @@ def test_deferred_wgrad_complete_when_backward_returns():
     ov(torch.randn(4, 3, D)).sum().backward()
     assert not ov.wgrad_queue.items
     assert all(p.grad is not None for p in model.parameters())
-    assert any(isinstance(m, lancet_rt.wgrad.DeferredLinear) for m in model.modules())
+    assert any(isinstance(m, lancet_rt.schedule.wgrad.DeferredLinear) for m in model.modules())
 
 
 def test_deferred_wgrad_reaches_parameter_hooks():
@@ -363,7 +363,7 @@ def _dw_windows_follow_link_model(rank, world):
     """On a real group the backward all-to-alls' windows come from the group's link model."""
     import torch.distributed as dist
 
-    group = lancet_rt.comm.as_group(dist.group.WORLD)
+    group = lancet_rt.comm.group.as_group(dist.group.WORLD)
     assert group.hold_ms(1000) is None  # no model until one is set (or measured by the autotuner)
     with pytest.raises(ValueError, match="bandwidth_gbps"):
         group.set_link(0.0)
@@ -414,7 +414,7 @@ def test_emulated_counts_channel(channel):
 def test_emulated_all_to_all_stays_in_its_autograd_node():
     # Regression: the CPU link copies on its own thread, where grad mode is on; the copy must not
     # enter the graph (it once rebased the output onto a CopyBackwards that bypassed the collective).
-    from lancet_rt import comm
+    from lancet_rt.comm import group as comm
 
     link = lancet_rt.EmulatedGroup(2, bandwidth_gbps=1.0)
     x = torch.randn(6, 4, requires_grad=True)
@@ -438,7 +438,7 @@ def test_overlapped_equals_model_with_triton_kernels(monkeypatch):
 
 
 def test_scheduler_is_deterministic_and_issues_first():
-    from lancet_rt.overlap import _next_chunk
+    from lancet_rt.schedule.overlap import _next_chunk
 
     # Not started: chunk order. A chunk whose counts are on their way dispatches as soon as
     # another chunk has had a turn; otherwise the earliest-yielded chunk (round robin).
@@ -456,7 +456,7 @@ def test_scheduler_is_deterministic_and_issues_first():
 
 
 def test_best_fit_is_lancets_greedy_rule():
-    from lancet_rt.wgrad import best_fit
+    from lancet_rt.schedule.wgrad import best_fit
 
     assert best_fit([5.0, 3.0, 9.0], 3.6, 0) == 1        # closest to the time left
     assert best_fit([9.0], 4.0, 0) == 0                  # the first item of a window always runs

@@ -12,7 +12,7 @@ from torch import nn
 import lancet_rt
 from bench.model import MoEBlocks
 from bench.varlen import VarlenBlocks, cu_seqlens_of, skewed_lengths
-from lancet_rt.balance import BalancedChunks, balanced_bounds, transformer_costs
+from lancet_rt.schedule.balance import BalancedChunks, balanced_bounds, transformer_costs
 from tests.contract_ref import moe_contract_ref
 from tests.dist import assert_all_ok, run_ranks
 from tests.helpers import assert_close

@@ -13,8 +13,12 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 import torch
 import torch.distributed as dist
 
-from . import env, faults, scope as _scope, trace as _trace, wgrad
-from .group_monitor import GroupMonitor
+from lancet_rt import env
+from lancet_rt.comm import faults
+from lancet_rt.schedule import scope as _scope
+from lancet_rt import trace as _trace
+from lancet_rt.schedule import wgrad
+from lancet_rt.comm.monitor import GroupMonitor
 
 
 @runtime_checkable
@@ -82,9 +86,9 @@ class TorchGroup:
     collective reports itself unfinished, which on CUDA, where the host runs ahead of the device,
     tends to empty the queue into the first window.
 
-    Every collective goes through a :class:`lancet_rt.group_monitor.GroupMonitor`: a rank waits at most
+    Every collective goes through a :class:`lancet_rt.comm.monitor.GroupMonitor`: a rank waits at most
     ``timeout_s`` in one collective, learns within a fraction of a second that a peer failed in the
-    middle of a step, and then raises :class:`lancet_rt.faults.PeerError` naming it (README,
+    middle of a step, and then raises :class:`lancet_rt.comm.faults.PeerError` naming it (README,
     "Reliability").
 
     Args:
@@ -93,7 +97,7 @@ class TorchGroup:
             no link model).
         latency_us: the per-collective latency of that model.
         timeout_s: seconds a rank waits in one collective before it raises
-            :class:`lancet_rt.faults.PeerTimeout` (None: ``LANCET_TIMEOUT_S``, default 300).
+            :class:`lancet_rt.comm.faults.PeerTimeout` (None: ``LANCET_TIMEOUT_S``, default 300).
         counts_group: a process group of the same ranks for the counts exchanges (None: ``group``).
             On ``group`` a chunk's counts queue behind the tokens in flight (one communicator runs
             its collectives in order); on a group of their own they arrive in about the link's
@@ -294,13 +298,13 @@ class _AllToAll(torch.autograd.Function):
 def finish_backward(link, grad, queue, window_ms) -> torch.Tensor:
     """The backward of a collective whose dual its consumer may have issued early (``link.issue``):
     issue it now if not, give a forward running beside this backward its turn
-    (:mod:`lancet_rt.accumulate`), drain deferred dW (``queue``) while it flies for ``window_ms()``,
+    (:mod:`lancet_rt.schedule.accumulate`), drain deferred dW (``queue``) while it flies for ``window_ms()``,
     then wait. Returns the dual's result."""
     if link.early is None:
         link.issue(grad)
     result, work = link.early
     link.early = None
-    _scope.backward_wait()  # a forward running beside this backward (lancet_rt.accumulate) goes on
+    _scope.backward_wait()  # a forward running beside this backward (lancet_rt.schedule.accumulate) goes on
     if queue is not None:
         with _trace.span("dW", chunk=link.chunk):
             queue.drain_during(work, window_ms())

@@ -21,9 +21,12 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from . import faults as _faults, scope as _scope, trace as _trace, wgrad as _wgrad
-from .balance import BalancedChunks
-from .moe import MoE
+from lancet_rt.comm import faults as _faults
+from lancet_rt.schedule import scope as _scope
+from lancet_rt import trace as _trace
+from lancet_rt.schedule import wgrad as _wgrad
+from lancet_rt.schedule.balance import BalancedChunks
+from lancet_rt.moe.layer import MoE
 
 try:  # greenlet is a dependency; imported lazily so `import lancet_rt` never fails without it
     import greenlet as _greenlet
@@ -97,7 +100,7 @@ class Overlapped(nn.Module):
     def accumulate(self, microbatches, loss_fn, **options):
         """One training step over M microbatches, the backward of microbatch i interleaved with the
         forward of microbatch i+1 (:func:`lancet_rt.accumulate.accumulate`, which documents it)."""
-        from .accumulate import accumulate
+        from lancet_rt.schedule.accumulate import accumulate
 
         return accumulate(self, microbatches, loss_fn, **options)
 

@@ -26,8 +26,10 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from . import scope as _scope, trace as _trace, wgrad
-from .kernels.reference import ACTIVATIONS
+from lancet_rt.schedule import scope as _scope
+from lancet_rt import trace as _trace
+from lancet_rt.schedule import wgrad
+from lancet_rt.kernels.reference import ACTIVATIONS
 
 #: Parameter layouts (module docstring).
 LAYOUTS = ("lancet", "gpt_oss")

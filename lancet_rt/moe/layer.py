@@ -9,7 +9,7 @@ Stages of one forward (DESIGN.md, data flow)::
     combine   y_RD -> y_SD back on the token's rank (async handle)
     unpermute y_SD -> y_TD                     gather-based weighted sum over K
 
-Between the two all-to-alls the layer yields to the overlap scheduler (:mod:`lancet_rt.scope`);
+Between the two all-to-alls the layer yields to the overlap scheduler (:mod:`lancet_rt.schedule.scope`);
 without one the yields are no-ops.
 """
 from __future__ import annotations
@@ -21,10 +21,16 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import comm, dispatch as _dispatch, faults, ops as _ops, recompute as _recompute, scope as _scope, trace as _trace
-from .experts import Experts
-from .router import Router
-from .routing import BatchRouting, gate, permute, unpermute
+from lancet_rt.comm import group as comm
+from lancet_rt.moe.dispatch import allreduce as _dispatch
+from lancet_rt.comm import faults
+from lancet_rt import ops as _ops
+from lancet_rt.schedule import recompute as _recompute
+from lancet_rt.schedule import scope as _scope
+from lancet_rt import trace as _trace
+from lancet_rt.moe.experts import Experts
+from lancet_rt.routing.router import Router
+from lancet_rt.routing.functions import BatchRouting, gate, permute, unpermute
 
 _SCORE_FNS = ("softmax", "sigmoid")
 _DTYPE_IDS = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3, torch.float16: 4}
@@ -70,7 +76,7 @@ class MoE(nn.Module):
         aux_loss_coef: scale of the Switch aux loss whose gradient reaches the router in backward.
         z_loss_coef: scale of the router z-loss, likewise.
         ep_group: None (all experts local, even if a default process group exists), a
-            torch.distributed ProcessGroup, or an :class:`~lancet_rt.comm.ExpertParallelGroup`
+            torch.distributed ProcessGroup, or an :class:`~lancet_rt.comm.group.ExpertParallelGroup`
             such as :class:`lancet_rt.EmulatedGroup`. Expert e lives on rank e // (E / W).
         pipeline_chunks: split the dispatch, the experts and the combine of this layer into this
             many pieces and pipeline them (the Tutel-style baseline; 1 = off).
@@ -98,7 +104,7 @@ class MoE(nn.Module):
         dispatcher: "alltoall" (expert parallelism: each rank its own tokens) or "allreduce"
             (PPMoE: the tokens are the same on every rank of ``ep_group``, each rank computes the
             rows routed to its experts and one all-reduce sums the outputs; see
-            :mod:`lancet_rt.dispatch`).
+            :mod:`lancet_rt.moe.dispatch.allreduce`).
         device, dtype: of the parameters.
 
     Under ``torch.autocast`` with float32 parameters the router stays float32 and the tokens, the

@@ -4,7 +4,7 @@ Every collective of a :class:`lancet_rt.TorchGroup` is issued and waited through
 numbers the collectives (the same sequence on every rank), bounds each wait by the group's timeout,
 writes this rank's failure to the process group's store and reads the peers' there, and, when a
 peer is lost, names the ranks that did not reach the collective and says whether their process
-exited (same machine) or is alive. :mod:`lancet_rt.faults` describes the guarantees; README,
+exited (same machine) or is alive. :mod:`lancet_rt.comm.faults` describes the guarantees; README,
 "Reliability", lists them.
 
 gloo: the waiting thread waits in slices of :data:`POLL_S` and reads the store between them (one
@@ -30,8 +30,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import env
-from .faults import ADVICE, GroupError, PeerError, PeerTimeout
+from lancet_rt import env
+from lancet_rt.comm.faults import ADVICE, GroupError, PeerError, PeerTimeout
 
 log = logging.getLogger("lancet_rt")
 

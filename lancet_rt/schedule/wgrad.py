@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import trace as _trace
+from lancet_rt import trace as _trace
 
 _active: Optional["WGradQueue"] = None
 

@@ -13,16 +13,16 @@ runs as one ``loss.backward()`` on a helper thread, and it and the host's forwar
 take turns with a baton, exactly one of them running at a time:
 
 - the forward hands the baton to the backward each time one of its chunks yields after issuing a
-  dispatch or a combine (:func:`lancet_rt.scope.switch`), and once before it starts;
+  dispatch or a combine (:func:`lancet_rt.schedule.scope.switch`), and once before it starts;
 - the backward hands it back each time one of its all-to-alls is about to wait
-  (:func:`lancet_rt.scope.backward_wait`, in the all-to-all's backward node): its transfer is in
+  (:func:`lancet_rt.schedule.scope.backward_wait`, in the all-to-all's backward node): its transfer is in
   flight, and the forward computes meanwhile.
 
 The turns are decided from the schedule alone, never from completion timing, so every rank issues
 its collectives in the same order. The forward keeps its own chunk schedule (``Overlapped``), the
 backward the engine's order. Deferred dW (``defer_wgrad=True``) fills what is left of each backward
 all-to-all's window when the backward resumes, and the forward's waits too: when the host is about
-to wait for a forward transfer (:func:`lancet_rt.scope.host_wait`), the backward's queued dW runs
+to wait for a forward transfer (:func:`lancet_rt.schedule.scope.host_wait`), the backward's queued dW runs
 meanwhile (on CPU, where the host's wait is the device's). Each backward flushes its queue before it
 ends, as a single-step backward does.
 
@@ -48,7 +48,9 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from . import faults as _faults, scope as _scope, trace as _trace
+from lancet_rt.comm import faults as _faults
+from lancet_rt.schedule import scope as _scope
+from lancet_rt import trace as _trace
 
 
 class _Aborted(RuntimeError):
@@ -59,7 +61,7 @@ class _Backward:
     """One microbatch's backward on a helper thread, taking turns with the host.
 
     ``turn()`` (host) lets it run until its next all-to-all waits, or to its end; ``yield_()``
-    (called by :func:`lancet_rt.scope.backward_wait` on the engine's thread) gives the host back.
+    (called by :func:`lancet_rt.schedule.scope.backward_wait` on the engine's thread) gives the host back.
     Two semaphores form the baton: exactly one of the two threads runs.
     """
 
@@ -105,11 +107,11 @@ class _Backward:
         if threading.current_thread() is self._host:
             return  # a backward the host runs itself is not this one
         if self._abort:
-            raise _Aborted("lancet_rt.accumulate: the forward beside this backward failed")
+            raise _Aborted("lancet_rt.schedule.accumulate: the forward beside this backward failed")
         self._back.release()
         self._go.acquire()
         if self._abort:
-            raise _Aborted("lancet_rt.accumulate: the forward beside this backward failed")
+            raise _Aborted("lancet_rt.schedule.accumulate: the forward beside this backward failed")
 
     def fill(self, work) -> None:
         """Host, about to wait for ``work``: run the backward's deferred dW until it arrives."""
@@ -264,8 +266,8 @@ def accumulate(overlapped, microbatches: Iterable, loss_fn: Callable[[Any, int],
     Returns:
         [M] the losses, detached.
     """
-    from .overlap import Overlapped
-    from .parallel import GradientSync
+    from lancet_rt.schedule.overlap import Overlapped
+    from lancet_rt.parallel import GradientSync
 
     if not isinstance(overlapped, Overlapped):
         raise TypeError(f"overlapped must be a lancet_rt.Overlapped, got {type(overlapped).__name__}")
@@ -282,7 +284,7 @@ def accumulate(overlapped, microbatches: Iterable, loss_fn: Callable[[Any, int],
         raise TypeError(f"grad_sync must be None or a lancet_rt.parallel.GradientSync, got {type(grad_sync).__name__}")
 
     # As Overlapped.forward: the schedule agreed across ranks once; an exception ends on every rank
-    # and leaves no state behind (lancet_rt.faults).
+    # and leaves no state behind (lancet_rt.comm.faults).
     _faults.check_schedule(overlapped)
     with _faults.StepGuard(overlapped):
         return _step(overlapped, calls, loss_fn, interleave, grad_sync)

@@ -23,7 +23,7 @@ class ChunkScope:
             transfer); the scheduler decides from these alone, so every rank runs the same schedule
             and issues its collectives in the same order.
         first_exchange: the step's first counts exchange per group (``id(group)``), which later
-            chunks wait for before issuing theirs (:func:`lancet_rt.faults.in_order`).
+            chunks wait for before issuing theirs (:func:`lancet_rt.comm.faults.in_order`).
     """
 
     def __init__(self, rows: list[int], switch: Callable[[], None]):
@@ -74,7 +74,7 @@ def switch(issues_next: bool = False) -> None:
         s.switch(issues_next)
 
 
-# Cross-microbatch overlap (lancet_rt.accumulate): the backward of one microbatch runs on a helper
+# Cross-microbatch overlap (lancet_rt.schedule.accumulate): the backward of one microbatch runs on a helper
 # thread beside the forward of the next, and the two take turns. The forward gives the backward a
 # turn each time it yields after issuing a transfer (the host's thread-local ``beside``); the
 # backward gives the host back each time one of its all-to-alls is about to wait (backward_wait,

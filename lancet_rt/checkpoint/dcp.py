@@ -9,7 +9,7 @@ expert); everything else is replicated. Two formats:
   so the checkpoint records their global [E, ...] shape, and DCP reshards on load. The save planner
   writes each expert row as its own chunk: DCP reads whole chunks, so at any later EP size a rank
   reads exactly the experts it holds. Replicated tensors are written once (DCP's deduplication).
-- :func:`save_hf` / :func:`load_hf` (in :mod:`lancet_rt.ep_checkpoint_hf`, re-exported here): the
+- :func:`save_hf` / :func:`load_hf` (in :mod:`lancet_rt.checkpoint.hf`, re-exported here): the
   Hugging Face ``save_pretrained`` layout, in the on-disk format transformers itself writes; each
   rank writes the safetensors files of its own experts and reads only its experts' tensors.
 
@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .comm import TorchGroup
-from .moe import MoE
+from lancet_rt.comm.group import TorchGroup
+from lancet_rt.moe.layer import MoE
 
 __all__ = ["save_checkpoint", "load_checkpoint", "save_hf", "load_hf"]
 
@@ -411,7 +411,7 @@ def __getattr__(name: str):
     # save_hf/load_hf live in ep_checkpoint_hf, which imports the helpers above: re-exported lazily so that
     # either module can be imported first.
     if name in ("save_hf", "load_hf"):
-        from . import ep_checkpoint_hf
+        from lancet_rt.checkpoint import hf as ep_checkpoint_hf
 
         return getattr(ep_checkpoint_hf, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

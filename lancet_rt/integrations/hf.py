@@ -32,11 +32,13 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from . import comm, recompute as _recompute, scope as _scope
-from .experts import Experts
-from .moe import MoE
-from .router import router_logits
-from .overlap import Overlapped
+from lancet_rt.comm import group as comm
+from lancet_rt.schedule import recompute as _recompute
+from lancet_rt.schedule import scope as _scope
+from lancet_rt.moe.experts import Experts
+from lancet_rt.moe.layer import MoE
+from lancet_rt.routing.router import router_logits
+from lancet_rt.schedule.overlap import Overlapped
 
 
 class HFMoE(MoE):
@@ -311,7 +313,7 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
             :data:`SUPPORTED`. With expert parallelism every rank passes the full model (for example
             from one ``from_pretrained`` or state dict) and keeps its own experts.
         ep_group: None (all experts local), a torch.distributed ProcessGroup or an
-            :class:`~lancet_rt.comm.ExpertParallelGroup` (e.g. :class:`lancet_rt.EmulatedGroup`).
+            :class:`~lancet_rt.comm.group.ExpertParallelGroup` (e.g. :class:`lancet_rt.EmulatedGroup`).
             Expert e lives on rank e // (E / W); every rank passes its own batch.
         chunks: >= 1 or "auto": cut the base model's batch into this many chunks and overlap their
             computation with the all-to-alls (:class:`lancet_rt.Overlapped`).

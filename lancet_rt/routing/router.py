@@ -64,7 +64,7 @@ def update_expert_bias(model: nn.Module, rate: float = 1e-3, group=None) -> None
     """
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
         raise ValueError(f"rate must be a finite number > 0, got {rate!r}")
-    from .moe import MoE  # (moe imports this module)
+    from lancet_rt.moe.layer import MoE  # (moe imports this module)
 
     layers = [m for m in model.modules() if isinstance(m, MoE) and m.expert_bias]
     if not layers:

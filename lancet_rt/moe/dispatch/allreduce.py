@@ -41,8 +41,11 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from . import comm, scope as _scope, trace as _trace, wgrad
-from .routing import permute, unpermute
+from lancet_rt.comm import group as comm
+from lancet_rt.schedule import scope as _scope
+from lancet_rt import trace as _trace
+from lancet_rt.schedule import wgrad
+from lancet_rt.routing.functions import permute, unpermute
 
 DISPATCHERS = ("alltoall", "allreduce")
 
@@ -59,7 +62,7 @@ class TensorParallelGroup(comm.ExpertParallelGroup, Protocol):
 
 
 class _InFlight:
-    """An all-reduce in flight, as :class:`lancet_rt.comm.Pending` waits on it."""
+    """An all-reduce in flight, as :class:`lancet_rt.comm.group.Pending` waits on it."""
 
     def __init__(self, chunk):
         self.work, self.chunk = None, chunk
@@ -154,7 +157,7 @@ def allreduce_forward(moe, x_in: tuple, r, ops, chunk) -> torch.Tensor:
         ops: the kernel namespace.
         chunk: the chunk index (traces), or None.
     """
-    from .moe import _to_device  # (moe imports this module)
+    from lancet_rt.moe.layer import _to_device  # (moe imports this module)
 
     (x_TD, x_link), group, L = x_in, moe.group, moe.num_local_experts
     w_TK, w_link = _grad_all_reduce(r.weight_TK, group, chunk)  # waited for before the gating's backward

@@ -28,8 +28,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from . import trace as _trace
-from .comm import check_link, link_ms
+from lancet_rt import trace as _trace
+from lancet_rt.comm.group import check_link, link_ms
 
 
 class _LinkWork:
@@ -220,7 +220,7 @@ def _sleep_cycles_per_ms(device) -> float:
 
 
 class EmulatedGroup:
-    """An :class:`~lancet_rt.comm.ExpertParallelGroup` emulating ``world_size`` symmetric ranks.
+    """An :class:`~lancet_rt.comm.group.ExpertParallelGroup` emulating ``world_size`` symmetric ranks.
 
     Args:
         world_size: W, the emulated expert-parallel world size (experts per rank = E / W).
@@ -418,7 +418,7 @@ class EmulatedGroup:
         """The counts exchange: by symmetry every rank receives what this one sends. It holds its
         channel for the latency (no bytes): its own channel, or with ``counts_channel="shared"``
         the tokens' FIFO, behind the transfers in flight, like a collective on their communicator."""
-        from .comm import Exchange, _side_stream
+        from lancet_rt.comm.group import Exchange, _side_stream
 
         if self._cpu_link is not None:
             host = send_WN.detach().to(torch.int64).cpu().clone()

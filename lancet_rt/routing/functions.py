@@ -12,7 +12,8 @@ from typing import Optional
 
 import torch
 
-from . import scope as _scope, trace as _trace
+from lancet_rt.schedule import scope as _scope
+from lancet_rt import trace as _trace
 
 
 @dataclass

@@ -13,7 +13,7 @@ each ends fast, on every rank, with an error that names the rank at fault (READM
 - **After they started** (an exception in chunk 2 of 4, in backward, a KeyboardInterrupt): the
   ranks are out of step for good. The failing rank writes a failure record to the process group's
   store and marks the group broken; a peer blocked in a collective reads the record within
-  :data:`lancet_rt.group_monitor.POLL_S` and raises :class:`PeerError` naming it. Any later
+  :data:`lancet_rt.comm.monitor.POLL_S` and raises :class:`PeerError` naming it. Any later
   collective on the group raises :class:`GroupError` at once.
 - **A peer that stops answering** (killed, hung, partitioned): a rank waiting in a collective for
   longer than the group's timeout (``LANCET_TIMEOUT_S``, default 300 s, or
@@ -22,7 +22,7 @@ each ends fast, on every rank, with an error that names the rank at fault (READM
   ranks that did not reach the collective and says whether their process exited (same machine) or
   is alive.
 
-How a wait is bounded on gloo and on NCCL: :mod:`lancet_rt.group_monitor`. No host sync and no
+How a wait is bounded on gloo and on NCCL: :mod:`lancet_rt.comm.monitor`. No host sync and no
 collective is added per chunk on either backend.
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ from typing import Callable, Optional
 
 import torch
 
-from . import scope as _scope
+from lancet_rt.schedule import scope as _scope
 
 ADVICE = ("This expert-parallel group is out of step and cannot be used again: end the process "
           "(torchrun restarts the job), or destroy the process group and build the model on a new one")

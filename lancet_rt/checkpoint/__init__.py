@@ -1,0 +1,1 @@
+"""Checkpoints of expert-parallel models: DCP (dcp) and the Hugging Face save_pretrained layout (hf)."""

@@ -1,0 +1,1 @@
+"""Integrations beside the core: Hugging Face transformers (hf.from_hf)."""

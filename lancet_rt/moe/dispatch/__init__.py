@@ -1,0 +1,1 @@
+"""Dispatchers: how the layer moves tokens to their experts and back."""
