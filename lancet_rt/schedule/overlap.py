@@ -25,6 +25,7 @@ from lancet_rt.comm import faults as _faults
 from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
 from lancet_rt.schedule import wgrad as _wgrad
+from lancet_rt.schedule.accumulate import accumulate as _accumulate
 from lancet_rt.schedule.balance import BalancedChunks
 from lancet_rt.moe.layer import MoE
 
@@ -100,9 +101,7 @@ class Overlapped(nn.Module):
     def accumulate(self, microbatches, loss_fn, **options):
         """One training step over M microbatches, the backward of microbatch i interleaved with the
         forward of microbatch i+1 (:func:`lancet_rt.accumulate.accumulate`, which documents it)."""
-        from lancet_rt.schedule.accumulate import accumulate
-
-        return accumulate(self, microbatches, loss_fn, **options)
+        return _accumulate(self, microbatches, loss_fn, **options)
 
     def forward_chunked(self, n: int, args: tuple, kwargs: dict):
         """The forward on ``n`` chunks (``forward`` once the chunk count is known)."""
