@@ -255,7 +255,7 @@ def accumulate(overlapped, microbatches: Iterable, loss_fn: Callable[[Any, int],
 
     Args:
         overlapped: the :class:`lancet_rt.Overlapped` model; its ``chunks`` and ``defer_wgrad`` hold
-            for every microbatch (``chunks="auto"`` is resolved once per call, on the first one).
+            for every microbatch (a chunk policy such as ``"auto"`` is asked once per call, on the first one).
         microbatches: M >= 1 microbatches, each the model's arguments: a tensor, a tuple/list of
             positional arguments, or a dict of keyword arguments.
         loss_fn: ``loss_fn(output, i)`` -> the one-element loss of microbatch i, whose ``backward()``
