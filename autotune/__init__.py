@@ -70,3 +70,7 @@ __all__ = [
     "CostModel", "LinkModel", "ComputeProfile", "Prediction", "Profiler", "SimOp", "profile_compute", "simulate",
     "key_for_layers", "link_descriptor", "LinkInfo", "count_tokens", "TuningBlocks",
 ]
+
+# Overlapped(chunks="auto") and from_hf(chunks="auto") build an AutoChunks: the runtime never imports this package.
+from lancet_rt.schedule.policy import register_chunk_policy as _register_chunk_policy  # noqa: E402
+_register_chunk_policy("auto", AutoChunks)

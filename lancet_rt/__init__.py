@@ -1,6 +1,7 @@
 """lancet-rt: whole-graph all-to-all overlap for Mixture-of-Experts training in eager PyTorch."""
 from lancet_rt.schedule.balance import BalancedChunks
-from lancet_rt.checkpoint.dcp import load_checkpoint, load_hf, save_checkpoint, save_hf
+from lancet_rt.checkpoint.dcp import load_checkpoint, save_checkpoint
+from lancet_rt.checkpoint.hf import load_hf, save_hf
 from lancet_rt.comm.group import ExpertParallelGroup, TorchGroup
 from lancet_rt.moe.experts import Experts
 from lancet_rt.comm.emulated import EmulatedGroup

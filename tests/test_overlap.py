@@ -130,6 +130,57 @@ def test_bad_chunks(kwargs, exc):
         lancet_rt.Overlapped(make_model(None), **kwargs)
 
 
+class _FixedPolicy:
+    """A chunk policy that records its calls."""
+
+    def __init__(self, n):
+        self.n, self.calls = n, 0
+
+    def next_chunks(self, args, kwargs):
+        self.calls += 1
+        return self.n
+
+
+def test_chunk_policy_instance_factory_and_name():
+    from lancet_rt.schedule.policy import register_chunk_policy, registered_chunk_policies
+
+    model, x = make_model(None), torch.randn(6, 3, D)
+    policy = _FixedPolicy(3)
+    ov = lancet_rt.Overlapped(model, chunks=policy)
+    assert_close("policy chunks", ov(x), model(x))
+    assert policy.calls == 1 and ov._auto is policy
+    built = []
+    ov = lancet_rt.Overlapped(model, chunks=lambda o: built.append(o) or _FixedPolicy(2))
+    ov(x), ov(x)
+    assert built == [ov]  # the factory runs once, on the first forward
+    register_chunk_policy("test-two", lambda o: _FixedPolicy(2))
+    assert "test-two" in registered_chunk_policies()
+    assert lancet_rt.Overlapped(model, chunks="test-two")._resolve_chunks((x,), {}) == 2
+    with pytest.raises(ValueError, match="chunks must be an int >= 1 or 'auto'"):
+        lancet_rt.Overlapped(model, chunks="no-such-policy")
+    with pytest.raises(TypeError, match="next_chunks"):
+        lancet_rt.Overlapped(model, chunks=lambda o: 2)(x)
+
+
+def test_auto_needs_the_autotuner_imported():
+    # A fresh interpreter: the runtime alone never imports lancet_rt.autotune, so "auto" is unregistered.
+    import subprocess
+    import sys
+
+    code = ("import sys, torch, lancet_rt\n"
+            "try:\n"
+            "    lancet_rt.Overlapped(torch.nn.Linear(2, 2), chunks='auto')\n"
+            "except ValueError as e:\n"
+            "    print('ValueError:', e)\n"
+            "print('autotune imported:', 'lancet_rt.autotune' in sys.modules)\n"
+            "import lancet_rt.autotune\n"
+            "print('after import:', lancet_rt.Overlapped(torch.nn.Linear(2, 2), chunks='auto').chunks)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True).stdout
+    assert "ValueError:" in out and "import lancet_rt.autotune" in out
+    assert "autotune imported: False" in out
+    assert "after import: auto" in out
+
+
 def test_bad_model_and_inputs():
     with pytest.raises(TypeError, match="model"):
         lancet_rt.Overlapped(lambda x: x)

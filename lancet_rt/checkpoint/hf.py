@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lancet_rt.checkpoint.dcp import _agree, _bad_argument, _digest, _expert_shards, _listing, _process_group, _Shard, _tensor_id
+from lancet_rt.checkpoint._common import _agree, _bad_argument, _digest, _expert_shards, _listing, _process_group, _Shard, _tensor_id
 
 __all__ = ["save_hf", "load_hf"]
 

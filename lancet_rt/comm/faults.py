@@ -65,7 +65,7 @@ def check_schedule(overlapped) -> None:
     collectives (hang, or mix up data), so every rank raises a ValueError naming the ranks and values.
     """
     chunks = overlapped.chunks
-    mine = (0 if chunks == "auto" else int(chunks), int(overlapped.defer_wgrad), int(overlapped.check))
+    mine = (chunks if isinstance(chunks, int) else 0, int(overlapped.defer_wgrad), int(overlapped.check))
     if getattr(overlapped, "_agreed_schedule", None) == mine:
         return
     for group in _groups(overlapped):

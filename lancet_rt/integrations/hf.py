@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from lancet_rt.comm import group as comm
+from lancet_rt.schedule import policy as _policy
 from lancet_rt.schedule import recompute as _recompute
 from lancet_rt.schedule import scope as _scope
 from lancet_rt.moe.experts import Experts
@@ -315,7 +316,8 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
         ep_group: None (all experts local), a torch.distributed ProcessGroup or an
             :class:`~lancet_rt.comm.group.ExpertParallelGroup` (e.g. :class:`lancet_rt.EmulatedGroup`).
             Expert e lives on rank e // (E / W); every rank passes its own batch.
-        chunks: >= 1 or "auto": cut the base model's batch into this many chunks and overlap their
+        chunks: >= 1, "auto" (after ``import lancet_rt.autotune``) or another chunk policy, as for
+            :class:`lancet_rt.Overlapped`: cut the base model's batch into this many chunks and overlap their
             computation with the all-to-alls (:class:`lancet_rt.Overlapped`).
         defer_wgrad: defer the weight gradients of the base model's linears and experts into the
             backward all-to-alls.
@@ -328,8 +330,7 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a transformers model (an nn.Module), got {type(model).__name__}")
-    if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
-        raise ValueError(f"chunks must be an int >= 1 or 'auto', got {chunks!r}")
+    _policy.check_chunks(chunks)
     if not isinstance(defer_wgrad, bool):
         raise TypeError(f"defer_wgrad must be a bool, got {type(defer_wgrad).__name__}")
     group = comm.as_group(ep_group)

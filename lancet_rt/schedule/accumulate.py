@@ -51,6 +51,7 @@ import torch
 from lancet_rt.comm import faults as _faults
 from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
+from lancet_rt.parallel import GradientSync
 
 
 class _Aborted(RuntimeError):
@@ -254,7 +255,7 @@ def accumulate(overlapped, microbatches: Iterable, loss_fn: Callable[[Any, int],
 
     Args:
         overlapped: the :class:`lancet_rt.Overlapped` model; its ``chunks`` and ``defer_wgrad`` hold
-            for every microbatch (``chunks="auto"`` is resolved once per call, on the first one).
+            for every microbatch (a chunk policy such as ``"auto"`` is asked once per call, on the first one).
         microbatches: M >= 1 microbatches, each the model's arguments: a tensor, a tuple/list of
             positional arguments, or a dict of keyword arguments.
         loss_fn: ``loss_fn(output, i)`` -> the one-element loss of microbatch i, whose ``backward()``
@@ -266,10 +267,7 @@ def accumulate(overlapped, microbatches: Iterable, loss_fn: Callable[[Any, int],
     Returns:
         [M] the losses, detached.
     """
-    from lancet_rt.schedule.overlap import Overlapped
-    from lancet_rt.parallel import GradientSync
-
-    if not isinstance(overlapped, Overlapped):
+    if not _is_overlapped(overlapped):
         raise TypeError(f"overlapped must be a lancet_rt.Overlapped, got {type(overlapped).__name__}")
     if isinstance(microbatches, (torch.Tensor, dict)) or not isinstance(microbatches, Iterable):
         raise TypeError(f"microbatches must be a sequence of microbatches, got {type(microbatches).__name__}")
@@ -288,6 +286,11 @@ def accumulate(overlapped, microbatches: Iterable, loss_fn: Callable[[Any, int],
     _faults.check_schedule(overlapped)
     with _faults.StepGuard(overlapped):
         return _step(overlapped, calls, loss_fn, interleave, grad_sync)
+
+
+def _is_overlapped(obj) -> bool:
+    # Overlapped is checked by its interface: schedule.overlap imports this module, not the other way.
+    return all(callable(getattr(obj, name, None)) for name in ("forward_chunked", "_resolve_chunks", "moe_layers"))
 
 
 def _step(overlapped, calls: list, loss_fn, interleave: bool, grad_sync) -> torch.Tensor:

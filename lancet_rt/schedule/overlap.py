@@ -22,9 +22,11 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lancet_rt.comm import faults as _faults
+from lancet_rt.schedule import policy as _policy
 from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
 from lancet_rt.schedule import wgrad as _wgrad
+from lancet_rt.schedule.accumulate import accumulate as _accumulate
 from lancet_rt.schedule.balance import BalancedChunks
 from lancet_rt.moe.layer import MoE
 
@@ -40,7 +42,10 @@ class Overlapped(nn.Module):
     Args:
         model: an unmodified model containing :class:`lancet_rt.MoE` layers, separable along dim 0
             of its tensor inputs outside those layers.
-        chunks: N >= 1, or "auto" (the autotuner's cache, else tuned online in the first steps).
+        chunks: N >= 1; "auto" (the autotuner's cache, else tuned online in the first steps; needs
+            ``import lancet_rt.autotune``, which registers it); another name registered with
+            :func:`lancet_rt.schedule.policy.register_chunk_policy`; a
+            :class:`~lancet_rt.schedule.policy.ChunkPolicy`; or a factory ``factory(overlapped)`` of one.
             ``chunks=1`` is exactly ``model(...)``.
         defer_wgrad: give the model's ``nn.Linear`` modules and the experts deferred weight
             gradients, computed inside the backward all-to-alls' windows (Lancet's dW scheduling)
@@ -63,8 +68,7 @@ class Overlapped(nn.Module):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if chunks != "auto" and (isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1):
-            raise ValueError(f"chunks must be an int >= 1 or 'auto', got {chunks!r}")
+        _policy.check_chunks(chunks)
         for name, flag in (("defer_wgrad", defer_wgrad), ("check", check)):
             if not isinstance(flag, bool):  # a truthy string or tensor would silently change the schedule
                 raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
@@ -100,9 +104,7 @@ class Overlapped(nn.Module):
     def accumulate(self, microbatches, loss_fn, **options):
         """One training step over M microbatches, the backward of microbatch i interleaved with the
         forward of microbatch i+1 (:func:`lancet_rt.accumulate.accumulate`, which documents it)."""
-        from lancet_rt.schedule.accumulate import accumulate
-
-        return accumulate(self, microbatches, loss_fn, **options)
+        return _accumulate(self, microbatches, loss_fn, **options)
 
     def forward_chunked(self, n: int, args: tuple, kwargs: dict):
         """The forward on ``n`` chunks (``forward`` once the chunk count is known)."""
@@ -117,12 +119,10 @@ class Overlapped(nn.Module):
             _wgrad.set_current(prev)
 
     def _resolve_chunks(self, args, kwargs) -> int:
-        if self.chunks != "auto":
+        if isinstance(self.chunks, int):
             return self.chunks
-        if self._auto is None:
-            from lancet_rt.autotune.online import AutoChunks  # the one place lancet_rt reaches into autotune
-
-            self._auto = AutoChunks(self)
+        if self._auto is None:  # the policy, built on the first forward
+            self._auto = _policy.resolve_chunk_policy(self.chunks, self)
         return self._auto.next_chunks(args, kwargs)
 
     def run_chunked(self, n: int, args: tuple, kwargs: dict):
