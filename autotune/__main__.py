@@ -218,6 +218,7 @@ def run(argv=None) -> dict:
 
 
 def _tune(args, env) -> dict:
+    """Build the blocks, answer from the cache or measure, model and store; returns what ``run`` returns."""
     device, rank = env.device, env.rank
     dtype = _DTYPES[args.dtype]
     torch.manual_seed(args.seed + rank)
@@ -243,19 +244,53 @@ def _tune(args, env) -> dict:
     _print(rank, f"cache: {cache.path}\nkey:   {key.string()}")
 
     if not args.force:
-        hit = cache.lookup(key, nearest=False, use_defaults=False)
-        everyone = agree_max(group, [0.0 if hit is not None else 1.0])[0] == 0.0  # every rank has it
-        if hit is not None and everyone:
-            value = hit.value
-            _print(rank, f"cache hit: {_plural(hit.chunks)} (tuned {value.get('written_at', '?')}, "
-                         f"source {value.get('source', '?')}); nothing re-measured (--force re-tunes)")
-            if value.get("table"):
-                _print(rank, _format_table(value["table"], _COLUMNS))
-            if "chosen_measured_ms" in value:
-                _print(rank, _summary(value))
-            _export(args, key, value)
+        value = _cached(args, rank, group, cache, key)
+        if value is not None:
             return dict(cached=True, key=key.string(), link_gbps=link.gbps, cache_path=cache.path, **value)
 
+    result, profile, link_model = _measure(args, rank, device, dtype, runner, overlapped, rows)
+    cost = CostModel(profile, link_model, defer_wgrad=args.defer_wgrad,
+                     counts_channel=getattr(group, "counts_channel", "shared"))  # TorchGroup's or EmulatedGroup's
+    predicted = {m.chunks: cost.predict(m.chunks, rows).step_ms for m in result.table if m.status == "ok"}
+    table, value = _tuned_value(args, result, predicted, profile, link_model, identity)
+    _print(rank, _format_table(table, _COLUMNS))
+    points = ", ".join(f"C({n}) = {ms:.2f}" for n, ms in profile.points.items())
+    _print(rank, f"cost model: compute-only (zero-cost link) {points} ms -> per-chunk overhead "
+                 f"{profile.overhead_per_chunk_ms:.2f} ms, "
+                 f"link {link_model.latency_ms * 1e3:.0f} us + bytes / "
+                 f"{link_model.gbps:.3g} GB/s" + (f", dW {profile.dw_ms:.2f} ms" if args.defer_wgrad else ""))
+    _print(rank, _summary(value))
+    try:
+        cache.store(key, value)
+        _print(rank, f"stored in {cache.path}")
+    except OSError as exc:
+        print(f"lancet-autotune: could not write the cache {cache.path}: {exc}", file=sys.stderr)
+    _export(args, key, value)
+    return dict(cached=False, key=key.string(), link_gbps=link.gbps, cache_path=cache.path, **value)
+
+
+def _cached(args, rank: int, group, cache: TuneCache, key) -> Optional[dict]:
+    """The stored entry when every rank has it (printed and exported), else None: then all ranks tune."""
+    hit = cache.lookup(key, nearest=False, use_defaults=False)
+    everyone = agree_max(group, [0.0 if hit is not None else 1.0])[0] == 0.0  # every rank has it
+    if hit is None or not everyone:
+        return None
+    value = hit.value
+    _print(rank, f"cache hit: {_plural(hit.chunks)} (tuned {value.get('written_at', '?')}, "
+                 f"source {value.get('source', '?')}); nothing re-measured (--force re-tunes)")
+    if value.get("table"):
+        _print(rank, _format_table(value["table"], _COLUMNS))
+    if "chosen_measured_ms" in value:
+        _print(rank, _summary(value))
+    _export(args, key, value)
+    return value
+
+
+def _measure(args, rank: int, device, dtype, runner, overlapped, rows: int) -> tuple:
+    """Measure the candidates with the compute-only probes in the same rounds, profile the stages and
+    the link; returns the search result, the compute profile and the link model."""
+    layers = overlapped.moe_layers()
+    group = layers[0].group
     kept, _ = candidate_chunks(args.tokens, rows, args.candidates, args.min_tokens_per_chunk)
     # Compute-only probes for the cost model, timed in the same rounds as the candidates.
     profile_counts = [n for n in PROFILE_CHUNKS if n in kept] or [1]
@@ -283,10 +318,11 @@ def _tune(args, env) -> dict:
             link_model = LinkModel(0.0, math.inf)
     finally:
         bar.close()
-    cost = CostModel(profile, link_model, defer_wgrad=args.defer_wgrad,
-                     counts_channel=getattr(group, "counts_channel", "shared"))  # TorchGroup's or EmulatedGroup's
-    predicted = {m.chunks: cost.predict(m.chunks, rows).step_ms for m in result.table if m.status == "ok"}
+    return result, profile, link_model
 
+
+def _tuned_value(args, result, predicted: dict, profile, link_model, identity) -> tuple:
+    """The table of predicted and measured times and the cache entry for the choice."""
     best = result.best_ms
     table = []
     for m in result.table:
@@ -307,20 +343,7 @@ def _tune(args, env) -> dict:
                    link_gbps=None if math.isinf(link_model.gbps) else link_model.gbps),
         device=identity.as_dict(),
     )
-    _print(rank, _format_table(table, _COLUMNS))
-    points = ", ".join(f"C({n}) = {ms:.2f}" for n, ms in profile.points.items())
-    _print(rank, f"cost model: compute-only (zero-cost link) {points} ms -> per-chunk overhead "
-                 f"{profile.overhead_per_chunk_ms:.2f} ms, "
-                 f"link {link_model.latency_ms * 1e3:.0f} us + bytes / "
-                 f"{link_model.gbps:.3g} GB/s" + (f", dW {profile.dw_ms:.2f} ms" if args.defer_wgrad else ""))
-    _print(rank, _summary(value))
-    try:
-        cache.store(key, value)
-        _print(rank, f"stored in {cache.path}")
-    except OSError as exc:
-        print(f"lancet-autotune: could not write the cache {cache.path}: {exc}", file=sys.stderr)
-    _export(args, key, value)
-    return dict(cached=False, key=key.string(), link_gbps=link.gbps, cache_path=cache.path, **value)
+    return table, value
 
 
 def _export(args, key, value) -> None:

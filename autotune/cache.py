@@ -72,7 +72,7 @@ class CacheKey:
     """What a tuned chunk count depends on.
 
     Attributes:
-        device: the device identity's key (:attr:`autotune.gpu.DeviceIdentity.key`).
+        device: the device identity's key (:attr:`lancet_rt.autotune.gpu.DeviceIdentity.key`).
         device_name: the GPU name (or ``"cpu"``); shipped defaults match on this instead of ``device``.
         ep_world_size: W, the expert-parallel world size.
         link_backend: ``"emulated"``, ``"nccl"``, ``"gloo"``, ``"local"`` (no expert parallelism), ...

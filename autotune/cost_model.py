@@ -93,6 +93,23 @@ class _Timeline:
         return max(self.free.values())
 
 
+class _StepGraph:
+    """The forward being built: its timeline, each op's kind and which all-to-all each op reads."""
+
+    def __init__(self, comm: bool):
+        self.tl = _Timeline()
+        self.comm = comm
+        self.kinds: list = []      # per forward op: its kind
+        self.consumes: dict = {}   # forward compute op -> the forward all-to-all whose output it reads
+
+    def add(self, kind: str, name: str, stream: str, ms: float, deps=(), reads=None) -> int:
+        i = self.tl.add(name, stream, ms, deps)
+        self.kinds.append(kind)
+        if reads is not None and self.comm:
+            self.consumes[i] = reads
+        return i
+
+
 @dataclass(frozen=True)
 class Prediction:
     """A predicted step at N chunks.
@@ -170,56 +187,58 @@ class CostModel:
         else:
             shares = [1.0 / n] * n
         scale = self.compute_ms(n) / p.step1_ms if p.step1_ms > 0 else 1.0
-        comm = p.world_size > 1
-        tl = _Timeline()
-        kinds: list = []      # per forward op: its kind
-        consumes: dict = {}   # forward compute op -> the forward all-to-all whose output it reads
+        g = _StepGraph(comm=p.world_size > 1)
+        self._forward(g, shares, scale)
+        forward_end = g.tl.makespan
+        self._backward(g, scale)
+        tl = g.tl
+        end = tl.makespan
+        comm_ms = sum(o.ms for o in tl.ops if o.stream == "comm")
+        return Prediction(chunks=n, step_ms=end, forward_ms=forward_end, backward_ms=end - forward_end,
+                          compute_ms=self.compute_ms(n), comm_ms=comm_ms, ops=tuple(tl.ops))
 
-        def add(kind, name, stream, ms, deps=(), reads=None):
-            i = tl.add(name, stream, ms, deps)
-            kinds.append(kind)
-            if reads is not None and comm:
-                consumes[i] = reads
-            return i
+    def _phase_a(self, g: "_StepGraph", layer: int, c: int, after, share: float, scale: float) -> int:
+        """Chunk c's pre-MoE compute, the blocking counts exchange, and the dispatch it issues."""
+        st = self.profile.layers[layer]
+        pre = g.add("pre", f"L{layer} c{c} pre", "compute", st.pre * scale * share, (after,))
+        if not g.comm:
+            return g.add("issue", f"L{layer} c{c} issue", "compute", st.issue * scale * share)
+        ex = g.add("exchange", f"L{layer} c{c} exchange", self.counts_stream, self.link.time_ms(0), (pre,))
+        issue = g.add("issue", f"L{layer} c{c} issue", "compute", st.issue * scale * share, (ex,))
+        return g.add("dispatch", f"L{layer} c{c} dispatch", "comm",
+                     self.link.time_ms(st.dispatch_bytes * share), (issue,))
 
-        def phase_a(layer, c, after):
-            """Chunk c's pre-MoE compute, the blocking counts exchange, and the dispatch it issues."""
-            st = p.layers[layer]
-            pre = add("pre", f"L{layer} c{c} pre", "compute", st.pre * scale * shares[c], (after,))
-            if not comm:
-                return add("issue", f"L{layer} c{c} issue", "compute", st.issue * scale * shares[c])
-            ex = add("exchange", f"L{layer} c{c} exchange", self.counts_stream, self.link.time_ms(0), (pre,))
-            issue = add("issue", f"L{layer} c{c} issue", "compute", st.issue * scale * shares[c], (ex,))
-            return add("dispatch", f"L{layer} c{c} dispatch", "comm",
-                       self.link.time_ms(st.dispatch_bytes * shares[c]), (issue,))
-
-        # Forward, in the round-robin scheduler's issue order: per layer, every chunk's pre + dispatch,
-        # then every chunk's experts + combine, then every chunk's post with the next layer's pre.
+    def _forward(self, g: "_StepGraph", shares: list, scale: float) -> None:
+        """The forward, in the round-robin scheduler's issue order: per layer, every chunk's pre +
+        dispatch, then every chunk's experts + combine, then every chunk's post with the next layer's pre."""
+        p, n = self.profile, len(shares)
         L = len(p.layers)
         if L == 0:
             for c in range(n):
-                add("pre", f"c{c} forward", "compute", p.forward_ms * scale * shares[c])
-        dispatch = [phase_a(0, c, None) if L else None for c in range(n)]
+                g.add("pre", f"c{c} forward", "compute", p.forward_ms * scale * shares[c])
+        dispatch = [self._phase_a(g, 0, c, None, shares[c], scale) if L else None for c in range(n)]
         combine = [None] * n
         for layer in range(L):
             st = p.layers[layer]
             for c in range(n):
-                e = add("experts", f"L{layer} c{c} experts", "compute", st.experts * scale * shares[c],
-                        (dispatch[c],), reads=dispatch[c])
-                combine[c] = (add("combine", f"L{layer} c{c} combine", "comm",
-                                  self.link.time_ms(st.combine_bytes * shares[c]), (e,)) if comm else e)
+                e = g.add("experts", f"L{layer} c{c} experts", "compute", st.experts * scale * shares[c],
+                          (dispatch[c],), reads=dispatch[c])
+                combine[c] = (g.add("combine", f"L{layer} c{c} combine", "comm",
+                                    self.link.time_ms(st.combine_bytes * shares[c]), (e,)) if g.comm else e)
             for c in range(n):
-                post = add("post", f"L{layer} c{c} post", "compute", st.post * scale * shares[c],
-                           (combine[c],), reads=combine[c])
+                post = g.add("post", f"L{layer} c{c} post", "compute", st.post * scale * shares[c],
+                             (combine[c],), reads=combine[c])
                 if layer + 1 < L:
-                    dispatch[c] = phase_a(layer + 1, c, post)
+                    dispatch[c] = self._phase_a(g, layer + 1, c, post, shares[c], scale)
                 else:
-                    add("tail", f"c{c} tail", "compute", p.tail_ms * scale * shares[c])
-        forward_end = tl.makespan
+                    g.add("tail", f"c{c} tail", "compute", p.tail_ms * scale * shares[c])
+
+    def _backward(self, g: "_StepGraph", scale: float) -> None:
+        """The backward: the reverse of the forward's creation order, deferred dW drained while the
+        backward all-to-alls fly and flushed at the end."""
+        p, tl, kinds, consumes = self.profile, g.tl, g.kinds, g.consumes
         n_fwd = len(tl.ops)
         fwd = list(tl.ops)
-
-        # Backward: the reverse of the forward's creation order.
         fwd_compute = sum(o.ms for o in fwd if o.stream == "compute")
         bwd_total = p.backward_ms * scale
         dw_total = p.dw_ms * scale if self.defer_wgrad else 0.0
@@ -256,7 +275,3 @@ class CostModel:
                 pool += dw_total * o.ms / dw_weight
         if pool > 0 or waits:
             tl.add("dW flush", "compute", pool, waits)
-        end = tl.makespan
-        comm_ms = sum(o.ms for o in tl.ops if o.stream == "comm")
-        return Prediction(chunks=n, step_ms=end, forward_ms=forward_end, backward_ms=end - forward_end,
-                          compute_ms=self.compute_ms(n), comm_ms=comm_ms, ops=tuple(tl.ops))

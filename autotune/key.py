@@ -80,7 +80,7 @@ def measured_gbps(group, device) -> Optional[float]:
 
     The value keys the autotune cache, and a re-measurement of the same link must find the entry:
     two warm-up transfers per size (a fresh process's first transfers are the slowest), the fastest
-    of five timed ones, and lookups that accept a factor of 2 (:meth:`autotune.cache.TuneCache.lookup`).
+    of five timed ones, and lookups that accept a factor of 2 (:meth:`lancet_rt.autotune.cache.TuneCache.lookup`).
     """
     from .profiling import LinkModel
 

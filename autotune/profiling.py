@@ -216,12 +216,12 @@ class Profiler:
     """Compute-only probes of a step (every MoE group swapped for a zero-cost link) for the cost model.
 
     The probes are plain callables, so they can be timed in the same interleaved rounds as the
-    candidates themselves (:func:`autotune.search.search` ``probes=``): load from other processes
+    candidates themselves (:func:`lancet_rt.autotune.search.search` ``probes=``): load from other processes
     then hits the profile and the measurement alike. :meth:`build` turns their times into a
     :class:`ComputeProfile`; :func:`profile_compute` does it all on its own.
 
     Args:
-        runner: an :class:`autotune.search.StepRunner`.
+        runner: an :class:`lancet_rt.autotune.search.StepRunner`.
         layers: the model's MoE layers.
         wgrad_queue: the Overlapped model's deferred-dW queue, if ``defer_wgrad``: its final flush is
             timed at 1 chunk (on a free link every deferred dW runs there).
@@ -239,7 +239,7 @@ class Profiler:
             self.runner(n)
 
     def probes(self, chunk_counts: Sequence[int]) -> dict:
-        """``{("compute", n): callable}`` for :func:`autotune.search.search`'s ``probes``."""
+        """``{("compute", n): callable}`` for :func:`lancet_rt.autotune.search.search`'s ``probes``."""
         return {("compute", n): (lambda n=n: self.step(n)) for n in chunk_counts}
 
     def trace(self) -> None:
@@ -309,7 +309,7 @@ def profile_compute(runner, layers: Sequence[lancet_rt.MoE], *, chunk_counts: Se
     """Profile the computation of ``runner``'s step on a zero-cost link, on its own.
 
     Args:
-        runner: an :class:`autotune.search.StepRunner`.
+        runner: an :class:`lancet_rt.autotune.search.StepRunner`.
         layers: the model's MoE layers (their groups are swapped for a free link meanwhile).
         chunk_counts: the chunk counts whose compute-only step times fit the per-chunk overhead;
             must include 1 and one more.

@@ -190,7 +190,7 @@ def search(runner: StepRunner, *, candidates: Sequence[int] = DEFAULT_CANDIDATES
         statistic: "median" (default) or "min" of each candidate's timed steps; "min" resists other
             processes on a shared CPU.
         probes: extra ``{name: callable}`` timed in the same rounds (e.g. the cost model's compute-only
-            steps, :meth:`autotune.profiling.Profiler.probes`), so load hits them and the candidates alike.
+            steps, :meth:`lancet_rt.autotune.profiling.Profiler.probes`), so load hits them and the candidates alike.
         progress: called with 1 after every step.
         agree: optional ``callable(list of times) -> list`` making the candidates' times identical on
             every rank of a real group (e.g. an all-reduce max), so every rank chooses the same count.
@@ -203,29 +203,47 @@ def search(runner: StepRunner, *, candidates: Sequence[int] = DEFAULT_CANDIDATES
         raise ValueError(f"warmup must be >= 0 and reps >= 1, got warmup={warmup}, reps={reps}")
     if statistic not in _STATISTICS:
         raise ValueError(f"statistic must be one of {sorted(_STATISTICS)}, got {statistic!r}")
-    tick = progress or (lambda k: None)
     kept, pruned = candidate_chunks(tokens if tokens is not None else runner.rows, runner.rows, candidates,
                                     min_tokens_per_chunk)
     table = {n: Measurement(n) for n in kept}
     table.update({n: Measurement(n, status=f"pruned: {why}") for n, why in pruned.items()})
-    probe_samples = {name: [] for name in (probes or {})}
-    cuda = runner.device.type == "cuda"
-    live = list(kept)
+    rounds = _Rounds(runner, table, kept, probes or {}, progress or (lambda k: None))
+    for r in range(warmup + reps):  # candidates first: the model's first forward runs on its real group
+        timed = r >= warmup
+        for n in list(rounds.live):
+            rounds.run(n, timed)
+        for name in rounds.probe_samples:
+            rounds.run_probe(name, timed)
+    ok = _summarise(table, kept, _STATISTICS[statistic], agree)
+    choice = min(ok, key=lambda n: (table[n].ms, n))
+    return SearchResult(table=[table[n] for n in sorted(table)], choice=choice, statistic=statistic,
+                        probes=rounds.probe_samples)
 
-    def clock():
-        if cuda:
-            torch.cuda.synchronize(runner.device)
+
+class _Rounds:
+    """Times one candidate's step or one probe at a time, recording into the table (OOM drops a candidate)."""
+
+    def __init__(self, runner: StepRunner, table: dict, kept: list, probes: dict, tick: Callable[[int], None]):
+        self.runner, self.table, self.probes, self.tick = runner, table, probes, tick
+        self.probe_samples = {name: [] for name in probes}
+        self.cuda = runner.device.type == "cuda"
+        self.live = list(kept)
+
+    def clock(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.runner.device)
         return time.perf_counter()
 
-    def run(n, timed):
-        m = table[n]
+    def run(self, n: int, timed: bool) -> None:
+        """One step at ``n`` chunks; its time is a sample when ``timed``."""
+        m, runner, cuda = self.table[n], self.runner, self.cuda
         try:
             if cuda:
                 torch.cuda.synchronize(runner.device)
                 torch.cuda.reset_peak_memory_stats(runner.device)
-            t0 = clock()
+            t0 = self.clock()
             runner(n)
-            t1 = clock()
+            t1 = self.clock()
             if cuda:
                 m.peak_mem_mb = max(m.peak_mem_mb or 0.0, torch.cuda.max_memory_allocated(runner.device) / 2**20)
             if timed:
@@ -236,27 +254,24 @@ def search(runner: StepRunner, *, candidates: Sequence[int] = DEFAULT_CANDIDATES
             runner.zero_grad()
             torch.cuda.empty_cache()
             m.status = "oom"
-            live.remove(n)
-        tick(1)
+            self.live.remove(n)
+        self.tick(1)
 
-    def run_probe(name, timed):
-        t0 = clock()
-        probes[name]()
-        t1 = clock()
+    def run_probe(self, name, timed: bool) -> None:
+        """One call of probe ``name``; its time is a sample when ``timed``."""
+        t0 = self.clock()
+        self.probes[name]()
+        t1 = self.clock()
         if timed:
-            probe_samples[name].append((t1 - t0) * 1e3)
-        tick(1)
+            self.probe_samples[name].append((t1 - t0) * 1e3)
+        self.tick(1)
 
-    for r in range(warmup + reps):  # candidates first: the model's first forward runs on its real group
-        timed = r >= warmup
-        for n in list(live):
-            run(n, timed)
-        for name in probe_samples:
-            run_probe(name, timed)
+
+def _summarise(table: dict, kept: list, stat: Callable, agree: Optional[Callable[[list], list]]) -> list:
+    """Each surviving candidate's statistic and quantiles (agreed across ranks); returns the survivors."""
     ok = [n for n in kept if table[n].status == "ok"]
     if not ok:
         raise RuntimeError("every chunk-count candidate ran out of memory")
-    stat = _STATISTICS[statistic]
     for n in ok:
         m = table[n]
         m.ms = stat(m.samples)
@@ -265,6 +280,4 @@ def search(runner: StepRunner, *, candidates: Sequence[int] = DEFAULT_CANDIDATES
     if agree is not None:
         for n, ms in zip(ok, agree([table[n].ms for n in ok])):
             table[n].ms = ms
-    choice = min(ok, key=lambda n: (table[n].ms, n))
-    return SearchResult(table=[table[n] for n in sorted(table)], choice=choice, statistic=statistic,
-                        probes=probe_samples)
+    return ok
