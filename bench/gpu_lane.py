@@ -19,17 +19,19 @@ commit them); the summary is printed last and written as summary.json.
 A lent GPU takes commands of at most 10 minutes, so the lane keeps to ``--budget`` seconds of wall
 clock: each step gets a share of what is left (by its weight in :data:`STEPS`), the benchmarks stop
 starting new cases when their share is spent and keep every finished row, and a step that outlives
-its share is stopped (bench.overlap: the cross-microbatch part is left out once its share is spent,
-and its row is written before the timeline is drawn). Split the lane over calls with ``--only``; a
+its share is interrupted (SIGINT: pytest still prints its failures' tracebacks) and then stopped
+(bench.overlap leaves its cross-microbatch part out once its share is spent, and writes its row
+before it draws the timeline). Split the lane over calls with ``--only``; a
 step run alone gets the whole budget (the tests need it: an H100 ran 11 of them in a 233 s share)::
 
     python3 -m bench.gpu_lane --out "$OUT" --only tests
     python3 -m bench.gpu_lane --out "$OUT" --only experts,kernels
     python3 -m bench.gpu_lane --out "$OUT" --only overlap,autotune
 
-The tests and bench.experts share their grouped-GEMM shapes, so in one call the benchmark finds the
-configs the tests' autotuning compiled and chose in Triton's on-disk caches (the routing kernels'
-spaces prune to one config per key; the grouped GEMM's to up to 14).
+The tests and bench.experts share their grouped-GEMM shapes, so on the same machine (one call, or
+the next while it is still warm) the benchmark finds the configs the tests' autotuning compiled and
+chose in Triton's on-disk caches (the routing kernels' spaces prune to one config per key; the
+grouped GEMM's to up to 14).
 
 Back on the development machine, ``python -m bench.gpu_lane --collect DIR`` (DIR: a call's returned
 ``$OUT``) appends the rows to ``bench/results/`` (kernels, experts, overlap, and the summary as
@@ -46,6 +48,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -85,6 +88,7 @@ STEPS = {
 }
 SUMMARY_SECONDS = 10   # kept back from --budget for the summary
 REPO = Path(__file__).resolve().parent.parent
+INTERRUPT_SECONDS = 15  # of a step's share: from its interrupt to its kill, for its own summary
 
 
 def step_command(step: str, py: str, out: Path, max_seconds: float) -> list:
@@ -122,13 +126,21 @@ def run(step: str, cmd: list, out: Path, timeout: float, env: dict, cwd: str | N
     print(f"\n=== {step} (at most {timeout:.0f} s): {' '.join(cmd)}", flush=True)
     t0 = time.time()
     with open(out / f"{step}.log", "w") as log:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
         try:
-            p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                               timeout=timeout, cwd=cwd)
-            text, rc = p.stdout, p.returncode
-        except subprocess.TimeoutExpired as e:
-            text = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            text, _ = p.communicate(timeout=max(1.0, timeout - INTERRUPT_SECONDS))
+            rc = p.returncode
+        except subprocess.TimeoutExpired:
+            # Interrupted first, as Ctrl-C would: pytest then prints its summary with the failures'
+            # tracebacks, which a kill would lose.
+            p.send_signal(signal.SIGINT)
+            try:
+                text, _ = p.communicate(timeout=INTERRUPT_SECONDS)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                text, _ = p.communicate()
             rc = "timeout"
+        text = text or ""
         log.write(text)
     failed = [line for line in text.splitlines() if line.startswith(("FAILED ", "ERROR ")) or
               line.rstrip().endswith((" FAILED", " ERROR")) or " FAILED " in line]
