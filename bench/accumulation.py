@@ -11,15 +11,12 @@ from __future__ import annotations
 
 import math
 import statistics
-from typing import TYPE_CHECKING
 
 import torch
 
 import lancet_rt
 from bench.common import print_table
-
-if TYPE_CHECKING:
-    from bench.overlap import Runner
+from bench.runner import Runner
 
 ACCUM_MODES = ("accumulate_sequential", "accumulate", "accumulate_dw", "accumulate_megatron")
 LINA_MODES = ("lina_fifo", "lina_priority")

@@ -1,4 +1,5 @@
-"""Shared benchmark harness: device identity, measured ceilings, timing, tables and JSON rows.
+"""Shared benchmark harness: device identity, measured ceilings, tables and JSON rows (the timers
+are in bench.timing).
 
 Every benchmark row carries the device, commit, date, versions and the ceilings it was measured
 against, so a number is never separated from what it means (../shared/GPU.md).
@@ -9,13 +10,14 @@ import datetime as _dt
 import json
 import os
 import platform
-import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Iterable, Sequence
 
 import torch
+
+from bench.timing import bench_ms
 
 
 def git_commit() -> str:
@@ -43,30 +45,6 @@ def run_metadata(device: torch.device, **ceilings) -> dict:
         triton=__import__("triton").__version__,
         **ceilings,
     )
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def bench_ms(fn: Callable[[], object], device: torch.device, *, warmup: int = 3, rep: int = 10) -> dict:
-    """Median and 20/80% quantiles of ``fn``'s time in ms (triton.testing.do_bench on CUDA)."""
-    if device.type == "cuda":
-        import triton.testing
-
-        q20, med, q80 = triton.testing.do_bench(fn, quantiles=[0.2, 0.5, 0.8], warmup=25, rep=100)
-        return dict(ms=med, ms_q20=q20, ms_q80=q80)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(rep):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    times.sort()
-    q = statistics.quantiles(times, n=5) if len(times) >= 2 else [times[0]] * 4
-    return dict(ms=statistics.median(times), ms_q20=q[0], ms_q80=q[3])
 
 
 def copy_bandwidth_gbs(device: torch.device, nbytes: int = 1 << 30) -> float:

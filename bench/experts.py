@@ -30,7 +30,8 @@ import sys
 
 import torch
 
-from bench.common import RowLog, TimeBudget, bench_ms, matmul_tflops, print_table, run_metadata
+from bench.common import RowLog, TimeBudget, matmul_tflops, print_table, run_metadata
+from bench.timing import bench_ms
 
 FULL = dict(E=8, rows_per_expert=4096, D=4096, F=(14336, 2048))
 QUICK = dict(E=4, rows_per_expert=16, D=64, F=(64, 32))

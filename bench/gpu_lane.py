@@ -1,9 +1,16 @@
 """The whole GPU lane in one command (../shared/GPU.md), ending with every headline number and its target.
 
-    PYTHONPATH=. python3 -m bench.gpu_lane --out "$OUT"        # on an H100/H200, from the repo root
+    python3 -m bench.gpu_lane --out "$OUT"        # on an H100/H200, from the repo root
+
+The lane first installs the checkout itself (``pip install --no-index --no-deps --no-build-isolation
+--target SITE .``: setuptools maps kernels/ and autotune/ to lancet_rt.kernels and lancet_rt.autotune,
+which the bare repository on PYTHONPATH does not) into a temporary site directory, then runs its
+steps from a scratch directory with that site ahead of the repository on PYTHONPATH (the repository
+still provides bench/ and tests/), so ``import lancet_rt`` finds the installed package.
 
 Steps, each in its own process, so one failure does not hide the others: versions and device;
-``pytest -m gpu`` (tests); bench.kernels, bench.experts and bench.overlap (cuda, emulated link at
+``pytest -m gpu`` (tests; verbose, so each failure shows as it happens even if the step is stopped);
+bench.kernels, bench.experts and bench.overlap (cuda, emulated link at
 --comm-ratio 1, with the timeline PNG), each writing JSON rows with the ceilings measured in the same
 run; ``lancet-autotune`` on bench.overlap's block, exporting the choice as shipped defaults
 (autotune). Results land in ``--out`` (copy them to bench/results/ and autotune/defaults.json to
@@ -12,14 +19,19 @@ commit them); the summary is printed last and written as summary.json.
 A lent GPU takes commands of at most 10 minutes, so the lane keeps to ``--budget`` seconds of wall
 clock: each step gets a share of what is left (by its weight in :data:`STEPS`), the benchmarks stop
 starting new cases when their share is spent and keep every finished row, and a step that outlives
-its share is stopped. Split the lane over two calls with ``--only``::
+its share is interrupted (SIGINT: pytest still prints its failures' tracebacks) and then stopped
+(bench.overlap leaves its cross-microbatch part out once its share is spent, and writes its row
+before it draws the timeline). Split the lane over calls with ``--only``; a
+step run alone gets the whole budget (the tests need it: an H100 ran 11 of them in a 233 s share)::
 
-    python3 -m bench.gpu_lane --out "$OUT" --only tests,experts
-    python3 -m bench.gpu_lane --out "$OUT" --only kernels,overlap,autotune
+    python3 -m bench.gpu_lane --out "$OUT" --only tests
+    python3 -m bench.gpu_lane --out "$OUT" --only experts,kernels
+    python3 -m bench.gpu_lane --out "$OUT" --only overlap,autotune
 
-The tests and bench.experts share their grouped-GEMM shapes, so in one call the benchmark finds the
-configs the tests' autotuning compiled and chose in Triton's on-disk caches (the routing kernels'
-spaces prune to one config per key; the grouped GEMM's to up to 14).
+The tests and bench.experts share their grouped-GEMM shapes, so on the same machine (one call, or
+the next while it is still warm) the benchmark finds the configs the tests' autotuning compiled and
+chose in Triton's on-disk caches (the routing kernels' spaces prune to one config per key; the
+grouped GEMM's to up to 14).
 
 Back on the development machine, ``python -m bench.gpu_lane --collect DIR`` (DIR: a call's returned
 ``$OUT``) appends the rows to ``bench/results/`` (kernels, experts, overlap, and the summary as
@@ -27,14 +39,16 @@ gpu_lane.json), copies the timeline PNG and trace under the GPU's name, and merg
 autotune defaults into ``autotune/defaults.json``; run it once per call, then commit.
 
 Packages the GPU machine lacks (greenlet, pytest-timeout) travel as wheels in ``.whl/`` (``make
-gpu-wheels`` where PyPI is reachable, then ``carry: [".whl"]``); the lane installs them into a
-temporary directory for its steps.
+gpu-wheels`` where PyPI is reachable, then ``carry: [".whl"]``); the lane installs them into the
+same temporary site directory.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -69,24 +83,31 @@ STEPS = {
     "tests": (4, None),
     "kernels": (5, 45),
     "experts": (5, 120),   # one (F, routing) group: 6 projections, autotuned on first sight
-    "overlap": (3, None),
+    "overlap": (3, 30),    # kept back for the trace and timeline after the row is written
     "autotune": (2, None),
 }
 SUMMARY_SECONDS = 10   # kept back from --budget for the summary
+REPO = Path(__file__).resolve().parent.parent
+INTERRUPT_SECONDS = 15  # of a step's share: from its interrupt to its kill, for its own summary
 
 
 def step_command(step: str, py: str, out: Path, max_seconds: float) -> list:
     bench = {"kernels": "bench.kernels", "experts": "bench.experts"}
     if step == "tests":
         # Not -x: a first run on a GPU should show every failure, not the first (the share still bounds it).
-        return [py, "-m", "pytest", "-m", "gpu", "-q", "--maxfail=10", "-p", "no:cacheprovider"]
+        # -v --tb=short: each test's outcome as it finishes, so a step stopped by its share still shows
+        # its failures. --import-mode=append: tests/ is a package, and prepending the repository would
+        # put its lancet_rt (without kernels/ and autotune/ mapped in) ahead of the installed one.
+        return [py, "-m", "pytest", str(REPO / "tests"), "-m", "gpu", "-v", "--tb=short", "-rfE", "--durations=15",
+                "--maxfail=10", "--import-mode=append", "-p", "no:cacheprovider"]
     if step in bench:
         return [py, "-m", bench[step], "--device", "cuda", "--json", str(out / f"{step}.json"),
                 "--max-seconds", f"{max_seconds:.0f}"]
     if step == "overlap":
         # --microbatches 4: the same run also measures the cross-microbatch step (issue #12's GPU part)
         return [py, "-m", "bench.overlap", "--device", "cuda", "--microbatches", "4", "--json", str(out / "overlap.json"),
-                "--png", str(out / "overlap.png"), "--trace", str(out / "overlap-trace.json")]
+                "--png", str(out / "overlap.png"), "--trace", str(out / "overlap-trace.json"),
+                "--max-seconds", f"{max_seconds:.0f}"]
     ov = _rows(out, "overlap.json")
     bw = ov[-1]["bandwidth_gbps"] if ov else 50.0
     return [py, "-m", "lancet_rt.autotune", "--device", "cuda", "--link", "emulated", "--world-size", "8",
@@ -96,35 +117,62 @@ def step_command(step: str, py: str, out: Path, max_seconds: float) -> list:
             "--export-defaults", str(out / "defaults.json"), "--no-progress"]
 
 
-def run(step: str, cmd: list, out: Path, timeout: float, env: dict) -> dict:
+def run(step: str, cmd: list, out: Path, timeout: float, env: dict, cwd: str | None = None) -> dict:
+    """Run one step's ``cmd`` (in ``cwd``) for at most ``timeout`` seconds, its output in ``out/STEP.log``.
+
+    Returns:
+        ``dict(step=, rc=, seconds=)``; rc is "timeout" when the step was stopped.
+    """
     print(f"\n=== {step} (at most {timeout:.0f} s): {' '.join(cmd)}", flush=True)
     t0 = time.time()
     with open(out / f"{step}.log", "w") as log:
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
         try:
-            p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                               timeout=timeout)
-            text, rc = p.stdout, p.returncode
-        except subprocess.TimeoutExpired as e:
-            text = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+            text, _ = p.communicate(timeout=max(1.0, timeout - INTERRUPT_SECONDS))
+            rc = p.returncode
+        except subprocess.TimeoutExpired:
+            # Interrupted first, as Ctrl-C would: pytest then prints its summary with the failures'
+            # tracebacks, which a kill would lose.
+            p.send_signal(signal.SIGINT)
+            try:
+                text, _ = p.communicate(timeout=INTERRUPT_SECONDS)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                text, _ = p.communicate()
             rc = "timeout"
+        text = text or ""
         log.write(text)
+    failed = [line for line in text.splitlines() if line.startswith(("FAILED ", "ERROR ")) or
+              line.rstrip().endswith((" FAILED", " ERROR")) or " FAILED " in line]
+    if failed:  # before the tail, which may have cut them off
+        print("failures:\n  " + "\n  ".join(dict.fromkeys(failed)))
     print(text[-1500:], flush=True)   # the whole log is in --out; the reply keeps only a tail
     return dict(step=step, rc=rc, seconds=round(time.time() - t0, 1))
 
 
-def carried_packages(repo: Path) -> str | None:
+def install_checkout(repo: Path, site: str) -> bool:
+    """Install the checkout itself into ``site`` (no registry, no build isolation: the machine's own
+    setuptools builds it), so its steps import lancet_rt.kernels and lancet_rt.autotune as mapped by
+    package-dir; returns whether pip succeeded."""
+    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
+                        "--target", site, str(repo)], capture_output=True, text=True, cwd=repo)
+    if p.returncode != 0:  # the steps then fail at their imports and say so
+        print(f"could not install the checkout into {site}:\n{p.stderr.strip()[-600:]}")
+    return p.returncode == 0
+
+
+def carried_packages(repo: Path, site: str) -> bool:
     """Install the wheels carried in ``.whl/`` (``make gpu-wheels``: greenlet, pytest-timeout; the GPU
-    machine has no package registry) into a temporary directory; returns it for PYTHONPATH."""
+    machine has no package registry) into ``site``; returns whether there were any and they installed."""
     wheels = sorted(str(w) for w in (repo / ".whl").glob("*.whl"))
     if not wheels:
-        return None
-    site = tempfile.mkdtemp(prefix="lancet-site-")
+        return False
     p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", site,
                         *wheels], capture_output=True, text=True)
     if p.returncode != 0:  # a wheel for another Python, say: the steps say what is missing
         print(f"could not install the carried wheels {wheels}:\n{p.stderr.strip()[-600:]}")
-        return None
-    return site
+        return False
+    return True
 
 
 def _rows(out: Path, name: str) -> list:
@@ -196,7 +244,7 @@ def main(argv=None) -> int:
     p.add_argument("--collect", metavar="DIR", default=None,
                    help="instead of running: bring a call's returned $OUT into bench/results/ and autotune/")
     args = p.parse_args(argv)
-    repo = Path(__file__).resolve().parent.parent
+    repo = REPO
     if args.collect:
         src = Path(args.collect)
         if not src.is_dir():
@@ -205,19 +253,25 @@ def main(argv=None) -> int:
             print("collected:", line)
         return 0
     t_end = time.time() + args.budget - SUMMARY_SECONDS
-    out = Path(args.out)
+    out = Path(args.out).resolve()  # the steps run from a scratch directory
     out.mkdir(parents=True, exist_ok=True)
     chosen = [s for s in filter(None, args.only.split(",")) if s not in set(args.skip.split(","))]
     unknown = sorted(set(chosen) - set(STEPS))
     if unknown:
         p.error(f"--only/--skip: unknown steps {unknown}; expected some of {list(STEPS)}")
-    site = carried_packages(repo)
+    site = tempfile.mkdtemp(prefix="lancet-site-")
+    install_checkout(repo, site)
+    carried_packages(repo, site)
+    # The site ahead of the repository (which still provides bench/ and tests/), and the steps run from
+    # a scratch directory, not the repository root, whose lancet_rt would come first on sys.path.
     env = dict(os.environ, PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, [site, str(repo), os.environ.get("PYTHONPATH")])))
+    scratch = tempfile.mkdtemp(prefix="lancet-lane-")
     py = sys.executable
-    steps = [run("versions", [py, "-c", "import torch, triton, greenlet; print('torch', torch.__version__, "
+    steps = [run("versions", [py, "-c", "import lancet_rt.kernels, lancet_rt.autotune; print('lancet_rt from', "
+                              "lancet_rt.__file__); import torch, triton, greenlet; print('torch', torch.__version__, "
                               "'triton', triton.__version__, 'greenlet', greenlet.__version__, "
-                              "torch.cuda.get_device_name())"], out, 60, env)]
+                              "torch.cuda.get_device_name())"], out, 60, env, scratch)]
     try:
         subprocess.run(["nvidia-smi", "-L"], timeout=30)
     except (OSError, subprocess.SubprocessError) as e:
@@ -230,7 +284,9 @@ def main(argv=None) -> int:
             steps.append(dict(step=step, rc="no time left", seconds=0))
             continue
         cmd = step_command(step, py, out, share - (margin or 0))
-        steps.append(run(step, cmd, out, share, env))
+        steps.append(run(step, cmd, out, share, env, scratch))
+    shutil.rmtree(site, ignore_errors=True)
+    shutil.rmtree(scratch, ignore_errors=True)
     table = summary(out)
     (out / "summary.json").write_text(json.dumps(dict(steps=steps, targets=table), indent=1))
     print("\n=== steps")

@@ -29,7 +29,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from bench.common import RowLog, TimeBudget, bench_ms, copy_bandwidth_gbs, print_table, run_metadata
+from bench.common import RowLog, TimeBudget, copy_bandwidth_gbs, print_table, run_metadata
+from bench.timing import bench_ms
 
 DEFAULT_JSON = os.path.join("bench", "results", "kernels.json")
 OPS = ("gating_fwd", "gating_bwd", "permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd")

@@ -1,6 +1,6 @@
 """A small GPT-style MoE language model around the pre-norm attention + MoE blocks.
 
-The blocks (:class:`MoEBlocks`) are defined once, in ``autotune.block``, so the main job
+The blocks (:class:`MoEBlocks`) are defined once, in ``lancet_rt.models.blocks``, so the main job
 (bench.train_lm), the overlap benchmark (bench.overlap) and the autotuner use the same block.
 The model is an ordinary eager PyTorch module: nothing in it knows about chunks or streams.
 """

@@ -48,21 +48,18 @@ low-priority pieces (``lina_priority_ms``), and the time the all-to-alls waited 
 from __future__ import annotations
 
 import argparse
-import copy
-import gc
 import math
-import statistics
-import time
-from typing import Optional
 
 import torch
 
 import lancet_rt
 from bench.accumulation import (add_accumulation, add_accumulation_args, check_accumulation, measure_accumulation,
                                 measure_lina)
-from bench.common import bench_ms, print_table, run_metadata, synchronize, write_json
+from bench.common import RowLog, TimeBudget, print_table, run_metadata
 from bench.hf_models import FAMILIES as HF_FAMILIES
-from bench.model import MoEBlocks
+from bench.runner import Runner
+from bench.timeline import draw_timeline
+from bench.timing import bandwidth_for_ratio, keep_freed_memory, synchronize
 
 MODES = ("sequential", "moe_pipelined", "overlapped", "overlapped_dw")
 
@@ -97,7 +94,10 @@ def parse_args(argv=None):
     p.add_argument("--malloc", choices=["keep", "default"], default="keep",
                    help="CPU, glibc: keep freed memory in the process (default; see keep_freed_memory) or "
                         "leave the allocator as it is")
-    p.add_argument("--json", default=None, help="append a JSON row here")
+    p.add_argument("--json", default=None, help="append a JSON row here (as soon as it is measured, before any drawing)")
+    p.add_argument("--max-seconds", type=float, default=None,
+                   help="wall-clock allowance: once spent, the calibration is not repeated and the cross-microbatch "
+                        "and all-reduce parts are left out, so the row is written before a hard time limit")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of one overlapped step")
     p.add_argument("--png", default=None, help="draw the timeline of one sequential and one overlapped step")
     p.add_argument("--model", default="blocks", choices=("blocks",) + HF_FAMILIES,
@@ -139,154 +139,8 @@ def sizes(args) -> dict:
     return d
 
 
-def time_interleaved(steps: dict, link, links: dict, reps: int, statistic: str = "min", device=None,
-                     raw: Optional[dict] = None) -> dict:
-    """``{(link name, step name): ms}``: every step on every link, interleaved step by step after one
-    warm-up each, so that a slow period of a shared machine weighs on all of them alike; each
-    summarised by ``statistic`` (min or median).
-
-    Args:
-        steps: name -> a callable running one training step.
-        link: the :class:`lancet_rt.EmulatedGroup` whose bandwidth and latency ``links`` set.
-        links: link name -> (bandwidth_gbps, latency_us).
-        reps: timed rounds.
-        raw: if given, filled with ``{(link name, step name): [ms of each round]}`` (a step's runs
-            on the links of one round are adjacent in time, in alternating order).
-    """
-    for fn in steps.values():
-        fn()
-    times = {(lk, s): [] for lk in links for s in steps}
-    for rep in range(reps):
-        for s, fn in steps.items():
-            # The links' order alternates: the first run after another step pays for the switch.
-            for lk, (bw, lat) in (list(links.items()) if rep % 2 == 0 else list(links.items())[::-1]):
-                link.bandwidth_gbps, link.latency_us = bw, lat
-                times[(lk, s)].append(step_ms(fn, device))
-    if raw is not None:
-        raw.update(times)
-    reduce = min if statistic == "min" else statistics.median
-    return {k: reduce(v) for k, v in times.items()}
-
-
-def link_per_step(link, step) -> tuple:
-    """(modeled ms, off-rank bytes, transfers) of one run of ``step`` on ``link``'s current setting."""
-    link.reset()
-    step()
-    return link.modeled_ms, link.off_rank_bytes, link.transfers
-
-
-def bandwidth_for_ratio(ratio: float, compute_ms: float, nbytes: int, transfers: int, latency_us: float) -> float:
-    """The bandwidth (GB/s) at which ``nbytes`` in ``transfers`` collectives take ``ratio x compute_ms``."""
-    budget_ms = ratio * compute_ms - transfers * latency_us * 1e-3
-    if budget_ms <= 0:
-        raise SystemExit(f"latency {latency_us} us x {transfers} transfers alone exceeds {ratio} x {compute_ms:.2f} ms")
-    return nbytes / (budget_ms * 1e-3) / 1e9
-
-
-def step_ms(fn, device=None) -> float:
-    """One timed run of ``fn``: CUDA events on a GPU, the wall clock (garbage collector paused) on CPU."""
-    if device is not None and torch.device(device).type == "cuda":
-        return bench_ms(fn, device, warmup=0, rep=1)["ms"]
-    return _wall_ms(fn)
-
-
-class Runner:
-    """One model and its four schedules over one emulated link."""
-
-    def __init__(self, args, s, device):
-        self.device = device
-        dtype = getattr(torch, s["dtype"])
-        self.link = lancet_rt.EmulatedGroup(args.world_size, math.inf, 0.0, device=device,
-                                            counts_channel=args.counts_channel)
-        self.chunks = args.chunks
-        self.statistic = args.statistic
-        self.steps: dict = {}  # mode -> a whole training step (add_accumulation)
-        self.hf = args.model != "blocks"
-        if self.hf:
-            self._build_hf(args, s, device, dtype)
-            return
-        moe_kwargs = dict(d_ffn=s["d_ffn"], num_experts=s["experts"], top_k=args.top_k,
-                          capacity_factor=args.capacity_factor, ep_group=self.link, aux_loss_coef=1e-2)
-        torch.manual_seed(0)
-        self.model = MoEBlocks(s["layers"], s["d_model"], s["heads"], moe_kwargs, device=device, dtype=dtype)
-        self.model_dw = copy.deepcopy(self.model)  # the copy shares the link
-        self.models = (self.model, self.model_dw)
-        self.moe_layers = self.model.moe_layers()
-        self.runners = {
-            "sequential": self.model,
-            "moe_pipelined": self.model,
-            "overlapped": lancet_rt.Overlapped(self.model, chunks=args.chunks),
-            "overlapped_dw": lancet_rt.Overlapped(self.model_dw, chunks=args.chunks, defer_wgrad=True),
-        }
-        self.x = torch.randn(s["batch"], s["seq"], s["d_model"], device=device, dtype=dtype)
-        self.g = torch.randn_like(self.x)
-
-    def _build_hf(self, args, s, device, dtype) -> None:
-        """A transformers architecture at the benchmark's sizes, made lancet with from_hf on the link:
-        one copy unchunked (sequential, MoE-internal chunking), one chunked, one chunked deferring dW."""
-        from bench import hf_models
-
-        size = dict(hidden=s["d_model"], heads=s["heads"], kv=max(1, s["heads"] // 2), layers=s["layers"],
-                    experts=s["experts"], top_k=args.top_k, ffn=s["d_ffn"], vocab=1024)
-        base = hf_models.build(args.model, size, seed=0).to(device=device, dtype=dtype)
-        self.model = lancet_rt.from_hf(copy.deepcopy(base), self.link)
-        overlapped = lancet_rt.from_hf(copy.deepcopy(base), self.link, chunks=args.chunks)
-        self.model_dw = lancet_rt.from_hf(base, self.link, chunks=args.chunks, defer_wgrad=True)
-        self.models = (self.model, overlapped, self.model_dw)
-        self.moe_layers = lancet_rt.integrations.hf.moe_layers(self.model)
-        self.runners = {"sequential": self.model, "moe_pipelined": self.model, "overlapped": overlapped,
-                        "overlapped_dw": self.model_dw}
-        ids, mask, labels = hf_models.batch(size["vocab"], s["batch"], s["seq"], seed=1, pad_rows=0)
-        self.batch = dict(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device))
-
-    def _run(self, mode: str, backward: bool = True) -> None:
-        for m in self.moe_layers:
-            m.pipeline_chunks = self.chunks if mode == "moe_pipelined" else 1
-        if self.hf:
-            loss = self.runners[mode](**self.batch).loss
-            if backward:
-                loss.backward()
-            return
-        x = self.x.detach().requires_grad_(True)
-        y = self.runners[mode](x)
-        if backward:
-            y.backward(self.g)
-
-    def step(self, mode: str) -> None:
-        if mode in self.steps:  # a whole step of its own (the cross-microbatch schedules)
-            for m in self.moe_layers:
-                m.pipeline_chunks = 1
-            self.steps[mode]()
-        else:
-            self._run(mode)
-        for model in self.models:
-            for p in model.parameters():
-                p.grad = None
-
-    def set_link(self, bandwidth_gbps: float, latency_us: float) -> None:
-        self.link.bandwidth_gbps, self.link.latency_us = bandwidth_gbps, latency_us
-
-    def time_all(self, modes, steps: int, links: dict, raw: Optional[dict] = None) -> dict:
-        """:func:`time_interleaved` of the schedules ``modes``. ``links``: name -> (bandwidth, latency)."""
-        return time_interleaved({m: (lambda m=m: self.step(m)) for m in modes}, self.link, links, steps,
-                                self.statistic, self.device, raw)
-
-    def per_step_link(self, mode: str, forward_only: bool = False):
-        run = self.forward if forward_only else self.step
-        return link_per_step(self.link, lambda: (run(mode), synchronize(self.device)))
-
-    def forward(self, mode: str) -> None:
-        """The forward of one training step (the graph is built, then dropped unused)."""
-        self._run(mode, backward=False)
-
-    def forward_ms(self, mode: str, steps: int) -> float:
-        """The forward's time on the current link, summarised like :meth:`time_all`."""
-        self.forward(mode)
-        times = [step_ms(lambda: self.forward(mode), self.device) for _ in range(steps)]
-        return (min if self.statistic == "min" else statistics.median)(times)
-
-
 def main(argv=None) -> dict:
+    """Run the benchmark (see the module docstring); returns the row (or seeds.main's rows with --compare)."""
     args = parse_args(argv)
     if args.microbatches < 1:
         raise SystemExit(f"--microbatches must be >= 1, got {args.microbatches}")
@@ -302,8 +156,37 @@ def main(argv=None) -> dict:
         from bench import seeds
 
         return seeds.main(args, s, device)
+    budget = TimeBudget(args.max_seconds)
     r = Runner(args, s, device)
+    m = _measure(r, args, s, budget)
+    row = _single_row(r, args, s, device, m)
+    _report(row, args, s, m)
+    link = (m["bw"], s["latency_us"])
+    if (args.microbatches > 1 or args.dp_allreduce) and budget.spent():
+        print(f"--max-seconds {args.max_seconds:g} spent: the cross-microbatch and all-reduce parts are left out")
+    else:
+        if args.microbatches > 1:
+            add_accumulation(r, args)
+            row.update(measure_accumulation(r, args, s, link, row))
+        if args.dp_allreduce:
+            row.update(measure_lina(r, args, s, link))
+    RowLog(args.json).add(row)  # written before the optional trace and drawing
+    if args.trace or args.png:
+        _trace(r, args, row, device)
+    if args.check:
+        ok = (row["hidden_comm_fraction"] >= 0.6 and row["overlapped_ms"] < row["sequential_ms"]
+              and row["overlapped_ms"] < row["moe_pipelined_ms"])
+        print(f"check: {'PASS' if ok else 'FAIL'} (hidden >= 0.6, faster than sequential and MoE-internal chunking)")
+        if args.microbatches > 1:
+            ok = check_accumulation(row) and ok
+        if not ok:
+            raise SystemExit(1)
+    return row
 
+
+def _measure(r: Runner, args, s: dict, budget: TimeBudget) -> dict:
+    """Calibrate the link to --comm-ratio, time every schedule on the free and the calibrated link, and
+    measure the forward for the pass-aware bound; the numbers the row is made of."""
     # 1. Calibration: the step's computation on a zero-cost link sets the bandwidth so that one
     #    step's communication is R x compute.
     free = (math.inf, 0.0)
@@ -313,7 +196,7 @@ def main(argv=None) -> dict:
     bw = bandwidth_for_ratio(args.comm_ratio, calib, nbytes, transfers, s["latency_us"])
     # 2. Every schedule on the free link (its computation) and on the real one, interleaved. If the
     #    measured ratio misses R by more than 10% (the calibration pass was short), rescale the
-    #    bandwidth and measure again, once.
+    #    bandwidth and measure again, once (unless --max-seconds is spent).
     for attempt in range(2):
         r.set_link(bw, s["latency_us"])
         comm_ms, _, _ = r.per_step_link("sequential")
@@ -322,7 +205,7 @@ def main(argv=None) -> dict:
         ms = {m: t[("link", m)] for m in MODES}
         compute_ms = compute["overlapped"]
         ratio = comm_ms / compute_ms
-        if abs(ratio / args.comm_ratio - 1) <= 0.1 or attempt == 1:
+        if abs(ratio / args.comm_ratio - 1) <= 0.1 or attempt == 1 or budget.spent():
             break
         wire_ms = comm_ms - transfers * lat_ms
         bw *= wire_ms / max(args.comm_ratio * compute_ms - transfers * lat_ms, 1e-9)
@@ -336,14 +219,21 @@ def main(argv=None) -> dict:
     forward_comm_ms, _, _ = r.per_step_link("overlapped", forward_only=True)
     pass_bound_ms = (max(forward_compute_ms, forward_comm_ms)
                      + max(compute_ms - forward_compute_ms, comm_ms - forward_comm_ms))
+    return dict(bw=bw, nbytes=nbytes, transfers=transfers, comm_ms=comm_ms, compute=compute, ms=ms,
+                compute_ms=compute_ms, forward_compute_ms=forward_compute_ms, forward_comm_ms=forward_comm_ms,
+                pass_bound_ms=pass_bound_ms)
 
-    overlapped_ms = ms["overlapped"]
-    row = dict(
+
+def _single_row(r: Runner, args, s: dict, device, m: dict) -> dict:
+    """The JSON row of the single-step schedules from :func:`_measure`'s numbers."""
+    ms, compute, comm_ms, compute_ms = m["ms"], m["compute"], m["comm_ms"], m["compute_ms"]
+    overlapped_ms, pass_bound_ms = ms["overlapped"], m["pass_bound_ms"]
+    return dict(
         bench="overlap", **run_metadata(device), **{k: v for k, v in s.items()}, model=args.model,
         world_size=args.world_size, chunks=args.chunks, top_k=args.top_k, counts_channel=args.counts_channel,
         capacity_factor=None if r.hf else args.capacity_factor,
-        comm_ratio=args.comm_ratio, measured_comm_ratio=comm_ms / compute_ms, bandwidth_gbps=bw,
-        transfers_per_step=transfers, off_rank_bytes_per_step=nbytes,
+        comm_ratio=args.comm_ratio, measured_comm_ratio=comm_ms / compute_ms, bandwidth_gbps=m["bw"],
+        transfers_per_step=m["transfers"], off_rank_bytes_per_step=m["nbytes"],
         sequential_ms=ms["sequential"], moe_pipelined_ms=ms["moe_pipelined"], overlapped_ms=overlapped_ms,
         overlapped_dw_ms=ms["overlapped_dw"],
         compute_ms=compute_ms, sequential_compute_ms=compute["sequential"],
@@ -355,177 +245,42 @@ def main(argv=None) -> dict:
         speedup_vs_sequential=ms["sequential"] / overlapped_ms,
         speedup_vs_moe_pipelined=ms["moe_pipelined"] / overlapped_ms,
         over_bound=overlapped_ms / max(compute_ms, comm_ms) - 1,
-        forward_compute_ms=forward_compute_ms, forward_comm_ms=forward_comm_ms, pass_bound_ms=pass_bound_ms,
+        forward_compute_ms=m["forward_compute_ms"], forward_comm_ms=m["forward_comm_ms"], pass_bound_ms=pass_bound_ms,
         over_pass_bound=overlapped_ms / pass_bound_ms - 1,
         max_hidden_comm_fraction=1 - (pass_bound_ms - compute_ms) / comm_ms,
     )
-    table = [dict(schedule=m, step_ms=ms[m], compute_ms=compute[m],
-                  hidden=1 - (ms[m] - compute[m]) / comm_ms, speedup=ms["sequential"] / ms[m]) for m in MODES]
+
+
+def _report(row: dict, args, s: dict, m: dict) -> None:
+    """Print the single-step table and its headline line."""
+    ms, compute, comm_ms, compute_ms = m["ms"], m["compute"], m["comm_ms"], m["compute_ms"]
+    table = [dict(schedule=k, step_ms=ms[k], compute_ms=compute[k],
+                  hidden=1 - (ms[k] - compute[k]) / comm_ms, speedup=ms["sequential"] / ms[k]) for k in MODES]
     print_table(table, ["schedule", "step_ms", "compute_ms", "hidden", "speedup"],
                 title=f"bench.overlap on {row['device']}: {s['layers']} {args.model} layers D={s['d_model']} F={s['d_ffn']} "
                       f"E={s['experts']} K={args.top_k} W={args.world_size} tokens={s['batch'] * s['seq']} "
                       f"{s['dtype']}, chunks={args.chunks}, comm {comm_ms:.2f} ms = {comm_ms / compute_ms:.2f} x compute "
-                      f"({bw:.3g} GB/s, {s['latency_us']} us, counts on {'their own' if args.counts_channel == 'own' else 'the tokens'} channel)")
+                      f"({m['bw']:.3g} GB/s, {s['latency_us']} us, counts on "
+                      f"{'their own' if args.counts_channel == 'own' else 'the tokens'} channel)")
     print(f"hidden_comm_fraction {row['hidden_comm_fraction']:.3f} (with deferred dW "
-          f"{row['hidden_comm_fraction_dw']:.3f})  overlapped {overlapped_ms:.2f} ms vs "
-          f"bound {row['bound_ms']:.2f} ms ({row['over_bound']:+.1%}), pass-aware bound {pass_bound_ms:.2f} ms "
+          f"{row['hidden_comm_fraction_dw']:.3f})  overlapped {row['overlapped_ms']:.2f} ms vs "
+          f"bound {row['bound_ms']:.2f} ms ({row['over_bound']:+.1%}), pass-aware bound {row['pass_bound_ms']:.2f} ms "
           f"({row['over_pass_bound']:+.1%}; hides at most {row['max_hidden_comm_fraction']:.3f})  speedup vs sequential "
           f"{row['speedup_vs_sequential']:.2f}x, vs MoE-internal chunking {row['speedup_vs_moe_pipelined']:.2f}x")
-    if args.microbatches > 1:
-        add_accumulation(r, args)
-        row.update(measure_accumulation(r, args, s, (bw, s["latency_us"]), row))
-    if args.dp_allreduce:
-        row.update(measure_lina(r, args, s, (bw, s["latency_us"])))
-    if args.trace or args.png:
-        traces = {}
-        for mode in ("sequential", "overlapped") + (("accumulate",) if args.microbatches > 1 else ()):
-            with lancet_rt.tracing() as tr:
-                r.step(mode)
-                synchronize(device)
-            traces[mode] = tr
-        if args.trace:
-            traces["overlapped"].save(args.trace)
-        if args.png:
-            draw_timeline(traces, args.png, row)
-    if args.json:
-        write_json(args.json, [row])
-    if args.check:
-        ok = (row["hidden_comm_fraction"] >= 0.6 and overlapped_ms < ms["sequential"]
-              and overlapped_ms < ms["moe_pipelined"])
-        print(f"check: {'PASS' if ok else 'FAIL'} (hidden >= 0.6, faster than sequential and MoE-internal chunking)")
-        if args.microbatches > 1:
-            ok = check_accumulation(row) and ok
-        if not ok:
-            raise SystemExit(1)
-    return row
 
 
-def keep_freed_memory() -> bool:
-    """glibc only: keep freed memory in the process, as a GPU's caching allocator does.
-
-    By default glibc gives every block over 128 KB (an activation here) its own mapping and returns
-    it to the OS when freed, so each step faults its activations' pages in again; with a backward
-    on a second thread (Overlapped.accumulate) the two threads' allocator arenas double that. Page
-    faults were most of the CPU-time difference between schedules, none of it the schedules' own.
-    Returns whether the allocator took the settings (False off glibc).
-    """
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-    return bool(libc.mallopt(M_MMAP_THRESHOLD, 32 << 20) and libc.mallopt(M_TRIM_THRESHOLD, 1 << 30))
-
-
-def _wall_ms(fn) -> float:
-    """Wall time of ``fn`` with the garbage collector paused (as timeit does): collections of
-    autograd graphs would otherwise land in random steps."""
-    gc.collect()
-    gc.disable()
-    try:
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    finally:
-        gc.enable()
-
-
-def _busy_intervals(events, t0, t1):
-    """[t0, t1] minus the host's waits on the link: when the host (the compute stream on CPU) works."""
-    waits = sorted((e["ts"], e["ts"] + e["dur"]) for e in events if e["tid"] == "wait")
-    busy, cur = [], t0
-    for a, b in waits:
-        if a > cur:
-            busy.append((cur, a))
-        cur = max(cur, b)
-    if t1 > cur:
-        busy.append((cur, t1))
-    return busy
-
-
-def draw_timeline(traces: dict, path: str, row: dict) -> None:
-    """Two lanes per schedule: the link's transfers, and the computation (grey: busy; colours: the
-    chunk a stage belongs to; forward chunks, then backward stages of the MoE layers). With an
-    "accumulate" trace, a second panel shows the cross-microbatch step (:func:`draw_accumulate_lanes`)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    traces = dict(traces)
-    accum = traces.pop("accumulate", None)
-    if accum is None:
-        fig, ax = plt.subplots(figsize=(12, 3.4))
-    else:
-        fig, (ax, accum_ax) = plt.subplots(2, 1, figsize=(12, 6.2), gridspec_kw=dict(height_ratios=[4, 3]))
-    colors = plt.get_cmap("tab10")
-    lanes = []
-    for mode, tr in traces.items():
-        events = tr.events()
-        host = [e for e in events if e["tid"] in ("compute", "wait")]
-        t0 = min(e["ts"] for e in host)
-        t1 = max(e["ts"] + e["dur"] for e in host)
-        y_link, y_comp = len(lanes), len(lanes) + 1
-        lanes += [f"{mode}\nlink", f"{mode}\ncompute"]
-        for e in events:
-            if e["tid"] == "link":
-                ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (y_link - 0.4, 0.8),
-                               facecolors="tab:red", edgecolor="white", linewidth=0.3)
-        ax.broken_barh([((a - t0) / 1e3, (b - a) / 1e3) for a, b in _busy_intervals(events, t0, t1)],
-                       (y_comp - 0.4, 0.8), facecolors="lightgray")
-        for e in events:
-            chunk = e["args"].get("chunk")
-            if e["tid"] != "compute" or chunk is None:
-                continue
-            if not (e["name"].startswith("chunk") or e["name"].endswith("bwd") or e["name"] == "dW"):
-                continue
-            ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (y_comp - 0.4, 0.8),
-                           facecolors=colors(chunk % 10), alpha=0.9 if e["name"].startswith("chunk") else 1.0)
-    ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
-    ax.set_xlabel("ms (one forward + backward step)")
-    ax.set_title(f"{row['device']}: sequential {row['sequential_ms']:.1f} ms vs overlapped "
-                 f"{row['overlapped_ms']:.1f} ms (comm {row['comm_ms']:.1f} ms, compute {row['compute_ms']:.1f} ms); "
-                 f"grey: busy, colours: chunks", fontsize=9)
-    if accum is not None:
-        draw_accumulate_lanes(accum_ax, accum, row)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-def draw_accumulate_lanes(ax, tr, row: dict) -> None:
-    """The cross-microbatch step: the link's transfers (red: all-to-alls, blue: all-reduces), and
-    which pass the host runs: microbatch i's forward (light) and backward (dark, hatched) in
-    microbatch i's colour, white where the host waits for a transfer."""
-    import matplotlib.pyplot as plt
-
-    colors = plt.get_cmap("tab10")
-    events = tr.events()
-    host = [e for e in events if e["tid"] in ("compute", "wait")]
-    t0 = min(e["ts"] for e in host)
-    t1 = max(e["ts"] + e["dur"] for e in host)
-    kind = {"all_reduce": "tab:blue", "exchange": "dimgray"}
-    for e in events:
-        if e["tid"] == "link":
-            ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (1.6, 0.8),
-                           facecolors=kind.get(e["name"], "tab:red"), edgecolor="white", linewidth=0.3)
-    for name, alpha, hatch in (("forward", 0.35, None), ("backward", 0.95, "///")):
-        for e in events:
-            if e["tid"] == "compute" and e["name"].startswith(name + " "):
-                i = e["args"]["microbatch"]
-                ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (0.6, 0.8), facecolors=colors(i % 10),
-                               alpha=alpha, hatch=hatch, edgecolor="white" if hatch else None, linewidth=0)
-    busy = _busy_intervals(events, t0, t1)
-    idle = [(a, b) for (_, a), (b, _) in zip(busy, busy[1:])]
-    ax.broken_barh([((a - t0) / 1e3, (b - a) / 1e3) for a, b in idle], (0.6, 0.8), facecolors="white")
-    ax.set_yticks([1, 2], ["accumulate\nhost", "accumulate\nlink"], fontsize=8)
-    ax.set_xlabel(f"ms (one step of {row['microbatches']} microbatches)")
-    ax.set_title(f"Overlapped.accumulate: {row['accumulate_ms']:.1f} ms vs {row['microbatches']} x overlapped "
-                 f"{row['accumulate_sequential_ms']:.1f} ms (comm {row['accum_comm_ms']:.1f} ms, hides "
-                 f"{row['hidden_comm_fraction_accum']:.2f}); light: forward i, dark: backward i beside forward i+1",
-                 fontsize=9)
-
+def _trace(r: Runner, args, row: dict, device) -> None:
+    """Trace one step of each schedule drawn; save the overlapped trace (--trace) and the timeline (--png)."""
+    traces = {}
+    for mode in ("sequential", "overlapped") + (("accumulate",) if "accumulate_ms" in row else ()):
+        with lancet_rt.tracing() as tr:
+            r.step(mode)
+            synchronize(device)
+        traces[mode] = tr
+    if args.trace:
+        traces["overlapped"].save(args.trace)
+    if args.png:
+        draw_timeline(traces, args.png, row)
 
 if __name__ == "__main__":
     main()

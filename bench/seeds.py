@@ -17,8 +17,8 @@ import statistics
 import torch
 
 import lancet_rt
-from bench.common import print_table, run_metadata, synchronize, write_json
-from bench.overlap import _wall_ms, bandwidth_for_ratio, link_per_step, time_interleaved
+from bench.common import print_table, run_metadata, write_json
+from bench.timing import bandwidth_for_ratio, link_per_step, synchronize, time_interleaved, wall_ms
 from bench.varlen import VarlenBlocks, cu_seqlens_of, skewed_lengths
 
 FREE = (math.inf, 0.0)
@@ -259,7 +259,7 @@ def replay_check(args, s: dict, device: torch.device) -> list:
             for n in REPLAY_CHUNKS:
                 for r in REPLAY_RATIOS:
                     link.bandwidth_gbps, link.latency_us = bws[r], s["latency_us"]
-                    times[(r, n)].append(_wall_ms(lambda: (steps[n](), synchronize(device))))
+                    times[(r, n)].append(wall_ms(lambda: (steps[n](), synchronize(device))))
         if rnd < args.replay_traces:
             link.bandwidth_gbps, link.latency_us = bws[1.0], s["latency_us"]
             for n in traced_at:

@@ -91,17 +91,7 @@ def main(argv=None) -> dict:
     group = dist.group.WORLD if world > 1 else None
     main_rank = rank == 0
 
-    torch.manual_seed(0)
-    moe_kwargs = dict(d_ffn=args.d_ffn, num_experts=args.experts, top_k=args.top_k,
-                      capacity_factor=args.capacity_factor if args.capacity_factor > 0 else None,
-                      aux_loss_coef=args.aux_loss_coef, ep_group=group)
-    model = MoELanguageModel(args.vocab, args.seq, args.layers, args.d_model, args.heads, moe_kwargs, device=device)
-    torch.manual_seed(1000 + rank)  # each rank's experts get their own initialisation
-    for moe in model.moe_layers():
-        moe.experts.reset_parameters()
-    if world > 1:
-        for p in dense_parameters(model):
-            dist.broadcast(p.data, 0)
+    model = _build_model(args, device, group, rank, world)
     overlapped = lancet_rt.Overlapped(model, chunks=args.chunks) if args.chunks > 1 else model
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     data = MarkovLanguage(args.vocab)
@@ -128,25 +118,10 @@ def main(argv=None) -> dict:
     for it in range(1, args.steps + 1):
         losses.append(step(overlapped))
         if it % args.log_every == 0 or it == args.steps:
-            loss = torch.stack(losses).mean()
-            if world > 1:
-                dist.all_reduce(loss)
-                loss /= world
-            load = sum(m.tokens_per_expert.float() for m in model.moe_layers())
-            dropped = sum(m.dropped for m in model.moe_layers())
-            routed = float(load.sum())
-            if world > 1:
-                stats = torch.cat([load, torch.tensor([float(dropped)], device=load.device)])
-                dist.all_reduce(stats)
-                load, dropped, routed = stats[:-1], float(stats[-1]), float(stats[:-1].sum())
-            now = time.perf_counter()
-            tps = tokens_per_step * len(losses) / (now - t_int)
-            row = dict(step=it, loss=float(loss), tokens_per_s=tps,
-                       load=[round(float(v) / max(routed, 1), 3) for v in load],
-                       dropped_fraction=dropped / max(routed, 1))
+            row, now = _progress_row(model, losses, world, it, tokens_per_step * len(losses), t_int)
             history.append(row)
             if main_rank:
-                print(f"step {it:4d}  loss {row['loss']:.3f}  {tps:8.0f} tok/s  expert load "
+                print(f"step {it:4d}  loss {row['loss']:.3f}  {row['tokens_per_s']:8.0f} tok/s  expert load "
                       f"{' '.join(f'{v:.2f}' for v in row['load'])}  dropped {row['dropped_fraction']:.1%}",
                       flush=True)
             losses, t_int = [], now
@@ -177,6 +152,41 @@ def main(argv=None) -> dict:
     if world > 1:
         dist.destroy_process_group()
     return summary
+
+
+def _build_model(args, device, group, rank: int, world: int) -> MoELanguageModel:
+    """The model with the same dense weights on every rank and each rank's own experts."""
+    torch.manual_seed(0)
+    moe_kwargs = dict(d_ffn=args.d_ffn, num_experts=args.experts, top_k=args.top_k,
+                      capacity_factor=args.capacity_factor if args.capacity_factor > 0 else None,
+                      aux_loss_coef=args.aux_loss_coef, ep_group=group)
+    model = MoELanguageModel(args.vocab, args.seq, args.layers, args.d_model, args.heads, moe_kwargs, device=device)
+    torch.manual_seed(1000 + rank)  # each rank's experts get their own initialisation
+    for moe in model.moe_layers():
+        moe.experts.reset_parameters()
+    if world > 1:
+        for p in dense_parameters(model):
+            dist.broadcast(p.data, 0)
+    return model
+
+
+def _progress_row(model, losses: list, world: int, it: int, tokens: int, t_int: float) -> tuple:
+    """A log row (the mean loss since the last one, tokens/s since ``t_int``, the experts' load summed
+    over the ranks) and the time it was taken."""
+    loss = torch.stack(losses).mean()
+    if world > 1:
+        dist.all_reduce(loss)
+        loss /= world
+    load = sum(m.tokens_per_expert.float() for m in model.moe_layers())
+    dropped = sum(m.dropped for m in model.moe_layers())
+    routed = float(load.sum())
+    if world > 1:
+        stats = torch.cat([load, torch.tensor([float(dropped)], device=load.device)])
+        dist.all_reduce(stats)
+        load, dropped, routed = stats[:-1], float(stats[-1]), float(stats[:-1].sum())
+    now = time.perf_counter()
+    return dict(step=it, loss=float(loss), tokens_per_s=tokens / (now - t_int),
+                load=[round(float(v) / max(routed, 1), 3) for v in load], dropped_fraction=dropped / max(routed, 1)), now
 
 
 if __name__ == "__main__":

@@ -1,0 +1,110 @@
+"""The model of bench.overlap and its schedules over one emulated link (:class:`Runner`), shared by
+bench.overlap and its cross-microbatch part (bench.accumulation)."""
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+from typing import Optional
+
+import torch
+
+import lancet_rt
+from bench.model import MoEBlocks
+from bench.timing import link_per_step, step_ms, synchronize, time_interleaved
+
+
+class Runner:
+    """One model and its four schedules over one emulated link."""
+
+    def __init__(self, args, s, device):
+        self.device = device
+        dtype = getattr(torch, s["dtype"])
+        self.link = lancet_rt.EmulatedGroup(args.world_size, math.inf, 0.0, device=device,
+                                            counts_channel=args.counts_channel)
+        self.chunks = args.chunks
+        self.statistic = args.statistic
+        self.steps: dict = {}  # mode -> a whole training step (add_accumulation)
+        self.hf = args.model != "blocks"
+        if self.hf:
+            self._build_hf(args, s, device, dtype)
+            return
+        moe_kwargs = dict(d_ffn=s["d_ffn"], num_experts=s["experts"], top_k=args.top_k,
+                          capacity_factor=args.capacity_factor, ep_group=self.link, aux_loss_coef=1e-2)
+        torch.manual_seed(0)
+        self.model = MoEBlocks(s["layers"], s["d_model"], s["heads"], moe_kwargs, device=device, dtype=dtype)
+        self.model_dw = copy.deepcopy(self.model)  # the copy shares the link
+        self.models = (self.model, self.model_dw)
+        self.moe_layers = self.model.moe_layers()
+        self.runners = {
+            "sequential": self.model,
+            "moe_pipelined": self.model,
+            "overlapped": lancet_rt.Overlapped(self.model, chunks=args.chunks),
+            "overlapped_dw": lancet_rt.Overlapped(self.model_dw, chunks=args.chunks, defer_wgrad=True),
+        }
+        self.x = torch.randn(s["batch"], s["seq"], s["d_model"], device=device, dtype=dtype)
+        self.g = torch.randn_like(self.x)
+
+    def _build_hf(self, args, s, device, dtype) -> None:
+        """A transformers architecture at the benchmark's sizes, made lancet with from_hf on the link:
+        one copy unchunked (sequential, MoE-internal chunking), one chunked, one chunked deferring dW."""
+        from bench import hf_models
+
+        size = dict(hidden=s["d_model"], heads=s["heads"], kv=max(1, s["heads"] // 2), layers=s["layers"],
+                    experts=s["experts"], top_k=args.top_k, ffn=s["d_ffn"], vocab=1024)
+        base = hf_models.build(args.model, size, seed=0).to(device=device, dtype=dtype)
+        self.model = lancet_rt.from_hf(copy.deepcopy(base), self.link)
+        overlapped = lancet_rt.from_hf(copy.deepcopy(base), self.link, chunks=args.chunks)
+        self.model_dw = lancet_rt.from_hf(base, self.link, chunks=args.chunks, defer_wgrad=True)
+        self.models = (self.model, overlapped, self.model_dw)
+        self.moe_layers = lancet_rt.integrations.hf.moe_layers(self.model)
+        self.runners = {"sequential": self.model, "moe_pipelined": self.model, "overlapped": overlapped,
+                        "overlapped_dw": self.model_dw}
+        ids, mask, labels = hf_models.batch(size["vocab"], s["batch"], s["seq"], seed=1, pad_rows=0)
+        self.batch = dict(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device))
+
+    def _run(self, mode: str, backward: bool = True) -> None:
+        for m in self.moe_layers:
+            m.pipeline_chunks = self.chunks if mode == "moe_pipelined" else 1
+        if self.hf:
+            loss = self.runners[mode](**self.batch).loss
+            if backward:
+                loss.backward()
+            return
+        x = self.x.detach().requires_grad_(True)
+        y = self.runners[mode](x)
+        if backward:
+            y.backward(self.g)
+
+    def step(self, mode: str) -> None:
+        if mode in self.steps:  # a whole step of its own (the cross-microbatch schedules)
+            for m in self.moe_layers:
+                m.pipeline_chunks = 1
+            self.steps[mode]()
+        else:
+            self._run(mode)
+        for model in self.models:
+            for p in model.parameters():
+                p.grad = None
+
+    def set_link(self, bandwidth_gbps: float, latency_us: float) -> None:
+        self.link.bandwidth_gbps, self.link.latency_us = bandwidth_gbps, latency_us
+
+    def time_all(self, modes, steps: int, links: dict, raw: Optional[dict] = None) -> dict:
+        """:func:`time_interleaved` of the schedules ``modes``. ``links``: name -> (bandwidth, latency)."""
+        return time_interleaved({m: (lambda m=m: self.step(m)) for m in modes}, self.link, links, steps,
+                                self.statistic, self.device, raw)
+
+    def per_step_link(self, mode: str, forward_only: bool = False):
+        run = self.forward if forward_only else self.step
+        return link_per_step(self.link, lambda: (run(mode), synchronize(self.device)))
+
+    def forward(self, mode: str) -> None:
+        """The forward of one training step (the graph is built, then dropped unused)."""
+        self._run(mode, backward=False)
+
+    def forward_ms(self, mode: str, steps: int) -> float:
+        """The forward's time on the current link, summarised like :meth:`time_all`."""
+        self.forward(mode)
+        times = [step_ms(lambda: self.forward(mode), self.device) for _ in range(steps)]
+        return (min if self.statistic == "min" else statistics.median)(times)
