@@ -1,4 +1,4 @@
-"""Argument checks of the expert launchers (kernels/grouped_gemm.py, segment_sum.py, swiglu.py): each
+"""Argument checks of the expert launchers (lancet_rt.kernels.grouped_gemm, .segment_sum, .swiglu): each
 raises a TypeError or ValueError that names the argument and what was expected."""
 from __future__ import annotations
 

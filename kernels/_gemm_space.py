@@ -1,4 +1,4 @@
-"""The grouped GEMM's CUDA config space (:mod:`kernels.grouped_gemm`): candidate tiles, the pruning
+"""The grouped GEMM's CUDA config space (:mod:`lancet_rt.kernels.grouped_gemm`): candidate tiles, the pruning
 predicate the autotuner applies per problem and dtype, and the configs pinned by the environment.
 
 Pure Python over ``triton.Config``: ``python -m bench.compile_check --all-configs`` builds every

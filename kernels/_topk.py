@@ -1,10 +1,10 @@
 """Top-k over the expert lanes of a [BLOCK_T, BLOCK_E] register tile: the selection of the gating
-forward kernel (:mod:`kernels.gating`) when experts are chosen by a biased score and/or within
+forward kernel (:mod:`lancet_rt.kernels.gating`) when experts are chosen by a biased score and/or within
 the token's best groups (DeepSeek-V3's router: ``e_score_correction_bias``, ``n_group``,
 ``topk_group``). Device functions only, inlined into the kernel; the plain selection (scores
 only, no groups) stays in the kernel as it was.
 
-Semantics (:func:`kernels.reference.gating_fwd_ref`): a stable descending sort of the selection
+Semantics (:func:`lancet_rt.kernels.reference.gating_fwd_ref`): a stable descending sort of the selection
 score, NaN first, ties to the lower index, with the experts of non-kept groups after all others.
 A biased selection score can be +-inf, so unlike the plain path no value can stand for "taken":
 a per-lane integer code orders equal keys instead (see :func:`select_topk`).

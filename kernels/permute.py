@@ -1,15 +1,15 @@
 """Permute (dispatch layout) and unpermute (weighted combine) of token rows, in Triton.
 
-Semantics are those of :func:`kernels.reference.permute_fwd_ref`, ``permute_bwd_ref``,
+Semantics are those of :func:`lancet_rt.kernels.reference.permute_fwd_ref`, ``permute_bwd_ref``,
 ``unpermute_fwd_ref`` and ``unpermute_bwd_ref``; the launchers here have the same signatures (plus
 an optional keyword-only ``out=``) and return the same types.
 
 ``row_TK[t, k]`` is the dispatch row of assignment ``(t, k)`` (-1 when dropped); the kept rows are a
 bijection onto ``range(S)``. :func:`dispatch_rows` makes it from the gating's expert and slot
-(``kernels.reference.dispatch_rows_ref``): an exclusive scan of the kept counts per expert in one
-tiny launch, then ``row = base[e] + slot`` per assignment, ``T*K*12`` bytes (expert, slot in, row
-out). Every kernel is driven by
-``row_TK`` from the token side, so no kernel needs atomics and every result is deterministic:
+(``lancet_rt.kernels.reference.dispatch_rows_ref``): an exclusive scan of the kept counts per expert
+in one tiny launch, then ``row = base[e] + slot`` per assignment, ``T*K*12`` bytes (expert, slot in,
+row out). Every kernel (in :mod:`lancet_rt.kernels._permute_kernels`) is driven by ``row_TK`` from
+the token side, so no kernel needs atomics and every result is deterministic:
 
 * ``permute_fwd``: a program loads a ``[BLOCK_T, BLOCK_D]`` tile of tokens once and writes it to
   the K rows it feeds. Each dispatch row has exactly one writer (bijection), so this scatter of
@@ -46,229 +46,16 @@ from typing import Optional, Tuple
 
 import torch
 import triton
-import triton.language as tl
 
-from ._common import (check_out as _check_out, check_tensor as _check_tensor, interpreting, pinned_config,
-                      run_autotuned)
+from ._common import check_out as _check_out, check_tensor as _check_tensor, run_autotuned
+from ._permute_kernels import (_ENV_PERMUTE_FWD_CONFIG, _ENV_UNPERMUTE_BWD_CONFIG, _ENV_UNPERMUTE_FWD_CONFIG,
+                               _dispatch_base_kernel, _dispatch_rows_kernel, _permute_fwd_kernel, _row_tile_configs,
+                               _row_tile_prune, _unpermute_bwd_kernel, _unpermute_fwd_kernel)
 
 __all__ = ["dispatch_rows", "permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd"]
 
 _INT32_MAX = 2**31 - 1
 _FLAT_BLOCK = 1024  # assignments per program of the flat [T * K] dispatch-row kernel
-_ENV_PERMUTE_FWD_CONFIG = "LANCET_PERMUTE_FWD_CONFIG"
-_ENV_UNPERMUTE_FWD_CONFIG = "LANCET_UNPERMUTE_FWD_CONFIG"
-_ENV_UNPERMUTE_BWD_CONFIG = "LANCET_UNPERMUTE_BWD_CONFIG"
-
-
-# ----------------------------------------------------------------------------------------------
-# Config spaces
-# ----------------------------------------------------------------------------------------------
-
-
-def _row_tile_configs():
-    return [
-        triton.Config({"BLOCK_T": bt, "BLOCK_D": bd}, num_warps=nw)
-        for bt in (1, 2, 4, 8, 16, 32)
-        for bd in (64, 128, 256, 512, 1024, 2048)
-        for nw in (4, 8)
-    ]
-
-
-def _row_tile_keep(config: triton.Config, D: int) -> bool:
-    """Keep D tiles no wider than the row and no narrower than min(row, 512), at 8..16 elements
-    per thread."""
-    bt, bd = config.kwargs["BLOCK_T"], config.kwargs["BLOCK_D"]
-    d2 = max(triton.next_power_of_2(D), 64)
-    per_thread = bt * bd / (32 * config.num_warps)
-    return min(d2, 512) <= bd <= d2 and 8 <= per_thread <= 16
-
-
-def _row_tile_prune(env_var):
-    def prune(configs, named_args, **kwargs):
-        pinned = pinned_config(env_var)
-        if pinned is not None:
-            return [pinned]
-        D = named_args["D"]
-        kept = [c for c in configs if _row_tile_keep(c, D)] or [configs[0]]
-        if interpreting():  # untimed: fewest programs, fewest interpreted ops
-            return [max(kept, key=lambda c: (c.kwargs["BLOCK_T"] * c.kwargs["BLOCK_D"], -c.num_warps))]
-        return kept
-
-    return prune
-
-
-# ----------------------------------------------------------------------------------------------
-# Kernels
-# ----------------------------------------------------------------------------------------------
-@triton.autotune(
-    configs=_row_tile_configs(),
-    key=["D", "K"],
-    prune_configs_by={"early_config_prune": _row_tile_prune(_ENV_PERMUTE_FWD_CONFIG)},
-)
-@triton.jit
-def _permute_fwd_kernel(
-    # Pointers
-    x_ptr,       # [T, D] tokens (strided)
-    row_ptr,     # [T, K] int32 dispatch row of each assignment, -1 when dropped (contiguous)
-    x_out_ptr,   # [S, D] out: rows in dispatch order (contiguous)
-    src_ptr,     # [S] int32 out: flat assignment t * K + k of each row
-    # Sizes
-    T, D, K, S,
-    # Strides
-    stride_xt, stride_xd,
-    # Meta-parameters
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    pid_t = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_t = offs_t < T
-    mask_d = offs_d < D
-    offs_t64 = offs_t.to(tl.int64)
-
-    b_x = tl.load(x_ptr + offs_t64[:, None] * stride_xt + offs_d[None, :] * stride_xd,
-                  mask=mask_t[:, None] & mask_d[None, :])
-    mask_src = (tl.zeros([BLOCK_T], dtype=tl.int32) + pid_d) == 0   # src_S: written by the first D tile
-    for k in range(K):
-        b_row = tl.load(row_ptr + offs_t64 * K + k, mask=mask_t, other=-1)
-        mask_r = (b_row >= 0) & (b_row < S)
-        tl.store(x_out_ptr + b_row.to(tl.int64)[:, None] * D + offs_d[None, :], b_x,
-                 mask=mask_r[:, None] & mask_d[None, :])
-        tl.store(src_ptr + b_row, offs_t * K + k, mask=mask_r & mask_src)
-
-
-@triton.autotune(
-    configs=_row_tile_configs(),
-    key=["D", "K"],
-    prune_configs_by={"early_config_prune": _row_tile_prune(_ENV_UNPERMUTE_FWD_CONFIG)},
-)
-@triton.jit
-def _unpermute_fwd_kernel(
-    # Pointers
-    y_ptr,       # [S, D] rows in dispatch order (strided)
-    row_ptr,     # [T, K] int32 dispatch row of each assignment, -1 when dropped (contiguous)
-    weight_ptr,  # [T, K] combine weights (strided; read only when HAS_WEIGHT)
-    out_ptr,     # [T, D] out: sum over kept k of weight * row (contiguous)
-    # Sizes
-    T, D, K, S,
-    # Strides
-    stride_ys, stride_yd,
-    stride_wt, stride_wk,
-    # Meta-parameters
-    HAS_WEIGHT: tl.constexpr,   # False: permute_bwd (unit weights)
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    pid_t = tl.program_id(0)
-    pid_d = tl.program_id(1)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_t = offs_t < T
-    mask_d = offs_d < D
-    offs_t64 = offs_t.to(tl.int64)
-
-    acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
-    for k in range(K):
-        b_row = tl.load(row_ptr + offs_t64 * K + k, mask=mask_t, other=-1)
-        mask_r = (b_row >= 0) & (b_row < S)
-        b_y = tl.load(y_ptr + b_row.to(tl.int64)[:, None] * stride_ys + offs_d[None, :] * stride_yd,
-                      mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-        if HAS_WEIGHT:
-            b_w = tl.load(weight_ptr + offs_t64 * stride_wt + k * stride_wk, mask=mask_r, other=0.0)
-            acc += b_w.to(tl.float32)[:, None] * b_y
-        else:
-            acc += b_y
-    tl.store(out_ptr + offs_t64[:, None] * D + offs_d[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mask_t[:, None] & mask_d[None, :])
-
-
-@triton.autotune(
-    configs=_row_tile_configs(),
-    key=["D", "K"],
-    prune_configs_by={"early_config_prune": _row_tile_prune(_ENV_UNPERMUTE_BWD_CONFIG)},
-)
-@triton.jit
-def _unpermute_bwd_kernel(
-    # Pointers
-    grad_y_ptr,       # [T, D] gradient of the combined output (strided)
-    y_ptr,            # [S, D] expert outputs in dispatch order (strided)
-    row_ptr,          # [T, K] int32 dispatch row of each assignment, -1 when dropped (contiguous)
-    weight_ptr,       # [T, K] combine weights (strided)
-    grad_y_out_ptr,   # [S, D] out: weight * grad_y, in y's dtype (contiguous)
-    grad_w_out_ptr,   # [T, K] float32 out: <y row, grad_y>, 0 when dropped (contiguous)
-    # Sizes
-    T, D, K, S,
-    # Strides
-    stride_gt, stride_gd,
-    stride_ys, stride_yd,
-    stride_wt, stride_wk,
-    # Meta-parameters
-    BLOCK_T: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-):
-    pid_t = tl.program_id(0)
-    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    mask_t = offs_t < T
-    offs_t64 = offs_t.to(tl.int64)
-
-    for k in range(K):
-        b_row = tl.load(row_ptr + offs_t64 * K + k, mask=mask_t, other=-1)
-        mask_r = (b_row >= 0) & (b_row < S)
-        offs_r64 = b_row.to(tl.int64)
-        b_w = tl.load(weight_ptr + offs_t64 * stride_wt + k * stride_wk, mask=mask_r, other=0.0).to(tl.float32)
-        b_dot = tl.zeros([BLOCK_T], dtype=tl.float32)
-        for d0 in range(0, D, BLOCK_D):
-            offs_d = d0 + tl.arange(0, BLOCK_D)
-            mask_d = offs_d < D
-            b_g = tl.load(grad_y_ptr + offs_t64[:, None] * stride_gt + offs_d[None, :] * stride_gd,
-                          mask=mask_t[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-            b_y = tl.load(y_ptr + offs_r64[:, None] * stride_ys + offs_d[None, :] * stride_yd,
-                          mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-            b_dot += tl.sum(b_y * b_g, axis=1)
-            tl.store(grad_y_out_ptr + offs_r64[:, None] * D + offs_d[None, :],
-                     (b_w[:, None] * b_g).to(grad_y_out_ptr.dtype.element_ty),
-                     mask=mask_r[:, None] & mask_d[None, :])
-        tl.store(grad_w_out_ptr + offs_t64 * K + k, tl.where(mask_r, b_dot, 0.0), mask=mask_t)
-
-
-@triton.jit
-def _dispatch_base_kernel(
-    # Pointers
-    kept_ptr,   # [E] int kept assignments per expert in this chunk
-    used_ptr,   # [E] int carried used capacity before this chunk
-    base_ptr,   # [E] int32 out: first row of expert e minus used_E[e]
-    # Sizes
-    E,
-    # Meta-parameters
-    BLOCK_E: tl.constexpr,
-):
-    offs_e = tl.arange(0, BLOCK_E)
-    mask_e = offs_e < E
-    b_kept = tl.load(kept_ptr + offs_e, mask=mask_e, other=0).to(tl.int32)
-    b_used = tl.load(used_ptr + offs_e, mask=mask_e, other=0).to(tl.int32)
-    tl.store(base_ptr + offs_e, tl.cumsum(b_kept, axis=0) - b_kept - b_used, mask=mask_e)
-
-
-@triton.jit
-def _dispatch_rows_kernel(
-    # Pointers
-    expert_ptr,  # [T * K] int32
-    slot_ptr,    # [T * K] int32 slot, -1 when dropped
-    base_ptr,    # [E] int32 first row of expert e minus used_E[e]
-    row_ptr,     # [T * K] int32 out: dispatch row, -1 when dropped
-    # Sizes
-    N,
-    # Meta-parameters
-    BLOCK: tl.constexpr,
-):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)   # int32: N = T * K < 2^31
-    mask = offs < N
-    b_slot = tl.load(slot_ptr + offs, mask=mask, other=-1)
-    b_e = tl.load(expert_ptr + offs, mask=mask & (b_slot >= 0), other=0)
-    b_base = tl.load(base_ptr + b_e, mask=mask & (b_slot >= 0), other=0)
-    tl.store(row_ptr + offs, tl.where(b_slot >= 0, b_base + b_slot, -1), mask=mask)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,8 +65,6 @@ _ROW_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _INT_DTYPES = (torch.int32, torch.int64, torch.int16)
 # The gating's outputs and counters: dispatch_rows takes what gating_fwd and its reference take.
 _COUNTER_DTYPES = _INT_DTYPES + (torch.uint8, torch.int8)
-
-
 
 
 def _check_rows(row_TK: torch.Tensor, device) -> torch.Tensor:
@@ -466,11 +251,11 @@ def dispatch_rows(
 ) -> torch.Tensor:
     """Row of each kept assignment in the dispatch layout (grouped by expert), -1 when dropped.
 
-    Same semantics as :func:`kernels.reference.dispatch_rows_ref`: rows of expert e are contiguous,
+    Same semantics as :func:`lancet_rt.kernels.reference.dispatch_rows_ref`: rows of expert e are contiguous,
     in slot order, after the kept rows of experts < e.
 
     Args:
-        expert_TK, slot_TK: integer [T, K] from :func:`kernels.gating.gating_fwd`.
+        expert_TK, slot_TK: integer [T, K] from :func:`lancet_rt.kernels.gating.gating_fwd`.
         used_E: integer [E] the carried counter *before* this chunk.
         kept_E: integer [E] kept assignments per expert in this chunk.
         out: optional contiguous int32 [T, K] buffer.

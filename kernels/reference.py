@@ -1,6 +1,6 @@
 """Plain PyTorch references for every lancet-rt kernel.
 
-These functions define the semantics the Triton kernels must meet (DESIGN.md, routing contract),
+These functions define the semantics the Triton kernels must meet (docs/design.md, routing contract),
 and they are the ``LANCET_KERNELS=torch`` path of the runtime. Tests and benchmarks import them
 from here so the baseline cannot drift.
 

@@ -1,5 +1,5 @@
 """Per-expert segment sums: the gradients of the experts' biases (``grouped_mm``'s ``bias_EN``,
-``gate_up_swiglu``'s ``bias_E2F`` in kernels/grouped_gemm.py), one launch for all local experts.
+``gate_up_swiglu``'s ``bias_E2F`` in lancet_rt.kernels.grouped_gemm), one launch for all local experts.
 
 A per-expert bias's gradient is the sum of its segment's output-gradient rows. One program per
 (expert, column tile) loops over the segment's rows (bounds read from the device, no host sync),
@@ -11,7 +11,7 @@ gradient once: 2 R N bytes in bf16 against the dW GEMM's 2 R N K FLOPs, i.e. at 
 (3.35 TB/s, 990 TFLOP/s) 296 / K of the dW GEMM's time, 10% at GPT-OSS's K = 2880 (an estimate, not
 measured; one dW of the four GEMMs of the experts' backward).
 
-Reference: ``kernels.reference.segment_sum_ref``. In the kernel selection (lancet_rt.ops) it belongs
+Reference: ``lancet_rt.kernels.reference.segment_sum_ref``. In the kernel selection (lancet_rt.ops) it belongs
 to the grouped GEMM family, which re-exports it.
 """
 from __future__ import annotations
@@ -80,7 +80,7 @@ def _segment_sum_blocks(N: int, E: int, device: torch.device) -> Tuple[int, int,
 def segment_sum(g_RN: torch.Tensor, offsets_E1: torch.Tensor, *,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """s[e] = the sum of rows offsets[e]:offsets[e+1] of g (zeros for an empty segment): the
-    gradient of a per-expert bias (``bias_EN`` of :func:`kernels.grouped_gemm.grouped_mm`, ``bias_E2F``
+    gradient of a per-expert bias (``bias_EN`` of :func:`lancet_rt.kernels.grouped_gemm.grouped_mm`, ``bias_E2F``
     of ``gate_up_swiglu``) from the gradient of its output. One launch, fp32 accumulation, no atomics: the
     same bits every run. Memory-bound: reads g once.
 

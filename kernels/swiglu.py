@@ -1,13 +1,14 @@
 """Elementwise expert activations and their gradients over [R, 2F] pre-activations.
 
-The expert forward fuses the activation into the gate_up GEMM's epilogue (``kernels.grouped_gemm.
-gate_up_swiglu``); these standalone kernels serve the backward (``swiglu_bwd``, from the saved gu)
-and any caller holding gu. Two activations (``kernels.grouped_gemm._glu``): "swiglu", silu(gate) * up,
-and "swiglu_oai", GPT-OSS's clamped variant; and two column orders: gate columns first, or
+The expert forward fuses the activation into the gate_up GEMM's epilogue
+(``lancet_rt.kernels.grouped_gemm.gate_up_swiglu``); these standalone kernels serve the backward
+(``swiglu_bwd``, from the saved gu) and any caller holding gu. Two activations
+(``lancet_rt.kernels._grouped_gemm_kernels._glu``): "swiglu", silu(gate) * up, and "swiglu_oai",
+GPT-OSS's clamped variant; and two column orders: gate columns first, or
 ``interleaved`` (gate 2j, up 2j + 1, GPT-OSS's), which a program reads and writes as one contiguous
 [BLOCK_R, 2 BLOCK_F] tile split into gate and up in registers. Memory-bound: forward reads 2F and
 writes F values per row, backward reads 3F and writes 2F; computed in fp32 and stored in gu's dtype.
-References: ``kernels.reference.swiglu_fwd_ref`` / ``swiglu_bwd_ref``.
+References: ``lancet_rt.kernels.reference.swiglu_fwd_ref`` / ``swiglu_bwd_ref``.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import triton.language as tl
 
 from ._expert_checks import (_INTERPRET, _check_activation, _check_device, _check_float, _check_ndim, _check_out,
                              _check_same_dtype)
-from .grouped_gemm import _glu
+from ._grouped_gemm_kernels import _glu
 
 
 @triton.jit

@@ -1,4 +1,4 @@
-"""An independent float64 implementation of DESIGN.md's routing contract, written for tests.
+"""An independent float64 implementation of docs/design.md's routing contract, written for tests.
 
 Deliberately naive (Python loops for top-k, groups and capacity) and sharing no code with
 kernels/ or lancet_rt/, so the layer is checked against the contract, not against itself.

@@ -1,6 +1,6 @@
 """GPT-OSS's experts: per-expert biases, the clamped activation "swiglu_oai" and the interleaved
-gate/up layout, in the expert kernels (kernels/grouped_gemm.py, kernels/swiglu.py) against their
-references (kernels/reference.py), the references against torch autograd and transformers' own
+gate/up layout, in the expert kernels (lancet_rt.kernels.grouped_gemm, lancet_rt.kernels.swiglu) against
+their references (lancet_rt.kernels.reference), the references against torch autograd and transformers' own
 activation, and ``lancet_rt.Experts(layout="gpt_oss")`` against transformers' ``GptOssExperts``.
 
 CPU lane: the kernels run under TRITON_INTERPRET=1 (tests/conftest.py). Segments with an empty

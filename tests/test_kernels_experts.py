@@ -1,4 +1,4 @@
-"""Expert kernels (kernels/grouped_gemm.py) against their references (kernels/reference.py).
+"""Expert kernels (lancet_rt.kernels.grouped_gemm) against their references (lancet_rt.kernels.reference).
 
 CPU lane: the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py) on small odd shapes,
 with segments of 0, 1 and 17 rows, all rows in one expert, a single expert and block-aligned
@@ -15,7 +15,7 @@ F in {2048, 14336}, bf16), balanced and skewed routing.
 Note on the interpreter: Triton's interpreter rounds fp32 -> bf16 by truncation (the GPU rounds to
 nearest even), so bf16 errors on the CPU lane are about twice the GPU's. The fused h is therefore
 checked as ``swiglu(gu)`` of the kernel's own rounded gu (which is its exact contract, see the module
-docstring of kernels.grouped_gemm), and gu against the float64 GEMM.
+docstring of lancet_rt.kernels._grouped_gemm_kernels), and gu against the float64 GEMM.
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Permutation kernels (kernels/permute.py: dispatch_rows, permute, unpermute) against their
-references (kernels/reference.py), outputs and gradients.
+"""Permutation kernels (lancet_rt.kernels.permute: dispatch_rows, permute, unpermute) against their
+references (lancet_rt.kernels.reference), outputs and gradients.
 
 CPU lane: the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py) on small odd shapes
 (T in {0, 1, 63, 257}, D in {60, 100}), dropless and dropping row maps from the reference gating,

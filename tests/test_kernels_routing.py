@@ -1,5 +1,5 @@
-"""Gating kernels (kernels/gating.py) against their references (kernels/reference.py); the permutation
-kernels are in test_kernels_permute.py, the shared inputs in routing_inputs.py.
+"""Gating kernels (lancet_rt.kernels.gating) against their references (lancet_rt.kernels.reference); the
+permutation kernels are in test_kernels_permute.py, the shared inputs in routing_inputs.py.
 
 CPU lane: the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py) on small odd shapes:
 T in {0, 1, 63, 257}, D in {60, 100}, E in {2, 7, 8, 64, 256}, K in {1, 2, E}; softmax and sigmoid,
