@@ -14,7 +14,6 @@ without one the yields are no-ops.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,12 +27,12 @@ from lancet_rt import ops as _ops
 from lancet_rt.schedule import recompute as _recompute
 from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
+from lancet_rt.moe.config import (MoEConfig, check_modules, check_prebuilt, config_names, config_vector,
+                                  role_names)
 from lancet_rt.moe.experts import Experts
 from lancet_rt.routing.router import Router
 from lancet_rt.routing.functions import BatchRouting, gate, permute, unpermute
 
-_SCORE_FNS = ("softmax", "sigmoid")
-_DTYPE_IDS = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3, torch.float16: 4}
 
 
 @dataclass
@@ -127,88 +126,35 @@ class MoE(nn.Module):
                  shared_expert_gate: Optional[nn.Module] = None, router: Optional[nn.Module] = None,
                  experts: Optional[Experts] = None, names: Optional[dict] = None, device=None, dtype=None):
         super().__init__()
-        for name, value in (("d_model", d_model), ("d_ffn", d_ffn), ("num_experts", num_experts),
-                            ("top_k", top_k), ("pipeline_chunks", pipeline_chunks), ("n_group", n_group)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if top_k > num_experts:
-            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
-        if capacity_factor is not None:
-            if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
-                raise TypeError(f"capacity_factor must be None or a number, got {type(capacity_factor).__name__}")
-            if not capacity_factor > 0 or math.isinf(capacity_factor):
-                raise ValueError(f"capacity_factor must be None (dropless) or a finite number > 0, got {capacity_factor}")
-        if score_fn not in _SCORE_FNS:
-            raise ValueError(f"score_fn must be one of {_SCORE_FNS}, got {score_fn!r}")
-        for name, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-            if not value >= 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
-        if dtype is not None and dtype not in _DTYPE_IDS:
-            raise TypeError(f"dtype must be one of {list(_DTYPE_IDS)}, got {dtype}")
-        topk_group = n_group if topk_group is None else topk_group
-        if num_experts % n_group:
-            raise ValueError(f"n_group must divide num_experts={num_experts}, got {n_group}")
-        if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
-            raise ValueError(f"topk_group must be an int in [1, n_group={n_group}], got {topk_group!r}")
-        if top_k > topk_group * (num_experts // n_group):
-            raise ValueError(f"top_k ({top_k}) must be at most topk_group * num_experts / n_group "
-                             f"= {topk_group * (num_experts // n_group)}")
-        if (isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float))
-                or not 0 < routed_scaling_factor < math.inf):
-            raise ValueError(f"routed_scaling_factor must be a finite number > 0, got {routed_scaling_factor!r}")
-        for name, value in (("shared_experts", shared_experts), ("shared_expert_gate", shared_expert_gate),
-                            ("router", router)):
-            if value is not None and not isinstance(value, nn.Module):
-                raise TypeError(f"{name} must be None or an nn.Module, got {type(value).__name__}")
-        if shared_expert_gate is not None and shared_experts is None:
-            raise ValueError("shared_expert_gate needs shared_experts")
-        if experts is not None and not isinstance(experts, Experts):
-            raise TypeError(f"experts must be None or a lancet_rt.Experts, got {type(experts).__name__}")
-        names = dict(names or {})
-        unknown = set(names) - set(self._ROLES)
-        if unknown:
-            raise ValueError(f"names takes the roles {self._ROLES}, got {sorted(unknown)}")
-        taken = set(dir(type(self))) - set(self._ROLES)
-        for role, name in names.items():
-            if not isinstance(name, str) or not name.isidentifier() or name in taken or "." in name:
-                raise ValueError(f"names[{role!r}] must be a free attribute name, got {name!r}")
-        if len({names.get(r, r) for r in self._ROLES}) != len(self._ROLES):
-            raise ValueError(f"names must give each role its own name, got {names}")
-
-        if dispatcher not in _dispatch.DISPATCHERS:
-            raise ValueError(f"dispatcher must be one of {_dispatch.DISPATCHERS}, got {dispatcher!r}")
-        if dispatcher == "allreduce" and pipeline_chunks != 1:
-            raise ValueError(f"pipeline_chunks must be 1 with dispatcher='allreduce', got {pipeline_chunks}")
+        cfg = MoEConfig(d_model, d_ffn, num_experts, top_k, capacity_factor=capacity_factor, score_fn=score_fn,
+                        normalize_topk=normalize_topk, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
+                        pipeline_chunks=pipeline_chunks, dispatcher=dispatcher, expert_bias=expert_bias,
+                        n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
+                        dtype=dtype)
+        check_modules(shared_experts, shared_expert_gate, router, experts)
+        names = role_names(names, self._ROLES, set(dir(type(self))) - set(self._ROLES))
         self.group = comm.as_group(ep_group)
-        if dispatcher == "allreduce":
+        if cfg.dispatcher == "allreduce":
             _dispatch.check_group(self.group)
-        self.dispatcher = dispatcher
         world = self.group.size if self.group is not None else 1
-        if num_experts % world != 0:
-            raise ValueError(
-                f"num_experts ({num_experts}) must be divisible by the expert-parallel world size ({world})"
-            )
+        cfg.check_world(world)
+        self.dispatcher = cfg.dispatcher
         self.d_model, self.d_ffn, self.num_experts, self.top_k = d_model, d_ffn, num_experts, top_k
-        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
-        self.score_fn, self.normalize_topk = score_fn, bool(normalize_topk)
-        self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
+        self.capacity_factor, self.score_fn, self.normalize_topk = cfg.capacity_factor, score_fn, cfg.normalize_topk
+        self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
         self.pipeline_chunks = pipeline_chunks
-        self.expert_bias, self.n_group, self.topk_group = bool(expert_bias), n_group, topk_group
-        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.expert_bias, self.n_group, self.topk_group = cfg.expert_bias, n_group, cfg.topk_group
+        self.routed_scaling_factor = cfg.routed_scaling_factor
         self.ep_size = world
         self.ep_rank = self.group.rank if self.group is not None else 0
         self.num_local_experts = num_experts // world
 
-        self._names = {role: names.get(role, role) for role in self._ROLES}
+        self._names = names
         if router is None:
             router = Router(d_model, num_experts, bias=router_bias, expert_bias=expert_bias, device=device, dtype=dtype)
         if experts is None:
             experts = Experts(self.num_local_experts, d_model, d_ffn, device=device, dtype=dtype)
-        _check_prebuilt(router, experts, d_model, num_experts, self.num_local_experts, expert_bias)
+        check_prebuilt(router, experts, d_model, num_experts, self.num_local_experts, expert_bias)
         for role, module in (("router", router), ("experts", experts), ("shared_experts", shared_experts),
                              ("shared_expert_gate", shared_expert_gate)):
             if module is not None:
@@ -300,24 +246,10 @@ class MoE(nn.Module):
             return torch.get_autocast_dtype(x.device.type)
         return self.experts.gate_up_proj.dtype
 
-    def _config_vector(self, status: int) -> torch.Tensor:
-        cf = -1 if self.capacity_factor is None else round(self.capacity_factor * 1e6)
-        return torch.tensor([
-            status, self.d_model, self.d_ffn, self.num_experts, self.top_k, cf,
-            _SCORE_FNS.index(self.score_fn), int(self.normalize_topk), round(self.aux_loss_coef * 1e9),
-            round(self.z_loss_coef * 1e9), _DTYPE_IDS[self.router.weight.dtype], self.pipeline_chunks,
-            int(self.expert_bias), self.n_group, self.topk_group, round(self.routed_scaling_factor * 1e9),
-            int(self.shared_experts is not None), int(self.shared_expert_gate is not None),
-            _dispatch.DISPATCHERS.index(self.dispatcher),
-        ], dtype=torch.int64)
-
     def _check_config(self, error: Optional[Exception]) -> None:
         """One all-gather on first use: every rank raises if configurations or inputs disagree."""
-        rows = self.group.all_gather(self._config_vector(faults.status_code(error)))
-        names = ["d_model", "d_ffn", "num_experts", "top_k", "capacity_factor(1e-6)", "score_fn",
-                 "normalize_topk", "aux_loss_coef(1e-9)", "z_loss_coef(1e-9)", "dtype", "pipeline_chunks",
-                 "expert_bias", "n_group", "topk_group", "routed_scaling_factor(1e-9)", "shared_experts",
-                 "shared_expert_gate", "dispatcher"]
+        rows = self.group.all_gather(config_vector(self, faults.status_code(error)))
+        names = config_names()
         for r in range(rows.shape[0]):  # compared before the status, so a rejected input cannot skip it
             diff = [n for n, a, b in zip(names, rows[r, 1:].tolist(), rows[self.ep_rank, 1:].tolist()) if a != b]
             if diff:
@@ -563,21 +495,6 @@ class MoE(nn.Module):
             if self.expert_bias and self.training:
                 load = state.used_E.long()
                 self.expert_load = load if self.expert_load is None else self.expert_load + load
-
-
-def _check_prebuilt(router: nn.Module, experts: Experts, d_model: int, num_experts: int, local: int,
-                    expert_bias: bool) -> None:
-    weight = getattr(router, "weight", None)
-    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (num_experts, d_model):
-        raise ValueError(f"router must have a weight of shape [num_experts={num_experts}, d_model={d_model}], "
-                         f"got {None if weight is None else tuple(weight.shape)}")
-    bias = getattr(router, "e_score_correction_bias", None)
-    if expert_bias and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (num_experts,)):
-        raise ValueError(f"expert_bias=True needs router.e_score_correction_bias of shape [{num_experts}], got "
-                         f"{None if bias is None else tuple(bias.shape)}")
-    if (experts.num_local_experts, experts.d_model) != (local, d_model):
-        raise ValueError(f"experts must hold num_experts / ep_size = {local} experts of d_model={d_model}, got "
-                         f"{experts.num_local_experts} of d_model={experts.d_model}")
 
 
 class _JoinPieces(torch.autograd.Function):
