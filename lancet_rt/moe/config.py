@@ -9,7 +9,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from lancet_rt.moe.dispatch.allreduce import DISPATCHERS
+from lancet_rt.moe.dispatch.base import DISPATCHERS
 from lancet_rt.moe.experts import Experts
 
 SCORE_FNS = ("softmax", "sigmoid")

@@ -14,7 +14,6 @@ without one the yields are no-ops.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -22,6 +21,8 @@ from torch import nn
 
 from lancet_rt.comm import group as comm
 from lancet_rt.moe.dispatch import allreduce as _dispatch
+from lancet_rt.moe.dispatch import alltoall, pipelined
+from lancet_rt.moe.dispatch.common import Counts, Dispatched, Route, exchange_counts
 from lancet_rt.comm import faults
 from lancet_rt import ops as _ops
 from lancet_rt.schedule import recompute as _recompute
@@ -33,27 +34,6 @@ from lancet_rt.moe.experts import Experts
 from lancet_rt.routing.router import Router
 from lancet_rt.routing.functions import BatchRouting, gate, permute, unpermute
 
-
-
-@dataclass
-class _Route:
-    """One chunk's routing: what the later stages of the same chunk need."""
-
-    weight_TK: torch.Tensor
-    row_TK: torch.Tensor
-    kept_E: torch.Tensor
-
-
-@dataclass
-class _Dispatched:
-    """One chunk's communication layout, from dispatch to combine."""
-
-    pending: comm.Pending
-    offsets_L1: torch.Tensor            # [E_local + 1] segment bounds of x_RD, by local expert
-    send_splits: list
-    recv_splits: list
-    to_expert_major: Optional[torch.Tensor]  # rank-major -> expert-major row permutation
-    to_rank_major: Optional[torch.Tensor]
 
 
 class MoE(nn.Module):
@@ -258,10 +238,10 @@ class MoE(nn.Module):
                     f"{self.ep_rank} differ in {', '.join(diff)}"
                 ))
         self._config_checked = True
-        _raise_on_bad_status(rows[:, 0], error)
+        faults.raise_on_bad_status(rows[:, 0], error)
 
     # ---------------------------------------------------------------- stages
-    def route(self, x_TD: torch.Tensor, state: BatchRouting, ops) -> _Route:
+    def route(self, x_TD: torch.Tensor, state: BatchRouting, ops) -> Route:
         """Router GEMM and gating for this chunk; advances the batch's carried capacity."""
         logits_TE = self.router(x_TD)
         options = {}  # the contract's extensions, passed only when used
@@ -274,9 +254,9 @@ class MoE(nn.Module):
         weight_TK, _expert_TK, row_TK, kept_E = gate(
             logits_TE, state, ops, score_fn=self.score_fn, normalize_topk=self.normalize_topk,
             aux_coef=self.aux_loss_coef, z_coef=self.z_loss_coef, **options)
-        return _Route(weight_TK, row_TK, kept_E)
+        return Route(weight_TK, row_TK, kept_E)
 
-    def exchange_counts(self, kept_PE: torch.Tensor, error: Optional[Exception] = None) -> "_Counts":
+    def exchange_counts(self, kept_PE: torch.Tensor, error: Optional[Exception] = None) -> Counts:
         """Counts first: start sending each rank the rows it will get for each of its local experts.
 
         ``kept_PE`` holds the kept rows per expert of P pieces sent back to back. Returns a handle
@@ -286,16 +266,7 @@ class MoE(nn.Module):
         rejected (``error``) still takes part, and every rank raises instead of waiting in the row
         all-to-all.
         """
-        L, W = self.num_local_experts, self.ep_size
-        P = kept_PE.shape[0]
-        if self.dispatcher == "allreduce":  # every rank gets every rank's counts (they must agree)
-            L = self.num_experts
-            counts = kept_PE.reshape(1, P * L).expand(W, -1).long()
-        else:
-            counts = kept_PE.view(P, W, L).permute(1, 0, 2).reshape(W, P * L).long()
-        status = torch.full((W, 1), faults.status_code(error), dtype=torch.long, device=counts.device)
-        return faults.in_order(self.group, lambda: _Counts(self.group.exchange(torch.cat([counts, status], dim=1)),
-                                                           P, W, L, error))
+        return exchange_counts(self, kept_PE, error)
 
     def fail_peers(self, error: Exception) -> None:
         """Raise ``error`` on this rank and on every peer of the group.
@@ -311,8 +282,8 @@ class MoE(nn.Module):
         raise error
 
     def dispatch(self, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL: torch.Tensor,
-                 sent_WL: torch.Tensor) -> _Dispatched:
-        """Send each kept row to its expert's rank (async).
+                 sent_WL: torch.Tensor) -> Dispatched:
+        """Send each kept row to its expert's rank (async; :func:`lancet_rt.moe.dispatch.alltoall.dispatch`).
 
         Args:
             x_SD: [S, D] rows grouped by expert (so by destination rank).
@@ -320,29 +291,17 @@ class MoE(nn.Module):
             counts_WL, sent_WL: [W, E_local] rows received / sent per (rank, local expert), on the
                 host, from :meth:`exchange_counts` (ignored for W = 1).
         """
-        if self.group is None:
-            offsets = _offsets(kept_E)
-            return _Dispatched(comm.Pending(x_SD, None), offsets, [x_SD.shape[0]], [x_SD.shape[0]], None, None)
-        send_splits = sent_WL.sum(1).tolist()
-        recv_splits = counts_WL.sum(1).tolist()
-        with _trace.span("dispatch", cuda=x_SD.is_cuda, layer=self.trace_name, rows=x_SD.shape[0]):
-            pending = comm.all_to_all(x_SD, self.group, recv_splits, send_splits)
-        to_expert, to_rank = _regroup_permutations(counts_WL, x_SD.device)
-        offsets = _offsets(_to_device(counts_WL.sum(0), x_SD.device))
-        return _Dispatched(pending, offsets, send_splits, recv_splits, to_expert, to_rank)
+        return alltoall.dispatch(self, x_SD, kept_E, counts_WL, sent_WL)
 
-    def compute_experts(self, x_recv: torch.Tensor, d: _Dispatched, ops, link=None) -> torch.Tensor:
+    def compute_experts(self, x_recv: torch.Tensor, d: Dispatched, ops, link=None) -> torch.Tensor:
         """Grouped SwiGLU experts over the received rows (rank-major in, rank-major out)."""
         with _trace.span("experts", cuda=x_recv.is_cuda, layer=self.trace_name, rows=x_recv.shape[0]):
             return self.experts(x_recv, d.offsets_L1, ops, to_expert=d.to_expert_major,
                                 to_rank=d.to_rank_major, link=link)
 
-    def combine(self, y_recv: torch.Tensor, d: _Dispatched) -> comm.Pending:
+    def combine(self, y_recv: torch.Tensor, d: Dispatched) -> comm.Pending:
         """Send expert outputs back to the tokens' ranks (async)."""
-        if self.group is None:
-            return comm.Pending(y_recv, None)
-        with _trace.span("combine", cuda=y_recv.is_cuda, layer=self.trace_name, rows=y_recv.shape[0]):
-            return comm.all_to_all(y_recv, self.group, d.send_splits, d.recv_splits)
+        return alltoall.combine(self, y_recv, d)
 
     # ---------------------------------------------------------------- forward
     @torch.compiler.disable  # collectives, host syncs and chunk switches: torch.compile runs around it
@@ -369,14 +328,11 @@ class MoE(nn.Module):
             self._record_stats(state)
         if allreduce:
             y_TD = _dispatch.allreduce_forward(self, x_in, r, ops, chunk).to(x.dtype)
-            shared = self._shared_output(x_TD)
+            shared = self.shared_output(x_TD)
             return (y_TD if shared is None else y_TD + shared).view(x.shape)
         x_c = x_TD.to(dtype)  # under autocast the tokens travel and meet the experts in its dtype
-        if self.pipeline_chunks == 1:
-            y_SD, src_S, link, shared = self._exchange_and_compute(x_c, r, ops, chunk, x_TD)
-        else:
-            y_SD, src_S, shared = self._pipelined_exchange_and_compute(x_c, r, ops, chunk, x_TD)
-            link = None
+        exchange = alltoall.exchange_and_compute if self.pipeline_chunks == 1 else pipelined.exchange_and_compute
+        y_SD, src_S, link, shared = exchange(self, x_c, r, ops, chunk, x_TD)
         with _trace.span("unpermute", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk):
             y_TD = unpermute(y_SD, r.row_TK, r.weight_TK, src_S, ops, link)
         y_TD = y_TD.to(x.dtype)
@@ -384,7 +340,7 @@ class MoE(nn.Module):
             y_TD = y_TD + shared
         return y_TD.view(x.shape)
 
-    def _shared_output(self, x_TD: torch.Tensor) -> Optional[torch.Tensor]:
+    def shared_output(self, x_TD: torch.Tensor) -> Optional[torch.Tensor]:
         """The shared experts' output (gated by sigmoid(shared_expert_gate(x)) if there is a gate)."""
         if self.shared_experts is None:
             return None
@@ -394,60 +350,10 @@ class MoE(nn.Module):
                 y_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * y_TD
         return y_TD
 
-    def _permute(self, x_TD, r, num_rows, ops, chunk):
+    def permute_rows(self, x_TD: torch.Tensor, r: Route, num_rows: int, ops, chunk) -> tuple:
+        """(x_SD, src_S): the chunk's kept rows grouped by expert (``num_rows`` of them)."""
         with _trace.span("permute", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk):
             return permute(x_TD, r.row_TK, num_rows, ops)
-
-    def _exchange_and_compute(self, x_TD, r, ops, chunk, x_in):
-        """Permute, dispatch, experts, combine; the shared experts (on ``x_in``, the layer's input)
-        run while the dispatch is in flight."""
-        if self.group is None:
-            x_SD, src_S = self._permute(x_TD, r, int(r.kept_E.sum()), ops, chunk)  # host sync: rows
-            d = self.dispatch(x_SD, r.kept_E, None, None)
-        else:
-            counts = self.exchange_counts(r.kept_E.view(1, -1))
-            _scope.switch(issues_next=True)  # another chunk runs while the counts travel
-            with _trace.span("wait", "wait", chunk=chunk, counts=True):
-                recv, sent = counts.wait()[0], counts.sent()[0]
-            x_SD, src_S = self._permute(x_TD, r, int(sent.sum()), ops, chunk)
-            d = self.dispatch(x_SD, r.kept_E, recv, sent)
-        shared = self._shared_output(x_in)
-        _scope.switch()
-        y_recv = self.compute_experts(d.pending.wait(), d, ops, d.pending.link)
-        pending = self.combine(y_recv, d)
-        _scope.switch()
-        return pending.wait(), src_S, pending.link, shared
-
-    def _pipelined_exchange_and_compute(self, x_TD, r, ops, chunk, x_in):
-        """The Tutel-style baseline: every expert's rows cut into P pieces, each piece dispatched,
-        computed and combined in turn, so piece p's experts overlap piece p+1's transfer. The
-        backward is pipelined the same way, as Tutel's is: every piece's combine gradient leaves at
-        once (:class:`_JoinPieces`), and each piece's expert backward issues its dispatch gradient
-        while the other pieces' transfers are in flight."""
-        P, E = self.pipeline_chunks, self.num_experts
-        kept = r.kept_E.tolist()  # host sync: the pieces' bounds
-        x_SD, src_S = self._permute(x_TD, r, sum(kept), ops, chunk)
-        starts = [0]
-        for k in kept[:-1]:
-            starts.append(starts[-1] + k)
-        bounds = [[starts[e] + kept[e] * p // P for e in range(E)] for p in range(P + 1)]
-        kept_PE = torch.tensor([[bounds[p + 1][e] - bounds[p][e] for e in range(E)] for p in range(P)])
-        order = _to_device(torch.cat([torch.arange(bounds[p][e], bounds[p + 1][e]) for p in range(P) for e in range(E)]
-                                     + [torch.zeros(0, dtype=torch.long)]), x_SD.device)
-        pieces = x_SD.index_select(0, order).split(kept_PE.sum(1).tolist())
-        kept_PE = _to_device(kept_PE, x_SD.device)
-        if self.group is not None:
-            exchange = self.exchange_counts(kept_PE)
-            counts, sent = exchange.wait(), exchange.sent()
-        else:
-            counts = sent = [None] * P
-        ds = [self.dispatch(pieces[p], kept_PE[p], counts[p], sent[p]) for p in range(P)]
-        shared = self._shared_output(x_in)
-        _scope.switch()
-        combines = [self.combine(self.compute_experts(d.pending.wait(), d, ops, d.pending.link), d) for d in ds]
-        _scope.switch()
-        y_pieces = [c.wait() for c in combines]
-        return _JoinPieces.apply(order, [c.link for c in combines], *y_pieces), src_S, shared
 
     def _routing_state(self, T: int, device) -> tuple[BatchRouting, bool]:
         """This call's routing state, and whether it replays a recorded one (a recomputation)."""
@@ -497,53 +403,6 @@ class MoE(nn.Module):
                 self.expert_load = load if self.expert_load is None else self.expert_load + load
 
 
-class _JoinPieces(torch.autograd.Function):
-    """The pipelined baseline's combined pieces back in dispatch-row order (``y_SD[order] = cat(pieces)``).
-
-    Backward issues every piece's combine all-to-all gradient at once, last piece first: the engine
-    then runs the pieces' backward from the last to the first (latest-created node first), so each
-    piece's transfer is the next to arrive when its expert backward needs it, and the expert
-    backward of one piece overlaps the transfers of the others (Tutel pipelines its backward too).
-    """
-
-    @staticmethod
-    def forward(ctx, order, links, *pieces):
-        ctx.save_for_backward(order)
-        ctx.links, ctx.sizes = links, [p.shape[0] for p in pieces]
-        y_SD = torch.cat(pieces)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        return y_SD.index_select(0, inverse)
-
-    @staticmethod
-    def backward(ctx, grad_y_SD):
-        (order,) = ctx.saved_tensors
-        grads = grad_y_SD.index_select(0, order).split(ctx.sizes)
-        for link, g in reversed(list(zip(ctx.links, grads))):
-            if link is not None:
-                link.issue(g)
-        return (None, None) + tuple(grads)
-
-
-class _Counts:
-    """A counts exchange in flight (see :meth:`MoE.exchange_counts`)."""
-
-    def __init__(self, exchange, P, W, L, error):
-        self._exchange, self._shape, self._error = exchange, (P, W, L), error
-
-    def wait(self) -> torch.Tensor:
-        """recv [P, W, E_local] on the host; raises if any rank reported a rejected input."""
-        P, W, L = self._shape
-        recv = self._exchange.wait()
-        _raise_on_bad_status(recv[:, P * L], self._error)
-        return recv[:, : P * L].view(W, P, L).permute(1, 0, 2)
-
-    def sent(self) -> torch.Tensor:
-        """This rank's own counts [P, W, E_local] on the host (after :meth:`wait`)."""
-        P, W, L = self._shape
-        return self._exchange.sent[:, : P * L].view(W, P, L).permute(1, 0, 2)
-
-
 def _batch_tokens(T_chunk0: int, s) -> int:
     """Tokens of the whole local batch, from chunk 0's tokens per row (dim 0) of the inputs."""
     rows0 = s.rows[0]
@@ -555,44 +414,3 @@ def _batch_tokens(T_chunk0: int, s) -> int:
             f"be a whole multiple of the rows along dim 0"
         )
     return T_chunk0 // rows0 * s.total_rows
-
-
-def _offsets(counts: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
-    torch.cumsum(counts.long(), 0, out=out[1:])
-    return out
-
-
-def _regroup_permutations(counts_WL: torch.Tensor, device):
-    """Row permutations between the received (rank-major) and the grouped (expert-major) order."""
-    W, L = counts_WL.shape
-    if L == 1 or W == 1:
-        return None, None
-    counts = counts_WL.reshape(-1)
-    starts = (torch.cumsum(counts, 0) - counts).view(W, L)
-    # Expert-major order: for each local expert l, the rows from rank 0, 1, ...
-    pieces = [torch.arange(int(starts[r, l]), int(starts[r, l] + counts_WL[r, l])) for l in range(L) for r in range(W)]
-    to_expert = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
-    to_rank = torch.empty_like(to_expert)
-    to_rank[to_expert] = torch.arange(to_expert.numel())
-    return _to_device(to_expert, device), _to_device(to_rank, device)
-
-
-def _to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """A small host tensor on ``device`` without a host sync.
-
-    A plain ``t.to("cuda")`` from pageable memory is a synchronous copy: the host waits for every
-    kernel already queued on the stream (``cudaStreamSynchronize``), which would stall the host once
-    per chunk and layer and drain the compute queue. Staged through pinned memory the copy is
-    stream-ordered and asynchronous; the caching host allocator keeps the pinned block alive until
-    the copy has run.
-    """
-    device = torch.device(device)
-    if device.type != "cuda" or t.device.type != "cpu" or t.numel() == 0:
-        return t.to(device)  # (an empty copy moves no bytes and does not sync)
-    if not t.is_pinned():
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
-
-
-_raise_on_bad_status = faults.raise_on_bad_status
