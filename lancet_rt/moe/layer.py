@@ -10,7 +10,8 @@ Stages of one forward (DESIGN.md, data flow)::
     unpermute y_SD -> y_TD                     gather-based weighted sum over K
 
 Between the two all-to-alls the layer yields to the overlap scheduler (:mod:`lancet_rt.schedule.scope`);
-without one the yields are no-ops.
+without one the yields are no-ops. The options are validated by :class:`lancet_rt.moe.config.MoEConfig`;
+the dispatch, experts and combine are scheduled by a dispatcher (:mod:`lancet_rt.moe.dispatch`).
 """
 from __future__ import annotations
 
@@ -19,21 +20,20 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lancet_rt.comm import group as comm
-from lancet_rt.moe.dispatch import allreduce as _dispatch
-from lancet_rt.moe.dispatch import alltoall, pipelined
-from lancet_rt.moe.dispatch.common import Counts, Dispatched, Route, exchange_counts
-from lancet_rt.comm import faults
 from lancet_rt import ops as _ops
-from lancet_rt.schedule import recompute as _recompute
-from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
+from lancet_rt.comm import faults
+from lancet_rt.comm import group as comm
 from lancet_rt.moe.config import (MoEConfig, check_modules, check_prebuilt, config_names, config_vector,
                                   role_names)
+from lancet_rt.moe.dispatch import allreduce as _allreduce
+from lancet_rt.moe.dispatch import alltoall, pipelined
+from lancet_rt.moe.dispatch.common import Counts, Dispatched, Route, exchange_counts
 from lancet_rt.moe.experts import Experts
-from lancet_rt.routing.router import Router
 from lancet_rt.routing.functions import BatchRouting, gate, permute, unpermute
-
+from lancet_rt.routing.router import Router
+from lancet_rt.schedule import recompute as _recompute
+from lancet_rt.schedule import scope as _scope
 
 
 class MoE(nn.Module):
@@ -115,7 +115,7 @@ class MoE(nn.Module):
         names = role_names(names, self._ROLES, set(dir(type(self))) - set(self._ROLES))
         self.group = comm.as_group(ep_group)
         if cfg.dispatcher == "allreduce":
-            _dispatch.check_group(self.group)
+            _allreduce.check_group(self.group)
         world = self.group.size if self.group is not None else 1
         cfg.check_world(world)
         self.dispatcher = cfg.dispatcher
@@ -320,14 +320,14 @@ class MoE(nn.Module):
         chunk = _scope.current().chunk if _scope.current() is not None else None
         allreduce = self.dispatcher == "allreduce" and self.group is not None
         # (under autocast the replicated tokens meet the experts in the autocast dtype)
-        x_in = _dispatch.replicated_input(x_TD.to(dtype), self.group, chunk) if allreduce else None
+        x_in = _allreduce.replicated_input(x_TD.to(dtype), self.group, chunk) if allreduce else None
         with _trace.span("route", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk, tokens=x_TD.shape[0]):
             r = self.route(x_TD, state, ops)
         state.next_chunk += 1
         if state.complete and not replaying:
             self._record_stats(state)
         if allreduce:
-            y_TD = _dispatch.allreduce_forward(self, x_in, r, ops, chunk).to(x.dtype)
+            y_TD = _allreduce.allreduce_forward(self, x_in, r, ops, chunk).to(x.dtype)
             shared = self.shared_output(x_TD)
             return (y_TD if shared is None else y_TD + shared).view(x.shape)
         x_c = x_TD.to(dtype)  # under autocast the tokens travel and meet the experts in its dtype
