@@ -8,13 +8,13 @@ float32 and the grouped GEMM and SwiGLU take 16- and 32-bit floats only.
 """
 from __future__ import annotations
 
-import importlib
 from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
 from lancet_rt import env
+from lancet_rt.kernels import reference
 
 _OP_NAMES = {
     "gating": ["gating_fwd", "gating_bwd"],
@@ -33,25 +33,30 @@ _cache: dict[tuple, SimpleNamespace] = {}
 
 
 def _reference(names: list[str]) -> dict:
-    from lancet_rt.kernels import reference as ref
-
-    return {n: getattr(ref, n + "_ref") for n in names}
+    return {n: getattr(reference, n + "_ref") for n in names}
 
 
 def _reference_ops() -> SimpleNamespace:
     return SimpleNamespace(name="torch", **_reference([n for group in _OP_NAMES.values() for n in group]))
 
 
+def _triton_families() -> dict:
+    """The Triton kernel modules by family (imported on first use: triton is a Linux-only dependency)."""
+    from lancet_rt.kernels import gating, grouped_gemm, permute, swiglu
+
+    return {"gating": gating, "permute": permute, "grouped_gemm": grouped_gemm, "swiglu": swiglu}
+
+
 def _triton_ops(dtype) -> SimpleNamespace:
     ops, fallback = {}, []
+    families = _triton_families()
     for module, names in _OP_NAMES.items():
         takes = _FAMILY_DTYPES[module]
         if dtype is not None and takes is not None and dtype not in takes:
             ops.update(_reference(names))
             fallback.append(module)
             continue
-        mod = importlib.import_module(f"lancet_rt.kernels.{module}")
-        ops.update({n: getattr(mod, n) for n in names})
+        ops.update({n: getattr(families[module], n) for n in names})
     return SimpleNamespace(name="triton", reference_families=tuple(fallback), **ops)
 
 

@@ -10,51 +10,30 @@ Stages of one forward (DESIGN.md, data flow)::
     unpermute y_SD -> y_TD                     gather-based weighted sum over K
 
 Between the two all-to-alls the layer yields to the overlap scheduler (:mod:`lancet_rt.schedule.scope`);
-without one the yields are no-ops.
+without one the yields are no-ops. The options are validated by :class:`lancet_rt.moe.config.MoEConfig`;
+the dispatch, experts and combine are scheduled by a dispatcher (:mod:`lancet_rt.moe.dispatch`).
 """
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 from torch import nn
 
-from lancet_rt.comm import group as comm
-from lancet_rt.moe.dispatch import allreduce as _dispatch
-from lancet_rt.comm import faults
 from lancet_rt import ops as _ops
+from lancet_rt import trace as _trace
+from lancet_rt.comm import faults
+from lancet_rt.comm import group as comm
+from lancet_rt.moe.config import (MoEConfig, check_modules, check_prebuilt, config_names, config_vector,
+                                  role_names)
+from lancet_rt.moe.dispatch import allreduce as _allreduce
+from lancet_rt.moe.dispatch import alltoall, pipelined
+from lancet_rt.moe.dispatch.common import Counts, Dispatched, Route, exchange_counts
+from lancet_rt.moe.experts import Experts
+from lancet_rt.routing.functions import BatchRouting, gate, permute, unpermute
+from lancet_rt.routing.router import Router
 from lancet_rt.schedule import recompute as _recompute
 from lancet_rt.schedule import scope as _scope
-from lancet_rt import trace as _trace
-from lancet_rt.moe.experts import Experts
-from lancet_rt.routing.router import Router
-from lancet_rt.routing.functions import BatchRouting, gate, permute, unpermute
-
-_SCORE_FNS = ("softmax", "sigmoid")
-_DTYPE_IDS = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3, torch.float16: 4}
-
-
-@dataclass
-class _Route:
-    """One chunk's routing: what the later stages of the same chunk need."""
-
-    weight_TK: torch.Tensor
-    row_TK: torch.Tensor
-    kept_E: torch.Tensor
-
-
-@dataclass
-class _Dispatched:
-    """One chunk's communication layout, from dispatch to combine."""
-
-    pending: comm.Pending
-    offsets_L1: torch.Tensor            # [E_local + 1] segment bounds of x_RD, by local expert
-    send_splits: list
-    recv_splits: list
-    to_expert_major: Optional[torch.Tensor]  # rank-major -> expert-major row permutation
-    to_rank_major: Optional[torch.Tensor]
 
 
 class MoE(nn.Module):
@@ -127,88 +106,35 @@ class MoE(nn.Module):
                  shared_expert_gate: Optional[nn.Module] = None, router: Optional[nn.Module] = None,
                  experts: Optional[Experts] = None, names: Optional[dict] = None, device=None, dtype=None):
         super().__init__()
-        for name, value in (("d_model", d_model), ("d_ffn", d_ffn), ("num_experts", num_experts),
-                            ("top_k", top_k), ("pipeline_chunks", pipeline_chunks), ("n_group", n_group)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-            if value < 1:
-                raise ValueError(f"{name} must be >= 1, got {value}")
-        if top_k > num_experts:
-            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
-        if capacity_factor is not None:
-            if isinstance(capacity_factor, bool) or not isinstance(capacity_factor, (int, float)):
-                raise TypeError(f"capacity_factor must be None or a number, got {type(capacity_factor).__name__}")
-            if not capacity_factor > 0 or math.isinf(capacity_factor):
-                raise ValueError(f"capacity_factor must be None (dropless) or a finite number > 0, got {capacity_factor}")
-        if score_fn not in _SCORE_FNS:
-            raise ValueError(f"score_fn must be one of {_SCORE_FNS}, got {score_fn!r}")
-        for name, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-            if not value >= 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
-        if dtype is not None and dtype not in _DTYPE_IDS:
-            raise TypeError(f"dtype must be one of {list(_DTYPE_IDS)}, got {dtype}")
-        topk_group = n_group if topk_group is None else topk_group
-        if num_experts % n_group:
-            raise ValueError(f"n_group must divide num_experts={num_experts}, got {n_group}")
-        if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
-            raise ValueError(f"topk_group must be an int in [1, n_group={n_group}], got {topk_group!r}")
-        if top_k > topk_group * (num_experts // n_group):
-            raise ValueError(f"top_k ({top_k}) must be at most topk_group * num_experts / n_group "
-                             f"= {topk_group * (num_experts // n_group)}")
-        if (isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float))
-                or not 0 < routed_scaling_factor < math.inf):
-            raise ValueError(f"routed_scaling_factor must be a finite number > 0, got {routed_scaling_factor!r}")
-        for name, value in (("shared_experts", shared_experts), ("shared_expert_gate", shared_expert_gate),
-                            ("router", router)):
-            if value is not None and not isinstance(value, nn.Module):
-                raise TypeError(f"{name} must be None or an nn.Module, got {type(value).__name__}")
-        if shared_expert_gate is not None and shared_experts is None:
-            raise ValueError("shared_expert_gate needs shared_experts")
-        if experts is not None and not isinstance(experts, Experts):
-            raise TypeError(f"experts must be None or a lancet_rt.Experts, got {type(experts).__name__}")
-        names = dict(names or {})
-        unknown = set(names) - set(self._ROLES)
-        if unknown:
-            raise ValueError(f"names takes the roles {self._ROLES}, got {sorted(unknown)}")
-        taken = set(dir(type(self))) - set(self._ROLES)
-        for role, name in names.items():
-            if not isinstance(name, str) or not name.isidentifier() or name in taken or "." in name:
-                raise ValueError(f"names[{role!r}] must be a free attribute name, got {name!r}")
-        if len({names.get(r, r) for r in self._ROLES}) != len(self._ROLES):
-            raise ValueError(f"names must give each role its own name, got {names}")
-
-        if dispatcher not in _dispatch.DISPATCHERS:
-            raise ValueError(f"dispatcher must be one of {_dispatch.DISPATCHERS}, got {dispatcher!r}")
-        if dispatcher == "allreduce" and pipeline_chunks != 1:
-            raise ValueError(f"pipeline_chunks must be 1 with dispatcher='allreduce', got {pipeline_chunks}")
+        cfg = MoEConfig(d_model, d_ffn, num_experts, top_k, capacity_factor=capacity_factor, score_fn=score_fn,
+                        normalize_topk=normalize_topk, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
+                        pipeline_chunks=pipeline_chunks, dispatcher=dispatcher, expert_bias=expert_bias,
+                        n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
+                        dtype=dtype)
+        check_modules(shared_experts, shared_expert_gate, router, experts)
+        names = role_names(names, self._ROLES, set(dir(type(self))) - set(self._ROLES))
         self.group = comm.as_group(ep_group)
-        if dispatcher == "allreduce":
-            _dispatch.check_group(self.group)
-        self.dispatcher = dispatcher
+        if cfg.dispatcher == "allreduce":
+            _allreduce.check_group(self.group)
         world = self.group.size if self.group is not None else 1
-        if num_experts % world != 0:
-            raise ValueError(
-                f"num_experts ({num_experts}) must be divisible by the expert-parallel world size ({world})"
-            )
+        cfg.check_world(world)
+        self.dispatcher = cfg.dispatcher
         self.d_model, self.d_ffn, self.num_experts, self.top_k = d_model, d_ffn, num_experts, top_k
-        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
-        self.score_fn, self.normalize_topk = score_fn, bool(normalize_topk)
-        self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
+        self.capacity_factor, self.score_fn, self.normalize_topk = cfg.capacity_factor, score_fn, cfg.normalize_topk
+        self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
         self.pipeline_chunks = pipeline_chunks
-        self.expert_bias, self.n_group, self.topk_group = bool(expert_bias), n_group, topk_group
-        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.expert_bias, self.n_group, self.topk_group = cfg.expert_bias, n_group, cfg.topk_group
+        self.routed_scaling_factor = cfg.routed_scaling_factor
         self.ep_size = world
         self.ep_rank = self.group.rank if self.group is not None else 0
         self.num_local_experts = num_experts // world
 
-        self._names = {role: names.get(role, role) for role in self._ROLES}
+        self._names = names
         if router is None:
             router = Router(d_model, num_experts, bias=router_bias, expert_bias=expert_bias, device=device, dtype=dtype)
         if experts is None:
             experts = Experts(self.num_local_experts, d_model, d_ffn, device=device, dtype=dtype)
-        _check_prebuilt(router, experts, d_model, num_experts, self.num_local_experts, expert_bias)
+        check_prebuilt(router, experts, d_model, num_experts, self.num_local_experts, expert_bias)
         for role, module in (("router", router), ("experts", experts), ("shared_experts", shared_experts),
                              ("shared_expert_gate", shared_expert_gate)):
             if module is not None:
@@ -300,24 +226,10 @@ class MoE(nn.Module):
             return torch.get_autocast_dtype(x.device.type)
         return self.experts.gate_up_proj.dtype
 
-    def _config_vector(self, status: int) -> torch.Tensor:
-        cf = -1 if self.capacity_factor is None else round(self.capacity_factor * 1e6)
-        return torch.tensor([
-            status, self.d_model, self.d_ffn, self.num_experts, self.top_k, cf,
-            _SCORE_FNS.index(self.score_fn), int(self.normalize_topk), round(self.aux_loss_coef * 1e9),
-            round(self.z_loss_coef * 1e9), _DTYPE_IDS[self.router.weight.dtype], self.pipeline_chunks,
-            int(self.expert_bias), self.n_group, self.topk_group, round(self.routed_scaling_factor * 1e9),
-            int(self.shared_experts is not None), int(self.shared_expert_gate is not None),
-            _dispatch.DISPATCHERS.index(self.dispatcher),
-        ], dtype=torch.int64)
-
     def _check_config(self, error: Optional[Exception]) -> None:
         """One all-gather on first use: every rank raises if configurations or inputs disagree."""
-        rows = self.group.all_gather(self._config_vector(faults.status_code(error)))
-        names = ["d_model", "d_ffn", "num_experts", "top_k", "capacity_factor(1e-6)", "score_fn",
-                 "normalize_topk", "aux_loss_coef(1e-9)", "z_loss_coef(1e-9)", "dtype", "pipeline_chunks",
-                 "expert_bias", "n_group", "topk_group", "routed_scaling_factor(1e-9)", "shared_experts",
-                 "shared_expert_gate", "dispatcher"]
+        rows = self.group.all_gather(config_vector(self, faults.status_code(error)))
+        names = config_names()
         for r in range(rows.shape[0]):  # compared before the status, so a rejected input cannot skip it
             diff = [n for n, a, b in zip(names, rows[r, 1:].tolist(), rows[self.ep_rank, 1:].tolist()) if a != b]
             if diff:
@@ -326,10 +238,10 @@ class MoE(nn.Module):
                     f"{self.ep_rank} differ in {', '.join(diff)}"
                 ))
         self._config_checked = True
-        _raise_on_bad_status(rows[:, 0], error)
+        faults.raise_on_bad_status(rows[:, 0], error)
 
     # ---------------------------------------------------------------- stages
-    def route(self, x_TD: torch.Tensor, state: BatchRouting, ops) -> _Route:
+    def route(self, x_TD: torch.Tensor, state: BatchRouting, ops) -> Route:
         """Router GEMM and gating for this chunk; advances the batch's carried capacity."""
         logits_TE = self.router(x_TD)
         options = {}  # the contract's extensions, passed only when used
@@ -342,9 +254,9 @@ class MoE(nn.Module):
         weight_TK, _expert_TK, row_TK, kept_E = gate(
             logits_TE, state, ops, score_fn=self.score_fn, normalize_topk=self.normalize_topk,
             aux_coef=self.aux_loss_coef, z_coef=self.z_loss_coef, **options)
-        return _Route(weight_TK, row_TK, kept_E)
+        return Route(weight_TK, row_TK, kept_E)
 
-    def exchange_counts(self, kept_PE: torch.Tensor, error: Optional[Exception] = None) -> "_Counts":
+    def exchange_counts(self, kept_PE: torch.Tensor, error: Optional[Exception] = None) -> Counts:
         """Counts first: start sending each rank the rows it will get for each of its local experts.
 
         ``kept_PE`` holds the kept rows per expert of P pieces sent back to back. Returns a handle
@@ -354,16 +266,7 @@ class MoE(nn.Module):
         rejected (``error``) still takes part, and every rank raises instead of waiting in the row
         all-to-all.
         """
-        L, W = self.num_local_experts, self.ep_size
-        P = kept_PE.shape[0]
-        if self.dispatcher == "allreduce":  # every rank gets every rank's counts (they must agree)
-            L = self.num_experts
-            counts = kept_PE.reshape(1, P * L).expand(W, -1).long()
-        else:
-            counts = kept_PE.view(P, W, L).permute(1, 0, 2).reshape(W, P * L).long()
-        status = torch.full((W, 1), faults.status_code(error), dtype=torch.long, device=counts.device)
-        return faults.in_order(self.group, lambda: _Counts(self.group.exchange(torch.cat([counts, status], dim=1)),
-                                                           P, W, L, error))
+        return exchange_counts(self, kept_PE, error)
 
     def fail_peers(self, error: Exception) -> None:
         """Raise ``error`` on this rank and on every peer of the group.
@@ -379,8 +282,8 @@ class MoE(nn.Module):
         raise error
 
     def dispatch(self, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL: torch.Tensor,
-                 sent_WL: torch.Tensor) -> _Dispatched:
-        """Send each kept row to its expert's rank (async).
+                 sent_WL: torch.Tensor) -> Dispatched:
+        """Send each kept row to its expert's rank (async; :func:`lancet_rt.moe.dispatch.alltoall.dispatch`).
 
         Args:
             x_SD: [S, D] rows grouped by expert (so by destination rank).
@@ -388,29 +291,17 @@ class MoE(nn.Module):
             counts_WL, sent_WL: [W, E_local] rows received / sent per (rank, local expert), on the
                 host, from :meth:`exchange_counts` (ignored for W = 1).
         """
-        if self.group is None:
-            offsets = _offsets(kept_E)
-            return _Dispatched(comm.Pending(x_SD, None), offsets, [x_SD.shape[0]], [x_SD.shape[0]], None, None)
-        send_splits = sent_WL.sum(1).tolist()
-        recv_splits = counts_WL.sum(1).tolist()
-        with _trace.span("dispatch", cuda=x_SD.is_cuda, layer=self.trace_name, rows=x_SD.shape[0]):
-            pending = comm.all_to_all(x_SD, self.group, recv_splits, send_splits)
-        to_expert, to_rank = _regroup_permutations(counts_WL, x_SD.device)
-        offsets = _offsets(_to_device(counts_WL.sum(0), x_SD.device))
-        return _Dispatched(pending, offsets, send_splits, recv_splits, to_expert, to_rank)
+        return alltoall.dispatch(self, x_SD, kept_E, counts_WL, sent_WL)
 
-    def compute_experts(self, x_recv: torch.Tensor, d: _Dispatched, ops, link=None) -> torch.Tensor:
+    def compute_experts(self, x_recv: torch.Tensor, d: Dispatched, ops, link=None) -> torch.Tensor:
         """Grouped SwiGLU experts over the received rows (rank-major in, rank-major out)."""
         with _trace.span("experts", cuda=x_recv.is_cuda, layer=self.trace_name, rows=x_recv.shape[0]):
             return self.experts(x_recv, d.offsets_L1, ops, to_expert=d.to_expert_major,
                                 to_rank=d.to_rank_major, link=link)
 
-    def combine(self, y_recv: torch.Tensor, d: _Dispatched) -> comm.Pending:
+    def combine(self, y_recv: torch.Tensor, d: Dispatched) -> comm.Pending:
         """Send expert outputs back to the tokens' ranks (async)."""
-        if self.group is None:
-            return comm.Pending(y_recv, None)
-        with _trace.span("combine", cuda=y_recv.is_cuda, layer=self.trace_name, rows=y_recv.shape[0]):
-            return comm.all_to_all(y_recv, self.group, d.send_splits, d.recv_splits)
+        return alltoall.combine(self, y_recv, d)
 
     # ---------------------------------------------------------------- forward
     @torch.compiler.disable  # collectives, host syncs and chunk switches: torch.compile runs around it
@@ -429,22 +320,19 @@ class MoE(nn.Module):
         chunk = _scope.current().chunk if _scope.current() is not None else None
         allreduce = self.dispatcher == "allreduce" and self.group is not None
         # (under autocast the replicated tokens meet the experts in the autocast dtype)
-        x_in = _dispatch.replicated_input(x_TD.to(dtype), self.group, chunk) if allreduce else None
+        x_in = _allreduce.replicated_input(x_TD.to(dtype), self.group, chunk) if allreduce else None
         with _trace.span("route", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk, tokens=x_TD.shape[0]):
             r = self.route(x_TD, state, ops)
         state.next_chunk += 1
         if state.complete and not replaying:
             self._record_stats(state)
         if allreduce:
-            y_TD = _dispatch.allreduce_forward(self, x_in, r, ops, chunk).to(x.dtype)
-            shared = self._shared_output(x_TD)
+            y_TD = _allreduce.allreduce_forward(self, x_in, r, ops, chunk).to(x.dtype)
+            shared = self.shared_output(x_TD)
             return (y_TD if shared is None else y_TD + shared).view(x.shape)
         x_c = x_TD.to(dtype)  # under autocast the tokens travel and meet the experts in its dtype
-        if self.pipeline_chunks == 1:
-            y_SD, src_S, link, shared = self._exchange_and_compute(x_c, r, ops, chunk, x_TD)
-        else:
-            y_SD, src_S, shared = self._pipelined_exchange_and_compute(x_c, r, ops, chunk, x_TD)
-            link = None
+        exchange = alltoall.exchange_and_compute if self.pipeline_chunks == 1 else pipelined.exchange_and_compute
+        y_SD, src_S, link, shared = exchange(self, x_c, r, ops, chunk, x_TD)
         with _trace.span("unpermute", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk):
             y_TD = unpermute(y_SD, r.row_TK, r.weight_TK, src_S, ops, link)
         y_TD = y_TD.to(x.dtype)
@@ -452,7 +340,7 @@ class MoE(nn.Module):
             y_TD = y_TD + shared
         return y_TD.view(x.shape)
 
-    def _shared_output(self, x_TD: torch.Tensor) -> Optional[torch.Tensor]:
+    def shared_output(self, x_TD: torch.Tensor) -> Optional[torch.Tensor]:
         """The shared experts' output (gated by sigmoid(shared_expert_gate(x)) if there is a gate)."""
         if self.shared_experts is None:
             return None
@@ -462,60 +350,10 @@ class MoE(nn.Module):
                 y_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * y_TD
         return y_TD
 
-    def _permute(self, x_TD, r, num_rows, ops, chunk):
+    def permute_rows(self, x_TD: torch.Tensor, r: Route, num_rows: int, ops, chunk) -> tuple:
+        """(x_SD, src_S): the chunk's kept rows grouped by expert (``num_rows`` of them)."""
         with _trace.span("permute", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk):
             return permute(x_TD, r.row_TK, num_rows, ops)
-
-    def _exchange_and_compute(self, x_TD, r, ops, chunk, x_in):
-        """Permute, dispatch, experts, combine; the shared experts (on ``x_in``, the layer's input)
-        run while the dispatch is in flight."""
-        if self.group is None:
-            x_SD, src_S = self._permute(x_TD, r, int(r.kept_E.sum()), ops, chunk)  # host sync: rows
-            d = self.dispatch(x_SD, r.kept_E, None, None)
-        else:
-            counts = self.exchange_counts(r.kept_E.view(1, -1))
-            _scope.switch(issues_next=True)  # another chunk runs while the counts travel
-            with _trace.span("wait", "wait", chunk=chunk, counts=True):
-                recv, sent = counts.wait()[0], counts.sent()[0]
-            x_SD, src_S = self._permute(x_TD, r, int(sent.sum()), ops, chunk)
-            d = self.dispatch(x_SD, r.kept_E, recv, sent)
-        shared = self._shared_output(x_in)
-        _scope.switch()
-        y_recv = self.compute_experts(d.pending.wait(), d, ops, d.pending.link)
-        pending = self.combine(y_recv, d)
-        _scope.switch()
-        return pending.wait(), src_S, pending.link, shared
-
-    def _pipelined_exchange_and_compute(self, x_TD, r, ops, chunk, x_in):
-        """The Tutel-style baseline: every expert's rows cut into P pieces, each piece dispatched,
-        computed and combined in turn, so piece p's experts overlap piece p+1's transfer. The
-        backward is pipelined the same way, as Tutel's is: every piece's combine gradient leaves at
-        once (:class:`_JoinPieces`), and each piece's expert backward issues its dispatch gradient
-        while the other pieces' transfers are in flight."""
-        P, E = self.pipeline_chunks, self.num_experts
-        kept = r.kept_E.tolist()  # host sync: the pieces' bounds
-        x_SD, src_S = self._permute(x_TD, r, sum(kept), ops, chunk)
-        starts = [0]
-        for k in kept[:-1]:
-            starts.append(starts[-1] + k)
-        bounds = [[starts[e] + kept[e] * p // P for e in range(E)] for p in range(P + 1)]
-        kept_PE = torch.tensor([[bounds[p + 1][e] - bounds[p][e] for e in range(E)] for p in range(P)])
-        order = _to_device(torch.cat([torch.arange(bounds[p][e], bounds[p + 1][e]) for p in range(P) for e in range(E)]
-                                     + [torch.zeros(0, dtype=torch.long)]), x_SD.device)
-        pieces = x_SD.index_select(0, order).split(kept_PE.sum(1).tolist())
-        kept_PE = _to_device(kept_PE, x_SD.device)
-        if self.group is not None:
-            exchange = self.exchange_counts(kept_PE)
-            counts, sent = exchange.wait(), exchange.sent()
-        else:
-            counts = sent = [None] * P
-        ds = [self.dispatch(pieces[p], kept_PE[p], counts[p], sent[p]) for p in range(P)]
-        shared = self._shared_output(x_in)
-        _scope.switch()
-        combines = [self.combine(self.compute_experts(d.pending.wait(), d, ops, d.pending.link), d) for d in ds]
-        _scope.switch()
-        y_pieces = [c.wait() for c in combines]
-        return _JoinPieces.apply(order, [c.link for c in combines], *y_pieces), src_S, shared
 
     def _routing_state(self, T: int, device) -> tuple[BatchRouting, bool]:
         """This call's routing state, and whether it replays a recorded one (a recomputation)."""
@@ -565,68 +403,6 @@ class MoE(nn.Module):
                 self.expert_load = load if self.expert_load is None else self.expert_load + load
 
 
-def _check_prebuilt(router: nn.Module, experts: Experts, d_model: int, num_experts: int, local: int,
-                    expert_bias: bool) -> None:
-    weight = getattr(router, "weight", None)
-    if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (num_experts, d_model):
-        raise ValueError(f"router must have a weight of shape [num_experts={num_experts}, d_model={d_model}], "
-                         f"got {None if weight is None else tuple(weight.shape)}")
-    bias = getattr(router, "e_score_correction_bias", None)
-    if expert_bias and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (num_experts,)):
-        raise ValueError(f"expert_bias=True needs router.e_score_correction_bias of shape [{num_experts}], got "
-                         f"{None if bias is None else tuple(bias.shape)}")
-    if (experts.num_local_experts, experts.d_model) != (local, d_model):
-        raise ValueError(f"experts must hold num_experts / ep_size = {local} experts of d_model={d_model}, got "
-                         f"{experts.num_local_experts} of d_model={experts.d_model}")
-
-
-class _JoinPieces(torch.autograd.Function):
-    """The pipelined baseline's combined pieces back in dispatch-row order (``y_SD[order] = cat(pieces)``).
-
-    Backward issues every piece's combine all-to-all gradient at once, last piece first: the engine
-    then runs the pieces' backward from the last to the first (latest-created node first), so each
-    piece's transfer is the next to arrive when its expert backward needs it, and the expert
-    backward of one piece overlaps the transfers of the others (Tutel pipelines its backward too).
-    """
-
-    @staticmethod
-    def forward(ctx, order, links, *pieces):
-        ctx.save_for_backward(order)
-        ctx.links, ctx.sizes = links, [p.shape[0] for p in pieces]
-        y_SD = torch.cat(pieces)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        return y_SD.index_select(0, inverse)
-
-    @staticmethod
-    def backward(ctx, grad_y_SD):
-        (order,) = ctx.saved_tensors
-        grads = grad_y_SD.index_select(0, order).split(ctx.sizes)
-        for link, g in reversed(list(zip(ctx.links, grads))):
-            if link is not None:
-                link.issue(g)
-        return (None, None) + tuple(grads)
-
-
-class _Counts:
-    """A counts exchange in flight (see :meth:`MoE.exchange_counts`)."""
-
-    def __init__(self, exchange, P, W, L, error):
-        self._exchange, self._shape, self._error = exchange, (P, W, L), error
-
-    def wait(self) -> torch.Tensor:
-        """recv [P, W, E_local] on the host; raises if any rank reported a rejected input."""
-        P, W, L = self._shape
-        recv = self._exchange.wait()
-        _raise_on_bad_status(recv[:, P * L], self._error)
-        return recv[:, : P * L].view(W, P, L).permute(1, 0, 2)
-
-    def sent(self) -> torch.Tensor:
-        """This rank's own counts [P, W, E_local] on the host (after :meth:`wait`)."""
-        P, W, L = self._shape
-        return self._exchange.sent[:, : P * L].view(W, P, L).permute(1, 0, 2)
-
-
 def _batch_tokens(T_chunk0: int, s) -> int:
     """Tokens of the whole local batch, from chunk 0's tokens per row (dim 0) of the inputs."""
     rows0 = s.rows[0]
@@ -638,44 +414,3 @@ def _batch_tokens(T_chunk0: int, s) -> int:
             f"be a whole multiple of the rows along dim 0"
         )
     return T_chunk0 // rows0 * s.total_rows
-
-
-def _offsets(counts: torch.Tensor) -> torch.Tensor:
-    out = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
-    torch.cumsum(counts.long(), 0, out=out[1:])
-    return out
-
-
-def _regroup_permutations(counts_WL: torch.Tensor, device):
-    """Row permutations between the received (rank-major) and the grouped (expert-major) order."""
-    W, L = counts_WL.shape
-    if L == 1 or W == 1:
-        return None, None
-    counts = counts_WL.reshape(-1)
-    starts = (torch.cumsum(counts, 0) - counts).view(W, L)
-    # Expert-major order: for each local expert l, the rows from rank 0, 1, ...
-    pieces = [torch.arange(int(starts[r, l]), int(starts[r, l] + counts_WL[r, l])) for l in range(L) for r in range(W)]
-    to_expert = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
-    to_rank = torch.empty_like(to_expert)
-    to_rank[to_expert] = torch.arange(to_expert.numel())
-    return _to_device(to_expert, device), _to_device(to_rank, device)
-
-
-def _to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """A small host tensor on ``device`` without a host sync.
-
-    A plain ``t.to("cuda")`` from pageable memory is a synchronous copy: the host waits for every
-    kernel already queued on the stream (``cudaStreamSynchronize``), which would stall the host once
-    per chunk and layer and drain the compute queue. Staged through pinned memory the copy is
-    stream-ordered and asynchronous; the caching host allocator keeps the pinned block alive until
-    the copy has run.
-    """
-    device = torch.device(device)
-    if device.type != "cuda" or t.device.type != "cpu" or t.numel() == 0:
-        return t.to(device)  # (an empty copy moves no bytes and does not sync)
-    if not t.is_pinned():
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
-
-
-_raise_on_bad_status = faults.raise_on_bad_status

@@ -58,15 +58,14 @@ def update_expert_bias(model: nn.Module, rate: float = 1e-3, group=None) -> None
     every rank applies the same update. Layers without ``expert_bias`` are left alone.
 
     Args:
-        model: a model holding :class:`MoE` layers.
+        model: a model holding :class:`~lancet_rt.MoE` layers (any module with ``expert_bias=True``,
+            an ``expert_load`` and a router with ``e_score_correction_bias`` counts as one).
         rate: the bias update speed (DeepSeek-V3: 1e-3).
         group: a torch.distributed ProcessGroup to sum loads over, or None (this process only).
     """
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
         raise ValueError(f"rate must be a finite number > 0, got {rate!r}")
-    from lancet_rt.moe.layer import MoE  # (moe imports this module)
-
-    layers = [m for m in model.modules() if isinstance(m, MoE) and m.expert_bias]
+    layers = [m for m in model.modules() if _balances_experts(m)]
     if not layers:
         return
     loads = torch.stack([m.expert_load if m.expert_load is not None else
@@ -81,3 +80,9 @@ def update_expert_bias(model: nn.Module, rate: float = 1e-3, group=None) -> None
         bias = m.router.e_score_correction_bias
         bias += (rate * torch.sign(load.double().mean() - load.double())).to(bias.dtype)
         m.expert_load = None
+
+
+def _balances_experts(m: nn.Module) -> bool:
+    """Whether ``m`` is a layer with a selection bias to update (duck-typed: routing does not import the layer)."""
+    return (getattr(m, "expert_bias", False) is True and hasattr(m, "expert_load")
+            and hasattr(m, "num_experts") and hasattr(m, "router"))

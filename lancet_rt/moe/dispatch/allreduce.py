@@ -45,9 +45,10 @@ from lancet_rt.comm import group as comm
 from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
 from lancet_rt.schedule import wgrad
+from lancet_rt.moe.dispatch.base import DISPATCHERS  # noqa: F401  (re-exported)
+from lancet_rt.moe.dispatch.common import to_device
 from lancet_rt.routing.functions import permute, unpermute
 
-DISPATCHERS = ("alltoall", "allreduce")
 
 
 @runtime_checkable
@@ -157,8 +158,6 @@ def allreduce_forward(moe, x_in: tuple, r, ops, chunk) -> torch.Tensor:
         ops: the kernel namespace.
         chunk: the chunk index (traces), or None.
     """
-    from lancet_rt.moe.layer import _to_device  # (moe imports this module)
-
     (x_TD, x_link), group, L = x_in, moe.group, moe.num_local_experts
     w_TK, w_link = _grad_all_reduce(r.weight_TK, group, chunk)  # waited for before the gating's backward
     # Every rank's kept rows per expert (+ status), checked before the all-reduce: waiting for them
@@ -178,7 +177,7 @@ def allreduce_forward(moe, x_in: tuple, r, ops, chunk) -> torch.Tensor:
         row_TK = torch.where(local_TK, row_TK - lo, torch.full_like(row_TK, -1))
         x_SD, src_S = permute(x_TD, row_TK, rows, ops)
     x_link.issue_after(x_SD, 0)
-    offsets = _to_device(torch.tensor(list(itertools.accumulate(mine, initial=0)), dtype=torch.int64), x_TD.device)
+    offsets = to_device(torch.tensor(list(itertools.accumulate(mine, initial=0)), dtype=torch.int64), x_TD.device)
     with _trace.span("experts", cuda=x_TD.is_cuda, layer=moe.trace_name, rows=rows):
         y_SD = moe.experts(x_SD, offsets, ops)
     with _trace.span("unpermute", cuda=x_TD.is_cuda, layer=moe.trace_name, chunk=chunk):

@@ -1,0 +1,79 @@
+"""The default dispatcher: expert parallelism over all-to-alls (each rank its own tokens).
+
+Counts first (:func:`~lancet_rt.moe.dispatch.common.exchange_counts`, the layer's one host sync,
+issued early and waited late), then the rows to the experts' ranks, the experts, and the outputs
+back; the shared experts run while the dispatch is in flight, and the layer yields to the overlap
+scheduler while each exchange flies.
+"""
+from __future__ import annotations
+
+import torch
+
+from lancet_rt.comm import group as comm
+from lancet_rt.moe.dispatch.base import Exchanged
+from lancet_rt.moe.dispatch.common import Dispatched, offsets, regroup_permutations, to_device
+from lancet_rt.schedule import scope as _scope
+from lancet_rt import trace as _trace
+
+
+def dispatch(moe, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL, sent_WL) -> Dispatched:
+    """Send each kept row to its expert's rank (async).
+
+    Args:
+        moe: the layer (its group and trace name).
+        x_SD: [S, D] rows grouped by expert (so by destination rank).
+        kept_E: [E] kept rows per expert, on the device.
+        counts_WL, sent_WL: [W, E_local] rows received / sent per (rank, local expert), on the
+            host, from the counts exchange (ignored without a group).
+
+    Returns:
+        The chunk's :class:`~lancet_rt.moe.dispatch.common.Dispatched` layout; its ``pending`` is
+        the rows' exchange in flight.
+    """
+    if moe.group is None:
+        return Dispatched(comm.Pending(x_SD, None), offsets(kept_E), [x_SD.shape[0]], [x_SD.shape[0]], None, None)
+    send_splits = sent_WL.sum(1).tolist()
+    recv_splits = counts_WL.sum(1).tolist()
+    with _trace.span("dispatch", cuda=x_SD.is_cuda, layer=moe.trace_name, rows=x_SD.shape[0]):
+        pending = comm.all_to_all(x_SD, moe.group, recv_splits, send_splits)
+    to_expert, to_rank = regroup_permutations(counts_WL, x_SD.device)
+    offsets_L1 = offsets(to_device(counts_WL.sum(0), x_SD.device))
+    return Dispatched(pending, offsets_L1, send_splits, recv_splits, to_expert, to_rank)
+
+
+def combine(moe, y_recv: torch.Tensor, d: Dispatched) -> comm.Pending:
+    """Send expert outputs back to the tokens' ranks (async).
+
+    Args:
+        moe: the layer (its group and trace name).
+        y_recv: [R, D] the experts' outputs in received-row order.
+        d: the chunk's layout from :func:`dispatch`.
+
+    Returns:
+        The exchange in flight; ``wait()`` gives y_SD in dispatch-row order.
+    """
+    if moe.group is None:
+        return comm.Pending(y_recv, None)
+    with _trace.span("combine", cuda=y_recv.is_cuda, layer=moe.trace_name, rows=y_recv.shape[0]):
+        return comm.all_to_all(y_recv, moe.group, d.send_splits, d.recv_splits)
+
+
+def exchange_and_compute(moe, x_TD: torch.Tensor, r, ops, chunk, x_in: torch.Tensor) -> Exchanged:
+    """Permute, dispatch, experts, combine (a :class:`~lancet_rt.moe.dispatch.base.Dispatcher`); the
+    shared experts (on ``x_in``, the layer's input) run while the dispatch is in flight."""
+    if moe.group is None:
+        x_SD, src_S = moe.permute_rows(x_TD, r, int(r.kept_E.sum()), ops, chunk)  # host sync: rows
+        d = moe.dispatch(x_SD, r.kept_E, None, None)
+    else:
+        counts = moe.exchange_counts(r.kept_E.view(1, -1))
+        _scope.switch(issues_next=True)  # another chunk runs while the counts travel
+        with _trace.span("wait", "wait", chunk=chunk, counts=True):
+            recv, sent = counts.wait()[0], counts.sent()[0]
+        x_SD, src_S = moe.permute_rows(x_TD, r, int(sent.sum()), ops, chunk)
+        d = moe.dispatch(x_SD, r.kept_E, recv, sent)
+    shared = moe.shared_output(x_in)
+    _scope.switch()
+    y_recv = moe.compute_experts(d.pending.wait(), d, ops, d.pending.link)
+    pending = moe.combine(y_recv, d)
+    _scope.switch()
+    return Exchanged(pending.wait(), src_S, pending.link, shared)
