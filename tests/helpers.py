@@ -49,3 +49,26 @@ def nan_like(t: torch.Tensor) -> torch.Tensor:
 
 def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def run_and_grad(model, runner, inputs: tuple, kwargs: dict, g):
+    """Run ``runner`` on ``inputs`` and backward ``g``; returns the output, the input's and the parameters'
+    gradients, and each MoE layer's aux loss, z-loss and drop count."""
+    x = inputs[0].clone().requires_grad_(True)
+    y = runner(x, *inputs[1:], **kwargs)
+    y.backward(g)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return y.detach(), x.grad, grads, [(m.aux_loss, m.z_loss, m.dropped) for m in model.moe_layers()]
+
+
+def assert_same_run(ref, got, what=""):
+    """``run_and_grad``'s results equal, term by term."""
+    assert_close(f"{what}y", got[0], ref[0])
+    assert_close(f"{what}grad x", got[1], ref[1])
+    assert ref[2].keys() == got[2].keys()
+    for n in ref[2]:
+        assert_close(f"{what}grad {n}", got[2][n], ref[2][n])
+    for (a0, z0, d0), (a1, z1, d1) in zip(ref[3], got[3]):
+        assert_close(f"{what}aux", a1.reshape(1), a0.reshape(1))
+        assert_close(f"{what}z", z1.reshape(1), z0.reshape(1))
+        assert d0 == d1

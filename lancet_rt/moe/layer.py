@@ -1,6 +1,6 @@
 """The lancet-rt MoE layer: exact, expert-parallel, built as stages the scheduler can place.
 
-Stages of one forward (DESIGN.md, data flow)::
+Stages of one forward (docs/design.md, data flow)::
 
     route     x_TD -> logits_TE (float32) -> gate -> weight_TK, row_TK, kept_E
     permute   x_TD -> x_SD                     rows grouped by destination rank, then expert
@@ -39,7 +39,7 @@ from lancet_rt.schedule import scope as _scope
 class MoE(nn.Module):
     """A Mixture-of-Experts FFN layer with exact routing and expert parallelism.
 
-    Routing follows DESIGN.md's contract: float32 router, softmax or sigmoid scores, top-k with ties
+    Routing follows the contract in docs/design.md: float32 router, softmax or sigmoid scores, top-k with ties
     to the lower expert, optional renormalisation of the K weights, capacity
     ``C = ceil(capacity_factor * T * K / E)`` over the whole local batch with slots claimed in token
     order then k order (dropped assignments contribute zero), Switch aux loss and z-loss.

@@ -7,7 +7,7 @@ and gating, and chunk i-1 its experts and the layers after them. Since the commu
 FIFO, round robin resumes chunks in the order their transfers finish.
 
 Exactness: the gating passes chunks in order and carries each expert's used capacity, and capacity
-and the aux/z losses are those of the whole batch (DESIGN.md idea 3). The one requirement on the
+and the aux/z losses are those of the whole batch (docs/design.md, idea 3). The one requirement on the
 model: outside lancet MoE layers it is separable along dim 0 of its tensor inputs (row i of the
 output depends only on row i of the inputs), which holds for transformer blocks on [batch, seq, ...]
 inputs without batch-coupling ops (batch norm, in-batch losses). ``check=True`` verifies it once

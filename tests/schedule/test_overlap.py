@@ -445,7 +445,7 @@ def test_dw_windows_follow_the_torch_groups_link_model():
 def test_emulated_counts_channel(channel):
     """A counts exchange behind a 210 ms transfer: "shared" queues it in the tokens' FIFO (it ends
     after the transfer), "own" gives it a channel of its own (it ends after the 10 ms latency, with
-    the transfer still in flight). GPU twin: tests/test_gpu_runtime.py::test_emulated_cuda_counts_channel."""
+    the transfer still in flight). GPU twin: tests/comm/test_gpu_runtime.py::test_emulated_cuda_counts_channel."""
     link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=0.0002, latency_us=10_000, counts_channel=channel)
     x = torch.randn(150, 100)  # 100 rows x 400 bytes leave rank 0: 40 KB at 2e5 B/s = 200 ms, + 10 ms
     work = link.all_to_all(torch.empty_like(x), x, [50, 50, 25, 25], [50, 50, 25, 25])

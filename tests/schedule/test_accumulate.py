@@ -13,7 +13,7 @@ import torch
 import lancet_rt
 from lancet_rt.schedule.accumulate import accumulate
 from lancet_rt.parallel import GradientSync, sync_gradients
-from tests import test_overlap as overlap_tests
+from tests.schedule import test_overlap as overlap_tests
 from tests.dist import assert_all_ok, run_ranks
 from tests.helpers import assert_close
 
@@ -282,7 +282,7 @@ def test_accumulate_expert_parallel_gloo():
 def test_moe_pipelined_backward_is_pipelined():
     """MoE(pipeline_chunks=P) pipelines its backward as Tutel does: every piece's combine gradient
     leaves before the first expert backward, and each piece's dispatch gradient leaves before the
-    next piece's expert backward runs. Exactness: tests/test_overlap.py."""
+    next piece's expert backward runs. Exactness: tests/schedule/test_overlap.py."""
     from lancet_rt.moe import experts as experts_mod
 
     link = lancet_rt.EmulatedGroup(2)

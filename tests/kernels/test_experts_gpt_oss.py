@@ -29,7 +29,7 @@ from lancet_rt.kernels.reference import (
 )
 from lancet_rt.ops import get_ops
 from tests.helpers import assert_close, nan_like
-from tests.test_kernels_experts import (
+from tests.kernels.test_kernels_experts import (
     DEVICE, DTYPES, _assert_close_sampled, _gpu_problem, _nan, _no_host_sync, _offsets, _randn,
 )
 

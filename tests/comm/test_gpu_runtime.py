@@ -1,7 +1,7 @@
 """GPU lane for the runtime: the MoE layer, Overlapped and the emulated link on CUDA, NCCL with one rank.
 
-Their CPU twins: tests/test_moe.py (contract), tests/test_overlap.py (Overlapped over the emulated
-link), tests/test_moe_distributed.py::test_one_rank_group_runs_the_collectives (gloo, one rank).
+Their CPU twins: tests/moe/test_moe.py (contract), tests/schedule/test_overlap.py (Overlapped over the emulated
+link), tests/distributed/test_moe_distributed.py::test_one_rank_group_runs_the_collectives (gloo, one rank).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 import lancet_rt
 from lancet_rt.models.blocks import MoEBlocks
 from tests.helpers import assert_close
-from tests.test_moe import build, reference
+from tests.moe.test_moe import build, reference
 
 pytestmark = pytest.mark.gpu
 
@@ -62,7 +62,7 @@ def test_overlapped_cuda_emulated_link_equals_model(defer_wgrad):
 def test_emulated_cuda_link_holds_modeled_time_without_blocking_the_host():
     """The timed kernel holds the link for the modeled time (torch.cuda._sleep counts SM clock
     cycles; a wrong cycles-per-ms calibration shows here), the host does not wait for it, and the
-    data arrives. CPU twin: tests/test_overlap.py::test_emulated_link_holds_modeled_time."""
+    data arrives. CPU twin: tests/schedule/test_overlap.py::test_emulated_link_holds_modeled_time."""
     link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=10.0, latency_us=50, device="cuda")
     x = torch.randn(4096, 1024, device="cuda")
     out = torch.empty_like(x)
@@ -88,7 +88,7 @@ def test_emulated_cuda_link_holds_modeled_time_without_blocking_the_host():
 
 @pytest.mark.parametrize("channel", ["shared", "own"])
 def test_emulated_cuda_counts_channel(channel):
-    """CPU twin: tests/test_overlap.py::test_emulated_counts_channel. Behind a 20 ms transfer the
+    """CPU twin: tests/schedule/test_overlap.py::test_emulated_counts_channel. Behind a 20 ms transfer the
     counts arrive after it ("shared") or after the latency, the transfer still in flight ("own")."""
     link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=1.0, latency_us=100, device="cuda", counts_channel=channel)
     x = torch.randn(4096, 1600, device="cuda")  # 3/4 of 26 MB leave rank 0: about 19.7 ms at 1 GB/s
@@ -109,7 +109,7 @@ def test_emulated_cuda_counts_channel(channel):
 
 def test_trace_on_cuda_records_stages_and_link(tmp_path):
     """CUDA-event spans resolve (both events recorded, synchronized) and the link spans last at
-    least the modeled time. CPU twin: tests/test_overlap.py::test_trace_records_stages_and_link."""
+    least the modeled time. CPU twin: tests/schedule/test_overlap.py::test_trace_records_stages_and_link."""
     link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=50.0, latency_us=20, device="cuda")
     torch.manual_seed(0)
     model = MoEBlocks(2, 256, 4, dict(d_ffn=512, num_experts=8, top_k=2, capacity_factor=1.0, ep_group=link),

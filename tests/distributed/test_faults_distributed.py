@@ -22,7 +22,7 @@ import lancet_rt
 import lancet_rt.autotune  # noqa: F401 - registers chunks="auto"
 from lancet_rt import env
 from tests.dist import run_ranks
-from tests.test_faults import assert_same_step, in_chunk, make_model, raise_, train_step
+from tests.comm.test_faults import assert_same_step, in_chunk, make_model, raise_, train_step
 
 D = 16
 

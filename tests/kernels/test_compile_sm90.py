@@ -21,7 +21,7 @@ import pytest
 from bench import compile_check
 from lancet_rt.kernels.reference import ACTIVATIONS
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 _MISSING = compile_check.toolchain_missing()
 
 

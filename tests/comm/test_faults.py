@@ -1,7 +1,7 @@
 """Faults, adversarially, in one process: bad inputs to the layer, Overlapped, the emulated link and
 the kernels' launchers called directly; failures in forward and backward after which the next step
 must equal a fresh model's; a broken autotune cache. The distributed faults (2 and 3 gloo ranks)
-are in tests/test_faults_distributed.py.
+are in tests/distributed/test_faults_distributed.py.
 
 Each case asserts the exception type and that the message names the argument (README, "Reliability").
 """

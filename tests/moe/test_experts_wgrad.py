@@ -1,6 +1,6 @@
 """The experts' weight (and bias) gradients are deferred under ``Overlapped(defer_wgrad=True)``.
 
-tests/test_overlap.py checks that deferral gives the right gradients, but the DeferredLinear items
+tests/schedule/test_overlap.py checks that deferral gives the right gradients, but the DeferredLinear items
 alone satisfy its checks: an experts layer that computed dW inline in its backward would pass them.
 Here every ``grouped_mm_dw`` and ``segment_sum`` (bias gradient) call the MoE layer makes is recorded
 with the Python stack it ran on: under deferral each must come from the weight-gradient queue (a
