@@ -64,7 +64,15 @@ def wall_ms(fn) -> float:
 def step_ms(fn, device=None) -> float:
     """One timed run of ``fn``: CUDA events on a GPU, the wall clock (garbage collector paused) on CPU."""
     if device is not None and torch.device(device).type == "cuda":
-        return bench_ms(fn, device, warmup=0, rep=1)["ms"]
+        # Events around exactly one run: do_bench (bench_ms) would repeat fn for ~125 ms per call,
+        # which turned each "one step" of the interleaved rounds into dozens of steps on a GPU.
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(device)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(device)
+        return start.elapsed_time(end)
     return wall_ms(fn)
 
 
