@@ -84,17 +84,24 @@ def offsets(counts: torch.Tensor) -> torch.Tensor:
 
 
 def regroup_permutations(counts_WL: torch.Tensor, device):
-    """Row permutations between the received (rank-major) and the grouped (expert-major) order."""
+    """Row permutations between the received (rank-major) and the grouped (expert-major) order.
+
+    Vectorised over the W x L blocks (a per-block loop read two scalars per rank and local expert,
+    2 W L host reads per chunk and layer); reads at most one scalar, the total row count.
+    """
     W, L = counts_WL.shape
     if L == 1 or W == 1:
         return None, None
-    counts = counts_WL.reshape(-1)
-    starts = (torch.cumsum(counts, 0) - counts).view(W, L)
+    starts_WL = (torch.cumsum(counts_WL.reshape(-1), 0) - counts_WL.reshape(-1)).view(W, L)
     # Expert-major order: for each local expert l, the rows from rank 0, 1, ...
-    pieces = [torch.arange(int(starts[r, l]), int(starts[r, l] + counts_WL[r, l])) for l in range(L) for r in range(W)]
-    to_expert = torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.long)
+    counts_B = counts_WL.t().reshape(-1)
+    starts_B = starts_WL.t().reshape(-1)
+    total = int(counts_B.sum())
+    block_B = torch.repeat_interleave(torch.arange(counts_B.numel()), counts_B, output_size=total)
+    first_B = torch.cumsum(counts_B, 0) - counts_B   # each block's first position in the grouped order
+    to_expert = starts_B[block_B] + torch.arange(total) - first_B[block_B]
     to_rank = torch.empty_like(to_expert)
-    to_rank[to_expert] = torch.arange(to_expert.numel())
+    to_rank[to_expert] = torch.arange(total)
     return to_device(to_expert, device), to_device(to_rank, device)
 
 
