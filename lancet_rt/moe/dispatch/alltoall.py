@@ -36,7 +36,7 @@ def dispatch(moe, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL, sent_WL) 
     recv_splits = counts_WL.sum(1).tolist()
     with _trace.span("dispatch", cuda=x_SD.is_cuda, layer=moe.trace_name, rows=x_SD.shape[0]):
         pending = comm.all_to_all(x_SD, moe.group, recv_splits, send_splits)
-    to_expert, to_rank = regroup_permutations(counts_WL, x_SD.device)
+    to_expert, to_rank = regroup_permutations(counts_WL, x_SD.device, total=sum(recv_splits))
     offsets_L1 = offsets(to_device(counts_WL.sum(0), x_SD.device))
     return Dispatched(pending, offsets_L1, send_splits, recv_splits, to_expert, to_rank)
 

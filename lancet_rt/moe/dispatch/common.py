@@ -83,11 +83,12 @@ def offsets(counts: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def regroup_permutations(counts_WL: torch.Tensor, device):
+def regroup_permutations(counts_WL: torch.Tensor, device, total: Optional[int] = None):
     """Row permutations between the received (rank-major) and the grouped (expert-major) order.
 
     Vectorised over the W x L blocks (a per-block loop read two scalars per rank and local expert,
-    2 W L host reads per chunk and layer); reads at most one scalar, the total row count.
+    2 W L host reads per chunk and layer). ``total``, the received row count when the caller knows
+    it (the dispatch has its split sizes), saves the one host read left.
     """
     W, L = counts_WL.shape
     if L == 1 or W == 1:
@@ -96,7 +97,7 @@ def regroup_permutations(counts_WL: torch.Tensor, device):
     # Expert-major order: for each local expert l, the rows from rank 0, 1, ...
     counts_B = counts_WL.t().reshape(-1)
     starts_B = starts_WL.t().reshape(-1)
-    total = int(counts_B.sum())
+    total = int(counts_B.sum()) if total is None else total
     block_B = torch.repeat_interleave(torch.arange(counts_B.numel()), counts_B, output_size=total)
     first_B = torch.cumsum(counts_B, 0) - counts_B   # each block's first position in the grouped order
     to_expert = starts_B[block_B] + torch.arange(total) - first_B[block_B]
