@@ -44,7 +44,7 @@ import json
 import sys
 from typing import Iterable, Optional, Sequence
 
-from .replay_profile import ReplayProfile, _interp, build_profile  # noqa: F401  (_interp: the tests read it here)
+from .replay_profile import ReplayProfile, build_profile
 from .replay_sim import EXPERTS_DW_SHARE, ReplayPrediction, replay
 from .replay_trace import STAGES, TracedStep, load_events, parse_trace
 

@@ -81,7 +81,7 @@ def test_replay_parses_a_trace_by_stage():
     with pytest.raises(ValueError, match="one step"):
         parse_trace(_synthetic_trace() + [e for e in _synthetic_trace() if e["name"] == "route"])
     # Between traced chunk counts stage totals are interpolated, beyond them extended (ratios held).
-    from lancet_rt.autotune.replay import _interp
+    from lancet_rt.autotune.replay_profile import _interp
     assert [_interp({2: 10.0, 8: 22.0}, n, extend=True) for n in (1, 2, 4, 8, 10)] == [8.0, 10.0, 14.0, 22.0, 26.0]
     assert [_interp({2: 10.0, 8: 22.0}, n) for n in (1, 5, 10)] == [10.0, 16.0, 22.0]
     assert _interp({4: 3.0}, 1, extend=True) == 3.0

@@ -45,7 +45,6 @@ from lancet_rt.comm import group as comm
 from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
 from lancet_rt.schedule import wgrad
-from lancet_rt.moe.dispatch.base import DISPATCHERS  # noqa: F401  (re-exported)
 from lancet_rt.moe.dispatch.common import to_device
 from lancet_rt.routing.functions import permute, unpermute
 
