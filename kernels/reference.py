@@ -341,8 +341,10 @@ def unpermute_bwd_ref(
     return grad_y_SD, grad_w
 
 
-def _bounds(offsets_E1: torch.Tensor):
-    return offsets_E1.tolist()  # host sync: fine for a reference
+def _bounds(offsets_E1):
+    """Segment bounds as host ints: given as such (the layer passes the bounds it knows from the
+    counts exchange: no read), or read from the offsets tensor (a host sync: fine for a reference)."""
+    return offsets_E1 if isinstance(offsets_E1, (list, tuple)) else offsets_E1.tolist()
 
 
 #: The experts' activations: "swiglu" is silu(gate) * up (Mixtral, Qwen, DeepSeek); "swiglu_oai" is

@@ -37,7 +37,10 @@ def _reference(names: list[str]) -> dict:
 
 
 def _reference_ops() -> SimpleNamespace:
-    return SimpleNamespace(name="torch", **_reference([n for group in _OP_NAMES.values() for n in group]))
+    # host_offsets: the grouped GEMMs take segment bounds as host ints (the references loop over
+    # segments on the host; the kernels read device offsets)
+    return SimpleNamespace(name="torch", host_offsets=True,
+                           **_reference([n for group in _OP_NAMES.values() for n in group]))
 
 
 def _triton_families() -> dict:
@@ -57,7 +60,8 @@ def _triton_ops(dtype) -> SimpleNamespace:
             fallback.append(module)
             continue
         ops.update({n: getattr(families[module], n) for n in names})
-    return SimpleNamespace(name="triton", reference_families=tuple(fallback), **ops)
+    return SimpleNamespace(name="triton", reference_families=tuple(fallback),
+                           host_offsets="grouped_gemm" in fallback, **ops)
 
 
 def implementation(device: torch.device) -> str:

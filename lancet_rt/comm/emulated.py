@@ -421,7 +421,7 @@ class EmulatedGroup:
         from lancet_rt.comm.group import Exchange, _side_stream
 
         if self._cpu_link is not None:
-            host = send_WN.detach().to(torch.int64).cpu().clone()
+            host = send_WN.detach().to(torch.int64, copy=True)  # (a CPU link: already on the host)
             return Exchange(host, self._submit(0, kind="exchange"), host)
         done = self._submit(0, kind="exchange")  # on its channel's stream
         side = _side_stream(send_WN.device)

@@ -122,10 +122,11 @@ def status_code(error: Optional[BaseException]) -> int:
     return getattr(error, "_lancet_status", 1)
 
 
-def raise_on_bad_status(status_W: torch.Tensor, local_error: Optional[BaseException]) -> None:
+def raise_on_bad_status(status_W, local_error: Optional[BaseException]) -> None:
     """Raise on every rank once any rank reported a failure on the counts exchange or the config
-    all-gather (the ranks stay in step: the error is marked so the step guard leaves the group usable)."""
-    codes = status_W.tolist()
+    all-gather (the ranks stay in step: the error is marked so the step guard leaves the group usable).
+    ``status_W``: each rank's status code, host ints or a host tensor."""
+    codes = status_W.tolist() if isinstance(status_W, torch.Tensor) else list(status_W)
     bad = [r for r, s in enumerate(codes) if s != 0]
     if not bad:
         return

@@ -52,14 +52,17 @@ class _ExpertsFn(torch.autograd.Function):
     """Rows in the received (rank-major) order in and out; expert-major inside for the GEMMs."""
 
     @staticmethod
-    def forward(ctx, x_in, gate_up, down, gate_up_bias, down_bias, offsets_E1, ops, spec, to_expert, to_rank, link,
-                probe, params):
+    def forward(ctx, x_in, gate_up, down, gate_up_bias, down_bias, offsets_E1, bounds, ops, spec, to_expert, to_rank,
+                link, probe, params):
         x_RD = x_in if to_expert is None else x_in.index_select(0, to_expert)
+        # The references loop over host bounds: given those, they read nothing.
+        ctx.bounds = bounds if bounds is not None and getattr(ops, "host_offsets", False) else None
+        segments = offsets_E1 if ctx.bounds is None else ctx.bounds
         # The kernels' views: [E, 2F, D] and [E, D, F] (GPT-OSS: transposes of its parameters).
         w_E2FD = gate_up.transpose(1, 2) if spec.gpt_oss else gate_up
         w_EDF = down.transpose(1, 2) if spec.gpt_oss else down
-        h_RF, gu_R2F = ops.gate_up_swiglu(x_RD, w_E2FD, offsets_E1, gate_up_bias, **spec.act())
-        y_RD = ops.grouped_mm(h_RF, w_EDF, offsets_E1, down_bias)
+        h_RF, gu_R2F = ops.gate_up_swiglu(x_RD, w_E2FD, segments, gate_up_bias, **spec.act())
+        y_RD = ops.grouped_mm(h_RF, w_EDF, segments, down_bias)
         ctx.perms, ctx.link, ctx.spec = (to_expert, to_rank), link, spec
         ctx.save_for_backward(x_RD, gu_R2F, h_RF, gate_up, down, offsets_E1)
         ctx.has_bias = (gate_up_bias is not None, down_bias is not None)
@@ -81,6 +84,8 @@ class _ExpertsFn(torch.autograd.Function):
     def _backward(ctx, dy_out):
         x_RD, gu_R2F, h_RF, gate_up, down, offsets_E1 = ctx.saved_tensors
         ops, spec = ctx.ops, ctx.spec
+        if ctx.bounds is not None:
+            offsets_E1 = ctx.bounds
         w_E2FD = gate_up.transpose(1, 2) if spec.gpt_oss else gate_up
         w_EDF = down.transpose(1, 2) if spec.gpt_oss else down
         to_expert, to_rank = ctx.perms
@@ -91,7 +96,7 @@ class _ExpertsFn(torch.autograd.Function):
         dx_in = dx_RD if to_rank is None else dx_RD.index_select(0, to_rank)
         if ctx.link is not None:
             ctx.link.issue(dx_in)  # the dispatch's backward all-to-all starts now
-        none = (None,) * 8
+        none = (None,) * 9
 
         def param_grads(needs):
             """Gradients of (gate_up, down, gate_up_bias, down_bias), each None where not needed. In the
@@ -212,7 +217,7 @@ class Experts(nn.Module):
                      if p is not None)
 
     def forward(self, x_RD: torch.Tensor, offsets_E1: torch.Tensor, ops, *, to_expert=None, to_rank=None,
-                link=None) -> torch.Tensor:
+                link=None, bounds=None) -> torch.Tensor:
         """Apply expert e to rows offsets[e]:offsets[e+1] of ``x_RD`` [R, D]; returns y_RD.
 
         Args:
@@ -221,15 +226,17 @@ class Experts(nn.Module):
             ops: the kernel namespace (:func:`lancet_rt.ops.get_ops`).
             to_expert, to_rank: optional row permutations received -> expert-major and back.
             link: the dispatch all-to-all that produced ``x_RD``; its backward is issued from here.
+            bounds: ``offsets_E1`` as host ints, when known (the references then read nothing).
         """
         tensors = (self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias)
         q = wgrad.current()
         if q is not None and torch.is_grad_enabled():
             detached = tuple(None if t is None else _as(t.detach(), x_RD.dtype) for t in tensors)
-            return _ExpertsFn.apply(x_RD, *detached, offsets_E1, ops, self._spec, to_expert, to_rank, link,
+            return _ExpertsFn.apply(x_RD, *detached, offsets_E1, bounds, ops, self._spec, to_expert, to_rank, link,
                                     q.probe, self._params())
         tensors = tuple(None if t is None else _as(t, x_RD.dtype) for t in tensors)
-        return _ExpertsFn.apply(x_RD, *tensors, offsets_E1, ops, self._spec, to_expert, to_rank, link, None, None)
+        return _ExpertsFn.apply(x_RD, *tensors, offsets_E1, bounds, ops, self._spec, to_expert, to_rank, link, None,
+                                None)
 
     def extra_repr(self) -> str:
         text = f"num_local_experts={self.num_local_experts}, d_model={self.d_model}, d_ffn={self.d_ffn}"

@@ -297,7 +297,7 @@ class MoE(nn.Module):
         """Grouped SwiGLU experts over the received rows (rank-major in, rank-major out)."""
         with _trace.span("experts", cuda=x_recv.is_cuda, layer=self.trace_name, rows=x_recv.shape[0]):
             return self.experts(x_recv, d.offsets_L1, ops, to_expert=d.to_expert_major,
-                                to_rank=d.to_rank_major, link=link)
+                                to_rank=d.to_rank_major, link=link, bounds=d.bounds_L1)
 
     def combine(self, y_recv: torch.Tensor, d: Dispatched) -> comm.Pending:
         """Send expert outputs back to the tokens' ranks (async)."""

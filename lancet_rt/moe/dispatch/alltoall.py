@@ -11,7 +11,7 @@ import torch
 
 from lancet_rt.comm import group as comm
 from lancet_rt.moe.dispatch.base import Exchanged
-from lancet_rt.moe.dispatch.common import Dispatched, offsets, regroup_permutations, to_device
+from lancet_rt.moe.dispatch.common import Dispatched, host_bounds, offsets, regroup_permutations, to_device
 from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
 
@@ -23,22 +23,27 @@ def dispatch(moe, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL, sent_WL) 
         moe: the layer (its group and trace name).
         x_SD: [S, D] rows grouped by expert (so by destination rank).
         kept_E: [E] kept rows per expert, on the device.
-        counts_WL, sent_WL: [W, E_local] rows received / sent per (rank, local expert), on the
-            host, from the counts exchange (ignored without a group).
+        counts_WL, sent_WL: [W, E_local] rows received / sent per (rank, local expert), as host
+            ints (nested lists, from :attr:`~lancet_rt.moe.dispatch.common.Counts.host`: nothing is
+            read here) or host tensors, from the counts exchange (ignored without a group).
 
     Returns:
         The chunk's :class:`~lancet_rt.moe.dispatch.common.Dispatched` layout; its ``pending`` is
         the rows' exchange in flight.
     """
     if moe.group is None:
-        return Dispatched(comm.Pending(x_SD, None), offsets(kept_E), [x_SD.shape[0]], [x_SD.shape[0]], None, None)
-    send_splits = sent_WL.sum(1).tolist()
-    recv_splits = counts_WL.sum(1).tolist()
+        return Dispatched(comm.Pending(x_SD, None), offsets(kept_E), None, [x_SD.shape[0]], [x_SD.shape[0]],
+                          None, None)
+    if isinstance(counts_WL, torch.Tensor):
+        counts_WL, sent_WL = counts_WL.tolist(), sent_WL.tolist()
+    send_splits = [sum(row) for row in sent_WL]
+    recv_splits = [sum(row) for row in counts_WL]
     with _trace.span("dispatch", cuda=x_SD.is_cuda, layer=moe.trace_name, rows=x_SD.shape[0]):
         pending = comm.all_to_all(x_SD, moe.group, recv_splits, send_splits)
     to_expert, to_rank = regroup_permutations(counts_WL, x_SD.device, total=sum(recv_splits))
-    offsets_L1 = offsets(to_device(counts_WL.sum(0), x_SD.device))
-    return Dispatched(pending, offsets_L1, send_splits, recv_splits, to_expert, to_rank)
+    bounds_L1 = host_bounds([sum(col) for col in zip(*counts_WL)])
+    offsets_L1 = to_device(torch.tensor(bounds_L1), x_SD.device)
+    return Dispatched(pending, offsets_L1, bounds_L1, send_splits, recv_splits, to_expert, to_rank)
 
 
 def combine(moe, y_recv: torch.Tensor, d: Dispatched) -> comm.Pending:
@@ -68,8 +73,9 @@ def exchange_and_compute(moe, x_TD: torch.Tensor, r, ops, chunk, x_in: torch.Ten
         counts = moe.exchange_counts(r.kept_E.view(1, -1))
         _scope.switch(issues_next=True)  # another chunk runs while the counts travel
         with _trace.span("wait", "wait", chunk=chunk, counts=True):
-            recv, sent = counts.wait()[0], counts.sent()[0]
-        x_SD, src_S = moe.permute_rows(x_TD, r, int(sent.sum()), ops, chunk)
+            counts.wait()
+        recv, sent = counts.host[0][0], counts.host[1][0]
+        x_SD, src_S = moe.permute_rows(x_TD, r, sum(map(sum, sent)), ops, chunk)
         d = moe.dispatch(x_SD, r.kept_E, recv, sent)
     shared = moe.shared_output(x_in)
     _scope.switch()

@@ -27,6 +27,7 @@ class Dispatched:
 
     pending: comm.Pending
     offsets_L1: torch.Tensor            # [E_local + 1] segment bounds of x_RD, by local expert
+    bounds_L1: Optional[list]           # the same bounds as host ints (None: not known on the host)
     send_splits: list
     recv_splits: list
     to_expert_major: Optional[torch.Tensor]  # rank-major -> expert-major row permutation
@@ -34,22 +35,37 @@ class Dispatched:
 
 
 class Counts:
-    """A counts exchange in flight (see :func:`exchange_counts`)."""
+    """A counts exchange in flight (see :func:`exchange_counts`).
+
+    After :meth:`wait`, :attr:`host` holds the received and sent counts as Python ints, read from
+    the exchange's host buffers in ONE read (``tolist``): the layer's one host read per chunk. The
+    split sizes, the experts' segment bounds and the status all come from it, so no other value of
+    a tensor is read on the host in the dispatch.
+    """
 
     def __init__(self, exchange, P, W, L, error):
         self._exchange, self._shape, self._error = exchange, (P, W, L), error
+        self.host: Optional[tuple[list, list]] = None  # (recv, sent), each [P][W][E_local] ints
 
     def wait(self) -> torch.Tensor:
         """recv [P, W, E_local] on the host; raises if any rank reported a rejected input."""
         P, W, L = self._shape
         recv = self._exchange.wait()
-        faults.raise_on_bad_status(recv[:, P * L], self._error)
+        if self.host is None:
+            rows_recv, rows_sent = torch.stack((recv, self._exchange.sent)).tolist()  # the one read
+            faults.raise_on_bad_status([row[P * L] for row in rows_recv], self._error)
+            self.host = (_by_piece(rows_recv, P, L), _by_piece(rows_sent, P, L))
         return recv[:, : P * L].view(W, P, L).permute(1, 0, 2)
 
     def sent(self) -> torch.Tensor:
         """This rank's own counts [P, W, E_local] on the host (after :meth:`wait`)."""
         P, W, L = self._shape
         return self._exchange.sent[:, : P * L].view(W, P, L).permute(1, 0, 2)
+
+
+def _by_piece(rows_W: list, P: int, L: int) -> list:
+    """[W][P * L + 1] exchanged ints (status last) as [P][W][L]."""
+    return [[row[p * L:(p + 1) * L] for row in rows_W] for p in range(P)]
 
 
 def exchange_counts(moe, kept_PE: torch.Tensor, error: Optional[Exception] = None) -> Counts:
@@ -76,6 +92,14 @@ def exchange_counts(moe, kept_PE: torch.Tensor, error: Optional[Exception] = Non
     return faults.in_order(group, lambda: Counts(group.exchange(torch.cat([counts, status], dim=1)), P, W, L, error))
 
 
+def host_bounds(counts_L: list) -> list:
+    """Segment bounds [n + 1] of host ints ``counts_L`` [n]."""
+    out = [0]
+    for c in counts_L:
+        out.append(out[-1] + c)
+    return out
+
+
 def offsets(counts: torch.Tensor) -> torch.Tensor:
     """Segment bounds [n + 1] (int64) of ``counts`` [n]."""
     out = torch.zeros(counts.numel() + 1, dtype=torch.int64, device=counts.device)
@@ -83,26 +107,50 @@ def offsets(counts: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def regroup_permutations(counts_WL: torch.Tensor, device, total: Optional[int] = None):
+def regroup_permutations(counts_WL, device, total: Optional[int] = None):
     """Row permutations between the received (rank-major) and the grouped (expert-major) order.
 
-    Vectorised over the W x L blocks (a per-block loop read two scalars per rank and local expert,
-    2 W L host reads per chunk and layer). ``total``, the received row count when the caller knows
-    it (the dispatch has its split sizes), saves the one host read left.
+    Args:
+        counts_WL: [W, L] rows received from rank w for local expert l: host ints (nested lists:
+            no host read at all) or a host tensor (one read, unless ``total`` is given).
+        device: where the permutations go.
+        total: the received row count, when the caller knows it.
+
+    Row j of block (w, l) is received at ``start[w, l] + j`` and grouped at ``first[l, w] + j``;
+    so ``to_expert[first[l, w] + j] = start[w, l] + j``: an arange shifted per block, one
+    ``repeat_interleave`` of the W x L shifts (a per-block loop read two scalars per rank and local
+    expert, 2 W L host reads per chunk and layer).
     """
-    W, L = counts_WL.shape
+    if isinstance(counts_WL, torch.Tensor):
+        if total is not None and counts_WL.shape[0] != 1 and counts_WL.shape[1] != 1:
+            return _regroup_tensor(counts_WL, device, total)
+        counts_WL = counts_WL.tolist()
+    W, L = len(counts_WL), len(counts_WL[0]) if counts_WL else 0
     if L == 1 or W == 1:
         return None, None
-    starts_WL = (torch.cumsum(counts_WL.reshape(-1), 0) - counts_WL.reshape(-1)).view(W, L)
-    # Expert-major order: for each local expert l, the rows from rank 0, 1, ...
+    flat = [c for row in counts_WL for c in row]
+    start = host_bounds(flat)                                  # received order: (w, l) blocks
+    counts_B = [counts_WL[w][l] for l in range(L) for w in range(W)]
+    first = host_bounds(counts_B)                              # grouped order: (l, w) blocks
+    shift_B = [start[w * L + l] - first[l * W + w] for l in range(L) for w in range(W)]
+    total = first[-1]
+    return _permutations(torch.tensor(shift_B), torch.tensor(counts_B), total, device)
+
+
+def _regroup_tensor(counts_WL: torch.Tensor, device, total: int):
+    """:func:`regroup_permutations` of a host tensor with its total known: no host read."""
+    W, L = counts_WL.shape
+    flat = counts_WL.reshape(-1)
+    start_WL = (torch.cumsum(flat, 0) - flat).view(W, L)
     counts_B = counts_WL.t().reshape(-1)
-    starts_B = starts_WL.t().reshape(-1)
-    total = int(counts_B.sum()) if total is None else total
-    block_B = torch.repeat_interleave(torch.arange(counts_B.numel()), counts_B, output_size=total)
-    first_B = torch.cumsum(counts_B, 0) - counts_B   # each block's first position in the grouped order
-    to_expert = starts_B[block_B] + torch.arange(total) - first_B[block_B]
-    to_rank = torch.empty_like(to_expert)
-    to_rank[to_expert] = torch.arange(total)
+    shift_B = start_WL.t().reshape(-1) - (torch.cumsum(counts_B, 0) - counts_B)
+    return _permutations(shift_B, counts_B, total, device)
+
+
+def _permutations(shift_B: torch.Tensor, counts_B: torch.Tensor, total: int, device):
+    rows = torch.arange(total)
+    to_expert = torch.repeat_interleave(shift_B, counts_B, output_size=total).add_(rows)
+    to_rank = torch.empty_like(to_expert).index_put_((to_expert,), rows)
     return to_device(to_expert, device), to_device(to_rank, device)
 
 

@@ -1,0 +1,315 @@
+"""What chunking costs the host: per layer and per extra chunk, forward and backward.
+
+For the blocks model on an emulated expert-parallel link (an infinitely fast one: only the host's
+and the compute's own work is left), a training step is run unchunked and under
+``lancet_rt.Overlapped(chunks=N)``, and each phase is counted:
+
+* ATen ops (a ``TorchDispatchMode`` sees every op the step dispatches, views included);
+* host reads of tensor values (``aten._local_scalar_dense``: ``.item()``, ``.tolist()``, ``int(t)``;
+  on a GPU each read of a device tensor is a host sync);
+* Triton launches (on the kernel path: ``LANCET_KERNELS=triton``, on CPU with ``TRITON_INTERPRET=1``);
+* host microseconds (the median wall time of the phase; on a GPU, the time to enqueue it);
+
+and per step: the bytes saved for backward (distinct storages packed by autograd, parameters
+excluded: what the step holds beyond the model) and, on CUDA, the peak allocated memory.
+
+The "per extra chunk" columns are (value at N chunks - value unchunked) / (layers x (N - 1)): what
+each chunk beyond the first adds to one layer's step. Every option of the layer the step depends on
+is a flag: dropless or a capacity factor, autocast, deferred dW.
+
+    python -m bench.host --device cpu                      # the issue's configurations, one table
+    python -m bench.host --autocast bf16 --defer-wgrad     # one configuration
+    python -m bench.host --top 15                          # and the ops each extra chunk adds, by name
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import copy
+import gc
+import statistics
+import time
+from typing import Optional
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lancet_rt
+from bench.common import RowLog, print_table, run_metadata
+from lancet_rt.models.blocks import MoEBlocks
+
+_READ = torch.ops.aten._local_scalar_dense.default
+
+
+#: Tensor methods that read values to the host without dispatching an ATen op on CPU (``tolist``
+#: reads a CPU tensor's memory directly; ``cpu()`` of a CPU tensor returns it): counted by name, since
+#: on a GPU each is a device-to-host copy.
+_HOST_METHODS = ("tolist", "cpu", "numpy")
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ATen ops dispatched while active, by name, and the host reads: the ATen
+    ``_local_scalar_dense`` (``item()``, ``int(t)``, ``bool(t)``) plus calls of :data:`_HOST_METHODS`."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+        self.host_calls = 0
+        self._saved: dict = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.name()] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        for name in _HOST_METHODS:
+            original = self._saved[name] = getattr(torch.Tensor, name)
+
+            def method(t, *a, _original=original, _name=name, **kw):
+                self.host_calls += 1
+                self.ops[f"Tensor.{_name}"] += 1
+                return _original(t, *a, **kw)
+
+            setattr(torch.Tensor, name, method)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, original in self._saved.items():
+            setattr(torch.Tensor, name, original)
+        self._saved.clear()
+        return super().__exit__(*exc)
+
+    @property
+    def total(self) -> int:
+        """ATen ops (the host-method calls are not ops)."""
+        return sum(self.ops.values()) - self.host_calls
+
+    @property
+    def reads(self) -> int:
+        return self.ops[_READ.name()] + self.host_calls
+
+
+class LaunchCounter:
+    """Counts Triton kernel launches (compiled or interpreted) while active."""
+
+    def __init__(self):
+        self.count = 0
+        self._patched: list = []
+
+    def __enter__(self):
+        try:
+            from triton.runtime import interpreter, jit
+        except ImportError:  # no triton: no launches
+            return self
+        for cls in (jit.JITFunction, interpreter.InterpretedFunction):
+            original = cls.run
+
+            def run(fn_self, *args, _original=original, **kwargs):
+                if not kwargs.get("warmup", False):
+                    self.count += 1
+                return _original(fn_self, *args, **kwargs)
+
+            cls.run = run
+            self._patched.append((cls, original))
+        return self
+
+    def __exit__(self, *exc):
+        for cls, original in self._patched:
+            cls.run = original
+        self._patched.clear()
+
+
+@contextlib.contextmanager
+def saved_bytes(exclude: set):
+    """Yields a dict whose "bytes" is the size of the distinct storages autograd saves for backward
+    while active, storages in ``exclude`` (the parameters') left out."""
+    seen: set = set()
+    out = {"bytes": 0}
+
+    def pack(t):
+        if t.device.type != "meta":
+            s = t.untyped_storage()
+            key = s.data_ptr()
+            if key not in seen and key not in exclude and s.nbytes():
+                seen.add(key)
+                out["bytes"] += s.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield out
+
+
+class Step:
+    """One model on one emulated link, stepped unchunked or under ``Overlapped(chunks=n)``."""
+
+    def __init__(self, args, device: torch.device):
+        link = lancet_rt.EmulatedGroup(args.world_size, float("inf"), 0.0, device=device)
+        moe = dict(d_ffn=args.d_ffn, num_experts=args.experts, top_k=args.top_k, ep_group=link,
+                   capacity_factor=args.capacity_factor, aux_loss_coef=1e-2)
+        torch.manual_seed(0)
+        self.model = MoEBlocks(args.layers, args.d_model, args.heads, moe, device=device)
+        self.device = device
+        self.layers = args.layers
+        self.autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.autocast)
+        self.runners = {1: self.model}
+        for n in args.chunks:
+            if n > 1:
+                self.runners[n] = lancet_rt.Overlapped(self.model, chunks=n, defer_wgrad=args.defer_wgrad)
+        if args.defer_wgrad:  # the unchunked step defers too, so only the chunking differs
+            self.runners[1] = lancet_rt.Overlapped(self.model, chunks=1, defer_wgrad=True)
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(args.batch, args.seq, args.d_model, generator=g).to(device)
+        self.params = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+
+    def _autocast(self):
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast)
+
+    def forward(self, n: int):
+        with self._autocast():
+            y = self.runners[n](self.x)
+        return y.float().square().mean() + sum(m.aux_loss for m in self.model.moe_layers())
+
+    def run(self, n: int) -> None:
+        self.model.zero_grad(set_to_none=True)
+        self.forward(n).backward()
+
+    def count(self, n: int) -> dict:
+        """Ops, reads and launches of one step's forward and backward; saved bytes and peak memory."""
+        self.run(n)  # warm: caches, autotuners, lazily built state
+        self.model.zero_grad(set_to_none=True)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        row: dict = {}
+        with OpCounter() as ops, LaunchCounter() as launches, saved_bytes(self.params) as saved:
+            loss = self.forward(n)
+        row.update(fwd_ops=ops.total, fwd_reads=ops.reads, fwd_launches=launches.count, saved_bytes=saved["bytes"])
+        fwd_ops = ops.ops
+        with OpCounter() as ops, LaunchCounter() as launches:
+            loss.backward()
+        row.update(bwd_ops=ops.total, bwd_reads=ops.reads, bwd_launches=launches.count)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+            row["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        row["by_name"] = fwd_ops + ops.ops
+        return row
+
+    def host_us(self, n: int, reps: int) -> dict:
+        """Median wall time of the forward and of the backward, in microseconds (GC paused)."""
+        fwd, bwd = [], []
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(reps):
+                self.model.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                loss = self.forward(n)
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
+                fwd.append((t1 - t0) * 1e6)
+                bwd.append((t2 - t1) * 1e6)
+        finally:
+            gc.enable()
+        return dict(fwd_us=statistics.median(fwd), bwd_us=statistics.median(bwd))
+
+
+_PER_CHUNK = ("fwd_ops", "bwd_ops", "fwd_reads", "bwd_reads", "fwd_launches", "bwd_launches", "fwd_us", "bwd_us")
+
+
+def measure(args, device: torch.device) -> list[dict]:
+    """One row per chunk count: the step's counts, and what each chunk beyond the first adds per layer."""
+    step = Step(args, device)
+    base = None
+    rows = []
+    for n in sorted({1, *args.chunks}):
+        row = dict(chunks=n, **step.count(n))
+        row.update(step.host_us(n, args.reps))
+        row["ops"], row["reads"] = row["fwd_ops"] + row["bwd_ops"], row["fwd_reads"] + row["bwd_reads"]
+        if base is None:
+            base = row
+        else:
+            per = step.layers * (n - 1)
+            for k in _PER_CHUNK + ("ops", "reads"):
+                row[f"{k}_per_chunk"] = (row[k] - base[k]) / per
+            row["saved_x"] = row["saved_bytes"] / base["saved_bytes"] if base["saved_bytes"] else float("nan")
+            if "peak_mb" in row:
+                row["peak_x"] = row["peak_mb"] / base["peak_mb"]
+            row["top_added"] = _top_added(base["by_name"], row["by_name"], per, args.top)
+        rows.append(row)
+    for r in rows:
+        r.pop("by_name")
+    return rows
+
+
+def _top_added(base: collections.Counter, now: collections.Counter, per: int, top: int) -> list:
+    added = {k: (now[k] - base[k]) / per for k in now.keys() | base.keys()}
+    return sorted(((k, v) for k, v in added.items() if v), key=lambda kv: -abs(kv[1]))[:top]
+
+
+def configurations(args) -> list[dict]:
+    """The configurations one run covers: the one given, or with ``--sweep`` the issue's set."""
+    if not args.sweep:
+        return [dict(capacity_factor=args.capacity_factor, autocast=args.autocast, defer_wgrad=args.defer_wgrad)]
+    return [dict(capacity_factor=cf, autocast=ac, defer_wgrad=dw)
+            for cf in (None, 1.25) for ac in ("none", "bf16") for dw in (False, True)]
+
+
+def main(argv: Optional[list] = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--experts", type=int, default=16)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--d-ffn", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=32)
+    p.add_argument("--chunks", type=lambda s: [int(v) for v in s.split(",")], default=[2, 4])
+    p.add_argument("--capacity-factor", type=float, default=None, help="None: dropless")
+    p.add_argument("--autocast", choices=("none", "bf16", "fp16"), default="none")
+    p.add_argument("--defer-wgrad", action="store_true")
+    p.add_argument("--sweep", action="store_true",
+                   help="every combination of dropless / capacity 1.25, autocast none / bf16, defer_wgrad off / on")
+    p.add_argument("--reps", type=int, default=20, help="timed steps per chunk count (host time)")
+    p.add_argument("--top", type=int, default=0, help="print the N op names each extra chunk adds most")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    log = RowLog(args.json)
+    meta = run_metadata(device)
+    rows = []
+    for cfg in configurations(args):
+        run_args = copy.copy(args)
+        vars(run_args).update(cfg)
+        for row in measure(run_args, device):
+            row = dict(cfg, **row, **meta)
+            rows.append(row)
+            log.add(row)
+    _print(rows, args.top)
+    return rows
+
+
+def _print(rows: list[dict], top: int) -> None:
+    cols = ["capacity_factor", "autocast", "defer_wgrad", "chunks", "ops_per_chunk", "reads_per_chunk",
+            "fwd_ops_per_chunk", "bwd_ops_per_chunk", "fwd_launches_per_chunk", "bwd_launches_per_chunk",
+            "fwd_us_per_chunk", "bwd_us_per_chunk", "saved_x", "peak_x"]
+    have = [c for c in cols if any(c in r for r in rows)]
+    print_table([r for r in rows if r["chunks"] > 1], have,
+                "per layer per extra chunk (fwd+bwd), and the step's saved bytes / peak memory against unchunked")
+    if top:
+        for r in rows:
+            if r["chunks"] > 1:
+                print(f"\nchunks={r['chunks']} {r['autocast']} cf={r['capacity_factor']} dw={r['defer_wgrad']}: "
+                      + ", ".join(f"{k} {v:+.1f}" for k, v in r["top_added"]))
+
+
+if __name__ == "__main__":
+    main()
