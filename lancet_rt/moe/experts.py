@@ -26,6 +26,7 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
+from lancet_rt.schedule import casts
 from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
 from lancet_rt.schedule import wgrad
@@ -52,24 +53,29 @@ class _ExpertsFn(torch.autograd.Function):
     """Rows in the received (rank-major) order in and out; expert-major inside for the GEMMs."""
 
     @staticmethod
-    def forward(ctx, x_in, gate_up, down, gate_up_bias, down_bias, offsets_E1, bounds, ops, spec, to_expert, to_rank,
-                link, probe, params):
+    def forward(ctx, x_in, gate_up, down, gate_up_bias, down_bias, weights, offsets_E1, bounds, ops, spec, to_expert,
+                to_rank, link, probe, params):
+        # gate_up .. down_bias: what autograd differentiates (the Parameters; None when deferring);
+        # ``weights``: the same four in the rows' dtype, detached, for the GEMMs (under autocast one
+        # copy per chunked forward, shared by the chunks: lancet_rt.schedule.casts).
+        w_gate_up, w_down, b_gate_up, b_down = weights
         x_RD = x_in if to_expert is None else x_in.index_select(0, to_expert)
         # The references loop over host bounds: given those, they read nothing.
         ctx.bounds = bounds if bounds is not None and getattr(ops, "host_offsets", False) else None
         segments = offsets_E1 if ctx.bounds is None else ctx.bounds
         # The kernels' views: [E, 2F, D] and [E, D, F] (GPT-OSS: transposes of its parameters).
-        w_E2FD = gate_up.transpose(1, 2) if spec.gpt_oss else gate_up
-        w_EDF = down.transpose(1, 2) if spec.gpt_oss else down
-        h_RF, gu_R2F = ops.gate_up_swiglu(x_RD, w_E2FD, segments, gate_up_bias, **spec.act())
-        y_RD = ops.grouped_mm(h_RF, w_EDF, segments, down_bias)
+        w_E2FD = w_gate_up.transpose(1, 2) if spec.gpt_oss else w_gate_up
+        w_EDF = w_down.transpose(1, 2) if spec.gpt_oss else w_down
+        h_RF, gu_R2F = ops.gate_up_swiglu(x_RD, w_E2FD, segments, b_gate_up, **spec.act())
+        y_RD = ops.grouped_mm(h_RF, w_EDF, segments, b_down)
         ctx.perms, ctx.link, ctx.spec = (to_expert, to_rank), link, spec
-        ctx.save_for_backward(x_RD, gu_R2F, h_RF, gate_up, down, offsets_E1)
-        ctx.has_bias = (gate_up_bias is not None, down_bias is not None)
+        ctx.save_for_backward(x_RD, gu_R2F, h_RF, w_gate_up, w_down, offsets_E1)
+        ctx.has_bias = (b_gate_up is not None, b_down is not None)
+        # The gradients' dtypes: the parameters' (float32 under autocast), as a differentiable cast gives.
+        ctx.grad_dtypes = tuple(None if w is None else w.dtype for w in (gate_up, down, gate_up_bias, down_bias))
         ctx.ops = ops
-        # Deferring (a dW queue is active), the parameters come detached and their gradients reach
-        # ``params`` (the Parameters) through the queue; ``probe`` tells backward whether the engine
-        # accumulates.
+        # Deferring (a dW queue is active), the gradients reach ``params`` (the Parameters) through
+        # the queue; ``probe`` tells backward whether the engine accumulates.
         ctx.params, ctx.probe = params, probe
         ctx.wgrad = wgrad.current() if params is not None else None
         ctx.chunk = _scope.current().chunk if _scope.current() is not None else None
@@ -96,7 +102,7 @@ class _ExpertsFn(torch.autograd.Function):
         dx_in = dx_RD if to_rank is None else dx_RD.index_select(0, to_rank)
         if ctx.link is not None:
             ctx.link.issue(dx_in)  # the dispatch's backward all-to-all starts now
-        none = (None,) * 9
+        none = (None,) * 10
 
         def param_grads(needs):
             """Gradients of (gate_up, down, gate_up_bias, down_bias), each None where not needed. In the
@@ -128,13 +134,8 @@ class _ExpertsFn(torch.autograd.Function):
                 ctx.wgrad.push(ctx.params, needs, weight_grads, flops)
             return (dx_in, None, None, None, None) + none
         needs = ctx.needs_input_grad[1:5]
-        return (dx_in, *param_grads(needs)) + none
-
-
-def _as(w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight in the rows' dtype: under autocast, float32 weights meet bfloat16 rows as
-    ``nn.Linear`` does (a differentiable cast, so float32 parameters get float32 gradients)."""
-    return w if w.dtype == dtype else w.to(dtype)
+        grads = tuple(None if g is None else g.to(dtype) for g, dtype in zip(param_grads(needs), ctx.grad_dtypes))
+        return (dx_in, *grads) + none
 
 
 class Experts(nn.Module):
@@ -229,14 +230,15 @@ class Experts(nn.Module):
             bounds: ``offsets_E1`` as host ints, when known (the references then read nothing).
         """
         tensors = (self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias)
+        # Under autocast, float32 weights meet bfloat16 rows as in ``nn.Linear``: computed in the rows'
+        # dtype, float32 gradients; one copy per chunked forward whatever the chunk count.
+        weights = tuple(None if t is None else casts.compute_copy(t, x_RD.dtype) for t in tensors)
         q = wgrad.current()
         if q is not None and torch.is_grad_enabled():
-            detached = tuple(None if t is None else _as(t.detach(), x_RD.dtype) for t in tensors)
-            return _ExpertsFn.apply(x_RD, *detached, offsets_E1, bounds, ops, self._spec, to_expert, to_rank, link,
-                                    q.probe, self._params())
-        tensors = tuple(None if t is None else _as(t, x_RD.dtype) for t in tensors)
-        return _ExpertsFn.apply(x_RD, *tensors, offsets_E1, bounds, ops, self._spec, to_expert, to_rank, link, None,
-                                None)
+            return _ExpertsFn.apply(x_RD, None, None, None, None, weights, offsets_E1, bounds, ops, self._spec,
+                                    to_expert, to_rank, link, q.probe, self._params())
+        return _ExpertsFn.apply(x_RD, *tensors, weights, offsets_E1, bounds, ops, self._spec, to_expert, to_rank, link,
+                                None, None)
 
     def extra_repr(self) -> str:
         text = f"num_local_experts={self.num_local_experts}, d_model={self.d_model}, d_ffn={self.d_ffn}"

@@ -24,6 +24,8 @@ class ChunkScope:
             and issues its collectives in the same order.
         first_exchange: the step's first counts exchange per group (``id(group)``), which later
             chunks wait for before issuing theirs (:func:`lancet_rt.comm.faults.in_order`).
+        casts: the weights' compute-dtype copies shared by the chunks
+            (:func:`lancet_rt.schedule.casts.compute_copy`).
     """
 
     def __init__(self, rows: list[int], switch: Callable[[], None]):
@@ -35,6 +37,7 @@ class ChunkScope:
         self._calls: dict = {}
         self.waiting: dict = {}
         self.first_exchange: dict = {}
+        self.casts: dict = {}
         self._yields = 0
 
     def switch(self, issues_next: bool = False) -> None:

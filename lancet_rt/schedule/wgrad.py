@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lancet_rt import trace as _trace
+from lancet_rt.schedule import casts
 
 _active: Optional["WGradQueue"] = None
 
@@ -265,8 +266,8 @@ class DeferredLinear(nn.Linear):
         bias = None if self.bias is None else self.bias.detach()
         if torch.is_autocast_enabled(x.device.type):
             # As nn.Linear under autocast: input and weights in the autocast dtype (dW is summed in
-            # it and handed to the float32 parameter at the flush).
+            # the parameter's dtype by the queue); the weights' copies made once per chunked forward.
             dtype = torch.get_autocast_dtype(x.device.type)
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = None if bias is None else bias.to(dtype)
+            x, weight = x.to(dtype), casts.compute_copy(self.weight, dtype)
+            bias = None if bias is None else casts.compute_copy(self.bias, dtype)
         return _LinearFn.apply(x, weight, bias, q.probe, params, q)
