@@ -43,8 +43,9 @@ class GatingOutput(NamedTuple):
 
 
 def _acc(t: torch.Tensor) -> torch.dtype:
-    """Accumulation dtype: float32, or float64 for float64 inputs."""
-    return torch.promote_types(t.dtype, torch.float32)
+    """Accumulation dtype: float32, or float64 for float64 inputs (``promote_types(dtype, float32)``
+    for the float dtypes, decided on the host: ``torch.promote_types`` dispatches an ATen op)."""
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
 def _scores(logits_TE: torch.Tensor, score_fn: str) -> torch.Tensor:
@@ -216,22 +217,37 @@ def gating_bwd_ref(
         grad_logits_TE, same dtype and shape as ``logits_TE``.
     """
     check_scaling(scaling)
-    with torch.enable_grad():
-        logits = logits_TE.detach().requires_grad_(True)
-        scores = _scores(logits, score_fn)
-        total = logits.new_zeros(())
-        if grad_weight_TK is not None:
-            w_TK = _topk_weights(scores, expert_TK, normalize_topk, scaling)
-            total = total + (w_TK * grad_weight_TK).sum()
-        if grad_score_sum_E is not None:
-            norm = scores / scores.sum(dim=-1, keepdim=True)
-            total = total + (norm.sum(dim=0) * grad_score_sum_E).sum()
-        if grad_zsq_sum is not None:
-            total = total + (torch.logsumexp(logits, dim=-1) ** 2).sum() * grad_zsq_sum
-        if not total.requires_grad:
-            return torch.zeros_like(logits_TE)
-        (grad,) = torch.autograd.grad(total, logits)
-    return grad
+    if grad_weight_TK is None and grad_score_sum_E is None and grad_zsq_sum is None:
+        return torch.zeros_like(logits_TE)
+    scores_TE = _scores(logits_TE, score_fn)
+    grad_scores = None
+    if grad_weight_TK is not None:
+        # w_k = scaling * s[e_k] / G (G = the sum of the K chosen scores when normalising, else 1)
+        e_TK = expert_TK.long()
+        s_TK = scores_TE.gather(1, e_TK)
+        gw_TK = grad_weight_TK.to(scores_TE.dtype) * scaling
+        if normalize_topk:
+            G_T1 = s_TK.sum(dim=-1, keepdim=True)
+            gw_TK = (gw_TK - (gw_TK * s_TK).sum(dim=-1, keepdim=True) / G_T1) / G_T1
+        grad_scores = torch.zeros_like(scores_TE).scatter_add_(1, e_TK, gw_TK)
+    if grad_score_sum_E is not None:
+        # score_sum = sum over tokens of s / sum_e(s)
+        S_T1 = scores_TE.sum(dim=-1, keepdim=True)
+        g_E = grad_score_sum_E.to(scores_TE.dtype)
+        g = (g_E - (scores_TE * g_E).sum(dim=-1, keepdim=True) / S_T1) / S_T1
+        grad_scores = g if grad_scores is None else grad_scores + g
+    grad = None
+    if grad_scores is not None:
+        if score_fn == "softmax":
+            grad = scores_TE * (grad_scores - (grad_scores * scores_TE).sum(dim=-1, keepdim=True))
+        else:
+            grad = grad_scores * scores_TE * (1 - scores_TE)
+    if grad_zsq_sum is not None:
+        # d/dl of lse(l)^2 = 2 lse softmax(l)
+        lse_T1 = torch.logsumexp(logits_TE, dim=-1, keepdim=True)
+        gz = (2 * grad_zsq_sum.to(logits_TE.dtype)) * lse_T1 * torch.softmax(logits_TE, dim=-1)
+        grad = gz if grad is None else grad + gz
+    return grad.to(logits_TE.dtype)
 
 
 def dispatch_rows_ref(
@@ -283,34 +299,27 @@ def _rows(x_SD: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
     return x_SD.index_select(0, row.clamp(min=0))
 
 
+def _assignment_rows(x_SD: torch.Tensor, row_TK: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """(rows [T, K, D] in ``dtype``: x_SD's row of every assignment, kept [T, K, 1]); all K at once
+    (one gather, not one per k: these references are the layer's CPU path, run once per chunk)."""
+    T, K = row_TK.shape
+    row = row_TK.reshape(-1).long()
+    return _rows(x_SD, row).view(T, K, -1).to(dtype), (row_TK >= 0).unsqueeze(2)
+
+
 def permute_bwd_ref(grad_x_SD: torch.Tensor, row_TK: torch.Tensor) -> torch.Tensor:
     """grad_x_TD[t] = sum over kept k of grad_x_SD[row_TK[t, k]] (float32 accumulation)."""
-    T, K = row_TK.shape
-    acc = torch.zeros(T, grad_x_SD.shape[1], dtype=_acc(grad_x_SD), device=grad_x_SD.device)
-    if grad_x_SD.shape[0] == 0:  # every assignment dropped
-        return acc.to(grad_x_SD.dtype)
-    for k in range(K):
-        row = row_TK[:, k].long()
-        keep = (row >= 0).unsqueeze(1)
-        acc += torch.where(keep, _rows(grad_x_SD, row).to(acc.dtype), 0.0)
-    return acc.to(grad_x_SD.dtype)
+    rows, kept = _assignment_rows(grad_x_SD, row_TK, _acc(grad_x_SD))
+    return torch.where(kept, rows, 0.0).sum(dim=1).to(grad_x_SD.dtype)
 
 
 def unpermute_fwd_ref(y_SD: torch.Tensor, row_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
-    """y_TD[t] = sum over kept k (in k order) of weight_TK[t, k] * y_SD[row_TK[t, k]].
+    """y_TD[t] = sum over kept k of weight_TK[t, k] * y_SD[row_TK[t, k]].
 
     Gather-based and float32-accumulated; the result has ``y_SD``'s dtype.
     """
-    T, K = row_TK.shape
-    acc = torch.zeros(T, y_SD.shape[1], dtype=_acc(y_SD), device=y_SD.device)
-    if y_SD.shape[0] == 0:  # every assignment dropped (a late chunk past every expert's capacity)
-        return acc.to(y_SD.dtype)
-    for k in range(K):
-        row = row_TK[:, k].long()
-        keep = (row >= 0).unsqueeze(1)
-        rows = _rows(y_SD, row).to(acc.dtype)
-        acc += torch.where(keep, weight_TK[:, k : k + 1].to(acc.dtype) * rows, 0.0)
-    return acc.to(y_SD.dtype)
+    rows, kept = _assignment_rows(y_SD, row_TK, _acc(y_SD))
+    return torch.where(kept, weight_TK.unsqueeze(2).to(rows.dtype) * rows, 0.0).sum(dim=1).to(y_SD.dtype)
 
 
 def unpermute_bwd_ref(
@@ -330,14 +339,11 @@ def unpermute_bwd_ref(
     acc = _acc(y_SD)
     w_S = weight_TK.reshape(-1).to(acc).index_select(0, src)
     grad_y_SD = (grad_y_TD.index_select(0, src // K).to(acc) * w_S.unsqueeze(1)).to(y_SD.dtype)
-    grad_w = torch.zeros(T, K, dtype=torch.promote_types(weight_TK.dtype, acc), device=y_SD.device)
-    if y_SD.shape[0] == 0:
-        return grad_y_SD, grad_w
-    for k in range(K):
-        row = row_TK[:, k].long()
-        rows = _rows(y_SD, row).to(acc)
-        dot = (rows * grad_y_TD.to(acc)).sum(dim=1)
-        grad_w[:, k] = torch.where(row >= 0, dot, 0.0)
+    rows, kept = _assignment_rows(y_SD, row_TK, acc)
+    dot_TK = (rows * grad_y_TD.to(acc).unsqueeze(1)).sum(dim=2)
+    grad_w = torch.where(kept.squeeze(2), dot_TK, 0.0)
+    if weight_TK.dtype == torch.float64:
+        grad_w = grad_w.to(torch.float64)
     return grad_y_SD, grad_w
 
 
@@ -370,34 +376,39 @@ def _check_activation(activation: str) -> None:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
 
 
+def _segments(t: torch.Tensor, offsets_E1, dim: int = 0) -> tuple:
+    """``t`` cut along ``dim`` into the E segments of ``offsets_E1`` (views; empty ones included)."""
+    b = _bounds(offsets_E1)
+    return t.split([b[e + 1] - b[e] for e in range(len(b) - 1)], dim=dim)
+
+
 def grouped_mm_ref(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor,
                    bias_EN: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y[r] = x[r] @ w[e].T (+ bias[e]) for the rows r of segment e = offsets[e]:offsets[e+1].
 
+    One matmul per expert on views of the segments, concatenated (a handful of ops per expert: this
+    is also the CPU path of the layer, run once per chunk).
+
     Args:
         x_RK: [R, K] rows grouped by local expert.
         w_ENK: [E, N, K] weights (the Hugging Face expert layout: out features first).
-        offsets_E1: integer [E + 1] segment bounds, offsets[0] = 0, offsets[E] = R.
+        offsets_E1: integer [E + 1] segment bounds, offsets[0] = 0, offsets[E] = R (or the same
+            bounds as host ints).
         bias_EN: optional [E, N] per-expert bias.
 
     Returns:
         y_RN [R, N] in x's dtype.
     """
-    b = _bounds(offsets_E1)
-    y = x_RK.new_empty(x_RK.shape[0], w_ENK.shape[1])
-    for e in range(w_ENK.shape[0]):
-        y_e = x_RK[b[e] : b[e + 1]] @ w_ENK[e].t()
-        y[b[e] : b[e + 1]] = y_e if bias_EN is None else y_e + bias_EN[e]
-    return y
+    w_EKN = w_ENK.transpose(1, 2).unbind(0)
+    xs = _segments(x_RK, offsets_E1)
+    if bias_EN is None:
+        return torch.cat([torch.mm(x, w) for x, w in zip(xs, w_EKN)])
+    return torch.cat([torch.addmm(b, x, w) for x, w, b in zip(xs, w_EKN, bias_EN.unbind(0))])
 
 
 def grouped_mm_dx_ref(dy_RN: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
     """dx[r] = dy[r] @ w[e] for the rows of segment e: the input gradient of :func:`grouped_mm_ref`."""
-    b = _bounds(offsets_E1)
-    dx = dy_RN.new_empty(dy_RN.shape[0], w_ENK.shape[2])
-    for e in range(w_ENK.shape[0]):
-        dx[b[e] : b[e + 1]] = dy_RN[b[e] : b[e + 1]] @ w_ENK[e]
-    return dx
+    return torch.cat([torch.mm(dy, w) for dy, w in zip(_segments(dy_RN, offsets_E1), w_ENK.unbind(0))])
 
 
 def grouped_mm_dw_ref(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
@@ -406,13 +417,8 @@ def grouped_mm_dw_ref(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets_E1: torch
     Returns:
         dw_ENK [E, N, K] in x's dtype.
     """
-    b = _bounds(offsets_E1)
-    E = len(b) - 1
-    dw = x_RK.new_zeros(E, dy_RN.shape[1], x_RK.shape[1])
-    for e in range(E):
-        if b[e + 1] > b[e]:
-            dw[e] = dy_RN[b[e] : b[e + 1]].t() @ x_RK[b[e] : b[e + 1]]
-    return dw
+    dys = _segments(dy_RN.t(), offsets_E1, dim=1)
+    return torch.stack([torch.mm(dy, x) for dy, x in zip(dys, _segments(x_RK, offsets_E1))])
 
 
 def segment_sum_ref(g_RN: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
@@ -422,12 +428,8 @@ def segment_sum_ref(g_RN: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tenso
     Returns:
         s_EN [E, N] in g's dtype.
     """
-    b = _bounds(offsets_E1)
-    E = len(b) - 1
-    s = torch.zeros(E, g_RN.shape[1], dtype=_acc(g_RN), device=g_RN.device)
-    for e in range(E):
-        s[e] = g_RN[b[e] : b[e + 1]].to(s.dtype).sum(dim=0)
-    return s.to(g_RN.dtype)
+    g = g_RN.to(_acc(g_RN))
+    return torch.stack([seg.sum(dim=0) for seg in _segments(g, offsets_E1)]).to(g_RN.dtype)
 
 
 def swiglu_fwd_ref(gu_R2F: torch.Tensor, *, activation: str = "swiglu", interleaved: bool = False,
