@@ -60,8 +60,38 @@ def _triton_ops(dtype) -> SimpleNamespace:
             fallback.append(module)
             continue
         ops.update({n: getattr(families[module], n) for n in names})
+    if dtype in (None, torch.float32) and "grouped_gemm" not in fallback:
+        ops.update({n: _honouring_tf32(ops[n]) for n in _TF32_OPS})
     return SimpleNamespace(name="triton", reference_families=tuple(fallback),
                            host_offsets="grouped_gemm" in fallback, **ops)
+
+
+#: The grouped GEMMs, whose float32 products may use TF32 tensor cores (``allow_tf32``).
+_TF32_OPS = ("grouped_mm", "grouped_mm_dx", "grouped_mm_dw", "gate_up_swiglu")
+
+
+def tf32_enabled() -> bool:
+    """torch's own switch for TF32 in float32 CUDA matmuls: ``torch.backends.cuda.matmul.fp32_precision
+    == "tf32"`` (which ``allow_tf32 = True`` and ``torch.set_float32_matmul_precision("high")`` also
+    set), or the legacy ``allow_tf32`` where the new setting does not exist."""
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    if precision is not None:
+        return precision == "tf32"
+    return bool(matmul.allow_tf32)
+
+
+def _honouring_tf32(fn):
+    """``fn`` with ``allow_tf32`` read from torch's switch at each call, so float32 experts run on
+    TF32 tensor cores exactly when ``nn.Linear`` does (a caller's explicit ``allow_tf32`` wins)."""
+    def call(*args, **kwargs):
+        kwargs.setdefault("allow_tf32", tf32_enabled())
+        return fn(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = fn.__name__
+    call.__doc__ = fn.__doc__
+    call.__wrapped__ = fn
+    return call
 
 
 def implementation(device: torch.device) -> str:
