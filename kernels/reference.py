@@ -304,7 +304,7 @@ def _assignment_rows(x_SD: torch.Tensor, row_TK: torch.Tensor, dtype: torch.dtyp
     (one gather, not one per k: these references are the layer's CPU path, run once per chunk)."""
     T, K = row_TK.shape
     row = row_TK.reshape(-1).long()
-    return _rows(x_SD, row).view(T, K, -1).to(dtype), (row_TK >= 0).unsqueeze(2)
+    return _rows(x_SD, row).view(T, K, x_SD.shape[1]).to(dtype), (row_TK >= 0).unsqueeze(2)
 
 
 def permute_bwd_ref(grad_x_SD: torch.Tensor, row_TK: torch.Tensor) -> torch.Tensor:

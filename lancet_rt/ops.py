@@ -8,6 +8,7 @@ float32 and the grouped GEMM and SwiGLU take 16- and 32-bit floats only.
 """
 from __future__ import annotations
 
+import functools
 from types import SimpleNamespace
 from typing import Optional
 
@@ -88,10 +89,7 @@ def _honouring_tf32(fn):
         kwargs.setdefault("allow_tf32", tf32_enabled())
         return fn(*args, **kwargs)
 
-    call.__name__ = call.__qualname__ = fn.__name__
-    call.__doc__ = fn.__doc__
-    call.__wrapped__ = fn
-    return call
+    return functools.update_wrapper(call, fn)  # (its name, module and docs are fn's)
 
 
 def implementation(device: torch.device) -> str:

@@ -131,7 +131,8 @@ class _ExpertsFn(torch.autograd.Function):
                     return tuple(g for g, has in zip(grads, present) if has)
 
                 needs = tuple(n for n, has in zip(needs_all, present) if has)
-                ctx.wgrad.push(ctx.params, needs, weight_grads, flops)
+                ctx.wgrad.push(ctx.params, needs, weight_grads, flops,
+                               wgrad.held_bytes(x_RD, dgu_R2F, h_RF, dy_RD), x_RD.dtype)
             return (dx_in, None, None, None, None) + none
         needs = ctx.needs_input_grad[1:5]
         grads = tuple(None if g is None else g.to(dtype) for g, dtype in zip(param_grads(needs), ctx.grad_dtypes))

@@ -50,6 +50,10 @@ class Overlapped(nn.Module):
         defer_wgrad: give the model's ``nn.Linear`` modules and the experts deferred weight
             gradients, computed inside the backward all-to-alls' windows (Lancet's dW scheduling)
             and flushed before ``backward()`` returns.
+        max_deferred_bytes: with ``defer_wgrad``, a bound on the bytes the deferred dW items hold
+            (their layer inputs and output gradients); past it the oldest items run at once. None:
+            four times the largest item (about a layer's chunks); ``math.inf``: no bound
+            (:class:`~lancet_rt.schedule.wgrad.WGradQueue`).
         check: verify once, on the first forward, that the chunked output equals the unchunked one
             (needs a deterministic forward: no dropout).
         balance: None (equal rows) or a :class:`lancet_rt.BalancedChunks`: chunk boundaries by the
@@ -64,7 +68,7 @@ class Overlapped(nn.Module):
     """
 
     def __init__(self, model: nn.Module, chunks=2, *, defer_wgrad: bool = False, check: bool = False,
-                 balance: Optional[BalancedChunks] = None):
+                 balance: Optional[BalancedChunks] = None, max_deferred_bytes: Optional[float] = None):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -82,7 +86,8 @@ class Overlapped(nn.Module):
         self.check = check
         self.balance = balance
         self._checked = False
-        self.wgrad_queue: Optional[_wgrad.WGradQueue] = _wgrad.WGradQueue() if defer_wgrad else None
+        queue = _wgrad.WGradQueue(max_deferred_bytes)  # (checks the argument, deferring or not)
+        self.wgrad_queue: Optional[_wgrad.WGradQueue] = queue if defer_wgrad else None
         self._auto = None
         if defer_wgrad:
             for m in model.modules():

@@ -49,6 +49,18 @@ class _Item:
     needs: Sequence[bool]
     compute: Callable[[], Sequence[torch.Tensor]]
     flops: int
+    nbytes: int = 0                        # what the closure holds (its GEMMs' operands) until it runs
+    dtype: Optional[torch.dtype] = None    # the dtype its GEMMs run in (priced at that rate)
+
+
+def held_bytes(*tensors) -> int:
+    """Bytes of the distinct storages among ``tensors`` (None skipped): what a deferred item holds."""
+    seen = {}
+    for t in tensors:
+        if t is not None:
+            s = t.untyped_storage()
+            seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
 
 
 def best_fit(estimates_ms: Sequence[float], left_ms: float, ran: int) -> Optional[int]:
@@ -102,15 +114,39 @@ def _device_flops_per_ms(device: torch.device, dtype: torch.dtype = torch.bfloat
     return _device_rates[key]
 
 
+#: With ``max_deferred_bytes=None``: the held inputs are capped at this many times the largest item
+#: of the running backward (the items of about one layer's chunks wait for the next windows).
+AUTO_CAP_ITEMS = 4
+
+
 class WGradQueue:
     """Deferred dW work of one model, drained during backward all-to-alls.
 
+    Args:
+        max_deferred_bytes: a bound on the bytes the queued items hold (their GEMMs' operands: the
+            layer inputs and output gradients a dW needs). Pushing past it runs the oldest items at
+            once, so the held bytes never exceed it (an item larger than the bound alone runs at
+            once). None: :data:`AUTO_CAP_ITEMS` times the largest item of the running backward; an
+            item waits for the windows of the next layer or two, not for the final flush.
+            ``math.inf``: no bound.
+
     Attributes:
         flops_per_ms: measured rate of dW work (EMA), used to estimate item times.
-        ran_in_windows, flushed: items run inside all-to-all windows / at the final flush, last backward.
+        ran_in_windows, flushed, forced: items run inside all-to-all windows / at the final flush /
+            early to keep the bound, last backward.
+        held_bytes, peak_held_bytes: bytes held by the queued items now / at most, last backward.
     """
 
-    def __init__(self):
+    def __init__(self, max_deferred_bytes: Optional[float] = None):
+        if max_deferred_bytes is not None and (isinstance(max_deferred_bytes, bool)
+                                               or not isinstance(max_deferred_bytes, (int, float))
+                                               or not max_deferred_bytes >= 0):
+            raise ValueError(f"max_deferred_bytes must be None or a number of bytes >= 0 (math.inf: no bound), "
+                             f"got {max_deferred_bytes!r}")
+        self.max_deferred_bytes = max_deferred_bytes
+        self.held_bytes = self.peak_held_bytes = 0
+        self.forced = 0
+        self._largest = 0
         self.items: list[_Item] = []
         self._sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(param) -> (param, dW so far)
         # A leaf every deferring Function takes: is its accumulator in the running backward?
@@ -120,12 +156,33 @@ class WGradQueue:
         self.flushed = 0
         self._callback_queued = False
 
-    def push(self, params, needs, compute, flops: int) -> None:
-        self.items.append(_Item(tuple(params), tuple(needs), compute, int(flops)))
+    def push(self, params, needs, compute, flops: int, nbytes: int = 0, dtype: Optional[torch.dtype] = None) -> None:
+        """Queue a dW closure; ``nbytes``: what it holds until it runs, ``dtype``: its GEMMs' dtype."""
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
             self._callback_queued = True
-            self.ran_in_windows = self.flushed = 0
+            self.ran_in_windows = self.flushed = self.forced = 0
+            self.peak_held_bytes = self.held_bytes
+            self._largest = 0
+        item = _Item(tuple(params), tuple(needs), compute, int(flops), int(nbytes), dtype)
+        self._largest = max(self._largest, item.nbytes)
+        cap = self.cap()
+        while self.items and self.held_bytes + item.nbytes > cap:
+            self._run(self._pop(0))  # the oldest first: it has waited longest
+            self.forced += 1
+        if item.nbytes > cap:
+            self._run(item)
+            self.forced += 1
+            return
+        self.items.append(item)
+        self.held_bytes += item.nbytes
+        self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+
+    def cap(self) -> float:
+        """The bound on the held bytes now (``max_deferred_bytes``, or the automatic one)."""
+        if self.max_deferred_bytes is not None:
+            return self.max_deferred_bytes
+        return AUTO_CAP_ITEMS * self._largest
 
     def discard_orphans(self) -> None:
         """Drop work left by a backward that raised (out of memory, say; the autotuner's search
@@ -140,12 +197,18 @@ class WGradQueue:
             return
         self.items.clear()
         self._sums.clear()
+        self.held_bytes = 0
         self._callback_queued = False
 
+    def _pop(self, i: int) -> _Item:
+        item = self.items.pop(i)
+        self.held_bytes -= item.nbytes
+        return item
+
     def _estimate_ms(self, item: _Item, cuda: bool) -> float:
-        if cuda:  # device time: the item's FLOPs at the calibrated rate of its device and dtype
+        if cuda:  # device time: the item's FLOPs at the calibrated rate of its device and the dtype it runs in
             p = item.params[0]
-            rate = _device_flops_per_ms(p.device, p.dtype)
+            rate = _device_flops_per_ms(p.device, item.dtype or p.dtype)
         else:
             rate = self.flops_per_ms
         return item.flops / rate if rate else 0.0
@@ -153,6 +216,7 @@ class WGradQueue:
     def _run(self, item: _Item) -> float:
         t0 = time.perf_counter()
         grads = item.compute()
+        item.compute = None  # the closure's operands go now
         for p, g, need in zip(item.params, grads, item.needs):
             if need and g is not None:
                 held = self._sums.get(id(p))
@@ -196,7 +260,7 @@ class WGradQueue:
                     break
                 if budget is not None:
                     budget -= est[i]
-            self._run(self.items.pop(i))
+            self._run(self._pop(i))
             ran += 1
         self.ran_in_windows += ran
 
@@ -205,7 +269,7 @@ class WGradQueue:
         self._callback_queued = False
         with _trace.span("dW flush"):
             while self.items:
-                self._run(self.items.pop(0))
+                self._run(self._pop(0))
                 self.flushed += 1
         if self._sums:
             params, grads = zip(*self._sums.values())
@@ -246,7 +310,8 @@ class _LinearFn(torch.autograd.Function):
                 return (dy2.t() @ x2 if needs[0] else None,
                         dy2.sum(0) if len(needs) > 1 and needs[1] else None)
 
-            ctx.queue.push(ctx.params, needs, weight_grads, 2 * x2.shape[0] * x2.shape[1] * dy2.shape[1])
+            ctx.queue.push(ctx.params, needs, weight_grads, 2 * x2.shape[0] * x2.shape[1] * dy2.shape[1],
+                           held_bytes(x2, dy2), x2.dtype)
         return dx, None, None, None, None, None
 
 
