@@ -139,7 +139,7 @@ def _token_tile_prune(env_var):
     key=["E", "K", "SINGLE_PROGRAM", "BLOCK_E", "BLOCK_G"],
     prune_configs_by={"early_config_prune": _token_tile_prune(_ENV_FWD_CONFIG)},
 )
-@triton.jit
+@triton.jit(do_not_specialize=['T', 'span', 'capacity'])  # row counts: one compiled variant for any chunk
 def _gating_fwd_kernel(
     # Pointers
     logits_ptr,      # [T, E] float32 | float64 router logits (strided)
@@ -345,7 +345,7 @@ def _gating_scan_kernel(
         tl.store(zsq_ptr, tl.sum(b_zsq, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N'])  # row counts: one compiled variant for any chunk
 def _gating_slot_kernel(
     # Pointers
     expert_ptr,      # [T * K] int32
@@ -373,7 +373,7 @@ def _gating_slot_kernel(
     key=["E", "K"],
     prune_configs_by={"early_config_prune": _token_tile_prune(_ENV_BWD_CONFIG)},
 )
-@triton.jit
+@triton.jit(do_not_specialize=['T'])  # row counts: one compiled variant for any chunk
 def _gating_bwd_kernel(
     # Pointers
     logits_ptr,       # [T, E] float32 | float64 (strided)

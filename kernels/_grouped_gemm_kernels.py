@@ -133,7 +133,7 @@ def _segment_tile(offsets_ptr, pid_m, R, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.c
     return expert, row_start, row_end, num_tiles
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['R'])  # row counts: one compiled variant for any chunk
 def _grouped_gemm_fwd_kernel(
     # pointers
     x_ptr,  # [R, K] rows grouped by expert
@@ -212,7 +212,7 @@ def _glu(g, u, alpha, limit, ACTIVATION: tl.constexpr):
     return h
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['R'])  # row counts: one compiled variant for any chunk
 def _gate_up_swiglu_fwd_kernel(
     # pointers
     x_ptr,  # [R, D] rows grouped by expert
@@ -330,7 +330,7 @@ def _gate_up_swiglu_fwd_kernel(
     tl.store(h_ptrs, b_h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n[None, :] < F))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['R'])  # row counts: one compiled variant for any chunk
 def _grouped_gemm_dw_kernel(
     # pointers
     dy_ptr,  # [R, N] output gradient, rows grouped by expert

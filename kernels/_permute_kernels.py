@@ -63,7 +63,7 @@ def _row_tile_prune(env_var):
     key=["D", "K"],
     prune_configs_by={"early_config_prune": _row_tile_prune(_ENV_PERMUTE_FWD_CONFIG)},
 )
-@triton.jit
+@triton.jit(do_not_specialize=['T', 'S'])  # row counts: one compiled variant for any chunk
 def _permute_fwd_kernel(
     # Pointers
     x_ptr,       # [T, D] tokens (strided)
@@ -104,7 +104,7 @@ def _permute_fwd_kernel(
     key=["D", "K"],
     prune_configs_by={"early_config_prune": _row_tile_prune(_ENV_UNPERMUTE_FWD_CONFIG)},
 )
-@triton.jit
+@triton.jit(do_not_specialize=['T', 'S'])  # row counts: one compiled variant for any chunk
 def _unpermute_fwd_kernel(
     # Pointers
     y_ptr,       # [S, D] rows in dispatch order (strided)
@@ -152,7 +152,7 @@ def _unpermute_fwd_kernel(
     key=["D", "K"],
     prune_configs_by={"early_config_prune": _row_tile_prune(_ENV_UNPERMUTE_BWD_CONFIG)},
 )
-@triton.jit
+@triton.jit(do_not_specialize=['T', 'S'])  # row counts: one compiled variant for any chunk
 def _unpermute_bwd_kernel(
     # Pointers
     grad_y_ptr,       # [T, D] gradient of the combined output (strided)
@@ -218,7 +218,7 @@ def _dispatch_base_kernel(
     tl.store(base_ptr + offs_e, tl.cumsum(b_kept, axis=0) - b_kept - b_used, mask=mask_e)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N'])  # row counts: one compiled variant for any chunk
 def _dispatch_rows_kernel(
     # Pointers
     expert_ptr,  # [T * K] int32

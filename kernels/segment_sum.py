@@ -25,7 +25,7 @@ import triton.language as tl
 from ._expert_checks import _INTERPRET, _check_device, _check_float, _check_ndim, _check_offsets, _check_out
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['R'])  # row counts: one compiled variant for any chunk
 def _segment_sum_kernel(
     # pointers
     g_ptr,  # [R, N] rows grouped by expert

@@ -41,7 +41,7 @@ def _load_gu(gu_ptr, offs_r, offs_f, R, F, stride_gm, stride_gf,
     return g, u
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['R'])  # row counts: one compiled variant for any chunk
 def _swiglu_fwd_kernel(
     # pointers
     gu_ptr,  # [R, 2F] gate columns [0, F), up columns [F, 2F); INTERLEAVED: gate 2j, up 2j + 1
@@ -70,7 +70,7 @@ def _swiglu_fwd_kernel(
     tl.store(h_ptrs, b_h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['R'])  # row counts: one compiled variant for any chunk
 def _swiglu_bwd_kernel(
     # pointers
     gu_ptr,  # [R, 2F] forward pre-activation

@@ -9,10 +9,11 @@ from lancet_rt.moe.layer import MoE
 from lancet_rt.routing.router import Router, update_expert_bias
 from lancet_rt.schedule.recompute import checkpoint, checkpoint_context
 from lancet_rt.schedule.overlap import Overlapped
+from lancet_rt.schedule.warmup import warmup
 from lancet_rt.integrations.hf import from_hf
 from lancet_rt.trace import Trace, tracing
 
-__all__ = ["MoE", "Router", "Experts", "Overlapped", "EmulatedGroup", "ExpertParallelGroup", "TorchGroup",
+__all__ = ["warmup", "MoE", "Router", "Experts", "Overlapped", "EmulatedGroup", "ExpertParallelGroup", "TorchGroup",
            "tracing", "Trace", "update_expert_bias", "checkpoint", "checkpoint_context", "from_hf",
            "save_checkpoint", "load_checkpoint", "save_hf", "load_hf", "BalancedChunks"]
 __version__ = "0.1.0"
