@@ -59,7 +59,8 @@ class OpCounter(TorchDispatchMode):
         self._saved: dict = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[func.name()] += 1
+        if not LaunchCounter.inside:  # (the interpreter's own tensor ops inside a launch are the kernel)
+            self.ops[func.name()] += 1
         return func(*args, **(kwargs or {}))
 
     def __enter__(self):
@@ -67,8 +68,9 @@ class OpCounter(TorchDispatchMode):
             original = self._saved[name] = getattr(torch.Tensor, name)
 
             def method(t, *a, _original=original, _name=name, **kw):
-                self.host_calls += 1
-                self.ops[f"Tensor.{_name}"] += 1
+                if not LaunchCounter.inside:
+                    self.host_calls += 1
+                    self.ops[f"Tensor.{_name}"] += 1
                 return _original(t, *a, **kw)
 
             setattr(torch.Tensor, name, method)
@@ -91,7 +93,10 @@ class OpCounter(TorchDispatchMode):
 
 
 class LaunchCounter:
-    """Counts Triton kernel launches (compiled or interpreted) while active."""
+    """Counts Triton kernel launches (compiled or interpreted) while active; ``inside`` is true during
+    a launch (the interpreter runs a kernel as tensor ops, which are not the host's ops)."""
+
+    inside = False
 
     def __init__(self):
         self.count = 0
@@ -106,9 +111,13 @@ class LaunchCounter:
             original = cls.run
 
             def run(fn_self, *args, _original=original, **kwargs):
-                if not kwargs.get("warmup", False):
+                if not kwargs.get("warmup", False) and not LaunchCounter.inside:
                     self.count += 1
-                return _original(fn_self, *args, **kwargs)
+                outer, LaunchCounter.inside = LaunchCounter.inside, True
+                try:
+                    return _original(fn_self, *args, **kwargs)
+                finally:
+                    LaunchCounter.inside = outer
 
             cls.run = run
             self._patched.append((cls, original))

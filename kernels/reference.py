@@ -118,7 +118,7 @@ def _select_order(scores_TE, expert_bias, n_group, topk_group):
 
 
 def _topk_weights(scores_TE, expert_TK, normalize_topk, scaling=1.0):
-    w_TK = torch.gather(scores_TE, 1, expert_TK.long())
+    w_TK = torch.gather(scores_TE, 1, expert_TK if expert_TK.dtype == torch.int64 else expert_TK.long())
     if normalize_topk:
         w_TK = w_TK / w_TK.sum(dim=-1, keepdim=True)
     if scaling != 1.0:
@@ -170,12 +170,12 @@ def gating_fwd_ref(
     topk_group = check_router_args(E, top_k, expert_bias, n_group, topk_group, scaling, dev)
     scores_TE = _scores(logits_TE, score_fn)
     order_TE = _select_order(scores_TE, expert_bias, n_group, topk_group)
-    expert_TK = order_TE[:, :top_k].to(torch.int32)
-    weight_TK = _topk_weights(scores_TE, expert_TK, normalize_topk, scaling)
+    chosen_TK = order_TE[:, :top_k]
+    weight_TK = _topk_weights(scores_TE, chosen_TK, normalize_topk, scaling)
 
     if used_E is None:
         used_E = torch.zeros(E, dtype=torch.int32, device=dev)
-    flat_e = expert_TK.reshape(-1).long()
+    flat_e = chosen_TK.reshape(-1)
     counts_E = torch.bincount(flat_e, minlength=E)
     # Rank of each assignment among this chunk's assignments to the same expert, in flat
     # (token, then k) order: stable sort by expert, then position minus the group start.
@@ -183,17 +183,17 @@ def gating_fwd_ref(
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     rank = torch.empty_like(flat_e)
     rank[order] = torch.arange(flat_e.numel(), device=dev) - starts_E[flat_e[order]]
-    slot = used_E.long()[flat_e] + rank
+    slot = used_E[flat_e] + rank
     if capacity is not None:
-        slot = torch.where(slot < capacity, slot, torch.full_like(slot, -1))
+        slot = torch.where(slot < capacity, slot, -1)
     slot_TK = slot.view(T, top_k).to(torch.int32)
 
     norm_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
     score_sum_E = norm_TE.sum(dim=0)
     zsq_sum = (torch.logsumexp(logits_TE, dim=-1) ** 2).sum()
     return GatingOutput(
-        expert_TK, weight_TK, slot_TK, counts_E.to(torch.int32),
-        (used_E.long() + counts_E).to(torch.int32), score_sum_E, zsq_sum,
+        chosen_TK.to(torch.int32), weight_TK, slot_TK, counts_E.to(torch.int32),
+        (used_E + counts_E).to(torch.int32), score_sum_E, zsq_sum,
     )
 
 
@@ -263,10 +263,10 @@ def dispatch_rows_ref(
         used_E: int32 [E] the carried counter *before* this chunk.
         kept_E: int [E] kept assignments per expert in this chunk.
     """
-    start_E = torch.cumsum(kept_E.long(), 0) - kept_E.long()
-    e = expert_TK.long()
-    row = start_E[e] - used_E.long()[e] + slot_TK.long()
-    return torch.where(slot_TK >= 0, row, torch.full_like(row, -1)).to(torch.int32)
+    kept = kept_E.long()
+    base_E = torch.cumsum(kept, 0) - kept - used_E  # row of slot 0 of each expert (int64)
+    row = base_E[expert_TK] + slot_TK
+    return torch.where(slot_TK >= 0, row, -1).to(torch.int32)
 
 
 def permute_fwd_ref(x_TD: torch.Tensor, row_TK: torch.Tensor, num_rows: int):
@@ -283,11 +283,12 @@ def permute_fwd_ref(x_TD: torch.Tensor, row_TK: torch.Tensor, num_rows: int):
         t * K + k it came from (the inverse map).
     """
     T, K = row_TK.shape
-    flat = row_TK.reshape(-1).long()
-    kept = flat >= 0
-    src_S = torch.empty(num_rows, dtype=torch.int32, device=x_TD.device)
-    src_S[flat[kept]] = torch.nonzero(kept).squeeze(1).to(torch.int32)
-    x_SD = x_TD.index_select(0, src_S.long() // K)
+    # Scatter each assignment's index to its row; the dropped ones (row -1) all land in one extra
+    # scratch row past the end, cut off.
+    src = torch.empty(num_rows + 1, dtype=torch.int32, device=x_TD.device)
+    src[row_TK.reshape(-1)] = torch.arange(T * K, dtype=torch.int32, device=x_TD.device)
+    src_S = src[:num_rows]
+    x_SD = x_TD.index_select(0, torch.div(src_S, K, rounding_mode="floor"))
     return x_SD, src_S
 
 
@@ -303,8 +304,7 @@ def _assignment_rows(x_SD: torch.Tensor, row_TK: torch.Tensor, dtype: torch.dtyp
     """(rows [T, K, D] in ``dtype``: x_SD's row of every assignment, kept [T, K, 1]); all K at once
     (one gather, not one per k: these references are the layer's CPU path, run once per chunk)."""
     T, K = row_TK.shape
-    row = row_TK.reshape(-1).long()
-    return _rows(x_SD, row).view(T, K, x_SD.shape[1]).to(dtype), (row_TK >= 0).unsqueeze(2)
+    return _rows(x_SD, row_TK.reshape(-1)).view(T, K, x_SD.shape[1]).to(dtype), (row_TK >= 0).unsqueeze(2)
 
 
 def permute_bwd_ref(grad_x_SD: torch.Tensor, row_TK: torch.Tensor) -> torch.Tensor:
