@@ -52,6 +52,11 @@ class PeerError(GroupError):
     """A peer failed in the middle of a step, or was lost (its collective failed, its process exited)."""
 
 
+class CollectiveMismatch(GroupError):
+    """The ranks issued different collectives at the same point (sequence number, kind, dtype or sizes):
+    raised on every rank before the mismatched collective reaches the backend."""
+
+
 class PeerTimeout(PeerError, TimeoutError):
     """Peers did not reach a collective within the group's timeout."""
 
