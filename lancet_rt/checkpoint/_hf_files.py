@@ -54,13 +54,15 @@ def _weight_map(directory: str) -> dict:
     index = os.path.join(directory, _INDEX)
     single = os.path.join(directory, _SINGLE)
     if os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
+        with _safe_open(directory, _SINGLE) as f:
             return {k: _SINGLE for k in f.keys()}
     if os.path.isfile(index):
-        with open(index) as fh:
-            return json.load(fh)["weight_map"]
+        try:
+            with open(index) as fh:
+                return dict(json.load(fh)["weight_map"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"directory: file {_INDEX!r} of {directory!r} is not a readable index "
+                             f"({type(exc).__name__}: {exc})") from exc
     raise ValueError(f"directory: neither {_SINGLE} nor {_INDEX} in {directory!r}")
 
 
@@ -71,15 +73,25 @@ class _Headers:
         self.directory, self.weight_map, self.open = directory, weight_map, {}
 
     def file(self, key: str):
-        from safetensors import safe_open
-
         name = self.weight_map[key]
         if name not in self.open:
-            self.open[name] = safe_open(os.path.join(self.directory, name), framework="pt")
+            self.open[name] = _safe_open(self.directory, name)
         return self.open[name]
 
     def shape(self, key: str) -> tuple:
         return tuple(self.file(key).get_slice(key).get_shape())
+
+
+def _safe_open(directory: str, name: str):
+    """safetensors' ``safe_open``; a ValueError naming the file if it is missing, truncated or not safetensors
+    (safetensors checks the header and that the data covers the file)."""
+    from safetensors import safe_open
+
+    try:
+        return safe_open(os.path.join(directory, name), framework="pt")
+    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: the file is bad either way
+        raise ValueError(f"directory: file {name!r} of {directory!r} is missing or damaged "
+                         f"({type(exc).__name__}: {str(exc).strip()[:300]})") from exc
 
 
 def _read(headers: "_Headers", key: str, rank: int, get):

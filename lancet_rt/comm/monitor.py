@@ -26,7 +26,6 @@ import os
 import socket
 import threading
 import time
-import zlib
 from typing import Callable, Optional
 
 import torch
@@ -34,6 +33,7 @@ import torch.distributed as dist
 
 from lancet_rt import env
 from lancet_rt.comm.faults import ADVICE, CollectiveMismatch, GroupError, PeerError, PeerTimeout
+from lancet_rt.comm.header import header_row, mismatch
 
 log = logging.getLogger("lancet_rt")
 
@@ -134,13 +134,12 @@ class GroupMonitor:
     def _check_header(self, seq: int, what: str, header) -> None:
         """All-gather this collective's (seq, kind, dtype, sizes); CollectiveMismatch on every rank if they differ."""
         dtype, send, recv = header
-        mine = torch.tensor([seq, _code(what), _code(str(dtype))] + [int(n) for n in send] + [int(n) for n in recv],
-                            dtype=torch.int64, device=self.header_device)
+        mine = torch.tensor(header_row(seq, what, dtype, send, recv), dtype=torch.int64, device=self.header_device)
         rows = [torch.empty_like(mine) for _ in range(self.size)]
         # always on ``group`` (a counts exchange's header too): ranks issuing different kinds must still meet
         work = self._launch(self._gloo, lambda: dist.all_gather(rows, mine, group=self.group, async_op=True), seq, what)
         self.wait(work, seq, what)  # (the header is part of the collective: same number, same name)
-        problem, ranks = _mismatch(torch.stack(rows).cpu().tolist(), self.size)
+        problem, ranks = mismatch(torch.stack(rows).cpu().tolist(), self.size)
         if problem:
             raise self.break_(CollectiveMismatch(
                 f"collective #{seq} does not match across expert-parallel ranks (seen on rank {self.rank}): {problem}. "
@@ -163,7 +162,9 @@ class GroupMonitor:
             gloo._set_default_timeout(self._timeout_td)
         try:
             yield
-        except dist.DistError as exc:  # a collective failed or timed out (not the caller's own errors)
+        except GroupError:
+            raise
+        except RuntimeError as exc:  # a collective failed or timed out (DCP wraps its own errors otherwise)
             raise self.break_(self._lost(seq, what, exc)) from exc
         finally:
             if gloo is not None:
@@ -390,40 +391,6 @@ class Watched:
     def wait(self) -> bool:
         self.monitor.wait(self.work, self.seq, self.what)
         return True
-
-
-_names: dict = {}
-
-
-def _code(what: str) -> int:
-    """A collective kind or dtype as an int64 (crc32), remembered for messages."""
-    code = zlib.crc32(what.encode())
-    _names[code] = what
-    return code
-
-
-def _mismatch(rows: list, W: int) -> tuple[str, list]:
-    """("" or what differs, the ranks at fault) from the all-gathered headers [seq, kind, dtype, send[W], recv[W]]."""
-    def show(r):
-        seq, kind, dtype = rows[r][:3]
-        return (f"rank {r} issued #{seq} {_names.get(kind, 'an unknown collective')} "
-                f"({_names.get(dtype, 'unknown dtype')}, sends {rows[r][3:3 + W]} elements, expects {rows[r][3 + W:]})")
-
-    by_head: dict = {}
-    for r in range(W):
-        by_head.setdefault(tuple(rows[r][:3]), []).append(r)
-    if len(by_head) > 1:
-        biggest = max(len(v) for v in by_head.values())
-        common = [v for v in by_head.values() if len(v) == biggest]
-        at_fault = [r for r in range(W) if len(common) > 1 or r not in common[0]]
-        return "; ".join(show(r) for r in range(W)), at_fault
-    pairs = [(r, q) for r in range(W) for q in range(W) if rows[r][3 + q] != rows[q][3 + W + r]]
-    if pairs:
-        ranks = sorted({r for pair in pairs for r in pair})
-        sizes = ", ".join(f"rank {r} sends {rows[r][3 + q]} elements to rank {q}, which expects {rows[q][3 + W + r]}"
-                          for r, q in pairs[:4])
-        return f"{sizes} ({'; '.join(show(r) for r in ranks)})", ranks
-    return "", []
 
 
 def _unnamed(notes: list) -> str:
