@@ -94,8 +94,12 @@ def _agree(error: Optional[Exception], pg, use_dist: bool, digest: Optional[str]
     from lancet_rt.comm.group import as_group
 
     mine = (None if error is None else (type(error).__name__, str(error)), digest, None if same is None else same[1])
-    rows = as_group(pg).all_gather_object(mine, what)
+    group = as_group(pg)
+    rows = group.all_gather_object(mine, what)
     if error is not None:
+        if type(error) in _ERROR_TYPES.values() and not str(error).startswith("rank "):
+            named = type(error)(f"rank {group.rank}: {error}")  # every rank's message names the rank at fault
+            raise named from error
         raise error
     for r, (err, _, _) in enumerate(rows):
         if err is not None:

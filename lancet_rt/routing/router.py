@@ -73,11 +73,15 @@ def update_expert_bias(model: nn.Module, rate: float = 1e-3, group=None) -> None
                          torch.zeros(m.num_experts, dtype=torch.long, device=m.router.weight.device)
                          for m in layers])
     if group is not None:
-        from lancet_rt.comm.group import as_group
+        from lancet_rt.comm.group import TorchGroup, as_group
 
+        tg = as_group(group)
+        if not isinstance(tg, TorchGroup):
+            raise TypeError(f"group must be None, a torch.distributed ProcessGroup or a TorchGroup, "
+                            f"got {type(group).__name__}")
         # Through the group's monitor: numbered, bounded by LANCET_TIMEOUT_S, a lost peer named. gloo
         # reduces CPU tensors, NCCL CUDA ones: the loads live where the router does.
-        as_group(group).all_reduce(loads, what="expert-bias all-reduce").wait()
+        tg.all_reduce(loads, what="expert-bias all-reduce").wait()
     for m, load in zip(layers, loads):
         bias = m.router.e_score_correction_bias
         bias += (rate * torch.sign(load.double().mean() - load.double())).to(bias.dtype)

@@ -369,6 +369,14 @@ def _checkpoint_cases(rank, world, root):
     res["different paths"] = _outcome(lambda: save_checkpoint(_model(), mine))
     res["nothing written"] = ["ok", not os.path.exists(mine), None]
 
+    res["different directories for save_hf"] = _outcome(lambda: save_hf(_model(), mine + "_hf"))
+    res["nothing written by save_hf"] = ["ok", not os.path.exists(mine + "_hf"), None]
+    os.makedirs(os.path.join(root, f"cwd{rank}"), exist_ok=True)
+    cwd = os.getcwd()
+    os.chdir(os.path.join(root, f"cwd{rank}"))  # the same relative path names two directories
+    res["same relative path, different cwd"] = _outcome(lambda: save_checkpoint(_model(), "rel"))
+    os.chdir(cwd)
+
     model = _model(dist.group.WORLD)
     path = os.path.join(root, "ep2")
     save_checkpoint(model, path)
@@ -379,6 +387,8 @@ def _checkpoint_cases(rank, world, root):
         data = open(file, "rb").read()
         open(file, "wb").write(data[:64] + bytes(b ^ 0x5A for b in data[64:]))
     dist.barrier()
+    res["a path missing on one rank"] = _outcome(lambda: load_checkpoint(model, path if rank == 0 else path + "x"))
+    res["model unchanged after it"] = ["ok", _same(_snapshot(model), before), None]
     res["one rank's file corrupted"] = _outcome(lambda: load_checkpoint(model, path))
     res["model unchanged"] = ["ok", _same(_snapshot(model), before), None]
     return res
@@ -397,6 +407,23 @@ def test_ranks_passing_different_paths_raise_before_writing(checkpoint_cases):
     for r, res in enumerate(checkpoint_cases):
         _raised(res["different paths"], "ValueError", "path: the ranks passed different values", "rank0'", "rank1'")
         assert res["nothing written"][1] is True
+
+
+def test_save_hf_with_different_directories_raises_before_writing(checkpoint_cases):
+    for res in checkpoint_cases:
+        _raised(res["different directories for save_hf"], "ValueError", "directory: the ranks passed different values")
+        assert res["nothing written by save_hf"][1] is True
+
+
+def test_a_relative_path_naming_two_directories_is_caught(checkpoint_cases):
+    for res in checkpoint_cases:
+        _raised(res["same relative path, different cwd"], "ValueError", "cwd0", "cwd1")
+
+
+def test_a_checkpoint_missing_on_one_rank_raises_on_every_rank_and_changes_nothing(checkpoint_cases):
+    for res in checkpoint_cases:
+        _raised(res["a path missing on one rank"], "ValueError", "rank 1", "no readable")
+        assert res["model unchanged after it"][1] is True
 
 
 def test_a_corrupted_file_of_one_rank_changes_no_rank(checkpoint_cases):
