@@ -16,6 +16,12 @@ expert); everything else is replicated. Two formats:
 Every rank validates before anything is written or read and the ranks agree on the outcome with one
 all-gather, so a checkpoint that does not fit the model raises the same error on every rank. With
 NCCL, as for DCP itself, each rank's CUDA device must be set (``torch.cuda.set_device``) first.
+
+Neither format can destroy the last good checkpoint or leave a model half loaded: a save writes into
+a staging directory beside the target and swaps it in only after every rank wrote
+(:mod:`lancet_rt.checkpoint._atomic`); a load checks the files' presence and sizes, reads into new
+tensors, and changes the model only once every rank read everything. The agreements and DCP's
+collectives go through the group's monitor (bounded by ``LANCET_TIMEOUT_S``, a lost peer named).
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ from lancet_rt.checkpoint import _atomic
 from lancet_rt.checkpoint._common import (CheckpointError, _agree, _bad_argument, _dcp_failure, _digest, _expert_shards,
                                          _listing, _process_group, _Shard, _tensor_id)
 
-__all__ = ["save_checkpoint", "load_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError"]
 
 
 # ------------------------------------------------------------------ DCP
@@ -169,7 +175,9 @@ def save_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Opti
     Args:
         model: a module holding :class:`lancet_rt.MoE` layers whose ``ep_group`` is None or a
             ProcessGroup (an :class:`~lancet_rt.EmulatedGroup` is rejected with a TypeError).
-        path: the checkpoint directory (created; DCP's ``.metadata`` is written last).
+        path: the checkpoint directory, the same on every rank (written as ``.<name>.lancet-saving``
+            beside it and swapped in once complete; files in an existing directory that the save
+            does not write are kept).
         optimizer: optionally a ``torch.optim.Optimizer`` over ``model``'s parameters; its state and
             param groups are saved through DCP's ``get_state_dict`` (keys are parameter FQNs).
         process_group: the group that saves together (default: the default group when
@@ -178,7 +186,11 @@ def save_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Opti
 
     Raises:
         TypeError, ValueError: on every rank, before anything is written, for a model DCP cannot
-            save as sharded, or when the ranks' models or optimizers differ in structure.
+            save as sharded, when the ranks' models or optimizers differ in structure, or when the
+            ranks pass different paths.
+        CheckpointError: on every rank, when writing failed on some rank (named); the checkpoint
+            at ``path`` is then the previous one, untouched.
+        PeerError, PeerTimeout: a rank died or stopped answering during the save (named).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
@@ -314,9 +326,15 @@ def load_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Opti
             have been saved with one. Without it, saved optimizer state is ignored.
         process_group: as for :func:`save_checkpoint`.
 
+    The tensors are read into new ones (memory: one more copy of this rank's state while loading)
+    and copied into the model and the optimizer only once every rank has read all of its part.
+
     Raises:
         TypeError, ValueError: on every rank, before any tensor is read, naming what differs (E of
-            a layer, a shape, missing or unexpected keys, no optimizer state, other param groups).
+            a layer, a shape, missing or unexpected keys, no optimizer state, other param groups)
+            or a data file that is missing or truncated; and, with the model unchanged, a file
+            that cannot be read (naming the file, the key and the rank).
+        CheckpointError: reading failed otherwise on some rank; the model is unchanged.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner

@@ -277,14 +277,18 @@ def save_hf(model: nn.Module, directory, *, max_shard_bytes: int = _DEFAULT_SHAR
 
     Args:
         model: the model (on every rank), MoE layers with ``ep_group`` None or a ProcessGroup.
-        directory: where to write (created).
+        directory: where to write, the same on every rank (written beside it and swapped in once
+            complete, as :func:`~lancet_rt.checkpoint.dcp.save_checkpoint` does; other files in an
+            existing directory, a tokenizer say, are kept).
         max_shard_bytes: the largest safetensors file a rank writes (a bigger tensor gets its own).
         process_group: the saving group (default: the default group when initialized); with data
             parallel replicas of the EP group, the replica holding its rank 0 writes.
 
     Raises:
         TypeError, ValueError: on every rank before anything is written (an emulated EP group, a
-            layout transformers converts other than by renaming, ranks holding different models).
+            layout transformers converts other than by renaming, ranks holding different models or
+            passing different directories).
+        CheckpointError: on every rank, when writing failed on some rank; ``directory`` is untouched.
     """
     from safetensors.torch import save_file
 
@@ -405,7 +409,9 @@ def load_hf(model: nn.Module, directory, *, process_group: Optional[dist.Process
 
     Raises:
         TypeError, ValueError: on every rank before any tensor is read, naming what differs (E of a
-            layer, shapes, missing keys).
+            layer, shapes, missing keys, a missing or damaged file); and, the model unchanged (every
+            tensor is read before any parameter changes), a tensor that cannot be read (the file, the
+            key and the rank named).
     """
     pg, use_dist = _process_group(process_group)
     rank = dist.get_rank(pg) if use_dist else 0
