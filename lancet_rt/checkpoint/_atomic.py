@@ -70,7 +70,11 @@ def commit(path: str, fmt: str, world: int) -> None:
 
 
 def resolve(path: str) -> str:
-    """The directory to load for ``path``: itself, or its previous version if a save died mid-swap."""
+    """The directory to load for ``path``: itself, or its previous version if a save died mid-swap; a
+    ValueError for a staging directory (a save that never finished)."""
+    if re.fullmatch(r"\..+\.lancet-saving", os.path.basename(os.path.normpath(path))):
+        raise ValueError(f"path: {path!r} is the staging directory of a save that did not finish; load the "
+                         f"checkpoint beside it")
     if not os.path.exists(path) and os.path.isfile(os.path.join(previous(path), MARKER)):
         warnings.warn(f"lancet_rt: {path!r} is missing and {previous(path)!r} holds the previous complete "
                       f"checkpoint (a save was interrupted while swapping it in); loading that one")

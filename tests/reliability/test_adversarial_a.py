@@ -95,6 +95,18 @@ def test_save_interrupted_over_a_checkpoint_keeps_the_last_good_one(saved, monke
     assert _loads_as(path, _snapshot(model)) and not os.path.exists(_atomic.staging(str(path)))
 
 
+def test_the_staging_directory_of_an_unfinished_save_is_refused(saved, monkeypatch):
+    model, path, old = saved
+    monkeypatch.setattr(_atomic, "commit", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(model, path)  # everything written, killed before the swap
+    monkeypatch.undo()
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match="did not finish"):
+        load_checkpoint(model, _atomic.staging(str(path)))
+    assert _same(_snapshot(model), before) and _loads_as(path, old)
+
+
 def test_save_killed_between_the_two_fallback_renames_loads_the_previous(saved, monkeypatch):
     model, path, old = saved
     monkeypatch.setattr(_atomic, "_exchange", lambda a, b: False)  # a file system without renameat2
