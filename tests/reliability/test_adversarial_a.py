@@ -444,7 +444,7 @@ def test_a_corrupted_file_of_one_rank_changes_no_rank(checkpoint_cases):
         assert res["model unchanged"][1] is True
 
 
-def _killed_in_save(rank, world, root):
+def _killed_in_save(rank, world, root, victim):
     import torch.distributed as dist
     from torch.distributed.checkpoint import FileSystemWriter
 
@@ -454,7 +454,7 @@ def _killed_in_save(rank, world, root):
     save_checkpoint(model, path)
     save_checkpoint(model, ref)  # the same state, to compare with after the kill
     _perturb(model)
-    if rank == 1:
+    if rank == victim:
         real = FileSystemWriter.write_data
 
         def write_then_die(self, plan, planner):
@@ -467,11 +467,13 @@ def _killed_in_save(rank, world, root):
     return out
 
 
-def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path):
-    results = run_ranks(_killed_in_save, 2, str(tmp_path), timeout=180, may_die=(1,))
-    assert 1 not in results, "rank 1 killed itself"
-    assert results[0][0] == "ok"
-    _raised(results[0][1], "PeerError", "rank 1", "its process has exited", ranks=[1])
+@pytest.mark.parametrize("victim", [1, 0])
+def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path, victim):
+    results = run_ranks(_killed_in_save, 2, str(tmp_path), victim, timeout=180, may_die=(victim,))
+    survivor = 1 - victim
+    assert victim not in results, f"rank {victim} killed itself"
+    assert results[survivor][0] == "ok"
+    _raised(results[survivor][1], "PeerError", f"rank {victim}", "its process has exited", ranks=[victim])
     got, want = _model(seed=1), _model(seed=2)
     load_checkpoint(got, tmp_path / "ckpt")
     load_checkpoint(want, tmp_path / "ref")
