@@ -74,29 +74,60 @@ def _process_group(process_group):
     return None, False
 
 
-_ERROR_TYPES = {"TypeError": TypeError, "ValueError": ValueError}
+class CheckpointError(RuntimeError):
+    """Writing or reading a checkpoint failed on some rank (I/O, a corrupted file): raised on every rank,
+    naming the rank, the file and the key; the model in memory and the last good checkpoint are unchanged."""
 
 
-def _agree(error: Optional[Exception], pg, use_dist: bool, digest: Optional[str] = None) -> None:
-    """Every rank raises if any rank failed (or, with ``digest``, if the ranks' structures differ)."""
+_ERROR_TYPES = {"TypeError": TypeError, "ValueError": ValueError, "CheckpointError": CheckpointError}
+
+
+def _agree(error: Optional[Exception], pg, use_dist: bool, digest: Optional[str] = None, *,
+           same: Optional[tuple] = None, what: str = "checkpoint agreement") -> None:
+    """Every rank raises if any rank failed (or, with ``digest``, if the ranks' structures differ; with
+    ``same`` = (argument, value), if the ranks passed different values). One object all-gather through
+    the group's monitor: bounded by ``LANCET_TIMEOUT_S``, a lost peer named."""
     if not use_dist:
         if error is not None:
             raise error
         return
-    mine = (None if error is None else (type(error).__name__, str(error)), digest)
-    rows = [None] * dist.get_world_size(pg)
-    dist.all_gather_object(rows, mine, group=pg)
+    from lancet_rt.comm.group import as_group
+
+    mine = (None if error is None else (type(error).__name__, str(error)), digest, None if same is None else same[1])
+    group = as_group(pg)
+    rows = group.all_gather_object(mine, what)
     if error is not None:
+        if type(error) in _ERROR_TYPES.values() and not str(error).startswith("rank "):
+            named = type(error)(f"rank {group.rank}: {error}")  # every rank's message names the rank at fault
+            raise named from error
         raise error
-    for r, (err, _) in enumerate(rows):
+    for r, (err, _, _) in enumerate(rows):
         if err is not None:
             raise _ERROR_TYPES.get(err[0], ValueError)(f"rank {r}: {err[1]}")
-    if len({d for _, d in rows}) > 1:
+    if same is not None and len({v for _, _, v in rows}) > 1:
+        raise ValueError(f"{same[0]}: the ranks passed different values, and a checkpoint must be one directory: "
+                         + ", ".join(f"rank {r}: {v!r}" for r, (_, _, v) in enumerate(rows)))
+    if len({d for _, d, _ in rows}) > 1:
         groups: dict = {}
-        for r, (_, d) in enumerate(rows):
+        for r, (_, d, _) in enumerate(rows):
             groups.setdefault(d, []).append(r)
         raise ValueError("model: the ranks hold differently structured models or optimizers (state-dict keys, "
                          f"shapes or dtypes differ); ranks agreeing with each other: {list(groups.values())}")
+
+
+def _dcp_failure(exc: BaseException, path: str, doing: str) -> Exception:
+    """DCP's CheckpointException (a BaseException, every rank's failures) as a CheckpointError, or a
+    ValueError when every failing rank found bad data; naming the ranks and what they said."""
+    failures = getattr(exc, "failures", {}) or {}
+    parts, kinds = [], set()
+    for r, pair in sorted(failures.items()):
+        inner = pair[0] if isinstance(pair, tuple) else pair
+        kinds.add(type(inner).__name__)
+        parts.append(f"rank {r}: {type(inner).__name__}: {str(inner).strip().splitlines()[0] if str(inner).strip() else ''}")
+    kind = ValueError if kinds == {"ValueError"} else CheckpointError
+    err = kind(f"path: {doing} the checkpoint at {path!r} failed ({'; '.join(parts) or exc}); nothing was changed")
+    err.__cause__ = exc
+    return err
 
 
 def _bad_argument(exc: Exception, what: str) -> Exception:

@@ -16,6 +16,12 @@ expert); everything else is replicated. Two formats:
 Every rank validates before anything is written or read and the ranks agree on the outcome with one
 all-gather, so a checkpoint that does not fit the model raises the same error on every rank. With
 NCCL, as for DCP itself, each rank's CUDA device must be set (``torch.cuda.set_device``) first.
+
+Neither format can destroy the last good checkpoint or leave a model half loaded: a save writes into
+a staging directory beside the target and swaps it in only after every rank wrote
+(:mod:`lancet_rt.checkpoint._atomic`); a load checks the files' presence and sizes, reads into new
+tensors, and changes the model only once every rank read everything. The agreements and DCP's
+collectives go through the group's monitor (bounded by ``LANCET_TIMEOUT_S``, a lost peer named).
 """
 from __future__ import annotations
 
@@ -30,10 +36,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lancet_rt.checkpoint._common import (_agree, _bad_argument, _digest, _expert_shards, _listing, _process_group, _Shard,
-                                         _tensor_id)
+from lancet_rt.checkpoint import _atomic
+from lancet_rt.checkpoint._common import (CheckpointError, _agree, _bad_argument, _dcp_failure, _digest, _expert_shards,
+                                         _listing, _process_group, _Shard, _tensor_id)
 
-__all__ = ["save_checkpoint", "load_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError"]
 
 
 # ------------------------------------------------------------------ DCP
@@ -168,7 +175,9 @@ def save_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Opti
     Args:
         model: a module holding :class:`lancet_rt.MoE` layers whose ``ep_group`` is None or a
             ProcessGroup (an :class:`~lancet_rt.EmulatedGroup` is rejected with a TypeError).
-        path: the checkpoint directory (created; DCP's ``.metadata`` is written last).
+        path: the checkpoint directory, the same on every rank (written as ``.<name>.lancet-saving``
+            beside it and swapped in once complete; files in an existing directory that the save
+            does not write are kept).
         optimizer: optionally a ``torch.optim.Optimizer`` over ``model``'s parameters; its state and
             param groups are saved through DCP's ``get_state_dict`` (keys are parameter FQNs).
         process_group: the group that saves together (default: the default group when
@@ -177,22 +186,57 @@ def save_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Opti
 
     Raises:
         TypeError, ValueError: on every rank, before anything is written, for a model DCP cannot
-            save as sharded, or when the ranks' models or optimizers differ in structure.
+            save as sharded, when the ranks' models or optimizers differ in structure, or when the
+            ranks pass different paths.
+        CheckpointError: on every rank, when writing failed on some rank (named); the checkpoint
+            at ``path`` is then the previous one, untouched.
+        PeerError, PeerTimeout: a rank died or stopped answering during the save (named).
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
 
     pg, use_dist = _process_group(process_group)
+    rank = dist.get_rank(pg) if use_dist else 0
     error, state, digest = None, None, None
     try:
-        path = os.fspath(path)
+        path = os.path.abspath(os.fspath(path))
         state = _dcp_state(model, optimizer, pg)
         digest = _digest(state.signature())
+        if rank == 0:
+            _atomic.prepare(path)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
         error = _bad_argument(exc, "path")
-    _agree(error, pg, use_dist, digest)
-    with _single_process_quiet():
-        dcp.save(state.flat, checkpoint_id=path, planner=_row_planner(state), process_group=pg,
-                 no_dist=not use_dist)
+    _agree(error, pg, use_dist, digest, same=("path", path))
+    error = None
+    try:  # into the staging directory: the checkpoint at ``path`` stays the last good one until the swap
+        with _single_process_quiet(), _bounded(pg, use_dist, "checkpoint save (DCP)"):
+            dcp.save(state.flat, storage_writer=FileSystemWriter(_atomic.staging(path)), planner=_row_planner(state),
+                     process_group=pg, no_dist=not use_dist)
+    except _checkpoint_exception() as exc:  # every rank has it (DCP gathers the failures)
+        error = _dcp_failure(exc, path, "writing")
+    _agree(error, pg, use_dist)
+    error = None
+    if rank == 0:
+        try:
+            _atomic.commit(path, "dcp", dist.get_world_size(pg) if use_dist else 1)
+        except OSError as exc:
+            error = CheckpointError(f"path: swapping the new checkpoint in at {path!r} failed on rank 0: {exc}")
+    _agree(error, pg, use_dist)
+
+
+def _checkpoint_exception():
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
+
+
+def _bounded(pg, use_dist: bool, what: str):
+    """DCP's collectives bounded by the group monitor's timeout, a lost peer raised by name."""
+    if not use_dist:
+        return contextlib.nullcontext()
+    from lancet_rt.comm.group import as_group
+
+    return as_group(pg).monitor.bounded(what)
 
 
 def _check_dcp(state: _DCPState, path: str) -> None:
@@ -201,10 +245,12 @@ def _check_dcp(state: _DCPState, path: str) -> None:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
-        saved = FileSystemReader(path).read_metadata().state_dict_metadata
+        metadata = FileSystemReader(path).read_metadata()
+        saved = metadata.state_dict_metadata
     except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint is a bad argument
         raise ValueError(f"path: no readable torch.distributed.checkpoint at {path!r} "
                          f"({type(exc).__name__}: {exc})") from exc
+    _check_files(metadata.storage_data or {}, path)
     if state.has_optim and not any(k.startswith("optim.") for k in saved):
         raise ValueError(f"path: the checkpoint at {path!r} holds no optimizer state (saved without optimizer=); "
                          f"load it with optimizer=None")
@@ -234,6 +280,25 @@ def _check_dcp(state: _DCPState, path: str) -> None:
         raise ValueError(f"path: the checkpoint at {path!r} does not fit the model: " + "; ".join(problems))
 
 
+def _check_files(storage_data: dict, path: str) -> None:
+    """ValueError naming a data file that is missing or shorter than the metadata says (a truncated copy)."""
+    ends: dict = {}
+    for index, info in storage_data.items():
+        end = info.offset + info.length
+        if end > ends.get(info.relative_path, (-1, ""))[0]:
+            ends[info.relative_path] = (end, index.fqn)
+    problems = []
+    for rel, (end, fqn) in sorted(ends.items()):
+        file = os.path.join(path, rel)
+        if not os.path.isfile(file):
+            problems.append(f"file {rel!r} (holding {fqn}) is missing")
+        elif os.path.getsize(file) < end:
+            problems.append(f"file {rel!r} is truncated: {os.path.getsize(file)} bytes, its data for {fqn} ends at "
+                            f"byte {end}")
+    if problems:
+        raise ValueError(f"path: the checkpoint at {path!r} is damaged: " + "; ".join(problems[:4]))
+
+
 def _param_groups_error(saved: list, current: list) -> Optional[ValueError]:
     if len(saved) != len(current):
         return ValueError(f"optimizer: has {len(current)} param groups, the checkpoint's optimizer {len(saved)}")
@@ -261,41 +326,106 @@ def load_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Opti
             have been saved with one. Without it, saved optimizer state is ignored.
         process_group: as for :func:`save_checkpoint`.
 
+    The tensors are read into new ones (memory: one more copy of this rank's state while loading)
+    and copied into the model and the optimizer only once every rank has read all of its part.
+
     Raises:
         TypeError, ValueError: on every rank, before any tensor is read, naming what differs (E of
-            a layer, a shape, missing or unexpected keys, no optimizer state, other param groups).
+            a layer, a shape, missing or unexpected keys, no optimizer state, other param groups)
+            or a data file that is missing or truncated; and, with the model unchanged, a file
+            that cannot be read (naming the file, the key and the rank).
+        CheckpointError: reading failed otherwise on some rank; the model is unchanged.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     pg, use_dist = _process_group(process_group)
+    rank = dist.get_rank(pg) if use_dist else 0
     error, state = None, None
     try:
-        path = os.fspath(path)
+        path = _atomic.resolve(os.fspath(path))
         state = _dcp_state(model, optimizer, pg)
         _check_dcp(state, path)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
         error = _bad_argument(exc, "path")
     _agree(error, pg, use_dist)
 
-    def read(entries: dict) -> None:
-        with _single_process_quiet():
-            dcp.load(entries, checkpoint_id=path,
-                     planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-                     process_group=pg, no_dist=not use_dist)
+    def read(entries: dict) -> Optional[Exception]:
+        try:
+            with _single_process_quiet(), _bounded(pg, use_dist, "checkpoint load (DCP)"):
+                dcp.load(entries, storage_reader=_NamingReader(path, rank),
+                         planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                         process_group=pg, no_dist=not use_dist)
+        except _checkpoint_exception() as exc:  # every rank has it (DCP gathers the failures)
+            return _dcp_failure(exc, path, "reading")
+        return None
 
     if optimizer is not None:
         # The param groups are one pickled object: read and compared first, so that an optimizer
         # grouping other parameters fails before any tensor is read.
         groups = {"optim.param_groups": None}
-        read(groups)
+        _agree(read(groups), pg, use_dist)
         _agree(_param_groups_error(groups["optim.param_groups"], state.flat["optim.param_groups"]), pg, use_dist)
-    # Tensors and DTensors alias the parameters and the optimizer's state: DCP loads in place.
-    read(state.flat)
+    # Read into new tensors; the parameters and the optimizer's state change only once every rank read all.
+    fresh = {k: _fresh(v) for k, v in state.flat.items()}
+    _agree(read(fresh), pg, use_dist)
+    with torch.no_grad():
+        for k, v in state.flat.items():
+            if isinstance(v, torch.Tensor):
+                _local(v).copy_(_local(fresh[k]))
+            else:
+                state.flat[k] = fresh[k]
     if optimizer is not None:
         osd = {"state": {}, "param_groups": state.flat["optim.param_groups"]}
         for key, fqn, name in state.optim_keys:
-            v = state.flat[key]
-            osd["state"].setdefault(fqn, {})[name] = v.to_local() if hasattr(v, "to_local") else v
+            osd["state"].setdefault(fqn, {})[name] = _local(state.flat[key])
         set_optimizer_state_dict(model, optimizer, osd)
+
+
+def _local(v: torch.Tensor) -> torch.Tensor:
+    return v.to_local() if hasattr(v, "to_local") else v
+
+
+def _fresh(v):
+    """A new tensor like ``v`` (a DTensor keeps its mesh, placements and global shape); other values as they are."""
+    if not isinstance(v, torch.Tensor):
+        return v
+    if not hasattr(v, "to_local"):
+        return torch.empty_like(v)
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(torch.empty_like(v.to_local()), v.device_mesh, v.placements, run_check=False,
+                              shape=v.shape, stride=v.stride())
+
+
+def _naming_reader_class():
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class Reader(FileSystemReader):
+        """DCP's file reader; a failure names the file, the key and the rank (a ValueError: bad data)."""
+
+        def __init__(self, path: str, rank: int):
+            super().__init__(path)
+            self.rank, self.current = rank, None
+
+        def _slice_file(self, file, sinfo):
+            self.current = sinfo
+            return super()._slice_file(file, sinfo)
+
+        def read_data(self, plan, planner):
+            self.current = None
+            try:
+                return super().read_data(plan, planner)
+            except Exception as exc:  # noqa: BLE001 - DCP gathers it into every rank's CheckpointException
+                s = self.current
+                keys = [i.fqn for i, info in self.storage_data.items() if info is s] if s is not None else []
+                where = f"file {s.relative_path!r}, key {keys[0] if keys else '?'}" if s is not None else "a file"
+                raise ValueError(f"{where} of {self.path!s} could not be read on rank {self.rank} "
+                                 f"({type(exc).__name__}: {str(exc).strip()[:300]})") from exc
+
+    return Reader
+
+
+def _NamingReader(path: str, rank: int):
+    return _naming_reader_class()(path, rank)

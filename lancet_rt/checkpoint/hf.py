@@ -13,12 +13,9 @@ gathers through those positions and loading scatters through them, so the two ar
 """
 from __future__ import annotations
 
-import copy
-import json
 import math
 import os
 import re
-import sys
 from dataclasses import dataclass
 from typing import Iterator, Optional
 
@@ -26,20 +23,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lancet_rt.checkpoint._common import _agree, _bad_argument, _digest, _expert_shards, _listing, _process_group, _Shard, _tensor_id
+from lancet_rt.checkpoint import _atomic
+from lancet_rt.checkpoint._common import (CheckpointError, _agree, _bad_argument, _digest, _expert_shards, _listing,
+                                         _process_group, _Shard, _tensor_id)
+from lancet_rt.checkpoint._hf_files import _SINGLE, _finish_hf_dir, _Headers, _is_hf, _read, _weight_map, _write_atomic
+from lancet_rt.comm.group import as_group
 
 __all__ = ["save_hf", "load_hf"]
 
 _DEFAULT_SHARD_BYTES = 5 * 2**30
-_SHARD_NAME = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
-_INDEX = "model.safetensors.index.json"
-_SINGLE = "model.safetensors"
 
 
-def _is_hf(model) -> bool:
-    # A transformers model exists only if transformers is imported: never import it (seconds) to ask.
-    modeling = sys.modules.get("transformers.modeling_utils")
-    return modeling is not None and isinstance(model, modeling.PreTrainedModel)
 
 
 def _revert(model, tensors: dict) -> dict:
@@ -235,7 +229,7 @@ def _hf_tensors(layout: _HFLayout, rank: int, root: int, materialize: bool) -> I
                 local = part.take(rows).contiguous() if materialize else None
                 if materialize and s.group is not None:
                     bufs = [torch.empty_like(local) for _ in range(W)] if s.offset // s.rows == owner else None
-                    dist.gather(local, bufs, group=s.group, group_dst=owner)
+                    _gather(local, bufs, s.group, owner)
                     local = torch.cat(bufs) if bufs is not None else None
                 if s.offset // s.rows == owner:
                     yield part.key(0), part.disk_shape(E), p.param.dtype, local
@@ -243,6 +237,15 @@ def _hf_tensors(layout: _HFLayout, rank: int, root: int, materialize: bool) -> I
                 for i in range(s.rows):
                     t = part.take(rows[i:i + 1])[0] if materialize else None
                     yield part.key(s.offset + i), part.disk_shape(E), p.param.dtype, t
+
+
+def _gather(local: torch.Tensor, bufs, group, owner: int) -> None:
+    """``dist.gather`` to group rank ``owner`` through the group's monitor (numbered, bounded, checked)."""
+    g = as_group(group)
+    n, me = local.numel(), g.rank
+    header = (local.dtype, [n if q == owner else 0 for q in range(g.size)], [n if me == owner else 0] * g.size)
+    g.monitor.issue("checkpoint expert gather", lambda: dist.gather(local, bufs, group=group, group_dst=owner,
+                                                                    async_op=True), header).wait()
 
 
 def _pack(entries, max_bytes: int) -> list:
@@ -274,14 +277,18 @@ def save_hf(model: nn.Module, directory, *, max_shard_bytes: int = _DEFAULT_SHAR
 
     Args:
         model: the model (on every rank), MoE layers with ``ep_group`` None or a ProcessGroup.
-        directory: where to write (created).
+        directory: where to write, the same on every rank (written beside it and swapped in once
+            complete, as :func:`~lancet_rt.checkpoint.dcp.save_checkpoint` does; other files in an
+            existing directory, a tokenizer say, are kept).
         max_shard_bytes: the largest safetensors file a rank writes (a bigger tensor gets its own).
         process_group: the saving group (default: the default group when initialized); with data
             parallel replicas of the EP group, the replica holding its rank 0 writes.
 
     Raises:
         TypeError, ValueError: on every rank before anything is written (an emulated EP group, a
-            layout transformers converts other than by renaming, ranks holding different models).
+            layout transformers converts other than by renaming, ranks holding different models or
+            passing different directories).
+        CheckpointError: on every rank, when writing failed on some rank; ``directory`` is untouched.
     """
     from safetensors.torch import save_file
 
@@ -292,19 +299,18 @@ def save_hf(model: nn.Module, directory, *, max_shard_bytes: int = _DEFAULT_SHAR
     try:
         if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes must be an int >= 1, got {max_shard_bytes!r}")
-        directory = os.fspath(directory)
+        directory = os.path.abspath(os.fspath(directory))
         layout = _hf_layout(model, pg)
         digest = _digest(layout.signature())
-        os.makedirs(directory, exist_ok=True)
+        if rank == 0:
+            _atomic.prepare(directory)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
         error = _bad_argument(exc, "directory")
-    _agree(error, pg, use_dist, digest)
+    _agree(error, pg, use_dist, digest, same=("directory", directory))
+    stage = _atomic.staging(directory)  # ``directory`` stays the last good checkpoint until the swap
 
     mine = _pack(_hf_tensors(layout, rank, root, materialize=False), max_shard_bytes)
-    every = [mine]
-    if use_dist:
-        every = [None] * dist.get_world_size(pg)
-        dist.all_gather_object(every, mine, group=pg)
+    every = as_group(pg).all_gather_object(mine, "checkpoint file plan") if use_dist else [mine]
     count = sum(len(f) for f in every)
     first = sum(len(f) for f in every[:rank])
     names = [_SINGLE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
@@ -318,78 +324,19 @@ def save_hf(model: nn.Module, directory, *, max_shard_bytes: int = _DEFAULT_SHAR
                 j, planned = next(files)
             buffer[key] = t.detach().contiguous().cpu()
             if len(buffer) == len(planned):
-                _write_atomic(save_file, buffer, os.path.join(directory, names[first + j]))
+                _write_atomic(save_file, buffer, os.path.join(stage, names[first + j]))
                 buffer = {}
     except OSError as exc:  # a collective may be what failed otherwise: then there is nothing to agree on
-        error = ValueError(f"directory: writing {directory!r} failed on rank {rank}: {exc}")
+        error = CheckpointError(f"directory: writing {directory!r} failed on rank {rank}: {exc}")
     _agree(error, pg, use_dist)
+    error = None
     if rank == 0:
-        _finish_hf_dir(model, directory, names, every)
-    if use_dist:
-        dist.barrier(group=pg)
-
-
-def _write_atomic(save_file, tensors: dict, path: str) -> None:
-    tmp = path + ".tmp"
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    os.replace(tmp, path)
-
-
-def _finish_hf_dir(model, directory: str, names: list, every: list) -> None:
-    """Rank 0, once every file is written: the index (or none for one file), the config, stale files out."""
-    for f in os.listdir(directory):
-        if (_SHARD_NAME.fullmatch(f) or f == _SINGLE) and f not in names:
-            os.remove(os.path.join(directory, f))
-    index = os.path.join(directory, _INDEX)
-    if len(names) == 1:
-        if os.path.exists(index):
-            os.remove(index)
-    else:
-        files = [f for per_rank in every for f in per_rank]
-        weight_map = {key: names[i] for i, entries in enumerate(files) for key, _ in entries}
-        total = sum(nbytes for entries in files for _, nbytes in entries)
-        with open(index + ".tmp", "w") as fh:
-            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, fh,
-                      indent=2)
-        os.replace(index + ".tmp", index)
-    if _is_hf(model):
-        config = copy.deepcopy(model.config)
-        config.architectures = [type(model).__name__]
-        config.save_pretrained(directory)
-        if getattr(model, "generation_config", None) is not None and model.can_generate():
-            model.generation_config.save_pretrained(directory)
-
-
-def _weight_map(directory: str) -> dict:
-    index = os.path.join(directory, _INDEX)
-    single = os.path.join(directory, _SINGLE)
-    if os.path.isfile(single):
-        from safetensors import safe_open
-
-        with safe_open(single, framework="pt") as f:
-            return {k: _SINGLE for k in f.keys()}
-    if os.path.isfile(index):
-        with open(index) as fh:
-            return json.load(fh)["weight_map"]
-    raise ValueError(f"directory: neither {_SINGLE} nor {_INDEX} in {directory!r}")
-
-
-class _Headers:
-    """Shapes from safetensors headers, files opened once (safetensors maps them; nothing is read yet)."""
-
-    def __init__(self, directory: str, weight_map: dict):
-        self.directory, self.weight_map, self.open = directory, weight_map, {}
-
-    def file(self, key: str):
-        from safetensors import safe_open
-
-        name = self.weight_map[key]
-        if name not in self.open:
-            self.open[name] = safe_open(os.path.join(self.directory, name), framework="pt")
-        return self.open[name]
-
-    def shape(self, key: str) -> tuple:
-        return tuple(self.file(key).get_slice(key).get_shape())
+        try:
+            _finish_hf_dir(model, stage, names, every)
+            _atomic.commit(directory, "hf", dist.get_world_size(pg) if use_dist else 1)
+        except OSError as exc:
+            error = CheckpointError(f"directory: finishing {directory!r} failed on rank 0: {exc}")
+    _agree(error, pg, use_dist)
 
 
 def _plan_hf_load(layout: _HFLayout, headers: _Headers) -> tuple:
@@ -462,28 +409,41 @@ def load_hf(model: nn.Module, directory, *, process_group: Optional[dist.Process
 
     Raises:
         TypeError, ValueError: on every rank before any tensor is read, naming what differs (E of a
-            layer, shapes, missing keys).
+            layer, shapes, missing keys, a missing or damaged file); and, the model unchanged (every
+            tensor is read before any parameter changes), a tensor that cannot be read (the file, the
+            key and the rank named).
     """
     pg, use_dist = _process_group(process_group)
+    rank = dist.get_rank(pg) if use_dist else 0
     error, headers, plan = None, None, None
     try:
-        directory = os.fspath(directory)
+        directory = _atomic.resolve(os.fspath(directory))
         layout = _hf_layout(model, pg)
         headers = _Headers(directory, _weight_map(directory))
         plan = _plan_hf_load(layout, headers)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
         error = _bad_argument(exc, "directory")
     _agree(error, pg, use_dist)
+    # Everything is read into new tensors first; the parameters change only once every rank read all of it.
     dense, experts = plan
-    for src, t in dense:
-        t.copy_(headers.file(src).get_tensor(src))
-    for p, parts in experts:
-        s = p.shard
-        rows = p.param.detach().view(s.rows, -1)
-        for q in parts:
-            if q.fused:
-                q.put(rows, headers.file(q.name).get_slice(q.name)[s.offset:s.offset + s.rows])
-            else:
-                for i in range(s.rows):
-                    key = q.key(s.offset + i)
-                    q.put(rows[i:i + 1], headers.file(key).get_tensor(key))
+    updates, error = [], None
+    try:
+        for src, t in dense:
+            updates.append((t, _read(headers, src, rank, lambda f, k: f.get_tensor(k))))
+        for p, parts in experts:
+            s = p.shard
+            rows = p.param.detach().view(s.rows, -1)
+            new = rows.clone()
+            for q in parts:
+                if q.fused:
+                    q.put(new, _read(headers, q.name, rank, lambda f, k: f.get_slice(k)[s.offset:s.offset + s.rows]))
+                else:
+                    for i in range(s.rows):
+                        key = q.key(s.offset + i)
+                        q.put(new[i:i + 1], _read(headers, key, rank, lambda f, k: f.get_tensor(k)))
+            updates.append((rows, new))
+    except ValueError as exc:
+        error = exc
+    _agree(error, pg, use_dist)
+    for t, new in updates:
+        t.copy_(new)

@@ -22,8 +22,17 @@ each ends fast, on every rank, with an error that names the rank at fault (READM
   ranks that did not reach the collective and says whether their process exited (same machine) or
   is alive.
 
-How a wait is bounded on gloo and on NCCL: :mod:`lancet_rt.comm.monitor`. No host sync and no
-collective is added per chunk on either backend.
+- **Mismatched steps** (a rank skipped a backward, ran an extra forward or step): on gloo every
+  collective is preceded by a header all-gather of (sequence number, kind, dtype, sizes), and every
+  rank raises :class:`CollectiveMismatch` naming what each rank issued before the payload reaches
+  gloo (which would abort the process on mismatched sizes). Cost: one all-gather of 9 + 2 W int64
+  per rank and one host round trip per collective, so 5 per MoE layer per training step (counts
+  exchange, dispatch and combine, two backward all-to-alls; with ``pipeline_chunks`` P, 1 + 4 P).
+  On NCCL it is off (it would be a host sync per collective; ``GroupMonitor.check_headers``
+  turns it on): a mismatched step there ends at the timeout.
+
+How a wait is bounded on gloo and on NCCL: :mod:`lancet_rt.comm.monitor`. On NCCL no host sync and
+no collective is added per chunk.
 """
 from __future__ import annotations
 
@@ -50,6 +59,11 @@ class GroupError(RuntimeError):
 
 class PeerError(GroupError):
     """A peer failed in the middle of a step, or was lost (its collective failed, its process exited)."""
+
+
+class CollectiveMismatch(GroupError):
+    """The ranks issued different collectives at the same point (sequence number, kind, dtype or sizes):
+    raised on every rank before the mismatched collective reaches the backend."""
 
 
 class PeerTimeout(PeerError, TimeoutError):

@@ -8,6 +8,7 @@ collective is in flight.
 from __future__ import annotations
 
 import math
+import pickle
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -122,7 +123,7 @@ class TorchGroup:
             self.set_link(bandwidth_gbps, latency_us)
         self.monitor = GroupMonitor(group, self._rank, self._size, self.backend,
                                     env.timeout_s() if timeout_s is None else timeout_s,
-                                    counts_group=self.counts_group)
+                                    counts_group=self.counts_group, header_device=self._small_device())
 
     @property
     def counts_channel(self) -> str:
@@ -166,21 +167,25 @@ class TorchGroup:
         return torch.device("cpu")
 
     def all_to_all(self, output, input, output_splits, input_splits) -> Work:
+        row_in, row_out = math.prod(input.shape[1:]), math.prod(output.shape[1:])
+        header = (input.dtype, [n * row_in for n in input_splits], [n * row_out for n in output_splits])
         return self.monitor.issue("all-to-all", lambda: dist.all_to_all_single(
-            output, input, list(output_splits), list(input_splits), group=self.group, async_op=True))
+            output, input, list(output_splits), list(input_splits), group=self.group, async_op=True), header)
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> Work:
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", what: str = "all-reduce") -> Work:
         """Start a sum all-reduce of ``tensor`` in place (async); ``tensor`` is valid after ``wait()``."""
         if op != "sum":
             raise ValueError(f"op must be 'sum', got {op!r}")
-        return self.monitor.issue("all-reduce", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM,
-                                                                        group=self.group, async_op=True))
+        header = (tensor.dtype, [tensor.numel()] * self._size, [tensor.numel()] * self._size)
+        return self.monitor.issue(what, lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM,
+                                                                group=self.group, async_op=True), header)
 
     def exchange(self, send_WN: torch.Tensor) -> "Exchange":
         send = send_WN.to(self._small_device(), torch.int64).contiguous()
         recv = torch.empty_like(send)
+        n = send.numel() // max(self._size, 1)
         work = self.monitor.issue("counts exchange", lambda: dist.all_to_all_single(
-            recv, send, group=self.counts_group, async_op=True))
+            recv, send, group=self.counts_group, async_op=True), (send.dtype, [n] * self._size, [n] * self._size))
         if not recv.is_cuda:
             return Exchange(recv, work, send)
         # NCCL: the counts (received and sent) come to pinned host memory on a side stream once the
@@ -198,11 +203,25 @@ class TorchGroup:
             event.record(side)
         return Exchange(host[0], event, host[1], self.monitor)
 
-    def all_gather(self, vec_N: torch.Tensor) -> torch.Tensor:
+    def all_gather(self, vec_N: torch.Tensor, what: str = "all-gather") -> torch.Tensor:
         vec = vec_N.to(self._small_device(), torch.int64).contiguous()
         out = [torch.empty_like(vec) for _ in range(self._size)]
-        self.monitor.issue("all-gather", lambda: dist.all_gather(out, vec, group=self.group, async_op=True)).wait()
+        header = (vec.dtype, [vec.numel()] * self._size, [vec.numel()] * self._size)
+        self.monitor.issue(what, lambda: dist.all_gather(out, vec, group=self.group, async_op=True), header).wait()
         return self.monitor.block(lambda: torch.stack(out).cpu())
+
+    def all_gather_object(self, obj, what: str = "object all-gather") -> list:
+        """Every rank's picklable ``obj`` (a list, rank order) by two monitored all-gathers (sizes, bytes):
+        unlike ``dist.all_gather_object``, bounded by the timeout and naming a lost peer."""
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        sizes = self.all_gather(torch.tensor([data.numel()]), f"{what} (sizes)")[:, 0].tolist()
+        buf = torch.zeros(max(sizes), dtype=torch.uint8, device=self._small_device())
+        buf[:data.numel()] = data.to(buf.device)
+        out = [torch.empty_like(buf) for _ in range(self._size)]
+        header = (buf.dtype, [buf.numel()] * self._size, [buf.numel()] * self._size)
+        self.monitor.issue(what, lambda: dist.all_gather(out, buf, group=self.group, async_op=True), header).wait()
+        host = self.monitor.block(lambda: [t.cpu() for t in out])
+        return [pickle.loads(t.numpy()[:n].tobytes()) for t, n in zip(host, sizes)]
 
 
 def _counts_group(group: dist.ProcessGroup, counts_group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:

@@ -18,6 +18,7 @@ blocked on the counts; the main thread then raises.
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import json
 import logging
@@ -31,7 +32,8 @@ import torch
 import torch.distributed as dist
 
 from lancet_rt import env
-from lancet_rt.comm.faults import ADVICE, GroupError, PeerError, PeerTimeout
+from lancet_rt.comm.faults import ADVICE, CollectiveMismatch, GroupError, PeerError, PeerTimeout
+from lancet_rt.comm.header import header_row, mismatch
 
 log = logging.getLogger("lancet_rt")
 
@@ -51,10 +53,17 @@ class GroupMonitor:
         timeout_s: how long a rank waits in one collective before it raises :class:`PeerTimeout`.
         counts_group: the process group of the counts exchanges (None: ``group``); its collectives
             are numbered, bounded and aborted with ``group``'s.
+        check_headers: compare every collective's (sequence number, kind, dtype, sizes) across the
+            ranks before it is issued (:meth:`issue`; None: on for gloo, off for NCCL).
+        header_device: where the header all-gather's tensors live (CUDA for NCCL; default CPU).
     """
 
-    def __init__(self, group, rank: int, size: int, backend: str, timeout_s: float, counts_group=None):
+    def __init__(self, group, rank: int, size: int, backend: str, timeout_s: float, counts_group=None,
+                 check_headers: Optional[bool] = None, header_device=None):
         self.group, self.rank, self.size = group, rank, size
+        # gloo: the header's host round trip costs what the collective's own wait costs; NCCL: a host sync, so off
+        self.check_headers = ("gloo" in backend) if check_headers is None else bool(check_headers)
+        self.header_device = torch.device("cpu") if header_device is None else header_device
         self.counts_group = group if counts_group is None else counts_group
         self.issued = 0       # collectives issued on this group, in order (the same on every rank)
         self.exchanges = 0    # of which counts exchanges
@@ -82,8 +91,14 @@ class GroupMonitor:
         self._slice_td = datetime.timedelta(seconds=min(POLL_S, self.timeout_s))
 
     # ---------------------------------------------------------------- issuing and waiting
-    def issue(self, what: str, launch: Callable[[], object]) -> "Watched":
-        """Issue a collective (``launch()`` returns its work) with this group's bounds."""
+    def issue(self, what: str, launch: Callable[[], object], header=None) -> "Watched":
+        """Issue a collective (``launch()`` returns its work) with this group's bounds.
+
+        ``header``: (dtype, elements sent to each rank, elements expected from each rank). With
+        ``check_headers`` on, the ranks first all-gather (sequence number, kind, dtype, sizes) in a
+        small fixed-size collective and every rank raises :class:`CollectiveMismatch` if they
+        disagree, so mismatched messages never reach the backend (gloo aborts the process on them).
+        """
         if self.broken is not None:
             raise GroupError(f"expert-parallel group unusable since an earlier failure: {self.broken}",
                              self.broken.ranks)
@@ -92,18 +107,9 @@ class GroupMonitor:
         if what == "counts exchange":
             self.exchanges += 1
         gloo = self._counts_gloo if what == "counts exchange" else self._gloo
-        try:
-            if gloo is not None:  # gloo's own operation timeout ends a pending receive by itself
-                prev = gloo.options._timeout
-                gloo._set_default_timeout(self._timeout_td)
-                try:
-                    work = launch()
-                finally:
-                    gloo._set_default_timeout(prev)
-            else:
-                work = launch()
-        except RuntimeError as exc:  # gloo refuses new work on a closed connection (DistError)
-            raise self.break_(self._lost(seq, what, exc)) from exc
+        if self.check_headers and self.size > 1 and header is not None:
+            self._check_header(seq, what, header)
+        work = self._launch(gloo, launch, seq, what)
         if self._watchdog:
             with self._lock:
                 while self._inflight and self._inflight[0][2].is_completed():
@@ -111,6 +117,58 @@ class GroupMonitor:
                 self._inflight.append((seq, what, work, time.monotonic()))
             self._start_watchdog()
         return Watched(work, self, seq, what)
+
+    def _launch(self, gloo, launch: Callable[[], object], seq: int, what: str):
+        try:
+            if gloo is None:
+                return launch()
+            prev = gloo.options._timeout  # gloo's own operation timeout ends a pending receive by itself
+            gloo._set_default_timeout(self._timeout_td)
+            try:
+                return launch()
+            finally:
+                gloo._set_default_timeout(prev)
+        except RuntimeError as exc:  # gloo refuses new work on a closed connection (DistError)
+            raise self.break_(self._lost(seq, what, exc)) from exc
+
+    def _check_header(self, seq: int, what: str, header) -> None:
+        """All-gather this collective's (seq, kind, dtype, sizes); CollectiveMismatch on every rank if they differ."""
+        dtype, send, recv = header
+        mine = torch.tensor(header_row(seq, what, dtype, send, recv), dtype=torch.int64, device=self.header_device)
+        rows = [torch.empty_like(mine) for _ in range(self.size)]
+        # always on ``group`` (a counts exchange's header too): ranks issuing different kinds must still meet
+        work = self._launch(self._gloo, lambda: dist.all_gather(rows, mine, group=self.group, async_op=True), seq, what)
+        self.wait(work, seq, what)  # (the header is part of the collective: same number, same name)
+        problem, ranks = mismatch(torch.stack(rows).cpu().tolist(), self.size)
+        if problem:
+            raise self.break_(CollectiveMismatch(
+                f"collective #{seq} does not match across expert-parallel ranks (seen on rank {self.rank}): {problem}. "
+                f"The ranks ran different steps (a skipped backward, an extra forward or step, other shapes); nothing "
+                f"was sent. {ADVICE}", ranks))
+
+    @contextlib.contextmanager
+    def bounded(self, what: str):
+        """Around collectives that other code issues on this group (DCP's): numbered as one, each
+        bounded by gloo's operation timeout set to this group's, and a failed one raised as the
+        :class:`PeerError`/:class:`PeerTimeout` naming the lost ranks (NCCL: the process group's own
+        timeout applies)."""
+        if self.broken is not None:
+            raise GroupError(f"process group unusable since an earlier failure: {self.broken}", self.broken.ranks)
+        self.issued += 1
+        seq = self.issued
+        gloo = self._gloo
+        prev = None if gloo is None else gloo.options._timeout
+        if gloo is not None:
+            gloo._set_default_timeout(self._timeout_td)
+        try:
+            yield
+        except GroupError:
+            raise
+        except RuntimeError as exc:  # a collective failed or timed out (DCP wraps its own errors otherwise)
+            raise self.break_(self._lost(seq, what, exc)) from exc
+        finally:
+            if gloo is not None:
+                gloo._set_default_timeout(prev)
 
     def wait(self, work, seq: int, what: str) -> None:
         """Wait for ``work``: in slices on gloo, reading failure records between them."""

@@ -2,7 +2,10 @@
 vector that every expert-parallel rank compares on first use (:data:`WIRE_FIELDS`)."""
 from __future__ import annotations
 
+import dataclasses
 import math
+import struct
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -14,49 +17,6 @@ from lancet_rt.moe.experts import Experts
 
 SCORE_FNS = ("softmax", "sigmoid")
 DTYPE_IDS = {torch.float32: 1, torch.float64: 2, torch.bfloat16: 3, torch.float16: 4}
-
-
-def _fixed(scale: float) -> Callable[[float], int]:
-    """A float option as an integer at ``1 / scale`` resolution (the vector is int64)."""
-    return lambda v: round(v * scale)
-
-
-# (name in the mismatch message, the int64 value of a layer's setting): ONE table for the vector and its names.
-WIRE_FIELDS: tuple[tuple[str, Callable[[nn.Module], int]], ...] = (
-    ("d_model", lambda m: m.d_model),
-    ("d_ffn", lambda m: m.d_ffn),
-    ("num_experts", lambda m: m.num_experts),
-    ("top_k", lambda m: m.top_k),
-    ("capacity_factor(1e-6)", lambda m: -1 if m.capacity_factor is None else _fixed(1e6)(m.capacity_factor)),
-    ("score_fn", lambda m: SCORE_FNS.index(m.score_fn)),
-    ("normalize_topk", lambda m: int(m.normalize_topk)),
-    ("aux_loss_coef(1e-9)", lambda m: _fixed(1e9)(m.aux_loss_coef)),
-    ("z_loss_coef(1e-9)", lambda m: _fixed(1e9)(m.z_loss_coef)),
-    ("dtype", lambda m: DTYPE_IDS[m.router.weight.dtype]),
-    ("pipeline_chunks", lambda m: m.pipeline_chunks),
-    ("expert_bias", lambda m: int(m.expert_bias)),
-    ("n_group", lambda m: m.n_group),
-    ("topk_group", lambda m: m.topk_group),
-    ("routed_scaling_factor(1e-9)", lambda m: _fixed(1e9)(m.routed_scaling_factor)),
-    ("shared_experts", lambda m: int(m.shared_experts is not None)),
-    ("shared_expert_gate", lambda m: int(m.shared_expert_gate is not None)),
-    ("dispatcher", lambda m: DISPATCHERS.index(m.dispatcher)),
-)
-
-
-def config_vector(moe: nn.Module, status: int) -> torch.Tensor:
-    """int64 [1 + len(WIRE_FIELDS)]: ``status`` then the layer's settings, as :data:`WIRE_FIELDS` lists them.
-
-    Args:
-        moe: the layer (read now: settings such as ``pipeline_chunks`` may change after construction).
-        status: this rank's input status (:func:`lancet_rt.comm.faults.status_code`).
-    """
-    return torch.tensor([status] + [value(moe) for _, value in WIRE_FIELDS], dtype=torch.int64)
-
-
-def config_names() -> list[str]:
-    """The names of :func:`config_vector`'s entries after the status."""
-    return [name for name, _ in WIRE_FIELDS]
 
 
 def _check_int(name: str, value) -> None:
@@ -96,6 +56,7 @@ class MoEConfig:
     topk_group: Optional[int] = None
     routed_scaling_factor: float = 1.0
     dtype: Optional[torch.dtype] = None
+    router_bias: bool = False
 
     def __post_init__(self):
         for name in ("d_model", "d_ffn", "num_experts", "top_k", "pipeline_chunks", "n_group"):
@@ -121,6 +82,7 @@ class MoEConfig:
         set_(self, "capacity_factor", None if self.capacity_factor is None else float(self.capacity_factor))
         set_(self, "normalize_topk", bool(self.normalize_topk))
         set_(self, "expert_bias", bool(self.expert_bias))
+        set_(self, "router_bias", bool(self.router_bias))
         for name in ("aux_loss_coef", "z_loss_coef", "routed_scaling_factor"):
             set_(self, name, float(getattr(self, name)))
 
@@ -152,6 +114,70 @@ class MoEConfig:
             raise ValueError(
                 f"num_experts ({self.num_experts}) must be divisible by the expert-parallel world size ({world})"
             )
+
+
+def _wire(value) -> int:
+    """One setting as an int64: exact for floats (their IEEE bits), crc32 for strings and dtypes, -1 for None."""
+    if value is None:
+        return -1
+    if isinstance(value, (bool, int)):
+        return int(value)
+    if isinstance(value, float):
+        return struct.unpack("<q", struct.pack("<d", value))[0]
+    return zlib.crc32(str(value).encode())
+
+
+def _structure(m: nn.Module) -> int:
+    """The layer's parameters and buffers (names, local shapes, dtypes): catches what no option names."""
+    items = [(n, tuple(t.shape), str(t.dtype)) for n, t in list(m.named_parameters()) + list(m.named_buffers())]
+    return zlib.crc32(repr(sorted(items)).encode())
+
+
+# What is read from the layer's modules rather than from its options (a prebuilt router decides these).
+_LIVE: dict = {
+    "dtype": lambda m: m.router.weight.dtype,
+    "router_bias": lambda m: getattr(m.router, "bias", None) is not None,
+}
+
+
+def _option(name: str) -> Callable[[nn.Module], int]:
+    def value(m):
+        if name in _LIVE:
+            return _wire(_LIVE[name](m))
+        # the layer's attribute where it has one (pipeline_chunks may change after construction)
+        return _wire(getattr(m, name) if name in m.__dict__ else getattr(m.config, name))
+    return value
+
+
+def _wire_fields() -> tuple:
+    # Every option of MoEConfig (ONE table: a new option is compared without anyone listing it), then
+    # the layer's structure, which no option describes.
+    options = tuple((f.name, _option(f.name)) for f in dataclasses.fields(MoEConfig))
+    return options + (
+        ("shared_experts", lambda m: int(m.shared_experts is not None)),
+        ("shared_expert_gate", lambda m: int(m.shared_expert_gate is not None)),
+        ("parameters and buffers (names, shapes, dtypes)", _structure),
+    )
+
+
+#: (name in the mismatch message, the int64 value of a layer's setting): every MoEConfig option, then the
+#: layer's structure. ONE table for the cross-rank vector and its names.
+WIRE_FIELDS: tuple[tuple[str, Callable[[nn.Module], int]], ...] = _wire_fields()
+
+
+def config_vector(moe: nn.Module, status: int) -> torch.Tensor:
+    """int64 [1 + len(WIRE_FIELDS)]: ``status`` then the layer's settings, as :data:`WIRE_FIELDS` lists them.
+
+    Args:
+        moe: the layer (read now: settings such as ``pipeline_chunks`` may change after construction).
+        status: this rank's input status (:func:`lancet_rt.comm.faults.status_code`).
+    """
+    return torch.tensor([status] + [value(moe) for _, value in WIRE_FIELDS], dtype=torch.int64)
+
+
+def config_names() -> list[str]:
+    """The names of :func:`config_vector`'s entries after the status."""
+    return [name for name, _ in WIRE_FIELDS]
 
 
 def check_modules(shared_experts, shared_expert_gate, router, experts) -> None:

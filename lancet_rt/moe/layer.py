@@ -110,7 +110,7 @@ class MoE(nn.Module):
                         normalize_topk=normalize_topk, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
                         pipeline_chunks=pipeline_chunks, dispatcher=dispatcher, expert_bias=expert_bias,
                         n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
-                        dtype=dtype)
+                        dtype=dtype, router_bias=router_bias)
         check_modules(shared_experts, shared_expert_gate, router, experts)
         names = role_names(names, self._ROLES, set(dir(type(self))) - set(self._ROLES))
         self.group = comm.as_group(ep_group)
@@ -118,6 +118,7 @@ class MoE(nn.Module):
             _allreduce.check_group(self.group)
         world = self.group.size if self.group is not None else 1
         cfg.check_world(world)
+        self.config = cfg  # the options as given (the cross-rank check compares them all: moe.config.WIRE_FIELDS)
         self.dispatcher = cfg.dispatcher
         self.d_model, self.d_ffn, self.num_experts, self.top_k = d_model, d_ffn, num_experts, top_k
         self.capacity_factor, self.score_fn, self.normalize_topk = cfg.capacity_factor, score_fn, cfg.normalize_topk

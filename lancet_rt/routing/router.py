@@ -61,7 +61,8 @@ def update_expert_bias(model: nn.Module, rate: float = 1e-3, group=None) -> None
         model: a model holding :class:`~lancet_rt.MoE` layers (any module with ``expert_bias=True``,
             an ``expert_load`` and a router with ``e_score_correction_bias`` counts as one).
         rate: the bias update speed (DeepSeek-V3: 1e-3).
-        group: a torch.distributed ProcessGroup to sum loads over, or None (this process only).
+        group: a torch.distributed ProcessGroup (or a :class:`lancet_rt.TorchGroup`) to sum loads over,
+            or None (this process only).
     """
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
         raise ValueError(f"rate must be a finite number > 0, got {rate!r}")
@@ -72,10 +73,15 @@ def update_expert_bias(model: nn.Module, rate: float = 1e-3, group=None) -> None
                          torch.zeros(m.num_experts, dtype=torch.long, device=m.router.weight.device)
                          for m in layers])
     if group is not None:
-        import torch.distributed as dist
+        from lancet_rt.comm.group import TorchGroup, as_group
 
-        # gloo reduces CPU tensors, NCCL CUDA ones: the loads live where the router does.
-        dist.all_reduce(loads, group=group)
+        tg = as_group(group)
+        if not isinstance(tg, TorchGroup):
+            raise TypeError(f"group must be None, a torch.distributed ProcessGroup or a TorchGroup, "
+                            f"got {type(group).__name__}")
+        # Through the group's monitor: numbered, bounded by LANCET_TIMEOUT_S, a lost peer named. gloo
+        # reduces CPU tensors, NCCL CUDA ones: the loads live where the router does.
+        tg.all_reduce(loads, what="expert-bias all-reduce").wait()
     for m, load in zip(layers, loads):
         bias = m.router.e_score_correction_bias
         bias += (rate * torch.sign(load.double().mean() - load.double())).to(bias.dtype)

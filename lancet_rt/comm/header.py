@@ -1,0 +1,59 @@
+"""The header a rank sends before each collective (:meth:`lancet_rt.comm.monitor.GroupMonitor.issue`):
+sequence number, kind, dtype, name and sizes, and what differs when the ranks' headers disagree.
+
+Row layout (int64): [seq, crc32(kind), crc32(dtype), the kind's name (48 bytes), elements sent to each
+of the W ranks, elements expected from each]; 9 + 2 W words, one all-gather of W rows.
+"""
+from __future__ import annotations
+
+import struct
+import zlib
+
+
+def header_row(seq: int, what: str, dtype, send, recv) -> list:
+    """This rank's header for collective ``seq``."""
+    return [seq, _code(what), _code(str(dtype))] + _name_words(what) + [int(n) for n in send] + [int(n) for n in recv]
+
+
+_names: dict = {}
+_NAME_BYTES = 48  # a collective's name travels in its header, so a mismatch can name what each rank issued
+_H = 3 + _NAME_BYTES // 8  # header words before the sizes: seq, kind, dtype, name
+
+
+def _code(what: str) -> int:
+    """A collective kind or dtype as an int64 (crc32), remembered for messages."""
+    code = zlib.crc32(what.encode())
+    _names[code] = what
+    return code
+
+
+def _name_words(what: str) -> list:
+    return list(struct.unpack(f"<{_NAME_BYTES // 8}q", what.encode()[:_NAME_BYTES].ljust(_NAME_BYTES, b"\0")))
+
+
+def _name(words: list) -> str:
+    return struct.pack(f"<{_NAME_BYTES // 8}q", *words).rstrip(b"\0").decode(errors="replace")
+
+
+def mismatch(rows: list, W: int) -> tuple[str, list]:
+    """("" or what differs, the ranks at fault) from the all-gathered headers [seq, kind, dtype, name, send[W], recv[W]]."""
+    def show(r):
+        seq, _, dtype = rows[r][:3]
+        return (f"rank {r} issued #{seq} {_name(rows[r][3:_H])} ({_names.get(dtype, 'another dtype')}, sends "
+                f"{rows[r][_H:_H + W]} elements, expects {rows[r][_H + W:]})")
+
+    by_head: dict = {}
+    for r in range(W):
+        by_head.setdefault(tuple(rows[r][:_H]), []).append(r)
+    if len(by_head) > 1:
+        biggest = max(len(v) for v in by_head.values())
+        common = [v for v in by_head.values() if len(v) == biggest]
+        at_fault = [r for r in range(W) if len(common) > 1 or r not in common[0]]
+        return "; ".join(show(r) for r in range(W)), at_fault
+    pairs = [(r, q) for r in range(W) for q in range(W) if rows[r][_H + q] != rows[q][_H + W + r]]
+    if pairs:
+        ranks = sorted({r for pair in pairs for r in pair})
+        sizes = ", ".join(f"rank {r} sends {rows[r][_H + q]} elements to rank {q}, which expects {rows[q][_H + W + r]}"
+                          for r, q in pairs[:4])
+        return f"{sizes} ({'; '.join(show(r) for r in ranks)})", ranks
+    return "", []
