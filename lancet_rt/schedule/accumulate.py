@@ -115,10 +115,15 @@ class _Backward:
             raise _Aborted("lancet_rt.schedule.accumulate: the forward beside this backward failed")
 
     def fill(self, work) -> None:
-        """Host, about to wait for ``work``: run the backward's deferred dW until it arrives."""
-        if self.queue is not None and self.queue.items and not self.done and not self._cuda:
+        """Host, about to wait for ``work``: run the backward's deferred dW until it arrives.
+
+        dW is compute only, so how many items run may depend on timing without changing the order
+        of any collective. On CUDA ``work`` is the counts copy's event: the items run while it has not
+        completed (their kernels queue behind the forward's, which the host would otherwise idle on).
+        """
+        if self.queue is not None and self.queue.items and not self.done:
             with torch.no_grad(), _trace.span("dW", "compute", microbatch=self.index):
-                self.queue.drain_during(work)  # (as the engine would: the forward runs with grad on)
+                self.queue.drain_during(_as_work(work))  # (as the engine would: the forward runs with grad on)
 
     def finish(self) -> None:
         """Run the rest of the backward alone (nothing beside it yields to)."""
@@ -131,6 +136,20 @@ class _Backward:
         while not self.done:
             self._go.release()
             self._back.acquire()
+
+
+class _EventWork:
+    """A CUDA event seen as a collective's work handle (``is_completed``), for the dW queue's drain."""
+
+    def __init__(self, event):
+        self.is_completed = event.query
+
+
+def _as_work(work):
+    """``work`` as the dW queue drains during it: an event (``query`` only) gets ``is_completed``."""
+    if not hasattr(work, "is_completed") and hasattr(work, "query"):
+        return _EventWork(work)
+    return work
 
 
 class _Worker:

@@ -369,3 +369,58 @@ def test_gradient_sync_on_the_emulated_link():
     transfers = link.transfers
     sync.remove()
     assert transfers == 2 * 2 * 2 * 5 + sync.issued  # 2 microbatches x 2 layers x 2 chunks x 5, + pieces
+
+
+class _CountsCopy:
+    """A stand-in for the counts copy's CUDA event: ``query()`` only, done after ``after`` polls."""
+
+    def __init__(self, after: int):
+        self.polls, self.after = 0, after
+
+    def query(self) -> bool:
+        self.polls += 1
+        return self.polls > self.after
+
+
+def test_a_forward_waiting_on_its_counts_fills_the_wait_with_dw():
+    """The host's wait for a counts copy (on CUDA an event, with ``query`` only) runs the backward's
+    deferred dW until the copy is done, as the CPU link's work does (the CUDA path used to skip it)."""
+    from types import SimpleNamespace
+
+    from lancet_rt.schedule import wgrad
+    from lancet_rt.schedule.accumulate import _Backward
+
+    q = wgrad.WGradQueue(max_deferred_bytes=float("inf"))
+    p = torch.nn.Parameter(torch.zeros(3))
+    ran = []
+    q._callback_queued = True  # (as inside a backward: no engine callback to queue here)
+    for i in range(5):
+        q.push((p,), (True,), lambda i=i: (ran.append(i) or torch.ones(3),), 1, 0)
+    backward = SimpleNamespace(queue=q, done=False, index=0)
+    _Backward.fill(backward, _CountsCopy(after=3))
+    assert ran == [0, 1, 2]          # one item per poll while the copy was pending, in order
+    assert len(q.items) == 2 and q.ran_in_windows == 3
+
+
+@pytest.mark.gpu
+def test_a_forward_waiting_on_its_counts_fills_the_wait_with_dw_cuda():
+    """GPU twin: a real event behind queued work."""
+    from types import SimpleNamespace
+
+    from lancet_rt.schedule import wgrad
+    from lancet_rt.schedule.accumulate import _Backward
+
+    q = wgrad.WGradQueue(max_deferred_bytes=float("inf"))
+    p = torch.nn.Parameter(torch.zeros(3, device="cuda"))
+    q._callback_queued = True
+    a = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):
+        a = a @ a.t() / 4096
+    event = torch.cuda.Event()
+    event.record()
+    ran = []
+    for i in range(4):
+        q.push((p,), (True,), lambda i=i: (ran.append(i) or torch.ones(3, device="cuda"),), 1, 0)
+    _Backward.fill(SimpleNamespace(queue=q, done=False, index=0), event)
+    event.synchronize()
+    assert ran == list(range(len(ran))) and q.ran_in_windows == len(ran)
