@@ -84,6 +84,7 @@ STEPS = {
     "kernels": (5, 45),
     "experts": (5, 120),   # one (F, routing) group: 6 projections, autotuned on first sight
     "overlap": (3, 30),    # kept back for the trace and timeline after the row is written
+    "host": (1, None),     # what each extra chunk costs the host (issue 20), every configuration
     "autotune": (2, None),
 }
 SUMMARY_SECONDS = 10   # kept back from --budget for the summary
@@ -108,6 +109,11 @@ def step_command(step: str, py: str, out: Path, max_seconds: float) -> list:
         return [py, "-m", "bench.overlap", "--device", "cuda", "--microbatches", "4", "--json", str(out / "overlap.json"),
                 "--png", str(out / "overlap.png"), "--trace", str(out / "overlap-trace.json"),
                 "--max-seconds", f"{max_seconds:.0f}"]
+    if step == "host":
+        # fine-grained experts (E=64 over 8 emulated ranks, 4096 tokens): the host-bound case
+        return [py, "-m", "bench.host", "--device", "cuda", "--sweep", "--world-size", "8", "--experts", "64",
+                "--d-model", "1024", "--d-ffn", "512", "--heads", "8", "--batch", "8", "--seq", "512",
+                "--reps", "10", "--json", str(out / "host.json")]
     ov = _rows(out, "overlap.json")
     bw = ov[-1]["bandwidth_gbps"] if ov else 50.0
     return [py, "-m", "lancet_rt.autotune", "--device", "cuda", "--link", "emulated", "--world-size", "8",
@@ -208,7 +214,7 @@ def collect(src: Path, results: Path, defaults: Path) -> list:
     from bench.common import write_json
 
     written = []
-    for name in ("kernels", "experts", "overlap"):
+    for name in ("kernels", "experts", "overlap", "host"):
         rows = _rows(src, f"{name}.json")
         if rows:
             write_json(results / f"{name}.json", rows)
