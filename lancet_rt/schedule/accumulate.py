@@ -40,6 +40,7 @@ starts, so gradients accumulate in the order of the M sequential steps.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import queue
@@ -312,7 +313,41 @@ def _is_overlapped(obj) -> bool:
     return all(callable(getattr(obj, name, None)) for name in ("forward_chunked", "_resolve_chunks", "moe_layers"))
 
 
+_live: list = []  # the backward beside the host's forward, while it is parked (at most one)
+
+
+def _finishing_live_backward(fn):
+    """``fn`` (torch.autograd.backward / grad), first running to its end a backward parked beside the
+    calling host. The parked backward holds the autograd engine's device thread (on CUDA), so an
+    autograd call from the forward or the loss (a gradient penalty, say) would wait for that thread
+    forever; run at the same point of the step on every rank, finishing it first keeps the
+    collectives in the same order everywhere."""
+    def call(*args, **kwargs):
+        for b in list(_live):
+            if not b.done and threading.current_thread() is b._host:
+                b.finish()
+        return fn(*args, **kwargs)
+
+    return functools.update_wrapper(call, fn)
+
+
+@contextlib.contextmanager
+def _autograd_from_the_host():
+    """While a step runs, host autograd calls finish the parked backward first (:func:`_finishing_live_backward`)."""
+    backward, grad = torch.autograd.backward, torch.autograd.grad
+    torch.autograd.backward, torch.autograd.grad = _finishing_live_backward(backward), _finishing_live_backward(grad)
+    try:
+        yield
+    finally:
+        torch.autograd.backward, torch.autograd.grad = backward, grad
+
+
 def _step(overlapped, calls: list, loss_fn, interleave: bool, grad_sync) -> torch.Tensor:
+    with _autograd_from_the_host():
+        return _steps(overlapped, calls, loss_fn, interleave, grad_sync)
+
+
+def _steps(overlapped, calls: list, loss_fn, interleave: bool, grad_sync) -> torch.Tensor:
     if overlapped.wgrad_queue is not None:
         overlapped.wgrad_queue.discard_orphans()  # left by a backward that raised
     n = overlapped._resolve_chunks(*calls[0])
@@ -338,6 +373,7 @@ def _microbatch(overlapped, n: int, i: int, args: tuple, kwargs: dict, loss_fn, 
             if not pending.is_cuda:
                 one_core.pin()
             beside = _Backward(pending, i - 1, overlapped.wgrad_queue)
+            _live.append(beside)
         else:
             _host_backward(pending, i - 1, None)
     try:
@@ -354,9 +390,11 @@ def _microbatch(overlapped, n: int, i: int, args: tuple, kwargs: dict, loss_fn, 
     except BaseException:
         if beside is not None:
             beside.abort()
+            _live.remove(beside)
         raise
     if beside is not None:
         beside.finish()
+        _live.remove(beside)
         if beside.error is not None:
             raise beside.error
     return loss

@@ -424,3 +424,60 @@ def test_a_forward_waiting_on_its_counts_fills_the_wait_with_dw_cuda():
     _Backward.fill(SimpleNamespace(queue=q, done=False, index=0), event)
     event.synchronize()
     assert ran == list(range(len(ran))) and q.ran_in_windows == len(ran)
+
+
+class _Penalised(torch.nn.Module):
+    """Calls autograd inside its forward (a gradient penalty on its output, as some models do)."""
+
+    def __init__(self, body, record):
+        super().__init__()
+        self.body, self.record = body, record
+
+    def forward(self, x):
+        from lancet_rt.schedule import accumulate as accumulate_mod
+
+        first, *rest = self.body.blocks  # the penalty between two MoE blocks
+        y = first(x)
+        if torch.is_grad_enabled():
+            parked = any(b.turns and not b.done for b in accumulate_mod._live)
+            (g,) = torch.autograd.grad(y.square().sum(), y, create_graph=True)
+            self.record.append((parked, all(b.done for b in accumulate_mod._live)))
+            y = y + 1e-3 * g
+        for block in rest:
+            y = block(y)
+        return y
+
+    def moe_layers(self):
+        return self.body.moe_layers()
+
+
+def _penalised_step(device):
+    """accumulate over a model that calls autograd in its forward: exact against sequential steps,
+    and a backward parked beside the forward had ended before the call (on CUDA it holds the
+    engine's device thread: the call would wait for it forever)."""
+    from lancet_rt.schedule import accumulate as accumulate_mod
+
+    link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=0.05, latency_us=500, device=device)
+    model = _Penalised(make_model(None, link, E=8), []).to(device)
+    twin = copy.deepcopy(model)
+    parked = twin.record
+    xs, gs = microbatches(3, [6, 5])
+    xs, gs = [x.to(device) for x in xs], [g.to(device) for g in gs]
+    ref = sequential_reference(model, xs, gs)
+    ov = lancet_rt.Overlapped(twin, chunks=2)
+    losses = ov.accumulate(xs, lambda out, i: (out * gs[i]).sum())
+    assert any(p for p, _ in parked), "a backward must have been parked beside some forward's autograd call"
+    assert all(done for _, done in parked), "the autograd call must end the parked backward first"
+    assert not accumulate_mod._live
+    assert_same_step(ref, twin, losses)
+
+
+def test_autograd_from_a_forward_beside_a_parked_backward():
+    _penalised_step("cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(120)
+def test_autograd_from_a_forward_beside_a_parked_backward_cuda():
+    """GPU twin: without the fix this call waits forever for the engine's CUDA thread."""
+    _penalised_step("cuda")
