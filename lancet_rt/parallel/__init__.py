@@ -1,0 +1,9 @@
+"""Data parallelism beside expert parallelism, on one group or a ``("dp", "ep")`` DeviceMesh.
+
+:func:`sync_gradients` and :class:`GradientSync` (explicit all-reduces, after or during backward),
+:func:`replicate` (DDP-style, every backward), :func:`fully_shard` (FSDP2: experts sharded over dp,
+the rest over dp x ep). Every one leaves the gradients of the mean loss over the global batch.
+"""
+from lancet_rt.parallel.sync import GradientSync, dense_parameters, expert_parameters, sync_gradients
+
+__all__ = ["sync_gradients", "GradientSync", "expert_parameters", "dense_parameters"]
