@@ -5,5 +5,6 @@
 the rest over dp x ep). Every one leaves the gradients of the mean loss over the global batch.
 """
 from lancet_rt.parallel.sync import GradientSync, dense_parameters, expert_parameters, sync_gradients
+from lancet_rt.parallel.replicate import Replicated, replicate
 
-__all__ = ["sync_gradients", "GradientSync", "expert_parameters", "dense_parameters"]
+__all__ = ["sync_gradients", "GradientSync", "expert_parameters", "dense_parameters", "replicate", "Replicated"]

@@ -38,7 +38,9 @@ def _explicit_steps(model, run, mesh, how, expected, rank, ep_rank, what):
         x, g = x[rank * mc.ROWS:(rank + 1) * mc.ROWS], g[rank * mc.ROWS:(rank + 1) * mc.ROWS]
         opt.zero_grad(set_to_none=True)
         loss = (run(x) * g).flatten(1).sum(1).mean()
-        if sync is None:
+        if how == "replicate":
+            loss.backward()
+        elif sync is None:
             loss.backward()
             sync_gradients(model, mesh)
         else:
@@ -50,6 +52,20 @@ def _explicit_steps(model, run, mesh, how, expected, rank, ep_rank, what):
     return None if sync is None else len(sync._buckets)
 
 
+def _replicate_perturbed(model, mesh):
+    """replicate() from a state where every dp rank but the first holds other weights: the broadcast
+    must restore the reference, and copy no expert across ep ranks (the ep ranks differ)."""
+    from lancet_rt.parallel import replicate
+
+    if mesh["dp"].get_local_rank() > 0:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape))
+    assert replicate(model, mesh) is model
+    with pytest.raises(ValueError, match="already replicated"):
+        replicate(model, mesh)
+
+
 def _explicit(rank, world, hows):
     mesh = _mesh(world)
     ep_rank = mesh["ep"].get_local_rank()
@@ -59,6 +75,8 @@ def _explicit(rank, world, hows):
         for chunks, defer in mc.CELLS:
             model = mc.make_blocks(mesh["ep"].get_group())
             mc.load_from_reference(model, mc.make_blocks(), ep_rank)
+            if how == "replicate":
+                _replicate_perturbed(model, mesh)
             what = f"{how} chunks={chunks} defer_wgrad={defer}"
             out.append(_explicit_steps(model, mc.runner(model, chunks, defer), mesh, how, expected, rank, ep_rank, what))
     return out
@@ -108,6 +126,10 @@ def _skewed(rank, world):
     mc.compare(model, expected[0], rank, ep_rank, loss, "skewed dW")
     assert issued_in_index_order(sync), sync.order
     return arrivals, [[b.index for b in q.buckets] for q in sync._queues.values()]
+
+
+def test_replicate_on_a_mesh():
+    assert_all_ok(run_ranks(_explicit, 4, ("replicate",), timeout=400))
 
 
 def test_collective_order_does_not_follow_dw_timing():
