@@ -6,5 +6,7 @@ the rest over dp x ep). Every one leaves the gradients of the mean loss over the
 """
 from lancet_rt.parallel.sync import GradientSync, dense_parameters, expert_parameters, sync_gradients
 from lancet_rt.parallel.replicate import Replicated, replicate
+from lancet_rt.parallel.fsdp import fully_shard
 
-__all__ = ["sync_gradients", "GradientSync", "expert_parameters", "dense_parameters", "replicate", "Replicated"]
+__all__ = ["sync_gradients", "GradientSync", "expert_parameters", "dense_parameters", "replicate", "Replicated",
+           "fully_shard"]

@@ -132,6 +132,46 @@ def test_replicate_on_a_mesh():
     assert_all_ok(run_ranks(_explicit, 4, ("replicate",), timeout=400))
 
 
+def _fsdp(rank, world):
+    from lancet_rt.parallel import fully_shard
+
+    mesh = _mesh(world)
+    ep_rank = mesh["ep"].get_local_rank()
+    expected = mc.reference_steps(mc.make_blocks(), world)
+    refused = []
+    for chunks, defer in mc.CELLS:
+        model = mc.make_blocks(mesh["ep"].get_group())
+        mc.load_from_reference(model, mc.make_blocks(), ep_rank)
+        assert fully_shard(model, mesh, blocks=list(model.blocks), reshard_after_forward=chunks == 1) is model
+        run = mc.runner(model, chunks, defer)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        for step in range(2):
+            x, g = mc.global_batch(step, world)
+            x, g = x[rank * mc.ROWS:(rank + 1) * mc.ROWS], g[rank * mc.ROWS:(rank + 1) * mc.ROWS]
+            opt.zero_grad(set_to_none=True)
+            if defer:
+                with pytest.raises(ValueError) as err:
+                    run(x)
+                refused.append(str(err.value))
+                break
+            loss = (run(x) * g).flatten(1).sum(1).mean()
+            loss.backward()
+            opt.step()
+            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+            params = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+            mc.compare(model, expected[step], rank, ep_rank, loss, f"fully_shard chunks={chunks} step {step}",
+                       grads=grads, params=params)
+    return refused
+
+
+def test_fully_shard_on_a_mesh():
+    """Experts sharded over dp (divide factor dp x ep), the rest over dp x ep: exact; deferred dW is
+    refused on every rank with an error naming both."""
+    for refused in assert_all_ok(run_ranks(_fsdp, 4, timeout=400)):
+        assert len(refused) == 2
+        assert all("fully_shard" in e and "defer_wgrad=True" in e for e in refused), refused
+
+
 def test_collective_order_does_not_follow_dw_timing():
     results = assert_all_ok(run_ranks(_skewed, 4, timeout=300))
     arrivals = [r[0] for r in results]

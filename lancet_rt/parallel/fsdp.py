@@ -1,0 +1,85 @@
+"""FSDP2 beside expert parallelism: experts sharded over dp, everything else over dp x ep.
+
+torchtitan's recipe on a ``("dp", "ep")`` mesh: each :class:`lancet_rt.Experts` module becomes an
+FSDP2 unit over ``mesh["dp"]`` whose reduce-scatter divides by dp x ep (it sums over dp the
+gradients of experts that already hold their ep group's tokens), the rest of the model one unit (or
+one per block) over the dp x ep ranks, averaged. Both are then the gradients of the global mean loss.
+
+The divide: on NCCL FSDP2 runs it inside the reduce-scatter (``PREMUL_SUM``, or ``AVG``); gloo has
+neither, so on gloo the units reduce with ``SUM`` and divide after
+(``set_force_sum_reduction_for_comms``).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lancet_rt.parallel import mesh as _mesh
+
+
+def _flat_mesh(mesh):
+    """The 1-D DeviceMesh over all ranks of ``mesh`` (dp x ep)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh.from_group(_mesh.flat_group(mesh), mesh.device_type, mesh_dim_names=("dp_ep",))
+
+
+def _refuse_deferred_dw(module, args) -> None:
+    from lancet_rt.schedule import wgrad
+
+    if wgrad.current() is not None and torch.is_grad_enabled():
+        raise ValueError("lancet_rt.parallel.fully_shard (FSDP2) cannot take deferred dW "
+                         "(lancet_rt.Overlapped(defer_wgrad=True)): FSDP2 reduce-scatters each unit's "
+                         "gradients when its backward ends, before the deferred dW reaches them. Use "
+                         "defer_wgrad=False with fully_shard, or replicate / GradientSync with defer_wgrad=True")
+
+
+def fully_shard(model: nn.Module, mesh, *, blocks: Optional[Sequence[nn.Module]] = None, **fsdp_kwargs) -> nn.Module:
+    """Apply FSDP2 to ``model`` over a ``("dp", "ep")`` mesh, its MoE layers expert-parallel over "ep".
+
+    Every :class:`lancet_rt.Experts` module is sharded over ``mesh["dp"]`` (dim 0: the local experts),
+    with a gradient divide factor of dp x ep; each of ``blocks`` (optional: the transformer blocks,
+    for per-block all-gathers) and then ``model`` itself over the dp x ep ranks. After ``backward()``
+    the sharded gradients are those of the mean loss over the global batch. ``Overlapped(chunks=N)``
+    runs on the result; deferred dW is refused with a ValueError at the first forward, on every
+    rank before any collective.
+
+    Args:
+        model: the model, its MoE layers built with ``ep_group=mesh["ep"].get_group()``.
+        mesh: a DeviceMesh with dimensions ``("dp", "ep")``.
+        blocks: submodules to make units of their own (over dp x ep), in order.
+        fsdp_kwargs: passed to ``torch.distributed.fsdp.fully_shard`` for every unit (not ``mesh``).
+
+    Returns:
+        ``model`` (now an ``FSDPModule``), as ``torch.distributed.fsdp.fully_shard`` returns it.
+    """
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from lancet_rt.moe.experts import Experts
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    _mesh.check_mesh(mesh)
+    if "mesh" in fsdp_kwargs:
+        raise ValueError("fully_shard: pass the ('dp', 'ep') mesh as the mesh argument, not in fsdp_kwargs")
+    lay = _mesh.layout(mesh)
+    _mesh.check_expert_groups(model, lay.ep)
+    gloo = dist.get_backend(lay.dense_group) != "nccl"
+    units = []
+    for m in model.modules():
+        if isinstance(m, Experts):
+            torch_fully_shard(m, mesh=mesh["dp"], **fsdp_kwargs)
+            m.set_gradient_divide_factor(float(lay.divisor))
+            units.append(m)
+    flat = _flat_mesh(mesh)
+    for b in blocks or ():
+        units.append(torch_fully_shard(b, mesh=flat, **fsdp_kwargs))
+    units.append(torch_fully_shard(model, mesh=flat, **fsdp_kwargs))
+    if gloo:  # gloo has no PREMUL_SUM or AVG: SUM, then FSDP2 divides
+        for u in units:
+            u.set_force_sum_reduction_for_comms(True)
+    model.register_forward_pre_hook(_refuse_deferred_dw, prepend=True)
+    return model
