@@ -7,6 +7,7 @@ the rest over dp x ep). Every one leaves the gradients of the mean loss over the
 from lancet_rt.parallel.sync import GradientSync, dense_parameters, expert_parameters, sync_gradients
 from lancet_rt.parallel.replicate import Replicated, replicate
 from lancet_rt.parallel.fsdp import fully_shard
+from lancet_rt.parallel.hf import parallelize_hf
 
 __all__ = ["sync_gradients", "GradientSync", "expert_parameters", "dense_parameters", "replicate", "Replicated",
-           "fully_shard"]
+           "fully_shard", "parallelize_hf"]

@@ -42,26 +42,39 @@ def global_batch(step: int, world: int):
     return x, torch.randn(x.shape, generator=gen)
 
 
-def reference_steps(ref, world: int, steps: int = 2):
-    """Per step: (per-sample losses [world*ROWS], gradients, parameters after the step)."""
+def blocks_loss(run, x, g):
+    """The mean over rows of a per-row loss (the global mean is the mean of equal ranks' means)."""
+    return (run(x) * g).flatten(1).sum(1).mean()
+
+
+def local(t, rank: int, rows: int = ROWS):
+    return t[rank * rows:(rank + 1) * rows]
+
+
+def reference_steps(ref, world: int, steps: int = 2, batch_fn=None, loss_fn=blocks_loss):
+    """Per step: (each rank's loss on its rows, gradients, parameters after the step), one process
+    with all experts on the global batch ``batch_fn(step, world)`` (a tuple of [world*rows, ...])."""
+    batch_fn = batch_fn or global_batch
     opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
     out = []
     for step in range(steps):
-        x, g = global_batch(step, world)
+        inputs = batch_fn(step, world)
         opt.zero_grad(set_to_none=True)
-        per_sample = (ref(x) * g).flatten(1).sum(1)
-        per_sample.mean().backward()
+        rows = inputs[0].shape[0] // world
+        with torch.no_grad():
+            losses = [loss_fn(ref, *(local(t, r, rows) for t in inputs)) for r in range(world)]
+        loss_fn(ref, *inputs).backward()
         grads = {n: p.grad.clone() for n, p in ref.named_parameters()}
         opt.step()
-        out.append((per_sample.detach(), grads, {n: p.detach().clone() for n, p in ref.named_parameters()}))
+        out.append((losses, grads, {n: p.detach().clone() for n, p in ref.named_parameters()}))
     return out
 
 
 def compare(model, expected, rank: int, ep_rank: int, loss, what: str, *, grads=None, params=None) -> None:
     """The local loss, gradients (``grads``: name -> tensor, default ``.grad``) and parameters equal
     the reference's (experts: this ep rank's slice)."""
-    per_sample, ref_grads, ref_params = expected
-    assert_close(f"{what} loss", loss.detach().reshape(1), per_sample[rank * ROWS:(rank + 1) * ROWS].mean().reshape(1))
+    losses, ref_grads, ref_params = expected
+    assert_close(f"{what} loss", loss.detach().reshape(1), losses[rank].reshape(1))
     experts = {id(p) for p in expert_parameters(model)}
     named = list(model.named_parameters())
     assert {n for n, _ in named} == set(ref_grads), what

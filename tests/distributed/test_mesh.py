@@ -34,10 +34,9 @@ def _explicit_steps(model, run, mesh, how, expected, rank, ep_rank, what):
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     sync = GradientSync(model, mesh, bucket_mb=0.0008, piece_mb=0.0003) if how == "GradientSync" else None
     for step in range(2):
-        x, g = mc.global_batch(step, mesh.size())
-        x, g = x[rank * mc.ROWS:(rank + 1) * mc.ROWS], g[rank * mc.ROWS:(rank + 1) * mc.ROWS]
+        x, g = (mc.local(t, rank) for t in mc.global_batch(step, mesh.size()))
         opt.zero_grad(set_to_none=True)
-        loss = (run(x) * g).flatten(1).sum(1).mean()
+        loss = mc.blocks_loss(run, x, g)
         if how == "replicate":
             loss.backward()
         elif sync is None:
@@ -117,9 +116,8 @@ def _skewed(rank, world):
     sync = GradientSync(model, mesh, bucket_mb=0.0008)
     run = mc.runner(model, 2, True)
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    x, g = mc.global_batch(0, world)
-    x, g = x[rank * mc.ROWS:(rank + 1) * mc.ROWS], g[rank * mc.ROWS:(rank + 1) * mc.ROWS]
-    loss = (run(x) * g).flatten(1).sum(1).mean()
+    x, g = (mc.local(t, rank) for t in mc.global_batch(0, world))
+    loss = mc.blocks_loss(run, x, g)
     with sync:
         loss.backward()
     opt.step()
@@ -146,15 +144,14 @@ def _fsdp(rank, world):
         run = mc.runner(model, chunks, defer)
         opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
         for step in range(2):
-            x, g = mc.global_batch(step, world)
-            x, g = x[rank * mc.ROWS:(rank + 1) * mc.ROWS], g[rank * mc.ROWS:(rank + 1) * mc.ROWS]
+            x, g = (mc.local(t, rank) for t in mc.global_batch(step, world))
             opt.zero_grad(set_to_none=True)
             if defer:
                 with pytest.raises(ValueError) as err:
                     run(x)
                 refused.append(str(err.value))
                 break
-            loss = (run(x) * g).flatten(1).sum(1).mean()
+            loss = mc.blocks_loss(run, x, g)
             loss.backward()
             opt.step()
             grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
