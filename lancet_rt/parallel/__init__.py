@@ -8,6 +8,8 @@ from lancet_rt.parallel.sync import GradientSync, dense_parameters, expert_param
 from lancet_rt.parallel.replicate import Replicated, replicate
 from lancet_rt.parallel.fsdp import fully_shard
 from lancet_rt.parallel.hf import parallelize_hf
+from lancet_rt.parallel.dcp import load_sharded, save_sharded
 
 __all__ = ["sync_gradients", "GradientSync", "expert_parameters", "dense_parameters", "replicate", "Replicated",
-           "fully_shard", "parallelize_hf"]
+           "fully_shard", "parallelize_hf",
+           "save_sharded", "load_sharded"]

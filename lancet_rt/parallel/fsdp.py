@@ -68,18 +68,19 @@ def fully_shard(model: nn.Module, mesh, *, blocks: Optional[Sequence[nn.Module]]
     lay = _mesh.layout(mesh)
     _mesh.check_expert_groups(model, lay.ep)
     gloo = dist.get_backend(lay.dense_group) != "nccl"
-    units = []
+    units = []  # (unit, its shard group's size)
     for m in model.modules():
         if isinstance(m, Experts):
             torch_fully_shard(m, mesh=mesh["dp"], **fsdp_kwargs)
             m.set_gradient_divide_factor(float(lay.divisor))
-            units.append(m)
+            units.append((m, mesh.size(0)))
     flat = _flat_mesh(mesh)
     for b in blocks or ():
-        units.append(torch_fully_shard(b, mesh=flat, **fsdp_kwargs))
-    units.append(torch_fully_shard(model, mesh=flat, **fsdp_kwargs))
+        units.append((torch_fully_shard(b, mesh=flat, **fsdp_kwargs), lay.divisor))
+    units.append((torch_fully_shard(model, mesh=flat, **fsdp_kwargs), lay.divisor))
     if gloo:  # gloo has no PREMUL_SUM or AVG: SUM, then FSDP2 divides
-        for u in units:
-            u.set_force_sum_reduction_for_comms(True)
+        for u, size in units:
+            # Not on one rank: FSDP2 (torch 2.13) then divides by the factor in its copy AND after it.
+            u.set_force_sum_reduction_for_comms(size > 1)
     model.register_forward_pre_hook(_refuse_deferred_dw, prepend=True)
     return model
