@@ -44,8 +44,9 @@ def fully_shard(model: nn.Module, mesh, *, blocks: Optional[Sequence[nn.Module]]
     with a gradient divide factor of dp x ep; each of ``blocks`` (optional: the transformer blocks,
     for per-block all-gathers) and then ``model`` itself over the dp x ep ranks. After ``backward()``
     the sharded gradients are those of the mean loss over the global batch. ``Overlapped(chunks=N)``
-    runs on the result; deferred dW is refused with a ValueError at the first forward, on every
-    rank before any collective.
+    runs on the result, and ``Overlapped.accumulate(..., interleave=False)``; deferred dW is refused
+    with a ValueError at the first forward, and ``accumulate(interleave=True)`` when called, on
+    every rank before any collective.
 
     Args:
         model: the model, its MoE layers built with ``ep_group=mesh["ep"].get_group()``.
@@ -83,4 +84,9 @@ def fully_shard(model: nn.Module, mesh, *, blocks: Optional[Sequence[nn.Module]]
             # Not on one rank: FSDP2 (torch 2.13) then divides by the factor in its copy AND after it.
             u.set_force_sum_reduction_for_comms(size > 1)
     model.register_forward_pre_hook(_refuse_deferred_dw, prepend=True)
+    # Read by Overlapped.accumulate: FSDP2 reshards a unit in its post-backward while the next
+    # microbatch's forward (on another thread) uses it.
+    model.lancet_interleave_refused = (
+        "lancet_rt.parallel.fully_shard (FSDP2) cannot run one microbatch's forward beside the previous one's "
+        "backward; use accumulate(..., interleave=False), or replicate / GradientSync")
     return model

@@ -9,6 +9,8 @@ result is the gradient of the global mean loss, accumulation across backwards in
 """
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -25,7 +27,7 @@ class Replicated(GradientSync):
 
     def __init__(self, model: nn.Module, mesh, bucket_mb: float):
         super().__init__(model, mesh, bucket_mb=bucket_mb)
-        self._in_backward = False
+        self._in_backward, self._thread = False, None
         ep = self._lay.ep
         self._scaled = []  # experts are scaled on arrival instead (accumulation-safe)
         if ep > 1:
@@ -38,8 +40,10 @@ class Replicated(GradientSync):
         return self._lay.expert_group.size() if expert else self._lay.divisor
 
     def _ready(self, p: torch.Tensor) -> None:
+        if self._in_backward and threading.get_ident() != self._thread:
+            self._abandon()  # a backward on another thread raised before its finish
         if not self._in_backward:
-            self._in_backward = True
+            self._in_backward, self._thread = True, threading.get_ident()
             self._start()
             # Queued now, it runs after the callbacks already queued in this backward (deferred dW's
             # flush among them); it queues the finish behind any queued meanwhile.
@@ -54,11 +58,16 @@ class Replicated(GradientSync):
         self._finish()
 
     def _before_forward(self, module, args) -> None:
-        if self._in_backward and torch._C._current_graph_task_id() == -1:  # a backward that raised
-            for b in self._buckets:
-                for w in b.works:
-                    w.wait()
-            self._active = self._in_backward = False
+        # A backward begun on this thread that is not running any more raised before its finish.
+        # (Overlapped.accumulate runs a backward on another thread beside this forward: not that.)
+        if self._in_backward and self._thread == threading.get_ident() and torch._C._current_graph_task_id() == -1:
+            self._abandon()
+
+    def _abandon(self) -> None:
+        for b in self._buckets:
+            for w in b.works:
+                w.wait()
+        self._active = self._in_backward = False
 
 
 @torch.no_grad()

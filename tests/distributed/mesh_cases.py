@@ -17,11 +17,12 @@ from tests.helpers import assert_close
 D, E, ROWS, SEQ = 8, 8, 2, 3  # ROWS per rank
 
 
-def make_blocks(ep_group=None):
+def make_blocks(ep_group=None, z_loss_coef=0.01):
     torch.manual_seed(0)
     # Dropless and no aux loss: both depend on the local batch, so no (dp, ep) run could equal the
-    # global one with them. The z-loss is a mean over tokens and stays.
-    return MoEBlocks(2, D, 2, dict(d_ffn=6, num_experts=E, top_k=2, z_loss_coef=0.01, ep_group=ep_group))
+    # global one with them. The z-loss is a mean over tokens and stays (but not under accumulate,
+    # where it is per microbatch and its gradient is not scaled by the loss's 1 / M).
+    return MoEBlocks(2, D, 2, dict(d_ffn=6, num_experts=E, top_k=2, z_loss_coef=z_loss_coef, ep_group=ep_group))
 
 
 def load_from_reference(model, ref, ep_rank: int) -> None:
