@@ -27,14 +27,61 @@ def _flat_mesh(mesh):
     return DeviceMesh.from_group(_mesh.flat_group(mesh), mesh.device_type, mesh_dim_names=("dp_ep",))
 
 
-def _refuse_deferred_dw(module, args) -> None:
+class _FlushDeferred(torch.autograd.Function):
+    """Identity on an FSDP2 unit's floating-point inputs, placed inside FSDP2's own input hook: in
+    backward the engine runs it just before the unit's post-backward (FSDP2's reduce-scatter), and
+    it flushes the deferred dW queued so far into the parameters' accumulators, so the unit reduces
+    whole gradients. A probe leaf keeps it in the graph when no input needs a gradient."""
+
+    @staticmethod
+    def forward(ctx, queue, probe, *xs):
+        ctx.queue = queue
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.queue.flush()
+        return (None, None) + grads
+
+
+_probe = None
+
+
+def _flush_before_reduce(module, args, kwargs):
     from lancet_rt.schedule import wgrad
 
-    if wgrad.current() is not None and torch.is_grad_enabled():
-        raise ValueError("lancet_rt.parallel.fully_shard (FSDP2) cannot take deferred dW "
-                         "(lancet_rt.Overlapped(defer_wgrad=True)): FSDP2 reduce-scatters each unit's "
-                         "gradients when its backward ends, before the deferred dW reaches them. Use "
-                         "defer_wgrad=False with fully_shard, or replicate / GradientSync with defer_wgrad=True")
+    global _probe
+    queue = wgrad.current()
+    if queue is None or not torch.is_grad_enabled():
+        return None
+    if _probe is None:
+        _probe = torch.zeros((), requires_grad=True)
+    flat = list(args) + list(kwargs.values())
+    at = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+    if not at:  # FSDP2 reduces this unit in its final callback: _flush_first_at_the_end covers it
+        return None
+    out = _FlushDeferred.apply(queue, _probe, *(flat[i] for i in at))
+    for i, y in zip(at, out):
+        flat[i] = y
+    n = len(args)
+    return tuple(flat[:n]), dict(zip(kwargs, flat[n:]))
+
+
+def _flush_first_at_the_end(module, args, output):
+    """On the root, before FSDP2's post-forward: a hook on the outputs, run first when backward
+    reaches them, queues the flush ahead of FSDP2's final callback (which reduces the units whose
+    inputs took no gradient)."""
+    from torch.utils._pytree import tree_leaves
+
+    from lancet_rt.schedule import wgrad
+
+    queue = wgrad.current()
+    if queue is None or not torch.is_grad_enabled():
+        return None
+    for t in tree_leaves(output):
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            t.register_hook(lambda g: torch.autograd.Variable._execution_engine.queue_callback(queue.flush))
+    return None
 
 
 def fully_shard(model: nn.Module, mesh, *, blocks: Optional[Sequence[nn.Module]] = None, **fsdp_kwargs) -> nn.Module:
@@ -44,9 +91,10 @@ def fully_shard(model: nn.Module, mesh, *, blocks: Optional[Sequence[nn.Module]]
     with a gradient divide factor of dp x ep; each of ``blocks`` (optional: the transformer blocks,
     for per-block all-gathers) and then ``model`` itself over the dp x ep ranks. After ``backward()``
     the sharded gradients are those of the mean loss over the global batch. ``Overlapped(chunks=N)``
-    runs on the result, and ``Overlapped.accumulate(..., interleave=False)``; deferred dW is refused
-    with a ValueError at the first forward, and ``accumulate(interleave=True)`` when called, on
-    every rank before any collective.
+    runs on the result, with deferred dW (``defer_wgrad=True``: each unit flushes the dW queued so far
+    just before FSDP2 reduce-scatters it, so dW fills the all-to-all windows inside a unit, not
+    across units), and ``Overlapped.accumulate(..., interleave=False)``; ``accumulate(interleave=True)``
+    is refused when called, on every rank before any collective.
 
     Args:
         model: the model, its MoE layers built with ``ep_group=mesh["ep"].get_group()``.
@@ -83,7 +131,9 @@ def fully_shard(model: nn.Module, mesh, *, blocks: Optional[Sequence[nn.Module]]
         for u, size in units:
             # Not on one rank: FSDP2 (torch 2.13) then divides by the factor in its copy AND after it.
             u.set_force_sum_reduction_for_comms(size > 1)
-    model.register_forward_pre_hook(_refuse_deferred_dw, prepend=True)
+    for u, _ in units:  # after FSDP2's input hook (it prepends its own): see _FlushDeferred
+        u.register_forward_pre_hook(_flush_before_reduce, with_kwargs=True)
+    model.register_forward_hook(_flush_first_at_the_end, prepend=True)
     # Read by Overlapped.accumulate: FSDP2 reshards a unit in its post-backward while the next
     # microbatch's forward (on another thread) uses it.
     model.lancet_interleave_refused = (

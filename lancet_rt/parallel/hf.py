@@ -30,8 +30,7 @@ def parallelize_hf(model: nn.Module, mesh, *, engine: Optional[str] = "fully_sha
             "replicate" (:func:`lancet_rt.parallel.replicate`), or None (expert parallelism only:
             reduce with :func:`~lancet_rt.parallel.sync_gradients` or :class:`~lancet_rt.parallel.GradientSync`
             over the mesh).
-        chunks, defer_wgrad, capacity_factor: as for :func:`lancet_rt.from_hf`. ``engine="fully_shard"``
-            with ``defer_wgrad=True`` is refused (ValueError) before anything changes.
+        chunks, defer_wgrad, capacity_factor: as for :func:`lancet_rt.from_hf`.
         engine_kwargs: passed to the engine (``bucket_mb`` for replicate, FSDP2 options for fully_shard).
 
     Returns:
@@ -46,10 +45,6 @@ def parallelize_hf(model: nn.Module, mesh, *, engine: Optional[str] = "fully_sha
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     if engine is None and engine_kwargs:
         raise ValueError(f"engine=None takes no engine options, got {sorted(engine_kwargs)}")
-    if engine == "fully_shard" and defer_wgrad is True:
-        raise ValueError("parallelize_hf: engine='fully_shard' (FSDP2) cannot take defer_wgrad=True: FSDP2 "
-                         "reduce-scatters a unit's gradients before deferred dW reaches them; use "
-                         "engine='replicate' or None with defer_wgrad=True")
     from_hf(model, mesh["ep"].get_group(), chunks=chunks, defer_wgrad=defer_wgrad, capacity_factor=capacity_factor)
     if engine == "fully_shard":
         engine_kwargs.setdefault("blocks", _decoder_layers(model))

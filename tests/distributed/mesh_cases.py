@@ -98,3 +98,9 @@ def runner(model, chunks: int, defer_wgrad: bool):
 
 
 CELLS = [(1, False), (1, True), (2, False), (2, True)]  # (chunks, defer_wgrad)
+
+
+def full(model):
+    """(gradients, parameters) of an FSDP2 model as whole tensors (a collective: every rank calls it)."""
+    grads = {n: None if p.grad is None else p.grad.full_tensor() for n, p in model.named_parameters()}
+    return grads, {n: p.detach().full_tensor() for n, p in model.named_parameters()}

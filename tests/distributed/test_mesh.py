@@ -136,7 +136,7 @@ def _fsdp(rank, world):
     mesh = _mesh(world)
     ep_rank = mesh["ep"].get_local_rank()
     expected = mc.reference_steps(mc.make_blocks(), world)
-    refused = []
+    flushed = []
     for chunks, defer in mc.CELLS:
         model = mc.make_blocks(mesh["ep"].get_group())
         mc.load_from_reference(model, mc.make_blocks(), ep_rank)
@@ -146,32 +146,27 @@ def _fsdp(rank, world):
         for step in range(2):
             x, g = (mc.local(t, rank) for t in mc.global_batch(step, world))
             opt.zero_grad(set_to_none=True)
-            if defer:
-                with pytest.raises(ValueError) as err:
-                    run(x)
-                refused.append(str(err.value))
-                break
             loss = mc.blocks_loss(run, x, g)
             loss.backward()
             opt.step()
-            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-            params = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
-            mc.compare(model, expected[step], rank, ep_rank, loss, f"fully_shard chunks={chunks} step {step}",
-                       grads=grads, params=params)
-    return refused
+            grads, params = mc.full(model)
+            mc.compare(model, expected[step], rank, ep_rank, loss,
+                       f"fully_shard chunks={chunks} defer_wgrad={defer} step {step}", grads=grads, params=params)
+            if defer:
+                flushed.append(run.wgrad_queue.flushed + run.wgrad_queue.ran_in_windows)
+    return flushed
 
 
 def test_fully_shard_on_a_mesh():
-    """Experts sharded over dp (divide factor dp x ep), the rest over dp x ep: exact; deferred dW is
-    refused on every rank with an error naming both."""
-    for refused in assert_all_ok(run_ranks(_fsdp, 4, timeout=400)):
-        assert len(refused) == 2
-        assert all("fully_shard" in e and "defer_wgrad=True" in e for e in refused), refused
+    """Experts sharded over dp (divide factor dp x ep), the rest over dp x ep: exact, deferred dW
+    flushed into each unit before FSDP2 reduce-scatters it."""
+    for flushed in assert_all_ok(run_ranks(_fsdp, 4, timeout=400)):
+        assert len(flushed) == 4 and all(n > 0 for n in flushed), flushed  # dW really was deferred
 
 
 def _accumulated(rank, world, hows):
     """Overlapped.accumulate over two microbatches (each half of the rank's rows, loss / 2), chunks 2,
-    deferred dW where the engine takes it: two steps equal the reference on the global batch."""
+    deferred dW: two steps equal the reference on the global batch (fully_shard: interleave=False)."""
     from lancet_rt.parallel import GradientSync, fully_shard, replicate, sync_gradients
 
     mesh = _mesh(world)
@@ -185,7 +180,7 @@ def _accumulated(rank, world, hows):
             replicate(model, mesh)
         elif how == "fully_shard":
             fully_shard(model, mesh, blocks=list(model.blocks))
-        ov = mc.runner(model, 2, how != "fully_shard")
+        ov = mc.runner(model, 2, True)
         if how == "fully_shard":  # refused before any collective: FSDP2 cannot take a forward beside a backward
             with pytest.raises(ValueError, match="interleave=False"):
                 ov.accumulate([torch.randn(1, mc.SEQ, mc.D)], lambda out, i: out.sum())
@@ -199,9 +194,7 @@ def _accumulated(rank, world, hows):
             if how == "sync_gradients":
                 sync_gradients(model, mesh)
             opt.step()
-            full = how == "fully_shard"
-            grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()} if full else None
-            params = {n: p.detach().full_tensor() for n, p in model.named_parameters()} if full else None
+            grads, params = mc.full(model) if how == "fully_shard" else (None, None)
             mc.compare(model, expected[step], rank, ep_rank, losses.sum(), f"accumulate {how} step {step}",
                        grads=grads, params=params)
     return True

@@ -18,11 +18,6 @@ def _step(model, run, rank, world, step, opt):
     return loss
 
 
-def _full(model):
-    return ({n: p.grad.full_tensor() for n, p in model.named_parameters()},
-            {n: p.detach().full_tensor() for n, p in model.named_parameters()})
-
-
 def _sharded(rank, world, dp):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -41,7 +36,7 @@ def _save_and_load(rank, world, path):
     expected = mc.reference_steps(mc.make_blocks(), world)
     mesh, model, opt = _sharded(rank, world, 2)
     loss = _step(model, model, rank, world, 0, opt)
-    grads, params = _full(model)
+    grads, params = mc.full(model)
     mc.compare(model, expected[0], rank, mesh["ep"].get_local_rank(), loss, "before save", grads=grads, params=params)
     save_sharded(model, mesh, path, opt)
     for dp in (1, 4):
@@ -52,7 +47,7 @@ def _save_and_load(rank, world, path):
         _step(model, model, rank, world, 0, opt)  # optimizer state exists (and is wrong) before the load
         load_sharded(model, mesh, path, opt)
         ep_rank = mesh["ep"].get_local_rank()
-        params = _full(model)[1]
+        params = mc.full(model)[1]
         for n, p in model.named_parameters():
             ref = expected[0][2][n]
             if ".experts." in n:
@@ -60,7 +55,7 @@ def _save_and_load(rank, world, path):
                 ref = ref[ep_rank * k:(ep_rank + 1) * k]
             mc.assert_close(f"dp={dp} loaded {n}", params[n], ref)
         loss = _step(model, model, rank, world, 1, opt)
-        grads, params = _full(model)
+        grads, params = mc.full(model)
         mc.compare(model, expected[1], rank, ep_rank, loss, f"dp={dp} step after load", grads=grads, params=params)
     return True
 

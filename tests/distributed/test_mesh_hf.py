@@ -43,10 +43,6 @@ def _cells(rank, world, hows):
     for how in hows:
         for chunks, defer in mc.CELLS:
             engine = how if how in ("fully_shard", "replicate") else None
-            if engine == "fully_shard" and defer:
-                with pytest.raises(ValueError, match="defer_wgrad=True"):
-                    parallelize_hf(_build(), mesh, engine=engine, chunks=chunks, defer_wgrad=defer)
-                continue
             model = parallelize_hf(_build(), mesh, engine=engine, chunks=chunks, defer_wgrad=defer)
             sync = GradientSync(model, mesh, bucket_mb=0.01) if how == "GradientSync" else None
             opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -62,9 +58,7 @@ def _cells(rank, world, hows):
                 if how == "sync_gradients":
                     sync_gradients(model, mesh)
                 opt.step()
-                full = engine == "fully_shard"
-                grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()} if full else None
-                params = {n: p.detach().full_tensor() for n, p in model.named_parameters()} if full else None
+                grads, params = mc.full(model) if engine == "fully_shard" else (None, None)
                 mc.compare(model, expected[step], rank, ep_rank, loss, f"{FAMILY} {how} chunks={chunks} "
                            f"defer_wgrad={defer} step {step}", grads=grads, params=params)
             ran.append((how, chunks, defer))
@@ -74,4 +68,4 @@ def _cells(rank, world, hows):
 @pytest.mark.parametrize("hows", [("fully_shard", "replicate"), ("sync_gradients", "GradientSync")])
 def test_hf_family_on_a_mesh(hows):
     for ran in assert_all_ok(run_ranks(_cells, 4, hows, timeout=500)):
-        assert len(ran) == (6 if "fully_shard" in hows else 8), ran
+        assert len(ran) == 8, ran
