@@ -211,3 +211,40 @@ def test_collective_order_does_not_follow_dw_timing():
     assert len({tuple(a) for a in arrivals}) > 1, "the test must make the gradients arrive in different orders"
     queues = [r[1] for r in results]  # the same buckets per communicator on every rank, issued in this order
     assert all(q == queues[0] for q in queues) and len(queues[0]) == 2, queues
+
+
+def _refusals(rank, world):
+    """Bad arguments raise on every rank, naming the argument, before any collective."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lancet_rt.parallel import GradientSync, fully_shard, parallelize_hf, replicate, sync_gradients
+    from lancet_rt.parallel.mesh import reduce_op
+
+    assert reduce_op(dist.group.WORLD, 4) == (dist.ReduceOp.SUM, 4)  # gloo: SUM, then divide
+    mesh = _mesh(world)
+    flat = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
+    wrong_ep = mc.make_blocks(dist.group.WORLD)  # expert-parallel over 4 ranks, the mesh's ep has 2
+    errors = []
+    for call in (lambda: fully_shard(mc.make_blocks(), flat), lambda: replicate(mc.make_blocks(), "mesh"),
+                 lambda: sync_gradients(wrong_ep, mesh), lambda: GradientSync(wrong_ep, mesh),
+                 lambda: fully_shard(wrong_ep, mesh), lambda: replicate(torch.ones(1), mesh),
+                 lambda: parallelize_hf(mc.make_blocks(), mesh, engine="ddp")):
+        try:
+            call()
+            errors.append("no error")
+        except (TypeError, ValueError) as e:
+            errors.append(f"{type(e).__name__}: {e}")
+    return errors
+
+
+def test_bad_arguments_are_refused_on_every_rank():
+    results = assert_all_ok(run_ranks(_refusals, 4, timeout=200))
+    assert all(r == results[0] for r in results), results
+    e = results[0]
+    assert e[0].startswith("ValueError: mesh must have the dimensions ('dp', 'ep')"), e[0]
+    assert e[1].startswith("TypeError: mesh must be a torch.distributed DeviceMesh"), e[1]
+    for m in e[2:5]:
+        assert m.startswith("ValueError:") and "expert-parallel over 4 rank(s)" in m and "ep_group=mesh['ep']" in m, m
+    assert e[5].startswith("TypeError: model must be an nn.Module"), e[5]
+    assert e[6].startswith("ValueError: engine must be one of"), e[6]
