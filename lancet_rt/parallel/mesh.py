@@ -117,5 +117,22 @@ def check_expert_groups(model, ep_size: int, argument: str = "mesh") -> None:
                                  f"the mesh's 'ep' dimension has {ep_size}: build the model with ep_group=mesh['ep']")
 
 
-def has_experts(model) -> bool:
-    return any(isinstance(m, Experts) for m in model.modules())
+def check_one_group(model, group, argument: str = "group") -> None:
+    """With one group (dp = 1) every MoE layer must be expert-parallel over exactly its ranks: a
+    data-parallel group beside the layers' expert-parallel one needs the mesh (ValueError otherwise,
+    the same on every rank: it reads only group memberships)."""
+    from lancet_rt.comm.group import TorchGroup
+    from lancet_rt.moe.layer import MoE
+
+    if not dist.is_initialized():
+        return
+    ranks = dist.get_process_group_ranks(group if group is not None else dist.group.WORLD)
+    for name, m in model.named_modules():
+        if not isinstance(m, MoE) or not (m.group is None or isinstance(m.group, TorchGroup)):
+            continue
+        mine = [dist.get_rank()] if m.group is None else dist.get_process_group_ranks(m.group.group)
+        if sorted(mine) != sorted(ranks):
+            raise ValueError(f"{argument}: MoE layer {name or '<root>'} is expert-parallel over ranks {sorted(mine)}, "
+                             f"the group holds ranks {sorted(ranks)}: one group means data and expert parallelism "
+                             "over the same ranks; for data parallelism beside expert parallelism pass the "
+                             "('dp', 'ep') DeviceMesh (init_device_mesh(..., mesh_dim_names=('dp', 'ep')))")

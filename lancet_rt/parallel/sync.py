@@ -67,8 +67,13 @@ def sync_gradients(model: nn.Module, group=None) -> None:
             with dimensions ``("dp", "ep")`` whose "ep" group is the MoE layers' ``ep_group``.
     """
     lay = _mesh.layout(group)
+    if lay.emulated:
+        raise TypeError("group: sync_gradients needs a ProcessGroup, None or a DeviceMesh; on a "
+                        "lancet_rt.EmulatedGroup use GradientSync")
     if _mesh.is_mesh(group):
         _mesh.check_expert_groups(model, lay.ep, "group")
+    else:
+        _mesh.check_one_group(model, group)
     if lay.divisor == 1:
         return
     dense = [p for p in dense_parameters(model) if p.requires_grad]
@@ -143,6 +148,8 @@ class GradientSync:
             raise TypeError(f"low_priority must be a bool, got {type(low_priority).__name__}")
         if _mesh.is_mesh(group):
             _mesh.check_expert_groups(model, lay.ep, "group")
+        elif params == "dense" and not lay.emulated:
+            _mesh.check_one_group(model, group)
         self.group = group
         self.params = params
         self.piece_bytes = None if piece_mb is None else max(1, int(piece_mb * 1e6))

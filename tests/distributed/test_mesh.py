@@ -229,7 +229,10 @@ def _refusals(rank, world):
     for call in (lambda: fully_shard(mc.make_blocks(), flat), lambda: replicate(mc.make_blocks(), "mesh"),
                  lambda: sync_gradients(wrong_ep, mesh), lambda: GradientSync(wrong_ep, mesh),
                  lambda: fully_shard(wrong_ep, mesh), lambda: replicate(torch.ones(1), mesh),
-                 lambda: parallelize_hf(mc.make_blocks(), mesh, engine="ddp")):
+                 lambda: parallelize_hf(mc.make_blocks(), mesh, engine="ddp"),
+                 # the silent error: the dp group alone, beside an ep group
+                 lambda: sync_gradients(mc.make_blocks(mesh["ep"].get_group()), mesh["dp"].get_group()),
+                 lambda: GradientSync(mc.make_blocks(mesh["ep"].get_group()), mesh["dp"].get_group())):
         try:
             call()
             errors.append("no error")
@@ -240,7 +243,8 @@ def _refusals(rank, world):
 
 def test_bad_arguments_are_refused_on_every_rank():
     results = assert_all_ok(run_ranks(_refusals, 4, timeout=200))
-    assert all(r == results[0] for r in results), results
+    same = [[m.split(" over ranks ")[0] for m in r] for r in results]  # the ranks named differ per rank
+    assert all(r == same[0] for r in same), results
     e = results[0]
     assert e[0].startswith("ValueError: mesh must have the dimensions ('dp', 'ep')"), e[0]
     assert e[1].startswith("TypeError: mesh must be a torch.distributed DeviceMesh"), e[1]
@@ -248,3 +252,6 @@ def test_bad_arguments_are_refused_on_every_rank():
         assert m.startswith("ValueError:") and "expert-parallel over 4 rank(s)" in m and "ep_group=mesh['ep']" in m, m
     assert e[5].startswith("TypeError: model must be an nn.Module"), e[5]
     assert e[6].startswith("ValueError: engine must be one of"), e[6]
+    for m in e[7:9]:
+        assert m.startswith("ValueError: group: MoE layer blocks.0.moe is expert-parallel over ranks"), m
+        assert "pass the ('dp', 'ep') DeviceMesh" in m, m
