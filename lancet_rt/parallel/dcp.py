@@ -20,30 +20,21 @@ from torch import nn
 
 from lancet_rt.parallel import mesh as _mesh
 
-_ep_dp: dict = {}
-
-
-def _ep_dp_mesh(mesh):
-    """``mesh`` with its dimensions swapped, ("ep", "dp"): Shard(0) twice splits over ep, then dp."""
-    from torch.distributed.device_mesh import DeviceMesh
-
-    key = (mesh.device_type, tuple(mesh.mesh.flatten().tolist()), tuple(mesh.mesh.shape))
-    if key not in _ep_dp:
-        _ep_dp[key] = DeviceMesh(mesh.device_type, mesh.mesh.transpose(0, 1).contiguous(), mesh_dim_names=("ep", "dp"))
-    return _ep_dp[key]
-
-
 def _global_expert(v: torch.Tensor, mesh) -> torch.Tensor:
-    """An expert DTensor over ``mesh["dp"]`` as one over (ep, dp) with the global [E, ...] shape,
-    aliasing the same local rows (DCP loads into it in place)."""
+    """An expert DTensor of fully_shard (over dp, or HSDP's (dp_replicate, dp)) as one over the mesh
+    with "ep" first, of the global [E, ...] shape, aliasing the same local rows (DCP loads into it)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    ep = mesh.size(1)
+    ep = mesh.size(mesh.ndim - 1)
     local = v.to_local() if isinstance(v, DTensor) else v
     shape = (v.shape[0] * ep,) + tuple(v.shape[1:])
     stride = tuple(int(torch.Size(shape[i + 1:]).numel()) for i in range(len(shape)))
-    return DTensor.from_local(local, _ep_dp_mesh(mesh), [Shard(0), Shard(0)], run_check=False,
-                              shape=torch.Size(shape), stride=stride)
+    if mesh.ndim == 2:
+        target, placements = _mesh.derived_mesh(mesh, (1, 0), ("ep", "dp")), [Shard(0), Shard(0)]
+    else:
+        target = _mesh.derived_mesh(mesh, (2, 0, 1), ("ep", "dp_replicate", "dp"))
+        placements = [Shard(0)] + list(v.placements if isinstance(v, DTensor) else ())
+    return DTensor.from_local(local, target, placements, run_check=False, shape=torch.Size(shape), stride=stride)
 
 
 def _state(model: nn.Module, optimizer, mesh):

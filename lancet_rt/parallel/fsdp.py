@@ -20,11 +20,16 @@ from torch import nn
 from lancet_rt.parallel import mesh as _mesh
 
 
-def _flat_mesh(mesh):
-    """The 1-D DeviceMesh over all ranks of ``mesh`` (dp x ep)."""
+def _unit_meshes(mesh):
+    """(experts' mesh, their shard size, the rest's mesh, its shard size): over dp and over dp x ep,
+    or with HSDP over (dp_replicate, dp) and (dp_replicate, dp x ep)."""
     from torch.distributed.device_mesh import DeviceMesh
 
-    return DeviceMesh.from_group(_mesh.flat_group(mesh), mesh.device_type, mesh_dim_names=("dp_ep",))
+    if mesh.ndim == 2:
+        flat = DeviceMesh.from_group(_mesh.flat_group(mesh), mesh.device_type, mesh_dim_names=("dp_ep",))
+        return mesh["dp"], mesh.size(0), flat, mesh.size()
+    dense = _mesh.derived_mesh(mesh, (0, 1, 2), ("dp_replicate", "dp_ep"))
+    return mesh["dp_replicate", "dp"], mesh.size(1), dense, dense.size(1)
 
 
 class _FlushDeferred(torch.autograd.Function):
@@ -98,7 +103,9 @@ def fully_shard(model: nn.Module, mesh, *, blocks: Optional[Sequence[nn.Module]]
 
     Args:
         model: the model, its MoE layers built with ``ep_group=mesh["ep"].get_group()``.
-        mesh: a DeviceMesh with dimensions ``("dp", "ep")``.
+        mesh: a DeviceMesh with dimensions ``("dp", "ep")``, or ``("dp_replicate", "dp", "ep")`` for
+            HSDP: experts replicated over dp_replicate and sharded over dp, the rest replicated over
+            dp_replicate and sharded over dp x ep.
         blocks: submodules to make units of their own (over dp x ep), in order.
         fsdp_kwargs: passed to ``torch.distributed.fsdp.fully_shard`` for every unit (not ``mesh``).
 
@@ -117,16 +124,16 @@ def fully_shard(model: nn.Module, mesh, *, blocks: Optional[Sequence[nn.Module]]
     lay = _mesh.layout(mesh)
     _mesh.check_expert_groups(model, lay.ep)
     gloo = dist.get_backend(lay.dense_group) != "nccl"
+    expert_mesh, expert_shards, dense_mesh, dense_shards = _unit_meshes(mesh)
     units = []  # (unit, its shard group's size)
     for m in model.modules():
         if isinstance(m, Experts):
-            torch_fully_shard(m, mesh=mesh["dp"], **fsdp_kwargs)
+            torch_fully_shard(m, mesh=expert_mesh, **fsdp_kwargs)
             m.set_gradient_divide_factor(float(lay.divisor))
-            units.append((m, mesh.size(0)))
-    flat = _flat_mesh(mesh)
+            units.append((m, expert_shards))
     for b in blocks or ():
-        units.append((torch_fully_shard(b, mesh=flat, **fsdp_kwargs), lay.divisor))
-    units.append((torch_fully_shard(model, mesh=flat, **fsdp_kwargs), lay.divisor))
+        units.append((torch_fully_shard(b, mesh=dense_mesh, **fsdp_kwargs), dense_shards))
+    units.append((torch_fully_shard(model, mesh=dense_mesh, **fsdp_kwargs), dense_shards))
     if gloo:  # gloo has no PREMUL_SUM or AVG: SUM, then FSDP2 divides
         for u, size in units:
             # Not on one rank: FSDP2 (torch 2.13) then divides by the factor in its copy AND after it.

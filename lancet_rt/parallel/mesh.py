@@ -20,10 +20,13 @@ import torch.distributed as dist
 
 from lancet_rt.moe.experts import Experts
 
-#: The mesh dimension names :func:`layout` accepts.
+#: The mesh dimension names :func:`layout` accepts: data x expert parallelism, and HSDP's (the
+#: experts replicated over "dp_replicate" and sharded over "dp" by fully_shard; dp is then both).
 MESH_DIMS = ("dp", "ep")
+HSDP_DIMS = ("dp_replicate", "dp", "ep")
 
 _flat_groups: dict = {}
+_meshes: dict = {}
 
 
 @dataclass(frozen=True)
@@ -52,12 +55,34 @@ def is_mesh(x) -> bool:
 
 
 def check_mesh(mesh, argument: str = "mesh") -> None:
-    """A 2-D DeviceMesh named ``("dp", "ep")``, else ValueError/TypeError (no collective)."""
+    """A DeviceMesh named ``("dp", "ep")`` or ``("dp_replicate", "dp", "ep")``, else ValueError/TypeError
+    (no collective)."""
     if not is_mesh(mesh):
         raise TypeError(f"{argument} must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
-    if mesh.mesh_dim_names != MESH_DIMS:
+    if mesh.mesh_dim_names not in (MESH_DIMS, HSDP_DIMS):
         raise ValueError(f"{argument} must have the dimensions {MESH_DIMS} (init_device_mesh(..., "
-                         f"mesh_dim_names=('dp', 'ep'))), got {mesh.mesh_dim_names}")
+                         f"mesh_dim_names=('dp', 'ep'))) or {HSDP_DIMS}, got {mesh.mesh_dim_names}")
+
+
+def derived_mesh(mesh, order, names: tuple):
+    """A DeviceMesh over ``mesh``'s ranks with its dimensions permuted by ``order`` and the trailing
+    ones merged to ``len(names)`` dimensions; created once per mesh (a collective the first time,
+    on every rank of the world, as any DeviceMesh)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = mesh.mesh.permute(*order)
+    ranks = ranks.reshape(tuple(ranks.shape[:len(names) - 1]) + (-1,))
+    key = (mesh.device_type, tuple(ranks.flatten().tolist()), tuple(ranks.shape), names)
+    if key not in _meshes:
+        _meshes[key] = DeviceMesh(mesh.device_type, ranks.contiguous(), mesh_dim_names=names)
+    return _meshes[key]
+
+
+def expert_dp_mesh(mesh):
+    """The 1-D mesh of this rank's ep index over all data-parallel ranks (dp, or dp_replicate x dp)."""
+    if mesh.ndim == 2:
+        return mesh["dp"]
+    return derived_mesh(mesh, (2, 0, 1), ("ep", "dp_all"))["dp_all"]
 
 
 def flat_group(mesh) -> dist.ProcessGroup:
@@ -75,13 +100,16 @@ def flat_group(mesh) -> dist.ProcessGroup:
 
 def layout(group_or_mesh) -> Layout:
     """The :class:`Layout` of ``group_or_mesh``: None (the default group), a ProcessGroup, a
-    :class:`lancet_rt.EmulatedGroup` (dp = 1: experts are only divided), or a ``("dp", "ep")`` mesh."""
+    :class:`lancet_rt.EmulatedGroup` (dp = 1: experts are only divided), or a ``("dp", "ep")`` or
+    ``("dp_replicate", "dp", "ep")`` mesh (dp is then dp_replicate x dp)."""
     from lancet_rt.comm.emulated import EmulatedGroup
 
     if is_mesh(group_or_mesh):
         check_mesh(group_or_mesh, "group")
-        dp, ep = group_or_mesh.size(0), group_or_mesh.size(1)
-        return Layout(flat_group(group_or_mesh), group_or_mesh["dp"].get_group() if dp > 1 else None, dp * ep, ep)
+        ep = group_or_mesh.size(group_or_mesh.ndim - 1)
+        dp = group_or_mesh.size() // ep
+        expert_group = expert_dp_mesh(group_or_mesh).get_group() if dp > 1 else None
+        return Layout(flat_group(group_or_mesh), expert_group, dp * ep, ep)
     if isinstance(group_or_mesh, EmulatedGroup):
         return Layout(group_or_mesh, None, group_or_mesh.size, group_or_mesh.size, emulated=True)
     if group_or_mesh is not None and not isinstance(group_or_mesh, dist.ProcessGroup):

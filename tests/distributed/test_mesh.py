@@ -12,10 +12,13 @@ from tests.dist import assert_all_ok, run_ranks
 from tests.distributed import mesh_cases as mc
 
 
-def _mesh(world):
+def _mesh(world, shape=None):
+    """(dp=2, ep=world/2), or the shape given: 3 dimensions are HSDP's ("dp_replicate", "dp", "ep")."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "ep"))
+    shape = shape or (2, world // 2)
+    names = ("dp", "ep") if len(shape) == 2 else ("dp_replicate", "dp", "ep")
+    return init_device_mesh("cpu", shape, mesh_dim_names=names)
 
 
 def issued_in_index_order(sync) -> bool:
@@ -55,8 +58,9 @@ def _replicate_perturbed(model, mesh):
     """replicate() from a state where every dp rank but the first holds other weights: the broadcast
     must restore the reference, and copy no expert across ep ranks (the ep ranks differ)."""
     from lancet_rt.parallel import replicate
+    from lancet_rt.parallel.mesh import expert_dp_mesh
 
-    if mesh["dp"].get_local_rank() > 0:
+    if expert_dp_mesh(mesh).get_local_rank() > 0:
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn(p.shape))
@@ -65,13 +69,13 @@ def _replicate_perturbed(model, mesh):
         replicate(model, mesh)
 
 
-def _explicit(rank, world, hows):
-    mesh = _mesh(world)
+def _explicit(rank, world, hows, shape=None, cells=mc.CELLS):
+    mesh = _mesh(world, shape)
     ep_rank = mesh["ep"].get_local_rank()
     expected = mc.reference_steps(mc.make_blocks(), world)
     out = []
     for how in hows:
-        for chunks, defer in mc.CELLS:
+        for chunks, defer in cells:
             model = mc.make_blocks(mesh["ep"].get_group())
             mc.load_from_reference(model, mc.make_blocks(), ep_rank)
             if how == "replicate":
@@ -130,14 +134,14 @@ def test_replicate_on_a_mesh():
     assert_all_ok(run_ranks(_explicit, 4, ("replicate",), timeout=400))
 
 
-def _fsdp(rank, world):
+def _fsdp(rank, world, shape=None, cells=mc.CELLS):
     from lancet_rt.parallel import fully_shard
 
-    mesh = _mesh(world)
+    mesh = _mesh(world, shape)
     ep_rank = mesh["ep"].get_local_rank()
     expected = mc.reference_steps(mc.make_blocks(), world)
     flushed = []
-    for chunks, defer in mc.CELLS:
+    for chunks, defer in cells:
         model = mc.make_blocks(mesh["ep"].get_group())
         mc.load_from_reference(model, mc.make_blocks(), ep_rank)
         assert fully_shard(model, mesh, blocks=list(model.blocks), reshard_after_forward=chunks == 1) is model
@@ -203,6 +207,20 @@ def _accumulated(rank, world, hows):
 def test_accumulate_on_a_mesh():
     assert_all_ok(run_ranks(_accumulated, 4, ("sync_gradients", "GradientSync", "replicate", "fully_shard"),
                             timeout=400))
+
+
+def _hsdp(rank, world, shape):
+    cells = [(1, False), (2, True)]
+    return _explicit(rank, world, ("sync_gradients", "GradientSync", "replicate"), shape, cells), \
+        _fsdp(rank, world, shape, cells)
+
+
+@pytest.mark.parametrize("shape", [(2, 1, 2), (2, 2, 1)])
+def test_hsdp_mesh(shape):
+    """("dp_replicate", "dp", "ep"): experts replicated over dp_replicate and sharded over dp (FSDP2
+    HSDP), reduced over dp_replicate x dp by the other engines: exact."""
+    for _, flushed in assert_all_ok(run_ranks(_hsdp, 4, shape, timeout=400)):
+        assert len(flushed) == 2 and all(n > 0 for n in flushed), flushed
 
 
 def test_collective_order_does_not_follow_dw_timing():

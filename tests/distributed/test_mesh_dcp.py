@@ -1,5 +1,5 @@
 """DCP checkpoints of a fully_shard model: saved at (dp=2, ep=2) after one step, loaded at (dp=1,
-ep=4), at (dp=4, ep=1) and in one process, optimizer state included: the parameters equal the
+ep=4), at (dp=4, ep=1), on an HSDP mesh (dp_replicate=2, dp=1, ep=2) and in one process, optimizer state included: the parameters equal the
 reference's after its first step and the second step (which reads the momentum) equals its second."""
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ def _step(model, run, rank, world, step, opt):
     return loss
 
 
-def _sharded(rank, world, dp):
+def _sharded(rank, world, shape):
     from torch.distributed.device_mesh import init_device_mesh
 
     from lancet_rt.parallel import fully_shard
 
-    mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "ep"))
-    model = mc.make_blocks(mesh["ep"].get_group() if world // dp > 1 else None)
+    names = ("dp", "ep") if len(shape) == 2 else ("dp_replicate", "dp", "ep")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = mc.make_blocks(mesh["ep"].get_group() if shape[-1] > 1 else None)
     mc.load_from_reference(model, mc.make_blocks(), mesh["ep"].get_local_rank())
     fully_shard(model, mesh, blocks=list(model.blocks))
     return mesh, model, torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -34,13 +35,13 @@ def _save_and_load(rank, world, path):
     from lancet_rt.parallel import load_sharded, save_sharded
 
     expected = mc.reference_steps(mc.make_blocks(), world)
-    mesh, model, opt = _sharded(rank, world, 2)
+    mesh, model, opt = _sharded(rank, world, (2, 2))
     loss = _step(model, model, rank, world, 0, opt)
     grads, params = mc.full(model)
     mc.compare(model, expected[0], rank, mesh["ep"].get_local_rank(), loss, "before save", grads=grads, params=params)
     save_sharded(model, mesh, path, opt)
-    for dp in (1, 4):
-        mesh, model, opt = _sharded(rank, world, dp)
+    for shape in ((1, 4), (4, 1), (2, 1, 2)):  # the last: HSDP
+        mesh, model, opt = _sharded(rank, world, shape)
         with torch.no_grad():
             for p in model.parameters():
                 p.zero_()  # the load must write every row
@@ -53,10 +54,10 @@ def _save_and_load(rank, world, path):
             if ".experts." in n:
                 k = params[n].shape[0]
                 ref = ref[ep_rank * k:(ep_rank + 1) * k]
-            mc.assert_close(f"dp={dp} loaded {n}", params[n], ref)
+            mc.assert_close(f"{shape} loaded {n}", params[n], ref)
         loss = _step(model, model, rank, world, 1, opt)
         grads, params = mc.full(model)
-        mc.compare(model, expected[1], rank, ep_rank, loss, f"dp={dp} step after load", grads=grads, params=params)
+        mc.compare(model, expected[1], rank, ep_rank, loss, f"{shape} step after load", grads=grads, params=params)
     return True
 
 
