@@ -93,7 +93,7 @@ def test_sync_gradients_and_gradient_sync_on_a_mesh():
 def _skewed(rank, world):
     """Deferred dW delivered in a different order on every rank, rank 0 slow: the buckets still go
     out in index order everywhere and the step is exact."""
-    from lancet_rt.parallel import GradientSync
+    from lancet_rt.parallel import GradientSync, replicate
     from lancet_rt.schedule import wgrad
 
     mesh = _mesh(world)
@@ -112,22 +112,30 @@ def _skewed(rank, world):
         return run_item(self, item)
 
     wgrad.WGradQueue.flush, wgrad.WGradQueue._run = skewed_flush, slow_run
-    model = mc.make_blocks(mesh["ep"].get_group())
-    mc.load_from_reference(model, mc.make_blocks(), ep_rank)
-    arrivals = []
-    for n, p in model.named_parameters():
-        p.register_post_accumulate_grad_hook(lambda p, n=n: arrivals.append(n))
-    sync = GradientSync(model, mesh, bucket_mb=0.0008)
-    run = mc.runner(model, 2, True)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    x, g = (mc.local(t, rank) for t in mc.global_batch(0, world))
-    loss = mc.blocks_loss(run, x, g)
-    with sync:
-        loss.backward()
-    opt.step()
-    mc.compare(model, expected[0], rank, ep_rank, loss, "skewed dW")
-    assert issued_in_index_order(sync), sync.order
-    return arrivals, [[b.index for b in q.buckets] for q in sync._queues.values()]
+    out = []
+    for how in ("GradientSync", "replicate"):
+        model = mc.make_blocks(mesh["ep"].get_group())
+        mc.load_from_reference(model, mc.make_blocks(), ep_rank)
+        arrivals = []
+        for n, p in model.named_parameters():
+            p.register_post_accumulate_grad_hook(lambda p, n=n: arrivals.append(n))
+        sync = GradientSync(model, mesh, bucket_mb=0.0008) if how == "GradientSync" else None
+        if sync is None:
+            sync = replicate(model, mesh, bucket_mb=0.0008).lancet_replicated
+        run = mc.runner(model, 2, True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        x, g = (mc.local(t, rank) for t in mc.global_batch(0, world))
+        loss = mc.blocks_loss(run, x, g)
+        if how == "GradientSync":
+            with sync:
+                loss.backward()
+        else:
+            loss.backward()
+        opt.step()
+        mc.compare(model, expected[0], rank, ep_rank, loss, f"{how} skewed dW")
+        assert issued_in_index_order(sync), sync.order
+        out.append((arrivals, [[b.index for b in q.buckets] for q in sync._queues.values()]))
+    return out
 
 
 def test_replicate_on_a_mesh():
@@ -225,10 +233,11 @@ def test_hsdp_mesh(shape):
 
 def test_collective_order_does_not_follow_dw_timing():
     results = assert_all_ok(run_ranks(_skewed, 4, timeout=300))
-    arrivals = [r[0] for r in results]
-    assert len({tuple(a) for a in arrivals}) > 1, "the test must make the gradients arrive in different orders"
-    queues = [r[1] for r in results]  # the same buckets per communicator on every rank, issued in this order
-    assert all(q == queues[0] for q in queues) and len(queues[0]) == 2, queues
+    for i in range(2):  # GradientSync, replicate
+        arrivals = [r[i][0] for r in results]
+        assert len({tuple(a) for a in arrivals}) > 1, "the test must make the gradients arrive in different orders"
+        queues = [r[i][1] for r in results]  # the same buckets per communicator on every rank, issued in this order
+        assert all(q == queues[0] for q in queues) and len(queues[0]) == 2, queues
 
 
 def _refusals(rank, world):
