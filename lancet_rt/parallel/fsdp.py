@@ -33,10 +33,12 @@ def _unit_meshes(mesh):
 
 
 class _FlushDeferred(torch.autograd.Function):
-    """Identity on an FSDP2 unit's floating-point inputs, placed inside FSDP2's own input hook: in
-    backward the engine runs it just before the unit's post-backward (FSDP2's reduce-scatter), and
-    it flushes the deferred dW queued so far into the parameters' accumulators, so the unit reduces
-    whole gradients. A probe leaf keeps it in the graph when no input needs a gradient."""
+    """Identity on an FSDP2 unit's inputs, placed inside FSDP2's own input hook: in backward the
+    engine runs it just before the unit's post-backward (FSDP2's reduce-scatter), and it flushes the
+    deferred dW queued so far into the parameters' accumulators, so the unit reduces whole
+    gradients. When no input takes a gradient (the first block's), a probe leaf keeps it in the
+    graph: FSDP2 would reduce that unit in its final callback, which an inner unit's output hook
+    may queue ahead of any flush (the cost: that input's gradient is computed)."""
 
     @staticmethod
     def forward(ctx, queue, probe, *xs):
@@ -59,13 +61,17 @@ def _flush_before_reduce(module, args, kwargs):
     queue = wgrad.current()
     if queue is None or not torch.is_grad_enabled():
         return None
-    if _probe is None:
-        _probe = torch.zeros((), requires_grad=True)
     flat = list(args) + list(kwargs.values())
-    at = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.is_floating_point()]
-    if not at:  # FSDP2 reduces this unit in its final callback: _flush_first_at_the_end covers it
-        return None
-    out = _FlushDeferred.apply(queue, _probe, *(flat[i] for i in at))
+    at = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    probe = None
+    if not at:
+        at = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.is_floating_point()]
+        if not at:  # token ids only (a root): _flush_first_at_the_end flushes before FSDP2's final callback
+            return None
+        if _probe is None:
+            _probe = torch.zeros((), requires_grad=True)
+        probe = _probe
+    out = _FlushDeferred.apply(queue, probe, *(flat[i] for i in at))
     for i, y in zip(at, out):
         flat[i] = y
     n = len(args)
@@ -73,9 +79,10 @@ def _flush_before_reduce(module, args, kwargs):
 
 
 def _flush_first_at_the_end(module, args, output):
-    """On the root, before FSDP2's post-forward: a hook on the outputs, run first when backward
-    reaches them, queues the flush ahead of FSDP2's final callback (which reduces the units whose
-    inputs took no gradient)."""
+    """On the root, before FSDP2's post-forward: a hook on the outputs queues the flush when backward
+    reaches them, ahead of FSDP2's final callback (which reduces the units whose inputs took no
+    gradient) as long as no inner unit hooked the same tensor first (a root computing its loss
+    itself, as transformers' models do; otherwise _FlushDeferred's probe covers the unit)."""
     from torch.utils._pytree import tree_leaves
 
     from lancet_rt.schedule import wgrad
