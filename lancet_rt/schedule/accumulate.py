@@ -52,7 +52,7 @@ import torch
 from lancet_rt.comm import faults as _faults
 from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
-from lancet_rt.parallel import GradientSync
+from lancet_rt.parallel.sync import GradientSync
 
 
 class _Aborted(RuntimeError):
@@ -300,6 +300,11 @@ def accumulate(overlapped, microbatches: Iterable, loss_fn: Callable[[Any, int],
         raise TypeError(f"interleave must be a bool, got {type(interleave).__name__}")
     if grad_sync is not None and not isinstance(grad_sync, GradientSync):
         raise TypeError(f"grad_sync must be None or a lancet_rt.parallel.GradientSync, got {type(grad_sync).__name__}")
+    if interleave:  # a wrapper that cannot run a forward beside a backward says so (lancet_rt.parallel.fully_shard)
+        for m in overlapped.model.modules():
+            why = getattr(m, "lancet_interleave_refused", None)
+            if why:
+                raise ValueError(f"accumulate(interleave=True) on this model: {why}")
 
     # As Overlapped.forward: the schedule agreed across ranks once; an exception ends on every rank
     # and leaves no state behind (lancet_rt.comm.faults).

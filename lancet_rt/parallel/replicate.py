@@ -1,0 +1,116 @@
+"""DDP-style data parallelism beside expert parallelism: every backward reduces, from gradient hooks.
+
+``torch.nn.parallel.DistributedDataParallel`` cannot hold expert parallelism with public API: its
+constructor broadcasts every parameter from rank 0 (one ep rank's experts would overwrite the
+others') and it averages every gradient over one group. :func:`replicate` does what DDP does with
+the right group per parameter: dense parameters broadcast and averaged over dp x ep, experts over dp
+only (never across ep ranks), each expert gradient scaled by 1 / ep as it arrives so that the
+result is the gradient of the global mean loss, accumulation across backwards included.
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lancet_rt.parallel import mesh as _mesh
+from lancet_rt.parallel.sync import GradientSync, expert_parameters
+
+
+class Replicated(GradientSync):
+    """The reducer :func:`replicate` installs (``model.lancet_replicated``): a :class:`GradientSync`
+    that is active in every backward and averages, so that gradients accumulated over several
+    backwards stay right. Its buckets are issued in index order per communicator, whatever the dW
+    timing; it finishes in an autograd-engine callback queued behind deferred dW's flush."""
+
+    def __init__(self, model: nn.Module, mesh, bucket_mb: float):
+        super().__init__(model, mesh, bucket_mb=bucket_mb)
+        self._in_backward, self._thread = False, None
+        ep = self._lay.ep
+        self._scaled = []  # experts are scaled on arrival instead (accumulation-safe)
+        if ep > 1:
+            for p in expert_parameters(model):
+                if p.requires_grad:
+                    self._handles.append(p.register_hook(lambda g: g / ep))
+        self._handles.append(model.register_forward_pre_hook(self._before_forward))
+
+    def _divisor(self, expert: bool) -> int:
+        return self._lay.expert_group.size() if expert else self._lay.divisor
+
+    def _ready(self, p: torch.Tensor) -> None:
+        if self._in_backward and threading.get_ident() != self._thread:
+            self._abandon()  # a backward on another thread raised before its finish
+        if not self._in_backward:
+            self._in_backward, self._thread = True, threading.get_ident()
+            self._start()
+            # Queued now, it runs after the callbacks already queued in this backward (deferred dW's
+            # flush among them); it queues the finish behind any queued meanwhile.
+            torch.autograd.Variable._execution_engine.queue_callback(self._queue_finish)
+        super()._ready(p)
+
+    def _queue_finish(self) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self._end)
+
+    def _end(self) -> None:
+        self._active = self._in_backward = False
+        self._finish()
+
+    def _before_forward(self, module, args) -> None:
+        # A backward begun on this thread that is not running any more raised before its finish.
+        # (Overlapped.accumulate runs a backward on another thread beside this forward: not that.)
+        if self._in_backward and self._thread == threading.get_ident() and torch._C._current_graph_task_id() == -1:
+            self._abandon()
+
+    def _abandon(self) -> None:
+        for b in self._buckets:
+            for w in b.works:
+                w.wait()
+        self._active = self._in_backward = False
+
+
+@torch.no_grad()
+def _broadcast(model: nn.Module, lay: _mesh.Layout) -> None:
+    """Dense parameters and buffers from the first rank of dp x ep, experts from the first of dp."""
+    from lancet_rt.moe.experts import Experts
+
+    expert_tensors = {id(t) for m in model.modules() if isinstance(m, Experts)
+                      for t in list(m.parameters()) + list(m.buffers())}
+    for t in list(model.parameters()) + list(model.buffers()):
+        if id(t) in expert_tensors:
+            if lay.expert_group is not None:
+                dist.broadcast(t.data, group=lay.expert_group, group_src=0)
+        else:
+            dist.broadcast(t.data, group=lay.dense_group, group_src=0)
+
+
+def replicate(model: nn.Module, mesh, *, bucket_mb: float = 25.0) -> nn.Module:
+    """Data parallelism (DDP-style) over a ``("dp", "ep")`` mesh whose "ep" group is the MoE layers'.
+
+    Broadcasts the dense parameters and buffers from the mesh's first rank and each expert from the
+    first rank of its dp group (experts are never copied across ep ranks), then, in every backward,
+    averages dense gradients over dp x ep and expert gradients over dp (each scaled by 1 / ep as it
+    arrives): the gradients of the mean loss over the global batch, as one process on the whole
+    batch would have them, with deferred dW (``Overlapped(defer_wgrad=True)``) and gradient
+    accumulation too. Buckets of up to ``bucket_mb`` are all-reduced during backward in index order
+    (the same on every rank).
+
+    Args:
+        model: the model, its MoE layers built with ``ep_group=mesh["ep"].get_group()``.
+        mesh: a DeviceMesh with dimensions ``("dp", "ep")``.
+        bucket_mb: bucket size in MB.
+
+    Returns:
+        ``model``, with the reducer at ``model.lancet_replicated`` (:class:`Replicated`).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    _mesh.check_mesh(mesh)
+    if getattr(model, "lancet_replicated", None) is not None:
+        raise ValueError("model is already replicated (lancet_rt.parallel.replicate)")
+    lay = _mesh.layout(mesh)
+    _mesh.check_expert_groups(model, lay.ep)
+    _broadcast(model, lay)
+    model.lancet_replicated = Replicated(model, mesh, bucket_mb)
+    return model
