@@ -60,9 +60,9 @@ class Overlapped(nn.Module):
     chunk; other sizes are an error. A rank with fewer rows than chunks still takes part in every
     all-to-all; without expert parallelism (no peer to keep in step) the chunk count is capped at the
     batch's rows instead. Counts above :data:`lancet_rt.schedule.policy.MAX_CHUNKS` (256) are refused,
-    from the argument or from a policy. Outputs (tensors, or tuples/lists/dicts/model outputs of them) are concatenated along
-    dim 0. Grad mode, autocast and saved-tensor hooks (activation checkpointing) are kept per chunk
-    across its switches.
+    from the argument or from a policy. Outputs (tensors, or tuples/lists/dicts/model outputs of
+    them) are concatenated along dim 0. Grad mode, autocast and saved-tensor hooks (activation
+    checkpointing) are kept per chunk across its switches.
     """
 
     def __init__(self, model: nn.Module, chunks=2, *, defer_wgrad: bool = False, check: bool = False,

@@ -22,7 +22,7 @@ from lancet_rt.schedule import policy
 from tests.dist import assert_all_ok, run_ranks
 from tests.helpers import assert_close
 
-pytestmark = pytest.mark.timeout(600)  # a hang guard: each case ends in seconds
+pytestmark = pytest.mark.timeout(900)  # a hang guard (run_ranks waits up to 600 s): each case ends in seconds
 
 D = 16
 
