@@ -129,7 +129,8 @@ class Overlapped(nn.Module):
             n = _policy.check_chunk_count(self._auto.next_chunks(args, kwargs), "the chunk policy")
         if n > 1 and not any(m.ep_size > 1 for m in self.moe_layers()):
             # No peer issues collectives with us: more chunks than rows would only run empty ones.
-            n = min(n, max(1, _batch_rows(args, kwargs)))
+            rows = _batch_rows(args, kwargs)  # (None: no tensor argument, which run_chunked reports)
+            n = n if rows is None else min(n, max(1, rows))
         return n
 
     def run_chunked(self, n: int, args: tuple, kwargs: dict):
@@ -226,10 +227,10 @@ class Overlapped(nn.Module):
         self._checked = True
 
 
-def _batch_rows(args, kwargs) -> int:
-    """The batch's rows: the largest dim 0 among the tensor arguments (0 without any)."""
+def _batch_rows(args, kwargs) -> Optional[int]:
+    """The batch's rows: the largest dim 0 among the tensor arguments (None without any)."""
     return max((v.shape[0] for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor) and v.dim() > 0),
-               default=0)
+               default=None)
 
 
 def _batch_leaves(leaves: list):
