@@ -12,7 +12,10 @@ Writes are atomic and safe across processes: under an exclusive ``fcntl.flock`` 
 (``<path>.lock``) the writer re-reads what is on disk, merges its entries in, writes a temporary
 file in the same directory and ``os.replace``-s it over the cache. Readers never lock: they see the
 old file or the new one, never a torn one. A file that is not valid JSON, belongs to another tool
-(wrong ``schema``) or has another ``version`` is ignored with a warning and replaced on the next write.
+(wrong ``schema``) or has another ``version``, including one that is not UTF-8, is ignored with a
+warning and replaced on the next write. Entries are validated on read: a key that is not a
+:class:`CacheKey`, a ``chunks`` that is not an int in [1, ``MAX_CHUNKS``] or a non-bool ``defer_wgrad``
+makes the entry skipped, with a warning.
 
 Lookups fall back to the nearest token bucket (in log space) with otherwise the same key, then to the
 shipped defaults (``autotune/defaults.json``, same format, keyed by GPU name instead of the full
@@ -39,6 +42,9 @@ except ImportError:  # pragma: no cover - Windows
 SCHEMA = "lancet-rt/autotune-cache"
 _WHERE = "point LANCET_AUTOTUNE_CACHE (or --cache) at a writable file"
 VERSION = 1
+#: The largest chunk count an entry may hold (lancet_rt.schedule.policy.MAX_CHUNKS; this module does
+#: not import torch, so it is repeated here and a test keeps the two equal).
+MAX_CHUNKS = 256
 DEFAULTS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "defaults.json")
 
 
@@ -114,6 +120,13 @@ class CacheKey:
         for name in ("device", "device_name", "link_backend", "dtype"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name):
                 raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
+        for name, lowest in (("link_gbps", 0.0), ("link_latency_us", -1.0), ("capacity_factor", 0.0)):
+            v = getattr(self, name)  # (None, or a number: > 0, latency >= 0; NaN and strings refused)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > lowest
+                                  or (name != "link_gbps" and math.isinf(v)) or (lowest < 0 and v < 0)):
+                raise ValueError(f"{name} must be None or a number > 0{' or 0' if lowest < 0 else ''}, got {v!r}")
+        if not isinstance(self.link_measured, bool):
+            raise ValueError(f"link_measured must be a bool, got {self.link_measured!r}")
         # Canonical floats, so equal configurations give equal keys.
         object.__setattr__(self, "link_gbps", _round_sig(self.link_gbps))
         object.__setattr__(self, "link_latency_us", _round_sig(self.link_latency_us))
@@ -304,8 +317,10 @@ def _check_value(value) -> None:
     if not isinstance(value, dict):
         raise TypeError(f"value must be a dict, got {type(value).__name__}")
     n = value.get("chunks")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"value['chunks'] must be an int >= 1, got {n!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHUNKS:
+        raise ValueError(f"value['chunks'] must be an int in [1, {MAX_CHUNKS}], got {n!r}")
+    if "defer_wgrad" in value and not isinstance(value["defer_wgrad"], bool):
+        raise ValueError(f"value['defer_wgrad'] must be a bool, got {value['defer_wgrad']!r}")
 
 
 def _find(entries: dict, key: CacheKey, by: str, nearest: bool, max_distance, max_gbps_distance: float,
@@ -339,17 +354,17 @@ def _find(entries: dict, key: CacheKey, by: str, nearest: bool, max_distance, ma
 def _read_entries(path: str, *, what: str, replacing: bool = False) -> dict:
     """Valid entries of the file at ``path``; a missing file is empty, a bad one empty with a warning."""
     try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            raw = f.read()
     except FileNotFoundError:
         return {}
     except OSError as exc:
         warnings.warn(f"lancet-rt: cannot read the {what} {path} ({exc}); ignoring it", RuntimeWarning, stacklevel=3)
         return {}
     then = " (it will be replaced on this write)" if replacing else " (it is replaced on the next write)"
-    try:
-        data = json.loads(text)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    try:  # (decoded here: a file that is not UTF-8 is a corrupted cache, not an error in the step)
+        data = json.loads(raw.decode("utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         warnings.warn(f"lancet-rt: the {what} {path} is corrupted ({exc}); ignoring it{then}",
                       RuntimeWarning, stacklevel=3)
         return {}
@@ -370,6 +385,8 @@ def _read_entries(path: str, *, what: str, replacing: bool = False) -> dict:
     valid, bad = {}, 0
     for name, entry in entries.items():
         try:
+            if not isinstance(entry, dict):
+                raise TypeError("an entry must be an object")
             CacheKey.from_dict(entry["key"])
             _check_value(entry["value"])
         except (KeyError, TypeError, ValueError):

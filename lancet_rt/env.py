@@ -14,6 +14,9 @@ AUTOTUNE_CACHE = "LANCET_AUTOTUNE_CACHE"
 #: that stopped answering and raises (default 300).
 TIMEOUT = "LANCET_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 300.0
+#: The largest LANCET_TIMEOUT_S accepted (about 115 days: longer is "never", which the clocks and
+#: timedelta the monitor waits with cannot hold).
+MAX_TIMEOUT_S = 1e7
 
 
 def kernels_override() -> str | None:
@@ -38,7 +41,8 @@ def autotune_cache_path() -> str:
 
 
 def timeout_s() -> float:
-    """``LANCET_TIMEOUT_S`` as seconds > 0 (default :data:`DEFAULT_TIMEOUT_S`); a ValueError naming it otherwise."""
+    """``LANCET_TIMEOUT_S`` as seconds in (0, :data:`MAX_TIMEOUT_S`] (default :data:`DEFAULT_TIMEOUT_S`);
+    a ValueError naming it otherwise."""
     text = os.environ.get(TIMEOUT, "").strip()
     if not text:
         return DEFAULT_TIMEOUT_S
@@ -46,6 +50,6 @@ def timeout_s() -> float:
         value = float(text)
     except ValueError:
         value = math.nan
-    if not 0 < value < math.inf:
-        raise ValueError(f"{TIMEOUT} must be a finite number of seconds > 0, got {text!r}")
+    if not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(f"{TIMEOUT} must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}, got {text!r}")
     return value

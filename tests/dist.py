@@ -29,6 +29,9 @@ def _entry(fn, rank, world, init_file, queue, args):
                 pass
 
 
+HANG_GUARD_S = 600.0
+
+
 def run_ranks(fn, world: int, *args, timeout: float = 120.0, may_die=()) -> dict:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return {rank: (status, result)}.
 
@@ -36,6 +39,9 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, may_die=()) -> dict
     after ``timeout`` seconds (the processes are killed), so a hang is a failure, never a wait.
     Ranks in ``may_die`` may end without a result (a test that kills them).
     """
+    # ``timeout`` is a hang guard, not a speed limit: spawning W torch processes and running them on
+    # a loaded machine can take minutes, so it is never less than HANG_GUARD_S.
+    timeout = max(timeout, HANG_GUARD_S)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def wheel(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("wheel")
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
-                           str(ROOT), "-w", str(out)], capture_output=True, text=True, timeout=180)
+                           str(ROOT), "-w", str(out)], capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr
     (path,) = out.glob("lancet_rt-*.whl")
     return path
@@ -34,7 +34,7 @@ def _run(code: str, cwd: Path, path: list[Path]) -> str:
     env["PYTHONPATH"] = os.pathsep.join(str(p) for p in path)
     env["TRANSFORMERS_OFFLINE"] = env["HF_HUB_OFFLINE"] = "1"
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=180)
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"stdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     return proc.stdout
 

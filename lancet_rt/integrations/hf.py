@@ -31,6 +31,7 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from lancet_rt.comm import group as comm
 from lancet_rt.schedule import policy as _policy
@@ -55,7 +56,14 @@ class HFMoE(MoE):
     tuple_output: bool = False
 
     def forward(self, hidden_states: torch.Tensor):
-        y = super().forward(hidden_states)
+        scope = _scope.current()
+        if scope is not None and scope.rows[scope.chunk] == 0 and hidden_states.shape[0] > 0:
+            # A stand-in row of an empty chunk (see _BaseModelRunner): the layer takes part in the
+            # step's collectives with no tokens, as in plain Overlapped; the row's output is dropped.
+            y = super().forward(hidden_states[:0])
+            y = torch.cat([y, hidden_states.new_zeros(hidden_states.shape)], dim=0)
+        else:
+            y = super().forward(hidden_states)
         return (y, None) if self.tuple_output else y
 
 
@@ -63,19 +71,38 @@ class HFMoE(MoE):
 _router_classes: dict = {}
 
 
-def _lancet_router(router: nn.Module) -> nn.Module:
+#: ``router_dtype`` values: "float32" computes the router linear in float32 whatever autocast says
+#: (lancet's routing contract); "model" computes it as transformers does (in the model's dtype, or
+#: autocast's: bf16 under bf16 autocast), the scores after it in float32.
+ROUTER_DTYPES = ("float32", "model")
+_FLOAT32_INPUT_ROUTERS = ("DeepseekV3TopkRouter", "Glm4MoeTopkRouter")  # cast x and W to float32 first
+
+
+def _router_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    x = hidden_states.reshape(-1, self.weight.shape[1])
+    bias = getattr(self, "bias", None)
+    if getattr(self, "lancet_router_dtype", "float32") == "float32":
+        return router_logits(x, self.weight, bias)
+    w = self.weight
+    if type(self).__mro__[1].__name__ in _FLOAT32_INPUT_ROUTERS:
+        x, w = x.float(), w.float()
+    return torch.nn.functional.linear(x, w, bias).float()
+
+
+def _lancet_router(router: nn.Module, router_dtype: str) -> nn.Module:
     """Swap ``router``'s class for a subclass whose forward returns float32 logits (with the
-    router's bias, if it has one). It stays an instance of its transformers class, so
-    ``output_router_logits`` still records its output, and keeps its parameters and buffers."""
+    router's bias, if it has one; the linear computed as ``router_dtype`` says). It stays an
+    instance of its transformers class, so ``output_router_logits`` still records its output, and
+    keeps its parameters and buffers."""
     cls = type(router)
     if cls not in _router_classes.values():
         if cls not in _router_classes:
             _router_classes[cls] = type(f"Lancet{cls.__name__}", (cls,), {
-                "forward": lambda self, hidden_states: router_logits(
-                    hidden_states.reshape(-1, self.weight.shape[1]), self.weight, getattr(self, "bias", None)),
+                "forward": _router_forward,
                 "__doc__": f"{cls.__name__} whose forward returns the float32 router logits [T, E] (lancet-rt).",
             })
         router.__class__ = _router_classes[cls]
+    router.lancet_router_dtype = router_dtype
     return router
 
 
@@ -152,7 +179,7 @@ def _build(block, gate, group, capacity_factor, *, names=None, experts=None, **k
         experts = _local_experts(block.experts, group, D, twoF // 2)
     E = block.experts.gate_up_proj.shape[0]
     moe = HFMoE(experts.d_model, experts.d_ffn, E, int(gate.top_k), capacity_factor=capacity_factor, ep_group=group,
-                router=_lancet_router(gate), experts=experts, names=names or dict(router="gate"), **kwargs)
+                router=_lancet_router(gate, "float32"), experts=experts, names=names or dict(router="gate"), **kwargs)
     moe.hf_block_class = type(block).__name__
     # The block's own child order, so that parameters() lists them as the model did (optimizer
     # state and checkpoints that go by position stay valid).
@@ -201,21 +228,30 @@ class _BaseModelRunner:
         self.head = head if self.overlapped is not None else None  # (unchunked, the model runs as written)
         self.head_wanted = False
         self.stash: Optional[tuple] = None  # (last hidden state, its logits) of the call in progress
+        self.whole: Optional[tuple] = None  # (args, kwargs) of one row of the call in progress
         self._chunk_logits: Optional[dict] = None
 
     def __call__(self, *args, **kwargs):
         if self.active or self.overlapped is None:
             _replay_checkpoints(self.base)
+            scope = _scope.current() if self.active else None
+            empty = scope is not None and scope.rows[scope.chunk] == 0
+            if empty:  # transformers cannot run 0 rows: one stand-in row, dropped from every output
+                args, kwargs = self.whole
             out = self.inner(self.base, *args, **kwargs)
+            if empty:
+                out = pytree.tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) and t.dim() else t, out)
             if self._chunk_logits is not None:  # a chunk (or the one run) of a call that wants the head
                 scope = _scope.current()
                 self._chunk_logits[scope.chunk if scope is not None else 0] = self.head(out.last_hidden_state)
             return out
-        if kwargs.get("past_key_values") is not None or kwargs.get("use_cache") is True:
-            # Generation with a KV cache: unchunked (the numbers are the same; chunks only overlap).
+        if any(kwargs.get(k) is not None for k in ("cache", "past_key_values")) or self._returns_cache(kwargs):
+            # A forward that returns a KV cache (generation, an eval forward with use_cache left on):
+            # unchunked, so the cache is the batch's (the numbers are the same; chunks only overlap).
             return self.inner(self.base, *args, **kwargs)
         _replay_checkpoints(self.base)
         kwargs["use_cache"] = False  # a cache per chunk would be the chunk's, not the batch's
+        self.whole = _stand_in(args, kwargs)
         self.stash = None
         self._chunk_logits = {} if self.head is not None and self.head_wanted else None
         self.active = True
@@ -231,6 +267,23 @@ class _BaseModelRunner:
         finally:
             self.active = False
             self._chunk_logits = None
+            self.whole = None
+
+    def _returns_cache(self, kwargs) -> bool:
+        """Whether transformers would return a KV cache: ``use_cache`` (default the config's) in eval
+        mode (in training the cache is of no use, and gradient checkpointing turns it off)."""
+        use = kwargs.get("use_cache")
+        if use is None:
+            use = not self.base.training and bool(getattr(getattr(self.base, "config", None), "use_cache", False))
+        return use is True
+
+
+def _stand_in(args: tuple, kwargs: dict) -> tuple:
+    """The first row of the batch's inputs: what an empty chunk runs (its output is dropped)."""
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    rows = max((v.shape[0] for v in leaves if isinstance(v, torch.Tensor) and v.dim()), default=0)
+    return pytree.tree_unflatten([v[:1] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows
+                                  else v for v in leaves], spec)
 
 
 class _CausalLMForward:
@@ -306,7 +359,7 @@ def _replay_checkpoints(base: nn.Module) -> None:
 
 # ------------------------------------------------------------------------------------------ entry
 def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = False,
-            capacity_factor: Optional[float] = None) -> nn.Module:
+            capacity_factor: Optional[float] = None, router_dtype: str = "float32") -> nn.Module:
     """Make a transformers MoE model a lancet-rt model, in place.
 
     Args:
@@ -323,16 +376,27 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
             backward all-to-alls.
         capacity_factor: None (dropless, as transformers computes) or a capacity factor (tokens past
             capacity are dropped, as in the routing contract).
+        router_dtype: "float32" (default: the router linear in float32 whatever autocast says, the
+            routing contract's precision) or "model" (as transformers computes it: in the model's
+            dtype, or autocast's; under bf16 autocast the logits are bf16-rounded, so the routing
+            is transformers' own; the scores after the linear are float32 either way).
+
+    Chunk counts above the batch's rows run as many chunks as rows without expert parallelism; with
+    it, every rank runs the agreed count (its empty chunks run one stand-in row, dropped, so that
+    they take part in the collectives). A forward that returns a KV cache (generation, or an eval
+    forward with ``use_cache`` on, the config's default) runs unchunked.
 
     Returns:
-        ``model``, patched: call it as before. Calling ``from_hf`` again on it changes ``chunks`` and
-        ``defer_wgrad``.
+        ``model``, patched: call it as before. Calling ``from_hf`` again on it changes ``chunks``,
+        ``defer_wgrad`` and ``router_dtype``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a transformers model (an nn.Module), got {type(model).__name__}")
     _policy.check_chunks(chunks)
     if not isinstance(defer_wgrad, bool):
         raise TypeError(f"defer_wgrad must be a bool, got {type(defer_wgrad).__name__}")
+    if router_dtype not in ROUTER_DTYPES:
+        raise ValueError(f"router_dtype must be one of {ROUTER_DTYPES}, got {router_dtype!r}")
     group = comm.as_group(ep_group)
     config = getattr(model, "config", None)
     converted = 0
@@ -354,6 +418,7 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
     for name, m in model.named_modules():
         if isinstance(m, HFMoE):
             m.trace_name = name
+            m.router.lancet_router_dtype = router_dtype
     base = getattr(model, "base_model", model)
     old = base.__dict__.get("forward")
     if isinstance(old, _BaseModelRunner) and old.overlapped is not None and old.overlapped.defer_wgrad and not defer_wgrad:

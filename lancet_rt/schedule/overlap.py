@@ -62,9 +62,11 @@ class Overlapped(nn.Module):
     Every tensor argument with the batch's rows along dim 0 (the most rows of any argument) is cut
     along dim 0; a tensor with one row (position embeddings [1, S, ...], say) goes whole to every
     chunk; other sizes are an error. A rank with fewer rows than chunks still takes part in every
-    all-to-all. Outputs (tensors, or tuples/lists/dicts/model outputs of them) are concatenated along
-    dim 0. Grad mode, autocast and saved-tensor hooks (activation checkpointing) are kept per chunk
-    across its switches.
+    all-to-all; without expert parallelism (no peer to keep in step) the chunk count is capped at the
+    batch's rows instead. Counts above :data:`lancet_rt.schedule.policy.MAX_CHUNKS` (256) are refused,
+    from the argument or from a policy. Outputs (tensors, or tuples/lists/dicts/model outputs of
+    them) are concatenated along dim 0. Grad mode, autocast and saved-tensor hooks (activation
+    checkpointing) are kept per chunk across its switches.
     """
 
     def __init__(self, model: nn.Module, chunks=2, *, defer_wgrad: bool = False, check: bool = False,
@@ -125,10 +127,16 @@ class Overlapped(nn.Module):
 
     def _resolve_chunks(self, args, kwargs) -> int:
         if isinstance(self.chunks, int):
-            return self.chunks
-        if self._auto is None:  # the policy, built on the first forward
-            self._auto = _policy.resolve_chunk_policy(self.chunks, self)
-        return self._auto.next_chunks(args, kwargs)
+            n = self.chunks
+        else:
+            if self._auto is None:  # the policy, built on the first forward
+                self._auto = _policy.resolve_chunk_policy(self.chunks, self)
+            n = _policy.check_chunk_count(self._auto.next_chunks(args, kwargs), "the chunk policy")
+        if n > 1 and not any(m.ep_size > 1 for m in self.moe_layers()):
+            # No peer issues collectives with us: more chunks than rows would only run empty ones.
+            rows = _batch_rows(args, kwargs)  # (None: no tensor argument, which run_chunked reports)
+            n = n if rows is None else min(n, max(1, rows))
+        return n
 
     def run_chunked(self, n: int, args: tuple, kwargs: dict):
         """Run the model on ``n`` chunks as coroutines and concatenate the outputs."""
@@ -222,6 +230,12 @@ class Overlapped(nn.Module):
                         f"(max abs err {err:.3e}, scale {scale:.3e}); the model must be separable along "
                         f"dim 0 outside lancet MoE layers, with a deterministic forward"))
         self._checked = True
+
+
+def _batch_rows(args, kwargs) -> Optional[int]:
+    """The batch's rows: the largest dim 0 among the tensor arguments (None without any)."""
+    return max((v.shape[0] for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor) and v.dim() > 0),
+               default=None)
 
 
 def _batch_leaves(leaves: list):

@@ -10,7 +10,11 @@ from __future__ import annotations
 from typing import Any, Callable, Protocol, runtime_checkable
 
 __all__ = ["ChunkPolicy", "register_chunk_policy", "registered_chunk_policies", "check_chunks",
-           "resolve_chunk_policy"]
+           "check_chunk_count", "resolve_chunk_policy", "MAX_CHUNKS"]
+
+#: The largest chunk count accepted (from an argument, a policy or the autotune cache). Overlap pays
+#: off at a few chunks (2-8); a count in the thousands only runs the model that many times.
+MAX_CHUNKS = 256
 
 
 @runtime_checkable
@@ -64,11 +68,24 @@ def check_chunks(chunks) -> None:
         if chunks in _HINTS:
             raise ValueError(f"chunks={chunks!r} needs its policy registered: {_HINTS[chunks]} first")
     elif isinstance(chunks, int) and not isinstance(chunks, bool):
-        if chunks >= 1:
+        if 1 <= chunks <= MAX_CHUNKS:
             return
+        raise ValueError(f"chunks must be an int in [1, {MAX_CHUNKS}] (MAX_CHUNKS) or 'auto', got {chunks!r}")
     elif isinstance(chunks, ChunkPolicy) or callable(chunks):
         return
     raise ValueError(f"chunks must be an int >= 1 or 'auto', got {chunks!r}")
+
+
+def check_chunk_count(n, source: str) -> int:
+    """``n`` if it is an int in [1, :data:`MAX_CHUNKS`], else a ValueError naming ``source``.
+
+    Args:
+        n: a chunk count a policy returned.
+        source: what returned it (for the message).
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHUNKS:
+        raise ValueError(f"{source} returned chunks={n!r}; a chunk count must be an int in [1, {MAX_CHUNKS}]")
+    return n
 
 
 def resolve_chunk_policy(chunks, overlapped) -> ChunkPolicy:

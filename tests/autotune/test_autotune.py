@@ -9,6 +9,7 @@ import math
 import multiprocessing
 import os
 import sys
+import types
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from lancet_rt.autotune import (AutoChunks, CacheKey, ComputeProfile, CostModel,
 from lancet_rt.autotune import __main__ as cli
 from lancet_rt.autotune import cache as cache_mod
 from lancet_rt.autotune import gpu as gpu_mod
+from lancet_rt.autotune import profiling
 from lancet_rt.autotune.profiling import LayerStages
 from tests.dist import assert_all_ok, run_ranks
 from tests.helpers import assert_close
@@ -229,7 +231,7 @@ def test_concurrent_writers_keep_every_entry(tmp_path):
     for p in procs:
         p.start()
     for p in procs:
-        p.join(timeout=60)
+        p.join(timeout=600)  # (a hang guard: the writers take seconds)
         assert p.exitcode == 0
     data = json.loads(open(path).read())
     assert data["schema"] == cache_mod.SCHEMA and data["version"] == cache_mod.VERSION
@@ -359,9 +361,34 @@ def test_link_model_fit():
     model = LinkModel.fit([(0, 0.5), (1e6, 1.5), (2e6, 2.5)])
     assert model.latency_ms == pytest.approx(0.5) and model.gbps == pytest.approx(1.0)
     assert model.time_ms(4e6) == pytest.approx(4.5)
-    measured = LinkModel.measure(lancet_rt.EmulatedGroup(W, 0.5, 100.0), device="cpu", row_elems=D,
-                                 nbytes=(0, 1 << 18), reps=2)
-    assert measured.latency_ms >= 0.09 and 0.25 < measured.gbps < 0.6
+
+
+
+class _InjectedLink:
+    """A link whose all-to-alls take ``latency + off-rank bytes / bandwidth`` of an injected clock
+    (plus ``noise`` ms on every other call), so the fit is checked without wall-clock timings."""
+
+    def __init__(self, size, latency_ms, gbps, noise=0.0):
+        self.size, self.latency_ms, self.gbps, self.noise, self.now, self.calls = size, latency_ms, gbps, noise, 0.0, 0
+
+    def perf_counter(self):
+        return self.now
+
+    def all_to_all(self, out, x, in_splits, out_splits):
+        off_rank = sum(in_splits[1:]) * x[0].numel() * x.element_size()
+        self.calls += 1
+        self.now += (self.latency_ms + off_rank / (self.gbps * 1e6) + self.noise * (self.calls % 2)) / 1e3
+        return types.SimpleNamespace(wait=lambda: out.copy_(x))
+
+
+def test_link_model_measure_fits_the_timings(monkeypatch):
+    """measure() on injected timings: the fitted model is the link's, whatever the machine's load
+    (the fastest repetition counts, so noise on some repetitions changes nothing)."""
+    link = _InjectedLink(W, latency_ms=0.1, gbps=0.5, noise=7.0)
+    monkeypatch.setattr(profiling, "time", link)
+    measured = LinkModel.measure(link, device="cpu", row_elems=D, nbytes=(0, 1 << 18, 1 << 20), reps=2)
+    assert measured.latency_ms == pytest.approx(0.1, abs=1e-6) and measured.gbps == pytest.approx(0.5, rel=1e-6)
+    assert link.calls == 3 * (1 + 2)  # a warm-up and two timed repetitions per size
 
 
 # ---------------------------------------------------------------------------------- validation

@@ -11,7 +11,7 @@ def test_main_job_two_ranks(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "bench.train_lm", "--steps", "40", "--log-every", "20", "--timing-steps", "1",
            "--json", str(out)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(out.read_text())
     assert summary["world"] == 2 and summary["chunks"] == 2

@@ -47,7 +47,7 @@ def _until_given_up(group, ranks):
     import torch.distributed as dist
 
     store = dist.distributed_c10d._get_process_group_store(group)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300  # (a hang guard)
     while not store.check([f"lancet_rt/fail/{r}" for r in ranks]) and time.monotonic() < deadline:
         time.sleep(0.05)
 
