@@ -1,0 +1,142 @@
+"""The asymmetric emulated link: W ranks that route alike but receive unequally (stragglers).
+
+:class:`~lancet_rt.comm.emulated.EmulatedGroup` assumes every rank receives exactly what it sends,
+so with skewed routing no rank ever waits for a hot one. :class:`SkewedGroup` keeps rank 0 the one
+that computes, and models the other W - 1 ranks from rank 0's real routing: **every rank routes
+like rank 0** (rank i sends ``splits[j]`` rows to rank j, ``splits`` being rank 0's input splits of
+this all-to-all, which the real router produced, skewed or not). Then rank j receives
+``W * splits[j]`` rows, and a hot rank (an expert the router prefers) receives several times the mean.
+
+What it models, per all-to-all:
+
+* **The slowest pair's transfer.** Every rank's port moves ``max(rows it sends off rank, rows it
+  receives off rank)`` rows, ``max(sum(splits) - splits[j], (W - 1) * splits[j])`` for rank j; the
+  collective ends when the busiest port is done: the link is held ``latency + max_j(...) * row bytes /
+  bandwidth``. With balanced splits this is exactly :class:`EmulatedGroup`'s hold.
+* **The hot rank's expert work.** A transfer that returns rows from the experts (the forward's
+  combine, the backward's dispatch gradient) cannot start before the hottest rank has computed its
+  ``W * max(splits)`` rows: it starts no earlier than the end of the outbound transfer it answers plus
+  ``W * max(splits) * expert_ms_per_row`` (times ``backward_factor`` inside a backward pass: dX and
+  dW). The outbound transfer is the previous unanswered one with the same splits in the same pass
+  (forward or backward); the pairing is FIFO.
+
+What it does not model: rank 0's own data stays symmetric (it receives and computes the rows it
+sends, ``sum(splits)``: the mean rank's work, not the ``W * splits[0]`` rows the asymmetric world
+would give it), ranks that route differently from rank 0 (a routing source shapes rank 0's router
+instead: :mod:`lancet_rt.routing.traces`), contention between pairs beyond the busiest port, the other
+ranks' non-expert work (taken equal to rank 0's) and their schedulers. CPU link only.
+
+Attributes (besides :class:`EmulatedGroup`'s): ``straggler_ms``, the time transfers were held back
+for the hot rank's experts since :meth:`reset`; ``skew_ms``, the link time added by the busiest
+port over the balanced hold.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import time
+from typing import Sequence
+
+import torch
+
+from lancet_rt import trace as _trace
+from lancet_rt.comm.emulated import EmulatedGroup, _CpuLink, _LinkWork
+
+
+class _SkewLink(_CpuLink):
+    """The CPU link, whose normal transfers may be told not to start before a given time."""
+
+    def submit_not_before(self, work: _LinkWork, not_before: float) -> float:
+        """Commit ``work`` at ``max(now, link free, not_before)``; returns how long ``not_before`` held it."""
+        if work.copy is not None:
+            work.copy()
+        with self._lock:
+            now = time.perf_counter()
+            self._advance(now)
+            ready = max(now, self._busy_until)
+            self._commit(work, max(ready, not_before), now)
+            return max(not_before - ready, 0.0)
+
+
+def _in_backward() -> bool:
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task() != -1 if task is not None else not torch.is_grad_enabled()
+
+
+def port_rows(splits: Sequence[int], world_size: int) -> int:
+    """Rows over the busiest rank's port when every rank sends ``splits`` (rank j's port: the rows
+    it sends off rank or receives off rank, whichever is more)."""
+    total = sum(splits)
+    return max((max(total - s, (world_size - 1) * s) for s in splits), default=0)
+
+
+class SkewedGroup(EmulatedGroup):
+    """An :class:`EmulatedGroup` whose W ranks route like rank 0 and so receive unequally (module docstring).
+
+    Args:
+        world_size, bandwidth_gbps, latency_us, counts_channel: as :class:`EmulatedGroup`.
+        expert_ms_per_row: the experts' forward time per row (ms) on a modelled rank; 0 models the
+            link's skew only.
+        backward_factor: the experts' backward time over their forward (default 2: dX and dW).
+        device: "cpu" only.
+    """
+
+    def __init__(self, world_size: int, bandwidth_gbps: float = math.inf, latency_us: float = 0.0, device="cpu",
+                 *, counts_channel: str = "shared", expert_ms_per_row: float = 0.0, backward_factor: float = 2.0):
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"device must be 'cpu' (SkewedGroup models a CPU link), got {device!r}")
+        for name, v in (("expert_ms_per_row", expert_ms_per_row), ("backward_factor", backward_factor)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+                raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        super().__init__(world_size, bandwidth_gbps, latency_us, device, counts_channel=counts_channel)
+        self._cpu_link = _SkewLink()
+        self.expert_ms_per_row = float(expert_ms_per_row)
+        self.backward_factor = float(backward_factor)
+        self._outbound: dict = {}  # (backward?, splits) -> deque of the outbound transfers' planned ends
+
+    def reset(self) -> None:
+        super().reset()
+        self.straggler_ms = 0.0
+        self.skew_ms = 0.0
+
+    def cancel_pending(self) -> None:
+        super().cancel_pending()
+        self._outbound.clear()
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
+                   output_splits: Sequence[int], input_splits: Sequence[int]):
+        """Move the rows as :class:`EmulatedGroup` does; hold the link for the busiest port, and start
+        a returning transfer only when the hot rank's experts are done (module docstring)."""
+        if list(output_splits) != list(input_splits):
+            raise ValueError("SkewedGroup: every rank routes like rank 0, so rank 0 sends and receives the same splits")
+        splits = tuple(int(s) for s in input_splits)
+        W = self._size
+        row_bytes = input.element_size() * math.prod(input.shape[1:])
+        nbytes = port_rows(splits, W) * row_bytes
+        self.skew_ms += self.hold_ms(nbytes) - self.hold_ms((sum(splits) - splits[0]) * row_bytes)
+        key = (_in_backward(), splits)
+        pending = self._outbound.get(key)
+        not_before = 0.0
+        returning = bool(pending)
+        if returning:
+            factor = self.backward_factor if key[0] else 1.0
+            not_before = pending.popleft() + W * max(splits, default=0) * self.expert_ms_per_row * factor * 1e-3
+            if not pending:
+                del self._outbound[key]
+        src, dst = input.detach(), output.detach()
+        copy = (lambda: dst.copy_(src)) if src.numel() else None
+        ms = self.hold_ms(nbytes)
+        self.modeled_ms += ms
+        self.transfers += 1
+        self.off_rank_bytes += nbytes
+        work = _LinkWork(self._cpu_link, ms * 1e-3, copy)
+        self.straggler_ms += self._cpu_link.submit_not_before(work, not_before) * 1e3
+        _trace.record_link(work, nbytes)
+        if not returning:
+            self._outbound.setdefault(key, collections.deque()).append(work.expected_end)
+        return work
+
+    def __repr__(self) -> str:
+        return (f"SkewedGroup(world_size={self._size}, bandwidth_gbps={self.bandwidth_gbps}, latency_us={self.latency_us}, "
+                f"counts_channel={self.counts_channel!r}, expert_ms_per_row={self.expert_ms_per_row}, "
+                f"backward_factor={self.backward_factor})")

@@ -1,0 +1,79 @@
+"""SkewedGroup: the asymmetric emulated link against hand-computed timelines."""
+import math
+
+import pytest
+import torch
+
+import lancet_rt
+from lancet_rt.comm.emulated_skew import SkewedGroup, port_rows
+
+
+def test_three_rank_skew_timeline():
+    # 3 ranks route like rank 0: splits [2, 6, 1] -> rank 1 receives 3 * 6 = 18 rows (the hot rank).
+    # Ports (rows): rank 0 max(9-2, 2*2)=7, rank 1 max(9-6, 2*6)=12, rank 2 max(9-1, 2*1)=8 -> 12.
+    D = 4  # float32 rows of 16 bytes
+    g = SkewedGroup(3, bandwidth_gbps=16e-6, latency_us=1000.0, expert_ms_per_row=20.0)  # 1 row = 1 ms on the wire
+    x = torch.arange(9 * D, dtype=torch.float32).view(9, D)
+    out = torch.full_like(x, float("nan"))
+    splits = [2, 6, 1]
+    a = g.all_to_all(out, x, splits, splits)
+    assert torch.equal(out, x)  # the data moves as on the symmetric link
+    assert a.end - a.start == pytest.approx((1.0 + 12 * 1.0) * 1e-3)  # latency + busiest port, 13 ms
+    assert a.start >= a.submitted
+    back_in = out * 2
+    back = torch.empty_like(back_in)
+    b = g.all_to_all(back, back_in, splits, splits)  # the return: waits for the hot rank's 18 rows of experts
+    assert torch.equal(back, back_in)
+    hot_done = a.end + 18 * 20.0e-3  # 360 ms of experts after the outbound transfer ends (well past any stall)
+    assert b.start == pytest.approx(hot_done)
+    assert b.end == pytest.approx(hot_done + 13e-3)
+    assert g.straggler_ms == pytest.approx((hot_done - max(b.submitted, a.end)) * 1e3, abs=20.0)
+    assert g.straggler_ms > 300.0
+    # A third transfer with the same splits is outbound again (FIFO pairing): no hold-back.
+    c = g.all_to_all(torch.empty_like(x), x, splits, splits)
+    assert c.start == pytest.approx(b.end)
+    assert g.modeled_ms == pytest.approx(3 * 13.0)
+    assert g.transfers == 3
+    c.wait()
+
+
+def test_balanced_splits_match_the_symmetric_link():
+    sym = lancet_rt.EmulatedGroup(4, bandwidth_gbps=1.0, latency_us=5.0)
+    skw = SkewedGroup(4, bandwidth_gbps=1.0, latency_us=5.0, expert_ms_per_row=0.0)
+    x = torch.randn(12, 8)
+    for g in (sym, skw):
+        g.all_to_all(torch.empty_like(x), x, [3, 3, 3, 3], [3, 3, 3, 3]).wait()
+    assert skw.modeled_ms == pytest.approx(sym.modeled_ms)
+    assert skw.off_rank_bytes == sym.off_rank_bytes
+    assert skw.skew_ms == pytest.approx(0.0)
+    assert port_rows([3, 3, 3, 3], 4) == 9
+    assert port_rows([1, 9, 1, 1], 4) == 27
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="expert_ms_per_row"):
+        SkewedGroup(2, expert_ms_per_row=-1.0)
+    with pytest.raises(ValueError, match="device"):
+        SkewedGroup(2, device="meta")
+    g = SkewedGroup(2)
+    x = torch.zeros(3, 2)
+    with pytest.raises(ValueError, match="splits"):
+        g.all_to_all(torch.zeros(3, 2), x, [1, 2], [2, 1])
+
+
+def test_training_step_is_exact_and_slower_under_skew():
+    # A real MoE layer on the skewed link: the same outputs and gradients as on the symmetric link.
+    torch.manual_seed(0)
+    sym = lancet_rt.EmulatedGroup(4, math.inf, 0.0)
+    skw = SkewedGroup(4, math.inf, 0.0, expert_ms_per_row=0.0)
+    outs = []
+    for g in (sym, skw):
+        torch.manual_seed(0)
+        moe = lancet_rt.MoE(16, d_ffn=32, num_experts=8, top_k=2, ep_group=g)
+        x = torch.randn(2, 10, 16, requires_grad=True)
+        y = lancet_rt.Overlapped(moe, chunks=2)(x)
+        y.sum().backward()
+        outs.append((y.detach(), x.grad, moe.experts.gate_up_proj.grad))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+    assert skw.transfers == sym.transfers
