@@ -77,3 +77,17 @@ def test_training_step_is_exact_and_slower_under_skew():
     for a, b in zip(*outs):
         assert torch.equal(a, b)
     assert skw.transfers == sym.transfers
+
+
+def test_free_link_keeps_the_pairing():
+    # Steps on a free link (the benchmarks' compute-only timing) hold nothing back and leave no outbound
+    # transfer unanswered, so the next step on the real link pairs its own transfers.
+    g = SkewedGroup(2, math.inf, 0.0, expert_ms_per_row=5.0)
+    x = torch.randn(4, 2)
+    for _ in range(2):
+        g.all_to_all(torch.empty_like(x), x, [1, 3], [1, 3])
+    assert g._outbound == {} and g.straggler_ms == 0.0
+    g.bandwidth_gbps, g.latency_us = 1.0, 1.0
+    a = g.all_to_all(torch.empty_like(x), x, [1, 3], [1, 3])
+    b = g.all_to_all(torch.empty_like(x), x, [1, 3], [1, 3])
+    assert b.start == pytest.approx(a.end + 2 * 3 * 5.0e-3)
