@@ -15,9 +15,10 @@ What it models, per all-to-all:
   bandwidth``. With balanced splits this is exactly :class:`EmulatedGroup`'s hold.
 * **The hot rank's expert work.** A transfer that returns rows from the experts (the forward's
   combine, the backward's dispatch gradient) cannot start before the hottest rank has computed its
-  ``W * max(splits)`` rows: it starts no earlier than the end of the outbound transfer it answers plus
-  ``W * max(splits) * expert_ms_per_row`` (times ``backward_factor`` inside a backward pass: dX and
-  dW). The outbound transfer is the previous unanswered one with the same splits in the same pass
+  ``W * max(splits)`` rows. The hot rank is one device: it runs the chunks' expert work one after
+  another, each starting when its outbound transfer has ended and the previous one is done, for
+  ``W * max(splits) * expert_ms_per_row`` (times ``backward_factor`` inside a backward pass: 1 by
+  default, the experts' dX, after which the runtime issues the gradient's return; dW comes later). The outbound transfer is the previous unanswered one with the same splits in the same pass
   (forward or backward); the pairing is FIFO. On a free link (infinite bandwidth, no latency: the
   benchmarks' compute-only timing) nothing is held back.
 
@@ -78,12 +79,13 @@ class SkewedGroup(EmulatedGroup):
         world_size, bandwidth_gbps, latency_us, counts_channel: as :class:`EmulatedGroup`.
         expert_ms_per_row: the experts' forward time per row (ms) on a modelled rank; 0 models the
             link's skew only.
-        backward_factor: the experts' backward time over their forward (default 2: dX and dW).
+        backward_factor: the experts' backward time before the gradient returns, over their forward
+            (default 1: dX, two GEMMs like the forward's; dW runs after the return is issued).
         device: "cpu" only.
     """
 
     def __init__(self, world_size: int, bandwidth_gbps: float = math.inf, latency_us: float = 0.0, device="cpu",
-                 *, counts_channel: str = "shared", expert_ms_per_row: float = 0.0, backward_factor: float = 2.0):
+                 *, counts_channel: str = "shared", expert_ms_per_row: float = 0.0, backward_factor: float = 1.0):
         if torch.device(device).type != "cpu":
             raise ValueError(f"device must be 'cpu' (SkewedGroup models a CPU link), got {device!r}")
         for name, v in (("expert_ms_per_row", expert_ms_per_row), ("backward_factor", backward_factor)):
@@ -94,6 +96,7 @@ class SkewedGroup(EmulatedGroup):
         self.expert_ms_per_row = float(expert_ms_per_row)
         self.backward_factor = float(backward_factor)
         self._outbound: dict = {}  # (backward?, splits) -> deque of the outbound transfers' planned ends
+        self._hot_free = 0.0  # perf_counter() time the modelled hot rank's expert work is done
 
     def reset(self) -> None:
         super().reset()
@@ -103,6 +106,7 @@ class SkewedGroup(EmulatedGroup):
     def cancel_pending(self) -> None:
         super().cancel_pending()
         self._outbound.clear()
+        self._hot_free = 0.0
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
                    output_splits: Sequence[int], input_splits: Sequence[int]):
@@ -125,7 +129,8 @@ class SkewedGroup(EmulatedGroup):
                 del self._outbound[key]
             if not (math.isinf(self.bandwidth_gbps) and self.latency_us == 0):  # a free link holds nothing back
                 factor = self.backward_factor if key[0] else 1.0
-                not_before = out_end + W * max(splits, default=0) * self.expert_ms_per_row * factor * 1e-3
+                hot_s = W * max(splits, default=0) * self.expert_ms_per_row * factor * 1e-3
+                not_before = self._hot_free = max(out_end, self._hot_free) + hot_s
         src, dst = input.detach(), output.detach()
         copy = (lambda: dst.copy_(src)) if src.numel() else None
         ms = self.hold_ms(nbytes)

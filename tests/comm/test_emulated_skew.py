@@ -91,3 +91,20 @@ def test_free_link_keeps_the_pairing():
     a = g.all_to_all(torch.empty_like(x), x, [1, 3], [1, 3])
     b = g.all_to_all(torch.empty_like(x), x, [1, 3], [1, 3])
     assert b.start == pytest.approx(a.end + 2 * 3 * 5.0e-3)
+
+
+def test_hot_rank_runs_the_chunks_one_after_another():
+    # Two chunks' outbound transfers, then their returns: the hot rank's expert work is serial, so the
+    # second return waits for both chunks' work (1 row on the wire = 1 ms; 4 hot rows x 25 ms = 100 ms each).
+    g = SkewedGroup(2, bandwidth_gbps=8e-6, latency_us=0.0, expert_ms_per_row=25.0)
+    x, y = torch.randn(3, 2), torch.randn(5, 2)
+    a0 = g.all_to_all(torch.empty_like(x), x, [1, 2], [1, 2])  # port max(3-1, 1, 3-2, 2) = 2 rows: 2 ms
+    a1 = g.all_to_all(torch.empty_like(y), y, [2, 3], [2, 3])  # port 3 rows: 3 ms
+    b0 = g.all_to_all(torch.empty_like(x), x, [1, 2], [1, 2])
+    b1 = g.all_to_all(torch.empty_like(y), y, [2, 3], [2, 3])
+    assert a1.start == pytest.approx(a0.end) and a1.end - a1.start == pytest.approx(3e-3)
+    hot0 = a0.end + 2 * 2 * 25e-3  # W * max(splits) = 4 rows
+    hot1 = max(a1.end, hot0) + 2 * 3 * 25e-3  # 6 rows, after chunk 0's work
+    assert b0.start == pytest.approx(hot0)
+    assert b1.start == pytest.approx(max(hot1, b0.end))
+    b1.wait()
