@@ -22,6 +22,14 @@ What it models, per all-to-all:
   (forward or backward); the pairing is FIFO. On a free link (infinite bandwidth, no latency: the
   benchmarks' compute-only timing) nothing is held back.
 
+**The mitigation** (``order="ready"``, default ``"fifo"``): the link serves transfers in the order
+their data is ready rather than the order they were issued, so a return held back for the hot rank
+does not block the link for the transfers behind it (the next chunks' dispatches, whose data is
+ready): they take the gap. A Lina-style priority, for the ready transfers over the straggler-bound
+ones; a real runtime gets it by issuing a chunk's return when its hot rank is due (from the counts it
+already holds and the expert time per row) and the ready chunks' transfers first. Data and results
+are unchanged (exact): only the link's timeline moves.
+
 What it does not model: rank 0's own data stays symmetric (it receives and computes the rows it
 sends, ``sum(splits)``: the mean rank's work, not the ``W * splits[0]`` rows the asymmetric world
 would give it), ranks that route differently from rank 0 (a routing source shapes rank 0's router
@@ -46,18 +54,39 @@ from lancet_rt.comm.emulated import EmulatedGroup, _CpuLink, _LinkWork
 
 
 class _SkewLink(_CpuLink):
-    """The CPU link, whose normal transfers may be told not to start before a given time."""
+    """The CPU link, whose all-to-alls may be told not to start before a given time; in ``ready`` order
+    a later transfer whose data is ready takes a gap the link would idle in before such a one."""
 
-    def submit_not_before(self, work: _LinkWork, not_before: float) -> float:
-        """Commit ``work`` at ``max(now, link free, not_before)``; returns how long ``not_before`` held it."""
+    def __init__(self):
+        super().__init__()
+        self._reserved: list = []  # (start, end) of every committed transfer not ended yet, by start
+
+    def _commit(self, work: _LinkWork, start: float, now: float) -> None:
+        busy = self._busy_until
+        super()._commit(work, start, now)
+        self._busy_until = max(busy, work.expected_end)  # a backfilled transfer ends before the last one
+        self._reserved = sorted([iv for iv in self._reserved if iv[1] > now] + [(start, work.expected_end)])
+
+    def submit_not_before(self, work: _LinkWork, not_before: float, ready_order: bool = False) -> float:
+        """Commit ``work`` at ``max(now, link free, not_before)``, or in ``ready_order`` in the earliest gap
+        from ``max(now, not_before)`` that fits it; returns how long ``not_before`` held it back."""
         if work.copy is not None:
             work.copy()
         with self._lock:
             now = time.perf_counter()
             self._advance(now)
             ready = max(now, self._busy_until)
-            self._commit(work, max(ready, not_before), now)
-            return max(not_before - ready, 0.0)
+            start = max(ready, not_before)
+            if ready_order:
+                start = max(now, not_before)
+                for a, b in self._reserved:  # by start: the first gap that fits
+                    if b <= start:
+                        continue
+                    if start + work.hold_s <= a:
+                        break
+                    start = b
+            self._commit(work, start, now)
+            return max(min(start, not_before) - ready, 0.0)
 
 
 def _in_backward() -> bool:
@@ -82,16 +111,22 @@ class SkewedGroup(EmulatedGroup):
         backward_factor: the experts' backward time before the gradient returns, over their forward
             (default 1: dX, two GEMMs like the forward's; dW runs after the return is issued).
         device: "cpu" only.
+        order: "fifo" (the link serves transfers in issue order, as one NCCL stream does) or "ready"
+            (the mitigation: a transfer held back for the hot rank lets later ready ones use the gap).
     """
 
     def __init__(self, world_size: int, bandwidth_gbps: float = math.inf, latency_us: float = 0.0, device="cpu",
-                 *, counts_channel: str = "shared", expert_ms_per_row: float = 0.0, backward_factor: float = 1.0):
+                 *, counts_channel: str = "shared", expert_ms_per_row: float = 0.0, backward_factor: float = 1.0,
+                 order: str = "fifo"):
         if torch.device(device).type != "cpu":
             raise ValueError(f"device must be 'cpu' (SkewedGroup models a CPU link), got {device!r}")
         for name, v in (("expert_ms_per_row", expert_ms_per_row), ("backward_factor", backward_factor)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
+        if order not in ("fifo", "ready"):
+            raise ValueError(f"order must be 'fifo' or 'ready', got {order!r}")
         super().__init__(world_size, bandwidth_gbps, latency_us, device, counts_channel=counts_channel)
+        self.order = order
         self._cpu_link = _SkewLink()
         self.expert_ms_per_row = float(expert_ms_per_row)
         self.backward_factor = float(backward_factor)
@@ -138,7 +173,7 @@ class SkewedGroup(EmulatedGroup):
         self.transfers += 1
         self.off_rank_bytes += nbytes
         work = _LinkWork(self._cpu_link, ms * 1e-3, copy)
-        self.straggler_ms += self._cpu_link.submit_not_before(work, not_before) * 1e3
+        self.straggler_ms += self._cpu_link.submit_not_before(work, not_before, self.order == "ready") * 1e3
         _trace.record_link(work, nbytes)
         if not returning:
             self._outbound.setdefault(key, collections.deque()).append(work.expected_end)
@@ -147,4 +182,4 @@ class SkewedGroup(EmulatedGroup):
     def __repr__(self) -> str:
         return (f"SkewedGroup(world_size={self._size}, bandwidth_gbps={self.bandwidth_gbps}, latency_us={self.latency_us}, "
                 f"counts_channel={self.counts_channel!r}, expert_ms_per_row={self.expert_ms_per_row}, "
-                f"backward_factor={self.backward_factor})")
+                f"backward_factor={self.backward_factor}, order={self.order!r})")

@@ -108,3 +108,26 @@ def test_hot_rank_runs_the_chunks_one_after_another():
     assert b0.start == pytest.approx(hot0)
     assert b1.start == pytest.approx(max(hot1, b0.end))
     b1.wait()
+
+
+@pytest.mark.parametrize("order", ["fifo", "ready"])
+def test_ready_order_fills_the_straggler_gap(order):
+    # A return held back 200 ms for the hot rank, then a ready outbound transfer of another chunk:
+    # FIFO queues it behind the held return; "ready" sends it in the gap. The data is the same.
+    g = SkewedGroup(2, bandwidth_gbps=8e-6, latency_us=0.0, expert_ms_per_row=50.0, order=order)
+    x, y = torch.randn(3, 2), torch.randn(4, 2)
+    a = g.all_to_all(torch.empty_like(x), x, [1, 2], [1, 2])  # 2 ms on the wire
+    b = g.all_to_all(torch.empty_like(x), x, [1, 2], [1, 2])  # its return: 4 hot rows x 50 ms after a
+    out = torch.empty_like(y)
+    c = g.all_to_all(out, y, [2, 2], [2, 2])  # another chunk's dispatch, 2 ms
+    assert b.start == pytest.approx(a.end + 0.2)
+    if order == "fifo":
+        assert c.start == pytest.approx(b.end)
+    else:
+        assert c.start < b.start and c.end <= b.start
+        assert c.start == pytest.approx(max(a.end, c.submitted), abs=0.05)
+    assert torch.equal(out, y)
+    b.wait()
+    c.wait()
+    with pytest.raises(ValueError, match="order"):
+        SkewedGroup(2, order="lifo")
