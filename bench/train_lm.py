@@ -79,6 +79,15 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _save_routing_trace(args, loads: list, world: int) -> None:
+    """--routing-trace: rank 0's per-step, per-layer expert loads as a lancet_rt routing trace."""
+    from lancet_rt.routing.traces import RoutingTrace
+
+    meta = dict(source="bench.train_lm (make train)", world_size=world, rank=0,
+                **{k: v for k, v in vars(args).items() if k != "routing_trace"})
+    RoutingTrace(loads, meta).save(args.routing_trace)
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -132,10 +141,7 @@ def main(argv=None) -> dict:
             losses, t_int = [], now
     train_s = time.perf_counter() - t0
     if args.routing_trace and main_rank:
-        from lancet_rt.routing.traces import RoutingTrace
-
-        RoutingTrace(loads, dict(source="bench.train_lm (make train)", world_size=world, rank=rank,
-                                 **{k: v for k, v in vars(args).items() if k != "routing_trace"})).save(args.routing_trace)
+        _save_routing_trace(args, loads, world)
 
     def timed(runner) -> float:
         step(runner)  # warm-up
