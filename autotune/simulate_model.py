@@ -139,8 +139,8 @@ def tutel_step(profile: ReplayProfile, chunks: int, skew: Skew) -> tuple:
         x = add("counts", "comm", link.latency_ms, [a])
         p = add("permute", "compute", ms(l, "permute") + ms(l, "issue"), [x])
         ends = []
-        for c in range(chunks):
-            d = add("dispatch", "comm", link.time_ms(nb(l, "dispatch")), [p])
+        sent = [add("dispatch", "comm", link.time_ms(nb(l, "dispatch")), [p]) for _ in range(chunks)]
+        for d in sent:  # every chunk's dispatch in flight, then each chunk's experts and combine
             e = add("experts", "compute", ms(l, "experts") / chunks, [d])
             deps = [e] + ([add("hot", "counts", hot * ms(l, "experts") / chunks, [d])] if hot else [])
             ends.append(add("combine", "comm", link.time_ms(nb(l, "combine")), deps))
@@ -148,8 +148,8 @@ def tutel_step(profile: ReplayProfile, chunks: int, skew: Skew) -> tuple:
     for l in reversed(range(L)):  # backward
         b = add("post bwd", "compute", ms(l, "post") * profile.ratio("post", chunks), [last])
         ends = []
-        for c in range(chunks):
-            g = add("combine bwd", "comm", link.time_ms(nb(l, "combine")), [b])
+        sent = [add("combine bwd", "comm", link.time_ms(nb(l, "combine")), [b]) for _ in range(chunks)]
+        for g in sent:
             back = ms(l, "experts") / chunks * profile.ratio("experts", chunks)
             dx = back if profile.deferred else back * (1 - EXPERTS_DW_SHARE)
             e = add("experts dX", "compute", dx, [g])
