@@ -27,6 +27,7 @@ class ReplayPrediction:
         compute_ms: the host's work (no waits).
         comm_ms: the link's busy time.
         segments: chunk resumptions of the forward's scheduler (0 at one chunk: no scheduler).
+        straggler_ms: time returning all-to-alls waited for the hot rank's experts (0 without skew).
     """
 
     chunks: int
@@ -37,23 +38,44 @@ class ReplayPrediction:
     compute_ms: float
     comm_ms: float
     segments: int = 0
+    straggler_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Skew:
+    """Skewed routing in the replay, as :class:`lancet_rt.comm.emulated_skew.SkewedGroup` models it.
+
+    Attributes:
+        port: the busiest port's bytes over rank 0's off-rank bytes (1: balanced); every all-to-all
+            holds the link that much longer (less its latency).
+        hot: the hottest rank's expert rows over rank 0's (1: balanced); a returning all-to-all (the
+            combine, the dispatch's gradient) starts no earlier than its outbound transfer's end plus
+            ``hot`` x this rank's experts stage (forward, or the backward's dX) for it; the hot rank is
+            one device, running the chunks' work one after another from its outbound transfer's end.
+    """
+
+    port: float = 1.0
+    hot: float = 1.0
 
 
 class _Link:
     def __init__(self, gbps: float, latency_ms: float):
         self.gbps, self.latency_ms, self.free, self.busy = gbps, latency_ms, 0.0, 0.0
+        self.held = 0.0  # time returning transfers waited for the hot rank (Skew)
 
-    def issue(self, now: float, nbytes: float) -> float:
-        """Start a transfer at ``now`` (behind the ones in flight); returns its end."""
+    def issue(self, now: float, nbytes: float, not_before: float = 0.0) -> float:
+        """Start a transfer at ``now`` (behind the ones in flight, not before ``not_before``); returns its end."""
         ms = self.latency_ms + (0.0 if math.isinf(self.gbps) else nbytes / (self.gbps * 1e9) * 1e3)
-        start = max(now, self.free)
+        start = max(now, self.free, not_before)
+        self.held += start - max(now, self.free)
         self.free = start + ms
         self.busy += ms
         return self.free
 
 
 def replay(profile: ReplayProfile, chunks: int, gbps: Optional[float] = None,
-           latency_ms: Optional[float] = None, counts_channel: str = "shared") -> ReplayPrediction:
+           latency_ms: Optional[float] = None, counts_channel: str = "shared",
+           skew: Optional[Skew] = None) -> ReplayPrediction:
     """Replay one step at ``chunks`` on a link of ``gbps`` (default: the traced link's fit).
 
     Args:
@@ -63,6 +85,7 @@ def replay(profile: ReplayProfile, chunks: int, gbps: Optional[float] = None,
         latency_ms: per-collective latency (default: the traced link's fit).
         counts_channel: "shared": the counts exchanges queue in the link's FIFO; "own": a channel of
             their own, latency only (``TorchGroup(counts_group=)``, ``EmulatedGroup(counts_channel="own")``).
+        skew: skewed routing (:class:`Skew`); None: balanced, the replay as traced.
 
     Returns:
         The :class:`ReplayPrediction`.
@@ -75,19 +98,23 @@ def replay(profile: ReplayProfile, chunks: int, gbps: Optional[float] = None,
     latency_ms = profile.link.latency_ms if latency_ms is None else float(latency_ms)
     if not gbps > 0 or not latency_ms >= 0:
         raise ValueError(f"gbps must be > 0 and latency_ms >= 0, got {gbps}, {latency_ms}")
-    sim = _Simulation(profile, chunks, gbps, latency_ms, counts_channel)
+    sim = _Simulation(profile, chunks, gbps, latency_ms, counts_channel, skew or Skew())
     segments = sim.forward()
     forward_ms = sim.host
     sim.backward()
     return ReplayPrediction(chunks=chunks, gbps=gbps, latency_ms=latency_ms, step_ms=sim.host, forward_ms=forward_ms,
-                            compute_ms=sim.work, comm_ms=sim.link.busy, segments=segments)
+                            compute_ms=sim.work, comm_ms=sim.link.busy, segments=segments,
+                            straggler_ms=sim.link.held)
 
 
 class _Simulation:
     """One replayed step's state: the host clock, the links and the forward's autograd nodes."""
 
-    def __init__(self, profile: ReplayProfile, n: int, gbps: float, latency_ms: float, counts_channel: str):
-        self.profile, self.n = profile, n
+    def __init__(self, profile: ReplayProfile, n: int, gbps: float, latency_ms: float, counts_channel: str,
+                 skew: Skew = Skew()):
+        self.profile, self.n, self.skew = profile, n, skew
+        self.out_end: dict = {}  # (l, c) -> end of the backward's outbound transfer a returning one answers
+        self.hot_free = 0.0  # when the hot rank's expert work queued so far is done
         T = profile.tokens
         self.tokens = [T // n + (c < T % n) for c in range(n)]
         self.link = _Link(gbps, latency_ms)
@@ -109,11 +136,18 @@ class _Simulation:
         ms = self.profile.stage_ms((l, stage), self.n, self.tokens[c])
         self.compute(ms, ("op", stage, ms, *extra))
 
-    def transfer(self, l: int, c: int, which: str) -> float:
+    def transfer(self, l: int, c: int, which: str, not_before: float = 0.0) -> float:
         """Issue layer l's forward ``which`` all-to-all of chunk c (its autograd node is created)."""
-        nbytes = self.profile.bytes_per_token[(l, which)] * self.tokens[c]
+        nbytes = self.profile.bytes_per_token[(l, which)] * self.tokens[c] * self.skew.port
         self.created.append(("a2a", (l, c, which), nbytes))
-        return self.link.issue(self.host, nbytes)
+        return self.link.issue(self.host, nbytes, not_before)
+
+    def hot_done(self, end: float, experts_ms: float) -> float:
+        """When the hot rank's experts are done: from the outbound transfer's ``end`` (and its earlier work)."""
+        if self.skew.hot == 1.0 and self.skew.port == 1.0:
+            return 0.0
+        self.hot_free = max(end, self.hot_free) + self.skew.hot * experts_ms
+        return self.hot_free
 
     def wait(self, end: float) -> None:
         self.host = max(self.host, end)
@@ -135,7 +169,8 @@ class _Simulation:
             yield False
             self.wait(dispatch)
             self.stage(l, "experts", c, (l, c))
-            combine = self.transfer(l, c, "combine")
+            experts_ms = self.created[-1][2]
+            combine = self.transfer(l, c, "combine", self.hot_done(dispatch, experts_ms))
             yield False
             self.wait(combine)
             self.stage(l, "post", c, (l, c))
@@ -191,18 +226,20 @@ class _Simulation:
                 l, c = entry[3]
                 dx = back if profile.deferred else back * (1 - EXPERTS_DW_SHARE)
                 self.compute(dx)
-                bwd[(l, c, "dispatch")] = self._issue_backward(l, c, "dispatch")
+                bwd[(l, c, "dispatch")] = self._issue_backward(l, c, "dispatch",
+                                                               self.hot_done(self.out_end.get((l, c), 0.0), dx))
                 self.compute(back - dx)
             elif kind == "post":
                 l, c = entry[3]
                 self.compute(back)
-                bwd[(l, c, "combine")] = self._issue_backward(l, c, "combine")
+                bwd[(l, c, "combine")] = self.out_end[(l, c)] = self._issue_backward(l, c, "combine")
             else:
                 self.compute(back)
             if profile.deferred and kind in ("pre", "experts"):
                 queue.append(ms * profile.dw(n))  # one dW item per stage holding weights
         self.compute(sum(queue))  # the final flush
 
-    def _issue_backward(self, l: int, c: int, which: str) -> float:
+    def _issue_backward(self, l: int, c: int, which: str, not_before: float = 0.0) -> float:
         """Issue the backward all-to-all of layer l's forward ``which`` of chunk c; returns its end."""
-        return self.link.issue(self.host, self.profile.bytes_per_token[(l, which)] * self.tokens[c])
+        nbytes = self.profile.bytes_per_token[(l, which)] * self.tokens[c] * self.skew.port
+        return self.link.issue(self.host, nbytes, not_before)

@@ -57,6 +57,7 @@ from bench.accumulation import (add_accumulation, add_accumulation_args, check_a
                                 measure_lina)
 from bench.common import RowLog, TimeBudget, print_table, run_metadata
 from bench.hf_models import FAMILIES as HF_FAMILIES
+from bench.routing import add_routing_args
 from bench.runner import Runner
 from bench.timeline import draw_timeline
 from bench.timing import bandwidth_for_ratio, keep_freed_memory, synchronize
@@ -118,6 +119,7 @@ def parse_args(argv=None):
                    help="exit 1 unless hidden_comm_fraction >= 0.6 and Overlapped beats both baselines "
                         "(with --microbatches M > 1, also the cross-microbatch acceptance)")
     add_accumulation_args(p)
+    add_routing_args(p)
     return p.parse_args(argv)
 
 
@@ -156,6 +158,10 @@ def main(argv=None) -> dict:
         from bench import seeds
 
         return seeds.main(args, s, device)
+    if args.routing:
+        from bench import routing
+
+        return routing.run(args, s, device)
     budget = TimeBudget(args.max_seconds)
     r = Runner(args, s, device)
     m = _measure(r, args, s, budget)

@@ -20,8 +20,10 @@ class Runner:
     def __init__(self, args, s, device):
         self.device = device
         dtype = getattr(torch, s["dtype"])
-        self.link = lancet_rt.EmulatedGroup(args.world_size, math.inf, 0.0, device=device,
-                                            counts_channel=args.counts_channel)
+        group = lancet_rt.EmulatedGroup
+        if getattr(args, "routing", None):  # --routing: the asymmetric link (bench.routing)
+            from lancet_rt.comm.emulated_skew import SkewedGroup as group
+        self.link = group(args.world_size, math.inf, 0.0, device=device, counts_channel=args.counts_channel)
         self.chunks = args.chunks
         self.statistic = args.statistic
         self.steps: dict = {}  # mode -> a whole training step (add_accumulation)

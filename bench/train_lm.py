@@ -74,7 +74,18 @@ def parse_args(argv=None):
     p.add_argument("--chunks", type=int, default=2, help="Overlapped chunk count (1: sequential)")
     p.add_argument("--timing-steps", type=int, default=8, help="steps timed each way at the end")
     p.add_argument("--json", default=None, help="write the summary as JSON here")
+    p.add_argument("--routing-trace", default=None,
+                   help="record every step's per-layer expert loads (rank 0's) as a lancet_rt routing trace JSON here")
     return p.parse_args(argv)
+
+
+def _save_routing_trace(args, loads: list, world: int) -> None:
+    """--routing-trace: rank 0's per-step, per-layer expert loads as a lancet_rt routing trace."""
+    from lancet_rt.routing.traces import RoutingTrace
+
+    meta = dict(source="bench.train_lm (make train)", world_size=world, rank=0,
+                **{k: v for k, v in vars(args).items() if k != "routing_trace"})
+    RoutingTrace(loads, meta).save(args.routing_trace)
 
 
 def main(argv=None) -> dict:
@@ -113,10 +124,13 @@ def main(argv=None) -> dict:
         print(f"lancet-rt main job: {world} rank(s) on {device.type}, {args.layers} MoE layers, "
               f"E={args.experts} K={args.top_k} cf={args.capacity_factor}, D={args.d_model}, "
               f"chunks={args.chunks}; loss floor (entropy) {data.entropy:.3f} nats")
-    history, losses = [], []
+    history, losses, loads = [], [], []
+    moes = [m for m in model.modules() if isinstance(m, lancet_rt.MoE)]
     t0 = t_int = time.perf_counter()
     for it in range(1, args.steps + 1):
         losses.append(step(overlapped))
+        if args.routing_trace:
+            loads.append([m.tokens_per_expert.tolist() for m in moes])
         if it % args.log_every == 0 or it == args.steps:
             row, now = _progress_row(model, losses, world, it, tokens_per_step * len(losses), t_int)
             history.append(row)
@@ -126,6 +140,8 @@ def main(argv=None) -> dict:
                       flush=True)
             losses, t_int = [], now
     train_s = time.perf_counter() - t0
+    if args.routing_trace and main_rank:
+        _save_routing_trace(args, loads, world)
 
     def timed(runner) -> float:
         step(runner)  # warm-up

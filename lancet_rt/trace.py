@@ -41,6 +41,7 @@ class Trace:
     def __init__(self):
         self.spans: list[_Span] = []
         self._links: list = []
+        self.expert_loads: list = []  # (layer key, int64 [E] tensor) per batch (lancet_rt.routing.traces)
         self._lock = threading.Lock()
         self.origin = time.perf_counter()
         self._cuda_origin = None
@@ -131,6 +132,14 @@ def record_link(work, nbytes: int) -> None:
     if t is not None:
         with t._lock:
             t._links.append((work, nbytes))
+
+
+def record_expert_load(layer, load: torch.Tensor) -> None:
+    """Keep a MoE layer's expert loads of one batch (read by ``RoutingTrace.from_trace``)."""
+    t = _active
+    if t is not None:
+        with t._lock:
+            t.expert_loads.append((id(layer), load))
 
 
 def cuda_link_span(stream, nbytes: int) -> Optional[_Span]:

@@ -398,6 +398,7 @@ class MoE(nn.Module):
             self.aux_loss = state.aux_loss().detach()
             self.z_loss = state.z_loss().detach()
             self.tokens_per_expert = state.used_E.detach().long()
+            _trace.record_expert_load(self, self.tokens_per_expert)
             self._dropped = state.used_E.long().sum() - state.kept_E.sum()  # read lazily: no sync here
             if self.expert_bias and self.training:
                 load = state.used_E.long()
