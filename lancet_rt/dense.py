@@ -119,22 +119,30 @@ class RMSNorm(nn.Module):
 def _linear_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, divisor: torch.Tensor,
                ignore_index: int, chunk: int, need_grad_h: bool,
                need_grad_w: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with torch.autocast(hidden.device.type, enabled=False):  # the inputs' dtype, as the op's contract says
+        return _linear_ce_chunks(hidden, weight, labels, divisor, ignore_index, chunk, need_grad_h, need_grad_w)
+
+
+def _linear_ce_chunks(hidden, weight, labels, divisor, ignore_index, chunk, need_grad_h, need_grad_w,
+                      grad_w_acc=None):
+    """The chunk loop; with ``grad_w_acc`` (float32 [V, D]) the head's gradient accumulates there."""
     ops = _ops.get_ops(hidden.device, hidden.dtype)
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     d = float(divisor)  # the one host read: the whole batch's count of valid labels
     scale = 1.0 / d if d else float("inf")  # (no valid label: loss 0 / 0 = NaN, as transformers')
     total = torch.zeros((), device=hidden.device, dtype=acc)
     grad_h = torch.empty_like(hidden) if need_grad_h else hidden.new_empty(0)
-    grad_w = torch.zeros(weight.shape, device=weight.device, dtype=acc) if need_grad_w else weight.new_empty(0)
+    grad_w = grad_w_acc if grad_w_acc is not None else \
+        torch.zeros(weight.shape, device=weight.device, dtype=acc) if need_grad_w else weight.new_empty(0)
     for c0 in range(0, hidden.shape[0], chunk):
         h_CD = hidden[c0:c0 + chunk]
         logits_CV = (h_CD @ weight.t()).to(acc)  # the head in the model's dtype, the loss in float32
         total += ops.ce_grad_fwd(logits_CV, labels[c0:c0 + chunk], scale, ignore_index).sum()
         if need_grad_h:  # logits_CV now holds d loss / d logits
             torch.mm(logits_CV.to(weight.dtype), weight, out=grad_h[c0:c0 + chunk])
-        if need_grad_w:
+        if need_grad_w or grad_w_acc is not None:
             grad_w.addmm_(logits_CV.t(), h_CD.to(acc))
-    return total / d, grad_h, grad_w.to(weight.dtype)
+    return total / d, grad_h, grad_w if grad_w_acc is not None else grad_w.to(weight.dtype)
 
 
 @_linear_ce.register_fake
@@ -235,3 +243,62 @@ class LinearCrossEntropy(nn.Module):
         return linear_cross_entropy(hidden, self.head.weight, labels, ignore_index=self.ignore_index,
                                     shift_labels=self.shift_labels, num_items_in_batch=num_items_in_batch,
                                     chunk_size=self.chunk_size)
+
+
+class _ChunkTerm(torch.autograd.Function):
+    """One chunk's loss term; its backward gives the hidden state's gradient (computed in the forward),
+    the head's accumulates in a :class:`SharedHeadGrad`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, divisor, ignore_index, grad_w_acc):
+        loss, grad_h, _ = _linear_ce_chunks(hidden, weight, labels, divisor, ignore_index,
+                                            _default_chunk(hidden.shape[0], hidden.shape[1], weight.shape[0]),
+                                            ctx.needs_input_grad[0], False, grad_w_acc)
+        ctx.save_for_backward(grad_h)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad_h,) = ctx.saved_tensors
+        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None
+
+
+class _AttachHeadGrad(torch.autograd.Function):
+    """Identity on the summed loss; its backward hands the head its gradient accumulated by the chunks."""
+
+    @staticmethod
+    def forward(ctx, loss, weight, grad_w_acc):
+        ctx.save_for_backward(grad_w_acc)
+        ctx.weight_dtype = weight.dtype
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (acc,) = ctx.saved_tensors
+        return grad_loss, (acc * grad_loss.to(acc.dtype)).to(ctx.weight_dtype), None
+
+
+class SharedHeadGrad:
+    """The chunked linear cross-entropy of a batch cut into pieces (the chunks of
+    :class:`lancet_rt.Overlapped`): :meth:`term` gives each piece's loss term (its share of the whole
+    batch's mean) and its hidden-state gradient, all pieces accumulate the head's gradient into one
+    float32 [V, D] buffer, and :meth:`attach` on the summed loss hands it to the head in the backward
+    (one head gradient held, however many pieces)."""
+
+    def __init__(self, weight: torch.Tensor, divisor: torch.Tensor, ignore_index: int = -100):
+        self.weight, self.divisor, self.ignore_index = weight, divisor.to(torch.float64), ignore_index
+        wants = torch.is_grad_enabled() and weight.requires_grad
+        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        self.acc = torch.zeros(weight.shape, device=weight.device, dtype=acc) if wants else None
+
+    def term(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D], labels [...] already aligned (shifted): this piece's loss term."""
+        h_TD = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        labels_T = labels.reshape(-1).long().contiguous()
+        if self.acc is None:
+            return linear_cross_entropy(hidden, self.weight, labels, ignore_index=self.ignore_index,
+                                        shift_labels=False, num_items_in_batch=self.divisor)
+        return _ChunkTerm.apply(h_TD, self.weight.detach(), labels_T, self.divisor, self.ignore_index, self.acc)
+
+    def attach(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.acc is None else _AttachHeadGrad.apply(loss, self.weight, self.acc)

@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from lancet_rt.comm import group as comm
+from lancet_rt.integrations import hf_dense as _dense
 from lancet_rt.schedule import policy as _policy
 from lancet_rt.schedule import recompute as _recompute
 from lancet_rt.schedule import scope as _scope
@@ -202,11 +203,15 @@ class _BaseModelRunner:
         self.head_wanted = False
         self.stash: Optional[tuple] = None  # (last hidden state, its logits) of the call in progress
         self._chunk_logits: Optional[dict] = None
+        self.fused_loss = False  # from_hf(fused_loss=True)
+        self.loss_mode: Optional[_dense.LossMode] = None  # set by _CausalLMForward for a fused-loss call
 
     def __call__(self, *args, **kwargs):
         if self.active or self.overlapped is None:
             _replay_checkpoints(self.base)
             out = self.inner(self.base, *args, **kwargs)
+            if self.loss_mode is not None:  # this chunk's loss term and head gradient (hf_dense)
+                _dense.chunk_loss(self.loss_mode, out)
             if self._chunk_logits is not None:  # a chunk (or the one run) of a call that wants the head
                 scope = _scope.current()
                 self._chunk_logits[scope.chunk if scope is not None else 0] = self.head(out.last_hidden_state)
@@ -245,12 +250,17 @@ class _CausalLMForward:
 
     def __call__(self, *args, **kwargs):
         keep = kwargs.get("logits_to_keep", 0)
-        self.runner.head_wanted = len(args) <= 1 and isinstance(keep, int) and keep == 0
+        mode, kwargs = _dense.loss_mode_for(self.model, self.model.get_output_embeddings(), args, kwargs) \
+            if self.runner.fused_loss else (None, kwargs)
+        self.runner.loss_mode = mode
+        self.runner.head_wanted = mode is None and len(args) <= 1 and isinstance(keep, int) and keep == 0
         try:
-            return self.inner(self.model, *args, **kwargs)
+            out = self.inner(self.model, *args, **kwargs)
+            return out if mode is None else _dense.finish(self.model, mode, out)
         finally:
             self.runner.head_wanted = False
             self.runner.stash = None
+            self.runner.loss_mode = None
 
 
 class _HeadForward:
@@ -264,6 +274,8 @@ class _HeadForward:
         self.__wrapped__ = self.inner.__get__(head)
 
     def __call__(self, hidden: torch.Tensor, *args, **kwargs):
+        if self.runner.loss_mode is not None:  # the fused loss ran in the chunks: no logits
+            return None
         stash = self.runner.stash
         if stash is not None and not args and not kwargs and _same_view(hidden, stash[0]):
             self.runner.stash = None
@@ -306,7 +318,7 @@ def _replay_checkpoints(base: nn.Module) -> None:
 
 # ------------------------------------------------------------------------------------------ entry
 def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = False,
-            capacity_factor: Optional[float] = None) -> nn.Module:
+            capacity_factor: Optional[float] = None, fused_loss: bool = False) -> nn.Module:
     """Make a transformers MoE model a lancet-rt model, in place.
 
     Args:
@@ -323,6 +335,9 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
             backward all-to-alls.
         capacity_factor: None (dropless, as transformers computes) or a capacity factor (tokens past
             capacity are dropped, as in the routing contract).
+        fused_loss: in training with ``labels`` (and ``logits_to_keep=0``), compute the loss with
+            :func:`lancet_rt.dense.linear_cross_entropy` per chunk, never forming the logits; the
+            output's ``logits`` is then None (:mod:`lancet_rt.integrations.hf_dense`).
 
     Returns:
         ``model``, patched: call it as before. Calling ``from_hf`` again on it changes ``chunks`` and
@@ -333,6 +348,8 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
     _policy.check_chunks(chunks)
     if not isinstance(defer_wgrad, bool):
         raise TypeError(f"defer_wgrad must be a bool, got {type(defer_wgrad).__name__}")
+    if not isinstance(fused_loss, bool):
+        raise TypeError(f"fused_loss must be a bool, got {type(fused_loss).__name__}")
     group = comm.as_group(ep_group)
     config = getattr(model, "config", None)
     converted = 0
@@ -362,7 +379,9 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
     head = head if isinstance(head, nn.Linear) else None
     runner = _BaseModelRunner(base, chunks, defer_wgrad, head)
     base.forward = runner
-    if runner.head is not None:  # the head runs per chunk in training (see _BaseModelRunner)
+    _dense.fuse_rmsnorms(model)
+    runner.fused_loss = fused_loss and head is not None
+    if runner.head is not None or runner.fused_loss:  # the head (or the fused loss) runs per chunk in training
         model.forward = _CausalLMForward(model, runner)
         head.forward = _HeadForward(head, runner)
     else:  # converted again, unchunked: the forwards of an earlier conversion go
