@@ -9,11 +9,13 @@ Reference: :func:`lancet_rt.kernels.reference_dense.ce_grad_fwd_ref`.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
 
-from ._common import check_tensor, interpreting
+from ._common import check_out, check_tensor, interpreting
 
 
 @triton.jit
@@ -56,7 +58,7 @@ def _ce_grad_fwd_kernel(
 
 
 def ce_grad_fwd(logits_CV: torch.Tensor, labels_C: torch.Tensor, scale: float,
-                ignore_index: int = -100) -> torch.Tensor:
+                ignore_index: int = -100, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Cross-entropy per row and its gradient over the logits, in place.
 
     Args:
@@ -65,6 +67,7 @@ def ce_grad_fwd(logits_CV: torch.Tensor, labels_C: torch.Tensor, scale: float,
         labels_C: [C] int64 targets in [0, V) or ``ignore_index``.
         scale: the gradient's factor (1 / the number of valid tokens of the whole batch).
         ignore_index: the label of rows without loss.
+        out: optional contiguous [C] float32 buffer for the loss.
 
     Returns:
         loss_C [C] float32, 0 on ignored rows.
@@ -74,7 +77,9 @@ def ce_grad_fwd(logits_CV: torch.Tensor, labels_C: torch.Tensor, scale: float,
         raise ValueError("logits_CV must have unit stride along V")
     C, V = logits_CV.shape
     check_tensor("labels_C", labels_C, shape=(C,), dtypes=(torch.int64,), device=logits_CV.device)
-    loss = torch.empty(C, device=logits_CV.device, dtype=torch.float32)
+    loss = torch.empty(C, device=logits_CV.device, dtype=torch.float32) if out is None else out
+    if out is not None:
+        check_out("out", out, (C,), torch.float32, logits_CV.device)
     if C == 0:
         return loss
     block_v = min(64 if interpreting() or logits_CV.device.type != "cuda" else 4096, triton.next_power_of_2(V))
