@@ -61,23 +61,29 @@ def _add_rmsnorm_bwd_kernel(
     # meta-parameters
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DS: tl.constexpr,
 ):
-    """ds = rstd * (dy w - n mean(dy w n)) + dsn with n = s rstd; dw partial = sum over the tile's rows dy n."""
+    """ds = rstd * (dy w - n mean(dy w n)) + dsn with n = s rstd; dw partial = sum over the program's
+    rows of dy n. Grid-stride over row tiles, so the partials are [programs, D], not [R, D]."""
     pid_r = tl.program_id(0)
-    offs_r = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
-    mask_r = offs_r < R
     mask_d = offs_d < D
-    mask = mask_r[:, None] & mask_d[None, :]
-    b_s = tl.load(s_ptr + offs_r[:, None] * stride_sr + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    b_dy = tl.load(dy_ptr + offs_r[:, None] * stride_dyr + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.load(rstd_ptr + offs_r, mask=mask_r, other=0.0)
     b_w = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-    b_n = b_s * rstd[:, None]
-    b_dn = b_dy * b_w[None, :]
-    mean = tl.sum(b_dn * b_n, axis=1) / D
-    b_ds = rstd[:, None] * (b_dn - b_n * mean[:, None])
-    if HAS_DS:
-        b_ds += tl.load(dsn_ptr + offs_r[:, None] * stride_dsnr + offs_d[None, :], mask=mask,
-                        other=0.0).to(tl.float32)
-    tl.store(ds_ptr + offs_r[:, None] * stride_dsr + offs_d[None, :], b_ds.to(ds_ptr.dtype.element_ty), mask=mask)
-    tl.store(dw_ptr + pid_r * D + offs_d, tl.sum(b_dy * b_n, axis=0), mask=mask_d)
+    b_dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for r0 in range(pid_r * BLOCK_R, R, tl.num_programs(0) * BLOCK_R):
+        offs_r = (r0 + tl.arange(0, BLOCK_R)).to(tl.int64)
+        mask_r = offs_r < R
+        mask = mask_r[:, None] & mask_d[None, :]
+        b_s = tl.load(s_ptr + offs_r[:, None] * stride_sr + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+        b_dy = tl.load(dy_ptr + offs_r[:, None] * stride_dyr + offs_d[None, :], mask=mask,
+                       other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + offs_r, mask=mask_r, other=0.0)
+        b_n = b_s * rstd[:, None]
+        b_dn = b_dy * b_w[None, :]
+        mean = tl.sum(b_dn * b_n, axis=1) / D
+        b_ds = rstd[:, None] * (b_dn - b_n * mean[:, None])
+        if HAS_DS:
+            b_ds += tl.load(dsn_ptr + offs_r[:, None] * stride_dsnr + offs_d[None, :], mask=mask,
+                            other=0.0).to(tl.float32)
+        tl.store(ds_ptr + offs_r[:, None] * stride_dsr + offs_d[None, :], b_ds.to(ds_ptr.dtype.element_ty),
+                 mask=mask)
+        b_dw += tl.sum(b_dy * b_n, axis=0)
+    tl.store(dw_ptr + pid_r * D + offs_d, b_dw, mask=mask_d)
