@@ -55,6 +55,8 @@ _DEFAULT_VARIANTS = {
                              "fp32 tf32 gpt_oss", "bf16 bias swiglu_oai"},
     "swiglu.fwd": {"F=2048 bf16", "F=2048 bf16 gpt_oss"},
     "swiglu.bwd": {"F=2048 bf16", "F=2048 bf16 gpt_oss"},
+    "norm.fwd": {"D=4096 bf16 residual=False", "D=7168 fp32 residual=True"},
+    "norm.bwd": {"D=4096 bf16 grad_s=False", "D=7168 fp32 grad_s=True"},
 }
 
 
@@ -101,7 +103,7 @@ def _buf(dtype: str):
     import torch
 
     return torch.empty(64, dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-                                  "i32": torch.int32}[dtype])
+                                  "i32": torch.int32, "i64": torch.int64}[dtype])
 
 
 def _next_pow2(n: int) -> int:
@@ -309,6 +311,43 @@ def _swiglu(direction: str):
     return kernel, configs
 
 
+def _norm(direction: str):
+    """The fused add + RMSNorm (kernels/norm.py): with the residual (the sum's gradient) and without."""
+    def kernel(case):
+        _modules()  # first: with the interpreter off
+        from lancet_rt.kernels import norm
+
+        D, dtype, flag = case
+        if direction == "fwd":
+            args = (*[_buf(dtype)] * 5, _buf("fp32"), _T, D, 1e-6, D, D, D, D)
+            return norm._add_rmsnorm_fwd_kernel, args, dict(HAS_RESIDUAL=flag)
+        args = (*[_buf(dtype)] * 3, _buf("fp32"), _buf(dtype), _buf(dtype), _buf("fp32"), _T, D, D, D, D, D)
+        return norm._add_rmsnorm_bwd_kernel, args, dict(HAS_DS=flag)
+
+    def configs(case):
+        import torch
+
+        _modules()
+        from lancet_rt.kernels import norm
+
+        block_r, block_d, num_warps = norm._rows(case[0], torch.device("cuda"))  # the CUDA choice
+        return [dict(BLOCK_R=block_r, BLOCK_D=block_d, num_warps=num_warps)]
+
+    return kernel, configs
+
+
+def _ce_grad(case):
+    _modules()
+    from lancet_rt.kernels import linear_ce
+
+    (V,) = case
+    return linear_ce._ce_grad_fwd_kernel, (_buf("fp32"), _buf("i64"), _buf("fp32"), _T, V, 1e-4, -100, V), {}
+
+
+def _ce_grad_configs(case):
+    return [dict(BLOCK_V=4096, num_warps=8)]  # the launcher's CUDA choice for V >= 4096
+
+
 def _fixed(case):
     return [{}]  # the launcher's constants, Triton's default num_warps / num_stages
 
@@ -337,6 +376,10 @@ _SPECS: Dict[str, Tuple[Callable, Callable, List[Tuple[str, tuple]]]] = {
     **{f"swiglu.{d}": (*_swiglu(d), [(f"F={f} bf16 {name}".rstrip(), (f, tuple(flags.items())))
                                      for f in _SWIGLU_F for name, flags in _SWIGLU_VARIANTS])
        for d in ("fwd", "bwd")},
+    **{f"norm.{d}": (*_norm(d), [(f"D={D} {dt} {'residual' if d == 'fwd' else 'grad_s'}={flag}", (D, dt, flag))
+                                 for D in (_D, 7168) for dt in ("bf16", "fp32") for flag in (True, False)])
+       for d in ("fwd", "bwd")},
+    "linear_ce.ce_grad": (_ce_grad, _ce_grad_configs, [("V=151936 fp32", (151936,)), ("V=32000 fp32", (32000,))]),
 }
 
 

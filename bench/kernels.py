@@ -1,4 +1,5 @@
-"""Routing kernel microbenchmarks: gating, permute and unpermute, forward and backward.
+"""Routing kernel microbenchmarks: gating, permute and unpermute, forward and backward; then the
+dense kernels' rows (add + RMSNorm, the chunked linear cross-entropy: bench/kernels_dense.py).
 
     python -m bench.kernels [--json [PATH]] [--quick] [--device cuda|cpu]
 
@@ -38,7 +39,8 @@ GATING_OPS = OPS[:2]
 CAPACITY_FACTOR = 1.25
 TARGET_T = 16384
 COLUMNS = ["op", "T", "E", "K", "D", "S", "MB", "triton_ms", "eager_ms", "compiled_ms", "triton_GBs",
-           "frac_copy", "x_eager", "x_compiled", "check", "compile_error", "error"]
+           "frac_copy", "x_eager", "x_compiled", "check", "compile_error", "error",
+           "V", "head_ms", "x_head", "peak_MB", "eager_peak_MB"]  # (the last: op=linear_ce rows)
 
 
 def cases(quick: bool) -> List[dict]:
@@ -196,6 +198,9 @@ def run(device: torch.device, quick: bool, dtype: torch.dtype = torch.bfloat16, 
         del args, kwargs
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    from bench.kernels_dense import run_dense  # the dense kernels' rows (add + RMSNorm, linear CE)
+
+    run_dense(device, quick, dtype, meta, copy_gbs, rows, budget, timing)
     return rows
 
 

@@ -105,6 +105,8 @@ def parse_args(argv=None):
                    help="blocks: pre-norm attention + lancet MoE blocks (bench.model); or a transformers MoE "
                         "architecture built from its config at these sizes and made lancet by lancet_rt.from_hf "
                         "(its own attention, norms, router and loss; dropless, as transformers computes)")
+    p.add_argument("--fused-loss", action="store_true",
+                   help="--model <family>: from_hf(fused_loss=True): the chunked linear cross-entropy per chunk")
     p.add_argument("--compare", default=None, choices=["balanced-chunks", "dispatchers", "replay"],
                    help="instead of the four schedules, a seed system against the default (bench/seeds.py)")
     p.add_argument("--balance-order", default="sorted", choices=["sorted", "shuffled"],

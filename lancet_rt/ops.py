@@ -15,13 +15,15 @@ from typing import Optional
 import torch
 
 from lancet_rt import env
-from lancet_rt.kernels import reference
+from lancet_rt.kernels import reference, reference_dense
 
 _OP_NAMES = {
     "gating": ["gating_fwd", "gating_bwd"],
     "permute": ["dispatch_rows", "permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd"],
     "grouped_gemm": ["grouped_mm", "grouped_mm_dx", "grouped_mm_dw", "gate_up_swiglu", "segment_sum"],
     "swiglu": ["swiglu_fwd", "swiglu_bwd"],
+    "norm": ["add_rmsnorm_fwd", "add_rmsnorm_bwd"],
+    "linear_ce": ["ce_grad_fwd"],
 }
 # Dtypes each Triton family takes; the others fall back to the family's references.
 _FAMILY_DTYPES = {
@@ -29,12 +31,14 @@ _FAMILY_DTYPES = {
     "permute": (torch.float32, torch.bfloat16, torch.float16),  # float32 accumulation
     "grouped_gemm": (torch.float32, torch.bfloat16, torch.float16),
     "swiglu": (torch.float32, torch.bfloat16, torch.float16),
+    "norm": (torch.float32, torch.bfloat16, torch.float16),
+    "linear_ce": (torch.float32, torch.bfloat16, torch.float16),  # the layer's dtype; logits are float32
 }
 _cache: dict[tuple, SimpleNamespace] = {}
 
 
 def _reference(names: list[str]) -> dict:
-    return {n: getattr(reference, n + "_ref") for n in names}
+    return {n: getattr(reference, n + "_ref", None) or getattr(reference_dense, n + "_ref") for n in names}
 
 
 def _reference_ops() -> SimpleNamespace:
@@ -46,9 +50,10 @@ def _reference_ops() -> SimpleNamespace:
 
 def _triton_families() -> dict:
     """The Triton kernel modules by family (imported on first use: triton is a Linux-only dependency)."""
-    from lancet_rt.kernels import gating, grouped_gemm, permute, swiglu
+    from lancet_rt.kernels import gating, grouped_gemm, linear_ce, norm, permute, swiglu
 
-    return {"gating": gating, "permute": permute, "grouped_gemm": grouped_gemm, "swiglu": swiglu}
+    return {"gating": gating, "permute": permute, "grouped_gemm": grouped_gemm, "swiglu": swiglu,
+            "norm": norm, "linear_ce": linear_ce}
 
 
 def _triton_ops(dtype) -> SimpleNamespace:

@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lancet_rt.comm import group as comm
+from lancet_rt.integrations import hf_dense as _dense
 from lancet_rt.schedule import policy as _policy
 from lancet_rt.schedule import recompute as _recompute
 from lancet_rt.schedule import scope as _scope
@@ -230,6 +231,8 @@ class _BaseModelRunner:
         self.stash: Optional[tuple] = None  # (last hidden state, its logits) of the call in progress
         self.whole: Optional[tuple] = None  # (args, kwargs) of one row of the call in progress
         self._chunk_logits: Optional[dict] = None
+        self.fused_loss = False  # from_hf(fused_loss=True)
+        self.loss_mode: Optional[_dense.LossMode] = None  # set by _CausalLMForward for a fused-loss call
 
     def __call__(self, *args, **kwargs):
         if self.active or self.overlapped is None:
@@ -241,6 +244,8 @@ class _BaseModelRunner:
             out = self.inner(self.base, *args, **kwargs)
             if empty:
                 out = pytree.tree_map(lambda t: t[:0] if isinstance(t, torch.Tensor) and t.dim() else t, out)
+            if self.loss_mode is not None:  # this chunk's loss term and head gradient (hf_dense)
+                _dense.chunk_loss(self.loss_mode, out)
             if self._chunk_logits is not None:  # a chunk (or the one run) of a call that wants the head
                 scope = _scope.current()
                 self._chunk_logits[scope.chunk if scope is not None else 0] = self.head(out.last_hidden_state)
@@ -298,12 +303,17 @@ class _CausalLMForward:
 
     def __call__(self, *args, **kwargs):
         keep = kwargs.get("logits_to_keep", 0)
-        self.runner.head_wanted = len(args) <= 1 and isinstance(keep, int) and keep == 0
+        mode, kwargs = _dense.loss_mode_for(self.model, self.model.get_output_embeddings(), args, kwargs) \
+            if self.runner.fused_loss else (None, kwargs)
+        self.runner.loss_mode = mode
+        self.runner.head_wanted = mode is None and len(args) <= 1 and isinstance(keep, int) and keep == 0
         try:
-            return self.inner(self.model, *args, **kwargs)
+            out = self.inner(self.model, *args, **kwargs)
+            return out if mode is None else _dense.finish(self.model, mode, out)
         finally:
             self.runner.head_wanted = False
             self.runner.stash = None
+            self.runner.loss_mode = None
 
 
 class _HeadForward:
@@ -317,6 +327,8 @@ class _HeadForward:
         self.__wrapped__ = self.inner.__get__(head)
 
     def __call__(self, hidden: torch.Tensor, *args, **kwargs):
+        if self.runner.loss_mode is not None:  # the fused loss ran in the chunks: no logits
+            return None
         stash = self.runner.stash
         if stash is not None and not args and not kwargs and _same_view(hidden, stash[0]):
             self.runner.stash = None
@@ -359,7 +371,8 @@ def _replay_checkpoints(base: nn.Module) -> None:
 
 # ------------------------------------------------------------------------------------------ entry
 def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = False,
-            capacity_factor: Optional[float] = None, router_dtype: str = "float32") -> nn.Module:
+            capacity_factor: Optional[float] = None, router_dtype: str = "float32",
+            fused_loss: bool = False) -> nn.Module:
     """Make a transformers MoE model a lancet-rt model, in place.
 
     Args:
@@ -380,6 +393,9 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
             routing contract's precision) or "model" (as transformers computes it: in the model's
             dtype, or autocast's; under bf16 autocast the logits are bf16-rounded, so the routing
             is transformers' own; the scores after the linear are float32 either way).
+        fused_loss: in training with ``labels`` (and ``logits_to_keep=0``), compute the loss with
+            :func:`lancet_rt.dense.linear_cross_entropy` per chunk, never forming the logits; the
+            output's ``logits`` is then None (:mod:`lancet_rt.integrations.hf_dense`).
 
     Chunk counts above the batch's rows run as many chunks as rows without expert parallelism; with
     it, every rank runs the agreed count (its empty chunks run one stand-in row, dropped, so that
@@ -397,6 +413,8 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
         raise TypeError(f"defer_wgrad must be a bool, got {type(defer_wgrad).__name__}")
     if router_dtype not in ROUTER_DTYPES:
         raise ValueError(f"router_dtype must be one of {ROUTER_DTYPES}, got {router_dtype!r}")
+    if not isinstance(fused_loss, bool):
+        raise TypeError(f"fused_loss must be a bool, got {type(fused_loss).__name__}")
     group = comm.as_group(ep_group)
     config = getattr(model, "config", None)
     converted = 0
@@ -427,7 +445,9 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
     head = head if isinstance(head, nn.Linear) else None
     runner = _BaseModelRunner(base, chunks, defer_wgrad, head)
     base.forward = runner
-    if runner.head is not None:  # the head runs per chunk in training (see _BaseModelRunner)
+    _dense.fuse_rmsnorms(model)
+    runner.fused_loss = fused_loss and head is not None
+    if runner.head is not None or runner.fused_loss:  # the head (or the fused loss) runs per chunk in training
         model.forward = _CausalLMForward(model, runner)
         head.forward = _HeadForward(head, runner)
     else:  # converted again, unchunked: the forwards of an earlier conversion go

@@ -1,6 +1,7 @@
 """The block the ``lancet-autotune`` command measures: pre-norm causal attention + a lancet MoE.
 
-``x + attn(norm(x))``, then ``x + moe(norm(x))``. The one definition of this block: bench.overlap
+``x + attn(norm(x))``, then ``x + moe(norm(x))``, with RMSNorm; the second norm fuses the residual
+add (:func:`lancet_rt.dense.add_rmsnorm`, Triton on CUDA). The one definition of this block: bench.overlap
 and the main job (bench.model) import it from here, so the autotuner tunes exactly the block the
 benchmark measures. It is an ordinary eager module: nothing in it knows about chunks.
 """
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import lancet_rt
+from lancet_rt.dense import RMSNorm
 
 
 class CausalSelfAttention(nn.Module):
@@ -30,18 +32,18 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """x + attn(norm(x)), then x + moe(norm(x))."""
+    """x + attn(norm(x)), then x + moe(norm(x)); RMSNorm, the add before the second fused into it."""
 
     def __init__(self, d_model: int, n_heads: int, moe: lancet_rt.MoE, *, device=None, dtype=None):
         super().__init__()
-        self.norm1 = nn.LayerNorm(d_model, device=device, dtype=dtype)
+        self.norm1 = RMSNorm(d_model, eps=1e-5, device=device, dtype=dtype)
         self.attn = CausalSelfAttention(d_model, n_heads, device=device, dtype=dtype)
-        self.norm2 = nn.LayerNorm(d_model, device=device, dtype=dtype)
+        self.norm2 = RMSNorm(d_model, eps=1e-5, device=device, dtype=dtype)
         self.moe = moe
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
-        x_BSD = x_BSD + self.attn(self.norm1(x_BSD))
-        return x_BSD + self.moe(self.norm2(x_BSD))
+        h_BSD, x_BSD = self.norm2(self.attn(self.norm1(x_BSD)), x_BSD)  # (norm(x + attn), x + attn)
+        return x_BSD + self.moe(h_BSD)
 
 
 class MoEBlocks(nn.Module):

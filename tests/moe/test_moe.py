@@ -106,7 +106,7 @@ def test_triton_path_is_used(monkeypatch):
     assert ops.gating_fwd is gating.gating_fwd and ops.grouped_mm.__wrapped__ is grouped_gemm.grouped_mm  # (+ TF32 switch)
     # float64 layers (gradient checks): only the gating kernels compute in float64.
     ops64 = get_ops(cpu, torch.float64)
-    assert ops64.name == "triton" and ops64.reference_families == ("permute", "grouped_gemm", "swiglu")
+    assert ops64.name == "triton" and ops64.reference_families == ("permute", "grouped_gemm", "swiglu", "norm", "linear_ce")
     assert ops64.gating_fwd is gating.gating_fwd and ops64.grouped_mm is reference.grouped_mm_ref
     assert get_ops(cpu, torch.bfloat16).grouped_mm is grouped_gemm.grouped_mm
     monkeypatch.setenv("LANCET_KERNELS", "torch")

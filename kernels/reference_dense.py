@@ -1,0 +1,84 @@
+"""Plain PyTorch references for the dense (non-MoE) kernels: fused residual add + RMSNorm and the
+per-chunk softmax cross-entropy with its gradient (the inner step of the chunked linear cross-entropy).
+
+Like :mod:`lancet_rt.kernels.reference`, these define the semantics the Triton launchers in
+:mod:`lancet_rt.kernels.norm` and :mod:`lancet_rt.kernels.linear_ce` meet, and they are the
+``LANCET_KERNELS=torch`` path. Statistics are computed in float32 (float64 inputs: in float64).
+
+Shape letters: R rows, D features, C rows of a loss chunk, V vocabulary.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def add_rmsnorm_fwd_ref(x_RD: torch.Tensor, residual_RD: Optional[torch.Tensor], weight_D: torch.Tensor,
+                        eps: float = 1e-6) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``s = x + residual`` (in x's dtype, as transformers adds), ``y = s / rms(s) * weight``.
+
+    Args:
+        x_RD: [R, D] input.
+        residual_RD: [R, D] residual in x's dtype, or None (plain RMSNorm: ``s`` is ``x``).
+        weight_D: [D] scale.
+        eps: added to the mean square.
+
+    Returns:
+        (y_RD in x's dtype, s_RD the sum for the next residual, rstd_R float32 1 / rms(s)).
+    """
+    s = x_RD if residual_RD is None else x_RD + residual_RD
+    acc = _acc(s.dtype)
+    s_f = s.to(acc)
+    rstd = torch.rsqrt(s_f.pow(2).mean(-1) + eps)
+    y = (s_f * rstd[:, None]) * weight_D.to(acc)
+    return y.to(x_RD.dtype), s, rstd
+
+
+def add_rmsnorm_bwd_ref(grad_y_RD: torch.Tensor, grad_s_RD: Optional[torch.Tensor], s_RD: torch.Tensor,
+                        rstd_R: torch.Tensor, weight_D: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`add_rmsnorm_fwd_ref`: with n = s * rstd,
+    ds = rstd * (dy * w - n * mean(dy * w * n)) + grad_s, dweight = sum_r dy * n.
+
+    Returns:
+        (grad_s_RD: the gradient of x and of the residual, in s's dtype; grad_weight_D in weight's dtype).
+    """
+    acc = _acc(s_RD.dtype)
+    n = s_RD.to(acc) * rstd_R.to(acc)[:, None]
+    dy = grad_y_RD.to(acc)
+    dn = dy * weight_D.to(acc)
+    ds = rstd_R.to(acc)[:, None] * (dn - n * (dn * n).mean(-1, keepdim=True))
+    if grad_s_RD is not None:
+        ds = ds + grad_s_RD.to(acc)
+    return ds.to(s_RD.dtype), (dy * n).sum(0).to(weight_D.dtype)
+
+
+def ce_grad_fwd_ref(logits_CV: torch.Tensor, labels_C: torch.Tensor, scale: float,
+                    ignore_index: int = -100) -> torch.Tensor:
+    """Cross-entropy of each row and its gradient, the gradient written over the logits.
+
+    Args:
+        logits_CV: [C, V] float32 (float64 accepted) logits, overwritten with
+            ``scale * (softmax(logits) - onehot(label))`` (zero on ignored rows).
+        labels_C: [C] integer targets; ``ignore_index`` rows contribute no loss and no gradient.
+        scale: the factor of the gradient (1 / the number of valid tokens of the whole batch).
+
+    Returns:
+        loss_C [C] in the logits' dtype: ``logsumexp(logits) - logits[label]``, 0 on ignored rows.
+    """
+    valid = labels_C != ignore_index
+    target = torch.where(valid, labels_C, 0).long()
+    lse = torch.logsumexp(logits_CV, dim=-1)
+    picked = logits_CV.gather(1, target[:, None])[:, 0]
+    loss = torch.where(valid, lse - picked, 0.0)
+    grad = torch.exp(logits_CV - lse[:, None])
+    grad.scatter_add_(1, target[:, None], -torch.ones_like(picked)[:, None])
+    logits_CV.copy_(torch.where(valid[:, None], grad * scale, 0.0))
+    return loss
+
+
+__all__ = ["add_rmsnorm_fwd_ref", "add_rmsnorm_bwd_ref", "ce_grad_fwd_ref"]

@@ -1,0 +1,304 @@
+"""The dense (non-MoE) fused layers: residual add + RMSNorm and the chunked linear cross-entropy.
+
+Both are torch custom operators (``torch.library.custom_op``, namespace ``lancet``) with fake
+implementations and autograd formulas, so ``torch.compile(fullgraph=True)`` traces through them;
+their implementations pick the Triton kernels or the references through :func:`lancet_rt.ops.get_ops`
+(Triton on CUDA and under ``TRITON_INTERPRET=1``, the references on CPU).
+
+:func:`linear_cross_entropy` computes ``CE(hidden @ weight.T, labels)`` chunk by chunk and its
+gradients w.r.t. hidden and weight in the forward (Liger-Kernel's fused linear cross-entropy
+scheme): at most one chunk's [C, V] float32 logits exist at a time, and the backward only scales
+the saved gradients by the incoming one. The mean is over the valid labels of the whole input (or
+``num_items_in_batch``), as transformers' ``ForCausalLMLoss`` computes.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lancet_rt import ops as _ops
+
+
+# ------------------------------------------------------------------------------------- add + RMSNorm
+@torch.library.custom_op("lancet::add_rmsnorm", mutates_args=())
+def _add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _ops.get_ops(x.device, x.dtype).add_rmsnorm_fwd(x, residual, weight, eps)
+
+
+@torch.library.custom_op("lancet::rmsnorm", mutates_args=())
+def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    y, _, rstd = _ops.get_ops(x.device, x.dtype).add_rmsnorm_fwd(x, None, weight, eps)
+    return y, rstd
+
+
+@torch.library.custom_op("lancet::add_rmsnorm_bwd", mutates_args=())
+def _add_rmsnorm_bwd(grad_y: torch.Tensor, grad_s: Optional[torch.Tensor], s: torch.Tensor, rstd: torch.Tensor,
+                     weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _ops.get_ops(s.device, s.dtype).add_rmsnorm_bwd(grad_y, grad_s, s, rstd, weight)
+
+
+@_add_rmsnorm.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@_rmsnorm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x), x.new_empty(x.shape[0], dtype=torch.float32)
+
+
+@_add_rmsnorm_bwd.register_fake
+def _(grad_y, grad_s, s, rstd, weight):
+    return torch.empty_like(s), torch.empty_like(weight)
+
+
+def _add_rmsnorm_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1], output[2], inputs[2])
+
+
+def _add_rmsnorm_backward(ctx, grad_y, grad_s, _grad_rstd):
+    s, rstd, weight = ctx.saved_tensors
+    ds, dw = _add_rmsnorm_bwd(grad_y.contiguous(), None if grad_s is None else grad_s.contiguous(), s, rstd, weight)
+    return ds, ds, dw, None
+
+
+def _rmsnorm_setup(ctx, inputs, output):
+    ctx.save_for_backward(inputs[0], output[1], inputs[1])
+
+
+def _rmsnorm_backward(ctx, grad_y, _grad_rstd):
+    x, rstd, weight = ctx.saved_tensors
+    ds, dw = _add_rmsnorm_bwd(grad_y.contiguous(), None, x, rstd, weight)
+    return ds, dw, None
+
+
+_add_rmsnorm.register_autograd(_add_rmsnorm_backward, setup_context=_add_rmsnorm_setup)
+_rmsnorm.register_autograd(_rmsnorm_backward, setup_context=_rmsnorm_setup)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch.Tensor, eps: float = 1e-6):
+    """Fused ``s = x + residual``, ``y = s * rsqrt(mean(s^2) + eps) * weight`` over the last dimension.
+
+    Args:
+        x: [..., D] bf16/fp16/fp32 (float64 runs the reference).
+        residual: like x, or None (plain RMSNorm).
+        weight: [D].
+        eps: added to the mean square.
+
+    Returns:
+        ``y`` when ``residual`` is None, else ``(y, s)``: s the sum, the next residual.
+    """
+    D = x.shape[-1]
+    x2 = x.reshape(-1, D).contiguous()
+    if residual is None:
+        return _rmsnorm(x2, weight, float(eps))[0].view(x.shape)
+    y, s, _ = _add_rmsnorm(x2, residual.reshape(-1, D).contiguous(), weight, float(eps))
+    return y.view(x.shape), s.view(x.shape)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension with an optional fused residual add (see :func:`add_rmsnorm`).
+
+    ``forward(x)`` returns y; ``forward(x, residual)`` returns ``(y, x + residual)``.
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-6, *, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        return add_rmsnorm(x, residual, self.weight, self.eps)
+
+
+# ------------------------------------------------------------------------------------- linear CE
+@torch.library.custom_op("lancet::linear_ce", mutates_args=())
+def _linear_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, divisor: torch.Tensor,
+               ignore_index: int, chunk: int, need_grad_h: bool,
+               need_grad_w: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with torch.autocast(hidden.device.type, enabled=False):  # the inputs' dtype, as the op's contract says
+        return _linear_ce_chunks(hidden, weight, labels, divisor, ignore_index, chunk, need_grad_h, need_grad_w)
+
+
+def _linear_ce_chunks(hidden, weight, labels, divisor, ignore_index, chunk, need_grad_h, need_grad_w,
+                      grad_w_acc=None):
+    """The chunk loop; with ``grad_w_acc`` (float32 [V, D]) the head's gradient accumulates there."""
+    ops = _ops.get_ops(hidden.device, hidden.dtype)
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    d = float(divisor)  # the one host read: the whole batch's count of valid labels
+    scale = 1.0 / d if d else float("inf")  # (no valid label: loss 0 / 0 = NaN, as transformers')
+    total = torch.zeros((), device=hidden.device, dtype=acc)
+    grad_h = torch.empty_like(hidden) if need_grad_h else hidden.new_empty(0)
+    grad_w = grad_w_acc if grad_w_acc is not None else \
+        torch.zeros(weight.shape, device=weight.device, dtype=acc) if need_grad_w else weight.new_empty(0)
+    for c0 in range(0, hidden.shape[0], chunk):
+        h_CD = hidden[c0:c0 + chunk]
+        logits_CV = (h_CD @ weight.t()).to(acc)  # the head in the model's dtype, the loss in float32
+        total += ops.ce_grad_fwd(logits_CV, labels[c0:c0 + chunk], scale, ignore_index).sum()
+        if need_grad_h:  # logits_CV now holds d loss / d logits
+            torch.mm(logits_CV.to(weight.dtype), weight, out=grad_h[c0:c0 + chunk])
+        if need_grad_w or grad_w_acc is not None:
+            grad_w.addmm_(logits_CV.t(), h_CD.to(acc))
+    return total / d, grad_h, grad_w if grad_w_acc is not None else grad_w.to(weight.dtype)
+
+
+@_linear_ce.register_fake
+def _(hidden, weight, labels, divisor, ignore_index, chunk, need_grad_h, need_grad_w):
+    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    return (hidden.new_empty((), dtype=acc), torch.empty_like(hidden) if need_grad_h else hidden.new_empty(0),
+            torch.empty_like(weight) if need_grad_w else weight.new_empty(0))
+
+
+def _linear_ce_setup(ctx, inputs, output):
+    ctx.save_for_backward(output[1], output[2])
+
+
+def _linear_ce_backward(ctx, grad_loss, _g1, _g2):
+    grad_h, grad_w = ctx.saved_tensors
+    dh = grad_h * grad_loss.to(grad_h.dtype) if ctx.needs_input_grad[0] else None
+    dw = grad_w * grad_loss.to(grad_w.dtype) if ctx.needs_input_grad[1] else None
+    return dh, dw, None, None, None, None, None, None
+
+
+_linear_ce.register_autograd(_linear_ce_backward, setup_context=_linear_ce_setup)
+
+
+def _default_chunk(T: int, D: int, V: int) -> int:
+    """Rows per chunk: about T * D logits per chunk (the hidden state's size), a power of two."""
+    per = max(1, -(-T * D // max(V, 1)))
+    return 1 << (per - 1).bit_length()
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                         ignore_index: int = -100, shift_labels: bool = True, num_items_in_batch=None,
+                         chunk_size: Optional[int] = None) -> torch.Tensor:
+    """``cross_entropy(hidden @ weight.T, labels)`` without holding the [T, V] logits.
+
+    The logits are computed in hidden's dtype and upcast to float32, the loss is summed over the
+    valid labels and divided by their count over the whole input (or by ``num_items_in_batch``):
+    transformers' ``ForCausalLMLoss``. The gradients w.r.t. hidden and weight are computed in the
+    forward, chunk by chunk; the backward scales them.
+
+    Args:
+        hidden: [..., D] last hidden state (bf16/fp16/fp32/fp64).
+        weight: [V, D] the LM head's weight, hidden's dtype.
+        labels: [...] integer labels, hidden's leading shape; ``ignore_index`` marks no loss.
+        ignore_index: the label without loss.
+        shift_labels: predict token t + 1 from position t (pad with ``ignore_index`` and shift along
+            the last label dimension, as transformers does); False: labels are already aligned.
+        num_items_in_batch: the divisor instead of the count of valid labels (int or tensor).
+        chunk_size: rows per chunk (default: about T * D / V, a power of two).
+
+    Returns:
+        The scalar loss (float32; float64 for float64 hidden).
+    """
+    if not isinstance(hidden, torch.Tensor) or not hidden.is_floating_point() or hidden.dim() < 1:
+        raise TypeError("hidden must be a floating-point tensor [..., D]")
+    D = hidden.shape[-1]
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[1] != D:
+        raise ValueError(f"weight must be [V, D={D}], got {getattr(weight, 'shape', type(weight).__name__)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or tuple(labels.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"labels must be an integer tensor of shape {tuple(hidden.shape[:-1])}, "
+                         f"got {getattr(labels, 'shape', type(labels).__name__)}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be an int >= 1 or None, got {chunk_size!r}")
+    if shift_labels and labels.dim() > 0:
+        labels = nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    labels_T = labels.reshape(-1).long().contiguous()
+    h_TD = hidden.reshape(-1, D).contiguous()
+    if num_items_in_batch is None:
+        divisor = (labels_T != ignore_index).sum()
+    else:
+        divisor = torch.as_tensor(num_items_in_batch, device=hidden.device)
+    chunk = chunk_size or _default_chunk(h_TD.shape[0], D, weight.shape[0])
+    grad = torch.is_grad_enabled()
+    loss, _, _ = _linear_ce(h_TD, weight, labels_T, divisor.to(torch.float64), int(ignore_index), int(chunk),
+                            grad and hidden.requires_grad, grad and weight.requires_grad)
+    return loss
+
+
+class LinearCrossEntropy(nn.Module):
+    """The LM head and its loss as one module: ``forward(hidden, labels)`` is
+    :func:`linear_cross_entropy` with ``head.weight`` (the logits never exist whole).
+
+    Args:
+        head: the LM head, an ``nn.Linear`` without bias (its weight is shared, not copied).
+        ignore_index, shift_labels, chunk_size: as in :func:`linear_cross_entropy`.
+    """
+
+    def __init__(self, head: nn.Linear, *, ignore_index: int = -100, shift_labels: bool = True,
+                 chunk_size: Optional[int] = None):
+        super().__init__()
+        if not isinstance(head, nn.Linear) or head.bias is not None:
+            raise ValueError("head must be an nn.Linear without bias")
+        self.head = head
+        self.ignore_index, self.shift_labels, self.chunk_size = ignore_index, shift_labels, chunk_size
+
+    def forward(self, hidden: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
+        return linear_cross_entropy(hidden, self.head.weight, labels, ignore_index=self.ignore_index,
+                                    shift_labels=self.shift_labels, num_items_in_batch=num_items_in_batch,
+                                    chunk_size=self.chunk_size)
+
+
+class _ChunkTerm(torch.autograd.Function):
+    """One chunk's loss term; its backward gives the hidden state's gradient (computed in the forward),
+    the head's accumulates in a :class:`SharedHeadGrad`."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, divisor, ignore_index, grad_w_acc):
+        loss, grad_h, _ = _linear_ce_chunks(hidden, weight, labels, divisor, ignore_index,
+                                            _default_chunk(hidden.shape[0], hidden.shape[1], weight.shape[0]),
+                                            ctx.needs_input_grad[0], False, grad_w_acc)
+        ctx.save_for_backward(grad_h)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad_h,) = ctx.saved_tensors
+        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None
+
+
+class _AttachHeadGrad(torch.autograd.Function):
+    """Identity on the summed loss; its backward hands the head its gradient accumulated by the chunks."""
+
+    @staticmethod
+    def forward(ctx, loss, weight, grad_w_acc):
+        ctx.save_for_backward(grad_w_acc)
+        ctx.weight_dtype = weight.dtype
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (acc,) = ctx.saved_tensors
+        return grad_loss, (acc * grad_loss.to(acc.dtype)).to(ctx.weight_dtype), None
+
+
+class SharedHeadGrad:
+    """The chunked linear cross-entropy of a batch cut into pieces (the chunks of
+    :class:`lancet_rt.Overlapped`): :meth:`term` gives each piece's loss term (its share of the whole
+    batch's mean) and its hidden-state gradient, all pieces accumulate the head's gradient into one
+    float32 [V, D] buffer, and :meth:`attach` on the summed loss hands it to the head in the backward
+    (one head gradient held, however many pieces)."""
+
+    def __init__(self, weight: torch.Tensor, divisor: torch.Tensor, ignore_index: int = -100):
+        self.weight, self.divisor, self.ignore_index = weight, divisor.to(torch.float64), ignore_index
+        wants = torch.is_grad_enabled() and weight.requires_grad
+        acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
+        self.acc = torch.zeros(weight.shape, device=weight.device, dtype=acc) if wants else None
+
+    def term(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """hidden [..., D], labels [...] already aligned (shifted): this piece's loss term."""
+        h_TD = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+        labels_T = labels.reshape(-1).long().contiguous()
+        if self.acc is None:
+            return linear_cross_entropy(hidden, self.weight, labels, ignore_index=self.ignore_index,
+                                        shift_labels=False, num_items_in_batch=self.divisor)
+        return _ChunkTerm.apply(h_TD, self.weight.detach(), labels_T, self.divisor, self.ignore_index, self.acc)
+
+    def attach(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss if self.acc is None else _AttachHeadGrad.apply(loss, self.weight, self.acc)

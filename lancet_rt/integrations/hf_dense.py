@@ -1,0 +1,109 @@
+"""The dense fused layers in converted transformers models (used by :func:`lancet_rt.from_hf`).
+
+- Every RMSNorm of the model (the families' ``*RMSNorm``: decoder layers' input and post-attention
+  norms, Qwen3-MoE / OLMoE's q/k norms, the final norm) computes with :func:`lancet_rt.dense.add_rmsnorm`
+  (its class swapped for a subclass; parameters and names unchanged). The residual add stays the
+  decoder layer's own: fusing it needs the layer's forward, which stays transformers'.
+- In training with ``labels`` and ``logits_to_keep=0``, the loss is :func:`lancet_rt.dense.linear_cross_entropy`
+  on the last hidden state, computed per chunk inside the base model's run (under
+  :class:`lancet_rt.Overlapped` each chunk ends with its loss term and its head gradient; the divisor is
+  the whole batch's count of valid labels, known before the first chunk), the logits are never
+  formed and the output's ``logits`` is None (as Liger-Kernel's). The model's auxiliary loss is added
+  as transformers adds it. Anything else (evaluation, generation, ``logits_to_keep != 0``, no labels,
+  ``return_dict=False``, explicit ``shift_labels``) runs transformers' own code.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from lancet_rt.dense import SharedHeadGrad, add_rmsnorm
+from lancet_rt.schedule import scope as _scope
+
+_norm_classes: dict = {}
+_FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _is_rmsnorm(m: nn.Module) -> bool:
+    w = getattr(m, "weight", None)
+    return (type(m).__name__.endswith("RMSNorm") and isinstance(w, nn.Parameter) and w.dim() == 1
+            and isinstance(getattr(m, "variance_epsilon", None), float))
+
+
+def _rmsnorm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    if hidden_states.dtype != self.weight.dtype or hidden_states.dtype not in _FLOATS:
+        return super(type(self), self).forward(hidden_states)  # mixed dtypes promote: transformers' code
+    return add_rmsnorm(hidden_states, None, self.weight, self.variance_epsilon)
+
+
+def fuse_rmsnorms(model: nn.Module) -> int:
+    """Swap the class of every transformers RMSNorm in ``model`` for one computing with lancet's
+    kernel (float32 statistics; ``weight * normed`` in float32, then cast). Returns how many."""
+    n = 0
+    for m in model.modules():
+        cls = type(m)
+        if cls in _norm_classes.values():
+            n += 1
+        elif _is_rmsnorm(m):
+            if cls not in _norm_classes:
+                _norm_classes[cls] = type(f"Lancet{cls.__name__}", (cls,), {
+                    "forward": _rmsnorm_forward,
+                    "__doc__": f"{cls.__name__} computing with lancet_rt.dense.add_rmsnorm (lancet-rt)."})
+            m.__class__ = _norm_classes[cls]
+            n += 1
+    return n
+
+
+class LossMode:
+    """The fused loss of one ``*ForCausalLM`` call: shifted labels [B, S], the loss (with the head's
+    gradient shared by the chunks) and the loss term of each chunk."""
+
+    def __init__(self, labels_BS: torch.Tensor, divisor: torch.Tensor, weight: torch.Tensor, ignore_index: int):
+        self.labels_BS = labels_BS
+        self.loss = SharedHeadGrad(weight, divisor, ignore_index)
+        self.parts: dict[int, torch.Tensor] = {}
+
+
+def loss_mode_for(model: nn.Module, head: Optional[nn.Module], args: tuple, kwargs: dict):
+    """(LossMode, kwargs without labels) when this call's loss can be fused, else (None, kwargs)."""
+    labels = kwargs.get("labels")
+    keep = kwargs.get("logits_to_keep", 0)
+    config = getattr(model, "config", None)
+    if (not model.training or not isinstance(labels, torch.Tensor) or labels.dim() != 2 or len(args) > 1
+            or not isinstance(head, nn.Linear) or head.bias is not None or not (isinstance(keep, int) and keep == 0)
+            or kwargs.get("return_dict") is False or kwargs.get("shift_labels") is not None
+            or getattr(config, "final_logit_softcapping", None) is not None):
+        return None, kwargs
+    ignore = -100
+    shifted = nn.functional.pad(labels, (0, 1), value=ignore)[..., 1:]
+    num_items = kwargs.get("num_items_in_batch")
+    divisor = (shifted != ignore).sum() if num_items is None else torch.as_tensor(num_items, device=labels.device)
+    kwargs = {k: v for k, v in kwargs.items() if k != "labels"}
+    return LossMode(shifted, divisor, head.weight, ignore), kwargs
+
+
+def chunk_loss(mode: LossMode, out) -> None:
+    """The loss term of the chunk (or the one run) whose base-model output is ``out``."""
+    hidden = getattr(out, "last_hidden_state", None)
+    if not isinstance(hidden, torch.Tensor):
+        return
+    scope = _scope.current()
+    c = scope.chunk if scope is not None else 0
+    r0 = sum(scope.rows[:c]) if scope is not None else 0
+    labels = mode.labels_BS[r0:r0 + hidden.shape[0]] if hidden.shape[0] != mode.labels_BS.shape[0] or r0 else mode.labels_BS
+    mode.parts[c] = mode.loss.term(hidden, labels)
+
+
+def finish(model: nn.Module, mode: LossMode, out):
+    """The model's output with the fused loss (plus the weighted auxiliary loss, as transformers adds it)."""
+    if not mode.parts:
+        raise RuntimeError("from_hf: the fused loss saw no last hidden state of the base model")
+    loss = mode.loss.attach(sum(mode.parts[c] for c in sorted(mode.parts)))
+    aux = getattr(out, "aux_loss", None)
+    coef = getattr(model, "router_aux_loss_coef", None)
+    if isinstance(aux, torch.Tensor) and coef is not None:
+        loss = loss + coef * aux.to(loss.device)
+    fields = {k: v for k, v in out.items() if k != "logits"}
+    return type(out)(loss=loss, **{k: v for k, v in fields.items() if k != "loss"})

@@ -1,0 +1,118 @@
+"""from_hf with lancet's dense layers (lancet_rt.integrations.hf_dense): every RMSNorm on lancet's
+kernel, and with ``fused_loss=True`` the chunked linear cross-entropy per chunk; against transformers
+itself (loss, aux loss and every parameter gradient at float32 rel RMS <= 1e-5; logits where returned),
+for every supported family, chunks 1/2/3 with and without deferred dW; the bytes saved for backward
+as the vocabulary grows; transformers' behaviour where the fused loss does not apply.
+"""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+import lancet_rt  # noqa: E402
+from bench.hf_models import FAMILIES, batch, build  # noqa: E402
+from lancet_rt.integrations import hf_dense  # noqa: E402
+from tests.helpers import assert_close  # noqa: E402
+
+SCHEDULES = [(1, False), (2, False), (2, True), (3, False), (3, True)]
+
+
+def _step(model, ids, mask, labels, **kw):
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, **kw)
+    out.loss.backward()
+    return out
+
+
+def _assert_same(name, lm, out_l, hf, out_r):
+    assert out_l.logits is None, f"{name}: the fused loss formed logits"
+    assert_close(f"{name} loss", out_l.loss.reshape(1), out_r.loss.reshape(1))
+    if getattr(out_r, "aux_loss", None) is not None:
+        assert_close(f"{name} aux_loss", out_l.aux_loss.reshape(1), out_r.aux_loss.reshape(1))
+    ref = dict(hf.named_parameters())
+    for n, p in lm.named_parameters():
+        assert p.grad is not None, f"{name}: no gradient for {n}"
+        assert_close(f"{name} grad {n}", p.grad, ref[n].grad)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_fused_loss_equals_transformers(family):
+    hf = build(family)
+    ids, mask, labels = batch(hf.config.vocab_size, 5, 9)
+    labels[2, :] = -100  # a row without loss: with chunks=3 a chunk of only ignored labels
+    out_r = _step(hf, ids, mask, labels)
+    for chunks, defer in SCHEDULES:
+        lm = lancet_rt.from_hf(copy.deepcopy(hf), chunks=chunks, defer_wgrad=defer, fused_loss=True)
+        assert all(type(m).__name__.startswith("Lancet") for m in lm.modules() if type(m).__name__.endswith("RMSNorm"))
+        _assert_same(f"{family} chunks={chunks} defer={defer}", lm, _step(lm, ids, mask, labels), hf, out_r)
+        # Where the fused loss does not apply (no labels, evaluation), the logits are transformers'.
+        with torch.no_grad():
+            assert_close("logits", lm(input_ids=ids, attention_mask=mask).logits,
+                         hf(input_ids=ids, attention_mask=mask).logits)
+
+
+def test_rmsnorms_alone_and_eval_with_labels():
+    hf = build("qwen3_moe")
+    ids, mask, labels = batch(hf.config.vocab_size, 4, 7)
+    out_r = _step(hf, ids, mask, labels)
+    lm = lancet_rt.from_hf(copy.deepcopy(hf), chunks=2)  # fused_loss off: transformers' loss and logits
+    out_l = _step(lm, ids, mask, labels)
+    assert_close("logits", out_l.logits, out_r.logits)
+    assert_close("loss", out_l.loss.reshape(1), out_r.loss.reshape(1))
+    lm = lancet_rt.from_hf(lm, chunks=2, fused_loss=True).eval()
+    with torch.no_grad():
+        out = lm(input_ids=ids, attention_mask=mask, labels=labels)  # evaluation: logits and loss as transformers'
+        want = hf.eval()(input_ids=ids, attention_mask=mask, labels=labels)
+    assert_close("eval logits", out.logits, want.logits)
+    assert_close("eval loss", out.loss.reshape(1), want.loss.reshape(1))
+    with pytest.raises(TypeError, match="fused_loss"):
+        lancet_rt.from_hf(lm, fused_loss=1)
+
+
+def _saved_bytes(model, ids, mask, labels) -> int:
+    seen = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids, attention_mask=mask, labels=labels)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_saved_bytes_as_the_vocabulary_grows(fused):
+    """Tiny Mixtral, chunks=2, T = 8 x 32 tokens: growing V by dV adds T x dV x 4 bytes saved for
+    backward today (the float32 logits); with the fused loss only the head's gradient, D x dV x 4."""
+    V, dV = 96, 512
+    ids, mask, labels = batch(V, 8, 32)
+    T, sizes = ids.numel(), []
+    for vocab in (V, V + dV):
+        hf = build("mixtral", vocab_size=vocab)
+        lm = lancet_rt.from_hf(hf, chunks=2, fused_loss=fused)
+        sizes.append(_saved_bytes(lm, ids, mask, labels))
+    growth, D = sizes[1] - sizes[0], hf.config.hidden_size
+    if fused:
+        assert growth == D * dV * 4
+        assert growth < T * dV * 4 / 4
+    else:
+        assert growth >= T * dV * 4
+
+
+def test_loss_mode_declines():
+    hf = build("mixtral")
+    ids, mask, labels = batch(hf.config.vocab_size, 3, 6)
+    lm = lancet_rt.from_hf(hf, fused_loss=True)
+    head = lm.get_output_embeddings()
+    for kwargs in (dict(labels=labels, logits_to_keep=1), dict(), dict(labels=labels, return_dict=False),
+                   dict(labels=labels, shift_labels=labels)):
+        assert hf_dense.loss_mode_for(lm, head, (), dict(kwargs))[0] is None
+    assert hf_dense.loss_mode_for(lm, head, (), dict(labels=labels))[0] is not None

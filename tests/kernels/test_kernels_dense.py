@@ -1,0 +1,123 @@
+"""Dense kernels (lancet_rt.kernels.norm, lancet_rt.kernels.linear_ce) against their references
+(lancet_rt.kernels.reference_dense).
+
+CPU lane: under TRITON_INTERPRET=1 (tests/conftest.py), odd shapes (R in {1, 63, 70}, D in {60, 100},
+V in {1, 97, 130}), float32 / bfloat16 / float16 rows, with and without the residual and the incoming
+gradient of the sum; output buffers NaN-filled before the launch; the cross-entropy with ignored
+rows, a chunk whose rows are all ignored, and labels at both ends of the vocabulary. The references are
+computed in float64 from the same (rounded) inputs. GPU lane (``-m gpu``): the same at real sizes.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lancet_rt.kernels.linear_ce import ce_grad_fwd
+from lancet_rt.kernels.norm import add_rmsnorm_bwd, add_rmsnorm_fwd
+from lancet_rt.kernels.reference_dense import add_rmsnorm_bwd_ref, add_rmsnorm_fwd_ref, ce_grad_fwd_ref
+from tests.helpers import assert_close, nan_like
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rand(gen, *shape, dtype=torch.float32, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+def _norm_case(gen, R, D, dtype, residual, grad_s):
+    x = _rand(gen, R, D, dtype=dtype)
+    r = _rand(gen, R, D, dtype=dtype) if residual else None
+    w = _rand(gen, D, dtype=dtype) + 1.0
+    dy = _rand(gen, R, D, dtype=dtype)
+    dsn = _rand(gen, R, D, dtype=dtype) if grad_s else None
+    y_buf, s_buf = nan_like(x), nan_like(x)
+    y, s, rstd = add_rmsnorm_fwd(x, r, w, 1e-5, out=y_buf, out_sum=s_buf if residual else None)
+    assert y is y_buf
+    # float64 reference from the kernel's own (rounded) sum; the sum itself against the dtype's add
+    s_ref = x if r is None else x + r
+    assert_close("s", s, s_ref, rel_rms=0.0 if dtype == torch.float32 else None)
+    y_ref, _, rstd_ref = add_rmsnorm_fwd_ref(s.double(), None, w.double(), 1e-5)
+    assert_close("y", y, y_ref)
+    assert_close("rstd", rstd, rstd_ref)
+    ds, dw = add_rmsnorm_bwd(dy, dsn, s, rstd, w)
+    ds_ref, dw_ref = add_rmsnorm_bwd_ref(dy.double(), None if dsn is None else dsn.double(), s.double(),
+                                         rstd_ref, w.double())
+    assert_close("grad x", ds, ds_ref)
+    assert_close("grad weight", dw, dw_ref)
+    # against autograd of the plain formula: the reference's gradient is the formula's
+    xa = x.double().requires_grad_(True)
+    ra = r.double().requires_grad_(True) if residual else None
+    wa = w.double().requires_grad_(True)
+    sa = xa if ra is None else xa + ra
+    ya = sa * torch.rsqrt(sa.pow(2).mean(-1, keepdim=True) + 1e-5) * wa
+    outs, grads = [ya], [dy.double()]
+    if dsn is not None and ra is not None:
+        outs.append(sa)
+        grads.append(dsn.double())
+    torch.autograd.backward(outs, grads)
+    if residual:
+        assert_close("grad residual (autograd)", ds, ra.grad)
+    assert_close("grad weight (autograd)", dw, wa.grad)
+
+
+@pytest.mark.parametrize("R,D", [(1, 60), (63, 100), (70, 60)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("residual,grad_s", [(True, True), (True, False), (False, False)],
+                         ids=["res+ds", "res", "plain"])
+def test_add_rmsnorm(gen, R, D, dtype, residual, grad_s):
+    _norm_case(gen, R, D, dtype, residual, grad_s)
+
+
+def test_add_rmsnorm_no_rows_and_bad_input(gen):
+    x = _rand(gen, 0, 60)
+    y, s, rstd = add_rmsnorm_fwd(x, None, torch.ones(60, device=DEVICE))
+    assert y.shape == (0, 60) and rstd.shape == (0,)
+    with pytest.raises(ValueError, match="residual_RD"):
+        add_rmsnorm_fwd(_rand(gen, 3, 60), _rand(gen, 3, 61), torch.ones(60, device=DEVICE))
+    with pytest.raises(TypeError, match="x_RD"):
+        add_rmsnorm_fwd(_rand(gen, 3, 60).long(), None, torch.ones(60, device=DEVICE))
+    with pytest.raises(ValueError, match="weight_D"):
+        add_rmsnorm_fwd(_rand(gen, 3, 60), None, torch.ones(59, device=DEVICE))
+
+
+def _ce_case(gen, C, V, ignored):
+    logits = _rand(gen, C, V, scale=3.0)
+    labels = torch.randint(0, V, (C,), generator=gen).to(DEVICE)
+    labels[0] = V - 1
+    if C > 1:
+        labels[1] = 0
+    labels[ignored] = -100
+    ref = logits.double().clone()
+    loss_ref = ce_grad_fwd_ref(ref, labels, 0.37)
+    buf = logits.clone()
+    loss_buf = torch.full((C,), float("nan"), device=DEVICE)
+    loss = ce_grad_fwd(buf, labels, 0.37, out=loss_buf)
+    assert loss is loss_buf
+    assert_close("loss", loss, loss_ref)
+    assert_close("grad logits", buf, ref)
+    # the reference against autograd of F.cross_entropy(reduction="sum") * scale
+    la = logits.double().requires_grad_(True)
+    (torch.nn.functional.cross_entropy(la, labels, reduction="sum", ignore_index=-100) * 0.37).backward()
+    assert_close("grad logits (autograd)", ref, la.grad)
+    return loss, buf
+
+
+@pytest.mark.parametrize("C,V", [(1, 97), (7, 130), (33, 1)])
+def test_ce_grad(gen, C, V):
+    _ce_case(gen, C, V, ignored=torch.arange(C) % 3 == 2)
+
+
+def test_ce_grad_all_rows_ignored(gen):
+    loss, grad = _ce_case(gen, 5, 97, ignored=torch.ones(5, dtype=torch.bool))
+    assert (loss == 0).all() and (grad == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_add_rmsnorm_gpu(gen, dtype):
+    _norm_case(gen, 16384, 4096, dtype, True, True)
+
+
+@pytest.mark.gpu
+def test_ce_grad_gpu(gen):
+    _ce_case(gen, 4096, 151936, ignored=torch.arange(4096) % 5 == 0)
