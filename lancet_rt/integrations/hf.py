@@ -408,25 +408,9 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a transformers model (an nn.Module), got {type(model).__name__}")
-    _policy.check_chunks(chunks)
-    if not isinstance(defer_wgrad, bool):
-        raise TypeError(f"defer_wgrad must be a bool, got {type(defer_wgrad).__name__}")
-    if router_dtype not in ROUTER_DTYPES:
-        raise ValueError(f"router_dtype must be one of {ROUTER_DTYPES}, got {router_dtype!r}")
-    if not isinstance(fused_loss, bool):
-        raise TypeError(f"fused_loss must be a bool, got {type(fused_loss).__name__}")
+    _check_options(chunks, defer_wgrad, router_dtype, fused_loss)
     group = comm.as_group(ep_group)
-    config = getattr(model, "config", None)
-    converted = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            builder = SUPPORTED.get(type(child).__name__)
-            if builder is not None:
-                setattr(parent, name, builder(child, config, group, capacity_factor))
-                converted += 1
-            elif _is_moe_block(child):
-                raise ValueError(f"from_hf: the MoE block {type(child).__name__} is not supported; supported: "
-                                 f"{', '.join(SUPPORTED)}")
+    converted = _convert_blocks(model, group, capacity_factor)
     layers = [m for m in model.modules() if isinstance(m, HFMoE)]
     if not layers:
         raise ValueError(f"from_hf: {type(model).__name__} holds no MoE block lancet-rt supports "
@@ -457,6 +441,33 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
     if any(m.ep_size > 1 for m in layers) and callable(getattr(model, "save_pretrained", None)):
         model.save_pretrained = _save_pretrained_refused
     return model
+
+
+def _check_options(chunks, defer_wgrad, router_dtype, fused_loss) -> None:
+    """:func:`from_hf`'s options, each refused with an error naming it."""
+    _policy.check_chunks(chunks)
+    if not isinstance(defer_wgrad, bool):
+        raise TypeError(f"defer_wgrad must be a bool, got {type(defer_wgrad).__name__}")
+    if router_dtype not in ROUTER_DTYPES:
+        raise ValueError(f"router_dtype must be one of {ROUTER_DTYPES}, got {router_dtype!r}")
+    if not isinstance(fused_loss, bool):
+        raise TypeError(f"fused_loss must be a bool, got {type(fused_loss).__name__}")
+
+
+def _convert_blocks(model: nn.Module, group, capacity_factor) -> int:
+    """Replace every supported sparse MoE block by its lancet layer; returns how many were replaced."""
+    config = getattr(model, "config", None)
+    converted = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            builder = SUPPORTED.get(type(child).__name__)
+            if builder is not None:
+                setattr(parent, name, builder(child, config, group, capacity_factor))
+                converted += 1
+            elif _is_moe_block(child):
+                raise ValueError(f"from_hf: the MoE block {type(child).__name__} is not supported; supported: "
+                                 f"{', '.join(SUPPORTED)}")
+    return converted
 
 
 def _save_pretrained_refused(*args, **kwargs):
