@@ -1,8 +1,10 @@
 """Run a function in W real processes with a gloo group; a hang fails within a timeout."""
 from __future__ import annotations
 
+import contextlib
 import os
 import queue as queue_mod
+import socket
 import tempfile
 import time
 import traceback
@@ -78,3 +80,21 @@ def assert_all_ok(results: dict) -> list:
     errors = {r: p for r, (s, p) in results.items() if s != "ok"}
     assert not errors, "\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
     return [results[r][1] for r in sorted(results)]
+
+
+@contextlib.contextmanager
+def nccl_one_rank():
+    """This process as the one rank of an NCCL default group on its current CUDA device (GPU lane)."""
+    import torch
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        os.environ.pop("MASTER_PORT", None)

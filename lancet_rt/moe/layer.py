@@ -282,15 +282,15 @@ class MoE(nn.Module):
             self.exchange_counts(z, error).wait()  # raises error
         raise error
 
-    def dispatch(self, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL: torch.Tensor,
-                 sent_WL: torch.Tensor) -> Dispatched:
+    def dispatch(self, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL: Optional[list],
+                 sent_WL: Optional[list]) -> Dispatched:
         """Send each kept row to its expert's rank (async; :func:`lancet_rt.moe.dispatch.alltoall.dispatch`).
 
         Args:
             x_SD: [S, D] rows grouped by expert (so by destination rank).
             kept_E: [E] kept rows per expert, on the device.
-            counts_WL, sent_WL: [W, E_local] rows received / sent per (rank, local expert), on the
-                host, from :meth:`exchange_counts` (ignored for W = 1).
+            counts_WL, sent_WL: [W, E_local] rows received / sent per (rank, local expert), host ints
+                from :meth:`exchange_counts` (``Counts.host``; ignored without a group).
         """
         return alltoall.dispatch(self, x_SD, kept_E, counts_WL, sent_WL)
 

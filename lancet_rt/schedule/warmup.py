@@ -77,11 +77,13 @@ def _device(args, kwargs) -> torch.device:
 
 
 def _agreed_tokens(layers: list, args, kwargs) -> int:
-    """The largest token count of any rank's step (numel of the largest input over its last dim)."""
+    """The largest token count of any rank's step: hidden states [..., d_model] count numel / d_model,
+    token ids and masks [B, S] their numel."""
     leaves = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor) and v.dim() > 0]
     if not leaves:
         raise ValueError("warmup needs at least one tensor input (the step's example inputs)")
-    mine = max(v.numel() // max(1, v.shape[-1]) if v.dim() > 1 else v.numel() for v in leaves)
+    D = layers[0].d_model if layers else 0
+    mine = max(v.numel() // D if v.dim() > 2 and v.shape[-1] == D else v.numel() for v in leaves)
     most = mine
     for group in {id(m.group): m.group for m in layers if m.group is not None}.values():
         most = max(most, int(group.all_gather(torch.tensor([mine], dtype=torch.int64)).max()))

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import socket
 import time
 import warnings
 
@@ -17,6 +15,7 @@ import torch
 
 import lancet_rt
 from lancet_rt.models.blocks import MoEBlocks
+from tests.dist import nccl_one_rank
 from tests.helpers import assert_close
 from tests.moe.test_moe import build, reference
 
@@ -164,12 +163,7 @@ def test_overlapped_cuda_steady_state_has_no_host_sync():
 def test_overlapped_nccl_one_rank():
     import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
-    try:
+    with nccl_one_rank():
         torch.manual_seed(0)
         local = MoEBlocks(2, 256, 4, dict(d_ffn=512, num_experts=8, top_k=2, capacity_factor=1.0), device="cuda")
         grouped = MoEBlocks(2, 256, 4, dict(d_ffn=512, num_experts=8, top_k=2, capacity_factor=1.0,
@@ -184,6 +178,3 @@ def test_overlapped_nccl_one_rank():
         assert_close("grad x", x2.grad, x1.grad)
         for (n, p1), (_, p2) in zip(local.named_parameters(), grouped.named_parameters()):
             assert_close(f"grad {n}", p2.grad, p1.grad)
-    finally:
-        dist.destroy_process_group()
-        os.environ.pop("MASTER_PORT", None)

@@ -4,14 +4,13 @@ the plain model. The gloo path (SUM, then divide) runs in test_mesh.py."""
 from __future__ import annotations
 
 import copy
-import os
-import socket
 
 import pytest
 import torch
 
 import lancet_rt
 from lancet_rt.models.blocks import MoEBlocks
+from tests import dist as dist_helpers
 from tests.helpers import assert_close
 
 pytestmark = pytest.mark.gpu
@@ -19,18 +18,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture
 def nccl_one_rank():
-    import torch.distributed as dist
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
-    try:
+    with dist_helpers.nccl_one_rank():
         yield
-    finally:
-        dist.destroy_process_group()
-        os.environ.pop("MASTER_PORT", None)
 
 
 def test_nccl_divides_inside_the_collective(nccl_one_rank):

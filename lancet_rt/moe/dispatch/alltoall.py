@@ -25,7 +25,7 @@ def dispatch(moe, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL, sent_WL) 
         kept_E: [E] kept rows per expert, on the device.
         counts_WL, sent_WL: [W, E_local] rows received / sent per (rank, local expert), as host
             ints (nested lists, from :attr:`~lancet_rt.moe.dispatch.common.Counts.host`: nothing is
-            read here) or host tensors, from the counts exchange (ignored without a group).
+            read here; ignored without a group).
 
     Returns:
         The chunk's :class:`~lancet_rt.moe.dispatch.common.Dispatched` layout; its ``pending`` is
@@ -34,13 +34,11 @@ def dispatch(moe, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL, sent_WL) 
     if moe.group is None:
         return Dispatched(comm.Pending(x_SD, None), offsets(kept_E), None, [x_SD.shape[0]], [x_SD.shape[0]],
                           None, None)
-    if isinstance(counts_WL, torch.Tensor):
-        counts_WL, sent_WL = counts_WL.tolist(), sent_WL.tolist()
     send_splits = [sum(row) for row in sent_WL]
     recv_splits = [sum(row) for row in counts_WL]
     with _trace.span("dispatch", cuda=x_SD.is_cuda, layer=moe.trace_name, rows=x_SD.shape[0]):
         pending = comm.all_to_all(x_SD, moe.group, recv_splits, send_splits)
-    to_expert, to_rank = regroup_permutations(counts_WL, x_SD.device, total=sum(recv_splits))
+    to_expert, to_rank = regroup_permutations(counts_WL, x_SD.device)
     bounds_L1 = host_bounds([sum(col) for col in zip(*counts_WL)])
     offsets_L1 = to_device(torch.tensor(bounds_L1), x_SD.device)
     return Dispatched(pending, offsets_L1, bounds_L1, send_splits, recv_splits, to_expert, to_rank)

@@ -57,11 +57,6 @@ class Counts:
             self.host = (_by_piece(rows_recv, P, L), _by_piece(rows_sent, P, L))
         return recv[:, : P * L].view(W, P, L).permute(1, 0, 2)
 
-    def sent(self) -> torch.Tensor:
-        """This rank's own counts [P, W, E_local] on the host (after :meth:`wait`)."""
-        P, W, L = self._shape
-        return self._exchange.sent[:, : P * L].view(W, P, L).permute(1, 0, 2)
-
 
 def _by_piece(rows_W: list, P: int, L: int) -> list:
     """[W][P * L + 1] exchanged ints (status last) as [P][W][L]."""
@@ -107,14 +102,13 @@ def offsets(counts: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def regroup_permutations(counts_WL, device, total: Optional[int] = None):
+def regroup_permutations(counts_WL, device):
     """Row permutations between the received (rank-major) and the grouped (expert-major) order.
 
     Args:
-        counts_WL: [W, L] rows received from rank w for local expert l: host ints (nested lists:
-            no host read at all) or a host tensor (one read, unless ``total`` is given).
+        counts_WL: [W, L] rows received from rank w for local expert l, as host ints (nested lists,
+            :attr:`Counts.host`: no read) or a host tensor (read once).
         device: where the permutations go.
-        total: the received row count, when the caller knows it.
 
     Row j of block (w, l) is received at ``start[w, l] + j`` and grouped at ``first[l, w] + j``;
     so ``to_expert[first[l, w] + j] = start[w, l] + j``: an arange shifted per block, one
@@ -122,8 +116,6 @@ def regroup_permutations(counts_WL, device, total: Optional[int] = None):
     expert, 2 W L host reads per chunk and layer).
     """
     if isinstance(counts_WL, torch.Tensor):
-        if total is not None and counts_WL.shape[0] != 1 and counts_WL.shape[1] != 1:
-            return _regroup_tensor(counts_WL, device, total)
         counts_WL = counts_WL.tolist()
     W, L = len(counts_WL), len(counts_WL[0]) if counts_WL else 0
     if L == 1 or W == 1:
@@ -133,18 +125,7 @@ def regroup_permutations(counts_WL, device, total: Optional[int] = None):
     counts_B = [counts_WL[w][l] for l in range(L) for w in range(W)]
     first = host_bounds(counts_B)                              # grouped order: (l, w) blocks
     shift_B = [start[w * L + l] - first[l * W + w] for l in range(L) for w in range(W)]
-    total = first[-1]
-    return _permutations(torch.tensor(shift_B), torch.tensor(counts_B), total, device)
-
-
-def _regroup_tensor(counts_WL: torch.Tensor, device, total: int):
-    """:func:`regroup_permutations` of a host tensor with its total known: no host read."""
-    W, L = counts_WL.shape
-    flat = counts_WL.reshape(-1)
-    start_WL = (torch.cumsum(flat, 0) - flat).view(W, L)
-    counts_B = counts_WL.t().reshape(-1)
-    shift_B = start_WL.t().reshape(-1) - (torch.cumsum(counts_B, 0) - counts_B)
-    return _permutations(shift_B, counts_B, total, device)
+    return _permutations(torch.tensor(shift_B), torch.tensor(counts_B), first[-1], device)
 
 
 def _permutations(shift_B: torch.Tensor, counts_B: torch.Tensor, total: int, device):

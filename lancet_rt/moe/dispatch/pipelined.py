@@ -38,7 +38,8 @@ def exchange_and_compute(moe, x_TD: torch.Tensor, r, ops, chunk, x_in: torch.Ten
     kept_PE = to_device(kept_PE, x_SD.device)
     if moe.group is not None:
         exchange = moe.exchange_counts(kept_PE)
-        counts, sent = exchange.wait(), exchange.sent()
+        exchange.wait()
+        counts, sent = exchange.host  # host ints, [P][W][E_local] each
     else:
         counts = sent = [None] * P
     ds = [moe.dispatch(pieces[p], kept_PE[p], counts[p], sent[p]) for p in range(P)]
