@@ -173,26 +173,39 @@ def gating_fwd_ref(
 
     if used_E is None:
         used_E = torch.zeros(E, dtype=torch.int32, device=dev)
-    flat_e = chosen_TK.reshape(-1)
-    counts_E = torch.bincount(flat_e, minlength=E)
-    # Rank of each assignment among this chunk's assignments to the same expert, in flat
-    # (token, then k) order: stable sort by expert, then position minus the group start.
-    order = torch.argsort(flat_e, stable=True)
-    starts_E = torch.cumsum(counts_E, 0) - counts_E
-    rank = torch.empty_like(flat_e)
-    rank[order] = torch.arange(flat_e.numel(), device=dev) - starts_E[flat_e[order]]
-    slot = used_E[flat_e] + rank
+    slot, counts_E = _slots(chosen_TK.reshape(-1), used_E)
     if capacity is not None:
         slot = torch.where(slot < capacity, slot, -1)
-    slot_TK = slot.view(T, top_k).to(torch.int32)
+    slot_TK = slot.view(T, top_k)
 
     norm_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
     score_sum_E = norm_TE.sum(dim=0)
     zsq_sum = (torch.logsumexp(logits_TE, dim=-1) ** 2).sum()
-    return GatingOutput(
-        chosen_TK.to(torch.int32), weight_TK, slot_TK, counts_E.to(torch.int32),
-        (used_E + counts_E).to(torch.int32), score_sum_E, zsq_sum,
-    )
+    return GatingOutput(chosen_TK.to(torch.int32), weight_TK, slot_TK, counts_E, used_E + counts_E, score_sum_E,
+                        zsq_sum)
+
+
+#: Above this many [T * K, E] cells the slots come from a sort, not a one-hot running count.
+_ONE_HOT_CELLS = 1 << 22
+
+
+def _slots(flat_e: torch.Tensor, used_E: torch.Tensor) -> tuple:
+    """(int32 slot of each assignment, int32 counts_E): ``used_E[e]`` plus the assignment's rank among
+    this chunk's assignments to the same expert, in flat (token, then k) order."""
+    A, E = flat_e.numel(), used_E.numel()
+    if 0 < A * E <= _ONE_HOT_CELLS:
+        # The running count of each expert down the assignments (a few ops: this is the CPU path,
+        # run once per chunk): the assignment's own cell is its rank + 1.
+        seen = torch.cumsum(flat_e.unsqueeze(1) == torch.arange(E, device=flat_e.device), 0, dtype=torch.int32)
+        slot = (seen + (used_E - 1)).gather(1, flat_e.unsqueeze(1)).view(A)
+        return slot.to(torch.int32), seen[-1]
+    counts_E = torch.bincount(flat_e, minlength=E)
+    # Stable sort by expert, then position minus the group start.
+    order = torch.argsort(flat_e, stable=True)
+    starts_E = torch.cumsum(counts_E, 0) - counts_E
+    rank = torch.empty_like(flat_e)
+    rank[order] = torch.arange(A, device=flat_e.device) - starts_E[flat_e[order]]
+    return (used_E[flat_e] + rank).to(torch.int32), counts_E.to(torch.int32)
 
 
 def gating_bwd_ref(
@@ -299,16 +312,24 @@ def _rows(x_SD: torch.Tensor, row: torch.Tensor) -> torch.Tensor:
 
 
 def _assignment_rows(x_SD: torch.Tensor, row_TK: torch.Tensor, dtype: torch.dtype) -> tuple:
-    """(rows [T, K, D] in ``dtype``: x_SD's row of every assignment, kept [T, K, 1]); all K at once
-    (one gather, not one per k: these references are the layer's CPU path, run once per chunk)."""
+    """(rows [T, K, D] in ``dtype``: x_SD's row of every assignment, kept [T, K, 1] or None when
+    every assignment is kept); all K at once (one gather, not one per k: these references are the
+    layer's CPU path, run once per chunk)."""
     T, K = row_TK.shape
+    if x_SD.shape[0] == T * K:  # S = T K rows are a bijection onto the assignments: none dropped
+        return x_SD.index_select(0, row_TK.reshape(-1)).view(T, K, x_SD.shape[1]).to(dtype), None
     return _rows(x_SD, row_TK.reshape(-1)).view(T, K, x_SD.shape[1]).to(dtype), (row_TK >= 0).unsqueeze(2)
+
+
+def _masked(kept, t: torch.Tensor) -> torch.Tensor:
+    """``t`` with the dropped assignments' entries zero (``kept`` None: none dropped)."""
+    return t if kept is None else torch.where(kept, t, 0.0)
 
 
 def permute_bwd_ref(grad_x_SD: torch.Tensor, row_TK: torch.Tensor) -> torch.Tensor:
     """grad_x_TD[t] = sum over kept k of grad_x_SD[row_TK[t, k]] (float32 accumulation)."""
     rows, kept = _assignment_rows(grad_x_SD, row_TK, _acc(grad_x_SD))
-    return torch.where(kept, rows, 0.0).sum(dim=1).to(grad_x_SD.dtype)
+    return _masked(kept, rows).sum(dim=1).to(grad_x_SD.dtype)
 
 
 def unpermute_fwd_ref(y_SD: torch.Tensor, row_TK: torch.Tensor, weight_TK: torch.Tensor) -> torch.Tensor:
@@ -317,7 +338,7 @@ def unpermute_fwd_ref(y_SD: torch.Tensor, row_TK: torch.Tensor, weight_TK: torch
     Gather-based and float32-accumulated; the result has ``y_SD``'s dtype.
     """
     rows, kept = _assignment_rows(y_SD, row_TK, _acc(y_SD))
-    return torch.where(kept, weight_TK.unsqueeze(2).to(rows.dtype) * rows, 0.0).sum(dim=1).to(y_SD.dtype)
+    return _masked(kept, weight_TK.unsqueeze(2).to(rows.dtype) * rows).sum(dim=1).to(y_SD.dtype)
 
 
 def unpermute_bwd_ref(
@@ -339,7 +360,7 @@ def unpermute_bwd_ref(
     grad_y_SD = (grad_y_TD.index_select(0, src // K).to(acc) * w_S.unsqueeze(1)).to(y_SD.dtype)
     rows, kept = _assignment_rows(y_SD, row_TK, acc)
     dot_TK = (rows * grad_y_TD.to(acc).unsqueeze(1)).sum(dim=2)
-    grad_w = torch.where(kept.squeeze(2), dot_TK, 0.0)
+    grad_w = dot_TK if kept is None else torch.where(kept.squeeze(2), dot_TK, 0.0)
     if weight_TK.dtype == torch.float64:
         grad_w = grad_w.to(torch.float64)
     return grad_y_SD, grad_w

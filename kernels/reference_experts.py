@@ -49,12 +49,35 @@ def _segments(t: torch.Tensor, offsets_E1, dim: int = 0) -> tuple:
     return t.split([b[e + 1] - b[e] for e in range(len(b) - 1)], dim=dim)
 
 
+def _one_launch(*tensors) -> bool:
+    """Whether ``torch._grouped_mm`` can do a grouped GEMM on these CPU operands: one ATen op for
+    all segments instead of one matmul each (the same per-segment products: it runs ``mm`` per
+    group on CPU). Its limits: float32/bfloat16/float16, strides and base addresses multiples of
+    16 bytes."""
+    for t in tensors:
+        if t.device.type != "cpu" or t.dtype not in _GROUPED_DTYPES or t.dtype != tensors[0].dtype:
+            return False
+        size = t.element_size()
+        if t.data_ptr() % 16 or any(s * size % 16 for s in t.stride() if s != 1):
+            return False
+    return _HAS_GROUPED_MM
+
+
+_GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def _ends(offsets_E1) -> torch.Tensor:
+    """``torch._grouped_mm``'s ``offs``: the segments' int32 end rows (a CPU tensor from host ints)."""
+    return torch.tensor(_bounds(offsets_E1)[1:], dtype=torch.int32)
+
+
 def grouped_mm_ref(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor,
                    bias_EN: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y[r] = x[r] @ w[e].T (+ bias[e]) for the rows r of segment e = offsets[e]:offsets[e+1].
 
-    One matmul per expert on views of the segments, concatenated (a handful of ops per expert: this
-    is also the CPU path of the layer, run once per chunk).
+    One matmul per expert on views of the segments, written into the output (this is also the CPU
+    path of the layer, run once per chunk: on CPU, one ``torch._grouped_mm`` where it applies).
 
     Args:
         x_RK: [R, K] rows grouped by local expert.
@@ -66,14 +89,16 @@ def grouped_mm_ref(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Te
     Returns:
         y_RN [R, N] in x's dtype.
     """
-    w_EKN = w_ENK.transpose(1, 2).unbind(0)
-    xs = _segments(x_RK, offsets_E1)
+    w_EKN = w_ENK.transpose(1, 2)
     if _differentiable(x_RK, w_ENK, bias_EN):  # (out= does not record autograd: concatenate)
+        xs, ws = _segments(x_RK, offsets_E1), w_EKN.unbind(0)
         if bias_EN is None:
-            return torch.cat([torch.mm(x, w) for x, w in zip(xs, w_EKN)])
-        return torch.cat([torch.addmm(b, x, w) for x, w, b in zip(xs, w_EKN, bias_EN.unbind(0))])
+            return torch.cat([torch.mm(x, w) for x, w in zip(xs, ws)])
+        return torch.cat([torch.addmm(b, x, w) for x, w, b in zip(xs, ws, bias_EN.unbind(0))])
+    if bias_EN is None and _one_launch(x_RK, w_EKN):
+        return torch._grouped_mm(x_RK, w_EKN, offs=_ends(offsets_E1))
     y = x_RK.new_empty(x_RK.shape[0], w_ENK.shape[1])
-    pieces = zip(xs, w_EKN, _segments(y, offsets_E1))
+    pieces = zip(_segments(x_RK, offsets_E1), w_EKN.unbind(0), _segments(y, offsets_E1))
     if bias_EN is None:
         for x, w, out in pieces:
             torch.mm(x, w, out=out)  # (into y's rows: no concatenation copy)
@@ -91,11 +116,12 @@ def _differentiable(*tensors) -> bool:
 
 def grouped_mm_dx_ref(dy_RN: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
     """dx[r] = dy[r] @ w[e] for the rows of segment e: the input gradient of :func:`grouped_mm_ref`."""
-    dys, ws = _segments(dy_RN, offsets_E1), w_ENK.unbind(0)
     if _differentiable(dy_RN, w_ENK):
-        return torch.cat([torch.mm(dy, w) for dy, w in zip(dys, ws)])
+        return torch.cat([torch.mm(dy, w) for dy, w in zip(_segments(dy_RN, offsets_E1), w_ENK.unbind(0))])
+    if _one_launch(dy_RN, w_ENK):
+        return torch._grouped_mm(dy_RN, w_ENK, offs=_ends(offsets_E1))
     dx = dy_RN.new_empty(dy_RN.shape[0], w_ENK.shape[2])
-    for dy, w, out in zip(dys, ws, _segments(dx, offsets_E1)):
+    for dy, w, out in zip(_segments(dy_RN, offsets_E1), w_ENK.unbind(0), _segments(dx, offsets_E1)):
         torch.mm(dy, w, out=out)
     return dx
 
@@ -106,9 +132,13 @@ def grouped_mm_dw_ref(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets_E1: torch
     Returns:
         dw_ENK [E, N, K] in x's dtype.
     """
-    dys, xs = _segments(dy_RN.t(), offsets_E1, dim=1), _segments(x_RK, offsets_E1)
+    dy_NR = dy_RN.t()
     if _differentiable(dy_RN, x_RK):
-        return torch.stack([torch.mm(dy, x) for dy, x in zip(dys, xs)])
+        return torch.stack([torch.mm(dy, x) for dy, x in zip(_segments(dy_NR, offsets_E1, dim=1),
+                                                            _segments(x_RK, offsets_E1))])
+    if _one_launch(dy_NR, x_RK):
+        return torch._grouped_mm(dy_NR, x_RK, offs=_ends(offsets_E1))  # (an empty segment gives zeros)
+    dys, xs = _segments(dy_NR, offsets_E1, dim=1), _segments(x_RK, offsets_E1)
     dw = x_RK.new_empty(len(dys), dy_RN.shape[1], x_RK.shape[1])
     for dy, x, out in zip(dys, xs, dw.unbind(0)):
         torch.mm(dy, x, out=out)  # (an empty segment writes zeros)

@@ -97,6 +97,7 @@ class _Gate(torch.autograd.Function):
         ctx.state, ctx.ops, ctx.score_fn, ctx.normalize, ctx.scaling = state, ops, score_fn, normalize_topk, scaling
         ctx.aux_coef, ctx.z_coef = aux_coef, z_coef
         ctx.mark_non_differentiable(out.expert_TK, row_TK, kept_E)
+        ctx.set_materialize_grads(False)  # (no zero gradients made for the three integer outputs)
         return out.weight_TK, out.expert_TK, row_TK, kept_E
 
     @staticmethod
@@ -148,10 +149,13 @@ class _Permute(torch.autograd.Function):
         ctx.save_for_backward(row_TK)
         ctx.ops = ops
         ctx.mark_non_differentiable(src_S)
+        ctx.set_materialize_grads(False)
         return x_SD, src_S
 
     @staticmethod
     def backward(ctx, grad_x_SD, _g_src):
+        if grad_x_SD is None:
+            return None, None, None, None
         (row_TK,) = ctx.saved_tensors
         return ctx.ops.permute_bwd(grad_x_SD.contiguous(), row_TK), None, None, None
 
