@@ -178,7 +178,8 @@ def gating_fwd_ref(
         slot = torch.where(slot < capacity, slot, -1)
     slot_TK = slot.view(T, top_k)
 
-    norm_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+    # (softmax scores sum to 1 already: no renormalisation)
+    norm_TE = scores_TE if score_fn == "softmax" else scores_TE / scores_TE.sum(dim=-1, keepdim=True)
     score_sum_E = norm_TE.sum(dim=0)
     zsq_sum = (torch.logsumexp(logits_TE, dim=-1) ** 2).sum()
     return GatingOutput(chosen_TK.to(torch.int32), weight_TK, slot_TK, counts_E, used_E + counts_E, score_sum_E,
@@ -231,22 +232,28 @@ def gating_bwd_ref(
     if grad_weight_TK is None and grad_score_sum_E is None and grad_zsq_sum is None:
         return torch.zeros_like(logits_TE)
     scores_TE = _scores(logits_TE, score_fn)
-    grad_scores = None
+    base = None  # the aux term's gradient of the scores
+    if grad_score_sum_E is not None:
+        g_E = grad_score_sum_E.to(scores_TE.dtype)
+        if score_fn == "softmax":
+            # score_sum = sum over tokens of s / sum_e(s), and softmax scores sum to 1: the
+            # renormalisation is the identity, and g_E reaches the softmax Jacobian as it is
+            base = g_E
+        else:
+            S_T1 = scores_TE.sum(dim=-1, keepdim=True)
+            base = (g_E - (scores_TE * g_E).sum(dim=-1, keepdim=True) / S_T1) / S_T1
+    grad_scores = None if base is None else base.expand_as(scores_TE)
     if grad_weight_TK is not None:
         # w_k = scaling * s[e_k] / G (G = the sum of the K chosen scores when normalising, else 1)
         e_TK = expert_TK.long()
         s_TK = scores_TE.gather(1, e_TK)
-        gw_TK = grad_weight_TK.to(scores_TE.dtype) * scaling
+        gw_TK = grad_weight_TK.to(scores_TE.dtype)
+        if scaling != 1.0:
+            gw_TK = gw_TK * scaling
         if normalize_topk:
             G_T1 = s_TK.sum(dim=-1, keepdim=True)
             gw_TK = (gw_TK - (gw_TK * s_TK).sum(dim=-1, keepdim=True) / G_T1) / G_T1
-        grad_scores = torch.zeros_like(scores_TE).scatter_add_(1, e_TK, gw_TK)
-    if grad_score_sum_E is not None:
-        # score_sum = sum over tokens of s / sum_e(s)
-        S_T1 = scores_TE.sum(dim=-1, keepdim=True)
-        g_E = grad_score_sum_E.to(scores_TE.dtype)
-        g = (g_E - (scores_TE * g_E).sum(dim=-1, keepdim=True) / S_T1) / S_T1
-        grad_scores = g if grad_scores is None else grad_scores + g
+        grad_scores = (torch.zeros_like(scores_TE) if grad_scores is None else grad_scores).scatter_add(1, e_TK, gw_TK)
     grad = None
     if grad_scores is not None:
         if score_fn == "softmax":
@@ -256,7 +263,8 @@ def gating_bwd_ref(
     if grad_zsq_sum is not None:
         # d/dl of lse(l)^2 = 2 lse softmax(l)
         lse_T1 = torch.logsumexp(logits_TE, dim=-1, keepdim=True)
-        gz = (2 * grad_zsq_sum.to(logits_TE.dtype)) * lse_T1 * torch.softmax(logits_TE, dim=-1)
+        softmax_TE = scores_TE if score_fn == "softmax" else torch.softmax(logits_TE, dim=-1)
+        gz = (2 * grad_zsq_sum.to(logits_TE.dtype)) * lse_T1 * softmax_TE
         grad = gz if grad is None else grad + gz
     return grad.to(logits_TE.dtype)
 
@@ -317,7 +325,7 @@ def _assignment_rows(x_SD: torch.Tensor, row_TK: torch.Tensor, dtype: torch.dtyp
     layer's CPU path, run once per chunk)."""
     T, K = row_TK.shape
     if x_SD.shape[0] == T * K:  # S = T K rows are a bijection onto the assignments: none dropped
-        return x_SD.index_select(0, row_TK.reshape(-1)).view(T, K, x_SD.shape[1]).to(dtype), None
+        return x_SD[row_TK].to(dtype), None
     return _rows(x_SD, row_TK.reshape(-1)).view(T, K, x_SD.shape[1]).to(dtype), (row_TK >= 0).unsqueeze(2)
 
 

@@ -23,8 +23,8 @@ def add_rmsnorm_fwd_ref(x_RD: torch.Tensor, residual_RD: Optional[torch.Tensor],
     """``s = x + residual`` (in x's dtype, as transformers adds), ``y = s / rms(s) * weight``.
 
     Args:
-        x_RD: [R, D] input.
-        residual_RD: [R, D] residual in x's dtype, or None (plain RMSNorm: ``s`` is ``x``).
+        x_RD: [R, D] input (or any leading dimensions, [..., D]: rstd is then flat).
+        residual_RD: like x, the residual in x's dtype, or None (plain RMSNorm: ``s`` is ``x``).
         weight_D: [D] scale.
         eps: added to the mean square.
 
@@ -34,9 +34,9 @@ def add_rmsnorm_fwd_ref(x_RD: torch.Tensor, residual_RD: Optional[torch.Tensor],
     s = x_RD if residual_RD is None else x_RD + residual_RD
     acc = _acc(s.dtype)
     s_f = s.to(acc)
-    rstd = torch.rsqrt(s_f.pow(2).mean(-1) + eps)
-    y = (s_f * rstd[:, None]) * weight_D.to(acc)
-    return y.to(x_RD.dtype), s, rstd
+    rstd = torch.rsqrt(s_f.pow(2).mean(-1, keepdim=True) + eps)
+    y = (s_f * rstd) * weight_D.to(acc)
+    return y.to(x_RD.dtype), s, rstd.view(-1)
 
 
 def add_rmsnorm_bwd_ref(grad_y_RD: torch.Tensor, grad_s_RD: Optional[torch.Tensor], s_RD: torch.Tensor,
@@ -48,13 +48,14 @@ def add_rmsnorm_bwd_ref(grad_y_RD: torch.Tensor, grad_s_RD: Optional[torch.Tenso
         (grad_s_RD: the gradient of x and of the residual, in s's dtype; grad_weight_D in weight's dtype).
     """
     acc = _acc(s_RD.dtype)
-    n = s_RD.to(acc) * rstd_R.to(acc)[:, None]
+    r = rstd_R.to(acc).view(s_RD.shape[:-1] + (1,))
+    n = s_RD.to(acc) * r
     dy = grad_y_RD.to(acc)
     dn = dy * weight_D.to(acc)
-    ds = rstd_R.to(acc)[:, None] * (dn - n * (dn * n).mean(-1, keepdim=True))
+    ds = r * (dn - n * (dn * n).mean(-1, keepdim=True))
     if grad_s_RD is not None:
         ds = ds + grad_s_RD.to(acc)
-    return ds.to(s_RD.dtype), (dy * n).sum(0).to(weight_D.dtype)
+    return ds.to(s_RD.dtype), (dy * n).sum(tuple(range(s_RD.dim() - 1))).to(weight_D.dtype)
 
 
 def ce_grad_fwd_ref(logits_CV: torch.Tensor, labels_C: torch.Tensor, scale: float,

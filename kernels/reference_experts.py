@@ -2,6 +2,7 @@
 layer's CPU path. Split out of :mod:`lancet_rt.kernels.reference`, which re-exports every name."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -67,8 +68,19 @@ _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _HAS_GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
+class HostBounds(tuple):
+    """Segment bounds as host ints that also hold ``ends``, their int32 end rows as a CPU tensor
+    (``torch._grouped_mm``'s ``offs``), made once and shared by every grouped GEMM of a chunk."""
+
+    @functools.cached_property
+    def ends(self) -> torch.Tensor:
+        return torch.tensor(self[1:], dtype=torch.int32)
+
+
 def _ends(offsets_E1) -> torch.Tensor:
     """``torch._grouped_mm``'s ``offs``: the segments' int32 end rows (a CPU tensor from host ints)."""
+    if isinstance(offsets_E1, HostBounds):
+        return offsets_E1.ends
     return torch.tensor(_bounds(offsets_E1)[1:], dtype=torch.int32)
 
 
@@ -189,10 +201,9 @@ def swiglu_bwd_ref(gu_R2F: torch.Tensor, grad_h_RF: torch.Tensor, *, activation:
     _check_activation(activation)
     g, u = _split_gu(gu_R2F.to(_acc(gu_R2F)), interleaved)
     dh = grad_h_RF.to(g.dtype)
-    if activation == "swiglu":
-        sig = torch.sigmoid(g)
-        dg = dh * u * sig * (1 + g * (1 - sig))
-        du = dh * g * sig
+    if activation == "swiglu":  # d silu(g) = sig (1 + g (1 - sig)): ATen's silu_backward
+        dg = torch.ops.aten.silu_backward(dh * u, g)
+        du = dh * F.silu(g)
     else:
         gc, uc = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
         sig = torch.sigmoid(alpha * gc)

@@ -91,12 +91,44 @@ def add_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch
     Returns:
         ``y`` when ``residual`` is None, else ``(y, s)``: s the sum, the next residual.
     """
+    if not torch.compiler.is_compiling() and _ops.implementation(x.device) == "torch":
+        # eager on the references, which take [..., D] as it is: the same arithmetic without the
+        # custom-op dispatch and the reshapes (host time, paid once per chunk)
+        return _AddRMSNormFn.apply(x, residual, weight, float(eps))
     D = x.shape[-1]
     x2 = x.reshape(-1, D).contiguous()
-    if residual is None:
+    r2 = None if residual is None else residual.reshape(-1, D).contiguous()
+    if not torch.compiler.is_compiling():  # eager on the kernels: [N, D] rows, no custom-op dispatch
+        if r2 is None:
+            return _AddRMSNormFn.apply(x2, None, weight, float(eps)).view(x.shape)
+        y, s = _AddRMSNormFn.apply(x2, r2, weight, float(eps))
+    elif r2 is None:  # compiling: the custom ops, traceable
         return _rmsnorm(x2, weight, float(eps))[0].view(x.shape)
-    y, s, _ = _add_rmsnorm(x2, residual.reshape(-1, D).contiguous(), weight, float(eps))
+    else:
+        y, s, _ = _add_rmsnorm(x2, r2, weight, float(eps))
     return y.view(x.shape), s.view(x.shape)
+
+
+class _AddRMSNormFn(torch.autograd.Function):
+    """Eager :func:`add_rmsnorm` (on [N, D] rows for the kernels): the forward and backward of ``lancet::add_rmsnorm``
+    (of ``lancet::rmsnorm`` when ``residual`` is None, returning y alone), called directly."""
+
+    @staticmethod
+    def forward(ctx, x, residual, weight, eps):
+        y, s, rstd = _ops.get_ops(x.device, x.dtype).add_rmsnorm_fwd(x, residual, weight, eps)
+        ctx.save_for_backward(s, rstd, weight)
+        ctx.residual = residual is not None
+        ctx.set_materialize_grads(False)
+        return (y, s) if ctx.residual else y
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_s=None):
+        s, rstd, weight = ctx.saved_tensors
+        if grad_y is None:  # (only the sum is used downstream)
+            grad_y = torch.zeros_like(s)
+        ds, dw = _ops.get_ops(s.device, s.dtype).add_rmsnorm_bwd(
+            grad_y.contiguous(), None if grad_s is None else grad_s.contiguous(), s, rstd, weight)
+        return ds, ds if ctx.residual else None, dw, None
 
 
 class RMSNorm(nn.Module):

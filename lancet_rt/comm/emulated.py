@@ -370,7 +370,7 @@ class EmulatedGroup:
         off_rank = (sum(input_splits) - input_splits[0]) * row_bytes
         # The link moves data outside autograd, like a collective: detached tensors, so the copy
         # (made where the caller is, grad mode on or off) never enters the graph.
-        src, dst = input.detach(), output.detach()
+        src, dst = _detached(input), _detached(output)
         copy = (lambda: dst.copy_(src)) if src.numel() else None
         return self._submit(off_rank, copy, (src, dst))
 
@@ -441,3 +441,8 @@ class EmulatedGroup:
     def __repr__(self) -> str:
         return (f"EmulatedGroup(world_size={self._size}, bandwidth_gbps={self.bandwidth_gbps}, "
                 f"latency_us={self.latency_us}, device={self.device}, counts_channel={self.counts_channel!r})")
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """``t`` outside autograd (as it is when autograd does not track it: no op)."""
+    return t.detach() if t.requires_grad else t

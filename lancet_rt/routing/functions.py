@@ -39,6 +39,7 @@ class BatchRouting:
     kept_E: torch.Tensor = field(init=False)
     routed_tokens: int = 0
     next_chunk: int = 0
+    _loss_grads: Optional[tuple] = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         E = self.num_experts
@@ -67,6 +68,25 @@ class BatchRouting:
     def z_loss(self) -> torch.Tensor:
         return self.zsq_sum / max(self.total_tokens, 1)
 
+    def loss_grads(self, dtype: torch.dtype, aux_coef: float, z_coef: float) -> tuple:
+        """(gradient of ``score_sum_E``, of ``zsq_sum``; None where the coefficient is 0) that the aux
+        and z losses of the whole batch give every chunk: made once, at the first chunk's backward
+        (the batch's counts are final by then), and shared by the others."""
+        key = (dtype, aux_coef, z_coef)
+        if self._loss_grads is None or self._loss_grads[0] != key:
+            T = max(self.total_tokens, 1)
+            grad_score_sum = grad_zsq = None
+            if aux_coef > 0:
+                # d(E * sum_e f_e * score_sum_e / T) / d score_sum_e = E * f_e / T, f_e = used_e / (T K)
+                f_E = self.used_E.to(dtype) / (T * self.top_k)
+                grad_score_sum = (aux_coef * self.num_experts / T) * f_E
+            if z_coef > 0:
+                # torch.full, not torch.tensor(..., device=...): the latter is a pageable host-to-device
+                # copy, which on CUDA syncs the host with the stream.
+                grad_zsq = torch.full((), z_coef / T, dtype=dtype, device=self.device)
+            self._loss_grads = (key, (grad_score_sum, grad_zsq))
+        return self._loss_grads[1]
+
 
 class _Gate(torch.autograd.Function):
     """logits_TE -> (weight_TK, expert_TK, row_TK, kept_E); updates the batch's carried state.
@@ -83,9 +103,9 @@ class _Gate(torch.autograd.Function):
         out = ops.gating_fwd(logits_TE, state.top_k, used_in, capacity=state.capacity,
                              score_fn=score_fn, normalize_topk=normalize_topk, expert_bias=expert_bias,
                              n_group=n_group, topk_group=topk_group, scaling=scaling)
-        C = state.capacity if state.capacity is not None else torch.iinfo(torch.int64).max
-        # Rows this chunk keeps per expert: the capacity-clamped counter's growth.
-        kept_E = out.used_E.long().clamp(max=C) - used_in.long().clamp(max=C)
+        C = state.capacity
+        # Rows this chunk keeps per expert: the capacity-clamped counter's growth (dropless: its counts).
+        kept_E = out.counts_E.long() if C is None else out.used_E.long().clamp(max=C) - used_in.long().clamp(max=C)
         state.used_E = out.used_E
         state.kept_E += kept_E
         state.score_sum_E = state.score_sum_E.to(out.score_sum_E.dtype) + out.score_sum_E
@@ -103,17 +123,7 @@ class _Gate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_weight_TK, _g_expert, _g_row, _g_kept):
         logits_TE, expert_TK = ctx.saved_tensors
-        state: BatchRouting = ctx.state
-        T = max(state.total_tokens, 1)
-        grad_score_sum = grad_zsq = None
-        if ctx.aux_coef > 0:
-            # d(E * sum_e f_e * score_sum_e / T) / d score_sum_e = E * f_e / T, f_e = used_e / (T K)
-            f_E = state.used_E.to(logits_TE.dtype) / (T * state.top_k)
-            grad_score_sum = (ctx.aux_coef * state.num_experts / T) * f_E
-        if ctx.z_coef > 0:
-            # torch.full, not torch.tensor(..., device=...): the latter is a pageable host-to-device
-            # copy, which on CUDA syncs the host with the stream once per chunk and layer in backward.
-            grad_zsq = torch.full((), ctx.z_coef / T, dtype=logits_TE.dtype, device=logits_TE.device)
+        grad_score_sum, grad_zsq = ctx.state.loss_grads(logits_TE.dtype, ctx.aux_coef, ctx.z_coef)
         grad_logits = ctx.ops.gating_bwd(logits_TE, expert_TK, grad_weight_TK, grad_score_sum, grad_zsq,
                                          score_fn=ctx.score_fn, normalize_topk=ctx.normalize, scaling=ctx.scaling)
         return grad_logits, None, None, None, None, None, None, None, None, None, None

@@ -42,7 +42,10 @@ class Router(nn.Module):
 def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x @ weight.T + bias`` in float32 (float64 if either is float64), whatever autocast says:
     the routing decision is made in full precision, as the contract requires."""
-    dtype = torch.promote_types(torch.promote_types(x_TD.dtype, weight_ED.dtype), torch.float32)
+    # (on the host: torch.promote_types dispatches an op)
+    dtype = torch.float64 if torch.float64 in (x_TD.dtype, weight_ED.dtype) else torch.float32
+    if not torch.is_autocast_enabled(x_TD.device.type):  # (the context manager costs host time per chunk)
+        return F.linear(x_TD.to(dtype), weight_ED.to(dtype), None if bias_E is None else bias_E.to(dtype))
     with torch.autocast(x_TD.device.type, enabled=False):
         return F.linear(x_TD.to(dtype), weight_ED.to(dtype), None if bias_E is None else bias_E.to(dtype))
 

@@ -170,16 +170,18 @@ class Overlapped(nn.Module):
         last = None
         prev = _scope.current()
         _scope.set_current(scope)
-        outer = _TorchModes.capture()
+        outer = now = _TorchModes.capture()
         modes = [outer] * n
+        on_cuda = _on_cuda(leaves)
         try:
             while live:
                 c = last = _next_chunk(live, scope.waiting, last)
                 scope.chunk = c
-                modes[c].restore()
-                with _trace.span(f"chunk {c}", "compute", _on_cuda(leaves), chunk=c):
+                if modes[c] != now:  # (the chunks share one state, mostly: nothing to restore)
+                    modes[c].restore()
+                with _trace.span(f"chunk {c}", "compute", on_cuda, chunk=c):
                     lets[c].switch()
-                modes[c] = _TorchModes.capture()
+                modes[c] = now = _TorchModes.capture()
                 if lets[c].dead:
                     live.remove(c)
         finally:
@@ -270,6 +272,13 @@ class _TorchModes:
 
     def __init__(self, grad: bool, autocast: tuple, hooks: list):
         self.grad, self.autocast, self.hooks = grad, autocast, hooks
+
+    def __eq__(self, other) -> bool:
+        return (isinstance(other, _TorchModes) and (self.grad, self.autocast) == (other.grad, other.autocast)
+                and len(self.hooks) == len(other.hooks)
+                and all(a[0] is b[0] and a[1] is b[1] for a, b in zip(self.hooks, other.hooks)))
+
+    __hash__ = None
 
     @classmethod
     def capture(cls) -> "_TorchModes":

@@ -184,7 +184,8 @@ def allreduce_forward(moe, x_in: tuple, r, ops, chunk) -> torch.Tensor:
     w_link.issue_after(y_TD, 2)
     _scope.switch(issues_next=True)  # other chunks run while the counts arrive; then the all-reduce
     with _trace.span("wait", "wait", chunk=chunk, counts=True):
-        recv_WE = counts.wait()[0]
+        counts.wait()
+        recv_WE = counts.received()[0]
     differ = [q for q in range(recv_WE.shape[0]) if not torch.equal(recv_WE[q], recv_WE[moe.ep_rank])]
     if differ:  # every rank holds the same matrix, so every rank raises (before the all-reduce)
         raise ValueError(f"x must be the same on every rank of the group with dispatcher='allreduce' (the tokens "

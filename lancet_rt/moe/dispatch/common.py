@@ -27,7 +27,7 @@ class Dispatched:
 
     pending: comm.Pending
     offsets_L1: torch.Tensor            # [E_local + 1] segment bounds of x_RD, by local expert
-    bounds_L1: Optional[list]           # the same bounds as host ints (None: not known on the host)
+    bounds_L1: Optional[tuple]          # the same bounds as host ints (None: not known on the host)
     send_splits: list
     recv_splits: list
     to_expert_major: Optional[torch.Tensor]  # rank-major -> expert-major row permutation
@@ -47,15 +47,19 @@ class Counts:
         self._exchange, self._shape, self._error = exchange, (P, W, L), error
         self.host: Optional[tuple[list, list]] = None  # (recv, sent), each [P][W][E_local] ints
 
-    def wait(self) -> torch.Tensor:
-        """recv [P, W, E_local] on the host; raises if any rank reported a rejected input."""
+    def wait(self) -> None:
+        """Fills :attr:`host`; raises if any rank reported a rejected input."""
         P, W, L = self._shape
         recv = self._exchange.wait()
         if self.host is None:
             rows_recv, rows_sent = torch.stack((recv, self._exchange.sent)).tolist()  # the one read
             faults.raise_on_bad_status([row[P * L] for row in rows_recv], self._error)
             self.host = (_by_piece(rows_recv, P, L), _by_piece(rows_sent, P, L))
-        return recv[:, : P * L].view(W, P, L).permute(1, 0, 2)
+
+    def received(self) -> torch.Tensor:
+        """recv [P, W, E_local] on the host, after :meth:`wait`."""
+        P, W, L = self._shape
+        return self._exchange.wait()[:, : P * L].view(W, P, L).permute(1, 0, 2)
 
 
 def _by_piece(rows_W: list, P: int, L: int) -> list:
@@ -81,7 +85,7 @@ def exchange_counts(moe, kept_PE: torch.Tensor, error: Optional[Exception] = Non
         L = moe.num_experts
         counts = kept_PE.reshape(1, P * L).expand(W, -1).long()
     else:
-        counts = kept_PE.view(P, W, L).permute(1, 0, 2).reshape(W, P * L).long()
+        counts = (kept_PE.view(W, L) if P == 1 else kept_PE.view(P, W, L).permute(1, 0, 2).reshape(W, P * L)).long()
     status = torch.full((W, 1), faults.status_code(error), dtype=torch.long, device=counts.device)
     group = moe.group
     return faults.in_order(group, lambda: Counts(group.exchange(torch.cat([counts, status], dim=1)), P, W, L, error))
