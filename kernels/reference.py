@@ -285,7 +285,7 @@ def dispatch_rows_ref(
     kept = kept_E.long()
     base_E = torch.cumsum(kept, 0) - kept - used_E  # row of slot 0 of each expert (int64)
     row = base_E[expert_TK] + slot_TK
-    return torch.where(slot_TK >= 0, row, -1).to(torch.int32)
+    return row.masked_fill_(slot_TK < 0, -1).to(torch.int32)
 
 
 def permute_fwd_ref(x_TD: torch.Tensor, row_TK: torch.Tensor, num_rows: int):
@@ -364,10 +364,11 @@ def unpermute_bwd_ref(
     T, K = row_TK.shape
     src = src_S.long()
     acc = _acc(y_SD)
+    gy_TD = grad_y_TD.to(acc)  # (cast once: both products read it)
     w_S = weight_TK.reshape(-1).to(acc).index_select(0, src)
-    grad_y_SD = (grad_y_TD.index_select(0, src // K).to(acc) * w_S.unsqueeze(1)).to(y_SD.dtype)
+    grad_y_SD = (gy_TD.index_select(0, src // K) * w_S.unsqueeze(1)).to(y_SD.dtype)
     rows, kept = _assignment_rows(y_SD, row_TK, acc)
-    dot_TK = (rows * grad_y_TD.to(acc).unsqueeze(1)).sum(dim=2)
+    dot_TK = (rows * gy_TD.unsqueeze(1)).sum(dim=2)
     grad_w = dot_TK if kept is None else torch.where(kept.squeeze(2), dot_TK, 0.0)
     if weight_TK.dtype == torch.float64:
         grad_w = grad_w.to(torch.float64)

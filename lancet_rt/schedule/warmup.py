@@ -144,7 +144,7 @@ def _warm_buckets(layers: list, tokens: int, device: torch.device) -> list:
 def _launch_experts(m: MoE, ops, rows: int, dtype, device) -> None:
     """The experts' four grouped GEMMs on ``rows`` zero rows spread evenly over the local experts."""
     e = m.experts
-    L, D, F = m.num_local_experts, m.d_model, m.d_ffn
+    L, D = m.num_local_experts, m.d_model
     off = torch.arange(L + 1, device=device) * (rows // L)
     w_gu = e.gate_up_proj.detach().to(dtype)
     w_dn = e.down_proj.detach().to(dtype)
