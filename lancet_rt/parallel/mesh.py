@@ -18,7 +18,6 @@ from typing import Optional
 
 import torch.distributed as dist
 
-
 #: The mesh dimension names :func:`layout` accepts: data x expert parallelism, and HSDP's (the
 #: experts replicated over "dp_replicate" and sharded over "dp" by fully_shard; dp is then both).
 MESH_DIMS = ("dp", "ep")
