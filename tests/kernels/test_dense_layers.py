@@ -148,6 +148,22 @@ def test_saved_bytes_do_not_grow_with_tokens_times_vocab(gen, fused):
         assert growth >= T * dV * 4  # the baseline the issue measured
 
 
+def test_add_rmsnorm_promotes_mixed_dtypes(gen):
+    """A bf16 sublayer output and a float32 residual (autocast): summed and normed in float32, as
+    ``x + residual`` promotes (the fake implementation's dtypes are the real ones)."""
+    x = torch.randn(3, 5, 60, generator=gen).bfloat16()
+    r = torch.randn(3, 5, 60, generator=gen)
+    w = torch.randn(60, generator=gen)
+    y, s = add_rmsnorm(x, r, w, 1e-5)
+    assert y.dtype == s.dtype == torch.float32
+    s_ref = x.float() + r
+    assert_close("s", s, s_ref)
+    assert_close("y", y, s_ref * torch.rsqrt(s_ref.pow(2).mean(-1, keepdim=True) + 1e-5) * w)
+    compiled = torch.compile(lambda x, r: add_rmsnorm(x, r, w, 1e-5), fullgraph=True, backend="aot_eager")
+    for got, want in zip(compiled(x, r), (y, s)):
+        assert_close("compiled", got, want)
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compile_fullgraph(gen, backend):
     norm = RMSNorm(60)

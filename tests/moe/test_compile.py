@@ -9,7 +9,7 @@ import torch
 import lancet_rt
 from lancet_rt.models.blocks import MoEBlocks
 from lancet_rt.moe import library
-from tests.helpers import assert_same_run, run_and_grad
+from tests.helpers import assert_close, assert_same_run, run_and_grad
 
 MOE = dict(d_ffn=24, num_experts=4, top_k=2, aux_loss_coef=0.01, z_loss_coef=0.001)
 
@@ -52,6 +52,13 @@ def test_block_fullgraph_router_options_gpt_oss_experts(gen):
     with torch.no_grad():
         model.blocks[0].moe.router.e_score_correction_bias.normal_()
     _compare(model, "aot_eager", gen)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.75], ids=["dropless", "cf0.75"])
+def test_block_fullgraph_on_the_triton_kernels(gen, monkeypatch, capacity_factor):
+    """The operators on the Triton kernels (the interpreter on CPU): device offsets, padded row buffers."""
+    monkeypatch.setenv("LANCET_KERNELS", "triton")
+    _compare(_model(6, capacity_factor=capacity_factor), "aot_eager", gen)
 
 
 def test_block_fullgraph_inductor(gen):
@@ -131,3 +138,26 @@ def test_overlapped_compiled_model_equals_eager(gen, ep):
     compiled(x)  # traced outside the scope first
     model.zero_grad(set_to_none=True)
     assert_same_run(ref, run_and_grad(model, lancet_rt.Overlapped(compiled, chunks=2), (x,), {}, g))
+
+
+def test_block_fullgraph_under_autocast(gen):
+    """bf16 autocast with float32 parameters: the bf16 attention output meets the float32 residual in the fused
+    norm (promoted, so the fake and real dtypes agree). Outputs equal eager; gradients to bf16 tolerance
+    (torch's aot_eager computes the backward of autocast-disabled float32 regions, such as the router's, in bf16,
+    in plain PyTorch models too)."""
+    model = _model(7, capacity_factor=1.0)
+    x, g = torch.randn(2, 7, 16, generator=gen), torch.randn(2, 7, 16, generator=gen)
+
+    def under_autocast(m):
+        def run(x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return m(x)
+        return run
+
+    ref = run_and_grad(model, under_autocast(model), (x,), {}, g)
+    model.zero_grad(set_to_none=True)
+    torch._dynamo.reset()
+    got = run_and_grad(model, under_autocast(torch.compile(model, fullgraph=True, backend="aot_eager")), (x,), {}, g)
+    assert_close("y", got[0], ref[0])
+    for n in ref[2]:
+        assert_close(f"grad {n}", got[2][n], ref[2][n], torch.bfloat16)
