@@ -61,8 +61,9 @@ def test_block_fullgraph_on_the_triton_kernels(gen, monkeypatch, capacity_factor
     _compare(_model(6, capacity_factor=capacity_factor), "aot_eager", gen)
 
 
-def test_block_fullgraph_inductor(gen):
-    _compare(_model(2, capacity_factor=1.0), "inductor", gen)
+@pytest.mark.parametrize("capacity_factor", [None, 0.75], ids=["dropless", "cf0.75"])
+def test_block_fullgraph_inductor(gen, capacity_factor):
+    _compare(_model(2, capacity_factor=capacity_factor), "inductor", gen)
 
 
 def test_expert_parallel_breaks_once_at_the_eager_layer():
@@ -101,6 +102,12 @@ def _op_cases(gen):
     _, gu, h = library._moe_experts(x_SD, offsets, w_gu.detach(), w_dn.detach(), None, None, "swiglu", 1.702, 7.0,
                                     False, True)
     dy = torch.randn(T * K, D, generator=gen)
+    # GPT-OSS's layout: [E, D, 2F] interleaved and [E, F, D], with biases
+    w_gu_t = torch.randn(E, D, 2 * F, generator=gen, requires_grad=True)
+    w_dn_t = torch.randn(E, F, D, generator=gen, requires_grad=True)
+    b_gu, b_dn = (torch.randn(E, n, generator=gen, requires_grad=True) for n in (2 * F, D))
+    _, gu_t, h_t = library._moe_experts(x_SD, offsets, w_gu_t.detach(), w_dn_t.detach(), b_gu.detach(), b_dn.detach(),
+                                        "swiglu_oai", 1.702, 7.0, True, True)
     return [
         (library._moe_gate, (logits,) + args),
         (library._moe_gate_bwd, (logits.detach(), expert, torch.randn(T, K, generator=gen), used, 0.01, 0.001,
@@ -112,6 +119,10 @@ def _op_cases(gen):
                                 1.702, 7.0, False, True)),
         (library._moe_experts_bwd, (dy, x_SD, gu, h, offsets, w_gu.detach(), w_dn.detach(), "swiglu", 1.702, 7.0,
                                     False, True, [True, True, False, False])),
+        (library._moe_experts, (x_SD.detach().requires_grad_(True), offsets, w_gu_t, w_dn_t, b_gu, b_dn, "swiglu_oai",
+                                1.702, 7.0, True, True)),
+        (library._moe_experts_bwd, (dy, x_SD, gu_t, h_t, offsets, w_gu_t.detach(), w_dn_t.detach(), "swiglu_oai",
+                                    1.702, 7.0, True, True, [True, True, True, True])),
         (library._moe_unpermute, (y_SD, row, w, src, True)),
         (library._moe_unpermute_bwd, (torch.randn(T, D, generator=gen), y_SD.detach(), row, w.detach(), src, True)),
     ]
