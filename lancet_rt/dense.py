@@ -84,7 +84,8 @@ def add_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch
 
     Args:
         x: [..., D] bf16/fp16/fp32 (float64 runs the reference).
-        residual: like x, or None (plain RMSNorm).
+        residual: like x, or None (plain RMSNorm); another float dtype promotes both (y and s in the
+            promoted dtype).
         weight: [D].
         eps: added to the mean square.
 
@@ -96,6 +97,11 @@ def add_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch
         # custom-op dispatch and the reshapes (host time, paid once per chunk)
         return _AddRMSNormFn.apply(x, residual, weight, float(eps))
     D = x.shape[-1]
+    if residual is not None and residual.dtype != x.dtype:
+        # (under autocast a bf16 sublayer output meets a float32 residual): the sum in the promoted
+        # dtype, as ``x + residual`` computes it, then normed in that dtype
+        dtype = torch.promote_types(x.dtype, residual.dtype)
+        x, residual = x.to(dtype), residual.to(dtype)
     x2 = x.reshape(-1, D).contiguous()
     r2 = None if residual is None else residual.reshape(-1, D).contiguous()
     if not torch.compiler.is_compiling():  # eager on the kernels: [N, D] rows, no custom-op dispatch

@@ -430,6 +430,7 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
     runner = _BaseModelRunner(base, chunks, defer_wgrad, head)
     base.forward = runner
     _dense.fuse_rmsnorms(model)
+    _dense.fuse_residual_adds(model)
     runner.fused_loss = fused_loss and head is not None
     if runner.head is not None or runner.fused_loss:  # the head (or the fused loss) runs per chunk in training
         model.forward = _CausalLMForward(model, runner)

@@ -2,8 +2,11 @@
 
 - Every RMSNorm of the model (the families' ``*RMSNorm``: decoder layers' input and post-attention
   norms, Qwen3-MoE / OLMoE's q/k norms, the final norm) computes with :func:`lancet_rt.dense.add_rmsnorm`
-  (its class swapped for a subclass; parameters and names unchanged). The residual add stays the
-  decoder layer's own: fusing it needs the layer's forward, which stays transformers'.
+  (its class swapped for a subclass; parameters and names unchanged).
+- Every decoder layer whose forward is transformers' pre-norm pattern (``h = x + attn(norm1(x))``,
+  ``out = h + mlp(norm2(h))``: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, GLM-4.5, GPT-OSS, checked on
+  the forward's syntax tree, so a transformers version that changes it stays unfused) fuses the
+  residual add into ``norm2`` (:func:`lancet_rt.dense.add_rmsnorm` returns the norm and the sum).
 - In training with ``labels`` and ``logits_to_keep=0``, the loss is :func:`lancet_rt.dense.linear_cross_entropy`
   on the last hidden state, computed per chunk inside the base model's run (under
   :class:`lancet_rt.Overlapped` each chunk ends with its loss term and its head gradient; the divisor is
@@ -14,6 +17,9 @@
 """
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 from typing import Optional
 
 import torch
@@ -52,6 +58,93 @@ def fuse_rmsnorms(model: nn.Module) -> int:
                     "forward": _rmsnorm_forward,
                     "__doc__": f"{cls.__name__} computing with lancet_rt.dense.add_rmsnorm (lancet-rt)."})
             m.__class__ = _norm_classes[cls]
+            n += 1
+    return n
+
+
+_layer_classes: dict = {}
+# The statements of the pre-norm decoder layer's forward (ast.unparse), the attention call and the MLP
+# checked apart: the attention takes every parameter of the forward by name, the MLP may return a tuple.
+_LAYER_BODY = ("residual = hidden_states", "hidden_states = self.input_layernorm(hidden_states)", None,
+               "hidden_states = residual + hidden_states", "residual = hidden_states",
+               "hidden_states = self.post_attention_layernorm(hidden_states)", None,
+               "hidden_states = residual + hidden_states", "return hidden_states")
+_MLP = {"hidden_states = self.mlp(hidden_states)": False, "hidden_states, _ = self.mlp(hidden_states)": True}
+
+
+def _passes_every_parameter(stmt: ast.stmt, sig: inspect.Signature) -> bool:
+    """Whether ``stmt`` is ``hidden_states, _ = self.self_attn(name=name, ..., **kwargs)`` over every
+    parameter of the forward (so the fused forward may pass them all the same way)."""
+    call = getattr(stmt, "value", None)
+    if not (isinstance(stmt, ast.Assign) and ast.unparse(stmt.targets[0]) == "(hidden_states, _)"
+            and isinstance(call, ast.Call) and ast.unparse(call.func) == "self.self_attn" and not call.args):
+        return False
+    named = {k.arg for k in call.keywords if k.arg is not None and isinstance(k.value, ast.Name) and k.value.id == k.arg}
+    var_kw = [p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD]
+    star = [k.value.id for k in call.keywords if k.arg is None and isinstance(k.value, ast.Name)]
+    params = {p.name for p in sig.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD} - {"self"}
+    return len(named) + len(star) == len(call.keywords) and named == params and star == var_kw == ["kwargs"]
+
+
+def _pre_norm_layer(cls) -> Optional[bool]:
+    """None when ``cls.forward`` is not the pre-norm pattern, else whether its MLP returns a tuple."""
+    try:
+        fn = ast.parse(textwrap.dedent(inspect.getsource(cls.forward))).body[0]
+        sig = inspect.signature(cls.forward)
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+    body = [s for s in fn.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+    if len(body) != len(_LAYER_BODY) or not _passes_every_parameter(body[2], sig):
+        return None
+    text = [ast.unparse(s) for s in body]
+    if any(want is not None and got != want for got, want in zip(text, _LAYER_BODY)) or text[6] not in _MLP:
+        return None
+    return _MLP[text[6]]
+
+
+def _layer_forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+    """transformers' pre-norm decoder layer with the residual add fused into the post-attention norm."""
+    kwargs.update(zip(self._lancet_positional, args))
+    for name, default in self._lancet_defaults:
+        kwargs.setdefault(name, default)
+    residual = hidden_states
+    h, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **kwargs)
+    norm = self.post_attention_layernorm
+    w = norm.weight
+    if h.dtype == residual.dtype == w.dtype and h.dtype in _FLOATS and h.shape == residual.shape:
+        normed, hidden = add_rmsnorm(h, residual, w, norm.variance_epsilon)
+    else:  # mixed dtypes promote: transformers' code
+        hidden = residual + h
+        normed = norm(hidden)
+    out = self.mlp(normed)
+    return hidden + (out[0] if self._lancet_tuple_mlp else out)
+
+
+def fuse_residual_adds(model: nn.Module) -> int:
+    """Swap the class of every transformers pre-norm decoder layer in ``model`` (module docstring) for one
+    fusing the residual add before its MLP into the post-attention RMSNorm. Returns how many."""
+    n = 0
+    for m in model.modules():
+        cls = type(m)
+        if cls in _layer_classes.values():
+            n += 1
+            continue
+        if not _is_rmsnorm(getattr(m, "post_attention_layernorm", None)) or not hasattr(m, "self_attn"):
+            continue
+        if cls not in _layer_classes:
+            tuple_mlp = _pre_norm_layer(cls)
+            if tuple_mlp is None:
+                _layer_classes[cls] = None
+                continue
+            params = [p for p in inspect.signature(cls.forward).parameters.values()
+                      if p.kind is p.POSITIONAL_OR_KEYWORD][2:]  # after self, hidden_states
+            _layer_classes[cls] = type(f"Lancet{cls.__name__}", (cls,), {
+                "forward": _layer_forward, "_lancet_tuple_mlp": tuple_mlp,
+                "_lancet_positional": tuple(p.name for p in params),
+                "_lancet_defaults": tuple((p.name, p.default) for p in params if p.default is not p.empty),
+                "__doc__": f"{cls.__name__} with its residual add fused into the post-attention norm (lancet-rt)."})
+        if _layer_classes[cls] is not None:
+            m.__class__ = _layer_classes[cls]
             n += 1
     return n
 

@@ -29,6 +29,7 @@ from lancet_rt.moe.config import (MoEConfig, check_modules, check_prebuilt, conf
 from lancet_rt.moe.dispatch import allreduce as _allreduce
 from lancet_rt.moe.dispatch import alltoall, pipelined
 from lancet_rt.moe.dispatch.common import Counts, Dispatched, Route, exchange_counts
+from lancet_rt.moe import library as _library
 from lancet_rt.moe.experts import Experts
 from lancet_rt.routing.functions import BatchRouting, gate, permute, unpermute
 from lancet_rt.routing.router import Router
@@ -305,9 +306,20 @@ class MoE(nn.Module):
         return alltoall.combine(self, y_recv, d)
 
     # ---------------------------------------------------------------- forward
-    @torch.compiler.disable  # collectives, host syncs and chunk switches: torch.compile runs around it
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Route, dispatch, compute and combine ``x`` [..., d_model]; returns the same shape and dtype."""
+        """Route, dispatch, compute and combine ``x`` [..., d_model]; returns the same shape and dtype.
+
+        Under ``torch.compile`` without expert parallelism or an overlap scope, the layer runs as lancet
+        custom operators (:mod:`lancet_rt.moe.library`: no graph break); otherwise the compiled graph
+        breaks at :meth:`forward_eager`.
+        """
+        if torch.compiler.is_compiling() and _library.traceable(self):
+            return _library.forward(self, x)
+        return self.forward_eager(x)
+
+    @torch.compiler.disable  # collectives, host syncs and chunk switches: torch.compile runs around it
+    def forward_eager(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` on the eager runtime (collectives, chunk switches, deferred weight gradients)."""
         error = self._input_error(x)
         if not self._config_checked:
             self._check_config(error)

@@ -107,6 +107,27 @@ def test_compile_around_moe_layers():
     _assert_same("compiled layers", lm, _step(lm, ids, mask, labels), hf, out_r)
 
 
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_compiled_layers_trace_the_moe_layers_unchunked(family, monkeypatch):
+    """Unchunked, without expert parallelism, compiled decoder layers trace the MoE layers as lancet custom
+    operators (lancet_rt.moe.library) and equal transformers. (fullgraph=True stops in transformers' own
+    output-capturing hook, which calls ContextVar.get, not in lancet's code.)"""
+    from lancet_rt.moe import library
+
+    traced = []
+    forward = library.forward
+    monkeypatch.setattr(library, "forward", lambda moe, x: traced.append(moe) or forward(moe, x))
+    torch._dynamo.reset()
+    hf = build(family)
+    ids, mask, labels = batch(hf.config.vocab_size, 4, 8)
+    out_r = _step(hf, ids, mask, labels)
+    lm = lancet_rt.from_hf(copy.deepcopy(hf))
+    for layer in lm.model.layers:
+        layer.compile(backend="aot_eager")
+    _assert_same(f"{family} compiled layers", lm, _step(lm, ids, mask, labels), hf, out_r)
+    assert len(traced) >= len(lm.model.layers)
+
+
 def test_autocast_bf16_with_float32_parameters():
     """The router stays float32 (the same choices as float32), the experts run in bfloat16, the
     output has the input's dtype and float32 parameters get float32 gradients."""

@@ -116,3 +116,52 @@ def test_loss_mode_declines():
                    dict(labels=labels, shift_labels=labels)):
         assert hf_dense.loss_mode_for(lm, head, (), dict(kwargs))[0] is None
     assert hf_dense.loss_mode_for(lm, head, (), dict(labels=labels))[0] is not None
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_residual_add_fused_into_the_post_attention_norm(family, monkeypatch):
+    """Every decoder layer fuses its residual add into the post-attention RMSNorm (one lancet add_rmsnorm with a
+    residual per layer and forward); the logits equal transformers' (test_hf.py compares loss and gradients)."""
+    hf = build(family)
+    ids, mask, _ = batch(hf.config.vocab_size, 3, 6)
+    lm = lancet_rt.from_hf(copy.deepcopy(hf))
+    layers = lm.model.layers
+    assert all(type(layer).__name__ == "Lancet" + type(hf.model.layers[0]).__name__ for layer in layers)
+    calls = []
+
+    def counting(x, residual, weight, eps=1e-6):
+        calls.append(residual is not None)
+        return hf_dense_add_rmsnorm(x, residual, weight, eps)
+
+    hf_dense_add_rmsnorm = hf_dense.add_rmsnorm
+    monkeypatch.setattr(hf_dense, "add_rmsnorm", counting)
+    with torch.no_grad():
+        assert_close("logits", lm(input_ids=ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits)
+    assert sum(calls) == len(layers)
+
+
+def test_decoder_layer_of_another_shape_stays_unfused():
+    """A decoder layer whose forward is not the pre-norm pattern (here: a scaled residual) keeps its own forward."""
+    hf = build("mixtral")
+    base = type(hf.model.layers[0])
+
+    class ScaledResidualLayer(base):
+        def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
+                    cache=None, **kwargs):
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+            hidden_states, _ = self.self_attn(hidden_states=hidden_states, position_embeddings=position_embeddings,
+                                              attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                                              **kwargs)
+            hidden_states = residual + 0.5 * hidden_states
+            residual = hidden_states
+            hidden_states = self.post_attention_layernorm(hidden_states)
+            hidden_states = self.mlp(hidden_states)
+            hidden_states = residual + hidden_states
+            return hidden_states
+
+    for layer in hf.model.layers:
+        layer.__class__ = ScaledResidualLayer
+    assert hf_dense.fuse_residual_adds(hf) == 0
+    assert all(type(layer) is ScaledResidualLayer for layer in hf.model.layers)
+    assert hf_dense._pre_norm_layer(base) is False and hf_dense._pre_norm_layer(ScaledResidualLayer) is None
