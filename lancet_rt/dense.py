@@ -92,16 +92,16 @@ def add_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch
     Returns:
         ``y`` when ``residual`` is None, else ``(y, s)``: s the sum, the next residual.
     """
-    if not torch.compiler.is_compiling() and _ops.implementation(x.device) == "torch":
-        # eager on the references, which take [..., D] as it is: the same arithmetic without the
-        # custom-op dispatch and the reshapes (host time, paid once per chunk)
-        return _AddRMSNormFn.apply(x, residual, weight, float(eps))
-    D = x.shape[-1]
     if residual is not None and residual.dtype != x.dtype:
         # (under autocast a bf16 sublayer output meets a float32 residual): the sum in the promoted
         # dtype, as ``x + residual`` computes it, then normed in that dtype
         dtype = torch.promote_types(x.dtype, residual.dtype)
         x, residual = x.to(dtype), residual.to(dtype)
+    if not torch.compiler.is_compiling() and _ops.implementation(x.device) == "torch":
+        # eager on the references, which take [..., D] as it is: the same arithmetic without the
+        # custom-op dispatch and the reshapes (host time, paid once per chunk)
+        return _AddRMSNormFn.apply(x, residual, weight, float(eps))
+    D = x.shape[-1]
     x2 = x.reshape(-1, D).contiguous()
     r2 = None if residual is None else residual.reshape(-1, D).contiguous()
     if not torch.compiler.is_compiling():  # eager on the kernels: [N, D] rows, no custom-op dispatch
@@ -116,8 +116,9 @@ def add_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch
 
 
 class _AddRMSNormFn(torch.autograd.Function):
-    """Eager :func:`add_rmsnorm` (on [N, D] rows for the kernels): the forward and backward of ``lancet::add_rmsnorm``
-    (of ``lancet::rmsnorm`` when ``residual`` is None, returning y alone), called directly."""
+    """Eager :func:`add_rmsnorm` (on [N, D] rows for the kernels): the forward and backward of
+    ``lancet::add_rmsnorm`` (of ``lancet::rmsnorm`` when ``residual`` is None, returning y alone),
+    called directly."""
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps):
