@@ -112,13 +112,18 @@ def active() -> Optional[Trace]:
     return _active
 
 
-@contextlib.contextmanager
 def span(name: str, track: str = "compute", cuda: bool = False, **args):
-    """A stage span on ``track`` (the compute stream unless said otherwise); no-op when not tracing."""
+    """A stage span on ``track`` (the compute stream unless said otherwise); no-op when not tracing
+    (one shared null context: the layer opens several spans per chunk)."""
     t = _active
-    if t is None:
-        yield
-        return
+    return _NO_SPAN if t is None else _traced_span(t, name, track, cuda, args)
+
+
+_NO_SPAN = contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _traced_span(t, name: str, track: str, cuda: bool, args: dict):
     s = t.begin(name, track, cuda, **args)
     try:
         yield
