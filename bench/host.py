@@ -8,7 +8,11 @@ and the compute's own work is left), a training step is run unchunked and under
 * host reads of tensor values (``aten._local_scalar_dense``: ``.item()``, ``.tolist()``, ``int(t)``;
   on a GPU each read of a device tensor is a host sync);
 * Triton launches (on the kernel path: ``LANCET_KERNELS=triton``, on CPU with ``TRITON_INTERPRET=1``);
-* host microseconds (the median wall time of the phase; on a GPU, the time to enqueue it);
+* host microseconds (the median wall time of the phase; on a GPU, the time to enqueue it), and
+  ``plain_us_per_chunk``: the same for the model run on the chunks' rows one after the other with
+  no ``Overlapped`` (one loss, one backward; no deferred dW): the cost of running every op once per
+  chunk on smaller tensors, which any chunked schedule pays in eager PyTorch; the difference to
+  ``fwd_us_per_chunk + bwd_us_per_chunk`` is the schedule's own host cost;
 
 and per step: the bytes saved for backward (distinct storages packed by autograd, parameters
 excluded: what the step holds beyond the model) and, on CUDA, the peak allocated memory.
@@ -181,6 +185,13 @@ class Step:
             y = self.runners[n](self.x)
         return y.float().square().mean() + sum(m.aux_loss for m in self.model.moe_layers())
 
+    def plain_forward(self, n: int):
+        """The model run on the ``n`` chunks' rows one after the other, with no ``Overlapped`` (one
+        loss, one backward): every op of a chunked step, without the schedule."""
+        with self._autocast():
+            ys = [self.model(x) for x in self.x.tensor_split(n)]
+        return sum(y.float().square().mean() for y in ys) + sum(m.aux_loss for m in self.model.moe_layers())
+
     def run(self, n: int) -> None:
         self.model.zero_grad(set_to_none=True)
         self.forward(n).backward()
@@ -206,8 +217,10 @@ class Step:
         row["by_name"] = fwd_ops + ops.ops
         return row
 
-    def host_us(self, n: int, reps: int) -> dict:
-        """Median wall time of the forward and of the backward, in microseconds (GC paused)."""
+    def host_us(self, n: int, reps: int, plain: bool = False) -> dict:
+        """Median wall time of the forward and of the backward, in microseconds (GC paused);
+        ``plain``: of :meth:`plain_forward`'s step instead."""
+        forward = self.plain_forward if plain else self.forward
         fwd, bwd = [], []
         gc.collect()
         gc.disable()
@@ -215,7 +228,7 @@ class Step:
             for _ in range(reps):
                 self.model.zero_grad(set_to_none=True)
                 t0 = time.perf_counter()
-                loss = self.forward(n)
+                loss = forward(n)
                 t1 = time.perf_counter()
                 loss.backward()
                 t2 = time.perf_counter()
@@ -237,6 +250,9 @@ def measure(args, device: torch.device) -> list[dict]:
     for n in sorted({1, *args.chunks}):
         row = dict(chunks=n, **step.count(n))
         row.update(step.host_us(n, args.reps))
+        if n > 1:  # the same ops without the schedule: what remains is the schedule's own cost
+            plain = step.host_us(n, args.reps, plain=True)
+            row["plain_us"] = plain["fwd_us"] + plain["bwd_us"]
         row["ops"], row["reads"] = row["fwd_ops"] + row["bwd_ops"], row["fwd_reads"] + row["bwd_reads"]
         if base is None:
             base = row
@@ -244,6 +260,7 @@ def measure(args, device: torch.device) -> list[dict]:
             per = step.layers * (n - 1)
             for k in _PER_CHUNK + ("ops", "reads"):
                 row[f"{k}_per_chunk"] = (row[k] - base[k]) / per
+            row["plain_us_per_chunk"] = (row["plain_us"] - base["fwd_us"] - base["bwd_us"]) / per
             row["saved_x"] = row["saved_bytes"] / base["saved_bytes"] if base["saved_bytes"] else float("nan")
             if "peak_mb" in row:
                 row["peak_x"] = row["peak_mb"] / base["peak_mb"]
@@ -309,7 +326,7 @@ def main(argv: Optional[list] = None) -> list[dict]:
 def _print(rows: list[dict], top: int) -> None:
     cols = ["capacity_factor", "autocast", "defer_wgrad", "chunks", "ops_per_chunk", "reads_per_chunk",
             "fwd_ops_per_chunk", "bwd_ops_per_chunk", "fwd_launches_per_chunk", "bwd_launches_per_chunk",
-            "fwd_us_per_chunk", "bwd_us_per_chunk", "saved_x", "peak_x"]
+            "fwd_us_per_chunk", "bwd_us_per_chunk", "plain_us_per_chunk", "saved_x", "peak_x"]
     have = [c for c in cols if any(c in r for r in rows)]
     print_table([r for r in rows if r["chunks"] > 1], have,
                 "per layer per extra chunk (fwd+bwd), and the step's saved bytes / peak memory against unchunked")
