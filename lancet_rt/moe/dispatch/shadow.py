@@ -1,0 +1,210 @@
+"""Hot-expert shadowing: the all-to-all dispatch with the hottest experts computed where their tokens are.
+
+Under skewed routing the rank holding a hot expert receives several times the mean rows: its port
+holds every all-to-all and its expert work holds every return (the straggler;
+:class:`lancet_rt.comm.emulated_skew.SkewedGroup` models it). FasterMoE (Jiaao He et al., PPoPP'22,
+"shadowing") moves the weights instead of the tokens: a hot expert's parameters are broadcast to
+every rank, each rank computes its own tokens' rows of it, and the weight gradients are reduced back
+to the owner. Their Figure 7 / Section 4 argue it pays when the expert's tokens outweigh its
+parameters; they report up to 1.37x over their own baseline with shadowing and smart scheduling
+together (Section 6). This module is our implementation of the idea for lancet's layer:
+
+1. **Which experts, agreed.** With ``MoE(shadow_experts=N)`` the counts exchange carries each rank's
+   kept rows of all E experts (:func:`~lancet_rt.moe.dispatch.common.exchange_counts`), so every rank
+   holds the same global loads after it and takes the same decision (:func:`hot_experts`): at most N
+   experts per step: those fetched by an earlier chunk of the step (free now), then the most loaded
+   (ties to the lower index) with a load above :data:`HOT_LOAD` x the mean whose rows would move more
+   bytes over the step (dispatch and combine, ``chunks`` chunks at this chunk's load) than fetching
+   its weights (an all-reduce: ``2 (W - 1) / W`` x the weight bytes through every port).
+2. **Fetch once per step.** A shadowed expert's weights (and biases) are fetched by one all-reduce
+   in which the owner gives them and every other rank zeros (exact: x + 0 = x); its backward
+   all-reduces the weight gradients and hands the sum to the owner's parameters. Under
+   :class:`lancet_rt.Overlapped` the fetched copy is kept in the step's chunk scope, so the other
+   chunks use it without a collective and the gradient is reduced once, after every chunk's backward.
+   On an :class:`~lancet_rt.comm.emulated.EmulatedGroup` (one process is every rank) the all-reduces
+   are ``"avg"``: the link is held for them, the data stays (every emulated rank is rank 0).
+3. **Dispatch the rest.** The shadowed experts' rows leave the send buffer and their counts are
+   zeroed on both sides (every rank knows them), the remaining rows go through the ordinary dispatch,
+   the experts and the combine; meanwhile the local rows of the shadowed experts run through the same
+   expert kernels (:class:`lancet_rt.moe.experts._ExpertsFn`) with the fetched weights; the two
+   outputs are put back into dispatch-row order for the unpermute.
+
+Exactness: every row meets the same weights and the same kernels as without shadowing, so outputs,
+the input's and the router's gradients are unchanged up to what the grouped GEMM's row count may
+change (as chunking, which moves segment sizes too). The shadowed experts' weight gradients are the
+one reassociated sum: each rank's partial dW (over its rows), then the all-reduce's sum, instead of
+one GEMM over all ranks' rows in rank order (float32: rel RMS error ~1e-7, held to 1e-6 in
+tests/distributed/test_shadow.py). Routing, drops and losses are untouched.
+
+Not done: the weights' fetch is a blocking all-reduce inside the chunk that first needs them (it
+could be issued after the counts exchange and waited before the shadowed compute); it is not
+combined with ``pipeline_chunks > 1`` (the Tutel-style baseline dispatches without shadowing).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from lancet_rt import trace as _trace
+from lancet_rt.comm.emulated import EmulatedGroup
+from lancet_rt.moe.dispatch.base import Exchanged
+from lancet_rt.moe.dispatch.common import host_bounds, to_device
+from lancet_rt.moe.experts import _ExpertsFn
+from lancet_rt.schedule import scope as _scope
+
+#: An expert is hot when its load exceeds this many times the mean expert load.
+HOT_LOAD = 1.25
+
+
+def check_group(shadow_experts: int, group) -> None:
+    """A ValueError unless ``group`` can fetch weights (it has ``all_reduce``) when shadowing is on."""
+    if shadow_experts and group is not None and not callable(getattr(group, "all_reduce", None)):
+        raise ValueError(f"shadow_experts needs an ep_group with all_reduce (TorchGroup, EmulatedGroup), got "
+                         f"{type(group).__name__}")
+
+
+def hot_experts(loads_WE: list, limit: int, L: int, row_bytes: int, weight_bytes: int, chunks: int,
+                fetched=()) -> list:
+    """The experts to shadow (sorted), from every rank's kept rows per expert (module docstring, 1).
+
+    Args:
+        loads_WE: [W][E] rows each rank keeps per expert in this chunk (host ints, the same on every rank).
+        limit: at most this many experts (fetched ones included).
+        L: experts per rank (expert e lives on rank e // L).
+        row_bytes, weight_bytes: one row's bytes; one expert's parameters' bytes.
+        chunks: chunks in this step (the rows of the step estimated as this chunk's times ``chunks``).
+        fetched: experts already fetched in this step (shadowed whatever their load).
+    """
+    W, E = len(loads_WE), len(loads_WE[0]) if loads_WE else 0
+    load = [sum(row[e] for row in loads_WE) for e in range(E)]
+    total = sum(load)
+    out = list(fetched)  # fetched already: shadowing them costs nothing more and unloads their owners
+    for e in sorted(range(E), key=lambda e: (-load[e], e)):
+        if len(out) >= limit or total == 0 or load[e] * E <= HOT_LOAD * total:
+            break
+        off_rank = load[e] - loads_WE[e // L][e]  # rows the owner's port receives, and sends back
+        if e not in out and 2 * chunks * off_rank * row_bytes * W >= 2 * (W - 1) * weight_bytes:
+            out.append(e)
+    return sorted(out)
+
+
+class _Fetch(torch.autograd.Function):
+    """One expert's parameters from its owner to every rank (all-reduce of the owner's values and the
+    others' zeros); backward sums the gradients over the ranks into the owner's parameters."""
+
+    @staticmethod
+    def forward(ctx, group, owner: bool, op: str, *ws):
+        flat = torch.cat([w.detach().reshape(-1) for w in ws])
+        if not owner:
+            flat.zero_()
+        group.all_reduce(flat, op).wait()
+        ctx.group, ctx.owner, ctx.op = group, owner, op
+        ctx.shapes = [w.shape for w in ws]
+        return tuple(t.view(s) for t, s in zip(flat.split([w.numel() for w in ws]), ctx.shapes))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = torch.cat([g.reshape(-1) for g in grads])  # a new buffer: reduced in place
+        with _trace.span("shadow grad all-reduce"):
+            ctx.group.all_reduce(flat, ctx.op).wait()
+        if not ctx.owner:
+            return (None, None, None) + (None,) * len(grads)
+        return (None, None, None) + tuple(t.view(s) for t, s in zip(flat.split([g.numel() for g in grads]), ctx.shapes))
+
+
+def _fetched(moe, e: int, cache: dict) -> tuple:
+    """Expert ``e``'s parameters on this rank, [1, ...] each (fetched once per step: ``cache``)."""
+    if e not in cache:
+        L, group = moe.num_local_experts, moe.group
+        emulated = isinstance(group, EmulatedGroup)
+        # Every rank passes a slice of its own parameters (the owner: expert e's), so that every rank's
+        # graph holds the fetch and every rank reaches its backward all-reduce.
+        ws = tuple(p[e % L: e % L + 1] for p in moe.experts._params())
+        with _trace.span("shadow fetch", layer=moe.trace_name, expert=e):
+            cache[e] = _Fetch.apply(group, emulated or e // L == moe.ep_rank, "avg" if emulated else "sum", *ws)
+    return cache[e]
+
+
+def _step_cache(moe) -> dict:
+    """The experts fetched in this step: kept in the chunk scope (one per step), or fresh per call."""
+    s = _scope.current()
+    return {} if s is None else s.layer_state.setdefault(("shadow", id(moe)), {})
+
+
+def _row_order(sent_E: list, hot: list):
+    """(order, n_keep): the dispatch rows (grouped by expert, ``sent_E`` each) as the kept experts' rows
+    then the shadowed experts', as source-row indices; ``n_keep`` rows are dispatched."""
+    bounds = host_bounds(sent_E)
+    hot_set = set(hot)
+    experts = [e for e in range(len(sent_E)) if e not in hot_set] + list(hot)
+    counts = [sent_E[e] for e in experts]
+    first = host_bounds(counts)
+    shift = [bounds[e] - first[i] for i, e in enumerate(experts)]
+    total = first[-1]
+    order = torch.repeat_interleave(torch.tensor(shift), torch.tensor(counts), output_size=total)
+    order += torch.arange(total)
+    return order, total - sum(sent_E[e] for e in hot)
+
+
+def _shadow_compute(moe, x_HD: torch.Tensor, counts_H: list, params: list, ops) -> torch.Tensor:
+    """The shadowed experts over this rank's rows of them (grouped by expert, ``counts_H`` each)."""
+    stacked = [per_expert[0] if len(per_expert) == 1 else torch.cat(per_expert) for per_expert in zip(*params)]
+    present = (True, True) + tuple(b is not None for b in (moe.experts.gate_up_proj_bias, moe.experts.down_proj_bias))
+    it = iter(stacked)
+    tensors = tuple(next(it) if has else None for has in present)
+    weights = tuple(None if t is None else t.detach().to(x_HD.dtype) for t in tensors)
+    bounds = host_bounds(counts_H)
+    offsets = to_device(torch.tensor(bounds), x_HD.device)
+    with _trace.span("shadow experts", cuda=x_HD.is_cuda, layer=moe.trace_name, rows=x_HD.shape[0]):
+        return _ExpertsFn.apply(x_HD, *tensors, weights, offsets, bounds, ops, moe.experts._spec, None, None, None,
+                                None, None)
+
+
+def _zeroed(counts_WL: list, hot: list, L: int, rank: Optional[int] = None) -> list:
+    """Counts [W][L] without the shadowed experts' rows: (w, l) is expert ``w * L + l`` (sent counts, and
+    received ones on the emulated link, where rank w's copy receives for it), or ``rank * L + l``
+    (received counts: every sender's rows for this rank's expert l)."""
+    hot_set = set(hot)
+    return [[0 if (w if rank is None else rank) * L + l in hot_set else c for l, c in enumerate(row)]
+            for w, row in enumerate(counts_WL)]
+
+
+def exchange_and_compute(moe, x_TD: torch.Tensor, r, ops, chunk: Optional[int], x_in: torch.Tensor) -> Exchanged:
+    """:func:`lancet_rt.moe.dispatch.alltoall.exchange_and_compute` with hot-expert shadowing (module
+    docstring); the same chunk on every rank issues the same collectives."""
+    counts = moe.exchange_counts(r.kept_E.view(1, -1))
+    _scope.switch(issues_next=True)  # another chunk runs while the counts travel
+    with _trace.span("wait", "wait", chunk=chunk, counts=True):
+        counts.wait()
+    recv, sent = counts.host[0][0], counts.host[1][0]
+    L = moe.num_local_experts
+    sent_E = [c for row in sent for c in row]
+    x_SD, src_S = moe.permute_rows(x_TD, r, sum(sent_E), ops, chunk)
+    cache = _step_cache(moe)
+    s = _scope.current()
+    weight_bytes = sum(p[0].numel() * p.element_size() for p in moe.experts._params())
+    hot = hot_experts(counts.loads, moe.shadow_experts, L, x_SD.element_size() * x_SD.shape[1], weight_bytes,
+                      1 if s is None else len(s.rows), cache)
+    moe.shadowed = hot
+    if not hot:
+        d = moe.dispatch(x_SD, r.kept_E, recv, sent)
+    else:
+        params = [_fetched(moe, e, cache) for e in hot]
+        order, n_keep = _row_order(sent_E, hot)
+        order = to_device(order, x_SD.device)
+        x_sorted = x_SD.index_select(0, order)
+        mine = None if isinstance(moe.group, EmulatedGroup) else moe.ep_rank
+        d = moe.dispatch(x_sorted[:n_keep], r.kept_E, _zeroed(recv, hot, L, mine), _zeroed(sent, hot, L))
+        y_hot = _shadow_compute(moe, x_sorted[n_keep:], [sent_E[e] for e in hot], params, ops)  # while it flies
+    shared = moe.shared_output(x_in)
+    _scope.switch()
+    y_recv = moe.compute_experts(d.pending.wait(), d, ops, d.pending.link)
+    pending = moe.combine(y_recv, d)
+    _scope.switch()
+    if not hot:
+        return Exchanged(pending.wait(), src_S, pending.link, shared)
+    y_sorted = torch.cat([pending.wait(), y_hot])
+    inverse = torch.empty_like(order).index_put_((order,), torch.arange(order.numel(), device=order.device))
+    # (no early backward link: the combine's rows are not the unpermute's)
+    return Exchanged(y_sorted.index_select(0, inverse), src_S, None, shared)
