@@ -22,10 +22,14 @@ def _tokens(rank, world):
     return [37, 0, 19, 44][rank] if world == 4 else [41, 23][rank]  # a rank without tokens at 4
 
 
-def _layers(world, rank, layout):
+def _layers(world, rank, layout, rooted=True):
     import torch.distributed as dist
 
     import lancet_rt
+    from lancet_rt.comm.group import TorchGroup
+
+    class AllReduceOnly(TorchGroup):  # a group without rooted collectives: the fetch falls back to all-reduces
+        broadcast = reduce = None
 
     L = E // world
     torch.manual_seed(0)  # the same weights on every rank, then this rank's slice in both layers
@@ -37,7 +41,8 @@ def _layers(world, rank, layout):
             p.add_(0.01 * torch.randn_like(p))  # biases (GPT-OSS layout) not zero
     out = []
     for shadow in (0, 2):
-        ep = lancet_rt.MoE(D, F, E, 2, aux_loss_coef=0.01, ep_group=dist.group.WORLD, shadow_experts=shadow,
+        group = dist.group.WORLD if rooted else AllReduceOnly(dist.group.WORLD)
+        ep = lancet_rt.MoE(D, F, E, 2, aux_loss_coef=0.01, ep_group=group, shadow_experts=shadow,
                            experts=lancet_rt.Experts(L, D, F, layout=layout))
         with torch.no_grad():
             for name, p in ep.named_parameters():
@@ -61,14 +66,16 @@ def _shadow_matches_plain(rank, world):
     from tests.helpers import assert_close
 
     seen = []
-    for chunks, defer, layout in ((1, False, "lancet"), (3, False, "lancet"), (2, True, "gpt_oss")):
-        plain, shadowed = _layers(world, rank, layout)
+    cases = ((1, False, "lancet", True), (3, False, "lancet", True), (2, True, "gpt_oss", True),
+             (3, False, "lancet", False))
+    for chunks, defer, layout, rooted in cases:
+        plain, shadowed = _layers(world, rank, layout, rooted)
         gen = torch.Generator().manual_seed(100 + rank)
         T = _tokens(rank, world)
         x, g = torch.randn(T, D, generator=gen), torch.randn(T, D, generator=gen)
         a = _run(plain, x, g, chunks, defer)
         b = _run(shadowed, x, g, chunks, defer)
-        case = f"chunks={chunks} defer_wgrad={defer} layout={layout}"
+        case = f"chunks={chunks} defer_wgrad={defer} layout={layout} rooted={rooted}"
         assert_close(f"{case} y", b[0], a[0], rel_rms=REL)
         assert_close(f"{case} grad x", b[1], a[1], rel_rms=REL)
         assert sorted(b[2]) == sorted(a[2]), case

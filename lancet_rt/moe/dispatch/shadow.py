@@ -12,17 +12,19 @@ together (Section 6). This module is our implementation of the idea for lancet's
 1. **Which experts, agreed.** With ``MoE(shadow_experts=N)`` the counts exchange carries each rank's
    kept rows of all E experts (:func:`~lancet_rt.moe.dispatch.common.exchange_counts`), so every rank
    holds the same global loads after it and takes the same decision (:func:`hot_experts`): at most N
-   experts per step: those fetched by an earlier chunk of the step (free now), then the most loaded
-   (ties to the lower index) with a load above :data:`HOT_LOAD` x the mean whose rows would move more
-   bytes over the step (dispatch and combine, ``chunks`` chunks at this chunk's load) than fetching
-   its weights (an all-reduce: ``2 (W - 1) / W`` x the weight bytes through every port).
-2. **Fetch once per step.** A shadowed expert's weights (and biases) are fetched by one all-reduce
-   in which the owner gives them and every other rank zeros (exact: x + 0 = x); its backward
-   all-reduces the weight gradients and hands the sum to the owner's parameters. Under
+   experts per step: those fetched by an earlier chunk of the step (free now), then, most loaded
+   first (ties to the lower index) among those above :data:`HOT_LOAD` x the mean load, each expert
+   whose rows staying home lower the busiest port (max over ranks of rows sent or received off
+   rank) by more bytes over the step (dispatch and combine, ``chunks`` chunks at this chunk's
+   counts) than fetching its weights moves through a port.
+2. **Fetch once per step.** A shadowed expert's weights (and biases) are fetched by one broadcast
+   from the owner (groups without ``broadcast``/``reduce``: an all-reduce in which the owner gives
+   them and every other rank zeros, exact as x + 0 = x); its backward reduces the weight gradients
+   into the owner's parameters. Under
    :class:`lancet_rt.Overlapped` the fetched copy is kept in the step's chunk scope, so the other
    chunks use it without a collective and the gradient is reduced once, after every chunk's backward.
-   On an :class:`~lancet_rt.comm.emulated.EmulatedGroup` (one process is every rank) the all-reduces
-   are ``"avg"``: the link is held for them, the data stays (every emulated rank is rank 0).
+   On an :class:`~lancet_rt.comm.emulated.EmulatedGroup` (one process is every rank) the reduce is
+   ``"avg"``: the link is held for both, the data stays (every emulated rank is rank 0).
 3. **Dispatch the rest.** The shadowed experts' rows leave the send buffer and their counts are
    zeroed on both sides (every rank knows them), the remaining rows go through the ordinary dispatch,
    the experts and the combine; meanwhile the local rows of the shadowed experts run through the same
@@ -32,11 +34,11 @@ together (Section 6). This module is our implementation of the idea for lancet's
 Exactness: every row meets the same weights and the same kernels as without shadowing, so outputs,
 the input's and the router's gradients are unchanged up to what the grouped GEMM's row count may
 change (as chunking, which moves segment sizes too). The shadowed experts' weight gradients are the
-one reassociated sum: each rank's partial dW (over its rows), then the all-reduce's sum, instead of
+one reassociated sum: each rank's partial dW (over its rows), then the reduce's sum, instead of
 one GEMM over all ranks' rows in rank order (float32: rel RMS error ~1e-7, held to 1e-6 in
 tests/distributed/test_shadow.py). Routing, drops and losses are untouched.
 
-Not done: the weights' fetch is a blocking all-reduce inside the chunk that first needs them (it
+Not done: the weights' fetch is a blocking broadcast inside the chunk that first needs them (it
 could be issued after the counts exchange and waited before the shadowed compute); it is not
 combined with ``pipeline_chunks > 1`` (the Tutel-style baseline dispatches without shadowing).
 """
@@ -64,7 +66,7 @@ def check_group(shadow_experts: int, group) -> None:
                          f"{type(group).__name__}")
 
 
-def hot_experts(loads_WE: list, limit: int, L: int, row_bytes: int, weight_bytes: int, chunks: int,
+def hot_experts(loads_WE: list, limit: int, L: int, row_bytes: int, fetch_bytes: float, chunks: int,
                 fetched=()) -> list:
     """The experts to shadow (sorted), from every rank's kept rows per expert (module docstring, 1).
 
@@ -72,43 +74,81 @@ def hot_experts(loads_WE: list, limit: int, L: int, row_bytes: int, weight_bytes
         loads_WE: [W][E] rows each rank keeps per expert in this chunk (host ints, the same on every rank).
         limit: at most this many experts (fetched ones included).
         L: experts per rank (expert e lives on rank e // L).
-        row_bytes, weight_bytes: one row's bytes; one expert's parameters' bytes.
+        row_bytes: one row's bytes.
+        fetch_bytes: what fetching one expert moves through the busiest port (and its gradient back).
         chunks: chunks in this step (the rows of the step estimated as this chunk's times ``chunks``).
         fetched: experts already fetched in this step (shadowed whatever their load).
     """
     W, E = len(loads_WE), len(loads_WE[0]) if loads_WE else 0
     load = [sum(row[e] for row in loads_WE) for e in range(E)]
     total = sum(load)
-    out = list(fetched)  # fetched already: shadowing them costs nothing more and unloads their owners
-    for e in sorted(range(E), key=lambda e: (-load[e], e)):
-        if len(out) >= limit or total == 0 or load[e] * E <= HOT_LOAD * total:
+    # Each rank's port (rows it sends off rank, rows it receives off rank), as the dispatch would load it.
+    sent = [sum(row) - sum(row[w * L:(w + 1) * L]) for w, row in enumerate(loads_WE)]
+    recv = [sum(load[r * L:(r + 1) * L]) - sum(loads_WE[r][r * L:(r + 1) * L]) for r in range(W)]
+
+    def without(e):  # the ports once expert e's rows stay home
+        o = e // L
+        s2 = [s - (loads_WE[w][e] if w != o else 0) for w, s in enumerate(sent)]
+        r2 = list(recv)
+        r2[o] -= load[e] - loads_WE[o][e]
+        return s2, r2
+
+    out = []
+    for e in list(fetched) + sorted(range(E), key=lambda e: (-load[e], e)):
+        if len(out) >= limit or total == 0:
             break
-        off_rank = load[e] - loads_WE[e // L][e]  # rows the owner's port receives, and sends back
-        if e not in out and 2 * chunks * off_rank * row_bytes * W >= 2 * (W - 1) * weight_bytes:
+        if e in out:
+            continue
+        if e not in fetched and load[e] * E <= HOT_LOAD * total:
+            break
+        s2, r2 = without(e)
+        gain = 2 * chunks * (max(sent + recv) - max(s2 + r2)) * row_bytes  # dispatch and combine, per pass
+        if e in fetched or gain >= fetch_bytes:
             out.append(e)
+            sent, recv = s2, r2
     return sorted(out)
 
 
+def _rooted(group) -> bool:
+    """Whether ``group`` has rooted collectives (broadcast, reduce); else the fetch is an all-reduce."""
+    return callable(getattr(group, "broadcast", None)) and callable(getattr(group, "reduce", None))
+
+
+def fetch_bytes(group, weight_bytes: int) -> float:
+    """What fetching an expert's ``weight_bytes`` moves through the busiest port: once with a broadcast
+    (pipelined), ``2 (W - 1) / W`` times with the all-reduce fallback."""
+    W = group.size
+    return float(weight_bytes) if _rooted(group) else 2 * (W - 1) / W * weight_bytes
+
+
 class _Fetch(torch.autograd.Function):
-    """One expert's parameters from its owner to every rank (all-reduce of the owner's values and the
-    others' zeros); backward sums the gradients over the ranks into the owner's parameters."""
+    """One expert's parameters from its owner to every rank (a broadcast, or an all-reduce of the owner's
+    values and the others' zeros); backward sums the gradients over the ranks into the owner's parameters
+    (a reduce, or an all-reduce)."""
 
     @staticmethod
-    def forward(ctx, group, owner: bool, op: str, *ws):
+    def forward(ctx, group, owner: int, op: str, *ws):
         flat = torch.cat([w.detach().reshape(-1) for w in ws])
-        if not owner:
-            flat.zero_()
-        group.all_reduce(flat, op).wait()
-        ctx.group, ctx.owner, ctx.op = group, owner, op
+        rooted = _rooted(group)
+        if rooted:
+            group.broadcast(flat, owner).wait()
+        else:
+            if owner != group.rank:
+                flat.zero_()
+            group.all_reduce(flat, op).wait()
+        ctx.group, ctx.owner, ctx.op, ctx.rooted = group, owner, op, rooted
         ctx.shapes = [w.shape for w in ws]
         return tuple(t.view(s) for t, s in zip(flat.split([w.numel() for w in ws]), ctx.shapes))
 
     @staticmethod
     def backward(ctx, *grads):
         flat = torch.cat([g.reshape(-1) for g in grads])  # a new buffer: reduced in place
-        with _trace.span("shadow grad all-reduce"):
-            ctx.group.all_reduce(flat, ctx.op).wait()
-        if not ctx.owner:
+        with _trace.span("shadow grad reduce"):
+            if ctx.rooted:
+                ctx.group.reduce(flat, ctx.owner, ctx.op).wait()
+            else:
+                ctx.group.all_reduce(flat, ctx.op).wait()
+        if ctx.owner != ctx.group.rank:
             return (None, None, None) + (None,) * len(grads)
         return (None, None, None) + tuple(t.view(s) for t, s in zip(flat.split([g.numel() for g in grads]), ctx.shapes))
 
@@ -117,12 +157,12 @@ def _fetched(moe, e: int, cache: dict) -> tuple:
     """Expert ``e``'s parameters on this rank, [1, ...] each (fetched once per step: ``cache``)."""
     if e not in cache:
         L, group = moe.num_local_experts, moe.group
-        emulated = isinstance(group, EmulatedGroup)
+        emulated = isinstance(group, EmulatedGroup)  # every emulated rank is rank 0, the owner of its aliases
         # Every rank passes a slice of its own parameters (the owner: expert e's), so that every rank's
-        # graph holds the fetch and every rank reaches its backward all-reduce.
+        # graph holds the fetch and every rank reaches its backward collective.
         ws = tuple(p[e % L: e % L + 1] for p in moe.experts._params())
         with _trace.span("shadow fetch", layer=moe.trace_name, expert=e):
-            cache[e] = _Fetch.apply(group, emulated or e // L == moe.ep_rank, "avg" if emulated else "sum", *ws)
+            cache[e] = _Fetch.apply(group, group.rank if emulated else e // L, "avg" if emulated else "sum", *ws)
     return cache[e]
 
 
@@ -183,8 +223,8 @@ def exchange_and_compute(moe, x_TD: torch.Tensor, r, ops, chunk: Optional[int], 
     x_SD, src_S = moe.permute_rows(x_TD, r, sum(sent_E), ops, chunk)
     cache = _step_cache(moe)
     s = _scope.current()
-    weight_bytes = sum(p[0].numel() * p.element_size() for p in moe.experts._params())
-    hot = hot_experts(counts.loads, moe.shadow_experts, L, x_SD.element_size() * x_SD.shape[1], weight_bytes,
+    cost = fetch_bytes(moe.group, sum(p[0].numel() * p.element_size() for p in moe.experts._params()))
+    hot = hot_experts(counts.loads, moe.shadow_experts, L, x_SD.element_size() * x_SD.shape[1], cost,
                       1 if s is None else len(s.rows), cache)
     moe.shadowed = hot
     if not hot:
