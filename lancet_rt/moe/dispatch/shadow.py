@@ -38,9 +38,10 @@ one reassociated sum: each rank's partial dW (over its rows), then the reduce's 
 one GEMM over all ranks' rows in rank order (float32: rel RMS error ~1e-7, held to 1e-6 in
 tests/distributed/test_shadow.py). Routing, drops and losses are untouched.
 
-Not done: the weights' fetch is a blocking broadcast inside the chunk that first needs them (it
-could be issued after the counts exchange and waited before the shadowed compute); it is not
-combined with ``pipeline_chunks > 1`` (the Tutel-style baseline dispatches without shadowing).
+The fetch is issued before the chunk's dispatch and waited after the chunk's switch (other chunks run
+meanwhile); the gradients' reduce is issued by the fetch's backward and waited by the node before it
+(:class:`_AwaitGrad`), which the autograd engine runs after the other ready work. Not done: shadowing
+with ``pipeline_chunks > 1`` (the Tutel-style baseline dispatches without it).
 """
 from __future__ import annotations
 
@@ -121,22 +122,33 @@ def fetch_bytes(group, weight_bytes: int) -> float:
     return float(weight_bytes) if _rooted(group) else 2 * (W - 1) / W * weight_bytes
 
 
+class _Box:
+    """A collective's handle, from the node that issues it to the one that waits for it."""
+
+    work = None
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+
+
 class _Fetch(torch.autograd.Function):
     """One expert's parameters from its owner to every rank (a broadcast, or an all-reduce of the owner's
-    values and the others' zeros); backward sums the gradients over the ranks into the owner's parameters
-    (a reduce, or an all-reduce)."""
+    values and the others' zeros), issued here and waited by the first user (``fwd``); backward issues
+    the gradients' sum into the owner (a reduce, or an all-reduce) and :class:`_AwaitGrad` waits for it."""
 
     @staticmethod
-    def forward(ctx, group, owner: int, op: str, *ws):
+    def forward(ctx, group, owner: int, op: str, fwd: _Box, bwd: _Box, *ws):
         flat = torch.cat([w.detach().reshape(-1) for w in ws])
         rooted = _rooted(group)
         if rooted:
-            group.broadcast(flat, owner).wait()
+            fwd.work = group.broadcast(flat, owner)
         else:
             if owner != group.rank:
                 flat.zero_()
-            group.all_reduce(flat, op).wait()
-        ctx.group, ctx.owner, ctx.op, ctx.rooted = group, owner, op, rooted
+            fwd.work = group.all_reduce(flat, op)
+        ctx.group, ctx.owner, ctx.op, ctx.rooted, ctx.bwd = group, owner, op, rooted, bwd
         ctx.shapes = [w.shape for w in ws]
         return tuple(t.view(s) for t, s in zip(flat.split([w.numel() for w in ws]), ctx.shapes))
 
@@ -145,51 +157,82 @@ class _Fetch(torch.autograd.Function):
         flat = torch.cat([g.reshape(-1) for g in grads])  # a new buffer: reduced in place
         with _trace.span("shadow grad reduce"):
             if ctx.rooted:
-                ctx.group.reduce(flat, ctx.owner, ctx.op).wait()
+                ctx.bwd.work = ctx.group.reduce(flat, ctx.owner, ctx.op)
             else:
-                ctx.group.all_reduce(flat, ctx.op).wait()
+                ctx.bwd.work = ctx.group.all_reduce(flat, ctx.op)
         if ctx.owner != ctx.group.rank:
-            return (None, None, None) + (None,) * len(grads)
-        return (None, None, None) + tuple(t.view(s) for t, s in zip(flat.split([g.numel() for g in grads]), ctx.shapes))
+            flat = torch.zeros_like(flat)  # (zeros, not None: every rank's _AwaitGrad runs and waits)
+        return (None,) * 5 + tuple(t.view(s) for t, s in zip(flat.split([g.numel() for g in grads]), ctx.shapes))
+
+
+class _AwaitGrad(torch.autograd.Function):
+    """Identity on the parameters going into :class:`_Fetch`; its backward waits for the gradients'
+    reduce, so that the autograd engine runs other ready work (later nodes first) while it flies."""
+
+    @staticmethod
+    def forward(ctx, box: _Box, *ws):
+        ctx.box = box
+        return tuple(w.view_as(w) for w in ws)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.box.wait()
+        return (None,) + grads
 
 
 def _fetched(moe, e: int, cache: dict) -> tuple:
-    """Expert ``e``'s parameters on this rank, [1, ...] each (fetched once per step: ``cache``)."""
+    """Expert ``e``'s parameters on this rank, [1, ...] each, fetched once per step (``cache``: expert ->
+    (parameters, the fetch's box, whose ``wait()`` the first user calls))."""
     if e not in cache:
         L, group = moe.num_local_experts, moe.group
         emulated = isinstance(group, EmulatedGroup)  # every emulated rank is rank 0, the owner of its aliases
         # Every rank passes a slice of its own parameters (the owner: expert e's), so that every rank's
         # graph holds the fetch and every rank reaches its backward collective.
-        ws = tuple(p[e % L: e % L + 1] for p in moe.experts._params())
+        fwd, bwd = _Box(), _Box()
+        ws = _AwaitGrad.apply(bwd, *(p[e % L: e % L + 1] for p in moe.experts._params()))
         with _trace.span("shadow fetch", layer=moe.trace_name, expert=e):
-            cache[e] = _Fetch.apply(group, group.rank if emulated else e // L, "avg" if emulated else "sum", *ws)
+            cache[e] = (_Fetch.apply(group, group.rank if emulated else e // L, "avg" if emulated else "sum", fwd, bwd,
+                                     *ws), fwd)
     return cache[e]
 
 
 def _step_cache(moe) -> dict:
     """The experts fetched in this step: kept in the chunk scope (one per step), or fresh per call."""
     s = _scope.current()
-    return {} if s is None else s.layer_state.setdefault(("shadow", id(moe)), {})
+    fresh = dict(fetched={}, stacked={})  # expert -> (parameters, box); tuple of experts -> stacked parameters
+    return fresh if s is None else s.layer_state.setdefault(("shadow", id(moe)), fresh)
 
 
-def _row_order(sent_E: list, hot: list):
-    """(order, n_keep): the dispatch rows (grouped by expert, ``sent_E`` each) as the kept experts' rows
-    then the shadowed experts', as source-row indices; ``n_keep`` rows are dispatched."""
+def _remap_rows(row_TK: torch.Tensor, sent_E: list, hot: list) -> tuple:
+    """(row_TK', n_keep): each assignment's dispatch row once the kept experts' rows come first and the
+    shadowed experts' last (each group by expert, ``sent_E`` rows each; -1 stays -1); ``n_keep`` rows
+    are dispatched. The permute then writes, and the unpermute reads, that order: no row is copied."""
     bounds = host_bounds(sent_E)
     hot_set = set(hot)
     experts = [e for e in range(len(sent_E)) if e not in hot_set] + list(hot)
     counts = [sent_E[e] for e in experts]
     first = host_bounds(counts)
-    shift = [bounds[e] - first[i] for i, e in enumerate(experts)]
-    total = first[-1]
-    order = torch.repeat_interleave(torch.tensor(shift), torch.tensor(counts), output_size=total)
-    order += torch.arange(total)
-    return order, total - sum(sent_E[e] for e in hot)
+    new_first = dict(zip(experts, first))
+    shift_E = torch.tensor([new_first[e] - bounds[e] for e in range(len(sent_E))])  # new row - old row
+    move = torch.repeat_interleave(shift_E, torch.tensor(sent_E), output_size=bounds[-1])
+    move = to_device(move.to(row_TK.dtype), row_TK.device)
+    kept = row_TK >= 0
+    new = torch.where(kept, row_TK + move.index_select(0, row_TK.clamp(min=0).reshape(-1).long()).view_as(row_TK),
+                      row_TK)
+    return new, first[-1] - sum(sent_E[e] for e in hot)
 
 
-def _shadow_compute(moe, x_HD: torch.Tensor, counts_H: list, params: list, ops) -> torch.Tensor:
+def _stacked(cache: dict, hot: list, fetches: list) -> list:
+    """The shadowed experts' parameters stacked [H, ...] (once per step and set: ``cache``)."""
+    key, stacked = tuple(hot), cache["stacked"]
+    if key not in stacked:
+        params = [f for f, _ in fetches]
+        stacked[key] = [per_expert[0] if len(per_expert) == 1 else torch.cat(per_expert) for per_expert in zip(*params)]
+    return stacked[key]
+
+
+def _shadow_compute(moe, x_HD: torch.Tensor, counts_H: list, stacked: list, ops) -> torch.Tensor:
     """The shadowed experts over this rank's rows of them (grouped by expert, ``counts_H`` each)."""
-    stacked = [per_expert[0] if len(per_expert) == 1 else torch.cat(per_expert) for per_expert in zip(*params)]
     present = (True, True) + tuple(b is not None for b in (moe.experts.gate_up_proj_bias, moe.experts.down_proj_bias))
     it = iter(stacked)
     tensors = tuple(next(it) if has else None for has in present)
@@ -212,7 +255,9 @@ def _zeroed(counts_WL: list, hot: list, L: int, rank: Optional[int] = None) -> l
 
 def exchange_and_compute(moe, x_TD: torch.Tensor, r, ops, chunk: Optional[int], x_in: torch.Tensor) -> Exchanged:
     """:func:`lancet_rt.moe.dispatch.alltoall.exchange_and_compute` with hot-expert shadowing (module
-    docstring); the same chunk on every rank issues the same collectives."""
+    docstring); the same chunk on every rank issues the same collectives. With experts shadowed, the
+    chunk's ``r.row_TK`` is replaced by the order that puts their rows last (:func:`_remap_rows`), which
+    the layer's unpermute then reads."""
     counts = moe.exchange_counts(r.kept_E.view(1, -1))
     _scope.switch(issues_next=True)  # another chunk runs while the counts travel
     with _trace.span("wait", "wait", chunk=chunk, counts=True):
@@ -220,31 +265,31 @@ def exchange_and_compute(moe, x_TD: torch.Tensor, r, ops, chunk: Optional[int], 
     recv, sent = counts.host[0][0], counts.host[1][0]
     L = moe.num_local_experts
     sent_E = [c for row in sent for c in row]
-    x_SD, src_S = moe.permute_rows(x_TD, r, sum(sent_E), ops, chunk)
     cache = _step_cache(moe)
     s = _scope.current()
     cost = fetch_bytes(moe.group, sum(p[0].numel() * p.element_size() for p in moe.experts._params()))
-    hot = hot_experts(counts.loads, moe.shadow_experts, L, x_SD.element_size() * x_SD.shape[1], cost,
-                      1 if s is None else len(s.rows), cache)
+    hot = hot_experts(counts.loads, moe.shadow_experts, L, x_TD.element_size() * x_TD.shape[1], cost,
+                      1 if s is None else len(s.rows), cache["fetched"])
     moe.shadowed = hot
     if not hot:
+        x_SD, src_S = moe.permute_rows(x_TD, r, sum(sent_E), ops, chunk)
         d = moe.dispatch(x_SD, r.kept_E, recv, sent)
     else:
-        params = [_fetched(moe, e, cache) for e in hot]
-        order, n_keep = _row_order(sent_E, hot)
-        order = to_device(order, x_SD.device)
-        x_sorted = x_SD.index_select(0, order)
+        fetches = [_fetched(moe, e, cache["fetched"]) for e in hot]  # issued now, waited before the shadowed experts
+        r.row_TK, n_keep = _remap_rows(r.row_TK, sent_E, hot)
+        x_SD, src_S = moe.permute_rows(x_TD, r, sum(sent_E), ops, chunk)
         mine = None if isinstance(moe.group, EmulatedGroup) else moe.ep_rank
-        d = moe.dispatch(x_sorted[:n_keep], r.kept_E, _zeroed(recv, hot, L, mine), _zeroed(sent, hot, L))
-        y_hot = _shadow_compute(moe, x_sorted[n_keep:], [sent_E[e] for e in hot], params, ops)  # while it flies
+        d = moe.dispatch(x_SD[:n_keep], r.kept_E, _zeroed(recv, hot, L, mine), _zeroed(sent, hot, L))
     shared = moe.shared_output(x_in)
     _scope.switch()
+    if hot:  # this rank's rows of the shadowed experts, while the dispatch flies
+        for _, box in fetches:
+            box.wait()
+        y_hot = _shadow_compute(moe, x_SD[n_keep:], [sent_E[e] for e in hot], _stacked(cache, hot, fetches), ops)
     y_recv = moe.compute_experts(d.pending.wait(), d, ops, d.pending.link)
     pending = moe.combine(y_recv, d)
     _scope.switch()
     if not hot:
         return Exchanged(pending.wait(), src_S, pending.link, shared)
-    y_sorted = torch.cat([pending.wait(), y_hot])
-    inverse = torch.empty_like(order).index_put_((order,), torch.arange(order.numel(), device=order.device))
-    # (no early backward link: the combine's rows are not the unpermute's)
-    return Exchanged(y_sorted.index_select(0, inverse), src_S, None, shared)
+    # (no early backward link: the combine's rows are only the first n_keep of the unpermute's)
+    return Exchanged(torch.cat([pending.wait(), y_hot]), src_S, None, shared)
