@@ -12,11 +12,11 @@ together (Section 6). This module is our implementation of the idea for lancet's
 1. **Which experts, agreed.** With ``MoE(shadow_experts=N)`` the counts exchange carries each rank's
    kept rows of all E experts (:func:`~lancet_rt.moe.dispatch.common.exchange_counts`), so every rank
    holds the same global loads after it and takes the same decision (:func:`hot_experts`): at most N
-   experts per step: those fetched by an earlier chunk of the step (free now), then, most loaded
-   first (ties to the lower index) among those above :data:`HOT_LOAD` x the mean load, each expert
-   whose rows staying home lower the busiest port (max over ranks of rows sent or received off
-   rank) by more bytes over the step (dispatch and combine, ``chunks`` chunks at this chunk's
-   counts) than fetching its weights moves through a port.
+   experts per step: those fetched by an earlier chunk of the step (free now), then the first k of
+   the experts above :data:`HOT_LOAD` x the mean load, most loaded first (ties to the lower index),
+   k chosen to maximise the bytes saved on the busiest port (max over ranks of rows sent or received
+   off rank, once their rows stay home; dispatch and combine, ``chunks`` chunks at this chunk's
+   counts) minus what fetching the k experts moves through a port (k = 0 when nothing pays).
 2. **Fetch once per step.** A shadowed expert's weights (and biases) are fetched by one broadcast
    from the owner (groups without ``broadcast``/``reduce``: an all-reduce in which the owner gives
    them and every other rank zeros, exact as x + 0 = x); its backward reduces the weight gradients
@@ -87,26 +87,26 @@ def hot_experts(loads_WE: list, limit: int, L: int, row_bytes: int, fetch_bytes:
     sent = [sum(row) - sum(row[w * L:(w + 1) * L]) for w, row in enumerate(loads_WE)]
     recv = [sum(load[r * L:(r + 1) * L]) - sum(loads_WE[r][r * L:(r + 1) * L]) for r in range(W)]
 
-    def without(e):  # the ports once expert e's rows stay home
+    def without(e, sent, recv):  # the ports once expert e's rows stay home
         o = e // L
         s2 = [s - (loads_WE[w][e] if w != o else 0) for w, s in enumerate(sent)]
         r2 = list(recv)
         r2[o] -= load[e] - loads_WE[o][e]
         return s2, r2
 
-    out = []
-    for e in list(fetched) + sorted(range(E), key=lambda e: (-load[e], e)):
-        if len(out) >= limit or total == 0:
-            break
-        if e in out:
-            continue
-        if e not in fetched and load[e] * E <= HOT_LOAD * total:
-            break
-        s2, r2 = without(e)
-        gain = 2 * chunks * (max(sent + recv) - max(s2 + r2)) * row_bytes  # dispatch and combine, per pass
-        if e in fetched or gain >= fetch_bytes:
-            out.append(e)
-            sent, recv = s2, r2
+    fetched = list(fetched)[:limit]
+    for e in fetched:  # shadowed anyway (free now): the base to improve on
+        sent, recv = without(e, sent, recv)
+    new = [e for e in sorted(range(E), key=lambda e: (-load[e], e))
+           if e not in fetched and total and load[e] * E > HOT_LOAD * total][:max(limit - len(fetched), 0)]
+    base = max(sent + recv, default=0)
+    k_best, net_best = 0, 0.0
+    for k, e in enumerate(new, 1):  # the net saving of also shadowing the first k new ones
+        sent, recv = without(e, sent, recv)
+        net = 2 * chunks * (base - max(sent + recv)) * row_bytes - k * fetch_bytes
+        if net >= net_best:
+            k_best, net_best = k, net
+    out = fetched + new[:k_best]
     return sorted(out)
 
 
