@@ -203,6 +203,6 @@ def _report(rows, modes, s: dict, args) -> None:
             rs, rt = row.get("recovered_shadowed"), row.get("recovered_step_shadowed")
             print(f"  shadowed (shadow_experts={args.shadow_experts}): hidden {row['hidden_shadowed']:.3f}, step "
                   f"{row['shadowed_ms']:.1f} ms (Overlapped {row['overlapped_ms']:.1f}), link {row['shadowed_link_ms']:.1f} ms "
-                  f"(Overlapped's {row['link_ms']:.1f}), shadowed experts per layer {row['shadowed_experts']}"
+                  f"(sequential's {row['link_ms']:.1f}), shadowed experts per layer {row['shadowed_experts']}"
                   + ("" if rs is None else f", recovers {rs:.0%} of the hidden-fraction drop")
                   + ("" if rt is None else f" and {rt:.0%} of the step-time loss"))
