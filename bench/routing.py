@@ -17,10 +17,16 @@ a rank sees when nothing overlaps, the link's modelled time plus the sequential 
 the hot rank's experts (``straggler_ms``); ``hidden = 1 - (step_ms - compute_ms) / comm_ms`` for
 every schedule (compute_ms: the same schedule on a free link; Overlapped and ``mitigated`` share the
 smaller of their two, the same computation), and the speedups against sequential.
-The fifth schedule, ``mitigated``, is Overlapped on the link in ``order="ready"`` (the mitigation,
-:class:`lancet_rt.comm.emulated_skew.SkewedGroup`): a return held back for the hot rank no longer blocks
-the transfers whose data is ready. ``recovered`` (per routing after the first) is the share of the
-drop in Overlapped's hidden fraction, against the first routing, that the mitigation wins back.
+The fifth schedule, ``mitigated``, is Overlapped on the link in ``order="ready"`` (the first mitigation
+tried, :class:`lancet_rt.comm.emulated_skew.SkewedGroup`): a return held back for the hot rank no longer
+blocks the transfers whose data is ready. The sixth, ``shadowed``, is Overlapped on a copy of the model
+(same seed, same weights) whose layers shadow hot experts (``MoE(shadow_experts=N)``, ``--shadow-experts``,
+:mod:`lancet_rt.moe.dispatch.shadow`): the hot experts' weights travel instead of their rows.
+``recovered`` / ``recovered_shadowed`` (per routing after the first) are the shares of the drop in
+Overlapped's hidden fraction, against the first routing, that each wins back (``hidden`` is over the
+unmitigated ``comm_ms``, so a mitigation that removes communication can pass 100%; ``hidden_shadowed_own``
+is over the shadowed step's own link time and straggler wait); ``recovered_step`` /
+``recovered_step_shadowed`` the shares of the step-time loss.
 """
 from __future__ import annotations
 
@@ -118,6 +124,9 @@ def _measure_routing(r, args, s: dict, bw: float, modes) -> dict:
         out[f"{m}_median_ms"] = statistics.median(raw[("link", m)])
         out[f"hidden_{m}"] = 1 - (t[("link", m)] - t[("free", m)]) / comm_ms
         out[f"speedup_{m}"] = t[("link", "sequential")] / t[("link", m)]
+    if "shadowed" in modes:  # of its own (smaller) communication
+        own = out["shadowed_link_ms"] + out["shadowed_straggler_ms"]
+        out["hidden_shadowed_own"] = 1 - (out["shadowed_ms"] - out["shadowed_compute_ms"]) / own if own > 0 else 1.0
     return out
 
 
