@@ -81,9 +81,9 @@ class MoE(nn.Module):
             names (Hugging Face's router is "gate") so that state dicts keep their keys. The roles
             stay reachable as ``moe.router`` etc. whatever their names.
         shadow_experts: at most this many hot experts are shadowed per forward (FasterMoE, PPoPP'22;
-            0, the default: off): their weights are all-reduced to every rank, which computes its own
-            rows of them instead of sending them to the expert's rank; the gradients are summed back to
-            the owner. Chosen from the counts exchange, the same on every rank; exact (outputs; weight
+            0, the default: off): their weights are broadcast to every rank once per step, which computes
+            its own rows of them instead of sending them to the expert's rank; the gradients are reduced
+            into the owner's parameters. Chosen from the counts exchange, the same on every rank; exact (outputs; weight
             gradients up to float32 reassociation of one sum). See :mod:`lancet_rt.moe.dispatch.shadow`.
         dispatcher: "alltoall" (expert parallelism: each rank its own tokens) or "allreduce"
             (PPMoE: the tokens are the same on every rank of ``ep_group``, each rank computes the

@@ -20,16 +20,16 @@ BASE Layers on up to 64 GPUs). This module is our own implementation of the idea
 2. **Fetch once per step.** A shadowed expert's weights (and biases) are fetched by one broadcast
    from the owner (groups without ``broadcast``/``reduce``: an all-reduce in which the owner gives
    them and every other rank zeros, exact as x + 0 = x); its backward reduces the weight gradients
-   into the owner's parameters. Under
-   :class:`lancet_rt.Overlapped` the fetched copy is kept in the step's chunk scope, so the other
+   into the owner's parameters. Under :class:`lancet_rt.Overlapped` the fetched copy is kept in the step's chunk scope, so the other
    chunks use it without a collective and the gradient is reduced once, after every chunk's backward.
    On an :class:`~lancet_rt.comm.emulated.EmulatedGroup` (one process is every rank) the reduce is
    ``"avg"``: the link is held for both, the data stays (every emulated rank is rank 0).
-3. **Dispatch the rest.** The shadowed experts' rows leave the send buffer and their counts are
-   zeroed on both sides (every rank knows them), the remaining rows go through the ordinary dispatch,
-   the experts and the combine; meanwhile the local rows of the shadowed experts run through the same
-   expert kernels (:class:`lancet_rt.moe.experts._ExpertsFn`) with the fetched weights; the two
-   outputs are put back into dispatch-row order for the unpermute.
+3. **Dispatch the rest.** The chunk's ``row_TK`` is remapped so that the permute writes the shadowed
+   experts' rows last (no row is copied); their counts are zeroed on both sides (every rank knows
+   them) and the other rows go through the ordinary dispatch, experts and combine, while this rank's
+   rows of the shadowed experts run through the same expert kernels
+   (:class:`lancet_rt.moe.experts._ExpertsFn`) with the fetched weights; the unpermute reads the
+   combine's rows followed by those.
 
 Exactness: every row meets the same weights and the same kernels as without shadowing, so outputs,
 the input's and the router's gradients are unchanged up to what the grouped GEMM's row count may
