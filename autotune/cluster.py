@@ -6,7 +6,8 @@
 
 A MODEL, not a measurement. Per step of one GPU it predicts computation, communication (the link's busy
 time), exposed communication (step - computation), the hidden fraction and the chunk count Overlapped
-would choose, for three schedules:
+would choose, for three schedules (and with ``--shadow-experts N`` a fourth, ``shadowed``: Overlapped with hot-expert
+shadowing, :func:`lancet_rt.autotune.simulate_model.shadow_skew_for`):
 
 * ``sequential``: the replay at one chunk (:func:`lancet_rt.autotune.replay_sim.replay`, the plain model);
 * ``tutel``: chunking inside each MoE layer only (:func:`lancet_rt.autotune.simulate_model.tutel_step`, on the
@@ -29,14 +30,16 @@ import json
 from typing import Optional
 
 from .replay_sim import replay
-from .simulate_model import SHAPES, build_profile, link_for, skew_for, tutel_step
+from .simulate_model import SHAPES, build_profile, link_for, shadow_skew_for, skew_for, tutel_step
 
 SCHEDULES = ("sequential", "tutel", "overlapped")
 
 
 def simulate_step(model: str, gpus: int, ep: Optional[int] = None, link: Optional[str] = None, routing: str = "balanced",
-                  tokens: int = 8192, seq: int = 4096, chunks=(1, 2, 4, 8), deferred: bool = False) -> dict:
-    """One row: the three schedules' predicted step at this scale and routing (module docstring)."""
+                  tokens: int = 8192, seq: int = 4096, chunks=(1, 2, 4, 8), deferred: bool = False,
+                  shadow: int = 0) -> dict:
+    """One row: the three schedules' predicted step at this scale and routing (module docstring); with
+    ``shadow`` > 0 also Overlapped with ``MoE(shadow_experts=shadow)`` (``shadowed_ms``)."""
     from lancet_rt.routing.traces import parse_routing
 
     if model not in SHAPES:
@@ -68,16 +71,22 @@ def simulate_step(model: str, gpus: int, ep: Optional[int] = None, link: Optiona
         row.update({f"{name}_ms": step, f"{name}_compute_ms": compute, f"{name}_exposed_ms": exposed,
                     f"{name}_hidden": 1 - exposed / comm if comm > 0 else 1.0, f"{name}_chunks": n})
     row["overlapped_vs_sequential"] = 1 - row["overlapped_ms"] / row["sequential_ms"]
+    if shadow:  # Overlapped with hot-expert shadowing (MoE(shadow_experts=N)), the same profile
+        sh_skew, k = shadow_skew_for(source, shape, ep, tokens, shadow)
+        q = min((replay(profile, n, skew=sh_skew) for n in chunks), key=lambda p: p.step_ms)
+        row.update(shadowed_ms=q.step_ms, shadowed_chunks=q.chunks, shadowed_experts=k, shadowed_port=sh_skew.port,
+                   shadowed_hot=sh_skew.hot, shadowed_hidden=1 - max(q.step_ms - q.compute_ms, 0.0) / comm if comm > 0 else 1.0)
     return row
 
 
 def _print(rows: list) -> None:
     cols = ["model", "gpus", "ep", "link", "routing", "hot", "compute_ms", "comm_ms", "seq_ms", "tutel_ms",
-            "ovl_ms", "chunks", "exposed_ms", "hidden", "tutel_hid", "step_vs_seq"]
+            "ovl_ms", "chunks", "exposed_ms", "hidden", "tutel_hid", "step_vs_seq", "shadowed_ms"]
     cells = [[r["model"], r["gpus"], r["ep"], r["link"], r["routing"], f"{r['hot']:.2f}", f"{r['overlapped_compute_ms']:.1f}",
               f"{r['comm_ms']:.1f}", f"{r['sequential_ms']:.1f}", f"{r['tutel_ms']:.1f}", f"{r['overlapped_ms']:.1f}",
               r["overlapped_chunks"], f"{r['overlapped_exposed_ms']:.1f}", f"{r['overlapped_hidden']:.2f}",
-              f"{r['tutel_hidden']:.2f}", f"{-r['overlapped_vs_sequential']:+.1%}"] for r in rows]
+              f"{r['tutel_hidden']:.2f}", f"{-r['overlapped_vs_sequential']:+.1%}",
+              f"{r['shadowed_ms']:.1f} ({r['shadowed_experts']:.1f})" if "shadowed_ms" in r else "-"] for r in rows]
     widths = [max(len(str(c)), *(len(str(row[i])) for row in cells)) for i, c in enumerate(cols)]
     print("MODEL, not a measurement: one H100's training step (ms), lancet_rt.autotune.simulate")
     print("  ".join(str(c).rjust(w) for c, w in zip(cols, widths)))
@@ -100,6 +109,8 @@ def main(argv=None) -> list:
     p.add_argument("--chunks", default="1,2,4,8", help="candidate chunk counts (default 1,2,4,8)")
     p.add_argument("--defer-wgrad", action="store_true", help="Overlapped(defer_wgrad=True)")
     p.add_argument("--table", default=None, help="GPU counts: every model at each, balanced and skewed (e.g. 8,64,256)")
+    p.add_argument("--shadow-experts", type=int, default=0,
+                   help="also Overlapped with MoE(shadow_experts=N): hot-expert shadowing (shadowed_ms; experts per layer)")
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
     chunks = tuple(int(v) for v in args.chunks.split(","))
@@ -111,7 +122,7 @@ def main(argv=None) -> list:
     else:
         cases = [(args.model, args.gpus, args.ep)]
     try:
-        rows = [simulate_step(m, g, ep, args.link, r, args.tokens, args.seq, chunks, args.defer_wgrad)
+        rows = [simulate_step(m, g, ep, args.link, r, args.tokens, args.seq, chunks, args.defer_wgrad, args.shadow_experts)
                 for m, g, ep in cases for r in routings]
     except (OSError, ValueError) as exc:
         p.exit(2, f"simulate: {exc}\n")

@@ -122,6 +122,33 @@ def skew_for(source, shape: Shape, ep: int) -> Skew:
     return Skew(port=sum(ports) / len(ports), hot=sum(hots) / len(hots))
 
 
+def shadow_skew_for(source, shape: Shape, ep: int, tokens: int, limit: int) -> tuple:
+    """(Skew, experts shadowed per layer) with ``MoE(shadow_experts=limit)`` (lancet_rt.moe.dispatch.shadow),
+    every rank routing like the shares, bf16: the shadowed experts' rows stay home (the busiest port and the
+    hot rank's rows shrink; each rank computes its own rows of them), and each fetched expert's weights
+    (a broadcast, and the gradients' reduce in backward) are added to the port's bytes, spread over the
+    layer's all-to-alls of the pass (the replay has no such transfer of its own)."""
+    from lancet_rt.moe.dispatch.shadow import hot_experts
+
+    if ep == 1 or source.kind == "balanced":
+        return Skew(), 0.0
+    E, L, D, K = shape.experts, shape.experts // ep, shape.d_model, shape.top_k
+    weight_bytes = 3 * D * shape.d_ffn * 2
+    a2a_bytes = 2 * tokens * K * D * 2 * (ep - 1) / ep  # rank 0's dispatch and combine bytes per pass
+    ports, hots, ks = [], [], []
+    for l in range(shape.layers):
+        shares = source.shares(l, E)
+        rows = [v * tokens * K for v in shares]
+        hot = hot_experts([rows] * ep, limit, L, D * 2, weight_bytes, 1)
+        kept = [0.0 if e in hot else v for e, v in enumerate(shares)]
+        r = rank_shares(kept, ep)
+        port = max(max(sum(kept) - v, (ep - 1) * v) for v in r) / ((ep - 1) / ep)
+        ports.append(port + len(hot) * weight_bytes / a2a_bytes)
+        hots.append(ep * max(r) + sum(shares) - sum(kept))
+        ks.append(len(hot))
+    return Skew(port=sum(ports) / len(ports), hot=sum(hots) / len(hots)), sum(ks) / len(ks)
+
+
 def tutel_step(profile: ReplayProfile, chunks: int, skew: Skew) -> tuple:
     """Tutel-style chunking inside each MoE layer, nothing across layers, on the cost model's simulation:
     returns (step ms, compute ms). The hot rank's experts run on the ``counts`` stream (unused here) so a

@@ -17,10 +17,16 @@ a rank sees when nothing overlaps, the link's modelled time plus the sequential 
 the hot rank's experts (``straggler_ms``); ``hidden = 1 - (step_ms - compute_ms) / comm_ms`` for
 every schedule (compute_ms: the same schedule on a free link; Overlapped and ``mitigated`` share the
 smaller of their two, the same computation), and the speedups against sequential.
-The fifth schedule, ``mitigated``, is Overlapped on the link in ``order="ready"`` (the mitigation,
-:class:`lancet_rt.comm.emulated_skew.SkewedGroup`): a return held back for the hot rank no longer blocks
-the transfers whose data is ready. ``recovered`` (per routing after the first) is the share of the
-drop in Overlapped's hidden fraction, against the first routing, that the mitigation wins back.
+The fifth schedule, ``mitigated``, is Overlapped on the link in ``order="ready"`` (the first mitigation
+tried, :class:`lancet_rt.comm.emulated_skew.SkewedGroup`): a return held back for the hot rank no longer
+blocks the transfers whose data is ready. The sixth, ``shadowed``, is Overlapped on a copy of the model
+(same seed, same weights) whose layers shadow hot experts (``MoE(shadow_experts=N)``, ``--shadow-experts``,
+:mod:`lancet_rt.moe.dispatch.shadow`): the hot experts' weights travel instead of their rows.
+``recovered`` / ``recovered_shadowed`` (per routing after the first) are the shares of the drop in
+Overlapped's hidden fraction, against the first routing, that each wins back (``hidden`` is over the
+unmitigated ``comm_ms``, so a mitigation that removes communication can pass 100%; ``hidden_shadowed_own``
+is over the shadowed step's own link time and straggler wait); ``recovered_step`` /
+``recovered_step_shadowed`` the shares of the step-time loss.
 """
 from __future__ import annotations
 
@@ -34,13 +40,15 @@ from bench.timing import bandwidth_for_ratio, step_ms
 from lancet_rt import ops as _ops
 from lancet_rt.routing.traces import ZIPF_PRESET_MAX_OVER_MEAN, bias_routers, parse_routing
 
-MODES = ("sequential", "moe_pipelined", "overlapped", "overlapped_dw", "mitigated")
+MODES = ("sequential", "moe_pipelined", "overlapped", "overlapped_dw", "mitigated", "shadowed")
 
 
 def add_routing_args(p) -> None:
     p.add_argument("--routing", default=None,
                    help="comma-separated routings run side by side on the asymmetric link: balanced, zipf (the preset, "
                         "max/mean expert load ~3), zipf:S (Zipf exponent S), trace:FILE (a lancet_rt routing trace)")
+    p.add_argument("--shadow-experts", type=int, default=2,
+                   help="--routing: the 'shadowed' schedule's MoE(shadow_experts=N) (hot-expert shadowing; 0: leave it out)")
 
 
 def expert_ms_per_row(r, s: dict, top_k: int, device) -> float:
@@ -103,6 +111,11 @@ def _measure_routing(r, args, s: dict, bw: float, modes) -> dict:
     comm_ms = link_ms + straggler_ms
     out = dict(max_over_mean=_loads(r), link_ms=link_ms, straggler_ms=straggler_ms, skew_link_ms=skew_ms,
                comm_ms=comm_ms)
+    if "shadowed" in modes:  # the shadowed step's own link time (fewer bytes on the hot port, plus the fetches)
+        r.link.reset()
+        r.step("shadowed")
+        out.update(shadowed_link_ms=r.link.modeled_ms, shadowed_straggler_ms=r.link.straggler_ms,
+                   shadowed_experts=[list(m.shadowed) for m in r.models[-1].moe_layers()])
     if "mitigated" in modes:  # the same computation as Overlapped (only the link's order differs): one estimate
         t[("free", "overlapped")] = t[("free", "mitigated")] = min(t[("free", "overlapped")], t[("free", "mitigated")])
     for m in modes:
@@ -111,7 +124,24 @@ def _measure_routing(r, args, s: dict, bw: float, modes) -> dict:
         out[f"{m}_median_ms"] = statistics.median(raw[("link", m)])
         out[f"hidden_{m}"] = 1 - (t[("link", m)] - t[("free", m)]) / comm_ms
         out[f"speedup_{m}"] = t[("link", "sequential")] / t[("link", m)]
+    if "shadowed" in modes:  # of its own (smaller) communication
+        own = out["shadowed_link_ms"] + out["shadowed_straggler_ms"]
+        out["hidden_shadowed_own"] = 1 - (out["shadowed_ms"] - out["shadowed_compute_ms"]) / own if own > 0 else 1.0
     return out
+
+
+def _add_shadowed(r, args, s: dict, device) -> None:
+    """The ``shadowed`` schedule: Overlapped on a copy of the model (the same seed, so the same weights)
+    whose layers shadow hot experts (``MoE(shadow_experts=N)``, :mod:`lancet_rt.moe.dispatch.shadow`)."""
+    import lancet_rt
+    from bench.model import MoEBlocks
+
+    moe_kwargs = dict(d_ffn=s["d_ffn"], num_experts=s["experts"], top_k=args.top_k, capacity_factor=None,
+                      ep_group=r.link, aux_loss_coef=1e-2, shadow_experts=args.shadow_experts)
+    torch.manual_seed(0)  # as bench.runner.Runner builds its models
+    model = MoEBlocks(s["layers"], s["d_model"], s["heads"], moe_kwargs, device=device, dtype=getattr(torch, s["dtype"]))
+    r.models = tuple(r.models) + (model,)
+    r.runners["shadowed"] = lancet_rt.Overlapped(model, chunks=args.chunks)
 
 
 def run(args, s: dict, device) -> list:
@@ -131,6 +161,10 @@ def run(args, s: dict, device) -> list:
             r.link.order = "fifo"
 
     r.steps["mitigated"] = mitigated
+    if args.shadow_experts and not r.hf:
+        _add_shadowed(r, args, s, device)
+    else:
+        modes = tuple(m for m in MODES if m != "shadowed")
     r.link.expert_ms_per_row = per_row = expert_ms_per_row(r, s, args.top_k, device)
     rows, bw = [], None
     for src in sources:
@@ -150,6 +184,9 @@ def run(args, s: dict, device) -> list:
         row["recovered"] = (row["hidden_mitigated"] - row["hidden_overlapped"]) / drop if drop > 0 else None
         loss = row["overlapped_ms"] - rows[0]["overlapped_ms"]
         row["recovered_step"] = (row["overlapped_ms"] - row["mitigated_ms"]) / loss if loss > 0 else None
+        if "shadowed" in modes:
+            row["recovered_shadowed"] = (row["hidden_shadowed"] - row["hidden_overlapped"]) / drop if drop > 0 else None
+            row["recovered_step_shadowed"] = (row["overlapped_ms"] - row["shadowed_ms"]) / loss if loss > 0 else None
     log = RowLog(args.json)
     for row in rows:
         log.add(row)
@@ -171,3 +208,10 @@ def _report(rows, modes, s: dict, args) -> None:
               f"{row['hidden_overlapped']:.3f}, mitigated {row['hidden_mitigated']:.3f}, straggler wait "
               f"{row['straggler_ms']:.2f} ms of comm {row['comm_ms']:.2f} ms"
               + ("" if rec is None else f", mitigation recovers {rec:.0%} of the hidden-fraction drop"))
+        if "hidden_shadowed" in row:
+            rs, rt = row.get("recovered_shadowed"), row.get("recovered_step_shadowed")
+            print(f"  shadowed (shadow_experts={args.shadow_experts}): hidden {row['hidden_shadowed']:.3f}, step "
+                  f"{row['shadowed_ms']:.1f} ms (Overlapped {row['overlapped_ms']:.1f}), link {row['shadowed_link_ms']:.1f} ms "
+                  f"(sequential's {row['link_ms']:.1f}), shadowed experts per layer {row['shadowed_experts']}"
+                  + ("" if rs is None else f", recovers {rs:.0%} of the hidden-fraction drop")
+                  + ("" if rt is None else f" and {rt:.0%} of the step-time loss"))

@@ -414,6 +414,24 @@ class EmulatedGroup:
         nbytes = 2 * (W - 1) * data.numel() * data.element_size() // W
         return self._submit(nbytes, copy, (data,), "all_reduce", low_priority)
 
+    def broadcast(self, tensor: torch.Tensor, src: int = 0):
+        """Start a broadcast of ``tensor`` from rank ``src``: by symmetry every rank holds it already, so the
+        data stays; the link is held for its bytes (a pipelined broadcast moves them once through each port)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        return self._submit(tensor.numel() * tensor.element_size(), None, (tensor.detach(),), "all_reduce")
+
+    def reduce(self, tensor: torch.Tensor, dst: int = 0, op="sum"):
+        """Start a reduction of ``tensor`` into rank ``dst``: the data as :meth:`all_reduce` gives it ("avg"
+        leaves it), the link held for its bytes once (a pipelined reduce, like :meth:`broadcast`)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+        if op not in ("sum", "avg"):
+            raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
+        W, data = self._size, tensor.detach()
+        copy = (lambda: data.mul_(W)) if op == "sum" and W > 1 and data.numel() else None  # noqa: E731
+        return self._submit(data.numel() * data.element_size(), copy, (data,), "all_reduce")
+
     def exchange(self, send_WN: torch.Tensor):
         """The counts exchange: by symmetry every rank receives what this one sends. It holds its
         channel for the latency (no bytes): its own channel, or with ``counts_channel="shared"``

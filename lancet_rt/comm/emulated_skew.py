@@ -30,6 +30,12 @@ ones; a real runtime gets it by issuing a chunk's return when its hot rank is du
 already holds and the expert time per row) and the ready chunks' transfers first. Data and results
 are unchanged (exact): only the link's timeline moves.
 
+**Hot-expert shadowing** (``MoE(shadow_experts=N)``, :mod:`lancet_rt.moe.dispatch.shadow`, the mitigation that
+moves the hot rank's load) needs nothing of its own here: its all-to-alls carry splits without the shadowed
+experts' rows (a smaller busiest port, fewer hot rows to wait for), and its weight broadcast and gradient
+reduce hold the link for their bytes (:meth:`EmulatedGroup.broadcast`, :meth:`EmulatedGroup.reduce`); every
+modelled rank computes its own rows of the shadowed experts, as rank 0 does.
+
 What it does not model: rank 0's own data stays symmetric (it receives and computes the rows it
 sends, ``sum(splits)``: the mean rank's work, not the ``W * splits[0]`` rows the asymmetric world
 would give it), ranks that route differently from rank 0 (a routing source shapes rank 0's router

@@ -180,6 +180,23 @@ class TorchGroup:
         return self.monitor.issue(what, lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM,
                                                                 group=self.group, async_op=True), header)
 
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str = "broadcast") -> Work:
+        """Start a broadcast of ``tensor`` in place from group rank ``src`` (async; valid after ``wait()``)."""
+        header = (tensor.dtype, [tensor.numel()] * self._size, [tensor.numel()] * self._size)
+        root = dist.get_global_rank(self.group, src)
+        return self.monitor.issue(what, lambda: dist.broadcast(tensor, src=root, group=self.group, async_op=True),
+                                  header)
+
+    def reduce(self, tensor: torch.Tensor, dst: int, op: str = "sum", what: str = "reduce") -> Work:
+        """Start a sum of ``tensor`` over the ranks into group rank ``dst``'s ``tensor`` (async; the others'
+        ``tensor`` is undefined after it)."""
+        if op != "sum":
+            raise ValueError(f"op must be 'sum', got {op!r}")
+        header = (tensor.dtype, [tensor.numel()] * self._size, [tensor.numel()] * self._size)
+        root = dist.get_global_rank(self.group, dst)
+        return self.monitor.issue(what, lambda: dist.reduce(tensor, dst=root, op=dist.ReduceOp.SUM, group=self.group,
+                                                            async_op=True), header)
+
     def exchange(self, send_WN: torch.Tensor) -> "Exchange":
         send = send_WN.to(self._small_device(), torch.int64).contiguous()
         recv = torch.empty_like(send)

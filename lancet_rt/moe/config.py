@@ -57,6 +57,7 @@ class MoEConfig:
     routed_scaling_factor: float = 1.0
     dtype: Optional[torch.dtype] = None
     router_bias: bool = False
+    shadow_experts: int = 0
 
     def __post_init__(self):
         for name in ("d_model", "d_ffn", "num_experts", "top_k", "pipeline_chunks", "n_group"):
@@ -78,6 +79,7 @@ class MoEConfig:
             raise ValueError(f"dispatcher must be one of {DISPATCHERS}, got {self.dispatcher!r}")
         if self.dispatcher == "allreduce" and self.pipeline_chunks != 1:
             raise ValueError(f"pipeline_chunks must be 1 with dispatcher='allreduce', got {self.pipeline_chunks}")
+        self._check_shadow()
         set_ = object.__setattr__  # (frozen: the normalised values once, here)
         set_(self, "capacity_factor", None if self.capacity_factor is None else float(self.capacity_factor))
         set_(self, "normalize_topk", bool(self.normalize_topk))
@@ -94,6 +96,17 @@ class MoEConfig:
             raise TypeError(f"capacity_factor must be None or a number, got {type(cf).__name__}")
         if not cf > 0 or math.isinf(cf):
             raise ValueError(f"capacity_factor must be None (dropless) or a finite number > 0, got {cf}")
+
+    def _check_shadow(self) -> None:
+        """shadow_experts: an int in [0, num_experts], 0 with the all-reduce dispatcher (nothing to shadow)."""
+        n = self.shadow_experts
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"shadow_experts must be an int, got {type(n).__name__}")
+        if not 0 <= n <= self.num_experts:
+            raise ValueError(f"shadow_experts must be in [0, num_experts={self.num_experts}], got {n}")
+        if n and self.dispatcher != "alltoall":
+            raise ValueError(f"shadow_experts must be 0 with dispatcher={self.dispatcher!r} (it shadows "
+                             f"experts of the all-to-all dispatch), got {n}")
 
     def _check_groups(self) -> None:
         """Group-limited top-k: n_group divides E, topk_group in [1, n_group], and K experts reachable."""

@@ -27,7 +27,7 @@ from lancet_rt.comm import group as comm
 from lancet_rt.moe.config import (MoEConfig, check_modules, check_prebuilt, config_names, config_vector,
                                   role_names)
 from lancet_rt.moe.dispatch import allreduce as _allreduce
-from lancet_rt.moe.dispatch import alltoall, pipelined
+from lancet_rt.moe.dispatch import alltoall, pipelined, shadow
 from lancet_rt.moe.dispatch.common import Counts, Dispatched, Route, exchange_counts
 from lancet_rt.moe import library as _library
 from lancet_rt.moe.experts import Experts
@@ -81,6 +81,11 @@ class MoE(nn.Module):
             "experts", "shared_experts", "shared_expert_gate"); an integration keeps a model's own
             names (Hugging Face's router is "gate") so that state dicts keep their keys. The roles
             stay reachable as ``moe.router`` etc. whatever their names.
+        shadow_experts: at most this many hot experts are shadowed per forward (FasterMoE, PPoPP'22;
+            0, the default: off): their weights are broadcast to every rank once per step, which computes
+            its own rows of them instead of sending them to the expert's rank; the gradients are reduced
+            into the owner's parameters. Chosen from the counts exchange, the same on every rank; exact (outputs; weight
+            gradients up to float32 reassociation of one sum). See :mod:`lancet_rt.moe.dispatch.shadow`.
         dispatcher: "alltoall" (expert parallelism: each rank its own tokens) or "allreduce"
             (PPMoE: the tokens are the same on every rank of ``ep_group``, each rank computes the
             rows routed to its experts and one all-reduce sums the outputs; see
@@ -93,7 +98,7 @@ class MoE(nn.Module):
 
     Attributes after each forward (detached, for logging): ``aux_loss``, ``z_loss`` (unscaled),
     ``tokens_per_expert`` (int64 [E], assignments before dropping), ``dropped`` (int, dropped
-    assignments).
+    assignments); with ``shadow_experts``: ``shadowed`` (the experts the last chunk shadowed, a list).
     """
 
     _ROLES = ("router", "experts", "shared_experts", "shared_expert_gate")
@@ -105,13 +110,14 @@ class MoE(nn.Module):
                  expert_bias: bool = False, n_group: int = 1, topk_group: Optional[int] = None,
                  routed_scaling_factor: float = 1.0, shared_experts: Optional[nn.Module] = None,
                  shared_expert_gate: Optional[nn.Module] = None, router: Optional[nn.Module] = None,
-                 experts: Optional[Experts] = None, names: Optional[dict] = None, device=None, dtype=None):
+                 experts: Optional[Experts] = None, names: Optional[dict] = None, shadow_experts: int = 0,
+                 device=None, dtype=None):
         super().__init__()
         cfg = MoEConfig(d_model, d_ffn, num_experts, top_k, capacity_factor=capacity_factor, score_fn=score_fn,
                         normalize_topk=normalize_topk, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
                         pipeline_chunks=pipeline_chunks, dispatcher=dispatcher, expert_bias=expert_bias,
                         n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
-                        dtype=dtype, router_bias=router_bias)
+                        dtype=dtype, router_bias=router_bias, shadow_experts=shadow_experts)
         check_modules(shared_experts, shared_expert_gate, router, experts)
         names = role_names(names, self._ROLES, set(dir(type(self))) - set(self._ROLES))
         self.group = comm.as_group(ep_group)
@@ -119,6 +125,9 @@ class MoE(nn.Module):
             _allreduce.check_group(self.group)
         world = self.group.size if self.group is not None else 1
         cfg.check_world(world)
+        shadow.check_group(cfg.shadow_experts, self.group)
+        self.shadow_experts = cfg.shadow_experts
+        self.shadowed: list = []
         self.config = cfg  # the options as given (the cross-rank check compares them all: moe.config.WIRE_FIELDS)
         self.dispatcher = cfg.dispatcher
         self.d_model, self.d_ffn, self.num_experts, self.top_k = d_model, d_ffn, num_experts, top_k
@@ -345,6 +354,8 @@ class MoE(nn.Module):
             return (y_TD if shared is None else y_TD + shared).view(x.shape)
         x_c = x_TD.to(dtype)  # under autocast the tokens travel and meet the experts in its dtype
         exchange = alltoall.exchange_and_compute if self.pipeline_chunks == 1 else pipelined.exchange_and_compute
+        if self.shadow_experts and self.pipeline_chunks == 1 and self.group is not None:
+            exchange = shadow.exchange_and_compute
         y_SD, src_S, link, shared = exchange(self, x_c, r, ops, chunk, x_TD)
         with _trace.span("unpermute", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk):
             y_TD = unpermute(y_SD, r.row_TK, r.weight_TK, src_S, ops, link)

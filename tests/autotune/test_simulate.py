@@ -59,3 +59,31 @@ def test_bad_arguments_and_cli(tmp_path, capsys):
     assert "MODEL, not a measurement" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         simulate.main(["--model", "mixtral"])
+
+
+def test_shadowing_in_the_simulator():
+    # Balanced routing shadows nothing (the same step); under the zipf preset the shadowed experts' rows stay
+    # home: a smaller busiest port and hot rank (the fetches added to the port), a faster step, still
+    # slower than balanced routing.
+    bal = simulate.simulate_step("mixtral", 8, routing="balanced", shadow=2)
+    assert bal["shadowed_experts"] == 0 and bal["shadowed_ms"] == bal["overlapped_ms"]
+    skw = simulate.simulate_step("mixtral", 8, routing="zipf", shadow=2)
+    assert skw["shadowed_experts"] >= 1
+    assert skw["shadowed_hot"] < skw["hot"] and skw["shadowed_port"] < skw["port"]
+    assert bal["overlapped_ms"] < skw["shadowed_ms"] < skw["overlapped_ms"]
+    assert "shadowed_ms" not in simulate.simulate_step("mixtral", 8, routing="zipf")
+    # By hand, one layer of 8 experts on 8 ranks with the hot expert shadowed: port and hot rows from the
+    # remaining shares, plus the fetch's bytes over the pass's all-to-all bytes.
+    from lancet_rt.routing.traces import parse_routing
+    shape = simulate_model.SHAPES["mixtral"]
+    src = parse_routing("zipf")
+    sk, k = simulate_model.shadow_skew_for(src, shape, 8, 8192, 1)
+    assert k == 1
+    shares = src.shares(0, 8)
+    hot = shares.index(max(shares))
+    kept = [0.0 if e == hot else v for e, v in enumerate(shares)]
+    port = max(max(sum(kept) - v, 7 * v) for v in kept) / (7 / 8)
+    fetch = 3 * 4096 * 14336 * 2 / (2 * 8192 * 2 * 4096 * 2 * 7 / 8)
+    # (every layer's zipf shares are the same values in another order, so the layer average is this layer's)
+    assert sk.port == pytest.approx(port + fetch)
+    assert sk.hot == pytest.approx(8 * max(kept) + max(shares))

@@ -20,6 +20,10 @@ def test_routing_rows(tmp_path):
         for m in ("sequential", "moe_pipelined", "overlapped", "overlapped_dw", "mitigated"):
             assert r[f"{m}_ms"] > 0 and r[f"hidden_{m}"] <= 1.0
     assert "recovered" in rows[1] and "recovered" not in rows[0]
+    # The shadowed schedule (MoE(shadow_experts=2) on the same weights): its own link time, and under the
+    # zipf preset a hot expert shadowed in some layer.
+    assert rows[1]["shadowed_ms"] > 0 and rows[1]["shadowed_link_ms"] > 0 and "recovered_step_shadowed" in rows[1]
+    assert any(layer for layer in rows[1]["shadowed_experts"])
     written = out.read_text().strip()
     assert written and "overlap_routing" in written
     with pytest.raises(ValueError, match="routing"):

@@ -46,6 +46,7 @@ class Counts:
     def __init__(self, exchange, P, W, L, error):
         self._exchange, self._shape, self._error = exchange, (P, W, L), error
         self.host: Optional[tuple[list, list]] = None  # (recv, sent), each [P][W][E_local] ints
+        self.loads: Optional[list] = None  # [W][E] each rank's kept rows per expert (hot-expert shadowing)
 
     def wait(self) -> None:
         """Fills :attr:`host`; raises if any rank reported a rejected input."""
@@ -55,6 +56,8 @@ class Counts:
             rows_recv, rows_sent = torch.stack((recv, self._exchange.sent)).tolist()  # the one read
             faults.raise_on_bad_status([row[P * L] for row in rows_recv], self._error)
             self.host = (_by_piece(rows_recv, P, L), _by_piece(rows_sent, P, L))
+            if len(rows_recv[0]) > P * L + 1:  # the senders' whole kept_E rode along (shadowing)
+                self.loads = [row[P * L + 1:] for row in rows_recv]
 
     def received(self) -> torch.Tensor:
         """recv [P, W, E_local] on the host, after :meth:`wait`."""
@@ -77,7 +80,9 @@ def exchange_counts(moe, kept_PE: torch.Tensor, error: Optional[Exception] = Non
 
     Returns:
         A :class:`Counts` handle; with ``dispatcher="allreduce"`` every rank gets every rank's
-        counts over all E experts (they must agree).
+        counts over all E experts (they must agree). With ``moe.shadow_experts > 0`` each row also
+        carries the sender's kept rows of all E experts (``Counts.loads``: the same global loads on
+        every rank, from which the shadowed experts are chosen; :mod:`~lancet_rt.moe.dispatch.shadow`).
     """
     L, W = moe.num_local_experts, moe.ep_size
     P = kept_PE.shape[0]
@@ -87,8 +92,11 @@ def exchange_counts(moe, kept_PE: torch.Tensor, error: Optional[Exception] = Non
     else:
         counts = (kept_PE.view(W, L) if P == 1 else kept_PE.view(P, W, L).permute(1, 0, 2).reshape(W, P * L)).long()
     status = torch.full((W, 1), faults.status_code(error), dtype=torch.long, device=counts.device)
+    parts = [counts, status]
+    if getattr(moe, "shadow_experts", 0) and moe.dispatcher == "alltoall":
+        parts.append(kept_PE.sum(0).long().view(1, -1).expand(W, -1))
     group = moe.group
-    return faults.in_order(group, lambda: Counts(group.exchange(torch.cat([counts, status], dim=1)), P, W, L, error))
+    return faults.in_order(group, lambda: Counts(group.exchange(torch.cat(parts, dim=1)), P, W, L, error))
 
 
 def host_bounds(counts_L: list) -> list:
