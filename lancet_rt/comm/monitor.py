@@ -88,6 +88,9 @@ class GroupMonitor:
         if size > 1:
             self._put(f"who/{rank}", _process_identity())
 
+    def _advice(self) -> str:
+        return ADVICE.replace("expert-parallel", self.label, 1)
+
     def set_timeout(self, timeout_s: float) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
             raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
@@ -161,7 +164,7 @@ class GroupMonitor:
             raise self.break_(CollectiveMismatch(
                 f"collective #{seq} does not match across {self.label} ranks (seen on rank {self.rank}): {problem}. "
                 f"The ranks ran different steps (a skipped backward, an extra forward or step, other shapes); nothing "
-                f"was sent. {ADVICE}", ranks))
+                f"was sent. {self._advice()}", ranks))
 
     @contextlib.contextmanager
     def bounded(self, what: str):
@@ -262,11 +265,11 @@ class GroupMonitor:
                          for q, rec in sorted((origin or records).items()))
         if at_fault == [self.rank]:
             return PeerError(f"{self.label} rank {self.rank} was reported as not answering while it waited in "
-                             f"collective #{seq} ({what}) (by {told}){cause}. {ADVICE}", at_fault)
+                             f"collective #{seq} ({what}) (by {told}){cause}. {self._advice()}", at_fault)
         timeout = all(rec.get("kind") == "PeerTimeout" for rec in records.values())
         return (PeerTimeout if timeout else PeerError)(
             f"{self.label} rank(s) {at_fault} failed or stopped answering in the middle of a step; rank "
-            f"{self.rank} was waiting in collective #{seq} ({what}) ({told}){cause}. {ADVICE}", at_fault)
+            f"{self.rank} was waiting in collective #{seq} ({what}) ({told}){cause}. {self._advice()}", at_fault)
 
     def _records(self) -> dict:
         out = {}
@@ -286,7 +289,7 @@ class GroupMonitor:
         ranks, notes = self._roll_call(seq)
         who = f"rank(s) {ranks} stopped answering ({'; '.join(notes)})" if ranks else _unnamed(notes)
         return PeerTimeout(f"{self.label} rank {self.rank} waited {waited:.1f} s (timeout {self.timeout_s:g} s, "
-                           f"{env.TIMEOUT}) in collective #{seq} ({what}): {who}. {ADVICE}", ranks)
+                           f"{env.TIMEOUT}) in collective #{seq} ({what}): {who}. {self._advice()}", ranks)
 
     def _lost(self, seq: int, what: str, exc: BaseException) -> GroupError:
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -297,9 +300,10 @@ class GroupMonitor:
         who = f"rank(s) {ranks} stopped answering ({'; '.join(notes)})" if ranks else _unnamed(notes)
         if any(w in cause.lower() for w in ("timed out", "timeout")):  # gloo's operation timeout (set to the group's)
             return PeerTimeout(f"collective #{seq} ({what}) timed out on {self.label} rank {self.rank} (timeout "
-                               f"{self.timeout_s:g} s, {env.TIMEOUT}): {who}. Backend error: {cause}. {ADVICE}", ranks)
+                               f"{self.timeout_s:g} s, {env.TIMEOUT}): {who}. Backend error: {cause}. "
+                               f"{self._advice()}", ranks)
         return PeerError(f"collective #{seq} ({what}) failed on {self.label} rank {self.rank}: {who}. "
-                         f"Backend error: {cause}. {ADVICE}", ranks)
+                         f"Backend error: {cause}. {self._advice()}", ranks)
 
     def _roll_call(self, seq: int) -> tuple[list, list]:
         """Which peers have not reached collective ``seq``, and why (exited, alive, failed)."""

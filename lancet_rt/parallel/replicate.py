@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lancet_rt.parallel import mesh as _mesh
-from lancet_rt.parallel.sync import GradientSync, _drain, expert_parameters
+from lancet_rt.parallel.sync import GradientSync, _abort_step, expert_parameters
 
 
 class Replicated(GradientSync):
@@ -64,7 +64,7 @@ class Replicated(GradientSync):
             self._abandon()
 
     def _abandon(self) -> None:
-        _drain(self._buckets)
+        _abort_step(self._buckets, RuntimeError("a backward raised before its gradient sync finished"))
         self._active = self._in_backward = False
 
 

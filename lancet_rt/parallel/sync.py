@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lancet_rt.comm.faults import GroupError
+from lancet_rt.comm.faults import GroupError, PeerError
 from lancet_rt.moe.experts import Experts
 from lancet_rt.parallel import mesh as _mesh
 
@@ -224,7 +224,7 @@ class GradientSync:
     def __exit__(self, exc_type, exc, tb) -> None:
         self._active = False
         if exc_type is not None:
-            _drain(self._buckets)  # a failed backward: let what is in flight arrive, change nothing
+            _abort_step(self._buckets, exc)  # a failed backward: change nothing, tell the peers
             return
         self._finish()
 
@@ -286,6 +286,23 @@ class GradientSync:
                 b.works.append(mon.issue(what, lambda piece=piece: dist.all_reduce(
                     piece, op=op, group=b.group, async_op=True)))
         self.issued += len(pieces)
+
+
+def _abort_step(buckets: list, exc: BaseException) -> None:
+    """A backward that raised inside the step: its buckets did not all go out, so the peers wait in
+    all-reduces this rank will not issue, and its next step's would pair with theirs. Break each
+    process group's monitor (a failure record: the peers raise PeerError naming this rank within a
+    poll; this rank's next use raises GroupError), then let what is in flight arrive."""
+    if not isinstance(exc, GroupError):  # (a GroupError: the group broke already, the peers know)
+        cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        for group in {id(b.group): b.group for b in buckets}.values():
+            if isinstance(group, dist.ProcessGroup) or group is None:
+                mon = _mesh.monitor(group)
+                if mon.size > 1:
+                    mon.break_(PeerError(f"{mon.label} rank {mon.rank} raised in backward inside its gradient "
+                                         f"sync ({cause[:300]}); the step's gradient all-reduces are incomplete",
+                                         [mon.rank]))
+    _drain(buckets)
 
 
 def _drain(buckets: list) -> None:

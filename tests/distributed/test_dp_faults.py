@@ -132,6 +132,22 @@ def _dp_cases(rank, world, out_dir):
 
     g = dist.new_group()
     model = _model()
+    sync = GradientSync(model, g)
+
+    def raising_step():
+        with sync:
+            if rank == 1:
+                raise RuntimeError("injected in backward")
+            _backward(model, rank)
+
+    def next_step():
+        with sync:
+            _backward(model, rank)
+    res["a rank raises inside GradientSync"] = _outcome(raising_step)
+    res["the step after it"] = _outcome(next_step)
+
+    g = dist.new_group()
+    model = _model()
     _backward(model, rank)
     sync_gradients(model, g)  # a first step: the monitors exist, each rank's process is known
     if rank == 1:
@@ -183,6 +199,16 @@ def test_a_peer_that_never_joins_the_all_reduce_times_out_by_name(dp_cases):
             f"timeout {TIMEOUT_S:g} s", "rank 1 has not reached collective #2", "its process is alive", ranks=[1])
     _raised(dp_cases[1]["a peer never joins GradientSync"], "PeerError", "rank 1 was reported as not answering",
             ranks=[1])
+
+
+def test_an_exception_inside_gradient_sync_reaches_the_peers_and_breaks_the_group(dp_cases):
+    """PeerError from rank 1's failure record (not after the timeout), then GroupError on both ranks:
+    rank 1's next step would otherwise pair its all-reduces with rank 0's of this one."""
+    _raised(dp_cases[1]["a rank raises inside GradientSync"], "RuntimeError", "injected in backward")
+    _raised(dp_cases[0]["a rank raises inside GradientSync"], "PeerError", "data-parallel rank(s) [1] failed",
+            "gradient bucket 0", "RuntimeError: injected in backward", ranks=[1])
+    for res in dp_cases:
+        _raised(res["the step after it"], "GroupError", "data-parallel group unusable since an earlier failure")
 
 
 def test_a_killed_peer_is_named_by_the_survivor(dp_cases):
