@@ -205,9 +205,12 @@ class GradientSync:
             return
         for q in self._queues.values():
             group = q.buckets[0].group
+            mon = _mesh.monitor(group)
+            if not (mon.check_headers and mon.size > 1):
+                continue  # (NCCL: no host sync; one rank: nothing to compare)
             plan = [(b.index, len(b.params), sum(p.numel() for p in b.params), str(b.params[0].dtype))
                     for b in q.buckets]
-            total, mon = sum(n for _, _, n, _ in plan), _mesh.monitor(group)
+            total = sum(n for _, _, n, _ in plan)
             crc = zlib.crc32(repr((plan, self.piece_bytes, self.params)).encode())
             mon.check(f"gradient sync plan {crc:08x}, {len(plan)} buckets", (q.buckets[0].params[0].dtype,
                       [total] * mon.size, [total] * mon.size))
@@ -293,15 +296,14 @@ def _abort_step(buckets: list, exc: BaseException) -> None:
     all-reduces this rank will not issue, and its next step's would pair with theirs. Break each
     process group's monitor (a failure record: the peers raise PeerError naming this rank within a
     poll; this rank's next use raises GroupError), then let what is in flight arrive."""
-    if not isinstance(exc, GroupError):  # (a GroupError: the group broke already, the peers know)
-        cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        for group in {id(b.group): b.group for b in buckets}.values():
-            if isinstance(group, dist.ProcessGroup) or group is None:
-                mon = _mesh.monitor(group)
-                if mon.size > 1:
-                    mon.break_(PeerError(f"{mon.label} rank {mon.rank} raised in backward inside its gradient "
-                                         f"sync ({cause[:300]}); the step's gradient all-reduces are incomplete",
-                                         [mon.rank]))
+    cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    for group in {id(b.group): b.group for b in buckets}.values():
+        if isinstance(group, dist.ProcessGroup) or group is None:
+            mon = _mesh.monitor(group)  # (one that broke already, with this error say, keeps its record)
+            if mon.size > 1:
+                mon.break_(PeerError(f"{mon.label} rank {mon.rank} raised in backward inside its gradient "
+                                     f"sync ({cause[:300]}); the step's gradient all-reduces are incomplete",
+                                     [mon.rank]))
     _drain(buckets)
 
 

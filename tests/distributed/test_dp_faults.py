@@ -215,3 +215,36 @@ def test_a_killed_peer_is_named_by_the_survivor(dp_cases):
     kind, msg, ranks = dp_cases[0]["a peer killed before sync_gradients"]
     assert kind in ("PeerError", "PeerTimeout") and "gradient all-reduce (dense)" in msg, (kind, msg)
     assert "rank 1: its process has exited" in msg and ranks == [1], (ranks, msg)
+
+
+def _four_ranks(rank, world):
+    """4 ranks: sizes that differ on rank 2, then rank 3 killed before the all-reduce."""
+    import torch.distributed as dist
+
+    from lancet_rt.parallel import sync_gradients
+
+    os.environ[env.TIMEOUT] = str(TIMEOUT_S)
+    torch.set_num_threads(1)
+    model = _model(9 if rank == 2 else 8)
+    _backward(model, rank)
+    res = {"sizes differ on rank 2": _outcome(lambda: sync_gradients(model, dist.new_group()))}
+    g = dist.new_group()
+    model = _model()
+    _backward(model, rank)
+    sync_gradients(model, g)  # a first step
+    if rank == 3:
+        os.kill(os.getpid(), signal.SIGKILL)
+    res["rank 3 killed"] = _outcome(lambda: sync_gradients(model, g))
+    return res
+
+
+def test_four_ranks_mismatch_and_a_killed_rank():
+    results = run_ranks(_four_ranks, 4, timeout=120, may_die=(3,))
+    assert 3 not in results, "rank 3 killed itself"
+    for r in (0, 1, 2):
+        status, res = results[r]
+        assert status == "ok", res
+        _raised(res["sizes differ on rank 2"], "CollectiveMismatch", "rank 2 issued #1 gradient all-reduce (dense)",
+                "sends [85, 85, 85, 85]", "rank 0 issued #1 gradient all-reduce (dense) (torch.float32, sends [76")
+        kind, msg, ranks = res["rank 3 killed"]
+        assert kind in ("PeerError", "PeerTimeout") and ranks == [3], (kind, ranks, msg)
