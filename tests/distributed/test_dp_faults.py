@@ -1,12 +1,14 @@
-"""Faults in the data-parallel gradient collectives (``lancet_rt.parallel``): on 2 real gloo ranks
-under a hard timeout, every rank raises a named error instead of hanging or dying in the backend.
+"""Faults in the data-parallel gradient collectives (``lancet_rt.parallel``): on 2 and 4 real gloo
+ranks under a hard timeout, every rank raises a named error instead of hanging or dying in the backend.
 
 sync_gradients, GradientSync and replicate issue their all-reduces and broadcasts through the
 process group's monitor (:func:`lancet_rt.parallel.mesh.monitor`): sizes that differ across ranks
 are a CollectiveMismatch on every rank before gloo sees them (gloo would abort the process: "Received
 data size doesn't match"), a peer that never joins is a PeerTimeout naming it after
-``LANCET_TIMEOUT_S`` (3 s here), a killed peer a PeerError naming it. One spawn runs every case in
-sequence, each fault on a process group of its own; rank 1 kills itself in the last one.
+``LANCET_TIMEOUT_S`` (3 s here), a killed peer a PeerError naming it, an exception inside the step a
+PeerError on the peers within a poll. One 2-rank spawn runs those cases in sequence, each fault on a
+process group of its own (rank 1 kills itself in the last one); one 4-rank spawn repeats the
+mismatch and the kill.
 """
 from __future__ import annotations
 
