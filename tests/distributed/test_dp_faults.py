@@ -249,4 +249,6 @@ def test_four_ranks_mismatch_and_a_killed_rank():
         _raised(res["sizes differ on rank 2"], "CollectiveMismatch", "rank 2 issued #1 gradient all-reduce (dense)",
                 "sends [85, 85, 85, 85]", "rank 0 issued #1 gradient all-reduce (dense) (torch.float32, sends [76")
         kind, msg, ranks = res["rank 3 killed"]
-        assert kind in ("PeerError", "PeerTimeout") and ranks == [3], (kind, ranks, msg)
+        # (3 among the ranks named: a loaded machine may leave a live peer out of the 0.2 s roll call)
+        assert kind in ("PeerError", "PeerTimeout") and 3 in ranks, (kind, ranks, msg)
+        assert "rank 3: its process has exited" in msg and "gradient all-reduce (dense)" in msg, msg
