@@ -56,11 +56,16 @@ class GroupMonitor:
         check_headers: compare every collective's (sequence number, kind, dtype, sizes) across the
             ranks before it is issued (:meth:`issue`; None: on for gloo, off for NCCL).
         header_device: where the header all-gather's tensors live (CUDA for NCCL; default CPU).
+
+    Attributes:
+        label: how messages name the group's ranks ("expert-parallel"; "data-parallel" for a group
+            that only :mod:`lancet_rt.parallel` uses, :func:`lancet_rt.parallel.mesh.monitor`).
     """
 
     def __init__(self, group, rank: int, size: int, backend: str, timeout_s: float, counts_group=None,
                  check_headers: Optional[bool] = None, header_device=None):
         self.group, self.rank, self.size = group, rank, size
+        self.label = "expert-parallel"
         # gloo: the header's host round trip costs what the collective's own wait costs; NCCL: a host sync, so off
         self.check_headers = ("gloo" in backend) if check_headers is None else bool(check_headers)
         self.header_device = torch.device("cpu") if header_device is None else header_device
@@ -83,6 +88,9 @@ class GroupMonitor:
         if size > 1:
             self._put(f"who/{rank}", _process_identity())
 
+    def _advice(self) -> str:
+        return ADVICE.replace("expert-parallel", self.label, 1)
+
     def set_timeout(self, timeout_s: float) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
             raise ValueError(f"timeout_s must be a finite number of seconds > 0, got {timeout_s!r}")
@@ -100,7 +108,7 @@ class GroupMonitor:
         disagree, so mismatched messages never reach the backend (gloo aborts the process on them).
         """
         if self.broken is not None:
-            raise GroupError(f"expert-parallel group unusable since an earlier failure: {self.broken}",
+            raise GroupError(f"{self.label} group unusable since an earlier failure: {self.broken}",
                              self.broken.ranks)
         self.issued += 1
         seq = self.issued
@@ -117,6 +125,18 @@ class GroupMonitor:
                 self._inflight.append((seq, what, work, time.monotonic()))
             self._start_watchdog()
         return Watched(work, self, seq, what)
+
+    def check(self, what: str, header) -> None:
+        """The header check of :meth:`issue` alone, numbered as a collective (gloo; nothing with
+        ``check_headers`` off): every rank raises :class:`CollectiveMismatch` if the ranks' (sequence
+        number, kind, dtype, sizes) differ. For a plan checked once before collectives issued
+        unchecked, where waiting for the peers before each one could deadlock (gradient buckets)."""
+        if self.broken is not None:
+            raise GroupError(f"{self.label} group unusable since an earlier failure: {self.broken}",
+                             self.broken.ranks)
+        if self.check_headers and self.size > 1:
+            self.issued += 1
+            self._check_header(self.issued, what, header)
 
     def _launch(self, gloo, launch: Callable[[], object], seq: int, what: str):
         try:
@@ -142,9 +162,9 @@ class GroupMonitor:
         problem, ranks = mismatch(torch.stack(rows).cpu().tolist(), self.size)
         if problem:
             raise self.break_(CollectiveMismatch(
-                f"collective #{seq} does not match across expert-parallel ranks (seen on rank {self.rank}): {problem}. "
+                f"collective #{seq} does not match across {self.label} ranks (seen on rank {self.rank}): {problem}. "
                 f"The ranks ran different steps (a skipped backward, an extra forward or step, other shapes); nothing "
-                f"was sent. {ADVICE}", ranks))
+                f"was sent. {self._advice()}", ranks))
 
     @contextlib.contextmanager
     def bounded(self, what: str):
@@ -244,12 +264,12 @@ class GroupMonitor:
         told = "; ".join(f"rank {q}: {rec['msg'].splitlines()[0][:600]}"
                          for q, rec in sorted((origin or records).items()))
         if at_fault == [self.rank]:
-            return PeerError(f"expert-parallel rank {self.rank} was reported as not answering while it waited in "
-                             f"collective #{seq} ({what}) (by {told}){cause}. {ADVICE}", at_fault)
+            return PeerError(f"{self.label} rank {self.rank} was reported as not answering while it waited in "
+                             f"collective #{seq} ({what}) (by {told}){cause}. {self._advice()}", at_fault)
         timeout = all(rec.get("kind") == "PeerTimeout" for rec in records.values())
         return (PeerTimeout if timeout else PeerError)(
-            f"expert-parallel rank(s) {at_fault} failed or stopped answering in the middle of a step; rank "
-            f"{self.rank} was waiting in collective #{seq} ({what}) ({told}){cause}. {ADVICE}", at_fault)
+            f"{self.label} rank(s) {at_fault} failed or stopped answering in the middle of a step; rank "
+            f"{self.rank} was waiting in collective #{seq} ({what}) ({told}){cause}. {self._advice()}", at_fault)
 
     def _records(self) -> dict:
         out = {}
@@ -268,8 +288,8 @@ class GroupMonitor:
             return known
         ranks, notes = self._roll_call(seq)
         who = f"rank(s) {ranks} stopped answering ({'; '.join(notes)})" if ranks else _unnamed(notes)
-        return PeerTimeout(f"expert-parallel rank {self.rank} waited {waited:.1f} s (timeout {self.timeout_s:g} s, "
-                           f"{env.TIMEOUT}) in collective #{seq} ({what}): {who}. {ADVICE}", ranks)
+        return PeerTimeout(f"{self.label} rank {self.rank} waited {waited:.1f} s (timeout {self.timeout_s:g} s, "
+                           f"{env.TIMEOUT}) in collective #{seq} ({what}): {who}. {self._advice()}", ranks)
 
     def _lost(self, seq: int, what: str, exc: BaseException) -> GroupError:
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -278,11 +298,12 @@ class GroupMonitor:
             return known
         ranks, notes = self._roll_call(seq)
         who = f"rank(s) {ranks} stopped answering ({'; '.join(notes)})" if ranks else _unnamed(notes)
-        if "timed out" in cause.lower():  # gloo's operation timeout, set to the group's
-            return PeerTimeout(f"collective #{seq} ({what}) timed out on expert-parallel rank {self.rank} (timeout "
-                               f"{self.timeout_s:g} s, {env.TIMEOUT}): {who}. Backend error: {cause}. {ADVICE}", ranks)
-        return PeerError(f"collective #{seq} ({what}) failed on expert-parallel rank {self.rank}: {who}. "
-                         f"Backend error: {cause}. {ADVICE}", ranks)
+        if any(w in cause.lower() for w in ("timed out", "timeout")):  # gloo's operation timeout (set to the group's)
+            return PeerTimeout(f"collective #{seq} ({what}) timed out on {self.label} rank {self.rank} (timeout "
+                               f"{self.timeout_s:g} s, {env.TIMEOUT}): {who}. Backend error: {cause}. "
+                               f"{self._advice()}", ranks)
+        return PeerError(f"collective #{seq} ({what}) failed on {self.label} rank {self.rank}: {who}. "
+                         f"Backend error: {cause}. {self._advice()}", ranks)
 
     def _roll_call(self, seq: int) -> tuple[list, list]:
         """Which peers have not reached collective ``seq``, and why (exited, alive, failed)."""

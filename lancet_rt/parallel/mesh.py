@@ -162,3 +162,19 @@ def check_one_group(model, group, argument: str = "group") -> None:
                              f"the group holds ranks {sorted(ranks)}: one group means data and expert parallelism "
                              "over the same ranks; for data parallelism beside expert parallelism pass the "
                              "('dp', 'ep') DeviceMesh (init_device_mesh(..., mesh_dim_names=('dp', 'ep')))")
+
+
+def monitor(group):
+    """The :class:`lancet_rt.comm.monitor.GroupMonitor` of process group ``group`` (None: the default
+    group): one per process group, shared with the expert-parallel layers and the checkpoints on it
+    (:func:`lancet_rt.comm.group.as_group`), created on first use (no collective). Its collectives are
+    numbered, each wait bounded by ``LANCET_TIMEOUT_S`` (or the group's ``set_timeout``), a lost peer
+    named; on gloo a header all-gather checks each checked collective's sizes first."""
+    from lancet_rt.comm.group import _torch_groups, as_group
+
+    pg = dist.group.WORLD if group is None else group
+    new = pg not in _torch_groups
+    mon = as_group(pg).monitor
+    if new:  # only data parallelism uses it so far (an expert-parallel layer on it later shares it)
+        mon.label = "data-parallel"
+    return mon

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lancet_rt.parallel import mesh as _mesh
-from lancet_rt.parallel.sync import GradientSync, expert_parameters
+from lancet_rt.parallel.sync import GradientSync, _abort_step, expert_parameters
 
 
 class Replicated(GradientSync):
@@ -64,9 +64,7 @@ class Replicated(GradientSync):
             self._abandon()
 
     def _abandon(self) -> None:
-        for b in self._buckets:
-            for w in b.works:
-                w.wait()
+        _abort_step(self._buckets, RuntimeError("a backward raised before its gradient sync finished"))
         self._active = self._in_backward = False
 
 
@@ -78,11 +76,15 @@ def _broadcast(model: nn.Module, lay: _mesh.Layout) -> None:
     expert_tensors = {id(t) for m in model.modules() if isinstance(m, Experts)
                       for t in list(m.parameters()) + list(m.buffers())}
     for t in list(model.parameters()) + list(model.buffers()):
-        if id(t) in expert_tensors:
-            if lay.expert_group is not None:
-                dist.broadcast(t.data, group=lay.expert_group, group_src=0)
-        else:
-            dist.broadcast(t.data, group=lay.dense_group, group_src=0)
+        expert = id(t) in expert_tensors
+        group = lay.expert_group if expert else lay.dense_group
+        if expert and group is None:
+            continue
+        # Through the group's monitor: bounded, a lost peer named; on gloo a header all-gather before
+        # each broadcast (once, in replicate) turns a model that differs across ranks into CollectiveMismatch.
+        mon, n = _mesh.monitor(group), t.numel()
+        mon.issue(f"replicate broadcast ({'experts' if expert else 'dense'})", lambda: dist.broadcast(
+            t.data, group=group, group_src=0, async_op=True), (t.dtype, [n] * mon.size, [n] * mon.size)).wait()
 
 
 def replicate(model: nn.Module, mesh, *, bucket_mb: float = 25.0) -> nn.Module:
@@ -112,5 +114,11 @@ def replicate(model: nn.Module, mesh, *, bucket_mb: float = 25.0) -> nn.Module:
     lay = _mesh.layout(mesh)
     _mesh.check_expert_groups(model, lay.ep)
     _broadcast(model, lay)
-    model.lancet_replicated = Replicated(model, mesh, bucket_mb)
+    reducer = Replicated(model, mesh, bucket_mb)
+    try:  # its backwards start inside the autograd engine, no place to wait for the peers: checked once, here
+        reducer._check_plan()
+    except BaseException:
+        reducer.remove()
+        raise
+    model.lancet_replicated = reducer
     return model

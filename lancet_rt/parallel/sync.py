@@ -14,12 +14,14 @@ own timing): a bucket that completes early waits for the ones before it, as in D
 """
 from __future__ import annotations
 
+import zlib
 from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from lancet_rt.comm.faults import GroupError, PeerError
 from lancet_rt.moe.experts import Experts
 from lancet_rt.parallel import mesh as _mesh
 
@@ -38,12 +40,16 @@ def dense_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
 
 
 @torch.no_grad()
-def _all_reduce_flat(params: list, group, divisor: int) -> None:
+def _all_reduce_flat(params: list, group, divisor: int, what: str) -> None:
     """Sum the gradients of ``params`` over ``group`` in one all-reduce and divide by ``divisor``, in
-    place; a missing gradient counts as zero (every rank issues the same all-reduce) and stays None."""
+    place; a missing gradient counts as zero (every rank issues the same all-reduce) and stays None.
+    Through the group's monitor (:func:`lancet_rt.parallel.mesh.monitor`): bounded, a lost peer named,
+    on gloo the sizes checked across the ranks first (CollectiveMismatch, not a backend abort)."""
     flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
     op, post = _mesh.reduce_op(group, divisor)
-    dist.all_reduce(flat, op=op, group=group)
+    mon = _mesh.monitor(group)
+    header = (flat.dtype, [flat.numel()] * mon.size, [flat.numel()] * mon.size)
+    mon.issue(what, lambda: dist.all_reduce(flat, op=op, group=group, async_op=True), header).wait()
     if post != 1:
         flat /= post
     offset = 0
@@ -78,11 +84,11 @@ def sync_gradients(model: nn.Module, group=None) -> None:
         return
     dense = [p for p in dense_parameters(model) if p.requires_grad]
     if dense:
-        _all_reduce_flat(dense, lay.dense_group, lay.divisor)
+        _all_reduce_flat(dense, lay.dense_group, lay.divisor, "gradient all-reduce (dense)")
     experts = [p for p in expert_parameters(model) if p.requires_grad]
     if lay.expert_group is not None:
         if experts:
-            _all_reduce_flat(experts, lay.expert_group, lay.divisor)
+            _all_reduce_flat(experts, lay.expert_group, lay.divisor, "gradient all-reduce (experts)")
     else:
         for p in experts:
             if p.grad is not None:
@@ -175,6 +181,9 @@ class GradientSync:
         for b in self._buckets:  # one issue order per communicator
             self._queues.setdefault(id(b.group), _Queue()).buckets.append(b)
         self._bucket_of = {id(p): b for b in self._buckets for p in b.params}
+        for q in self._queues.values():  # now, not at the first step: a lost peer's process is then identified
+            if not lay.emulated:
+                _mesh.monitor(q.buckets[0].group)
         self._handles = [p.register_post_accumulate_grad_hook(self._ready) for b in self._buckets for p in b.params]
 
     def _divisor(self, expert: bool) -> int:
@@ -183,8 +192,28 @@ class GradientSync:
     def __enter__(self) -> "GradientSync":
         if self._active:
             raise RuntimeError("GradientSync: already inside its with block")
+        self._check_plan()
         self._start()
         return self
+
+    def _check_plan(self) -> None:
+        """gloo: one header all-gather per communicator (the dense group, and the expert group on a
+        mesh with dp > 1), before the backward: every rank raises CollectiveMismatch if the buckets,
+        their sizes, dtypes or piece sizes, or the number of collectives issued before, differ. Not in
+        the gradient hooks (see :meth:`_issue`). No collective on NCCL or an EmulatedGroup."""
+        if self._lay.emulated:
+            return
+        for q in self._queues.values():
+            group = q.buckets[0].group
+            mon = _mesh.monitor(group)
+            if not (mon.check_headers and mon.size > 1):
+                continue  # (NCCL: no host sync; one rank: nothing to compare)
+            plan = [(b.index, len(b.params), sum(p.numel() for p in b.params), str(b.params[0].dtype))
+                    for b in q.buckets]
+            total = sum(n for _, _, n, _ in plan)
+            crc = zlib.crc32(repr((plan, self.piece_bytes, self.params)).encode())
+            mon.check(f"gradient sync plan {crc:08x}, {len(plan)} buckets", (q.buckets[0].params[0].dtype,
+                      [total] * mon.size, [total] * mon.size))
 
     def _start(self) -> None:
         for b in self._buckets:
@@ -198,9 +227,7 @@ class GradientSync:
     def __exit__(self, exc_type, exc, tb) -> None:
         self._active = False
         if exc_type is not None:
-            for b in self._buckets:  # a failed backward: let what is in flight arrive, change nothing
-                for w in b.works:
-                    w.wait()
+            _abort_step(self._buckets, exc)  # a failed backward: change nothing, tell the peers
             return
         self._finish()
 
@@ -250,12 +277,45 @@ class GradientSync:
             op, b.post = "sum", b.divisor
         else:
             op, b.post = _mesh.reduce_op(b.group, b.divisor)
-        for piece in b.flat.split(step):
-            if self._lay.emulated:
-                b.works.append(b.group.all_reduce(piece, "sum", low_priority=self.low_priority))
-            else:
-                b.works.append(dist.all_reduce(piece, op=op, group=b.group, async_op=True))
-            self.issued += 1
+        pieces = b.flat.split(step)
+        if self._lay.emulated:
+            b.works += [b.group.all_reduce(piece, "sum", low_priority=self.low_priority) for piece in pieces]
+        else:
+            # Through the group's monitor: numbered, each wait bounded, a lost peer named. No header here:
+            # waiting for the peers in a gradient hook deadlocks when two communicators' buckets complete
+            # in different orders on different ranks (deferred dW); the plan was checked at the start.
+            mon, what = _mesh.monitor(b.group), f"gradient bucket {b.index} ({len(pieces)} pieces)"
+            for piece in pieces:
+                b.works.append(mon.issue(what, lambda piece=piece: dist.all_reduce(
+                    piece, op=op, group=b.group, async_op=True)))
+        self.issued += len(pieces)
+
+
+def _abort_step(buckets: list, exc: BaseException) -> None:
+    """A backward that raised inside the step: its buckets did not all go out, so the peers wait in
+    all-reduces this rank will not issue, and its next step's would pair with theirs. Break each
+    process group's monitor (a failure record: the peers raise PeerError naming this rank within a
+    poll; this rank's next use raises GroupError), then let what is in flight arrive."""
+    cause = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    for group in {id(b.group): b.group for b in buckets}.values():
+        if isinstance(group, dist.ProcessGroup) or group is None:
+            mon = _mesh.monitor(group)  # (one that broke already, with this error say, keeps its record)
+            if mon.size > 1:
+                mon.break_(PeerError(f"{mon.label} rank {mon.rank} raised in backward inside its gradient "
+                                     f"sync ({cause[:300]}); the step's gradient all-reduces are incomplete",
+                                     [mon.rank]))
+    _drain(buckets)
+
+
+def _drain(buckets: list) -> None:
+    """Wait for what is in flight after a failed backward; a group that broke meanwhile (the error
+    that ended the backward, often) stops the waiting without raising over that error."""
+    for b in buckets:
+        for w in b.works:
+            try:
+                w.wait()
+            except GroupError:
+                return
 
 
 class _Queue:
