@@ -51,6 +51,7 @@ import torch
 
 from lancet_rt import trace as _trace
 from lancet_rt.comm.emulated import EmulatedGroup
+from lancet_rt.kernels.reference_experts import HostBounds
 from lancet_rt.moe.dispatch.base import Exchanged
 from lancet_rt.moe.dispatch.common import host_bounds, to_device
 from lancet_rt.moe.experts import _ExpertsFn
@@ -237,7 +238,7 @@ def _shadow_compute(moe, x_HD: torch.Tensor, counts_H: list, stacked: list, ops)
     it = iter(stacked)
     tensors = tuple(next(it) if has else None for has in present)
     weights = tuple(None if t is None else t.detach().to(x_HD.dtype) for t in tensors)
-    bounds = host_bounds(counts_H)
+    bounds = HostBounds(host_bounds(counts_H))
     offsets = to_device(torch.tensor(bounds), x_HD.device)
     with _trace.span("shadow experts", cuda=x_HD.is_cuda, layer=moe.trace_name, rows=x_HD.shape[0]):
         return _ExpertsFn.apply(x_HD, *tensors, weights, offsets, bounds, ops, moe.experts._spec, None, None, None,
