@@ -82,6 +82,24 @@ def assert_all_ok(results: dict) -> list:
     return [results[r][1] for r in sorted(results)]
 
 
+def outcome(fn) -> list:
+    """[exception type name, message, ranks] of ``fn()``, or ["ok", result, None]: what a rank's case
+    ended with, picklable for :func:`run_ranks` (KeyboardInterrupt included: it is one of the faults)."""
+    try:
+        return ["ok", fn(), None]
+    except BaseException as exc:  # noqa: BLE001 - what escapes, whatever it is, is the outcome
+        return [type(exc).__name__, str(exc), getattr(exc, "ranks", None)]
+
+
+def assert_raised(result, exc: str, *words, ranks=None) -> None:
+    """An :func:`outcome` is the exception ``exc`` (by name), its message holds ``words``, and, if
+    given, it names ``ranks`` as the ones at fault."""
+    kind, msg, at_fault = result
+    assert kind == exc and all(w in msg for w in words), f"expected {exc} with {words}, got {kind}: {msg}"
+    if ranks is not None:
+        assert at_fault == ranks, (at_fault, msg)
+
+
 @contextlib.contextmanager
 def nccl_one_rank():
     """This process as the one rank of an NCCL default group on its current CUDA device (GPU lane)."""

@@ -20,17 +20,9 @@ import pytest
 import torch
 
 from lancet_rt import env
-from tests.dist import run_ranks
+from tests.dist import assert_raised, outcome, run_ranks
 
 TIMEOUT_S = 3.0
-
-
-def _outcome(fn) -> list:
-    """[exception type name, message, ranks] of ``fn()``, or ["ok", result, None]."""
-    try:
-        return ["ok", fn(), None]
-    except BaseException as exc:  # noqa: BLE001 - what escapes, whatever it is, is the outcome
-        return [type(exc).__name__, str(exc), getattr(exc, "ranks", None)]
 
 
 def _until_given_up(group, ranks):
@@ -94,7 +86,7 @@ def _mismatches(rank, new_group, res) -> None:
         model = _model(9 if rank == 1 else 8)
         _backward(model, rank)
         sync_gradients(model, new_group())
-    res["sync_gradients, sizes differ"] = _outcome(sync_sizes)
+    res["sync_gradients, sizes differ"] = outcome(sync_sizes)
 
     def gradient_sync_extra():
         model = _model()
@@ -103,10 +95,10 @@ def _mismatches(rank, new_group, res) -> None:
         sync = GradientSync(model, new_group(), piece_mb=0.0001)
         with sync:
             _backward(model, rank)
-    res["GradientSync, a parameter more on one rank"] = _outcome(gradient_sync_extra)
+    res["GradientSync, a parameter more on one rank"] = outcome(gradient_sync_extra)
 
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "ep"))
-    res["replicate, models differ"] = _outcome(lambda: replicate(_model(9 if rank == 1 else 8), mesh) and None)
+    res["replicate, models differ"] = outcome(lambda: replicate(_model(9 if rank == 1 else 8), mesh) and None)
 
 
 def _dp_cases(rank, world, out_dir):
@@ -117,7 +109,7 @@ def _dp_cases(rank, world, out_dir):
 
     os.environ[env.TIMEOUT] = str(TIMEOUT_S)  # read when a group's monitor is created (first use)
     torch.set_num_threads(1)
-    res = {"healthy GradientSync": _outcome(lambda: _healthy_gradient_sync(rank, world, dist.new_group()))}
+    res = {"healthy GradientSync": outcome(lambda: _healthy_gradient_sync(rank, world, dist.new_group()))}
     _mismatches(rank, dist.new_group, res)
 
     g = dist.new_group()
@@ -130,7 +122,7 @@ def _dp_cases(rank, world, out_dir):
                 _until_given_up(g, [0])
             else:
                 _backward(model, rank)
-    res["a peer never joins GradientSync"] = _outcome(step)
+    res["a peer never joins GradientSync"] = outcome(step)
 
     g = dist.new_group()
     model = _model()
@@ -145,8 +137,8 @@ def _dp_cases(rank, world, out_dir):
     def next_step():
         with sync:
             _backward(model, rank)
-    res["a rank raises inside GradientSync"] = _outcome(raising_step)
-    res["the step after it"] = _outcome(next_step)
+    res["a rank raises inside GradientSync"] = outcome(raising_step)
+    res["the step after it"] = outcome(next_step)
 
     g = dist.new_group()
     model = _model()
@@ -156,7 +148,7 @@ def _dp_cases(rank, world, out_dir):
         with open(os.path.join(out_dir, "rank1.json"), "w") as f:
             json.dump(res, f)
         os.kill(os.getpid(), signal.SIGKILL)
-    res["a peer killed before sync_gradients"] = _outcome(lambda: sync_gradients(model, g))
+    res["a peer killed before sync_gradients"] = outcome(lambda: sync_gradients(model, g))
     return res
 
 
@@ -167,13 +159,6 @@ def dp_cases(tmp_path_factory):
     assert 1 not in results, "rank 1 killed itself"
     assert results[0][0] == "ok", results[0][1]
     return [results[0][1], json.loads((out / "rank1.json").read_text())]
-
-
-def _raised(outcome, exc: str, *words, ranks=None):
-    kind, msg, at_fault = outcome
-    assert kind == exc and all(w in msg for w in words), f"expected {exc} with {words}, got {kind}: {msg}"
-    if ranks is not None:
-        assert at_fault == ranks, (at_fault, msg)
 
 
 def test_the_normal_path_checks_the_plan_once_a_step_and_stays_exact(dp_cases):
@@ -191,26 +176,26 @@ def test_the_normal_path_checks_the_plan_once_a_step_and_stays_exact(dp_cases):
 ])
 def test_sizes_that_differ_raise_collective_mismatch_on_every_rank(dp_cases, case, words):
     for res in dp_cases:  # (gloo would abort both processes)
-        _raised(res[case], "CollectiveMismatch", "does not match across", "nothing was sent", *words)
+        assert_raised(res[case], "CollectiveMismatch", "does not match across", "nothing was sent", *words)
 
 
 def test_a_peer_that_never_joins_the_all_reduce_times_out_by_name(dp_cases):
     """Rank 0 waits for the first piece (#2: #1 was the plan check) until the timeout and names rank 1;
     rank 1, when it issues its pieces later, reads rank 0's record and raises at once."""
-    _raised(dp_cases[0]["a peer never joins GradientSync"], "PeerTimeout", "collective #2 (gradient bucket 0",
+    assert_raised(dp_cases[0]["a peer never joins GradientSync"], "PeerTimeout", "collective #2 (gradient bucket 0",
             f"timeout {TIMEOUT_S:g} s", "rank 1 has not reached collective #2", "its process is alive", ranks=[1])
-    _raised(dp_cases[1]["a peer never joins GradientSync"], "PeerError", "rank 1 was reported as not answering",
+    assert_raised(dp_cases[1]["a peer never joins GradientSync"], "PeerError", "rank 1 was reported as not answering",
             ranks=[1])
 
 
 def test_an_exception_inside_gradient_sync_reaches_the_peers_and_breaks_the_group(dp_cases):
     """PeerError from rank 1's failure record (not after the timeout), then GroupError on both ranks:
     rank 1's next step would otherwise pair its all-reduces with rank 0's of this one."""
-    _raised(dp_cases[1]["a rank raises inside GradientSync"], "RuntimeError", "injected in backward")
-    _raised(dp_cases[0]["a rank raises inside GradientSync"], "PeerError", "data-parallel rank(s) [1] failed",
+    assert_raised(dp_cases[1]["a rank raises inside GradientSync"], "RuntimeError", "injected in backward")
+    assert_raised(dp_cases[0]["a rank raises inside GradientSync"], "PeerError", "data-parallel rank(s) [1] failed",
             "gradient bucket 0", "RuntimeError: injected in backward", ranks=[1])
     for res in dp_cases:
-        _raised(res["the step after it"], "GroupError", "data-parallel group unusable since an earlier failure")
+        assert_raised(res["the step after it"], "GroupError", "data-parallel group unusable since an earlier failure")
 
 
 def test_a_killed_peer_is_named_by_the_survivor(dp_cases):
@@ -229,14 +214,14 @@ def _four_ranks(rank, world):
     torch.set_num_threads(1)
     model = _model(9 if rank == 2 else 8)
     _backward(model, rank)
-    res = {"sizes differ on rank 2": _outcome(lambda: sync_gradients(model, dist.new_group()))}
+    res = {"sizes differ on rank 2": outcome(lambda: sync_gradients(model, dist.new_group()))}
     g = dist.new_group()
     model = _model()
     _backward(model, rank)
     sync_gradients(model, g)  # a first step
     if rank == 3:
         os.kill(os.getpid(), signal.SIGKILL)
-    res["rank 3 killed"] = _outcome(lambda: sync_gradients(model, g))
+    res["rank 3 killed"] = outcome(lambda: sync_gradients(model, g))
     return res
 
 
@@ -246,7 +231,7 @@ def test_four_ranks_mismatch_and_a_killed_rank():
     for r in (0, 1, 2):
         status, res = results[r]
         assert status == "ok", res
-        _raised(res["sizes differ on rank 2"], "CollectiveMismatch", "rank 2 issued #1 gradient all-reduce (dense)",
+        assert_raised(res["sizes differ on rank 2"], "CollectiveMismatch", "rank 2 issued #1 gradient all-reduce (dense)",
                 "sends [85, 85, 85, 85]", "rank 0 issued #1 gradient all-reduce (dense) (torch.float32, sends [76")
         kind, msg, ranks = res["rank 3 killed"]
         # (3 among the ranks named: a loaded machine may leave a live peer out of the 0.2 s roll call)

@@ -21,18 +21,10 @@ import torch
 import lancet_rt
 import lancet_rt.autotune  # noqa: F401 - registers chunks="auto"
 from lancet_rt import env
-from tests.dist import run_ranks
+from tests.dist import assert_raised, outcome, run_ranks
 from tests.comm.test_faults import assert_same_step, in_chunk, make_model, raise_, train_step
 
 D = 16
-
-
-def _outcome(fn) -> list:
-    """[exception type name, message, ranks] of ``fn()``, or ["ok", result, None]."""
-    try:
-        return ["ok", fn(), None]
-    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt is one of the faults
-        return [type(exc).__name__, str(exc), getattr(exc, "ranks", None)]
 
 
 def _step(ov, x, g=None):
@@ -75,22 +67,22 @@ def _three_ranks(rank, world, out_dir):
         return lancet_rt.Overlapped(make_model(healthy, E=6, **moe), **kw)
 
     # Agreement: every rank raises before any collective of the step; the group stays usable.
-    res["chunks differ"] = _outcome(lambda: _step(overlapped(chunks=3 if rank == 2 else 2), x))
-    res["defer_wgrad differs"] = _outcome(lambda: _step(overlapped(chunks=2, defer_wgrad=rank == 1), x))
-    res["auto on one rank"] = _outcome(lambda: _step(overlapped(chunks="auto" if rank == 0 else 2), x))
-    res["check differs"] = _outcome(lambda: _step(overlapped(chunks=2, check=rank == 1), x))
-    res["MoE config differs"] = _outcome(lambda: _step(overlapped(chunks=2, capacity_factor=1.0 if rank == 2 else 0.75),
+    res["chunks differ"] = outcome(lambda: _step(overlapped(chunks=3 if rank == 2 else 2), x))
+    res["defer_wgrad differs"] = outcome(lambda: _step(overlapped(chunks=2, defer_wgrad=rank == 1), x))
+    res["auto on one rank"] = outcome(lambda: _step(overlapped(chunks="auto" if rank == 0 else 2), x))
+    res["check differs"] = outcome(lambda: _step(overlapped(chunks=2, check=rank == 1), x))
+    res["MoE config differs"] = outcome(lambda: _step(overlapped(chunks=2, capacity_factor=1.0 if rank == 2 else 0.75),
                                                        x))
     # Failures before the step's collectives: status on the first exchange (or the config check).
     ov = overlapped(chunks=3)
     fresh = copy.deepcopy(ov.model)
-    res["no tensor on one rank, first step"] = _outcome(lambda: _step(ov, 1.0 if rank == 1 else x))
+    res["no tensor on one rank, first step"] = outcome(lambda: _step(ov, 1.0 if rank == 1 else x))
     h = in_chunk(ov.model.blocks[0].attn, 0, lambda: raise_(RuntimeError("injected before the collectives"))) \
         if rank == 2 else None
-    res["model error before the collectives"] = _outcome(lambda: _step(ov, x, g))
+    res["model error before the collectives"] = outcome(lambda: _step(ov, x, g))
     h = h.remove() if h else None
     h = in_chunk(ov.model.blocks[0].attn, 0, lambda: raise_(KeyboardInterrupt())) if rank == 0 else None
-    res["KeyboardInterrupt before the collectives"] = _outcome(lambda: _step(ov, x, g))
+    res["KeyboardInterrupt before the collectives"] = outcome(lambda: _step(ov, x, g))
     h = h.remove() if h else None
 
     def same_as_fresh():
@@ -98,21 +90,21 @@ def _three_ranks(rank, world, out_dir):
         ref = train_step(lancet_rt.Overlapped(fresh, chunks=3), fresh, x, g)
         assert_same_step(ref, got)
         return True
-    res["next step after them equals a fresh model"] = _outcome(same_as_fresh)
+    res["next step after them equals a fresh model"] = outcome(same_as_fresh)
 
     # After the collectives started: the group breaks, the peers are told within a poll.
     broken = lancet_rt.Overlapped(make_model(_group(), E=6), chunks=4)
     h = in_chunk(broken.model.blocks[1], 2, lambda: raise_(RuntimeError("injected in chunk 2 of 4"))) \
         if rank == 2 else None
-    res["error in chunk 2 of 4"] = _outcome(lambda: _step(broken, x))
-    res["next step on the broken group"] = _outcome(lambda: _step(broken, x))
+    res["error in chunk 2 of 4"] = outcome(lambda: _step(broken, x))
+    res["next step on the broken group"] = outcome(lambda: _step(broken, x))
 
     bwd = lancet_rt.Overlapped(make_model(_group(), E=6), chunks=2)
     if rank == 2:
         bwd.model.blocks[0].register_forward_hook(
             lambda m, a, y: [y.register_hook(lambda grad: raise_(RuntimeError("injected in backward")))] and None)
-    res["error in backward"] = _outcome(lambda: _step(bwd, x, g))
-    res["step after the failed backward"] = _outcome(lambda: _step(bwd, x, g))
+    res["error in backward"] = outcome(lambda: _step(bwd, x, g))
+    res["step after the failed backward"] = outcome(lambda: _step(bwd, x, g))
 
     # Here the counts have a group of their own: its waits are bounded and read the records too.
     import torch.distributed as dist
@@ -122,14 +114,14 @@ def _three_ranks(rank, world, out_dir):
     hung = lancet_rt.Overlapped(make_model(hung_ep, E=6), chunks=2)
     if rank == 2:
         in_chunk(hung.model.blocks[1], 1, lambda: _until_given_up(hung_group, [0, 1]))
-    res["a rank stops answering"] = _outcome(lambda: _step(hung, x))
+    res["a rank stops answering"] = outcome(lambda: _step(hung, x))
 
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
     dead = lancet_rt.Overlapped(make_model(_group(), E=6), chunks=2)
     if rank == 2:
         in_chunk(dead.model.blocks[1], 1, lambda: os.kill(os.getpid(), signal.SIGKILL))
-    return _outcome(lambda: _step(dead, x))
+    return outcome(lambda: _step(dead, x))
 
 
 @pytest.fixture(scope="module")
@@ -144,13 +136,6 @@ def three_ranks(tmp_path_factory):
     return per_rank
 
 
-def _assert_raised(outcome, exc: str, *words, ranks=None):
-    kind, msg, at_fault = outcome
-    assert kind == exc and all(w in msg for w in words), f"expected {exc} with {words}, got {kind}: {msg}"
-    if ranks is not None:
-        assert at_fault == ranks, (at_fault, msg)
-
-
 @pytest.mark.parametrize("case, words", [
     ("chunks differ", "chunks: rank 0=2, rank 1=2, rank 2=3"),
     ("defer_wgrad differs", "defer_wgrad: rank 0=False, rank 1=True, rank 2=False"),
@@ -159,74 +144,74 @@ def _assert_raised(outcome, exc: str, *words, ranks=None):
 ])
 def test_schedule_must_agree_across_ranks(three_ranks, case, words):
     for res in three_ranks:
-        _assert_raised(res[case], "ValueError", words)
+        assert_raised(res[case], "ValueError", words)
 
 
 def test_moe_config_must_agree_across_ranks(three_ranks):
     for r, res in enumerate(three_ranks):
-        _assert_raised(res["MoE config differs"], "ValueError", "differ in capacity_factor", f"rank {r}")
+        assert_raised(res["MoE config differs"], "ValueError", "differ in capacity_factor", f"rank {r}")
 
 
 def test_bad_input_before_the_config_check_raises_everywhere(three_ranks):
-    _assert_raised(three_ranks[1]["no tensor on one rank, first step"], "ValueError", "no tensor argument")
+    assert_raised(three_ranks[1]["no tensor on one rank, first step"], "ValueError", "no tensor argument")
     for r in (0, 2):
-        _assert_raised(three_ranks[r]["no tensor on one rank, first step"], "ValueError", "rank(s) [1]")
+        assert_raised(three_ranks[r]["no tensor on one rank, first step"], "ValueError", "rank(s) [1]")
 
 
 def test_model_error_before_the_collectives_raises_everywhere(three_ranks):
-    _assert_raised(three_ranks[2]["model error before the collectives"], "RuntimeError", "injected before")
+    assert_raised(three_ranks[2]["model error before the collectives"], "RuntimeError", "injected before")
     for r in (0, 1):
-        _assert_raised(three_ranks[r]["model error before the collectives"], "PeerError", "rank(s) [2]",
+        assert_raised(three_ranks[r]["model error before the collectives"], "PeerError", "rank(s) [2]",
                        "stays usable", ranks=[2])
 
 
 def test_keyboard_interrupt_before_the_collectives_raises_everywhere(three_ranks):
-    _assert_raised(three_ranks[0]["KeyboardInterrupt before the collectives"], "KeyboardInterrupt")
+    assert_raised(three_ranks[0]["KeyboardInterrupt before the collectives"], "KeyboardInterrupt")
     for r in (1, 2):
-        _assert_raised(three_ranks[r]["KeyboardInterrupt before the collectives"], "PeerError", "rank(s) [0]",
+        assert_raised(three_ranks[r]["KeyboardInterrupt before the collectives"], "PeerError", "rank(s) [0]",
                        ranks=[0])
 
 
 def test_next_step_after_early_failures_equals_a_fresh_model(three_ranks):
     for res in three_ranks:
-        outcome = res["next step after them equals a fresh model"]
-        assert outcome[0] == "ok", outcome
+        result = res["next step after them equals a fresh model"]
+        assert result[0] == "ok", result
 
 
 def test_error_in_chunk_two_of_four_reaches_every_rank(three_ranks):
     """PeerError, not PeerTimeout: the peers learnt it from rank 2's failure record, not by waiting."""
-    _assert_raised(three_ranks[2]["error in chunk 2 of 4"], "RuntimeError", "injected in chunk 2 of 4")
+    assert_raised(three_ranks[2]["error in chunk 2 of 4"], "RuntimeError", "injected in chunk 2 of 4")
     for r in (0, 1):
-        _assert_raised(three_ranks[r]["error in chunk 2 of 4"], "PeerError", "rank(s) [2] failed or stopped answering",
+        assert_raised(three_ranks[r]["error in chunk 2 of 4"], "PeerError", "rank(s) [2] failed or stopped answering",
                        "RuntimeError: injected in chunk 2 of 4", ranks=[2])
 
 
 def test_broken_group_refuses_the_next_step(three_ranks):
     for res in three_ranks:
-        _assert_raised(res["next step on the broken group"], "GroupError", "unusable since", ranks=[2])
+        assert_raised(res["next step on the broken group"], "GroupError", "unusable since", ranks=[2])
 
 
 def test_error_in_backward_reaches_every_rank(three_ranks):
-    _assert_raised(three_ranks[2]["error in backward"], "RuntimeError", "injected in backward")
-    _assert_raised(three_ranks[2]["step after the failed backward"], "GroupError", "rank 2: the last backward raised",
+    assert_raised(three_ranks[2]["error in backward"], "RuntimeError", "injected in backward")
+    assert_raised(three_ranks[2]["step after the failed backward"], "GroupError", "rank 2: the last backward raised",
                    ranks=[2])
     for r in (0, 1):
-        _assert_raised(three_ranks[r]["error in backward"], "PeerError", "rank(s) [2]", "last backward raised",
+        assert_raised(three_ranks[r]["error in backward"], "PeerError", "rank(s) [2]", "last backward raised",
                        ranks=[2])
-        _assert_raised(three_ranks[r]["step after the failed backward"], "GroupError", "unusable since")
+        assert_raised(three_ranks[r]["step after the failed backward"], "GroupError", "unusable since")
 
 
 def test_a_rank_that_stops_answering_times_out_by_name(three_ranks):
     for r in (0, 1):
-        _assert_raised(three_ranks[r]["a rank stops answering"], "PeerTimeout", "rank(s) [2] stopped answering",
+        assert_raised(three_ranks[r]["a rank stops answering"], "PeerTimeout", "rank(s) [2] stopped answering",
                        "its process is alive", "LANCET_TIMEOUT_S", ranks=[2])
-    _assert_raised(three_ranks[2]["a rank stops answering"], "PeerError", "rank 2 was reported as not answering",
+    assert_raised(three_ranks[2]["a rank stops answering"], "PeerError", "rank 2 was reported as not answering",
                    ranks=[2])
 
 
 def test_a_killed_rank_is_named_by_the_survivors(three_ranks):
     for r in (0, 1):
-        _assert_raised(three_ranks[r]["a rank is killed"], "PeerError", "rank(s) [2] stopped answering",
+        assert_raised(three_ranks[r]["a rank is killed"], "PeerError", "rank(s) [2] stopped answering",
                        "rank 2: its process has exited", ranks=[2])
 
 
@@ -238,13 +223,13 @@ def _two_ranks(rank, world, out_dir):
     res = {}
     healthy = _group()
     res["timeout from LANCET_TIMEOUT_S"] = ["ok", lancet_rt.comm.group.as_group(healthy).timeout_s, None]
-    res["chunks 2 and 4"] = _outcome(lambda: _step(lancet_rt.Overlapped(make_model(healthy), chunks=2 + 2 * rank), x))
-    res["set_timeout(0)"] = _outcome(lambda: lancet_rt.comm.group.as_group(healthy).set_timeout(0))
+    res["chunks 2 and 4"] = outcome(lambda: _step(lancet_rt.Overlapped(make_model(healthy), chunks=2 + 2 * rank), x))
+    res["set_timeout(0)"] = outcome(lambda: lancet_rt.comm.group.as_group(healthy).set_timeout(0))
 
     late = _group()
     if rank == 1:  # never starts the step until rank 0 has given up on it
         _until_given_up(late, [0])
-    res["a rank never starts the step"] = _outcome(lambda: _step(lancet_rt.Overlapped(make_model(late), chunks=2), x))
+    res["a rank never starts the step"] = outcome(lambda: _step(lancet_rt.Overlapped(make_model(late), chunks=2), x))
 
     # The CUDA path's watchdog (a thread follows the collectives in flight; the host wait is plain),
     # run on gloo: it finds rank 1's failure record and aborts; gloo's operation timeout ends the wait.
@@ -255,7 +240,7 @@ def _two_ranks(rank, world, out_dir):
     wd = lancet_rt.Overlapped(make_model(watched), chunks=3)
     if rank == 1:
         in_chunk(wd.model.blocks[1], 2, lambda: raise_(RuntimeError("injected under the watchdog")))
-    res["watchdog finds a failure"] = _outcome(lambda: _step(wd, x))
+    res["watchdog finds a failure"] = outcome(lambda: _step(wd, x))
     res["watchdog raised it"] = ["ok", monitor._fatal is not None, None]
 
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
@@ -264,7 +249,7 @@ def _two_ranks(rank, world, out_dir):
     if rank == 1:
         dead.model.blocks[0].register_forward_hook(
             lambda m, a, y: [y.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))] and None)
-    return _outcome(lambda: _step(dead, x, g))
+    return outcome(lambda: _step(dead, x, g))
 
 
 @pytest.fixture(scope="module")
@@ -285,29 +270,29 @@ def test_two_ranks_read_their_timeout_from_the_environment(two_ranks):
 
 def test_chunks_must_agree_on_two_ranks(two_ranks):
     for res in two_ranks:
-        _assert_raised(res["chunks 2 and 4"], "ValueError", "chunks: rank 0=2, rank 1=4")
+        assert_raised(res["chunks 2 and 4"], "ValueError", "chunks: rank 0=2, rank 1=4")
 
 
 def test_bad_group_timeout(two_ranks):
     for res in two_ranks:
-        _assert_raised(res["set_timeout(0)"], "ValueError", "timeout_s", "0")
+        assert_raised(res["set_timeout(0)"], "ValueError", "timeout_s", "0")
 
 
 def test_a_rank_that_never_starts_the_step_times_out_by_name(two_ranks):
-    _assert_raised(two_ranks[0]["a rank never starts the step"], "PeerTimeout", "rank(s) [1] stopped answering",
+    assert_raised(two_ranks[0]["a rank never starts the step"], "PeerTimeout", "rank(s) [1] stopped answering",
                    "timeout 2 s, LANCET_TIMEOUT_S", "collective #1 (all-gather)", ranks=[1])
-    _assert_raised(two_ranks[1]["a rank never starts the step"], "PeerError", "rank 1 was reported as not answering",
+    assert_raised(two_ranks[1]["a rank never starts the step"], "PeerError", "rank 1 was reported as not answering",
                    ranks=[1])
 
 
 def test_the_watchdog_path_names_the_failed_rank(two_ranks):
     """The CUDA path (a watchdog thread, the host waiting plainly), exercised on gloo."""
-    _assert_raised(two_ranks[1]["watchdog finds a failure"], "RuntimeError", "injected under the watchdog")
-    _assert_raised(two_ranks[0]["watchdog finds a failure"], "PeerError", "rank(s) [1] failed or stopped answering",
+    assert_raised(two_ranks[1]["watchdog finds a failure"], "RuntimeError", "injected under the watchdog")
+    assert_raised(two_ranks[0]["watchdog finds a failure"], "PeerError", "rank(s) [1] failed or stopped answering",
                    "RuntimeError: injected under the watchdog", ranks=[1])
     assert two_ranks[0]["watchdog raised it"][1] is True
 
 
 def test_a_rank_killed_in_backward_is_named(two_ranks):
-    _assert_raised(two_ranks[0]["a rank is killed in backward"], "PeerError", "rank(s) [1] stopped answering",
+    assert_raised(two_ranks[0]["a rank is killed in backward"], "PeerError", "rank(s) [1] stopped answering",
                    "rank 1: its process has exited", ranks=[1])

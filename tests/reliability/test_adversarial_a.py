@@ -20,7 +20,7 @@ import lancet_rt
 from lancet_rt.checkpoint import _atomic
 from lancet_rt.checkpoint.dcp import load_checkpoint, save_checkpoint
 from lancet_rt.checkpoint.hf import load_hf, save_hf
-from tests.dist import run_ranks
+from tests.dist import assert_raised, outcome, run_ranks
 
 D, F, E = 8, 6, 4
 
@@ -44,14 +44,6 @@ def _perturb(model) -> None:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p))
-
-
-def _outcome(fn) -> list:
-    """[exception type name, message, ranks] of ``fn()``, or ["ok", result, None]."""
-    try:
-        return ["ok", fn(), None]
-    except BaseException as exc:  # noqa: BLE001 - what escapes, whatever it is, is the outcome
-        return [type(exc).__name__, str(exc), getattr(exc, "ranks", None)]
 
 
 def _distcp(path) -> list:
@@ -257,7 +249,7 @@ def _collective_cases(rank, world, root):
         if rank == 0:
             y.backward(gy)
         m(x)
-    res["a rank skips a backward"] = _outcome(skipped_backward)
+    res["a rank skips a backward"] = outcome(skipped_backward)
 
     def extra_forward():
         g = _new_group()
@@ -266,14 +258,14 @@ def _collective_cases(rank, world, root):
         if rank == 0:
             lancet_rt.update_expert_bias(m, group=g)
         m(x)
-    res["a rank runs an extra forward"] = _outcome(extra_forward)
+    res["a rank runs an extra forward"] = outcome(extra_forward)
 
     def other_sizes():
         tg = lancet_rt.TorchGroup(_new_group())
         splits = [2, 2] if rank == 0 else [3, 2]
         out = torch.empty(4, D)
         tg.all_to_all(out, torch.randn(sum(splits), D), [2, 2], splits).wait()
-    res["all-to-all sizes differ"] = _outcome(other_sizes)
+    res["all-to-all sizes differ"] = outcome(other_sizes)
 
     g = _new_group(timeout_s=2.0)
     m = _model(g, expert_bias=True)
@@ -282,7 +274,7 @@ def _collective_cases(rank, world, root):
         _until_given_up(g, [0])
         res["update_expert_bias, a peer absent"] = ["absent", None, None]
     else:
-        res["update_expert_bias, a peer absent"] = _outcome(lambda: lancet_rt.update_expert_bias(m, group=g))
+        res["update_expert_bias, a peer absent"] = outcome(lambda: lancet_rt.update_expert_bias(m, group=g))
 
     g = _new_group(timeout_s=2.0)
     path = os.path.join(root, "absent")
@@ -290,7 +282,7 @@ def _collective_cases(rank, world, root):
         _until_given_up(g, [0])
         res["checkpoint agreement, a peer absent"] = ["absent", None, None]
     else:
-        res["checkpoint agreement, a peer absent"] = _outcome(lambda: save_checkpoint(_model(), path, process_group=g))
+        res["checkpoint agreement, a peer absent"] = outcome(lambda: save_checkpoint(_model(), path, process_group=g))
         res["nothing written"] = ["ok", not os.path.exists(os.path.join(path, ".metadata")), None]
 
     healthy = _new_group()
@@ -299,14 +291,14 @@ def _collective_cases(rank, world, root):
         torch.manual_seed(0)
         layer = lancet_rt.MoE(D, F, E, 2, ep_group=healthy, **kw)
         return layer(torch.randn(5, D, dtype=kw.get("dtype", torch.float32)))
-    res["router_bias differs"] = _outcome(lambda: one_layer(router_bias=rank == 1))
-    res["routed_scaling_factor differs by 1 ulp"] = _outcome(
+    res["router_bias differs"] = outcome(lambda: one_layer(router_bias=rank == 1))
+    res["routed_scaling_factor differs by 1 ulp"] = outcome(
         lambda: one_layer(routed_scaling_factor=1.0 + (2 ** -52 if rank == 1 else 0)))
-    res["capacity_factor differs by 1e-9"] = _outcome(lambda: one_layer(capacity_factor=0.75 + rank * 1e-9))
-    res["dtype differs"] = _outcome(lambda: one_layer(dtype=torch.float64 if rank == 1 else torch.float32))
-    res["shared expert shapes differ"] = _outcome(
+    res["capacity_factor differs by 1e-9"] = outcome(lambda: one_layer(capacity_factor=0.75 + rank * 1e-9))
+    res["dtype differs"] = outcome(lambda: one_layer(dtype=torch.float64 if rank == 1 else torch.float32))
+    res["shared expert shapes differ"] = outcome(
         lambda: one_layer(shared_experts=torch.nn.Linear(D, D, bias=rank == 0)))
-    res["same configuration still runs"] = _outcome(lambda: list(one_layer(router_bias=True).shape))
+    res["same configuration still runs"] = outcome(lambda: list(one_layer(router_bias=True).shape))
     return res
 
 
@@ -319,38 +311,31 @@ def collective_cases(tmp_path_factory):
     return [results[r][1] for r in (0, 1)]
 
 
-def _raised(outcome, exc: str, *words, ranks=None):
-    kind, msg, at_fault = outcome
-    assert kind == exc and all(w in msg for w in words), f"expected {exc} with {words}, got {kind}: {msg}"
-    if ranks is not None:
-        assert at_fault == ranks, (at_fault, msg)
-
-
 def test_a_skipped_backward_raises_collective_mismatch_on_every_rank(collective_cases):
     for res in collective_cases:  # (gloo would abort the process: "Received data size doesn't match")
-        _raised(res["a rank skips a backward"], "CollectiveMismatch", "does not match across expert-parallel ranks",
+        assert_raised(res["a rank skips a backward"], "CollectiveMismatch", "does not match across expert-parallel ranks",
                 "counts exchange", "all-to-all", "nothing was sent", ranks=[0, 1])
 
 
 def test_an_extra_forward_against_update_expert_bias_raises_on_every_rank(collective_cases):
     for res in collective_cases:
-        _raised(res["a rank runs an extra forward"], "CollectiveMismatch", "expert-bias all-reduce",
+        assert_raised(res["a rank runs an extra forward"], "CollectiveMismatch", "expert-bias all-reduce",
                 "counts exchange")
 
 
 def test_mismatched_all_to_all_sizes_are_named_before_the_backend(collective_cases):
     for res in collective_cases:
-        _raised(res["all-to-all sizes differ"], "CollectiveMismatch",
+        assert_raised(res["all-to-all sizes differ"], "CollectiveMismatch",
                 f"rank 1 sends {3 * D} elements to rank 0, which expects {2 * D}")
 
 
 def test_update_expert_bias_is_bounded_and_names_the_absent_rank(collective_cases):
-    _raised(collective_cases[0]["update_expert_bias, a peer absent"], "PeerTimeout", "expert-bias all-reduce",
+    assert_raised(collective_cases[0]["update_expert_bias, a peer absent"], "PeerTimeout", "expert-bias all-reduce",
             "timeout 2 s", "rank 1", ranks=[1])
 
 
 def test_checkpoint_agreement_is_bounded_and_names_the_absent_rank(collective_cases):
-    _raised(collective_cases[0]["checkpoint agreement, a peer absent"], "PeerTimeout", "checkpoint agreement",
+    assert_raised(collective_cases[0]["checkpoint agreement, a peer absent"], "PeerTimeout", "checkpoint agreement",
             "timeout 2 s", "rank 1", ranks=[1])
     assert collective_cases[0]["nothing written"][1] is True
 
@@ -364,7 +349,7 @@ def test_checkpoint_agreement_is_bounded_and_names_the_absent_rank(collective_ca
 ])
 def test_every_layer_option_is_in_the_cross_rank_check(collective_cases, case, field):
     for r, res in enumerate(collective_cases):
-        _raised(res[case], "ValueError", "MoE configuration differs", field, f"rank {r}")
+        assert_raised(res[case], "ValueError", "MoE configuration differs", field, f"rank {r}")
 
 
 def test_the_group_stays_usable_after_a_configuration_mismatch(collective_cases):
@@ -378,15 +363,15 @@ def _checkpoint_cases(rank, world, root):
     torch.set_num_threads(1)
     res = {}
     mine = os.path.join(root, f"rank{rank}")
-    res["different paths"] = _outcome(lambda: save_checkpoint(_model(), mine))
+    res["different paths"] = outcome(lambda: save_checkpoint(_model(), mine))
     res["nothing written"] = ["ok", not os.path.exists(mine), None]
 
-    res["different directories for save_hf"] = _outcome(lambda: save_hf(_model(), mine + "_hf"))
+    res["different directories for save_hf"] = outcome(lambda: save_hf(_model(), mine + "_hf"))
     res["nothing written by save_hf"] = ["ok", not os.path.exists(mine + "_hf"), None]
     os.makedirs(os.path.join(root, f"cwd{rank}"), exist_ok=True)
     cwd = os.getcwd()
     os.chdir(os.path.join(root, f"cwd{rank}"))  # the same relative path names two directories
-    res["same relative path, different cwd"] = _outcome(lambda: save_checkpoint(_model(), "rel"))
+    res["same relative path, different cwd"] = outcome(lambda: save_checkpoint(_model(), "rel"))
     os.chdir(cwd)
 
     model = _model(dist.group.WORLD)
@@ -399,9 +384,9 @@ def _checkpoint_cases(rank, world, root):
         data = open(file, "rb").read()
         open(file, "wb").write(data[:64] + bytes(b ^ 0x5A for b in data[64:]))
     dist.barrier()
-    res["a path missing on one rank"] = _outcome(lambda: load_checkpoint(model, path if rank == 0 else path + "x"))
+    res["a path missing on one rank"] = outcome(lambda: load_checkpoint(model, path if rank == 0 else path + "x"))
     res["model unchanged after it"] = ["ok", _same(_snapshot(model), before), None]
-    res["one rank's file corrupted"] = _outcome(lambda: load_checkpoint(model, path))
+    res["one rank's file corrupted"] = outcome(lambda: load_checkpoint(model, path))
     res["model unchanged"] = ["ok", _same(_snapshot(model), before), None]
     return res
 
@@ -417,30 +402,30 @@ def checkpoint_cases(tmp_path_factory):
 
 def test_ranks_passing_different_paths_raise_before_writing(checkpoint_cases):
     for r, res in enumerate(checkpoint_cases):
-        _raised(res["different paths"], "ValueError", "path: the ranks passed different values", "rank0'", "rank1'")
+        assert_raised(res["different paths"], "ValueError", "path: the ranks passed different values", "rank0'", "rank1'")
         assert res["nothing written"][1] is True
 
 
 def test_save_hf_with_different_directories_raises_before_writing(checkpoint_cases):
     for res in checkpoint_cases:
-        _raised(res["different directories for save_hf"], "ValueError", "directory: the ranks passed different values")
+        assert_raised(res["different directories for save_hf"], "ValueError", "directory: the ranks passed different values")
         assert res["nothing written by save_hf"][1] is True
 
 
 def test_a_relative_path_naming_two_directories_is_caught(checkpoint_cases):
     for res in checkpoint_cases:
-        _raised(res["same relative path, different cwd"], "ValueError", "cwd0", "cwd1")
+        assert_raised(res["same relative path, different cwd"], "ValueError", "cwd0", "cwd1")
 
 
 def test_a_checkpoint_missing_on_one_rank_raises_on_every_rank_and_changes_nothing(checkpoint_cases):
     for res in checkpoint_cases:
-        _raised(res["a path missing on one rank"], "ValueError", "rank 1", "no readable")
+        assert_raised(res["a path missing on one rank"], "ValueError", "rank 1", "no readable")
         assert res["model unchanged after it"][1] is True
 
 
 def test_a_corrupted_file_of_one_rank_changes_no_rank(checkpoint_cases):
     for res in checkpoint_cases:
-        _raised(res["one rank's file corrupted"], "ValueError", "__1_0.distcp", "rank 1")
+        assert_raised(res["one rank's file corrupted"], "ValueError", "__1_0.distcp", "rank 1")
         assert res["model unchanged"][1] is True
 
 
@@ -461,7 +446,7 @@ def _killed_in_save(rank, world, root, victim):
             real(self, plan, planner).wait()  # this rank's new data is on disk
             os.kill(os.getpid(), signal.SIGKILL)
         FileSystemWriter.write_data = write_then_die
-    out = _outcome(lambda: save_checkpoint(model, path))
+    out = outcome(lambda: save_checkpoint(model, path))
     with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
     return out
@@ -473,7 +458,7 @@ def test_a_rank_killed_during_save_leaves_the_previous_checkpoint(tmp_path, vict
     survivor = 1 - victim
     assert victim not in results, f"rank {victim} killed itself"
     assert results[survivor][0] == "ok"
-    _raised(results[survivor][1], "PeerError", f"rank {victim}", "its process has exited", ranks=[victim])
+    assert_raised(results[survivor][1], "PeerError", f"rank {victim}", "its process has exited", ranks=[victim])
     got, want = _model(seed=1), _model(seed=2)
     load_checkpoint(got, tmp_path / "ckpt")
     load_checkpoint(want, tmp_path / "ref")
