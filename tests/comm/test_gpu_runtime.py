@@ -106,6 +106,17 @@ def test_emulated_cuda_counts_channel(channel):
     torch.cuda.synchronize()
 
 
+def test_cuda_chunk_gives_a_turn_while_its_counts_travel():
+    """CPU twin: tests/schedule/test_overlap.py::test_cpu_chunk_waits_its_own_channels_counts_instead_of_a_turn.
+    On CUDA the host only enqueues, so even with the counts on their own channel the next chunk
+    takes its turn while they reach the host."""
+    from tests.schedule.test_overlap import _first_layer_order
+
+    link = lancet_rt.EmulatedGroup(2, bandwidth_gbps=0.1, latency_us=10, device="cuda", counts_channel="own")
+    order = _first_layer_order(link, "cuda")
+    assert order == [("route", 0), ("route", 1), ("permute", 0), ("permute", 1), ("route", 2), ("permute", 2)]
+
+
 def test_trace_on_cuda_records_stages_and_link(tmp_path):
     """CUDA-event spans resolve (both events recorded, synchronized) and the link spans last at
     least the modeled time. CPU twin: tests/schedule/test_overlap.py::test_trace_records_stages_and_link."""

@@ -464,6 +464,27 @@ def test_emulated_counts_channel(channel):
         lancet_rt.EmulatedGroup(4, counts_channel="separate")
 
 
+def _first_layer_order(link, device="cpu"):
+    """(stage, chunk) of the first MoE layer's route and permute spans, in the order the host ran
+    them, in a 3-chunk training step on ``link`` (the schedule's order, not its timing)."""
+    model = make_model(None, ep_group=link).to(device)
+    with lancet_rt.tracing() as tr:
+        lancet_rt.Overlapped(model, chunks=3)(torch.randn(6, 3, D, device=device)).sum().backward()
+    return [(s.name, s.args["chunk"]) for s in tr.spans
+            if s.name in ("route", "permute") and s.args.get("layer") == "blocks.0.moe"]
+
+
+def test_cpu_chunk_waits_its_own_channels_counts_instead_of_a_turn():
+    """On the CPU the host is the device: with the counts on their own channel a chunk waits for them
+    (one latency) and dispatches before the next chunk computes its attention; with the counts on the
+    tokens' channel (behind the transfers in flight) it gives the next chunk the turn, as on CUDA.
+    GPU twin: tests/comm/test_gpu_runtime.py::test_cuda_chunk_gives_a_turn_while_its_counts_travel."""
+    own = _first_layer_order(lancet_rt.EmulatedGroup(2, bandwidth_gbps=0.1, latency_us=10, counts_channel="own"))
+    assert own == [("route", 0), ("permute", 0), ("route", 1), ("permute", 1), ("route", 2), ("permute", 2)]
+    shared = _first_layer_order(lancet_rt.EmulatedGroup(2, bandwidth_gbps=0.1, latency_us=10))
+    assert shared == [("route", 0), ("route", 1), ("permute", 0), ("permute", 1), ("route", 2), ("permute", 2)]
+
+
 def test_emulated_all_to_all_stays_in_its_autograd_node():
     # Regression: the CPU link copies on its own thread, where grad mode is on; the copy must not
     # enter the graph (it once rebased the output onto a CopyBackwards that bypassed the collective).

@@ -12,7 +12,7 @@ import torch
 from lancet_rt.comm import group as comm
 from lancet_rt.kernels.reference_experts import HostBounds
 from lancet_rt.moe.dispatch.base import Exchanged
-from lancet_rt.moe.dispatch.common import Dispatched, host_bounds, offsets, regroup_permutations, to_device
+from lancet_rt.moe.dispatch.common import Dispatched, counts_turn, host_bounds, offsets, regroup_permutations, to_device
 from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
 
@@ -70,7 +70,7 @@ def exchange_and_compute(moe, x_TD: torch.Tensor, r, ops, chunk, x_in: torch.Ten
         d = moe.dispatch(x_SD, r.kept_E, None, None)
     else:
         counts = moe.exchange_counts(r.kept_E.view(1, -1))
-        _scope.switch(issues_next=True)  # another chunk runs while the counts travel
+        counts_turn(moe, x_TD)  # other chunks run while the counts travel (where that pays)
         with _trace.span("wait", "wait", chunk=chunk, counts=True):
             counts.wait()
         recv, sent = counts.host[0][0], counts.host[1][0]

@@ -10,6 +10,7 @@ import torch
 
 from lancet_rt.comm import faults
 from lancet_rt.comm import group as comm
+from lancet_rt.schedule import scope as _scope
 
 
 @dataclass
@@ -97,6 +98,23 @@ def exchange_counts(moe, kept_PE: torch.Tensor, error: Optional[Exception] = Non
         parts.append(kept_PE.sum(0).long().view(1, -1).expand(W, -1))
     group = moe.group
     return faults.in_order(group, lambda: Counts(group.exchange(torch.cat(parts, dim=1)), P, W, L, error))
+
+
+def counts_turn(moe, x: torch.Tensor) -> None:
+    """Let the other chunks run while this chunk's counts travel, where that pays.
+
+    On CUDA the host only enqueues work: another chunk's turn keeps the GPU queue fed while the
+    counts reach the host, and costs this chunk nothing. On the CPU the host *is* the device: a
+    turn is another chunk's whole computation up to its own MoE layer (its attention, say), and
+    this chunk's dispatch would wait all of it with the link possibly idle, for counts that arrive
+    after one link latency when they have a channel of their own. There the chunk waits for its
+    counts instead. Counts that share the tokens' channel queue behind the transfers in flight, so
+    the turn is still given. The choice depends on the device and the group's configuration only,
+    so every rank makes the same one and issues its collectives in the same order.
+    """
+    if x.device.type == "cpu" and getattr(moe.group, "counts_channel", "shared") == "own":
+        return
+    _scope.switch(issues_next=True)
 
 
 def host_bounds(counts_L: list) -> list:

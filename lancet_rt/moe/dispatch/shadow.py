@@ -53,7 +53,7 @@ from lancet_rt import trace as _trace
 from lancet_rt.comm.emulated import EmulatedGroup
 from lancet_rt.kernels.reference_experts import HostBounds
 from lancet_rt.moe.dispatch.base import Exchanged
-from lancet_rt.moe.dispatch.common import host_bounds, to_device
+from lancet_rt.moe.dispatch.common import counts_turn, host_bounds, to_device
 from lancet_rt.moe.experts import _ExpertsFn
 from lancet_rt.schedule import casts
 from lancet_rt.schedule import scope as _scope
@@ -262,7 +262,7 @@ def exchange_and_compute(moe, x_TD: torch.Tensor, r, ops, chunk: Optional[int], 
     chunk's ``r.row_TK`` is replaced by the order that puts their rows last (:func:`_remap_rows`), which
     the layer's unpermute then reads."""
     counts = moe.exchange_counts(r.kept_E.view(1, -1))
-    _scope.switch(issues_next=True)  # another chunk runs while the counts travel
+    counts_turn(moe, x_TD)  # other chunks run while the counts travel (where that pays)
     with _trace.span("wait", "wait", chunk=chunk, counts=True):
         counts.wait()
     recv, sent = counts.host[0][0], counts.host[1][0]
