@@ -4,7 +4,8 @@ The batch is cut into N chunks along dim 0 and the model runs once per chunk, ea
 (a greenlet). A chunk runs until its MoE layer has issued an all-to-all, then the scheduler resumes
 the next chunk, round robin: while chunk i's tokens travel, chunk i+1 computes its attention, norms
 and gating, and chunk i-1 its experts and the layers after them. Since the communication link is a
-FIFO, round robin resumes chunks in the order their transfers finish.
+FIFO, round robin resumes chunks in the order their transfers finish. The pipeline fills by
+alternating a new chunk with the oldest started one (chunks 0, 1, 0, 2, 1, 3, ...).
 
 Exactness: the gating passes chunks in order and carries each expert's used capacity, and capacity
 and the aux/z losses are those of the whole batch (docs/design.md, idea 3). The one requirement on the
@@ -166,7 +167,12 @@ class Overlapped(nn.Module):
 
         lets = [_greenlet.greenlet(lambda c=c: run(c)) for c in range(n)]
         live = list(range(n))
-        scope.waiting = {c: (-n + c, False) for c in range(n)}  # not started: in chunk order
+        # Not started: chunk c >= 1 as if it had yielded just before the step's c-th yield, so the
+        # pipeline fills alternating a new chunk with the oldest started one (c0, c1, c0, c2, c1,
+        # c3, ...): chunk 0's experts and combine run while chunk 2 has not started, and its combine
+        # travels during chunk 2's prologue. Starting every chunk first left the link idle in the
+        # fill wherever a chunk's prologue (attention, dense layers) outlasts its dispatch.
+        scope.waiting = {c: (c - 0.5, False) for c in range(n)}
         last = None
         prev = _scope.current()
         _scope.set_current(scope)

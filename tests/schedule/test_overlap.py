@@ -485,6 +485,22 @@ def test_cpu_chunk_waits_its_own_channels_counts_instead_of_a_turn():
     assert shared == [("route", 0), ("route", 1), ("permute", 0), ("permute", 1), ("route", 2), ("permute", 2)]
 
 
+def test_pipeline_fills_alternating_new_and_oldest_chunks():
+    """The fill alternates starting a chunk with resuming the oldest started one (0, 1, 0, 2, 1, 3):
+    chunk 0's combine goes on the link while chunk 2 computes its prologue, instead of after every
+    chunk has started (0, 1, 2, 3, 0, 1 left the link idle when a prologue outlasts a dispatch).
+    The order is the schedule's, decided without timing, and the result is exact either way."""
+    link = lancet_rt.EmulatedGroup(2, bandwidth_gbps=0.1, latency_us=10, counts_channel="own")
+    model = make_model(None, ep_group=link)
+    twin = copy.deepcopy(model)
+    x, g = torch.randn(8, 3, D), torch.randn(8, 3, D)
+    with lancet_rt.tracing() as tr:
+        got = run_and_grads(twin, lancet_rt.Overlapped(twin, chunks=4), x, g)
+    turns = [s.args["chunk"] for s in tr.spans if s.name.startswith("chunk ")]
+    assert turns[:6] == [0, 1, 0, 2, 1, 3], turns
+    assert_same_run(run_and_grads(model, model, x, g), got)
+
+
 def test_emulated_all_to_all_stays_in_its_autograd_node():
     # Regression: the CPU link copies on its own thread, where grad mode is on; the copy must not
     # enter the graph (it once rebased the output onto a CopyBackwards that bypassed the collective).
