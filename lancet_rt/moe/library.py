@@ -117,23 +117,26 @@ def _(x_TD, row_TK, kept_E, padded):
 
 
 @torch.library.custom_op("lancet::moe_permute_bwd", mutates_args=())
-def _moe_permute_bwd(grad_x_SD: Tensor, row_TK: Tensor) -> Tensor:
-    # (gathers the rows of row_TK only: the padding rows are never read)
+def _moe_permute_bwd(grad_x_SD: Tensor, row_TK: Tensor, padded: bool) -> Tensor:
+    # (the kept rows only, as the kernels' contract has them: a padded buffer's rows are never read)
+    if padded:
+        grad_x_SD = grad_x_SD[: int((row_TK >= 0).sum())]
     return _ops.get_ops(grad_x_SD.device, grad_x_SD.dtype).permute_bwd(grad_x_SD.contiguous(), row_TK)
 
 
 @_moe_permute_bwd.register_fake
-def _(grad_x_SD, row_TK):
+def _(grad_x_SD, row_TK, padded):
     return grad_x_SD.new_empty(row_TK.shape[0], grad_x_SD.shape[1])
 
 
 def _permute_setup(ctx, inputs, output):
     ctx.save_for_backward(inputs[1])
+    ctx.padded = inputs[3]
 
 
 def _permute_backward(ctx, grad_x_SD, _grad_src):
     (row_TK,) = ctx.saved_tensors
-    return _moe_permute_bwd(grad_x_SD, row_TK), None, None, None
+    return _moe_permute_bwd(grad_x_SD, row_TK, ctx.padded), None, None, None
 
 
 _moe_permute.register_autograd(_permute_backward, setup_context=_permute_setup)
@@ -142,7 +145,9 @@ _moe_permute.register_autograd(_permute_backward, setup_context=_permute_setup)
 # ------------------------------------------------------------------------------------- unpermute
 @torch.library.custom_op("lancet::moe_unpermute", mutates_args=())
 def _moe_unpermute(y_SD: Tensor, row_TK: Tensor, weight_TK: Tensor, src_S: Tensor, padded: bool) -> Tensor:
-    # (src_S: for the backward; the forward gathers the rows of row_TK only)
+    # (the kept rows only, as the kernels' contract has them: a padded buffer's rows are never read)
+    if padded:
+        y_SD = y_SD[: int((src_S >= 0).sum())]
     return _ops.get_ops(y_SD.device, y_SD.dtype).unpermute_fwd(y_SD, row_TK, weight_TK)
 
 

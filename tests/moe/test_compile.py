@@ -114,7 +114,8 @@ def _op_cases(gen):
                                  "softmax", True, 1.0)),
         (library._moe_permute, (x, row, kept, True)),
         (library._moe_permute, (x, row_all, kept_all, False)),
-        (library._moe_permute_bwd, (dy, row)),
+        (library._moe_permute_bwd, (dy, row, True)),
+        (library._moe_permute_bwd, (dy, row_all, False)),
         (library._moe_experts, (x_SD.detach().requires_grad_(True), offsets, w_gu, w_dn, None, None, "swiglu",
                                 1.702, 7.0, False, True)),
         (library._moe_experts_bwd, (dy, x_SD, gu, h, offsets, w_gu.detach(), w_dn.detach(), "swiglu", 1.702, 7.0,
@@ -126,6 +127,27 @@ def _op_cases(gen):
         (library._moe_unpermute, (y_SD, row, w, src, True)),
         (library._moe_unpermute_bwd, (torch.randn(T, D, generator=gen), y_SD.detach(), row, w.detach(), src, True)),
     ]
+
+
+def test_padding_rows_are_never_read(gen):
+    """With a capacity factor the operators' [S, ...] buffers have T*K rows, the rows past S padding.
+    NaN there changes nothing: the references get the kept rows only, as the kernels' contract has
+    it (a reference given the whole buffer read its last row for every dropped assignment)."""
+    from lancet_rt.kernels import reference as ref
+
+    T, D, E, K = 9, 6, 4, 2
+    logits = torch.randn(T, E, generator=gen)
+    weight, _, row, kept, _, _, _ = library._moe_gate(logits, None, K, 0.75, "softmax", True, 1, None, 1.0, 0.01, 0.001)
+    S = int(kept.sum())
+    assert 0 < S < T * K  # some assignments dropped: there is padding
+    y_SD = torch.full((T * K, D), float("nan"))
+    y_SD[:S] = torch.randn(S, D, generator=gen)
+    _, src = library._moe_permute(torch.randn(T, D, generator=gen), row, kept, True)
+    y_TD = library._moe_unpermute(y_SD, row, weight, src, True)
+    assert torch.equal(y_TD, ref.unpermute_fwd_ref(y_SD[:S], row, weight))
+    grad_x = library._moe_permute_bwd(y_SD, row, True)
+    assert torch.equal(grad_x, ref.permute_bwd_ref(y_SD[:S], row))
+    assert torch.isfinite(y_TD).all() and torch.isfinite(grad_x).all()
 
 
 def test_opcheck(gen):
