@@ -119,6 +119,10 @@ class _Simulation:
         self.tokens = [T // n + (c < T % n) for c in range(n)]
         self.link = _Link(gbps, latency_ms)
         self.counts = self.link if counts_channel == "shared" else _Link(gbps, latency_ms)  # latency only: no bytes
+        from lancet_rt.moe.dispatch.common import gives_counts_turn  # the layer's own rule
+
+        # The host is the device here (the CPU's rule): with counts of their own it waits for them.
+        self.counts_turn = gives_counts_turn("cpu", counts_channel)
         self.host = 0.0
         self.work = 0.0
         self.created: list = []  # the forward's autograd nodes, in creation order
@@ -161,7 +165,8 @@ class _Simulation:
             self.stage(l, "route", c)
             self.routed[l] += 1
             exchange = self.counts.issue(self.host, 0)
-            yield True
+            if self.counts_turn:
+                yield True
             self.wait(exchange)
             self.stage(l, "permute", c)
             self.stage(l, "issue", c)
@@ -179,7 +184,7 @@ class _Simulation:
     def forward(self) -> int:
         """Overlapped.run_chunked's loop (N = 1 is the plain model: no scheduler, no yields); returns
         the scheduler's segments."""
-        from lancet_rt.schedule.overlap import _next_chunk  # the scheduler's own rule
+        from lancet_rt.schedule.overlap import _next_chunk, not_started  # the scheduler's own rules
 
         n = self.n
         gens = [self.program(c) for c in range(n)]
@@ -189,7 +194,7 @@ class _Simulation:
                 pass
             return segments
         live, last, yields = list(range(n)), None, 0
-        waiting = {c: (-n + c, False) for c in range(n)}
+        waiting = not_started(n)
         while live:
             c = last = _next_chunk(live, waiting, last)
             segments += 1

@@ -167,12 +167,7 @@ class Overlapped(nn.Module):
 
         lets = [_greenlet.greenlet(lambda c=c: run(c)) for c in range(n)]
         live = list(range(n))
-        # Not started: chunk c >= 1 as if it had yielded just before the step's c-th yield, so the
-        # pipeline fills alternating a new chunk with the oldest started one (c0, c1, c0, c2, c1,
-        # c3, ...): chunk 0's experts and combine run while chunk 2 has not started, and its combine
-        # travels during chunk 2's prologue. Starting every chunk first left the link idle in the
-        # fill wherever a chunk's prologue (attention, dense layers) outlasts its dispatch.
-        scope.waiting = {c: (c - 0.5, False) for c in range(n)}
+        scope.waiting = not_started(n)
         last = None
         prev = _scope.current()
         _scope.set_current(scope)
@@ -315,6 +310,18 @@ def _pop_saved_tensor_hooks() -> list:
 def _push_saved_tensor_hooks(stack: list) -> None:
     for pack, unpack in stack:
         torch._C._autograd._push_saved_tensors_default_hooks(pack, unpack)
+
+
+def not_started(n: int) -> dict:
+    """The scheduler's ``waiting`` entries of n chunks before any has run.
+
+    Chunk c >= 1 counts as if it had yielded just before the step's c-th yield, so the pipeline
+    fills alternating a new chunk with the oldest started one (0, 1, 0, 2, 1, 3, ...): chunk 0's
+    experts and combine run before chunk 2 starts, and its combine travels during chunk 2's
+    prologue. Starting every chunk first left the link idle in the fill wherever a chunk's prologue
+    (attention, dense layers) outlasts its dispatch.
+    """
+    return {c: (c - 0.5, False) for c in range(n)}
 
 
 def _next_chunk(live: list, waiting: dict, last) -> int:
