@@ -22,7 +22,9 @@ transfers the trace records), and the replay rebuilds the step at N chunks on a 
    is each stage's forward time times the ratio measured for its kind (experts, post, the rest),
    deferred dW likewise.
 3. **Replay** (:func:`lancet_rt.autotune.replay_sim.replay`). The forward runs Overlapped's own
-   scheduling rule (:func:`lancet_rt.schedule.overlap._next_chunk`, imported, with the gating-in-order
+   scheduling rules (:func:`lancet_rt.schedule.overlap._next_chunk` from
+   :func:`~lancet_rt.schedule.overlap.not_started`, and the CPU's counts rule,
+   :func:`lancet_rt.moe.dispatch.common.gives_counts_turn`, all imported, with the gating-in-order
    wait of :meth:`lancet_rt.MoE._routing_state`) over each chunk's stage program on two resources: the
    host (computation) and the link, a FIFO. The backward runs the forward's creation order in reverse
    (the autograd engine's order on one device): each backward all-to-all is issued by its gradient's
