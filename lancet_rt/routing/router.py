@@ -44,10 +44,11 @@ def router_logits(x_TD: torch.Tensor, weight_ED: torch.Tensor, bias_E: Optional[
     the routing decision is made in full precision, as the contract requires."""
     # (on the host: torch.promote_types dispatches an op)
     dtype = torch.float64 if torch.float64 in (x_TD.dtype, weight_ED.dtype) else torch.float32
+    args = (x_TD.to(dtype), weight_ED.to(dtype), None if bias_E is None else bias_E.to(dtype))
     if not torch.is_autocast_enabled(x_TD.device.type):  # (the context manager costs host time per chunk)
-        return F.linear(x_TD.to(dtype), weight_ED.to(dtype), None if bias_E is None else bias_E.to(dtype))
+        return F.linear(*args)
     with torch.autocast(x_TD.device.type, enabled=False):
-        return F.linear(x_TD.to(dtype), weight_ED.to(dtype), None if bias_E is None else bias_E.to(dtype))
+        return F.linear(*args)
 
 
 @torch.no_grad()

@@ -45,7 +45,7 @@ from lancet_rt.comm import group as comm
 from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
 from lancet_rt.schedule import wgrad
-from lancet_rt.moe.dispatch.common import to_device
+from lancet_rt.moe.dispatch.common import counts_turn, to_device
 from lancet_rt.routing.functions import permute, unpermute
 
 
@@ -182,7 +182,7 @@ def allreduce_forward(moe, x_in: tuple, r, ops, chunk) -> torch.Tensor:
     with _trace.span("unpermute", cuda=x_TD.is_cuda, layer=moe.trace_name, chunk=chunk):
         y_TD = unpermute(y_SD, row_TK, w_TK, src_S, ops)
     w_link.issue_after(y_TD, 2)
-    _scope.switch(issues_next=True)  # other chunks run while the counts arrive; then the all-reduce
+    counts_turn(moe, y_TD)  # other chunks run while the counts arrive (where that pays); then the all-reduce
     with _trace.span("wait", "wait", chunk=chunk, counts=True):
         counts.wait()
         recv_WE = counts.received()[0]
