@@ -155,7 +155,7 @@ class LossMode:
 
     def __init__(self, labels_BS: torch.Tensor, divisor: torch.Tensor, weight: torch.Tensor, ignore_index: int):
         self.labels_BS = labels_BS
-        self.loss = SharedHeadGrad(weight, divisor, ignore_index)
+        self.loss = SharedHeadGrad(weight, divisor, ignore_index, rows=labels_BS.numel())
         self.parts: dict[int, torch.Tensor] = {}
 
 

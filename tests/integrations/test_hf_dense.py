@@ -55,6 +55,29 @@ def test_fused_loss_equals_transformers(family):
                          hf(input_ids=ids, attention_mask=mask).logits)
 
 
+def test_chunks_run_the_whole_batchs_inner_loss_chunks(monkeypatch):
+    """Cut into chunks, the fused loss steps through the vocabulary GEMMs in the rows the unchunked
+    batch would (sized from the whole batch's tokens, not from a chunk's)."""
+    from lancet_rt import dense
+
+    hf = build("mixtral")
+    ids, mask, labels = batch(hf.config.vocab_size, 6, 9)
+    seen, inner = [], dense._linear_ce_chunks
+
+    def spy(hidden, weight, labels, divisor, ignore_index, chunk, *args, **kwargs):
+        seen.append(chunk)
+        return inner(hidden, weight, labels, divisor, ignore_index, chunk, *args, **kwargs)
+
+    monkeypatch.setattr(dense, "_linear_ce_chunks", spy)
+    want = dense._default_chunk(ids.numel(), hf.config.hidden_size, hf.config.vocab_size)
+    assert want != dense._default_chunk(ids.numel() // 3, hf.config.hidden_size, hf.config.vocab_size)
+    for chunks in (1, 3):
+        seen.clear()
+        lm = lancet_rt.from_hf(copy.deepcopy(hf), chunks=chunks, fused_loss=True)
+        _step(lm, ids, mask, labels)
+        assert seen == [want] * chunks, (chunks, seen)
+
+
 def test_rmsnorms_alone_and_eval_with_labels():
     hf = build("qwen3_moe")
     ids, mask, labels = batch(hf.config.vocab_size, 4, 7)
