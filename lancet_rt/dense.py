@@ -289,16 +289,21 @@ class _ChunkTerm(torch.autograd.Function):
     the head's accumulates in a :class:`SharedHeadGrad`."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, divisor, ignore_index, grad_w_acc, chunk):
+    def forward(ctx, hidden, weight, labels, divisor, ignore_index, grad_w_acc, chunk, scale):
         loss, grad_h, _ = _linear_ce_chunks(hidden, weight, labels, divisor, ignore_index, chunk,
                                             ctx.needs_input_grad[0], False, grad_w_acc)
         ctx.save_for_backward(grad_h)
+        ctx.scale = scale
+        if scale is not None and ctx.needs_input_grad[0]:
+            scale.grad_hidden = grad_h
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None, None
+        if ctx.scale is not None:  # (a dual issued from the forward takes this factor)
+            ctx.scale.received = grad_loss
+        return grad_h * grad_loss.to(grad_h.dtype), None, None, None, None, None, None, None
 
 
 class _AttachHeadGrad(torch.autograd.Function):
@@ -337,8 +342,10 @@ class SharedHeadGrad:
         acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
         self.acc = torch.zeros(weight.shape, device=weight.device, dtype=acc) if wants else None
 
-    def term(self, hidden: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """hidden [..., D], labels [...] already aligned (shifted): this piece's loss term."""
+    def term(self, hidden: torch.Tensor, labels: torch.Tensor, scale=None) -> torch.Tensor:
+        """hidden [..., D], labels [...] already aligned (shifted): this piece's loss term.
+        ``scale``: a :class:`lancet_rt.schedule.early_backward.GradScale` that receives the hidden
+        state's gradient (in the forward) and the loss gradient (in the backward)."""
         h_TD = hidden.reshape(-1, hidden.shape[-1]).contiguous()
         labels_T = labels.reshape(-1).long().contiguous()
         chunk = _default_chunk(self.rows or h_TD.shape[0], h_TD.shape[1], self.weight.shape[0])
@@ -346,7 +353,7 @@ class SharedHeadGrad:
             return linear_cross_entropy(hidden, self.weight, labels, ignore_index=self.ignore_index,
                                         shift_labels=False, num_items_in_batch=self.divisor, chunk_size=chunk)
         return _ChunkTerm.apply(h_TD, self.weight.detach(), labels_T, self.divisor, self.ignore_index, self.acc,
-                                chunk)
+                                chunk, scale)
 
     def attach(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.acc is None else _AttachHeadGrad.apply(loss, self.weight, self.acc)

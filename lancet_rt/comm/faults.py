@@ -209,11 +209,13 @@ def note_link(group) -> None:
     _state(group).links += 1
 
 
-def note_dual(group) -> None:
-    """A backward all-to-all is issued: the backward is open until the engine's final callback."""
+def note_dual(group, early: bool = False) -> None:
+    """A backward all-to-all is issued: the backward is open until the engine's final callback.
+    ``early``: issued from the forward (:mod:`lancet_rt.schedule.early_backward`), inside a partial
+    backward that ends before the step's own: counted, and the backward stays closed."""
     st = _state(group)
     st.duals += 1
-    if not st.backward_open and _in_backward():
+    if not early and not st.backward_open and _in_backward():
         st.backward_open = True
         torch.autograd.Variable._execution_engine.queue_callback(st.close)
 

@@ -340,12 +340,15 @@ def finish_backward(link, grad, queue, window_ms) -> torch.Tensor:
         link.issue(grad)
     result, work = link.early
     link.early = None
+    scaled, link.scaled_by = link.scaled_by, None
     _scope.backward_wait()  # a forward running beside this backward (lancet_rt.schedule.accumulate) goes on
     if queue is not None:
         with _trace.span("dW", chunk=link.chunk):
             queue.drain_during(work, window_ms())
     with _trace.span("wait", "wait", chunk=link.chunk):
         work.wait()
+    if scaled is not None:  # issued from the forward for a loss gradient of 1: times the real one
+        result.mul_(scaled.factor().to(result.dtype))
     return result
 
 
@@ -358,14 +361,20 @@ class BackwardLink:
         self.work: Work = Done()
         self.early = None
         self.chunk = _scope.current().chunk if _scope.current() is not None else None
+        # Issued from the forward (lancet_rt.schedule.early_backward): ``from_forward`` is set for the
+        # partial backward that issues it, ``scaled_by`` then gives the real loss gradient's factor.
+        self.from_forward = None
+        self.scaled_by = None
 
     def issue(self, grad_out: torch.Tensor) -> None:
         """Start the backward (dual) all-to-all of ``grad_out`` now."""
-        faults.note_dual(self.group)
+        early, self.from_forward = self.from_forward, None
+        faults.note_dual(self.group, early=early is not None)
         grad_out = grad_out.contiguous()
         grad_in = grad_out.new_empty((sum(self.input_splits),) + tuple(grad_out.shape[1:]))
         work = self.group.all_to_all(grad_in, grad_out, self.input_splits, self.output_splits)
         self.early = (grad_in, work)
+        self.scaled_by = early
 
     def window_ms(self, grad_out: torch.Tensor) -> Optional[float]:
         """The backward collective's expected time, where the group models it (the emulated link,

@@ -232,6 +232,7 @@ class _BaseModelRunner:
         self.whole: Optional[tuple] = None  # (args, kwargs) of one row of the call in progress
         self._chunk_logits: Optional[dict] = None
         self.fused_loss = False  # from_hf(fused_loss=True)
+        self.early_backward = True  # from_hf(early_backward=...)
         self.loss_mode: Optional[_dense.LossMode] = None  # set by _CausalLMForward for a fused-loss call
 
     def __call__(self, *args, **kwargs):
@@ -303,7 +304,8 @@ class _CausalLMForward:
 
     def __call__(self, *args, **kwargs):
         keep = kwargs.get("logits_to_keep", 0)
-        mode, kwargs = _dense.loss_mode_for(self.model, self.model.get_output_embeddings(), args, kwargs) \
+        mode, kwargs = _dense.loss_mode_for(self.model, self.model.get_output_embeddings(), args, kwargs,
+                                            self.runner.early_backward) \
             if self.runner.fused_loss else (None, kwargs)
         self.runner.loss_mode = mode
         self.runner.head_wanted = mode is None and len(args) <= 1 and isinstance(keep, int) and keep == 0
@@ -372,7 +374,7 @@ def _replay_checkpoints(base: nn.Module) -> None:
 # ------------------------------------------------------------------------------------------ entry
 def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = False,
             capacity_factor: Optional[float] = None, router_dtype: str = "float32",
-            fused_loss: bool = False) -> nn.Module:
+            fused_loss: bool = False, early_backward: bool = True) -> nn.Module:
     """Make a transformers MoE model a lancet-rt model, in place.
 
     Args:
@@ -396,6 +398,10 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
         fused_loss: in training with ``labels`` (and ``logits_to_keep=0``), compute the loss with
             :func:`lancet_rt.dense.linear_cross_entropy` per chunk, never forming the logits; the
             output's ``logits`` is then None (:mod:`lancet_rt.integrations.hf_dense`).
+        early_backward: with ``fused_loss`` and expert parallelism, chunked: each chunk issues its last
+            MoE layer's first backward all-to-all from the forward, right after its loss term, so it
+            travels while the other chunks finish (:mod:`lancet_rt.schedule.early_backward`; skipped
+            for calls that return hidden states or attentions, with gradient checkpointing, on FSDP).
 
     Chunk counts above the batch's rows run as many chunks as rows without expert parallelism; with
     it, every rank runs the agreed count (its empty chunks run one stand-in row, dropped, so that
@@ -408,7 +414,7 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a transformers model (an nn.Module), got {type(model).__name__}")
-    _check_options(chunks, defer_wgrad, router_dtype, fused_loss)
+    _check_options(chunks, defer_wgrad, router_dtype, fused_loss, early_backward)
     group = comm.as_group(ep_group)
     converted = _convert_blocks(model, group, capacity_factor)
     layers = [m for m in model.modules() if isinstance(m, HFMoE)]
@@ -432,6 +438,7 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
     _dense.fuse_rmsnorms(model)
     _dense.fuse_residual_adds(model)
     runner.fused_loss = fused_loss and head is not None
+    runner.early_backward = early_backward
     if runner.head is not None or runner.fused_loss:  # the head (or the fused loss) runs per chunk in training
         model.forward = _CausalLMForward(model, runner)
         head.forward = _HeadForward(head, runner)
@@ -444,15 +451,16 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
     return model
 
 
-def _check_options(chunks, defer_wgrad, router_dtype, fused_loss) -> None:
+def _check_options(chunks, defer_wgrad, router_dtype, fused_loss, early_backward=True) -> None:
     """:func:`from_hf`'s options, each refused with an error naming it."""
     _policy.check_chunks(chunks)
     if not isinstance(defer_wgrad, bool):
         raise TypeError(f"defer_wgrad must be a bool, got {type(defer_wgrad).__name__}")
     if router_dtype not in ROUTER_DTYPES:
         raise ValueError(f"router_dtype must be one of {ROUTER_DTYPES}, got {router_dtype!r}")
-    if not isinstance(fused_loss, bool):
-        raise TypeError(f"fused_loss must be a bool, got {type(fused_loss).__name__}")
+    for name, flag in (("fused_loss", fused_loss), ("early_backward", early_backward)):
+        if not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
 
 
 def _convert_blocks(model: nn.Module, group, capacity_factor) -> int:

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from lancet_rt.dense import SharedHeadGrad, add_rmsnorm
+from lancet_rt.schedule import early_backward as _early
 from lancet_rt.schedule import scope as _scope
 
 _norm_classes: dict = {}
@@ -151,16 +152,34 @@ def fuse_residual_adds(model: nn.Module) -> int:
 
 class LossMode:
     """The fused loss of one ``*ForCausalLM`` call: shifted labels [B, S], the loss (with the head's
-    gradient shared by the chunks) and the loss term of each chunk."""
+    gradient shared by the chunks) and the loss term of each chunk; ``early``: each chunk issues its
+    last combine's backward all-to-all from the forward (:mod:`lancet_rt.schedule.early_backward`)."""
 
-    def __init__(self, labels_BS: torch.Tensor, divisor: torch.Tensor, weight: torch.Tensor, ignore_index: int):
+    def __init__(self, labels_BS: torch.Tensor, divisor: torch.Tensor, weight: torch.Tensor, ignore_index: int,
+                 early: bool = False):
         self.labels_BS = labels_BS
         self.loss = SharedHeadGrad(weight, divisor, ignore_index, rows=labels_BS.numel())
         self.parts: dict[int, torch.Tensor] = {}
+        self.early = early
 
 
-def loss_mode_for(model: nn.Module, head: Optional[nn.Module], args: tuple, kwargs: dict):
-    """(LossMode, kwargs without labels) when this call's loss can be fused, else (None, kwargs)."""
+def _last_hidden_only_feeds_the_loss(model: nn.Module, kwargs: dict) -> bool:
+    """Whether this call's last hidden state has no consumer but the fused loss, and its backward no
+    hook with a state of its own (what issuing a backward all-to-all from the forward needs): no
+    hidden states or attentions returned, no gradient checkpointing (its recomputation would rerun the
+    layer), no FSDP-sharded module (its backward hooks unshard and reduce)."""
+    config = getattr(model, "config", None)
+    for name in ("output_hidden_states", "output_attentions"):
+        if kwargs.get(name) or (kwargs.get(name) is None and getattr(config, name, False)):
+            return False
+    fsdp = getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
+    return not any(getattr(m, "gradient_checkpointing", False) is True or (fsdp is not None and isinstance(m, fsdp))
+                   for m in model.modules())
+
+
+def loss_mode_for(model: nn.Module, head: Optional[nn.Module], args: tuple, kwargs: dict, early: bool = False):
+    """(LossMode, kwargs without labels) when this call's loss can be fused, else (None, kwargs).
+    ``early``: issue each chunk's first backward all-to-all from the forward where that is exact."""
     labels = kwargs.get("labels")
     keep = kwargs.get("logits_to_keep", 0)
     config = getattr(model, "config", None)
@@ -173,8 +192,9 @@ def loss_mode_for(model: nn.Module, head: Optional[nn.Module], args: tuple, kwar
     shifted = nn.functional.pad(labels, (0, 1), value=ignore)[..., 1:]
     num_items = kwargs.get("num_items_in_batch")
     divisor = (shifted != ignore).sum() if num_items is None else torch.as_tensor(num_items, device=labels.device)
+    early = early and _last_hidden_only_feeds_the_loss(model, kwargs)
     kwargs = {k: v for k, v in kwargs.items() if k != "labels"}
-    return LossMode(shifted, divisor, head.weight, ignore), kwargs
+    return LossMode(shifted, divisor, head.weight, ignore, early), kwargs
 
 
 def chunk_loss(mode: LossMode, out) -> None:
@@ -186,7 +206,12 @@ def chunk_loss(mode: LossMode, out) -> None:
     c = scope.chunk if scope is not None else 0
     r0 = sum(scope.rows[:c]) if scope is not None else 0
     labels = mode.labels_BS[r0:r0 + hidden.shape[0]] if hidden.shape[0] != mode.labels_BS.shape[0] or r0 else mode.labels_BS
-    mode.parts[c] = mode.loss.term(hidden, labels)
+    early = (mode.early and scope is not None and scope.rows[c] > 0 and torch.is_grad_enabled()
+             and not _scope.beside_active())
+    scale = _early.GradScale() if early else None
+    mode.parts[c] = mode.loss.term(hidden, labels, scale)
+    if early:
+        _early.issue_from_forward(hidden, scale)
 
 
 def finish(model: nn.Module, mode: LossMode, out):

@@ -339,7 +339,10 @@ class MoE(nn.Module):
         ops = _ops.get_ops(x_TD.device, dtype)
         state, replaying = self._routing_state(x_TD.shape[0], x_TD.device)
 
-        chunk = _scope.current().chunk if _scope.current() is not None else None
+        scope = _scope.current()
+        chunk = scope.chunk if scope is not None else None
+        if scope is not None:
+            scope.last_combine[chunk] = None  # (set below where this layer's combine qualifies)
         allreduce = self.dispatcher == "allreduce" and self.group is not None
         # (under autocast the replicated tokens meet the experts in the autocast dtype)
         x_in = _allreduce.replicated_input(x_TD.to(dtype), self.group, chunk) if allreduce else None
@@ -357,6 +360,8 @@ class MoE(nn.Module):
         if self.shadow_experts and self.pipeline_chunks == 1 and self.group is not None:
             exchange = shadow.exchange_and_compute
         y_SD, src_S, link, shared = exchange(self, x_c, r, ops, chunk, x_TD)
+        if scope is not None and exchange is alltoall.exchange_and_compute and link is not None and y_SD.requires_grad:
+            scope.last_combine[chunk] = (y_SD, link)  # (lancet_rt.schedule.early_backward)
         with _trace.span("unpermute", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk):
             y_TD = unpermute(y_SD, r.row_TK, r.weight_TK, src_S, ops, link)
         y_TD = y_TD.to(x.dtype)

@@ -188,7 +188,7 @@ class _Unpermute(torch.autograd.Function):
         y_SD, row_TK, weight_TK, src_S = ctx.saved_tensors
         with _trace.span("unpermute bwd", chunk=ctx.chunk):
             grad_y_SD, grad_w = ctx.ops.unpermute_bwd(grad_y_TD.contiguous(), y_SD, row_TK, weight_TK, src_S)
-        if ctx.link is not None:
+        if ctx.link is not None and ctx.link.early is None:  # (None: not issued from the forward)
             ctx.link.issue(grad_y_SD)  # the combine's backward all-to-all starts now
         return grad_y_SD, None, grad_w, None, None, None
 

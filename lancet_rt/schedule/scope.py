@@ -26,6 +26,9 @@ class ChunkScope:
             chunks wait for before issuing theirs (:func:`lancet_rt.comm.faults.in_order`).
         casts: the weights' compute-dtype copies shared by the chunks
             (:func:`lancet_rt.schedule.casts.compute_copy`).
+        last_combine: per chunk, the (output, link) of the combine all-to-all of the last MoE layer
+            it ran, or None where that layer's backward cannot be started from the forward
+            (:mod:`lancet_rt.schedule.early_backward`).
     """
 
     def __init__(self, rows: list[int], switch: Callable[[], None]):
@@ -38,6 +41,7 @@ class ChunkScope:
         self.waiting: dict = {}
         self.first_exchange: dict = {}
         self.casts: dict = {}
+        self.last_combine: dict = {}
         self._yields = 0
 
     def switch(self, issues_next: bool = False) -> None:
@@ -100,6 +104,11 @@ def backward_wait() -> None:
     b = _backward_beside
     if b is not None:
         b.yield_()
+
+
+def beside_active() -> bool:
+    """Whether a backward runs beside the forward of this thread (:func:`set_beside`)."""
+    return getattr(_local, "beside", None) is not None
 
 
 def host_wait(work) -> None:

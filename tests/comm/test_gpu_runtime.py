@@ -58,6 +58,32 @@ def test_overlapped_cuda_emulated_link_equals_model(defer_wgrad):
         assert_close(f"grad {n}", p2.grad, p1.grad)
 
 
+def test_early_backward_on_cuda_equals_the_backward_issuing_it():
+    """GPU twin of tests/integrations/test_hf_dense.py::test_early_backward_issues_each_chunks_dual_in_the_forward_exactly:
+    a fused-loss Mixtral on an emulated 2-rank CUDA link, 3 chunks, its last combine's duals issued from
+    the forward (the partial backward runs on the engine's device thread) against issued by the backward."""
+    pytest.importorskip("transformers")
+    from bench.hf_models import batch, build
+    from lancet_rt.comm import faults
+
+    hf = build("mixtral", "bench").cuda()
+    ids, mask, labels = (t.cuda() for t in batch(hf.config.vocab_size, 6, 64))
+    runs = []
+    for early in (True, False):
+        link = lancet_rt.EmulatedGroup(2, bandwidth_gbps=50.0, latency_us=20, device="cuda")
+        lm = lancet_rt.from_hf(copy.deepcopy(hf), link, chunks=3, fused_loss=True, early_backward=early)
+        out = lm(input_ids=ids, attention_mask=mask, labels=labels)
+        duals = faults._state(link).duals
+        (out.loss * 2).backward()
+        torch.cuda.synchronize()
+        runs.append((duals, out.loss.detach(), dict(lm.named_parameters())))
+    (d1, l1, p1), (d2, l2, p2) = runs
+    assert (d1, d2) == (3, 0)
+    assert_close("loss", l1.reshape(1), l2.reshape(1), rel_rms=1e-6)
+    for n, p in p1.items():
+        assert_close(f"grad {n}", p.grad, p2[n].grad, rel_rms=1e-6)
+
+
 def test_emulated_cuda_link_holds_modeled_time_without_blocking_the_host():
     """The timed kernel holds the link for the modeled time (torch.cuda._sleep counts SM clock
     cycles; a wrong cycles-per-ms calibration shows here), the host does not wait for it, and the

@@ -188,3 +188,129 @@ def test_decoder_layer_of_another_shape_stays_unfused():
     assert hf_dense.fuse_residual_adds(hf) == 0
     assert all(type(layer) is ScaledResidualLayer for layer in hf.model.layers)
     assert hf_dense._pre_norm_layer(base) is False and hf_dense._pre_norm_layer(ScaledResidualLayer) is None
+
+
+# ------------------------------------------------------------ the backward's first all-to-all, from the forward
+def _early_step(model, ids, mask, labels, monkeypatch, factor=2.0, **kw):
+    """One step whose loss is scaled by ``factor``; returns (output, duals issued from the forward,
+    every BackwardLink issued)."""
+    from lancet_rt.comm import group as comm
+
+    issued, inner = [], comm.BackwardLink.issue
+
+    def issue(link, grad):
+        issued.append((link, link.from_forward is not None))
+        return inner(link, grad)
+
+    monkeypatch.setattr(comm.BackwardLink, "issue", issue)
+    model.zero_grad(set_to_none=True)
+    out = model(input_ids=ids, attention_mask=mask, labels=labels, **kw)
+    early = sum(e for _, e in issued)
+    (out.loss * factor).backward()
+    return out, early, issued
+
+
+def _same_step(name, a, b):
+    (out_a, model_a), (out_b, model_b) = a, b
+    assert torch.equal(out_a.loss, out_b.loss), name
+    grads_b = dict(model_b.named_parameters())
+    for n, p in model_a.named_parameters():
+        assert p.grad is not None, f"{name}: no gradient for {n}"
+        assert torch.equal(p.grad, grads_b[n].grad), f"{name}: gradient of {n} differs"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_early_backward_issues_each_chunks_dual_in_the_forward_exactly(family, monkeypatch):
+    """Expert-parallel (an emulated 2-rank link), chunked, fused loss: each chunk issues its last
+    combine's backward all-to-all from the forward, the backward issues it no second time, and the
+    loss and every gradient equal those with it off bit for bit (the loss scaled by 2: the dual's
+    result takes the loss gradient's factor)."""
+    hf = build(family)
+    ids, mask, labels = batch(hf.config.vocab_size, 5, 9)
+    labels[2, :] = -100  # a chunk of only ignored labels
+    runs = {}
+    for early in (True, False):
+        lm = lancet_rt.from_hf(copy.deepcopy(hf), lancet_rt.EmulatedGroup(world_size=2), chunks=3, fused_loss=True,
+                               early_backward=early)
+        out, from_forward, issued = _early_step(lm, ids, mask, labels, monkeypatch)
+        monkeypatch.undo()
+        links = [link for link, _ in issued]
+        assert len(links) == len(set(map(id, links))), "a dual was issued twice"
+        assert all(link.early is None and link.scaled_by is None for link in links)
+        assert from_forward == (3 if early else 0)
+        runs[early] = (out, lm)
+    _same_step(family, runs[True], runs[False])
+
+
+def test_early_backward_declines_where_it_would_not_be_exact(monkeypatch):
+    """Hidden states or attentions returned, gradient checkpointing, or early_backward=False: the
+    backward issues every dual, and the step is the same."""
+    hf = build("qwen3_moe")
+    ids, mask, labels = batch(hf.config.vocab_size, 4, 7)
+    ref = lancet_rt.from_hf(copy.deepcopy(hf), lancet_rt.EmulatedGroup(world_size=2), chunks=2, fused_loss=True)
+    want = _early_step(ref, ids, mask, labels, monkeypatch)[0]
+    monkeypatch.undo()
+    for kw in ({"output_hidden_states": True}, {"output_attentions": True}, {"checkpointing": True}):
+        lm = lancet_rt.from_hf(copy.deepcopy(hf), lancet_rt.EmulatedGroup(world_size=2), chunks=2, fused_loss=True)
+        if kw.pop("checkpointing", False):
+            lm.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        out, from_forward, _ = _early_step(lm, ids, mask, labels, monkeypatch, **kw)
+        monkeypatch.undo()
+        assert from_forward == 0, kw
+        _same_step(str(kw), (out, lm), (want, ref))
+    with pytest.raises(TypeError, match="early_backward"):
+        lancet_rt.from_hf(build("mixtral"), fused_loss=True, early_backward=1)
+
+
+def test_early_duals_keep_the_backward_closed():
+    """A dual issued from the forward counts as the step's (a backward that raises later is still
+    found incomplete) without opening the backward; the step's backward closes it."""
+    from lancet_rt.comm import faults
+    from lancet_rt.schedule.early_backward import GradScale
+
+    hf = build("mixtral")
+    ids, mask, labels = batch(hf.config.vocab_size, 4, 7)
+    link = lancet_rt.EmulatedGroup(world_size=2)
+    lm = lancet_rt.from_hf(hf, link, chunks=2, fused_loss=True)
+    out = lm(input_ids=ids, attention_mask=mask, labels=labels)
+    st = faults._state(link)
+    assert st.duals == 2 and not st.backward_open and st.links > st.duals
+    out.loss.backward()
+    assert st.duals == 0 and st.links == 0 and not st.backward_open
+    with pytest.raises(RuntimeError, match="early_backward=False"):
+        GradScale().factor()
+
+
+def _early_over_gloo(rank, world, families):
+    """Each rank its own batch (3 + rank rows), chunks=2: duals issued from the forward over real
+    collectives give the step of the backward issuing them, bit for bit."""
+    import torch.distributed as dist
+
+    results = []
+    for family in families:
+        hf = build(family)
+        ids, mask, labels = batch(hf.config.vocab_size, 3 + rank, 7, seed=10 + rank)
+        steps, counts = [], []
+        for early in (True, False):
+            lm = lancet_rt.from_hf(copy.deepcopy(hf), dist.group.WORLD, chunks=2, fused_loss=True,
+                                   early_backward=early)
+            lm.zero_grad(set_to_none=True)
+            out = lm(input_ids=ids, attention_mask=mask, labels=labels)
+            counts.append(lancet_rt.comm.faults._state(lancet_rt.integrations.hf.moe_layers(lm)[0].group).duals)
+            out.loss.backward()
+            steps.append((out.loss.detach(), {n: p.grad for n, p in lm.named_parameters()}))
+        (la, ga), (lb, gb) = steps
+        same = torch.equal(la, lb) and all(torch.equal(ga[n], gb[n]) for n in ga)
+        results.append((family, counts, same))
+    return results
+
+
+def test_early_backward_over_gloo():
+    from tests.dist import assert_all_ok, run_ranks
+
+    families = ["mixtral", "deepseek_v3"]
+    for rank_results in assert_all_ok(run_ranks(_early_over_gloo, 2, families, timeout=240)):
+        assert [r[0] for r in rank_results] == families
+        for family, counts, same in rank_results:
+            assert counts == [2, 0], (family, counts)  # one dual per chunk issued from the forward
+            assert same, f"{family}: the step differs with early_backward"
