@@ -340,7 +340,9 @@ def finish_backward(link, grad, queue, window_ms) -> torch.Tensor:
         link.issue(grad)
     result, work = link.early
     link.early = None
-    scaled, link.scaled_by = link.scaled_by, None
+    scaled = getattr(link, "scaled_by", None)  # (a BackwardLink's dual issued from the forward)
+    if scaled is not None:
+        link.scaled_by = None
     _scope.backward_wait()  # a forward running beside this backward (lancet_rt.schedule.accumulate) goes on
     if queue is not None:
         with _trace.span("dW", chunk=link.chunk):
