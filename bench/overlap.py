@@ -107,6 +107,8 @@ def parse_args(argv=None):
                         "(its own attention, norms, router and loss; dropless, as transformers computes)")
     p.add_argument("--fused-loss", action="store_true",
                    help="--model <family>: from_hf(fused_loss=True): the chunked linear cross-entropy per chunk")
+    p.add_argument("--no-early-backward", action="store_true",
+                   help="--fused-loss: from_hf(early_backward=False): every backward all-to-all issued by the backward")
     p.add_argument("--compare", default=None, choices=["balanced-chunks", "dispatchers", "replay"],
                    help="instead of the four schedules, a seed system against the default (bench/seeds.py)")
     p.add_argument("--balance-order", default="sorted", choices=["sorted", "shuffled"],
@@ -240,6 +242,8 @@ def _single_row(r: Runner, args, s: dict, device, m: dict) -> dict:
         bench="overlap", **run_metadata(device), **{k: v for k, v in s.items()}, model=args.model,
         world_size=args.world_size, chunks=args.chunks, top_k=args.top_k, counts_channel=args.counts_channel,
         capacity_factor=None if r.hf else args.capacity_factor,
+        fused_loss=bool(getattr(args, "fused_loss", False)) if r.hf else None,
+        early_backward=not getattr(args, "no_early_backward", False) if r.hf else None,
         comm_ratio=args.comm_ratio, measured_comm_ratio=comm_ms / compute_ms, bandwidth_gbps=m["bw"],
         transfers_per_step=m["transfers"], off_rank_bytes_per_step=m["nbytes"],
         sequential_ms=ms["sequential"], moe_pipelined_ms=ms["moe_pipelined"], overlapped_ms=overlapped_ms,

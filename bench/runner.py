@@ -55,7 +55,8 @@ class Runner:
         size = dict(hidden=s["d_model"], heads=s["heads"], kv=max(1, s["heads"] // 2), layers=s["layers"],
                     experts=s["experts"], top_k=args.top_k, ffn=s["d_ffn"], vocab=1024)
         base = hf_models.build(args.model, size, seed=0).to(device=device, dtype=dtype)
-        fused = dict(fused_loss=bool(getattr(args, "fused_loss", False)))
+        fused = dict(fused_loss=bool(getattr(args, "fused_loss", False)),
+                     early_backward=not getattr(args, "no_early_backward", False))
         self.model = lancet_rt.from_hf(copy.deepcopy(base), self.link, **fused)
         overlapped = lancet_rt.from_hf(copy.deepcopy(base), self.link, chunks=args.chunks, **fused)
         self.model_dw = lancet_rt.from_hf(base, self.link, chunks=args.chunks, defer_wgrad=True, **fused)
