@@ -104,11 +104,15 @@ def parse_args(argv=None):
     p.add_argument("--model", default="blocks", choices=("blocks",) + HF_FAMILIES,
                    help="blocks: pre-norm attention + lancet MoE blocks (bench.model); or a transformers MoE "
                         "architecture built from its config at these sizes and made lancet by lancet_rt.from_hf "
-                        "(its own attention, norms, router and loss; dropless, as transformers computes)")
-    p.add_argument("--fused-loss", action="store_true",
-                   help="--model <family>: from_hf(fused_loss=True): the chunked linear cross-entropy per chunk")
+                        "(its own attention, norms and router; dropless, as transformers computes), in training "
+                        "with from_hf(fused_loss=True): each chunk ends with its loss term (issue 23)")
+    p.add_argument("--transformers-loss", dest="fused_loss", action="store_false",
+                   help="--model <family>: transformers' own loss on the whole batch's logits (from_hf's default, "
+                        "fused_loss=False) instead of the chunked linear cross-entropy per chunk")
+    p.add_argument("--fused-loss", dest="fused_loss", action="store_true", default=True,
+                   help="--model <family>: the chunked linear cross-entropy per chunk (the default)")
     p.add_argument("--no-early-backward", action="store_true",
-                   help="--fused-loss: from_hf(early_backward=False): every backward all-to-all issued by the backward")
+                   help="fused loss: from_hf(early_backward=False): every backward all-to-all issued by the backward")
     p.add_argument("--compare", default=None, choices=["balanced-chunks", "dispatchers", "replay"],
                    help="instead of the four schedules, a seed system against the default (bench/seeds.py)")
     p.add_argument("--balance-order", default="sorted", choices=["sorted", "shuffled"],
