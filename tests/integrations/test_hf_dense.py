@@ -282,25 +282,37 @@ def test_early_duals_keep_the_backward_closed():
 
 
 def _early_over_gloo(rank, world, families):
-    """Each rank its own batch (3 + rank rows), chunks=2: duals issued from the forward over real
-    collectives give the step of the backward issuing them, bit for bit."""
+    """Each rank its own batch (3 + rank rows), chunks=2, fused loss, duals issued from the forward over
+    real collectives: equal to the step that issues them in the backward bit for bit, and to
+    transformers (dense gradients of this rank's loss; the expert rows this rank holds get every
+    rank's tokens, so theirs are of the sum of all ranks' losses)."""
     import torch.distributed as dist
 
     results = []
     for family in families:
         hf = build(family)
-        ids, mask, labels = batch(hf.config.vocab_size, 3 + rank, 7, seed=10 + rank)
+        batches = [batch(hf.config.vocab_size, 3 + r, 7, seed=10 + r) for r in range(world)]
+        want = _step(hf, *batches[rank])
+        dense = {n: p.grad.clone() for n, p in hf.named_parameters()}
+        hf.zero_grad()
+        sum(hf(input_ids=b[0], attention_mask=b[1], labels=b[2]).loss for b in batches).backward()
         steps, counts = [], []
         for early in (True, False):
             lm = lancet_rt.from_hf(copy.deepcopy(hf), dist.group.WORLD, chunks=2, fused_loss=True,
                                    early_backward=early)
+            layer = lancet_rt.integrations.hf.moe_layers(lm)[0]
             lm.zero_grad(set_to_none=True)
-            out = lm(input_ids=ids, attention_mask=mask, labels=labels)
-            counts.append(lancet_rt.comm.faults._state(lancet_rt.integrations.hf.moe_layers(lm)[0].group).duals)
+            out = lm(input_ids=batches[rank][0], attention_mask=batches[rank][1], labels=batches[rank][2])
+            counts.append(lancet_rt.comm.faults._state(layer.group).duals)
             out.loss.backward()
-            steps.append((out.loss.detach(), {n: p.grad for n, p in lm.named_parameters()}))
-        (la, ga), (lb, gb) = steps
-        same = torch.equal(la, lb) and all(torch.equal(ga[n], gb[n]) for n in ga)
+            steps.append((out, {n: p.grad for n, p in lm.named_parameters()}))
+        (out, grads), (out_b, grads_b) = steps
+        same = torch.equal(out.loss, out_b.loss) and all(torch.equal(grads[n], grads_b[n]) for n in grads)
+        assert_close(f"{family} loss", out.loss.reshape(1), want.loss.reshape(1))
+        L = layer.num_local_experts
+        for n, g in grads.items():
+            ref = hf.get_parameter(n).grad[rank * L:(rank + 1) * L] if ".experts." in n else dense[n]
+            assert_close(f"{family} rank {rank} grad {n}", g, ref)
         results.append((family, counts, same))
     return results
 
