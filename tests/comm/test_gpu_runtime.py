@@ -59,9 +59,10 @@ def test_overlapped_cuda_emulated_link_equals_model(defer_wgrad):
 
 
 def test_early_backward_on_cuda_equals_the_backward_issuing_it():
-    """GPU twin of tests/integrations/test_hf_dense.py::test_early_backward_issues_each_chunks_dual_in_the_forward_exactly:
-    a fused-loss Mixtral on an emulated 2-rank CUDA link, 3 chunks, its last combine's duals issued from
-    the forward (the partial backward runs on the engine's device thread) against issued by the backward."""
+    """GPU twin of tests/integrations/test_hf_dense.py::
+    test_early_backward_issues_each_chunks_dual_in_the_forward_exactly: a fused-loss Mixtral on an
+    emulated 2-rank CUDA link, 3 chunks, its last combine's duals issued from the forward (the
+    partial backward runs on the engine's device thread) against issued by the backward."""
     pytest.importorskip("transformers")
     from bench.hf_models import batch, build
     from lancet_rt.comm import faults

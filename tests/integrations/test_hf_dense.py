@@ -221,25 +221,26 @@ def _same_step(name, a, b):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_early_backward_issues_each_chunks_dual_in_the_forward_exactly(family, monkeypatch):
-    """Expert-parallel (an emulated 2-rank link), chunked, fused loss: each chunk issues its last
-    combine's backward all-to-all from the forward, the backward issues it no second time, and the
-    loss and every gradient equal those with it off bit for bit (the loss scaled by 2: the dual's
-    result takes the loss gradient's factor)."""
+    """Expert-parallel (an emulated 2-rank link), chunked (3, or 2 deferring dW), fused loss: each
+    chunk issues its last combine's backward all-to-all from the forward, the backward issues it no
+    second time, and the loss and every gradient equal those with it off bit for bit (the loss
+    scaled by 2: the dual's result takes the loss gradient's factor)."""
     hf = build(family)
     ids, mask, labels = batch(hf.config.vocab_size, 5, 9)
     labels[2, :] = -100  # a chunk of only ignored labels
-    runs = {}
-    for early in (True, False):
-        lm = lancet_rt.from_hf(copy.deepcopy(hf), lancet_rt.EmulatedGroup(world_size=2), chunks=3, fused_loss=True,
-                               early_backward=early)
-        out, from_forward, issued = _early_step(lm, ids, mask, labels, monkeypatch)
-        monkeypatch.undo()
-        links = [link for link, _ in issued]
-        assert len(links) == len(set(map(id, links))), "a dual was issued twice"
-        assert all(link.early is None and link.scaled_by is None for link in links)
-        assert from_forward == (3 if early else 0)
-        runs[early] = (out, lm)
-    _same_step(family, runs[True], runs[False])
+    for chunks, defer in ((3, False), (2, True)):
+        runs = {}
+        for early in (True, False):
+            lm = lancet_rt.from_hf(copy.deepcopy(hf), lancet_rt.EmulatedGroup(world_size=2), chunks=chunks,
+                                   defer_wgrad=defer, fused_loss=True, early_backward=early)
+            out, from_forward, issued = _early_step(lm, ids, mask, labels, monkeypatch)
+            monkeypatch.undo()
+            links = [link for link, _ in issued]
+            assert len(links) == len(set(map(id, links))), "a dual was issued twice"
+            assert all(link.early is None and link.scaled_by is None for link in links)
+            assert from_forward == (chunks if early else 0)
+            runs[early] = (out, lm)
+        _same_step(f"{family} chunks={chunks} defer={defer}", runs[True], runs[False])
 
 
 def test_early_backward_declines_where_it_would_not_be_exact(monkeypatch):
