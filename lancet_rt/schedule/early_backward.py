@@ -12,7 +12,7 @@ base model (its auxiliary loss), and the backward's first nodes (on the CPU benc
 about 8 ms of a 105 ms step). Issued from the forward, the chunks' duals fly during that time.
 
 Cost: those few nodes (the final norm's, the residual add's, the unpermute's backward) run twice,
-about 0.3 ms a chunk on that benchmark.
+0.3-0.5 ms a chunk on that benchmark (against the 2-4 ms the link gets back).
 
 Exactness. The real backward runs those nodes again (the final norm's weight and the router get
 their gradients from it, once); the combine's unpermute then finds its dual issued and does not
