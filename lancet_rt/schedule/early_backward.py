@@ -11,8 +11,8 @@ the backward issues its first dual: through the last chunk's loss head, the mode
 base model (its auxiliary loss), and the backward's first nodes (on the CPU benchmark's Mixtral,
 about 8 ms of a 105 ms step). Issued from the forward, the chunks' duals fly during that time.
 
-Cost: those few nodes (the final norm's, the residual add's, the unpermute's backward) run twice,
-0.3-0.5 ms a chunk on that benchmark (against the 2-4 ms the link gets back).
+Cost: those few nodes (the final norm's, the residual add's, the unpermute's backward) run twice:
+0.3-0.5 ms a chunk on that benchmark, against about 3-4 ms less exposed communication a step.
 
 Exactness. The real backward runs those nodes again (the final norm's weight and the router get
 their gradients from it, once); the combine's unpermute then finds its dual issued and does not
