@@ -451,7 +451,7 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
     return model
 
 
-def _check_options(chunks, defer_wgrad, router_dtype, fused_loss, early_backward=True) -> None:
+def _check_options(chunks, defer_wgrad, router_dtype, fused_loss, early_backward) -> None:
     """:func:`from_hf`'s options, each refused with an error naming it."""
     _policy.check_chunks(chunks)
     if not isinstance(defer_wgrad, bool):

@@ -260,26 +260,32 @@ def test_bad_arguments():
         sharded.save_pretrained("never-written")
 
 
-def _expert_parallel(rank, world, families):
-    """Every rank converts the same full model (EP over the gloo world) and runs its own batch.
+def expert_parallel_reference(family, rank, world):
+    """(transformers model, every rank's batch, this rank's output) for expert parallelism over
+    ``world`` ranks, each with its own batch (3 + rank rows). The model's gradients are the
+    reference: dense ones of this rank's loss; the expert rows this rank holds get every rank's
+    tokens, so theirs (all rows here) are of the sum of all ranks' losses."""
+    hf = build(family)
+    batches = [batch(hf.config.vocab_size, 3 + r, 7, seed=10 + r) for r in range(world)]
+    own = _step(hf, *batches[rank])
+    dense = {n: p.grad.clone() for n, p in hf.named_parameters()}
+    hf.zero_grad()
+    sum(hf(input_ids=b[0], attention_mask=b[1], labels=b[2]).loss for b in batches).backward()
+    for n, p in hf.named_parameters():
+        if ".experts." not in n:
+            p.grad = dense[n]
+    return hf, batches, own
 
-    Reference, on each rank: transformers on every rank's batch. Dense gradients are those of this
-    rank's loss; the expert rows this rank holds get every rank's tokens, so their gradient is that
-    of the sum of all ranks' losses."""
+
+def _expert_parallel(rank, world, families):
+    """Every rank converts the same full model (EP over the gloo world) and runs its own batch,
+    against :func:`expert_parallel_reference`."""
     import torch.distributed as dist
 
     torch.manual_seed(0)
     checked = []
     for family in families:
-        hf = build(family)
-        batches = [batch(hf.config.vocab_size, 3 + r, 7, seed=10 + r) for r in range(world)]
-        own = _step(hf, *batches[rank])
-        dense = {n: p.grad.clone() for n, p in hf.named_parameters()}
-        hf.zero_grad()
-        sum(hf(input_ids=b[0], attention_mask=b[1], labels=b[2]).loss for b in batches).backward()
-        for n, p in hf.named_parameters():
-            if ".experts." not in n:
-                p.grad = dense[n]
+        hf, batches, own = expert_parallel_reference(family, rank, world)
         for chunks, defer in ((1, False), (2, True)):
             lm = lancet_rt.from_hf(copy.deepcopy(hf), dist.group.WORLD, chunks=chunks, defer_wgrad=defer)
             if family == "qwen2_moe":

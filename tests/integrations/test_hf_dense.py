@@ -289,14 +289,11 @@ def _early_over_gloo(rank, world, families):
     rank's tokens, so theirs are of the sum of all ranks' losses)."""
     import torch.distributed as dist
 
+    from tests.integrations.test_hf import expert_parallel_reference
+
     results = []
     for family in families:
-        hf = build(family)
-        batches = [batch(hf.config.vocab_size, 3 + r, 7, seed=10 + r) for r in range(world)]
-        want = _step(hf, *batches[rank])
-        dense = {n: p.grad.clone() for n, p in hf.named_parameters()}
-        hf.zero_grad()
-        sum(hf(input_ids=b[0], attention_mask=b[1], labels=b[2]).loss for b in batches).backward()
+        hf, batches, want = expert_parallel_reference(family, rank, world)
         steps, counts = [], []
         for early in (True, False):
             lm = lancet_rt.from_hf(copy.deepcopy(hf), dist.group.WORLD, chunks=2, fused_loss=True,
@@ -312,7 +309,8 @@ def _early_over_gloo(rank, world, families):
         assert_close(f"{family} loss", out.loss.reshape(1), want.loss.reshape(1))
         L = layer.num_local_experts
         for n, g in grads.items():
-            ref = hf.get_parameter(n).grad[rank * L:(rank + 1) * L] if ".experts." in n else dense[n]
+            ref = hf.get_parameter(n).grad
+            ref = ref[rank * L:(rank + 1) * L] if ".experts." in n else ref
             assert_close(f"{family} rank {rank} grad {n}", g, ref)
         results.append((family, counts, same))
     return results
