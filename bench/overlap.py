@@ -26,6 +26,14 @@ of the communication stays exposed even for a perfect schedule, and a step takes
 (the backward cannot start before the loss has every chunk's output), ``over_pass_bound`` against
 it, and ``max_hidden_comm_fraction``, the most any schedule could hide.
 
+The row also carries ``chunking_overhead`` (Overlapped's free-link step over the sequential one,
+issue 20's "compute overhead of chunking") and, for the blocks model, the eager floor it is bounded
+by: ``plain_chunks_compute_ms``, the unchunked model run on the chunks' rows one after another (no
+Overlapped, no overlap, one backward), ``plain_chunks_overhead`` (that over the sequential step) and
+``overhead_over_floor`` (Overlapped over that), the three timed interleaved on the free link. What the
+floor costs above 1 is eager PyTorch running every op once per chunk; what Overlapped costs above the
+floor is the schedule's own.
+
 ``--check`` exits with status 1 unless the CPU acceptance holds: hidden_comm_fraction >= 0.6 and
 Overlapped faster than both sequential and MoE-internal chunking.
 
@@ -60,7 +68,7 @@ from bench.hf_models import FAMILIES as HF_FAMILIES
 from bench.routing import add_routing_args
 from bench.runner import Runner
 from bench.timeline import draw_timeline
-from bench.timing import bandwidth_for_ratio, keep_freed_memory, synchronize
+from bench.timing import bandwidth_for_ratio, keep_freed_memory, synchronize, time_interleaved
 
 MODES = ("sequential", "moe_pipelined", "overlapped", "overlapped_dw")
 
@@ -233,9 +241,18 @@ def _measure(r: Runner, args, s: dict, budget: TimeBudget) -> dict:
     forward_comm_ms, _, _ = r.per_step_link("overlapped", forward_only=True)
     pass_bound_ms = (max(forward_compute_ms, forward_comm_ms)
                      + max(compute_ms - forward_compute_ms, comm_ms - forward_comm_ms))
+    # 4. The eager floor (blocks): the model on the chunks' rows one after another, no Overlapped,
+    #    timed interleaved with the unchunked step and Overlapped on the free link.
+    floor = None
+    if not r.hf:
+        r.set_link(*free)
+        floor = time_interleaved({"sequential": lambda: r.step("sequential"), "plain_chunks": r.plain_chunks,
+                                  "overlapped": lambda: r.step("overlapped")},
+                                 r.link, {"free": free}, s["steps"], args.statistic, r.device)
+        floor = {k[1]: v for k, v in floor.items()}
     return dict(bw=bw, nbytes=nbytes, transfers=transfers, comm_ms=comm_ms, compute=compute, ms=ms,
                 compute_ms=compute_ms, forward_compute_ms=forward_compute_ms, forward_comm_ms=forward_comm_ms,
-                pass_bound_ms=pass_bound_ms)
+                pass_bound_ms=pass_bound_ms, floor=floor)
 
 
 def _single_row(r: Runner, args, s: dict, device, m: dict) -> dict:
@@ -264,7 +281,20 @@ def _single_row(r: Runner, args, s: dict, device, m: dict) -> dict:
         forward_compute_ms=m["forward_compute_ms"], forward_comm_ms=m["forward_comm_ms"], pass_bound_ms=pass_bound_ms,
         over_pass_bound=overlapped_ms / pass_bound_ms - 1,
         max_hidden_comm_fraction=1 - (pass_bound_ms - compute_ms) / comm_ms,
+        chunking_overhead=compute_ms / compute["sequential"],
+        **_floor_fields(m["floor"]),
     )
+
+
+def _floor_fields(floor) -> dict:
+    """The eager floor's fields (None for a transformers model): ``plain_chunks_overhead``, the
+    model on the chunks' rows one after another over the unchunked step, and
+    ``overhead_over_floor``, Overlapped's free-link step over that, from one interleaved timing."""
+    if floor is None:
+        return dict(plain_chunks_compute_ms=None, plain_chunks_overhead=None, overhead_over_floor=None)
+    return dict(plain_chunks_compute_ms=floor["plain_chunks"],
+                plain_chunks_overhead=floor["plain_chunks"] / floor["sequential"],
+                overhead_over_floor=floor["overlapped"] / floor["plain_chunks"])
 
 
 def _report(row: dict, args, s: dict, m: dict) -> None:
@@ -283,6 +313,11 @@ def _report(row: dict, args, s: dict, m: dict) -> None:
           f"bound {row['bound_ms']:.2f} ms ({row['over_bound']:+.1%}), pass-aware bound {row['pass_bound_ms']:.2f} ms "
           f"({row['over_pass_bound']:+.1%}; hides at most {row['max_hidden_comm_fraction']:.3f})  speedup vs sequential "
           f"{row['speedup_vs_sequential']:.2f}x, vs MoE-internal chunking {row['speedup_vs_moe_pipelined']:.2f}x")
+    line = f"chunking overhead (Overlapped's compute / sequential's) {row['chunking_overhead']:.3f}"
+    if row["plain_chunks_overhead"] is not None:
+        line += (f"; eager floor (the model on the {args.chunks} chunks' rows one after another, no overlap) "
+                 f"{row['plain_chunks_overhead']:.3f}, Overlapped {row['overhead_over_floor']:.3f} x that")
+    print(line)
 
 
 def _trace(r: Runner, args, row: dict, device) -> None:

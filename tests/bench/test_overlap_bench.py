@@ -1,0 +1,44 @@
+"""bench.overlap: the eager floor of chunking (tiny sizes; no timing asserted)."""
+import math
+
+import torch
+
+from bench import overlap
+from bench.runner import Runner
+
+
+def _tiny(*extra):
+    return overlap.parse_args(["--device", "cpu", "--quick", "--layers", "1", "--d-model", "32", "--d-ffn", "32",
+                               "--batch", "6", "--seq", "8", "--steps", "1", *extra])
+
+
+def test_plain_chunks_runs_the_unchunked_model_once_per_chunk_then_one_backward():
+    args = _tiny("--chunks", "3")
+    r = Runner(args, overlap.sizes(args), torch.device("cpu"))
+    r.set_link(math.inf, 0.0)
+    calls, backwards = [], []
+    model = r.model
+    original = model.forward
+
+    def forward(x):
+        calls.append((tuple(x.shape), torch.is_grad_enabled()))
+        y = original(x)
+        y.register_hook(lambda g: backwards.append(g.shape[0]))
+        return y
+
+    model.forward = forward
+    r.moe_layers[0].pipeline_chunks = 4  # left over from a MoE-internal step: the floor resets it
+    r.plain_chunks()
+    assert calls == [((2, 8, 32), True)] * 3  # the model itself, on each chunk's rows
+    assert sorted(backwards) == [2, 2, 2]  # one backward reached every chunk's output
+    assert r.moe_layers[0].pipeline_chunks == 1
+    assert all(p.grad is None for p in model.parameters())  # cleared like a timed step
+
+
+def test_row_carries_the_floor_and_the_overhead(tmp_path):
+    row = overlap.main(["--device", "cpu", "--quick", "--layers", "1", "--d-model", "32", "--d-ffn", "32",
+                        "--batch", "4", "--seq", "16", "--steps", "1", "--json", str(tmp_path / "rows.json")])
+    assert row["chunking_overhead"] == row["compute_ms"] / row["sequential_compute_ms"]
+    assert row["plain_chunks_compute_ms"] > 0
+    assert 0 < row["plain_chunks_overhead"] < math.inf and 0 < row["overhead_over_floor"] < math.inf
+    assert set(overlap._floor_fields(None).values()) == {None}  # a transformers model: no floor row
