@@ -83,9 +83,9 @@ class Runner:
     def plain_chunks(self) -> None:
         """The eager floor of chunking (blocks model): the unchunked model run on the chunks' rows one
         after another, no ``Overlapped``, no overlap, then one backward. Every chunk's activations are
-        alive when it starts, as in any chunked schedule. What each op costs once more per chunk, in
-        plain eager PyTorch, before any schedule; a free link only (each run is a batch of its own to
-        the MoE layers, whose capacity it then sizes)."""
+        alive when the backward starts, as in any chunked schedule. What each op costs once more per
+        chunk in plain eager PyTorch, before any schedule; a free link only (each run is a batch of its
+        own to the MoE layers, whose capacity it then sizes)."""
         for m in self.moe_layers:
             m.pipeline_chunks = 1
         ys = [self.model(x.detach().requires_grad_(True)) for x in self.x.tensor_split(self.chunks)]
