@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import queue as queue_mod
 import socket
@@ -12,10 +13,14 @@ import traceback
 import torch.multiprocessing as mp
 
 
-def _entry(fn, rank, world, init_file, queue, args):
+def _entry(fn, rank, world, init_file, queue, args, environ):
     import torch
     import torch.distributed as dist
 
+    # The fork server's environment is the one it started with: the rank takes the test's, as a
+    # spawned process would (tests set LANCET_TIMEOUT_S, LANCET_KERNELS, ... for their ranks).
+    os.environ.clear()
+    os.environ.update(environ)
     torch.set_num_threads(1)
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -33,6 +38,21 @@ def _entry(fn, rank, world, init_file, queue, args):
 
 HANG_GUARD_S = 600.0
 
+#: Imported once by the fork server the ranks are forked from, instead of by every rank: a spawned
+#: rank spent about 3 s importing torch and lancet_rt (5 s with transformers), most of a gloo test.
+_PRELOAD = ("torch", "torch.distributed", "lancet_rt", "transformers")
+_context = None
+
+
+def _mp_context():
+    """The ranks' start method: a fork server with :data:`_PRELOAD` imported. A fork from that
+    single-threaded server gives each rank the clean state a spawned one has, without re-importing."""
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload([m for m in _PRELOAD if importlib.util.find_spec(m.split(".")[0])])
+    return _context
+
 
 def run_ranks(fn, world: int, *args, timeout: float = 120.0, may_die=()) -> dict:
     """Run ``fn(rank, world, *args)`` on ``world`` gloo ranks; return {rank: (status, result)}.
@@ -41,14 +61,15 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, may_die=()) -> dict
     after ``timeout`` seconds (the processes are killed), so a hang is a failure, never a wait.
     Ranks in ``may_die`` may end without a result (a test that kills them).
     """
-    # ``timeout`` is a hang guard, not a speed limit: spawning W torch processes and running them on
+    # ``timeout`` is a hang guard, not a speed limit: starting W torch processes and running them on
     # a loaded machine can take minutes, so it is never less than HANG_GUARD_S.
     timeout = max(timeout, HANG_GUARD_S)
-    ctx = mp.get_context("spawn")
+    ctx = _mp_context()
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, queue, args), daemon=True)
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, queue, args, dict(os.environ)),
+                             daemon=True)
                  for r in range(world)]
         for p in procs:
             p.start()
