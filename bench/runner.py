@@ -90,8 +90,7 @@ class Runner:
             m.pipeline_chunks = 1
         ys = [self.model(x.detach().requires_grad_(True)) for x in self.x.tensor_split(self.chunks)]
         torch.autograd.backward(ys, list(self.g.tensor_split(self.chunks)))
-        for p in self.model.parameters():
-            p.grad = None
+        self._clear_grads()  # (as a timed step does)
 
     def step(self, mode: str) -> None:
         if mode in self.steps:  # a whole step of its own (the cross-microbatch schedules)
@@ -100,6 +99,9 @@ class Runner:
             self.steps[mode]()
         else:
             self._run(mode)
+        self._clear_grads()
+
+    def _clear_grads(self) -> None:
         for model in self.models:
             for p in model.parameters():
                 p.grad = None
