@@ -32,7 +32,9 @@ by: ``plain_chunks_compute_ms``, the unchunked model run on the chunks' rows one
 Overlapped, no overlap, one backward), ``plain_chunks_overhead`` (that over the sequential step) and
 ``overhead_over_floor`` (Overlapped over that), the three timed interleaved on the free link. What the
 floor costs above 1 is eager PyTorch running every op once per chunk; what Overlapped costs above the
-floor is the schedule's own.
+floor is the schedule's own. ``sequential_excess`` is the sequential step over its compute plus its
+communication, minus 1: about 0 on a quiet host. Above 0.01 (printed as a warning) the host was busy,
+and a step that sleeps through each transfer came back slower, so the speedups read high.
 
 ``--check`` exits with status 1 unless the CPU acceptance holds: hidden_comm_fraction >= 0.6 and
 Overlapped faster than both sequential and MoE-internal chunking.
@@ -282,6 +284,7 @@ def _single_row(r: Runner, args, s: dict, device, m: dict) -> dict:
         over_pass_bound=overlapped_ms / pass_bound_ms - 1,
         max_hidden_comm_fraction=1 - (pass_bound_ms - compute_ms) / comm_ms,
         chunking_overhead=compute_ms / compute["sequential"],
+        sequential_excess=ms["sequential"] / (compute["sequential"] + comm_ms) - 1,
         **_floor_fields(m["floor"]),
     )
 
@@ -313,6 +316,9 @@ def _report(row: dict, args, s: dict, m: dict) -> None:
           f"bound {row['bound_ms']:.2f} ms ({row['over_bound']:+.1%}), pass-aware bound {row['pass_bound_ms']:.2f} ms "
           f"({row['over_pass_bound']:+.1%}; hides at most {row['max_hidden_comm_fraction']:.3f})  speedup vs sequential "
           f"{row['speedup_vs_sequential']:.2f}x, vs MoE-internal chunking {row['speedup_vs_moe_pipelined']:.2f}x")
+    if row["sequential_excess"] > 0.01:
+        print(f"warning: the sequential step ran {row['sequential_excess']:.1%} over its compute plus its "
+              f"communication: a busy host (it comes back slower from each wait); speedups read high")
     line = f"chunking overhead (Overlapped's compute / sequential's) {row['chunking_overhead']:.3f}"
     if row["plain_chunks_overhead"] is not None:
         line += (f"; eager floor (the model on the {args.chunks} chunks' rows one after another, no overlap) "

@@ -39,6 +39,7 @@ def test_row_carries_the_floor_and_the_overhead(tmp_path):
     row = overlap.main(["--device", "cpu", "--quick", "--layers", "1", "--d-model", "32", "--d-ffn", "32",
                         "--batch", "4", "--seq", "16", "--steps", "1", "--json", str(tmp_path / "rows.json")])
     assert row["chunking_overhead"] == row["compute_ms"] / row["sequential_compute_ms"]
+    assert row["sequential_excess"] == row["sequential_ms"] / (row["sequential_compute_ms"] + row["comm_ms"]) - 1
     assert row["plain_chunks_compute_ms"] > 0
     assert 0 < row["plain_chunks_overhead"] < math.inf and 0 < row["overhead_over_floor"] < math.inf
     assert set(overlap._floor_fields(None).values()) == {None}  # a transformers model: no floor row
