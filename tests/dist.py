@@ -40,6 +40,8 @@ HANG_GUARD_S = 600.0
 
 #: Imported once by the fork server the ranks are forked from, instead of by every rank: a spawned
 #: rank spent about 3 s importing torch and lancet_rt (5 s with transformers), most of a gloo test.
+#: What these modules read from the environment at import time (TRITON_INTERPRET) is the test
+#: session's when the first gloo test starts the server; what they read at call time is the rank's.
 _PRELOAD = ("torch", "torch.distributed", "lancet_rt", "transformers")
 _context = None
 
