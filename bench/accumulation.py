@@ -147,7 +147,7 @@ def measure_lina(r: Runner, args, s: dict, link: tuple) -> dict:
     issues them), then Lina's rule (pieces that start only when no all-to-all waits)."""
     from lancet_rt.parallel import GradientSync
 
-    if not r.steps:
+    if "accumulate" not in r.steps:
         add_accumulation(r, args)
     grad_bytes = sum(p.numel() * p.element_size() for p in r.model.parameters())
     bucket_mb = args.bucket_mb or grad_bytes / 4 / 1e6

@@ -26,7 +26,7 @@ class Runner:
         self.link = group(args.world_size, math.inf, 0.0, device=device, counts_channel=args.counts_channel)
         self.chunks = args.chunks
         self.statistic = args.statistic
-        self.steps: dict = {}  # mode -> a whole training step (add_accumulation)
+        self.steps: dict = {}  # mode -> a whole step of its own (the floor below, add_accumulation)
         self.hf = args.model != "blocks"
         if self.hf:
             self._build_hf(args, s, device, dtype)
@@ -46,6 +46,7 @@ class Runner:
         }
         self.x = torch.randn(s["batch"], s["seq"], s["d_model"], device=device, dtype=dtype)
         self.g = torch.randn_like(self.x)
+        self.steps["plain_chunks"] = self._plain_chunks
 
     def _build_hf(self, args, s, device, dtype) -> None:
         """A transformers architecture at the benchmark's sizes, made lancet with from_hf on the link:
@@ -80,28 +81,22 @@ class Runner:
         if backward:
             y.backward(self.g)
 
-    def plain_chunks(self) -> None:
-        """The eager floor of chunking (blocks model): the unchunked model run on the chunks' rows one
-        after another, no ``Overlapped``, no overlap, then one backward. Every chunk's activations are
-        alive when the backward starts, as in any chunked schedule. What each op costs once more per
-        chunk in plain eager PyTorch, before any schedule; a free link only (each run is a batch of its
-        own to the MoE layers, whose capacity it then sizes)."""
-        for m in self.moe_layers:
-            m.pipeline_chunks = 1
+    def _plain_chunks(self) -> None:
+        """Mode "plain_chunks" (blocks model), the eager floor of chunking: the unchunked model run on
+        the chunks' rows one after another, no ``Overlapped``, no overlap, then one backward. Every
+        chunk's activations are alive when the backward starts, as in any chunked schedule. What each op
+        costs once more per chunk in plain eager PyTorch, before any schedule; a free link only (each run
+        is a batch of its own to the MoE layers, whose capacity it then sizes)."""
         ys = [self.model(x.detach().requires_grad_(True)) for x in self.x.tensor_split(self.chunks)]
         torch.autograd.backward(ys, list(self.g.tensor_split(self.chunks)))
-        self._clear_grads()  # (as a timed step does)
 
     def step(self, mode: str) -> None:
-        if mode in self.steps:  # a whole step of its own (the cross-microbatch schedules)
+        if mode in self.steps:  # a whole step of its own (the floor, the cross-microbatch schedules)
             for m in self.moe_layers:
                 m.pipeline_chunks = 1
             self.steps[mode]()
         else:
             self._run(mode)
-        self._clear_grads()
-
-    def _clear_grads(self) -> None:
         for model in self.models:
             for p in model.parameters():
                 p.grad = None

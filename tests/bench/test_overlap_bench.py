@@ -28,7 +28,7 @@ def test_plain_chunks_runs_the_unchunked_model_once_per_chunk_then_one_backward(
 
     model.forward = forward
     r.moe_layers[0].pipeline_chunks = 4  # left over from a MoE-internal step: the floor resets it
-    r.plain_chunks()
+    r.step("plain_chunks")
     assert calls == [((2, 8, 32), True)] * 3  # the model itself, on each chunk's rows
     assert sorted(backwards) == [2, 2, 2]  # one backward reached every chunk's output
     assert r.moe_layers[0].pipeline_chunks == 1
