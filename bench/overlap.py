@@ -32,7 +32,12 @@ by: ``plain_chunks_compute_ms``, the unchunked model run on the chunks' rows one
 Overlapped, no overlap, one backward), ``plain_chunks_overhead`` (that over the sequential step) and
 ``overhead_over_floor`` (Overlapped over that), the three timed interleaved on the free link. What the
 floor costs above 1 is eager PyTorch running every op once per chunk; what Overlapped costs above the
-floor is the schedule's own. ``sequential_excess`` is the sequential step over its compute plus its
+floor is the schedule's own. The same timing runs the model with each block's MoE layer taken out
+(an identity), unchunked and on the chunks' rows (``dense_compute_ms``, ``dense_chunks_compute_ms``), and
+cuts the overhead into three parts in units of the unchunked step: ``overhead_dense`` (the model's
+dense layers chunked: no MoE layer and no schedule removes it), ``overhead_moe`` (the rest of the
+floor: the MoE layers run once per chunk) and ``overhead_schedule`` (Overlapped over the floor).
+``sequential_excess`` is the sequential step over its compute plus its
 communication, minus 1: about 0 on a quiet host at the benchmark's sizes. Above 0.01 (printed as a
 warning) the step that sleeps through each transfer came back slower than its link (a busy host, or a
 tiny step against how late a sleep returns), so the speedups read high.
@@ -244,11 +249,13 @@ def _measure(r: Runner, args, s: dict, budget: TimeBudget) -> dict:
     forward_comm_ms, _, _ = r.per_step_link("overlapped", forward_only=True)
     pass_bound_ms = (max(forward_compute_ms, forward_comm_ms)
                      + max(compute_ms - forward_compute_ms, comm_ms - forward_comm_ms))
-    # 4. The eager floor (blocks): the model on the chunks' rows one after another, no Overlapped,
-    #    timed interleaved with the unchunked step and Overlapped on the free link.
+    # 4. The eager floors (blocks): the model on the chunks' rows one after another, no Overlapped,
+    #    and its dense layers alone, unchunked and so; timed interleaved with the unchunked step and
+    #    Overlapped on the free link.
     floor = None
     if not r.hf:
-        t = r.time_all(["sequential", "plain_chunks", "overlapped"], s["steps"], {"free": free})
+        t = r.time_all(["sequential", "plain_chunks", "overlapped", "dense", "dense_chunks"], s["steps"],
+                       {"free": free})
         floor = {mode: ms for (_, mode), ms in t.items()}
     return dict(bw=bw, nbytes=nbytes, transfers=transfers, comm_ms=comm_ms, compute=compute, ms=ms,
                 compute_ms=compute_ms, forward_compute_ms=forward_compute_ms, forward_comm_ms=forward_comm_ms,
@@ -288,14 +295,24 @@ def _single_row(r: Runner, args, s: dict, device, m: dict) -> dict:
 
 
 def _floor_fields(floor) -> dict:
-    """The eager floor's fields (None for a transformers model): ``plain_chunks_overhead``, the
-    model on the chunks' rows one after another over the unchunked step, and
-    ``overhead_over_floor``, Overlapped's free-link step over that, from one interleaved timing."""
+    """The eager floors' fields (None for a transformers model), from one interleaved timing on the
+    free link: ``plain_chunks_overhead``, the model on the chunks' rows one after another over the
+    unchunked step; ``overhead_over_floor``, Overlapped's step over that; and the chunking overhead
+    of that timing (Overlapped over the unchunked step, minus 1) cut into three parts, in units of
+    the unchunked step: ``overhead_dense`` (the model's dense layers alone, chunked minus unchunked),
+    ``overhead_moe`` (the rest of the floor: the MoE layers run once per chunk) and
+    ``overhead_schedule`` (Overlapped over the floor)."""
     if floor is None:
-        return dict(plain_chunks_compute_ms=None, plain_chunks_overhead=None, overhead_over_floor=None)
-    return dict(plain_chunks_compute_ms=floor["plain_chunks"],
-                plain_chunks_overhead=floor["plain_chunks"] / floor["sequential"],
-                overhead_over_floor=floor["overlapped"] / floor["plain_chunks"])
+        return dict(plain_chunks_compute_ms=None, plain_chunks_overhead=None, overhead_over_floor=None,
+                    dense_compute_ms=None, dense_chunks_compute_ms=None, overhead_dense=None, overhead_moe=None,
+                    overhead_schedule=None)
+    seq, plain = floor["sequential"], floor["plain_chunks"]
+    dense = (floor["dense_chunks"] - floor["dense"]) / seq
+    return dict(plain_chunks_compute_ms=plain, plain_chunks_overhead=plain / seq,
+                overhead_over_floor=floor["overlapped"] / plain,
+                dense_compute_ms=floor["dense"], dense_chunks_compute_ms=floor["dense_chunks"],
+                overhead_dense=dense, overhead_moe=(plain - seq) / seq - dense,
+                overhead_schedule=(floor["overlapped"] - plain) / seq)
 
 
 def _report(row: dict, args, s: dict, m: dict) -> None:
@@ -320,7 +337,9 @@ def _report(row: dict, args, s: dict, m: dict) -> None:
     line = f"chunking overhead (Overlapped's compute / sequential's) {row['chunking_overhead']:.3f}"
     if row["plain_chunks_overhead"] is not None:
         line += (f"; eager floor (the model on the {args.chunks} chunks' rows one after another, no overlap) "
-                 f"{row['plain_chunks_overhead']:.3f}, Overlapped {row['overhead_over_floor']:.3f} x that")
+                 f"{row['plain_chunks_overhead']:.3f}, Overlapped {row['overhead_over_floor']:.3f} x that\n"
+                 f"  of which (x the sequential step): the model's dense layers chunked {row['overhead_dense']:+.3f}, "
+                 f"its MoE layers chunked {row['overhead_moe']:+.3f}, the schedule {row['overhead_schedule']:+.3f}")
     print(line)
 
 

@@ -14,6 +14,9 @@ from bench.model import MoEBlocks
 from bench.timing import link_per_step, step_ms, synchronize, time_interleaved
 
 
+_NO_MOE = torch.nn.Identity()  # a block's MoE layer, taken out (Runner._eager)
+
+
 class Runner:
     """One model and its four schedules over one emulated link."""
 
@@ -46,7 +49,9 @@ class Runner:
         }
         self.x = torch.randn(s["batch"], s["seq"], s["d_model"], device=device, dtype=dtype)
         self.g = torch.randn_like(self.x)
-        self.steps["plain_chunks"] = self._plain_chunks
+        self.steps["plain_chunks"] = lambda: self._eager(self.chunks)
+        self.steps["dense"] = lambda: self._eager(1, moe=False)
+        self.steps["dense_chunks"] = lambda: self._eager(self.chunks, moe=False)
 
     def _build_hf(self, args, s, device, dtype) -> None:
         """A transformers architecture at the benchmark's sizes, made lancet with from_hf on the link:
@@ -81,14 +86,31 @@ class Runner:
         if backward:
             y.backward(self.g)
 
-    def _plain_chunks(self) -> None:
-        """Mode "plain_chunks" (blocks model), the eager floor of chunking: the unchunked model run on
-        the chunks' rows one after another, no ``Overlapped``, no overlap, then one backward. Every
-        chunk's activations are alive when the backward starts, as in any chunked schedule. What each op
-        costs once more per chunk in plain eager PyTorch, before any schedule; a free link only (each run
-        is a batch of its own to the MoE layers, whose capacity it then sizes)."""
-        ys = [self.model(x.detach().requires_grad_(True)) for x in self.x.tensor_split(self.chunks)]
-        torch.autograd.backward(ys, list(self.g.tensor_split(self.chunks)))
+    def _eager(self, chunks: int, moe: bool = True) -> None:
+        """The eager floors of chunking (blocks model; a free link only).
+
+        Mode "plain_chunks": the unchunked model run on the chunks' rows one after another, no
+        ``Overlapped``, no overlap, then one backward. Every chunk's activations are alive when the
+        backward starts, as in any chunked schedule. What each op costs once more per chunk in plain
+        eager PyTorch, before any schedule (each run is a batch of its own to the MoE layers, whose
+        capacity it then sizes).
+
+        Modes "dense" and "dense_chunks" (``moe=False``): the same, unchunked and on the chunks' rows,
+        with every block's MoE layer taken out (an identity): what chunking costs the model's own dense
+        layers (attention, norms, residual adds), a part of the chunking overhead that no MoE layer and
+        no schedule can remove.
+        """
+        blocks = self.model.blocks
+        layers = [b.moe for b in blocks]
+        if not moe:
+            for b in blocks:
+                b.moe = _NO_MOE
+        try:
+            ys = [self.model(x.detach().requires_grad_(True)) for x in self.x.tensor_split(chunks)]
+            torch.autograd.backward(ys, list(self.g.tensor_split(chunks)))
+        finally:
+            for b, layer in zip(blocks, layers):
+                b.moe = layer
 
     def step(self, mode: str) -> None:
         if mode in self.steps:  # a whole step of its own (the floor, the cross-microbatch schedules)

@@ -1,4 +1,4 @@
-"""bench.overlap: the eager floor of chunking (tiny sizes; no timing asserted)."""
+"""bench.overlap: the eager floors of chunking (tiny sizes; no timing asserted)."""
 import math
 
 import torch
@@ -35,6 +35,29 @@ def test_plain_chunks_runs_the_unchunked_model_once_per_chunk_then_one_backward(
     assert all(p.grad is None for p in model.parameters())  # cleared like a timed step
 
 
+def test_dense_floor_runs_the_model_without_its_moe_layers_then_puts_them_back():
+    args = _tiny("--chunks", "3", "--layers", "2")
+    r = Runner(args, overlap.sizes(args), torch.device("cpu"))
+    r.set_link(math.inf, 0.0)
+    layers = list(r.moe_layers)
+    seen = []
+    for m in layers:
+        m.register_forward_pre_hook(lambda mod, inp: seen.append(mod))
+    rows = []
+    for b in r.model.blocks:  # what reaches each block, and what the MoE slot of the block holds then
+        b.register_forward_pre_hook(lambda mod, inp: rows.append((inp[0].shape[0], type(mod.moe).__name__)))
+    r.step("dense_chunks")
+    assert seen == []  # no MoE layer ran
+    assert rows == [(2, "Identity")] * 6  # both blocks, on each chunk's rows, the MoE slot an identity
+    assert [b.moe for b in r.model.blocks] == layers  # put back
+    assert all(p.grad is None for p in r.model.parameters())
+    rows.clear()
+    r.step("dense")
+    assert rows == [(6, "Identity")] * 2 and seen == []
+    r.step("plain_chunks")
+    assert len(seen) == 6  # the floor with the MoE layers runs them again
+
+
 def test_row_carries_the_floor_and_the_overhead(tmp_path):
     row = overlap.main(["--device", "cpu", "--quick", "--layers", "1", "--d-model", "32", "--d-ffn", "32",
                         "--batch", "4", "--seq", "16", "--steps", "1", "--json", str(tmp_path / "rows.json")])
@@ -42,4 +65,11 @@ def test_row_carries_the_floor_and_the_overhead(tmp_path):
     assert row["sequential_excess"] == row["sequential_ms"] / (row["sequential_compute_ms"] + row["comm_ms"]) - 1
     assert row["plain_chunks_compute_ms"] > 0
     assert 0 < row["plain_chunks_overhead"] < math.inf and 0 < row["overhead_over_floor"] < math.inf
+    # the overhead of the floors' timing, cut into its three parts
+    parts = row["overhead_dense"] + row["overhead_moe"] + row["overhead_schedule"]
+    assert math.isclose(1 + parts, row["overhead_over_floor"] * row["plain_chunks_overhead"], rel_tol=1e-9)
+    floor_sequential_ms = row["plain_chunks_compute_ms"] / row["plain_chunks_overhead"]
+    assert math.isclose(row["overhead_dense"],
+                        (row["dense_chunks_compute_ms"] - row["dense_compute_ms"]) / floor_sequential_ms, rel_tol=1e-9)
+    assert row["dense_compute_ms"] > 0 and row["dense_chunks_compute_ms"] > 0
     assert set(overlap._floor_fields(None).values()) == {None}  # a transformers model: no floor row
