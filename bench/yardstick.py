@@ -1,0 +1,228 @@
+"""What a chunk costs ``lancet_rt.MoE`` against a lean eager layer computing the same thing.
+
+    python -m bench.yardstick --device cpu                 # bench.overlap --quick's layer
+    python -m bench.yardstick --tokens 2048 --json out.json
+
+Issue 20 asks chunking to cost little. ``bench.overlap`` splits the overhead of a chunked step
+into the model's dense layers, its MoE layers and the schedule; at ``--quick`` sizes the MoE
+layers take most of it. This bench asks how much of that any eager MoE layer would pay.
+
+:class:`LeanMoE` is the layer at ``bench.overlap --quick``'s configuration, written as plainly as
+eager PyTorch allows:
+- a softmax router;
+- top-k by a stable descending sort (ties to the lower index, as the routing contract says);
+- the k weights normalised;
+- capacity carried across the chunks of a batch, so assignments past it drop;
+- the aux loss statistics, their gradient reaching every chunk through autograd;
+- one host read of the kept counts per chunk;
+- the two all-to-alls as copies.
+
+``tests/bench/test_yardstick.py`` checks that it computes ``lancet_rt.MoE``'s outputs and gradients
+in float64, chunked and not, on the emulated link (rank 0 of a symmetric world applies its local
+expert to every kept row). It is a yardstick, not a path:
+- no real expert parallelism;
+- none of the contract's other options (sigmoid scores, expert groups, expert bias, z loss, ...);
+- no asynchronous collectives, so nothing overlaps.
+
+Reported per extra chunk, forward and backward together, for both layers: the ATen ops, and the
+host microseconds of the fastest of ``--reps`` steps. Both are the step at N chunks minus the
+unchunked step, over N - 1. ``lancet_rt.MoE`` runs on a free emulated link and is called once per
+chunk, each chunk a batch of its own: no ``Overlapped``, so the schedule's cost is not in its row.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import lancet_rt
+from bench.common import RowLog, print_table, run_metadata
+
+
+class _Copy(torch.autograd.Function):
+    """An all-to-all on a one-rank link: a copy forward, a copy backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.clone()
+
+
+class LeanMoE:
+    """The eager MoE of the module docstring, on ``moe``'s parameters (a :class:`lancet_rt.MoE` with
+    one local expert, softmax scores, normalised top-k and no z loss)."""
+
+    def __init__(self, moe: lancet_rt.MoE):
+        if moe.experts.gate_up_proj.shape[0] != 1 or moe.score_fn != "softmax" or not moe.normalize_topk:
+            raise ValueError("LeanMoE needs one local expert, softmax scores and normalised top-k")
+        if moe.z_loss_coef or moe.expert_bias or moe.n_group > 1 or moe.routed_scaling_factor != 1.0:
+            raise ValueError("LeanMoE has no z loss, expert bias, expert groups or scaling")
+        self.moe = moe
+        self.E, self.K = moe.num_experts, moe.top_k
+
+    def batch(self, tokens: int) -> dict:
+        """The routing state of one batch of ``tokens`` tokens, carried by its chunks."""
+        E, K, cf = self.E, self.K, self.moe.capacity_factor
+        capacity = math.inf if cf is None else math.ceil(cf * tokens * K / E)
+        dev = self.moe.router.weight.device
+        return dict(tokens=tokens, capacity=capacity, used=torch.zeros(E, dtype=torch.long, device=dev),
+                    score_sum=torch.zeros(E, dtype=self.moe.router.weight.dtype, device=dev))
+
+    def __call__(self, x_TD: torch.Tensor, state: dict) -> torch.Tensor:
+        m, K = self.moe, self.K
+        scores = F.linear(x_TD, m.router.weight).softmax(-1)
+        chosen = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :K]
+        weight = scores.gather(1, chosen)
+        weight = weight / weight.sum(-1, keepdim=True)
+        flat = chosen.reshape(-1)
+        # slot of each assignment: the expert's claims by earlier chunks + its rank in this chunk
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.E)
+        rank = torch.empty_like(flat)
+        rank[order] = torch.arange(flat.numel(), device=flat.device) - (counts.cumsum(0) - counts)[flat[order]]
+        kept = state["used"][flat] + rank < state["capacity"]
+        state["used"] = state["used"] + counts
+        state["score_sum"] = state["score_sum"] + scores.sum(0)
+        rows = order[kept[order]]  # kept assignments, grouped by expert
+        torch.bincount(flat[rows], minlength=self.E).tolist()  # the counts read the all-to-all needs
+        token = rows // K
+        x_SD = _Copy.apply(x_TD.index_select(0, token))
+        gate, up = F.linear(x_SD, m.experts.gate_up_proj[0]).chunk(2, -1)  # (the one local expert)
+        y_SD = F.linear(F.silu(gate) * up, m.experts.down_proj[0])
+        y_SD = _Copy.apply(y_SD) * weight.reshape(-1)[rows].unsqueeze(1)
+        return torch.zeros_like(x_TD).index_add(0, token, y_SD)
+
+    def aux_loss(self, state: dict) -> torch.Tensor:
+        """``aux_loss_coef * E * sum_e f_e P_e`` over the whole batch; its gradient reaches the
+        scores of every chunk (``lancet_rt.MoE`` adds the same gradient inside its backward)."""
+        T = state["tokens"]
+        f_E = state["used"].to(state["score_sum"].dtype) / (T * self.K)
+        return self.moe.aux_loss_coef * self.E * (f_E * state["score_sum"] / T).sum()
+
+
+def lean_step(lean: LeanMoE, x_TD: torch.Tensor, grad_TD: torch.Tensor, chunks: int) -> torch.Tensor:
+    """Forward of the chunks (capacity carried), then one backward with the aux loss; returns the output."""
+    state = lean.batch(x_TD.shape[0])
+    ys = [lean(x, state) for x in x_TD.tensor_split(chunks)]
+    aux = lean.aux_loss(state)
+    torch.autograd.backward(ys + [aux], list(grad_TD.tensor_split(chunks)) + [torch.ones_like(aux)])
+    return torch.cat([y.detach() for y in ys])
+
+
+def lancet_step(moe: lancet_rt.MoE, x_TD: torch.Tensor, grad_TD: torch.Tensor, chunks: int) -> None:
+    """``moe`` on each chunk's rows (each a batch of its own), then one backward."""
+    ys = [moe(x) for x in x_TD.tensor_split(chunks)]
+    torch.autograd.backward(ys, list(grad_TD.tensor_split(chunks)))
+
+
+def build(args, device: torch.device) -> lancet_rt.MoE:
+    link = lancet_rt.EmulatedGroup(args.world_size, math.inf, 0.0, device=device)
+    torch.manual_seed(0)
+    return lancet_rt.MoE(args.d_model, d_ffn=args.d_ffn, num_experts=args.experts, top_k=args.top_k,
+                         capacity_factor=args.capacity_factor, aux_loss_coef=1e-2, ep_group=link, device=device)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _measure_steps(steps: dict, params, chunks: int, reps: int) -> dict:
+    """For each named step, unchunked and at ``chunks``: the ATen ops of one step and the host us of
+    the fastest of ``reps``, every step timed in turn within each round (so that load from
+    elsewhere hits all alike)."""
+    runs = {(name, n): (lambda step=step, n=n: step(n)) for name, step in steps.items() for n in (1, chunks)}
+    out = {}
+    for key, run in runs.items():
+        for _ in range(3):
+            run()
+            _clear(params)
+        with _Ops() as ops:
+            run()
+        _clear(params)
+        out[key] = [ops.count, math.inf]
+    for _ in range(reps):
+        for key, run in runs.items():
+            t0 = time.perf_counter()
+            run()
+            out[key][1] = min(out[key][1], (time.perf_counter() - t0) * 1e6)
+            _clear(params)
+    return out
+
+
+def _clear(params) -> None:
+    for p in params:
+        p.grad = None
+
+
+def measure(args, device: torch.device) -> list:
+    moe = build(args, device)
+    lean = LeanMoE(moe)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(args.tokens, args.d_model, generator=g).to(device)
+    grad = torch.randn(args.tokens, args.d_model, generator=g).to(device)
+    steps = {"lean eager MoE": lambda n: lean_step(lean, x, grad, n),
+             "lancet_rt.MoE": lambda n: lancet_step(moe, x, grad, n)}
+    t = _measure_steps(steps, list(moe.parameters()), args.chunks, args.reps)
+    rows = []
+    for name in steps:
+        (ops1, us1), (opsn, usn) = t[name, 1], t[name, args.chunks]
+        extra = args.chunks - 1
+        rows.append(dict(layer=name, chunks=args.chunks, tokens=args.tokens, step_us_unchunked=us1,
+                         ops_per_extra_chunk=(opsn - ops1) / extra, us_per_extra_chunk=(usn - us1) / extra))
+    return rows
+
+
+def main(argv: Optional[list] = None) -> list:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--tokens", type=int, default=1024, help="tokens of the batch (bench.overlap --quick: 1024)")
+    p.add_argument("--d-model", type=int, default=128)
+    p.add_argument("--d-ffn", type=int, default=256)
+    p.add_argument("--experts", type=int, default=8)
+    p.add_argument("--world-size", type=int, default=8, help="ranks of the emulated link; experts / ranks must be 1")
+    p.add_argument("--top-k", type=int, default=2)
+    p.add_argument("--capacity-factor", type=float, default=1.25, help="None-able: 0 for dropless")
+    p.add_argument("--chunks", type=int, default=4)
+    p.add_argument("--reps", type=int, default=60)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.capacity_factor == 0:
+        args.capacity_factor = None
+    if args.experts != args.world_size:
+        raise SystemExit(f"--experts ({args.experts}) must equal --world-size ({args.world_size}): one local expert")
+    if args.chunks < 2:
+        raise SystemExit(f"--chunks must be >= 2, got {args.chunks}")
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    rows = measure(args, device)
+    log = RowLog(args.json)
+    meta = run_metadata(device)
+    for r in rows:
+        log.add(dict(bench="yardstick", **r, d_model=args.d_model, d_ffn=args.d_ffn, experts=args.experts,
+                     top_k=args.top_k, capacity_factor=args.capacity_factor, **meta))
+    print_table(rows, ["layer", "chunks", "tokens", "step_us_unchunked", "ops_per_extra_chunk", "us_per_extra_chunk"],
+                f"bench.yardstick on {meta['device']}: per extra chunk, forward and backward (D={args.d_model}, "
+                f"F={args.d_ffn}, E={args.experts}, K={args.top_k}, capacity factor {args.capacity_factor})")
+    ratio = rows[1]["us_per_extra_chunk"] / rows[0]["us_per_extra_chunk"]
+    print(f"lancet_rt.MoE costs {ratio:.2f}x the lean layer per extra chunk "
+          f"({rows[1]['ops_per_extra_chunk']:.0f} vs {rows[0]['ops_per_extra_chunk']:.0f} ATen ops)")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,61 @@
+"""bench.yardstick: the lean eager layer computes lancet_rt.MoE's outputs and gradients (float64), so
+the per-chunk costs it reports compare the same computation (no timing asserted)."""
+import math
+
+import pytest
+import torch
+
+import lancet_rt
+from bench import yardstick
+
+
+def _layer(capacity_factor):
+    link = lancet_rt.EmulatedGroup(8, math.inf, 0.0, device=torch.device("cpu"))
+    torch.manual_seed(0)
+    return lancet_rt.MoE(16, d_ffn=24, num_experts=8, top_k=2, capacity_factor=capacity_factor,
+                         aux_loss_coef=1e-2, ep_group=link, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.25, 0.75])
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_lean_layer_equals_lancet_moe(capacity_factor, chunks):
+    moe = _layer(capacity_factor)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(61, 16, generator=g, dtype=torch.float64)  # (61: chunks of 21, 20, 20 rows)
+    grad = torch.randn(61, 16, generator=g, dtype=torch.float64)
+
+    x_ref = x.clone().requires_grad_(True)
+    y_ref = moe(x_ref)
+    y_ref.backward(grad)
+    dropped = int(moe._dropped)
+    ref = {n: p.grad.clone() for n, p in moe.named_parameters()}
+    moe.zero_grad(set_to_none=True)
+
+    x_lean = x.clone().requires_grad_(True)
+    y_lean = yardstick.lean_step(yardstick.LeanMoE(moe), x_lean, grad, chunks)
+    if capacity_factor is None:
+        assert dropped == 0
+    elif capacity_factor < 1:
+        assert dropped > 0  # the carried capacity is exercised
+    torch.testing.assert_close(y_lean, y_ref.detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x_lean.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
+    for n, p in moe.named_parameters():  # the router's includes the aux loss's gradient
+        torch.testing.assert_close(p.grad, ref[n], rtol=1e-12, atol=1e-12, msg=n)
+
+
+def test_lean_layer_refuses_what_it_does_not_compute():
+    link = lancet_rt.EmulatedGroup(4, math.inf, 0.0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="one local expert"):
+        yardstick.LeanMoE(lancet_rt.MoE(16, d_ffn=24, num_experts=8, top_k=2, ep_group=link))
+    link8 = lancet_rt.EmulatedGroup(8, math.inf, 0.0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="z loss"):
+        yardstick.LeanMoE(lancet_rt.MoE(16, d_ffn=24, num_experts=8, top_k=2, ep_group=link8, z_loss_coef=1e-3))
+
+
+def test_rows(tmp_path):
+    rows = yardstick.main(["--tokens", "64", "--d-model", "32", "--d-ffn", "32", "--reps", "1",
+                           "--json", str(tmp_path / "rows.json")])
+    assert [r["layer"] for r in rows] == ["lean eager MoE", "lancet_rt.MoE"]
+    for r in rows:
+        assert r["chunks"] == 4 and r["step_us_unchunked"] > 0
+        assert r["ops_per_extra_chunk"] > 0  # every chunk runs the layer's ops again
