@@ -195,7 +195,7 @@ def main(argv: Optional[list] = None) -> list:
     p.add_argument("--experts", type=int, default=8)
     p.add_argument("--world-size", type=int, default=8, help="ranks of the emulated link; experts / ranks must be 1")
     p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--capacity-factor", type=float, default=1.25, help="None-able: 0 for dropless")
+    p.add_argument("--capacity-factor", type=float, default=1.25, help="0: dropless (no capacity)")
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--reps", type=int, default=60)
     p.add_argument("--threads", type=int, default=1)
