@@ -26,8 +26,9 @@ expert to every kept row). It is a yardstick, not a path:
 
 Reported per extra chunk, forward and backward together, for both layers: the ATen ops, and the
 host microseconds of the fastest of ``--reps`` steps. Both are the step at N chunks minus the
-unchunked step, over N - 1. ``lancet_rt.MoE`` runs on a free emulated link and is called once per
-chunk, each chunk a batch of its own: no ``Overlapped``, so the schedule's cost is not in its row.
+unchunked step, over N - 1. ``lancet_rt.MoE`` runs on a free emulated link, its chunks one batch
+as under ``Overlapped`` but with no scheduler (:func:`lancet_step`), so the schedule's cost is not
+in its row.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lancet_rt
+from lancet_rt.schedule import scope as _scope
 from bench.common import RowLog, print_table, run_metadata
 from bench.timing import keep_freed_memory
 
@@ -118,10 +120,27 @@ def lean_step(lean: LeanMoE, x_TD: torch.Tensor, grad_TD: torch.Tensor, chunks: 
     return torch.cat([y.detach() for y in ys])
 
 
-def lancet_step(moe: lancet_rt.MoE, x_TD: torch.Tensor, grad_TD: torch.Tensor, chunks: int) -> None:
-    """``moe`` on each chunk's rows (each a batch of its own), then one backward."""
-    ys = [moe(x) for x in x_TD.tensor_split(chunks)]
+def lancet_step(moe: lancet_rt.MoE, x_TD: torch.Tensor, grad_TD: torch.Tensor, chunks: int) -> torch.Tensor:
+    """``moe`` on each chunk's rows in turn, then one backward; returns the output.
+
+    The chunks are one batch, as under ``Overlapped``: the layer carries its capacity and routing
+    state across them and makes its batch statistics once. There is no scheduler: the layer's
+    turns (``ChunkScope.switch``) return at once, so the schedule's own cost is not in the step.
+    """
+    xs = x_TD.tensor_split(chunks)
+    prev = _scope.current()
+    scope = _scope.ChunkScope([x.shape[0] for x in xs], switch=lambda: None) if chunks > 1 else prev
+    _scope.set_current(scope)
+    try:
+        ys = []
+        for c, x in enumerate(xs):
+            if scope is not None:
+                scope.chunk = c
+            ys.append(moe(x))
+    finally:
+        _scope.set_current(prev)
     torch.autograd.backward(ys, list(grad_TD.tensor_split(chunks)))
+    return torch.cat([y.detach() for y in ys])
 
 
 def build(args, device: torch.device) -> lancet_rt.MoE:

@@ -52,6 +52,29 @@ def test_lean_layer_refuses_what_it_does_not_compute():
         yardstick.LeanMoE(lancet_rt.MoE(16, d_ffn=24, num_experts=8, top_k=2, ep_group=link8, z_loss_coef=1e-3))
 
 
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_lancet_step_runs_the_chunks_as_one_batch(capacity_factor):
+    """The bench's lancet_rt.MoE step carries the batch across its chunks, as Overlapped does: the
+    same drops, outputs and gradients as unchunked (the routing contract), so its per-chunk cost
+    holds no per-batch work."""
+    moe = _layer(capacity_factor)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(61, 16, generator=g, dtype=torch.float64)
+    grad = torch.randn(61, 16, generator=g, dtype=torch.float64)
+    out = {}
+    for chunks in (1, 3):
+        x_in = x.clone().requires_grad_(True)
+        y = yardstick.lancet_step(moe, x_in, grad, chunks)
+        out[chunks] = (y, x_in.grad, [p.grad.clone() for p in moe.parameters()], int(moe._dropped))
+        moe.zero_grad(set_to_none=True)
+    assert out[1][3] == out[3][3] and (out[3][3] > 0) == (capacity_factor is not None)
+    torch.testing.assert_close(out[3][0], out[1][0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out[3][1], out[1][1], rtol=1e-12, atol=1e-12)
+    for a, b in zip(out[3][2], out[1][2]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    assert lancet_rt.schedule.scope.current() is None  # the scope is put back
+
+
 def test_rows(tmp_path):
     rows = yardstick.main(["--tokens", "64", "--d-model", "32", "--d-ffn", "32", "--reps", "1",
                            "--json", str(tmp_path / "rows.json")])
