@@ -24,9 +24,10 @@ expert to every kept row). It is a yardstick, not a path:
 - none of the contract's other options (sigmoid scores, expert groups, expert bias, z loss, ...);
 - no asynchronous collectives, so nothing overlaps.
 
-Reported per extra chunk, forward and backward together, for both layers: the ATen ops, and the
-host microseconds of the fastest of ``--reps`` steps. Both are the step at N chunks minus the
-unchunked step, over N - 1. ``lancet_rt.MoE`` runs on a free emulated link, its chunks one batch
+Reported per extra chunk, forward and backward together, for both layers: the ATen ops and host
+reads (:class:`bench.host.OpCounter`), and the microseconds of the fastest of ``--reps`` steps
+(:func:`bench.timing.time_interleaved`: every step in turn each round; the wall clock on CPU).
+Each is the step at N chunks minus the unchunked step, over N - 1. ``lancet_rt.MoE`` runs on a free emulated link, its chunks one batch
 as under ``Overlapped`` but with no scheduler (:func:`lancet_step`), so the schedule's cost is not
 in its row.
 """
@@ -34,17 +35,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import lancet_rt
 from lancet_rt.schedule import scope as _scope
 from bench.common import RowLog, print_table, run_metadata
-from bench.timing import keep_freed_memory
+from bench.host import OpCounter
+from bench.timing import keep_freed_memory, time_interleaved
 
 
 class _Copy(torch.autograd.Function):
@@ -150,59 +150,35 @@ def build(args, device: torch.device) -> lancet_rt.MoE:
                          capacity_factor=args.capacity_factor, aux_loss_coef=1e-2, ep_group=link, device=device)
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
-def _measure_steps(steps: dict, params, chunks: int, reps: int) -> dict:
-    """For each named step, unchunked and at ``chunks``: the ATen ops of one step and the host us of
-    the fastest of ``reps``, every step timed in turn within each round (so that load from
-    elsewhere hits all alike)."""
-    runs = {(name, n): (lambda step=step, n=n: step(n)) for name, step in steps.items() for n in (1, chunks)}
-    out = {}
-    for key, run in runs.items():
-        for _ in range(3):
-            run()
-            _clear(params)
-        with _Ops() as ops:
-            run()
-        _clear(params)
-        out[key] = [ops.count, math.inf]
-    for _ in range(reps):
-        for key, run in runs.items():
-            t0 = time.perf_counter()
-            run()
-            out[key][1] = min(out[key][1], (time.perf_counter() - t0) * 1e6)
-            _clear(params)
-    return out
-
-
-def _clear(params) -> None:
-    for p in params:
-        p.grad = None
-
-
 def measure(args, device: torch.device) -> list:
     moe = build(args, device)
     lean = LeanMoE(moe)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.tokens, args.d_model, generator=g).to(device)
     grad = torch.randn(args.tokens, args.d_model, generator=g).to(device)
-    steps = {"lean eager MoE": lambda n: lean_step(lean, x, grad, n),
-             "lancet_rt.MoE": lambda n: lancet_step(moe, x, grad, n)}
-    t = _measure_steps(steps, list(moe.parameters()), args.chunks, args.reps)
-    rows = []
-    for name in steps:
-        (ops1, us1), (opsn, usn) = t[name, 1], t[name, args.chunks]
-        extra = args.chunks - 1
-        rows.append(dict(layer=name, chunks=args.chunks, tokens=args.tokens, step_us_unchunked=us1,
-                         ops_per_extra_chunk=(opsn - ops1) / extra, us_per_extra_chunk=(usn - us1) / extra))
+    layers = {"lean eager MoE": lambda n: lean_step(lean, x, grad, n),
+              "lancet_rt.MoE": lambda n: lancet_step(moe, x, grad, n)}
+
+    def step(layer, n):
+        layers[layer](n)
+        moe.zero_grad(set_to_none=True)
+
+    steps = {(layer, n): (lambda layer=layer, n=n: step(layer, n)) for layer in layers for n in (1, args.chunks)}
+    counted = {}
+    for key, run in steps.items():
+        run()  # warm
+        with OpCounter() as ops:
+            run()
+        counted[key] = (ops.total, ops.reads)
+    # every step timed in turn within each round, so that load from elsewhere hits all alike
+    ms = time_interleaved(steps, moe.group, {"free": (math.inf, 0.0)}, args.reps, "min", device)
+    rows, extra = [], args.chunks - 1
+    for layer in layers:
+        (ops1, reads1), (opsn, readsn) = counted[layer, 1], counted[layer, args.chunks]
+        us1, usn = (ms["free", (layer, n)] * 1e3 for n in (1, args.chunks))
+        rows.append(dict(layer=layer, chunks=args.chunks, tokens=args.tokens, step_us_unchunked=us1,
+                         ops_per_extra_chunk=(opsn - ops1) / extra, reads_per_extra_chunk=(readsn - reads1) / extra,
+                         us_per_extra_chunk=(usn - us1) / extra))
     return rows
 
 
@@ -237,7 +213,8 @@ def main(argv: Optional[list] = None) -> list:
     for r in rows:
         log.add(dict(bench="yardstick", **r, d_model=args.d_model, d_ffn=args.d_ffn, experts=args.experts,
                      top_k=args.top_k, capacity_factor=args.capacity_factor, **meta))
-    print_table(rows, ["layer", "chunks", "tokens", "step_us_unchunked", "ops_per_extra_chunk", "us_per_extra_chunk"],
+    print_table(rows, ["layer", "chunks", "tokens", "step_us_unchunked", "ops_per_extra_chunk", "reads_per_extra_chunk",
+                       "us_per_extra_chunk"],
                 f"bench.yardstick on {meta['device']}: per extra chunk, forward and backward (D={args.d_model}, "
                 f"F={args.d_ffn}, E={args.experts}, K={args.top_k}, capacity factor {args.capacity_factor})")
     ratio = rows[1]["us_per_extra_chunk"] / rows[0]["us_per_extra_chunk"]

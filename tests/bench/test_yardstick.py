@@ -82,3 +82,4 @@ def test_rows(tmp_path):
     for r in rows:
         assert r["chunks"] == 4 and r["step_us_unchunked"] > 0
         assert r["ops_per_extra_chunk"] > 0  # every chunk runs the layer's ops again
+        assert r["reads_per_extra_chunk"] == 1  # and reads its counts once
