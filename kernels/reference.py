@@ -175,13 +175,14 @@ def gating_fwd_ref(
         used_E = torch.zeros(E, dtype=torch.int32, device=dev)
     slot, counts_E = _slots(chosen_TK.reshape(-1), used_E)
     if capacity is not None:
-        slot = torch.where(slot < capacity, slot, -1)
+        slot.masked_fill_(slot >= capacity, -1)
     slot_TK = slot.view(T, top_k)
 
     # (softmax scores sum to 1 already: no renormalisation)
     norm_TE = scores_TE if score_fn == "softmax" else scores_TE / scores_TE.sum(dim=-1, keepdim=True)
     score_sum_E = norm_TE.sum(dim=0)
-    zsq_sum = (torch.logsumexp(logits_TE, dim=-1) ** 2).sum()
+    lse_T = torch.logsumexp(logits_TE, dim=-1)
+    zsq_sum = torch.dot(lse_T, lse_T)
     return GatingOutput(chosen_TK.to(torch.int32), weight_TK, slot_TK, counts_E, used_E + counts_E, score_sum_E,
                         zsq_sum)
 
@@ -256,8 +257,8 @@ def gating_bwd_ref(
         grad_scores = (torch.zeros_like(scores_TE) if grad_scores is None else grad_scores).scatter_add(1, e_TK, gw_TK)
     grad = None
     if grad_scores is not None:
-        if score_fn == "softmax":
-            grad = scores_TE * (grad_scores - (grad_scores * scores_TE).sum(dim=-1, keepdim=True))
+        if score_fn == "softmax":  # s * (g - sum(g * s)): autograd's own softmax backward, one op
+            grad = torch._softmax_backward_data(grad_scores, scores_TE, -1, scores_TE.dtype)
         else:
             grad = grad_scores * scores_TE * (1 - scores_TE)
     if grad_zsq_sum is not None:
@@ -282,8 +283,7 @@ def dispatch_rows_ref(
         used_E: int32 [E] the carried counter *before* this chunk.
         kept_E: int [E] kept assignments per expert in this chunk.
     """
-    kept = kept_E.long()
-    base_E = torch.cumsum(kept, 0) - kept - used_E  # row of slot 0 of each expert (int64)
+    base_E = torch.cumsum(kept_E, 0, dtype=torch.int32) - kept_E - used_E  # row of slot 0 of each expert
     row = base_E[expert_TK] + slot_TK
     return row.masked_fill_(slot_TK < 0, -1).to(torch.int32)
 
@@ -365,7 +365,7 @@ def unpermute_bwd_ref(
         (grad_y_SD [S, D] in y's dtype, grad_weight_TK float32 [T, K], zero where dropped).
     """
     T, K = row_TK.shape
-    src = src_S.long()
+    src = src_S  # (index_select takes int32 indices: no cast)
     acc = _acc(y_SD)
     gy_TD = grad_y_TD.to(acc)  # (cast once: both products read it)
     w_S = weight_TK.reshape(-1).to(acc).index_select(0, src)

@@ -55,13 +55,17 @@ def _one_launch(*tensors) -> bool:
     all segments instead of one matmul each (the same per-segment products: it runs ``mm`` per
     group on CPU). Its limits: float32/bfloat16/float16, strides and base addresses multiples of
     16 bytes."""
-    for t in tensors:
-        if t.device.type != "cpu" or t.dtype not in _GROUPED_DTYPES or t.dtype != tensors[0].dtype:
+    dtype = tensors[0].dtype
+    if not _HAS_GROUPED_MM or dtype not in _GROUPED_DTYPES:
+        return False
+    size = tensors[0].element_size()
+    for t in tensors:  # (a plain loop: this runs for every grouped GEMM of every chunk)
+        if t.dtype != dtype or t.device.type != "cpu" or t.data_ptr() % 16:
             return False
-        size = t.element_size()
-        if t.data_ptr() % 16 or any(s * size % 16 for s in t.stride() if s != 1):
-            return False
-    return _HAS_GROUPED_MM
+        for s in t.stride():
+            if s != 1 and s * size % 16:
+                return False
+    return True
 
 
 _GROUPED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -89,7 +93,8 @@ def grouped_mm_ref(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Te
     """y[r] = x[r] @ w[e].T (+ bias[e]) for the rows r of segment e = offsets[e]:offsets[e+1].
 
     One matmul per expert on views of the segments, written into the output (this is also the CPU
-    path of the layer, run once per chunk: on CPU, one ``torch._grouped_mm`` where it applies).
+    path of the layer, run once per chunk: on CPU, one ``torch._grouped_mm`` where it applies, and one
+    ``mm`` for one segment, as a dense FFN pays).
 
     Args:
         x_RK: [R, K] rows grouped by local expert.
@@ -107,6 +112,8 @@ def grouped_mm_ref(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Te
         if bias_EN is None:
             return torch.cat([torch.mm(x, w) for x, w in zip(xs, ws)])
         return torch.cat([torch.addmm(b, x, w) for x, w, b in zip(xs, ws, bias_EN.unbind(0))])
+    if bias_EN is None and w_EKN.shape[0] == 1:  # one segment: the one GEMM _grouped_mm would run
+        return torch.mm(x_RK, w_EKN[0])
     if bias_EN is None and _one_launch(x_RK, w_EKN):
         return torch._grouped_mm(x_RK, w_EKN, offs=_ends(offsets_E1))
     y = x_RK.new_empty(x_RK.shape[0], w_ENK.shape[1])
@@ -130,6 +137,8 @@ def grouped_mm_dx_ref(dy_RN: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torc
     """dx[r] = dy[r] @ w[e] for the rows of segment e: the input gradient of :func:`grouped_mm_ref`."""
     if _differentiable(dy_RN, w_ENK):
         return torch.cat([torch.mm(dy, w) for dy, w in zip(_segments(dy_RN, offsets_E1), w_ENK.unbind(0))])
+    if w_ENK.shape[0] == 1:  # one segment: one GEMM
+        return torch.mm(dy_RN, w_ENK[0])
     if _one_launch(dy_RN, w_ENK):
         return torch._grouped_mm(dy_RN, w_ENK, offs=_ends(offsets_E1))
     dx = dy_RN.new_empty(dy_RN.shape[0], w_ENK.shape[2])
@@ -148,6 +157,8 @@ def grouped_mm_dw_ref(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets_E1: torch
     if _differentiable(dy_RN, x_RK):
         return torch.stack([torch.mm(dy, x) for dy, x in zip(_segments(dy_NR, offsets_E1, dim=1),
                                                             _segments(x_RK, offsets_E1))])
+    if len(offsets_E1) == 2:  # one segment: one GEMM (no host read: a length)
+        return torch.mm(dy_NR, x_RK).unsqueeze(0)
     if _one_launch(dy_NR, x_RK):
         return torch._grouped_mm(dy_NR, x_RK, offs=_ends(offsets_E1))  # (an empty segment gives zeros)
     dys, xs = _segments(dy_NR, offsets_E1, dim=1), _segments(x_RK, offsets_E1)

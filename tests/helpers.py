@@ -71,4 +71,4 @@ def assert_same_run(ref, got, what=""):
     for (a0, z0, d0), (a1, z1, d1) in zip(ref[3], got[3]):
         assert_close(f"{what}aux", a1.reshape(1), a0.reshape(1))
         assert_close(f"{what}z", z1.reshape(1), z0.reshape(1))
-        assert d0 == d1
+        assert d0 == d1, (d0, d1)

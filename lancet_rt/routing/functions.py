@@ -104,8 +104,9 @@ class _Gate(torch.autograd.Function):
                              score_fn=score_fn, normalize_topk=normalize_topk, expert_bias=expert_bias,
                              n_group=n_group, topk_group=topk_group, scaling=scaling)
         C = state.capacity
-        # Rows this chunk keeps per expert: the capacity-clamped counter's growth (dropless: its counts).
-        kept_E = out.counts_E.long() if C is None else out.used_E.long().clamp(max=C) - used_in.long().clamp(max=C)
+        # Rows this chunk keeps per expert (int32): its counts, up to the room the capacity leaves after
+        # the earlier chunks (min(used_in + counts, C) - min(used_in, C), in three ops).
+        kept_E = out.counts_E if C is None else torch.minimum(out.counts_E, (C - used_in).clamp_(min=0))
         state.used_E = out.used_E
         state.kept_E += kept_E
         state.score_sum_E = state.score_sum_E.to(out.score_sum_E.dtype) + out.score_sum_E
