@@ -224,12 +224,15 @@ class Experts(nn.Module):
 
         Args:
             x_RD: [R, D] rows grouped by local expert, or in received order with ``to_expert``.
-            offsets_E1: [E_local + 1] segment bounds (in expert-major order).
+            offsets_E1: [E_local + 1] segment bounds (in expert-major order); None where ``ops`` take
+                host bounds (the references) and ``bounds`` holds them.
             ops: the kernel namespace (:func:`lancet_rt.ops.get_ops`).
             to_expert, to_rank: optional row permutations received -> expert-major and back.
             link: the dispatch all-to-all that produced ``x_RD``; its backward is issued from here.
             bounds: ``offsets_E1`` as host ints, when known (the references then read nothing).
         """
+        if offsets_E1 is None and (bounds is None or not getattr(ops, "host_offsets", False)):
+            raise ValueError("offsets_E1 may be None only with bounds and ops that take host bounds")
         tensors = (self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias)
         # Under autocast, float32 weights meet bfloat16 rows as in ``nn.Linear``: computed in the rows'
         # dtype, float32 gradients; one copy per chunked forward whatever the chunk count.

@@ -307,7 +307,7 @@ class MoE(nn.Module):
     def compute_experts(self, x_recv: torch.Tensor, d: Dispatched, ops, link=None) -> torch.Tensor:
         """Grouped SwiGLU experts over the received rows (rank-major in, rank-major out)."""
         with _trace.span("experts", cuda=x_recv.is_cuda, layer=self.trace_name, rows=x_recv.shape[0]):
-            return self.experts(x_recv, d.offsets_L1, ops, to_expert=d.to_expert_major,
+            return self.experts(x_recv, d.segment_offsets(ops, x_recv.device), ops, to_expert=d.to_expert_major,
                                 to_rank=d.to_rank_major, link=link, bounds=d.bounds_L1)
 
     def combine(self, y_recv: torch.Tensor, d: Dispatched) -> comm.Pending:

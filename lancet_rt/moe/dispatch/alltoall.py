@@ -12,7 +12,7 @@ import torch
 from lancet_rt.comm import group as comm
 from lancet_rt.kernels.reference_experts import HostBounds
 from lancet_rt.moe.dispatch.base import Exchanged
-from lancet_rt.moe.dispatch.common import Dispatched, counts_turn, host_bounds, offsets, regroup_permutations, to_device
+from lancet_rt.moe.dispatch.common import Dispatched, counts_turn, host_bounds, offsets, regroup_permutations
 from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
 
@@ -41,8 +41,8 @@ def dispatch(moe, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL, sent_WL) 
         pending = comm.all_to_all(x_SD, moe.group, recv_splits, send_splits)
     to_expert, to_rank = regroup_permutations(counts_WL, x_SD.device)
     bounds_L1 = HostBounds(host_bounds([sum(col) for col in zip(*counts_WL)]))
-    offsets_L1 = to_device(torch.tensor(bounds_L1), x_SD.device)
-    return Dispatched(pending, offsets_L1, bounds_L1, send_splits, recv_splits, to_expert, to_rank)
+    # (the device offsets are made where the kernels need them: MoE.compute_experts)
+    return Dispatched(pending, None, bounds_L1, send_splits, recv_splits, to_expert, to_rank)
 
 
 def combine(moe, y_recv: torch.Tensor, d: Dispatched) -> comm.Pending:

@@ -27,12 +27,20 @@ class Dispatched:
     """One chunk's communication layout, from dispatch to combine."""
 
     pending: comm.Pending
-    offsets_L1: torch.Tensor            # [E_local + 1] segment bounds of x_RD, by local expert
+    offsets_L1: Optional[torch.Tensor]  # [E_local + 1] segment bounds of x_RD, by local expert (None: not
+                                        # made yet, bounds_L1 holds them: see segment_offsets)
     bounds_L1: Optional[tuple]          # the same bounds as host ints (None: not known on the host)
     send_splits: list
     recv_splits: list
     to_expert_major: Optional[torch.Tensor]  # rank-major -> expert-major row permutation
     to_rank_major: Optional[torch.Tensor]
+
+    def segment_offsets(self, ops, device) -> Optional[torch.Tensor]:
+        """The experts' segment bounds as a tensor on ``device``, made from the host bounds on first use;
+        None where ``ops`` take host bounds (the references: no tensor made, no copy)."""
+        if self.offsets_L1 is None and not getattr(ops, "host_offsets", False):
+            self.offsets_L1 = to_device(torch.tensor(self.bounds_L1), device)
+        return self.offsets_L1
 
 
 class Counts:
