@@ -72,3 +72,22 @@ def test_permutation_without_drops_equals_the_masked_gathers():
             ref.permute_bwd_ref(y_pad, row))
     assert torch.equal(fast[0], slow[0]) and torch.equal(fast[2], slow[2]) and torch.equal(fast[3], slow[3])
     assert torch.equal(fast[1], slow[1][:T * K])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("R", [0, 1, 37])
+def test_grouped_mm_one_segment_is_the_gemm_grouped_mm_runs(dtype, R):
+    """One local expert: the references run one mm, bitwise ``torch._grouped_mm``'s one group (host
+    bounds or an offsets tensor alike: its length says one segment, no value is read)."""
+    g = torch.Generator().manual_seed(R)
+    N, K = 24, 16
+    x = torch.randn(R, K, generator=g).to(dtype)
+    w = torch.randn(1, N, K, generator=g).to(dtype)
+    dy = torch.randn(R, N, generator=g).to(dtype)
+    offs = torch.tensor([R], dtype=torch.int32)
+    want = (torch._grouped_mm(x, w.transpose(1, 2), offs=offs), torch._grouped_mm(dy, w, offs=offs),
+            torch._grouped_mm(dy.t(), x, offs=offs))
+    for b in ([0, R], torch.tensor([0, R])):
+        got = (rex.grouped_mm_ref(x, w, b), rex.grouped_mm_dx_ref(dy, w, b), rex.grouped_mm_dw_ref(dy, x, b))
+        for name, a, e in zip(("y", "dx", "dw"), got, want):
+            assert a.shape == e.shape and torch.equal(a, e), name
