@@ -200,7 +200,8 @@ def _slots(flat_e: torch.Tensor, used_E: torch.Tensor) -> tuple:
         # run once per chunk): the assignment's own cell is its rank + 1.
         seen = torch.cumsum(flat_e.unsqueeze(1) == torch.arange(E, device=flat_e.device), 0, dtype=torch.int32)
         slot = (seen + (used_E - 1)).gather(1, flat_e.unsqueeze(1)).view(A)
-        return slot.to(torch.int32), seen[-1]
+        # (counts as a copy: a view of the last row would keep the [A, E] count alive with the counts)
+        return slot.to(torch.int32), seen[-1].clone()
     counts_E = torch.bincount(flat_e, minlength=E)
     # Stable sort by expert, then position minus the group start.
     order = torch.argsort(flat_e, stable=True)

@@ -52,7 +52,7 @@ def _moe_gate(logits_TE: Tensor, expert_bias: Optional[Tensor], top_k: int, capa
     weight_TK, expert_TK, row_TK, kept_E = gate(
         logits_TE, state, ops, score_fn=score_fn, normalize_topk=normalize_topk, aux_coef=aux_coef,
         z_coef=z_coef, expert_bias=expert_bias, n_group=n_group, topk_group=topk_group, scaling=scaling)
-    # (kept_E is int32, dropless a view of a gating buffer: the operator returns a fresh int64 copy)
+    # (the layer's kept_E is int32; the operator keeps its int64 signature)
     return weight_TK, expert_TK, row_TK, kept_E.long(), state.used_E, state.score_sum_E, state.zsq_sum
 
 

@@ -1,6 +1,7 @@
 """The CPU path's short cuts in the references, each against the general path it replaces (bitwise):
-``torch._grouped_mm`` for the grouped GEMMs, the one-hot running count for the gating's slots, and the
-no-drop gathers of the permutation passes (S = T K rows)."""
+``torch._grouped_mm`` for the grouped GEMMs (one ``mm`` for one segment, against ``torch._grouped_mm``
+itself), the one-hot running count for the gating's slots, and the no-drop gathers of the permutation
+passes (S = T K rows)."""
 from __future__ import annotations
 
 import pytest
