@@ -92,6 +92,7 @@ class Overlapped(nn.Module):
         queue = _wgrad.WGradQueue(max_deferred_bytes)  # (checks the argument, deferring or not)
         self.wgrad_queue: Optional[_wgrad.WGradQueue] = queue if defer_wgrad else None
         self._auto = None
+        self._step_layers: Optional[list[MoE]] = None  # moe_layers() during a step (one walk per step)
         if defer_wgrad:
             for m in model.modules():
                 if type(m) is nn.Linear:
@@ -101,10 +102,20 @@ class Overlapped(nn.Module):
                 m.trace_name = name or "moe"
 
     def moe_layers(self) -> list[MoE]:
+        """The model's :class:`lancet_rt.MoE` layers (walked once per step while a forward runs)."""
+        if self._step_layers is not None:
+            return self._step_layers
         return [m for m in self.model.modules() if isinstance(m, MoE)]
 
-    @_faults.guarded_step  # schedule agreed across ranks once; an exception ends on every rank, leaves no state
     def forward(self, *args, **kwargs):
+        self._step_layers = self.moe_layers()  # (the tree does not change during a step)
+        try:
+            return self._guarded_forward(*args, **kwargs)
+        finally:
+            self._step_layers = None
+
+    @_faults.guarded_step  # schedule agreed across ranks once; an exception ends on every rank, leaves no state
+    def _guarded_forward(self, *args, **kwargs):
         if self.wgrad_queue is not None:
             self.wgrad_queue.discard_orphans()  # left by a backward that raised (e.g. out of memory)
         return self.forward_chunked(self._resolve_chunks(args, kwargs), args, kwargs)
@@ -266,24 +277,25 @@ class _TorchModes:
     per thread, not per greenlet: a chunk that yields inside ``torch.no_grad()``, ``torch.autocast``
     or a checkpointed region would hand them to the chunk resumed next (whose saved tensors would then
     be packed into the first chunk's checkpoint). The scheduler captures each chunk's state when it
-    yields and restores it when the chunk resumes.
+    yields and restores it when the chunk resumes. Two captures compare equal when the grad mode and
+    autocast states are equal and the hook stacks hold the same functions (by identity).
     """
 
     _DEVICES = ("cpu", "cuda")
 
     def __init__(self, grad: bool, autocast: tuple, hooks: list):
         self.grad, self.autocast, self.hooks = grad, autocast, hooks
+        self._key = (grad, autocast, tuple(id(f) for pair in hooks for f in pair))  # (hooks kept alive above)
 
     def __eq__(self, other) -> bool:
-        return (isinstance(other, _TorchModes) and (self.grad, self.autocast) == (other.grad, other.autocast)
-                and len(self.hooks) == len(other.hooks)
-                and all(a[0] is b[0] and a[1] is b[1] for a, b in zip(self.hooks, other.hooks)))
+        return isinstance(other, _TorchModes) and self._key == other._key
 
     __hash__ = None
 
     @classmethod
     def capture(cls) -> "_TorchModes":
-        hooks = _pop_saved_tensor_hooks()
+        # (no hooks, the usual case: nothing to pop and push back)
+        hooks = [] if _top_saved_tensor_hooks() is None else _pop_saved_tensor_hooks()
         _push_saved_tensor_hooks(hooks)
         return cls(torch.is_grad_enabled(),
                    tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in cls._DEVICES), hooks)
@@ -293,15 +305,20 @@ class _TorchModes:
         for d, (enabled, dtype) in zip(self._DEVICES, self.autocast):
             torch.set_autocast_enabled(d, enabled)
             torch.set_autocast_dtype(d, dtype)
-        _pop_saved_tensor_hooks()
-        _push_saved_tensor_hooks(self.hooks)
+        if self.hooks or _top_saved_tensor_hooks() is not None:
+            _pop_saved_tensor_hooks()
+            _push_saved_tensor_hooks(self.hooks)
+
+
+def _top_saved_tensor_hooks():
+    return torch._C._autograd._top_saved_tensors_default_hooks(True)
 
 
 def _pop_saved_tensor_hooks() -> list:
     """Empty this thread's stack of default saved-tensor hooks; returns it, bottom first."""
     autograd = torch._C._autograd
     stack = []
-    while (top := autograd._top_saved_tensors_default_hooks(True)) is not None:
+    while (top := _top_saved_tensor_hooks()) is not None:
         stack.append(top)
         autograd._pop_saved_tensors_default_hooks()
     return stack[::-1]
