@@ -10,7 +10,8 @@ experts' identities alias (expert r * E_local + l computes with local expert l's
 The link is a FIFO like a communication stream: a transfer starts when the one before it has ended.
 On CPU the link is a timeline kept by the host: each transfer is planned when it is submitted (it
 starts when the link frees, it ends a hold later), its data moves at once, and ``wait()`` sleeps
-until its planned end, so computation runs meanwhile and nothing else (no thread, no GIL hand-off)
+until its planned end (polling the clock for the last few hundred microseconds, so that it returns
+on time: :func:`_sleep_until`), so computation runs meanwhile and nothing else (no thread, no GIL hand-off)
 touches the host's time. On CUDA a timed kernel on a communication stream holds the link and the
 consumer's stream waits on an event.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import threading
 import time
 from typing import Optional, Sequence
@@ -121,7 +123,7 @@ class _CpuLink:
                     until = work.expected_end
                 else:  # a low-priority transfer not started yet: it starts when the link frees
                     until = max(self._busy_until, now) + work.hold_s
-            time.sleep(max(until - now, 0.0))
+            _sleep_until(until, now)
 
     def cancel(self) -> None:
         """End every transfer in flight or queued now (a step that raised left them), and free the link."""
@@ -140,6 +142,29 @@ class _CpuLink:
             now = time.perf_counter()
             self._advance(now)
             return self._busy_until <= now and not self._low
+
+
+#: How long before a deadline :func:`_sleep_until` stops sleeping and polls the clock instead.
+SPIN_S = 300e-6
+
+
+def _sleep_until(deadline: float, now: float) -> None:
+    """Return at ``deadline`` (a ``perf_counter()`` time), within microseconds.
+
+    ``time.sleep`` returns late: by the thread's timer slack (50 us by default on Linux) plus the
+    wake-up, about 100 us median on the 2-core VM and several hundred at worst. A consumer of a real
+    link resumes within microseconds of the transfer's end. A late wake-up costs a schedule whose
+    link then goes idle: the sequential step, one transfer at a time, paid it at every wait (about
+    2.6 ms a step of bench.overlap --quick, 2% of it), while Overlapped, whose link queues the next
+    transfers, mostly did not. So the wait sleeps until :data:`SPIN_S` before the deadline and
+    polls the clock for the rest, releasing the GIL at each poll (``os.sched_yield``; a
+    ``time.sleep(0)`` takes the timer slack too) so that another thread (the autograd engine's,
+    beside a forward) is never starved.
+    """
+    if deadline - now > SPIN_S:
+        time.sleep(deadline - now - SPIN_S)
+    while time.perf_counter() < deadline:
+        os.sched_yield()
 
 
 class _CudaWork:

@@ -281,13 +281,23 @@ class WGradQueue:
 def accumulating(probe: torch.Tensor) -> bool:
     """Whether the backward running now accumulates into leaves' ``.grad`` (call it in backward).
 
-    ``probe`` is a leaf the calling Function took as an input: ``backward()`` runs its accumulator,
-    ``autograd.grad`` and ``backward(inputs=...)`` naming other tensors do not.
+    ``autograd.grad`` and ``backward(inputs=...)`` naming other tensors do not. The answer holds for
+    the whole backward (graph task), so it is asked of the engine once per backward and probe, not
+    once per deferred item.
     """
+    task = torch._C._current_graph_task_id()
+    key = (task, id(probe))
+    if _accumulating_cache[0] == key and task != -1:
+        return _accumulating_cache[1]
     try:
-        return torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(probe).node)
+        answer = torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(probe).node)
     except RuntimeError:  # autograd.grad asked for the probe itself: nothing accumulates
-        return False
+        answer = False
+    _accumulating_cache[:] = [key, answer]
+    return answer
+
+
+_accumulating_cache: list = [None, False]  # [(graph task id, id(probe)), answer] of the last question
 
 
 class _LinearFn(torch.autograd.Function):
