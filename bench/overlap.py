@@ -289,9 +289,37 @@ def _single_row(r: Runner, args, s: dict, device, m: dict) -> dict:
         over_pass_bound=overlapped_ms / pass_bound_ms - 1,
         max_hidden_comm_fraction=1 - (pass_bound_ms - compute_ms) / comm_ms,
         chunking_overhead=compute_ms / compute["sequential"],
+        **_ceiling_fields(ms["sequential"], compute["sequential"], compute_ms, pass_bound_ms),
         sequential_excess=ms["sequential"] / (compute["sequential"] + comm_ms) - 1,
         **_floor_fields(m["floor"]),
     )
+
+
+#: Issue 20's speedup target over sequential (CPU, --quick, 4 chunks, comm = 1x compute).
+SPEEDUP_TARGET = 1.6
+
+
+def _ceiling_fields(sequential_ms: float, sequential_compute_ms: float, compute_ms: float,
+                   pass_bound_ms: float, target: float = SPEEDUP_TARGET) -> dict:
+    """What the speedup over sequential can reach, from one run's numbers (issue 20's target: 1.6x).
+
+    A schedule at the pass-aware bound gives ``pass_bound_speedup = sequential_ms / pass_bound_ms``:
+    the most any Overlapped schedule gets at this run's chunking overhead. The communication is
+    calibrated to Overlapped's own compute (``--comm-ratio`` x ``compute_ms``), so a cheaper chunk
+    shrinks the link too; with everything else scaled along (the pass-aware bound in proportion to
+    ``compute_ms``, the sequential step's exposed communication to the link),
+    ``pass_bound_speedup(o) = (1 / o + e) / p`` at chunking overhead ``o``, where ``p =
+    pass_bound_ms / compute_ms`` (how far the forward's communication outlasts its compute) and ``e
+    = (sequential_ms - sequential_compute_ms) / compute_ms`` (the sequential step's exposed
+    communication). Hence ``pass_bound_speedup_no_overhead``, the same at o = 1 (no per-chunk cost
+    at all), and ``overhead_for_target``, the overhead at which a schedule at the pass-aware bound
+    reaches ``target`` (None where no overhead >= 1 does, infinity where every overhead does)."""
+    p = pass_bound_ms / compute_ms
+    e = (sequential_ms - sequential_compute_ms) / compute_ms
+    need = target * p - e  # 1 / o
+    return dict(pass_bound_speedup=sequential_ms / pass_bound_ms, pass_bound_speedup_no_overhead=(1 + e) / p,
+                speedup_target=target,
+                overhead_for_target=math.inf if need <= 0 else 1 / need if need <= 1 else None)
 
 
 def _floor_fields(floor) -> dict:
@@ -334,6 +362,11 @@ def _report(row: dict, args, s: dict, m: dict) -> None:
     if row["sequential_excess"] > 0.01:
         print(f"warning: the sequential step ran {row['sequential_excess']:.1%} over its compute plus its "
               f"communication (a busy host, or a step short against how late a sleep returns); speedups read high")
+    reach = (f"at the pass-aware bound the speedup would be {row['pass_bound_speedup']:.2f}x at this chunking "
+             f"overhead, {row['pass_bound_speedup_no_overhead']:.2f}x with none; {row['speedup_target']}x needs ")
+    reach += ("more than no overhead at all" if row["overhead_for_target"] is None else
+              f"an overhead <= {row['overhead_for_target']:.3f} there")
+    print(reach)
     line = f"chunking overhead (Overlapped's compute / sequential's) {row['chunking_overhead']:.3f}"
     if row["plain_chunks_overhead"] is not None:
         line += (f"; eager floor (the model on the {args.chunks} chunks' rows one after another, no overlap) "

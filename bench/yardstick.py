@@ -2,6 +2,7 @@
 
     python -m bench.yardstick --device cpu                 # bench.overlap --quick's layer
     python -m bench.yardstick --tokens 2048 --json out.json
+    python -m bench.yardstick --blocks                     # bench.overlap --quick's whole model
 
 Issue 20 asks chunking to cost little. ``bench.overlap`` splits the overhead of a chunked step
 into the model's dense layers, its MoE layers and the schedule; at ``--quick`` sizes the MoE
@@ -23,6 +24,15 @@ expert to every kept row). It is a yardstick, not a path:
 - no real expert parallelism;
 - none of the contract's other options (sigmoid scores, expert groups, expert bias, z loss, ...);
 - no asynchronous collectives, so nothing overlaps.
+
+``--blocks`` asks the same of bench.overlap --quick's whole model (:class:`lancet_rt.models.blocks.MoEBlocks`,
+2 blocks of attention and a MoE layer, 16 x 64 tokens): its step unchunked and on N chunks one
+after another (one batch, one backward; no overlap, no scheduler), with each block's MoE layer
+``lancet_rt.MoE``, the lean layer on the same parameters (:class:`LeanBlockMoE`, tested equal), or
+none (the dense layers alone). Chunked over unchunked is the chunking overhead of issue 20's
+target (<= 1.10) with that layer and no schedule: with the lean layer, what any eager MoE layer
+leaves of it (``overhead_with_lean_chunks`` adds the lean model's per-chunk cost to our unchunked
+step, the most favourable reading).
 
 Reported per extra chunk, forward and backward together, for both layers: the ATen ops and host
 reads (:class:`bench.host.OpCounter`), and the microseconds of the fastest of ``--reps`` steps
@@ -120,8 +130,8 @@ def lean_step(lean: LeanMoE, x_TD: torch.Tensor, grad_TD: torch.Tensor, chunks: 
     return torch.cat([y.detach() for y in ys])
 
 
-def lancet_step(moe: lancet_rt.MoE, x_TD: torch.Tensor, grad_TD: torch.Tensor, chunks: int) -> torch.Tensor:
-    """``moe`` on each chunk's rows in turn, then one backward; returns the output.
+def lancet_step(moe: torch.nn.Module, x_TD: torch.Tensor, grad_TD: torch.Tensor, chunks: int) -> torch.Tensor:
+    """``moe`` (a layer, or a model of them) on each chunk's rows in turn, then one backward; returns the output.
 
     The chunks are one batch, as under ``Overlapped``: the layer carries its capacity and routing
     state across them and makes its batch statistics once. There is no scheduler: the layer's
@@ -141,6 +151,89 @@ def lancet_step(moe: lancet_rt.MoE, x_TD: torch.Tensor, grad_TD: torch.Tensor, c
         _scope.set_current(prev)
     torch.autograd.backward(ys, list(grad_TD.tensor_split(chunks)))
     return torch.cat([y.detach() for y in ys])
+
+
+class LeanBlockMoE(torch.nn.Module):
+    """A block's MoE layer as :class:`LeanMoE` on [B, S, D] rows, for the batch :meth:`begin` opened
+    (its chunks carry the capacity; the aux loss is the batch's, an extra backward root)."""
+
+    def __init__(self, moe: lancet_rt.MoE):
+        super().__init__()
+        self.lean = LeanMoE(moe)
+        self.state: Optional[dict] = None
+
+    def begin(self, tokens: int) -> None:
+        self.state = self.lean.batch(tokens)
+
+    def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
+        return self.lean(x_BSD.reshape(-1, x_BSD.shape[-1]), self.state).view(x_BSD.shape)
+
+
+def blocks_step(model, x: torch.Tensor, grad: torch.Tensor, chunks: int, layer: str) -> torch.Tensor:
+    """One step of the blocks ``model`` on ``chunks`` chunks of its rows one after another (one batch,
+    one backward), each block's MoE layer being ``layer``: "lancet_rt.MoE" (as :func:`lancet_step`),
+    "lean eager MoE" (:class:`LeanBlockMoE` on the same parameters) or "none" (an identity: the dense
+    layers alone). The blocks get their own layers back afterwards. Returns the output."""
+    blocks = model.blocks
+    layers = [b.moe for b in blocks]
+    if layer == "lancet_rt.MoE":
+        return lancet_step(model, x, grad, chunks)
+    try:
+        leans = []
+        for b in blocks:
+            b.moe = torch.nn.Identity() if layer == "none" else LeanBlockMoE(b.moe)
+            if layer != "none":
+                b.moe.begin(x.shape[0] * x.shape[1])
+                leans.append(b.moe)
+        ys = [model(c) for c in x.tensor_split(chunks)]
+        aux = [m.lean.aux_loss(m.state) for m in leans]
+        torch.autograd.backward(ys + aux, list(grad.tensor_split(chunks)) + [torch.ones_like(a) for a in aux])
+    finally:
+        for b, m in zip(blocks, layers):
+            b.moe = m
+    return torch.cat([y.detach() for y in ys])
+
+
+BLOCK_LAYERS = ("lancet_rt.MoE", "lean eager MoE", "none")
+
+
+def measure_blocks(args, device: torch.device) -> list:
+    """bench.overlap --quick's model, unchunked and on ``args.chunks`` chunks, with each MoE layer (rows)."""
+    from lancet_rt.models.blocks import MoEBlocks
+
+    link = lancet_rt.EmulatedGroup(args.world_size, math.inf, 0.0, device=device)
+    torch.manual_seed(0)
+    model = MoEBlocks(args.layers, args.d_model, args.heads,
+                      dict(d_ffn=args.d_ffn, num_experts=args.experts, top_k=args.top_k,
+                           capacity_factor=args.capacity_factor, aux_loss_coef=1e-2, ep_group=link),
+                      device=device)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(args.batch, args.seq, args.d_model, generator=g).to(device)
+    grad = torch.randn(args.batch, args.seq, args.d_model, generator=g).to(device)
+
+    def step(layer, n):
+        blocks_step(model, x.detach().requires_grad_(True), grad, n, layer)
+        model.zero_grad(set_to_none=True)
+
+    steps = {(layer, n): (lambda layer=layer, n=n: step(layer, n)) for layer in BLOCK_LAYERS for n in (1, args.chunks)}
+    counted = {}
+    for key, run in steps.items():
+        run()  # warm
+        with OpCounter() as ops:
+            run()
+        counted[key] = ops.total
+    ms = time_interleaved(steps, link, {"free": (math.inf, 0.0)}, args.reps, "min", device)
+    ms = {key: ms["free", key] for key in steps}
+    ours1, dense1, dense_n = ms["lancet_rt.MoE", 1], ms["none", 1], ms["none", args.chunks]
+    rows, extra = [], (args.chunks - 1) * args.layers
+    for layer in BLOCK_LAYERS:
+        one, n = ms[layer, 1], ms[layer, args.chunks]
+        rows.append(dict(layer=layer, chunks=args.chunks, layers=args.layers, tokens=args.batch * args.seq,
+                         step_ms_unchunked=one, step_ms_chunked=n, chunking_overhead=n / one,
+                         dense_part=(dense_n - dense1) / one, moe_part=(n - one - (dense_n - dense1)) / one,
+                         overhead_with_lean_chunks=(ours1 + n - one) / ours1 if layer == "lean eager MoE" else None,
+                         ops_per_layer_per_extra_chunk=(counted[layer, args.chunks] - counted[layer, 1]) / extra))
+    return rows
 
 
 def build(args, device: torch.device) -> lancet_rt.MoE:
@@ -196,6 +289,12 @@ def main(argv: Optional[list] = None) -> list:
     p.add_argument("--reps", type=int, default=60)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
+    p.add_argument("--blocks", action="store_true",
+                   help="the whole blocks model of bench.overlap --quick, with each layer (module docstring)")
+    p.add_argument("--layers", type=int, default=2, help="--blocks: blocks")
+    p.add_argument("--heads", type=int, default=4, help="--blocks: attention heads")
+    p.add_argument("--batch", type=int, default=16, help="--blocks: sequences (cut into the chunks)")
+    p.add_argument("--seq", type=int, default=64, help="--blocks: tokens per sequence")
     args = p.parse_args(argv)
     if args.capacity_factor == 0:
         args.capacity_factor = None
@@ -207,9 +306,11 @@ def main(argv: Optional[list] = None) -> list:
     device = torch.device(args.device)
     if device.type == "cpu":
         keep_freed_memory()  # as bench.overlap: no page faults for the activations at every step
-    rows = measure(args, device)
     log = RowLog(args.json)
     meta = run_metadata(device)
+    if args.blocks:
+        return _blocks_report(measure_blocks(args, device), args, log, meta)
+    rows = measure(args, device)
     for r in rows:
         log.add(dict(bench="yardstick", **r, d_model=args.d_model, d_ffn=args.d_ffn, experts=args.experts,
                      top_k=args.top_k, capacity_factor=args.capacity_factor, **meta))
@@ -220,6 +321,21 @@ def main(argv: Optional[list] = None) -> list:
     ratio = rows[1]["us_per_extra_chunk"] / rows[0]["us_per_extra_chunk"]
     print(f"lancet_rt.MoE costs {ratio:.2f}x the lean layer per extra chunk "
           f"({rows[1]['ops_per_extra_chunk']:.0f} vs {rows[0]['ops_per_extra_chunk']:.0f} ATen ops)")
+    return rows
+
+
+def _blocks_report(rows: list, args, log: RowLog, meta: dict) -> list:
+    for r in rows:
+        log.add(dict(bench="yardstick_blocks", **r, d_model=args.d_model, d_ffn=args.d_ffn, experts=args.experts,
+                     top_k=args.top_k, capacity_factor=args.capacity_factor, **meta))
+    print_table(rows, ["layer", "chunks", "step_ms_unchunked", "step_ms_chunked", "chunking_overhead", "dense_part",
+                       "moe_part", "ops_per_layer_per_extra_chunk"],
+                f"bench.yardstick --blocks on {meta['device']}: {args.layers} blocks D={args.d_model} F={args.d_ffn} "
+                f"E={args.experts} K={args.top_k} tokens={args.batch * args.seq}, {args.chunks} chunks one after "
+                f"another (one batch, no schedule); parts in units of the unchunked step")
+    lean = rows[1]
+    print(f"with the lean layer the chunking overhead is {lean['chunking_overhead']:.3f} "
+          f"({lean['overhead_with_lean_chunks']:.3f} on our unchunked step); lancet_rt.MoE: {rows[0]['chunking_overhead']:.3f}")
     return rows
 
 

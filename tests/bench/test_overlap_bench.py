@@ -73,3 +73,22 @@ def test_row_carries_the_floor_and_the_overhead(tmp_path):
                         (row["dense_chunks_compute_ms"] - row["dense_compute_ms"]) / floor_sequential_ms, rel_tol=1e-9)
     assert row["dense_compute_ms"] > 0 and row["dense_chunks_compute_ms"] > 0
     assert set(overlap._floor_fields(None).values()) == {None}  # a transformers model: no floor row
+    # what the speedup can reach: at this overhead, a schedule at the pass-aware bound
+    assert row["pass_bound_speedup"] == row["sequential_ms"] / row["pass_bound_ms"]
+    assert row["pass_bound_speedup_no_overhead"] >= row["pass_bound_speedup"] or row["chunking_overhead"] < 1
+
+
+def test_speedup_ceiling_scales_the_link_with_the_chunked_compute():
+    """The link is calibrated to Overlapped's compute: at overhead o the pass-aware bound is p x its
+    compute and the sequential step c_s + e x its compute, so the speedup there is (1 / o + e) / p."""
+    c_s, c_o, seq, bound = 50.0, 60.0, 100.0, 66.0  # o = 1.2, p = 1.1, e = 5 / 6
+    f = overlap._ceiling_fields(seq, c_s, c_o, bound, target=1.6)
+    assert math.isclose(f["pass_bound_speedup"], seq / bound)
+    assert math.isclose(f["pass_bound_speedup_no_overhead"], (1 + 5 / 6) / 1.1)
+    o = f["overhead_for_target"]
+    assert math.isclose(o, 1 / (1.6 * 1.1 - 5 / 6))
+    # at that overhead (the same link ratio and pass structure), a run would sit exactly on the target
+    c_o2 = c_s * o
+    assert math.isclose((c_s + 5 / 6 * c_o2) / (1.1 * c_o2), 1.6)
+    assert overlap._ceiling_fields(seq, c_s, c_o, bound, target=2.0)["overhead_for_target"] is None  # not even at o = 1
+    assert overlap._ceiling_fields(seq, c_s, c_o, bound, target=0.5)["overhead_for_target"] == math.inf

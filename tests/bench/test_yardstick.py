@@ -83,3 +83,54 @@ def test_rows(tmp_path):
         assert r["chunks"] == 4 and r["step_us_unchunked"] > 0
         assert r["ops_per_extra_chunk"] > 0  # every chunk runs the layer's ops again
         assert r["reads_per_extra_chunk"] == 1  # and reads its counts once
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 0.75])
+def test_blocks_with_the_lean_layer_equal_the_blocks_with_lancet_moe(capacity_factor):
+    """bench.yardstick --blocks compares the same computation: the blocks model with each MoE layer
+    replaced by the lean one (on its parameters) gives the same outputs and every gradient, chunked
+    or not, and the blocks get their own layers back."""
+    from lancet_rt.models.blocks import MoEBlocks
+
+    link = lancet_rt.EmulatedGroup(8, math.inf, 0.0, device=torch.device("cpu"))
+    torch.manual_seed(0)
+    model = MoEBlocks(2, 16, 2, dict(d_ffn=24, num_experts=8, top_k=2, capacity_factor=capacity_factor,
+                                     aux_loss_coef=1e-2, ep_group=link), dtype=torch.float64)
+    layers = list(model.moe_layers())
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(7, 5, 16, generator=g, dtype=torch.float64)  # 7 rows: chunks of 3, 2, 2
+    grad = torch.randn(7, 5, 16, generator=g, dtype=torch.float64)
+    out = {}
+    for layer in ("lancet_rt.MoE", "lean eager MoE"):
+        for chunks in (1, 3):
+            x_in = x.clone().requires_grad_(True)
+            y = yardstick.blocks_step(model, x_in, grad, chunks, layer)
+            out[layer, chunks] = (y, x_in.grad, {n: p.grad.clone() for n, p in model.named_parameters()})
+            model.zero_grad(set_to_none=True)
+            assert list(model.moe_layers()) == layers
+    ref = out["lancet_rt.MoE", 1]
+    for key, (y, gx, grads) in out.items():
+        torch.testing.assert_close(y, ref[0], rtol=1e-12, atol=1e-12, msg=str(key))
+        torch.testing.assert_close(gx, ref[1], rtol=1e-12, atol=1e-12, msg=str(key))
+        for n, gp in grads.items():
+            torch.testing.assert_close(gp, ref[2][n], rtol=1e-12, atol=1e-12, msg=f"{key} {n}")
+    x_in = x.clone().requires_grad_(True)
+    dense = yardstick.blocks_step(model, x_in, grad, 3, "none")  # the dense layers alone
+    assert all(p.grad is None for m in layers for p in m.parameters())  # no MoE layer ran
+    assert not torch.equal(dense, ref[0])
+    assert list(model.moe_layers()) == layers
+
+
+def test_blocks_rows(tmp_path):
+    rows = yardstick.main(["--blocks", "--layers", "1", "--batch", "4", "--seq", "8", "--d-model", "32",
+                           "--d-ffn", "32", "--reps", "1", "--json", str(tmp_path / "rows.json")])
+    assert [r["layer"] for r in rows] == list(yardstick.BLOCK_LAYERS)
+    by = {r["layer"]: r for r in rows}
+    for r in rows:
+        assert r["chunking_overhead"] == r["step_ms_chunked"] / r["step_ms_unchunked"]
+        assert r["ops_per_layer_per_extra_chunk"] > 0  # every chunk runs the model's ops again
+    assert by["none"]["moe_part"] == 0  # (the dense layers' own increment is the dense part)
+    ours, lean = by["lancet_rt.MoE"], by["lean eager MoE"]
+    assert lean["overhead_with_lean_chunks"] == (ours["step_ms_unchunked"] + lean["step_ms_chunked"]
+                                                 - lean["step_ms_unchunked"]) / ours["step_ms_unchunked"]
+    assert ours["ops_per_layer_per_extra_chunk"] > by["none"]["ops_per_layer_per_extra_chunk"]
