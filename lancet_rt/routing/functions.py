@@ -106,7 +106,8 @@ class _Gate(torch.autograd.Function):
         C = state.capacity
         # Rows this chunk keeps per expert (int32): its counts, up to the room the capacity leaves after
         # the earlier chunks (min(used_in + counts, C) - min(used_in, C), in three ops).
-        kept_E = out.counts_E if C is None else torch.minimum(out.counts_E, (C - used_in).clamp_(min=0))
+        # (torch.rsub: ``C - used_in`` would go through Tensor.__rsub__, a Python wrapper)
+        kept_E = out.counts_E if C is None else torch.minimum(out.counts_E, torch.rsub(used_in, C).clamp_(min=0))
         state.used_E = out.used_E
         state.kept_E += kept_E
         state.score_sum_E = state.score_sum_E.to(out.score_sum_E.dtype) + out.score_sum_E

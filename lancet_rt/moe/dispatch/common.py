@@ -100,12 +100,12 @@ def exchange_counts(moe, kept_PE: torch.Tensor, error: Optional[Exception] = Non
         counts = kept_PE.reshape(1, P * L).expand(W, -1).long()
     else:
         counts = (kept_PE.view(W, L) if P == 1 else kept_PE.view(P, W, L).permute(1, 0, 2).reshape(W, P * L)).long()
-    status = torch.full((W, 1), faults.status_code(error), dtype=torch.long, device=counts.device)
-    parts = [counts, status]
+    # The status column: one pad (constant_pad_nd), not a full and a cat, per chunk and layer.
+    send = torch.nn.functional.pad(counts, (0, 1), value=faults.status_code(error))
     if getattr(moe, "shadow_experts", 0) and moe.dispatcher == "alltoall":
-        parts.append(kept_PE.sum(0).long().view(1, -1).expand(W, -1))
+        send = torch.cat([send, kept_PE.sum(0).long().view(1, -1).expand(W, -1)], dim=1)
     group = moe.group
-    return faults.in_order(group, lambda: Counts(group.exchange(torch.cat(parts, dim=1)), P, W, L, error))
+    return faults.in_order(group, lambda: Counts(group.exchange(send), P, W, L, error))
 
 
 def counts_turn(moe, x: torch.Tensor) -> None:
