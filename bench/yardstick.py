@@ -215,15 +215,7 @@ def measure_blocks(args, device: torch.device) -> list:
         blocks_step(model, x.detach().requires_grad_(True), grad, n, layer)
         model.zero_grad(set_to_none=True)
 
-    steps = {(layer, n): (lambda layer=layer, n=n: step(layer, n)) for layer in BLOCK_LAYERS for n in (1, args.chunks)}
-    counted = {}
-    for key, run in steps.items():
-        run()  # warm
-        with OpCounter() as ops:
-            run()
-        counted[key] = ops.total
-    ms = time_interleaved(steps, link, {"free": (math.inf, 0.0)}, args.reps, "min", device)
-    ms = {key: ms["free", key] for key in steps}
+    counted, ms = _count_and_time(step, BLOCK_LAYERS, link, args, device)
     ours1, dense1, dense_n = ms["lancet_rt.MoE", 1], ms["none", 1], ms["none", args.chunks]
     rows, extra = [], (args.chunks - 1) * args.layers
     for layer in BLOCK_LAYERS:
@@ -232,8 +224,23 @@ def measure_blocks(args, device: torch.device) -> list:
                          step_ms_unchunked=one, step_ms_chunked=n, chunking_overhead=n / one,
                          dense_part=(dense_n - dense1) / one, moe_part=(n - one - (dense_n - dense1)) / one,
                          overhead_with_lean_chunks=(ours1 + n - one) / ours1 if layer == "lean eager MoE" else None,
-                         ops_per_layer_per_extra_chunk=(counted[layer, args.chunks] - counted[layer, 1]) / extra))
+                         ops_per_layer_per_extra_chunk=(counted[layer, args.chunks][0] - counted[layer, 1][0]) / extra))
     return rows
+
+
+def _count_and_time(step, layers, link, args, device) -> tuple:
+    """``step(layer, n)`` for each layer unchunked and at ``args.chunks``: ({key: (ATen ops, host
+    reads)} of one run, {key: ms}), every step timed in turn within each round (so that load from
+    elsewhere hits all alike), the fastest of ``args.reps`` rounds on the free link."""
+    steps = {(layer, n): (lambda layer=layer, n=n: step(layer, n)) for layer in layers for n in (1, args.chunks)}
+    counted = {}
+    for key, run in steps.items():
+        run()  # warm
+        with OpCounter() as ops:
+            run()
+        counted[key] = (ops.total, ops.reads)
+    ms = time_interleaved(steps, link, {"free": (math.inf, 0.0)}, args.reps, "min", device)
+    return counted, {key: ms["free", key] for key in steps}
 
 
 def build(args, device: torch.device) -> lancet_rt.MoE:
@@ -256,19 +263,11 @@ def measure(args, device: torch.device) -> list:
         layers[layer](n)
         moe.zero_grad(set_to_none=True)
 
-    steps = {(layer, n): (lambda layer=layer, n=n: step(layer, n)) for layer in layers for n in (1, args.chunks)}
-    counted = {}
-    for key, run in steps.items():
-        run()  # warm
-        with OpCounter() as ops:
-            run()
-        counted[key] = (ops.total, ops.reads)
-    # every step timed in turn within each round, so that load from elsewhere hits all alike
-    ms = time_interleaved(steps, moe.group, {"free": (math.inf, 0.0)}, args.reps, "min", device)
+    counted, ms = _count_and_time(step, layers, moe.group, args, device)
     rows, extra = [], args.chunks - 1
     for layer in layers:
         (ops1, reads1), (opsn, readsn) = counted[layer, 1], counted[layer, args.chunks]
-        us1, usn = (ms["free", (layer, n)] * 1e3 for n in (1, args.chunks))
+        us1, usn = (ms[layer, n] * 1e3 for n in (1, args.chunks))
         rows.append(dict(layer=layer, chunks=args.chunks, tokens=args.tokens, step_us_unchunked=us1,
                          ops_per_extra_chunk=(opsn - ops1) / extra, reads_per_extra_chunk=(readsn - reads1) / extra,
                          us_per_extra_chunk=(usn - us1) / extra))
