@@ -37,6 +37,13 @@ floor is the schedule's own. The same timing runs the model with each block's Mo
 cuts the overhead into three parts in units of the unchunked step: ``overhead_dense`` (the model's
 dense layers chunked: no MoE layer and no schedule removes it), ``overhead_moe`` (the rest of the
 floor: the MoE layers run once per chunk) and ``overhead_schedule`` (Overlapped over the floor).
+Where bench.yardstick's lean eager layer computes what ours does (one local expert, softmax), the
+same timing also runs the model with it in every block, unchunked and its chunks one after another
+as one batch (``lean_compute_ms``, ``lean_chunks_compute_ms``): ``lean_overhead`` is our unchunked
+step plus the lean layer's increment, over our unchunked step (what the cheapest eager layer we could
+write would leave of the overhead), and ``overhead_over_lean`` is Overlapped's overhead minus that.
+Pass-aware fields: ``pass_bound_speedup`` (the speedup of a schedule at the pass-aware bound, at this
+overhead), ``pass_bound_speedup_no_overhead`` and ``overhead_for_target`` (see :func:`_ceiling_fields`).
 ``sequential_excess`` is the sequential step over its compute plus its
 communication, minus 1: about 0 on a quiet host at the benchmark's sizes. Above 0.01 (printed as a
 warning) the step that sleeps through each transfer came back slower than its link (a busy host, or a
@@ -254,8 +261,8 @@ def _measure(r: Runner, args, s: dict, budget: TimeBudget) -> dict:
     #    Overlapped on the free link.
     floor = None
     if not r.hf:
-        t = r.time_all(["sequential", "plain_chunks", "overlapped", "dense", "dense_chunks"], s["steps"],
-                       {"free": free})
+        t = r.time_all(["sequential", "plain_chunks", "overlapped", "dense", "dense_chunks"]
+                       + (["lean", "lean_chunks"] if r.lean else []), s["steps"], {"free": free})
         floor = {mode: ms for (_, mode), ms in t.items()}
     return dict(bw=bw, nbytes=nbytes, transfers=transfers, comm_ms=comm_ms, compute=compute, ms=ms,
                 compute_ms=compute_ms, forward_compute_ms=forward_compute_ms, forward_comm_ms=forward_comm_ms,
@@ -329,18 +336,25 @@ def _floor_fields(floor) -> dict:
     of that timing (Overlapped over the unchunked step, minus 1) cut into three parts, in units of
     the unchunked step: ``overhead_dense`` (the model's dense layers alone, chunked minus unchunked),
     ``overhead_moe`` (the rest of the floor: the MoE layers run once per chunk) and
-    ``overhead_schedule`` (Overlapped over the floor)."""
+    ``overhead_schedule`` (Overlapped over the floor); where the lean layer applies, ``lean_overhead``
+    and ``overhead_over_lean`` (the module docstring)."""
+    lean = dict(lean_compute_ms=None, lean_chunks_compute_ms=None, lean_overhead=None, overhead_over_lean=None)
     if floor is None:
         return dict(plain_chunks_compute_ms=None, plain_chunks_overhead=None, overhead_over_floor=None,
                     dense_compute_ms=None, dense_chunks_compute_ms=None, overhead_dense=None, overhead_moe=None,
-                    overhead_schedule=None)
+                    overhead_schedule=None, **lean)
     seq, plain = floor["sequential"], floor["plain_chunks"]
     dense = (floor["dense_chunks"] - floor["dense"]) / seq
+    if "lean" in floor:
+        # the lean layer's per-chunk cost added to our unchunked step (its most favourable reading)
+        lean_overhead = (seq + floor["lean_chunks"] - floor["lean"]) / seq
+        lean = dict(lean_compute_ms=floor["lean"], lean_chunks_compute_ms=floor["lean_chunks"],
+                    lean_overhead=lean_overhead, overhead_over_lean=floor["overlapped"] / seq - lean_overhead)
     return dict(plain_chunks_compute_ms=plain, plain_chunks_overhead=plain / seq,
                 overhead_over_floor=floor["overlapped"] / plain,
                 dense_compute_ms=floor["dense"], dense_chunks_compute_ms=floor["dense_chunks"],
                 overhead_dense=dense, overhead_moe=(plain - seq) / seq - dense,
-                overhead_schedule=(floor["overlapped"] - plain) / seq)
+                overhead_schedule=(floor["overlapped"] - plain) / seq, **lean)
 
 
 def _report(row: dict, args, s: dict, m: dict) -> None:
@@ -373,6 +387,9 @@ def _report(row: dict, args, s: dict, m: dict) -> None:
                  f"{row['plain_chunks_overhead']:.3f}, Overlapped {row['overhead_over_floor']:.3f} x that\n"
                  f"  of which (x the sequential step): the model's dense layers chunked {row['overhead_dense']:+.3f}, "
                  f"its MoE layers chunked {row['overhead_moe']:+.3f}, the schedule {row['overhead_schedule']:+.3f}")
+    if row.get("lean_overhead") is not None:
+        line += (f"\n  the lean eager MoE layer's chunks (bench.yardstick) on our unchunked step: {row['lean_overhead']:.3f}; "
+                 f"Overlapped {row['overhead_over_lean']:+.3f} over that")
     print(line)
 
 

@@ -17,6 +17,18 @@ from bench.timing import link_per_step, step_ms, synchronize, time_interleaved
 _NO_MOE = torch.nn.Identity()  # a block's MoE layer, taken out (Runner._eager)
 
 
+def _lean_applies(layers) -> bool:
+    """Whether bench.yardstick's lean layer computes what every one of ``layers`` does."""
+    from bench.yardstick import LeanMoE
+
+    try:
+        for m in layers:
+            LeanMoE(m)
+    except ValueError:
+        return False
+    return True
+
+
 class Runner:
     """One model and its four schedules over one emulated link."""
 
@@ -52,6 +64,12 @@ class Runner:
         self.steps["plain_chunks"] = lambda: self._eager(self.chunks)
         self.steps["dense"] = lambda: self._eager(1, moe=False)
         self.steps["dense_chunks"] = lambda: self._eager(self.chunks, moe=False)
+        # The lean floor (bench.yardstick's lean eager layer in every block, its chunks one batch),
+        # where that layer computes what ours does (one local expert, softmax, normalised top-k).
+        self.lean = _lean_applies(self.moe_layers)
+        if self.lean:
+            self.steps["lean"] = lambda: self._lean(1)
+            self.steps["lean_chunks"] = lambda: self._lean(self.chunks)
 
     def _build_hf(self, args, s, device, dtype) -> None:
         """A transformers architecture at the benchmark's sizes, made lancet with from_hf on the link:
@@ -111,6 +129,15 @@ class Runner:
         finally:
             for b, layer in zip(blocks, layers):
                 b.moe = layer
+
+    def _lean(self, chunks: int) -> None:
+        """Mode "lean" / "lean_chunks": the model with each block's MoE layer the lean eager one (on
+        the same parameters; tested equal), unchunked or its chunks one after another as one batch
+        (as under ``Overlapped``), one backward; no schedule. What an eager MoE layer as cheap as we
+        could write it leaves of the chunking overhead (bench.yardstick --blocks)."""
+        from bench.yardstick import blocks_step
+
+        blocks_step(self.model, self.x.detach().requires_grad_(True), self.g, chunks, "lean eager MoE")
 
     def step(self, mode: str) -> None:
         if mode in self.steps:  # a whole step of its own (the floor, the cross-microbatch schedules)

@@ -58,6 +58,28 @@ def test_dense_floor_runs_the_model_without_its_moe_layers_then_puts_them_back()
     assert len(seen) == 6  # the floor with the MoE layers runs them again
 
 
+def test_lean_floor_runs_the_lean_layer_in_every_block_then_puts_ours_back():
+    args = _tiny("--chunks", "3", "--layers", "2")
+    r = Runner(args, overlap.sizes(args), torch.device("cpu"))
+    r.set_link(math.inf, 0.0)
+    assert r.lean
+    layers = list(r.moe_layers)
+    seen, rows = [], []
+    for m in layers:
+        m.register_forward_pre_hook(lambda mod, inp: seen.append(mod))
+    for b in r.model.blocks:
+        b.register_forward_pre_hook(lambda mod, inp: rows.append((inp[0].shape[0], type(mod.moe).__name__)))
+    r.step("lean_chunks")
+    assert seen == []  # our layers did not run
+    assert rows == [(2, "LeanBlockMoE")] * 6  # both blocks, on each chunk's rows
+    assert [b.moe for b in r.model.blocks] == layers and all(p.grad is None for p in r.model.parameters())
+    r.step("lean")
+    assert rows[6:] == [(6, "LeanBlockMoE")] * 2
+    # the lean layer computes only one local expert with softmax scores: elsewhere no lean floor
+    r2 = Runner(_tiny("--world-size", "4"), overlap.sizes(_tiny("--world-size", "4")), torch.device("cpu"))
+    assert not r2.lean and "lean" not in r2.steps
+
+
 def test_row_carries_the_floor_and_the_overhead(tmp_path):
     row = overlap.main(["--device", "cpu", "--quick", "--layers", "1", "--d-model", "32", "--d-ffn", "32",
                         "--batch", "4", "--seq", "16", "--steps", "1", "--json", str(tmp_path / "rows.json")])
@@ -73,6 +95,13 @@ def test_row_carries_the_floor_and_the_overhead(tmp_path):
                         (row["dense_chunks_compute_ms"] - row["dense_compute_ms"]) / floor_sequential_ms, rel_tol=1e-9)
     assert row["dense_compute_ms"] > 0 and row["dense_chunks_compute_ms"] > 0
     assert set(overlap._floor_fields(None).values()) == {None}  # a transformers model: no floor row
+    # the lean floor, in the same timing: our unchunked step plus the lean layer's increment
+    assert row["lean_compute_ms"] > 0 and row["lean_chunks_compute_ms"] > 0
+    assert math.isclose(row["lean_overhead"], 1 + (row["lean_chunks_compute_ms"] - row["lean_compute_ms"])
+                        / floor_sequential_ms, rel_tol=1e-9)
+    overlapped_floor_ms = row["overhead_over_floor"] * row["plain_chunks_compute_ms"]
+    assert math.isclose(row["overhead_over_lean"], overlapped_floor_ms / floor_sequential_ms - row["lean_overhead"],
+                        rel_tol=1e-9, abs_tol=1e-12)
     # what the speedup can reach: at this overhead, a schedule at the pass-aware bound
     assert row["pass_bound_speedup"] == row["sequential_ms"] / row["pass_bound_ms"]
     assert row["pass_bound_speedup_no_overhead"] >= row["pass_bound_speedup"] or row["chunking_overhead"] < 1
