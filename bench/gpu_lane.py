@@ -75,6 +75,8 @@ TARGETS = [
     # Not issue targets: what a perfect schedule could reach in the same run (bench/overlap.py).
     ("Overlapped over the pass-aware bound", "overlap.json", {}, "over_pass_bound", None, False),
     ("most communication any schedule could hide", "overlap.json", {}, "max_hidden_comm_fraction", None, True),
+    ("speedup of a schedule at the pass-aware bound", "overlap.json", {}, "pass_bound_speedup", None, True),
+    ("chunking overhead over the lean eager layer's", "overlap.json", {}, "overhead_over_lean", None, False),
 ]
 
 
