@@ -169,22 +169,27 @@ class LeanBlockMoE(torch.nn.Module):
         return self.lean(x_BSD.reshape(-1, x_BSD.shape[-1]), self.state).view(x_BSD.shape)
 
 
+#: The MoE layers bench.yardstick --blocks puts in every block.
+BLOCK_LAYERS = ("lancet_rt.MoE", "lean eager MoE", "none")
+
+
 def blocks_step(model, x: torch.Tensor, grad: torch.Tensor, chunks: int, layer: str) -> torch.Tensor:
     """One step of the blocks ``model`` on ``chunks`` chunks of its rows one after another (one batch,
     one backward), each block's MoE layer being ``layer``: "lancet_rt.MoE" (as :func:`lancet_step`),
     "lean eager MoE" (:class:`LeanBlockMoE` on the same parameters) or "none" (an identity: the dense
     layers alone). The blocks get their own layers back afterwards. Returns the output."""
-    blocks = model.blocks
-    layers = [b.moe for b in blocks]
+    if layer not in BLOCK_LAYERS:
+        raise ValueError(f"layer must be one of {BLOCK_LAYERS}, got {layer!r}")
     if layer == "lancet_rt.MoE":
         return lancet_step(model, x, grad, chunks)
+    blocks = model.blocks
+    layers = [b.moe for b in blocks]
+    leans = [] if layer == "none" else [LeanBlockMoE(m) for m in layers]
+    for m in leans:
+        m.begin(x.shape[0] * x.shape[1])
     try:
-        leans = []
-        for b in blocks:
-            b.moe = torch.nn.Identity() if layer == "none" else LeanBlockMoE(b.moe)
-            if layer != "none":
-                b.moe.begin(x.shape[0] * x.shape[1])
-                leans.append(b.moe)
+        for b, m in zip(blocks, leans or [torch.nn.Identity()] * len(blocks)):
+            b.moe = m
         ys = [model(c) for c in x.tensor_split(chunks)]
         aux = [m.lean.aux_loss(m.state) for m in leans]
         torch.autograd.backward(ys + aux, list(grad.tensor_split(chunks)) + [torch.ones_like(a) for a in aux])
@@ -192,9 +197,6 @@ def blocks_step(model, x: torch.Tensor, grad: torch.Tensor, chunks: int, layer: 
         for b, m in zip(blocks, layers):
             b.moe = m
     return torch.cat([y.detach() for y in ys])
-
-
-BLOCK_LAYERS = ("lancet_rt.MoE", "lean eager MoE", "none")
 
 
 def measure_blocks(args, device: torch.device) -> list:
