@@ -22,8 +22,6 @@ import contextlib
 import datetime
 import json
 import logging
-import os
-import socket
 import threading
 import time
 from typing import Callable, Optional
@@ -32,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from lancet_rt import env
+from lancet_rt.comm import processes as _processes
 from lancet_rt.comm.faults import ADVICE, CollectiveMismatch, GroupError, PeerError, PeerTimeout
 from lancet_rt.comm.header import header_row, mismatch
 
@@ -65,6 +64,7 @@ class GroupMonitor:
     def __init__(self, group, rank: int, size: int, backend: str, timeout_s: float, counts_group=None,
                  check_headers: Optional[bool] = None, header_device=None):
         self.group, self.rank, self.size = group, rank, size
+        self.global_ranks = _global_ranks(group, size)  # group rank -> global rank, for messages
         self.label = "expert-parallel"
         # gloo: the header's host round trip costs what the collective's own wait costs; NCCL: a host sync, so off
         self.check_headers = ("gloo" in backend) if check_headers is None else bool(check_headers)
@@ -86,10 +86,29 @@ class GroupMonitor:
         self._events_seen = 0
         self._published_at = -1
         if size > 1:
-            self._put(f"who/{rank}", _process_identity())
+            self._put(f"who/{rank}", _processes.identity())
 
     def _advice(self) -> str:
         return ADVICE.replace("expert-parallel", self.label, 1)
+
+    # ---------------------------------------------------------------- naming ranks
+    def to_global(self, qs) -> list:
+        return [self.global_ranks[q] if 0 <= q < len(self.global_ranks) else q for q in qs]
+
+    def name(self, q: int) -> str:
+        """Group rank ``q`` as messages name it: its global rank (the process whose log to read), the
+        group rank beside it where the two differ (a subgroup of a mesh)."""
+        g = self.to_global([q])[0]
+        return f"rank {g}" if g == q else f"rank {g} (group rank {q})"
+
+    def names(self, qs) -> str:
+        qs = sorted(qs)
+        gs = self.to_global(qs)
+        return f"rank(s) {gs}" if gs == qs else f"rank(s) {gs} (group rank(s) {qs})"
+
+    def error(self, kind: type, message: str, ranks) -> GroupError:
+        """A ``kind`` error blaming group ``ranks`` (``.global_ranks`` filled in)."""
+        return kind(message, ranks, global_ranks=self.to_global(ranks))
 
     def set_timeout(self, timeout_s: float) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
@@ -108,7 +127,7 @@ class GroupMonitor:
         disagree, so mismatched messages never reach the backend (gloo aborts the process on them).
         """
         if self.broken is not None:
-            raise GroupError(f"{self.label} group unusable since an earlier failure: {self.broken}",
+            raise self.error(GroupError, f"{self.label} group unusable since an earlier failure: {self.broken}",
                              self.broken.ranks)
         self.issued += 1
         seq = self.issued
@@ -132,7 +151,7 @@ class GroupMonitor:
         number, kind, dtype, sizes) differ. For a plan checked once before collectives issued
         unchecked, where waiting for the peers before each one could deadlock (gradient buckets)."""
         if self.broken is not None:
-            raise GroupError(f"{self.label} group unusable since an earlier failure: {self.broken}",
+            raise self.error(GroupError, f"{self.label} group unusable since an earlier failure: {self.broken}",
                              self.broken.ranks)
         if self.check_headers and self.size > 1:
             self.issued += 1
@@ -159,12 +178,12 @@ class GroupMonitor:
         # always on ``group`` (a counts exchange's header too): ranks issuing different kinds must still meet
         work = self._launch(self._gloo, lambda: dist.all_gather(rows, mine, group=self.group, async_op=True), seq, what)
         self.wait(work, seq, what)  # (the header is part of the collective: same number, same name)
-        problem, ranks = mismatch(torch.stack(rows).cpu().tolist(), self.size)
+        problem, ranks = mismatch(torch.stack(rows).cpu().tolist(), self.size, self.name)
         if problem:
-            raise self.break_(CollectiveMismatch(
-                f"collective #{seq} does not match across {self.label} ranks (seen on rank {self.rank}): {problem}. "
-                f"The ranks ran different steps (a skipped backward, an extra forward or step, other shapes); nothing "
-                f"was sent. {self._advice()}", ranks))
+            raise self.break_(self.error(CollectiveMismatch,
+                f"collective #{seq} does not match across {self.label} ranks (seen on {self.name(self.rank)}): "
+                f"{problem}. The ranks ran different steps (a skipped backward, an extra forward or step, other "
+                f"shapes); nothing was sent. {self._advice()}", ranks))
 
     @contextlib.contextmanager
     def bounded(self, what: str):
@@ -173,7 +192,8 @@ class GroupMonitor:
         :class:`PeerError`/:class:`PeerTimeout` naming the lost ranks (NCCL: the process group's own
         timeout applies)."""
         if self.broken is not None:
-            raise GroupError(f"process group unusable since an earlier failure: {self.broken}", self.broken.ranks)
+            raise self.error(GroupError, f"process group unusable since an earlier failure: {self.broken}",
+                             self.broken.ranks)
         self.issued += 1
         seq = self.issued
         gloo = self._gloo
@@ -261,15 +281,16 @@ class GroupMonitor:
             return None
         at_fault = sorted({r for rec in records.values() for r in rec["ranks"]})
         origin = {q: rec for q, rec in records.items() if q in rec["ranks"]}  # not ranks that gave up on others
-        told = "; ".join(f"rank {q}: {rec['msg'].splitlines()[0][:600]}"
+        told = "; ".join(f"{self.name(q)}: {rec['msg'].splitlines()[0][:600]}"
                          for q, rec in sorted((origin or records).items()))
         if at_fault == [self.rank]:
-            return PeerError(f"{self.label} rank {self.rank} was reported as not answering while it waited in "
-                             f"collective #{seq} ({what}) (by {told}){cause}. {self._advice()}", at_fault)
+            return self.error(PeerError, f"{self.label} {self.name(self.rank)} was reported as not answering while "
+                              f"it waited in collective #{seq} ({what}) (by {told}){cause}. {self._advice()}", at_fault)
         timeout = all(rec.get("kind") == "PeerTimeout" for rec in records.values())
-        return (PeerTimeout if timeout else PeerError)(
-            f"{self.label} rank(s) {at_fault} failed or stopped answering in the middle of a step; rank "
-            f"{self.rank} was waiting in collective #{seq} ({what}) ({told}){cause}. {self._advice()}", at_fault)
+        return self.error(PeerTimeout if timeout else PeerError,
+            f"{self.label} {self.names(at_fault)} failed or stopped answering in the middle of a step; "
+            f"{self.name(self.rank)} was waiting in collective #{seq} ({what}) ({told}){cause}. {self._advice()}",
+            at_fault)
 
     def _records(self) -> dict:
         out = {}
@@ -287,9 +308,10 @@ class GroupMonitor:
         if known is not None:
             return known
         ranks, notes = self._roll_call(seq)
-        who = f"rank(s) {ranks} stopped answering ({'; '.join(notes)})" if ranks else _unnamed(notes)
-        return PeerTimeout(f"{self.label} rank {self.rank} waited {waited:.1f} s (timeout {self.timeout_s:g} s, "
-                           f"{env.TIMEOUT}) in collective #{seq} ({what}): {who}. {self._advice()}", ranks)
+        who = f"{self.names(ranks)} stopped answering ({'; '.join(notes)})" if ranks else _unnamed(notes)
+        return self.error(PeerTimeout, f"{self.label} {self.name(self.rank)} waited {waited:.1f} s (timeout "
+                          f"{self.timeout_s:g} s, {env.TIMEOUT}) in collective #{seq} ({what}): {who}. "
+                          f"{self._advice()}", ranks)
 
     def _lost(self, seq: int, what: str, exc: BaseException) -> GroupError:
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -297,13 +319,13 @@ class GroupMonitor:
         if known is not None:
             return known
         ranks, notes = self._roll_call(seq)
-        who = f"rank(s) {ranks} stopped answering ({'; '.join(notes)})" if ranks else _unnamed(notes)
+        who = f"{self.names(ranks)} stopped answering ({'; '.join(notes)})" if ranks else _unnamed(notes)
         if any(w in cause.lower() for w in ("timed out", "timeout")):  # gloo's operation timeout (set to the group's)
-            return PeerTimeout(f"collective #{seq} ({what}) timed out on {self.label} rank {self.rank} (timeout "
-                               f"{self.timeout_s:g} s, {env.TIMEOUT}): {who}. Backend error: {cause}. "
-                               f"{self._advice()}", ranks)
-        return PeerError(f"collective #{seq} ({what}) failed on {self.label} rank {self.rank}: {who}. "
-                         f"Backend error: {cause}. {self._advice()}", ranks)
+            return self.error(PeerTimeout, f"collective #{seq} ({what}) timed out on {self.label} "
+                              f"{self.name(self.rank)} (timeout {self.timeout_s:g} s, {env.TIMEOUT}): {who}. Backend "
+                              f"error: {cause}. {self._advice()}", ranks)
+        return self.error(PeerError, f"collective #{seq} ({what}) failed on {self.label} {self.name(self.rank)}: "
+                          f"{who}. Backend error: {cause}. {self._advice()}", ranks)
 
     def _roll_call(self, seq: int) -> tuple[list, list]:
         """Which peers have not reached collective ``seq``, and why (exited, alive, failed)."""
@@ -320,19 +342,19 @@ class GroupMonitor:
             if q in records:
                 if q in records[q]["ranks"]:  # it failed itself (not a rank that gave up on another)
                     ranks.append(q)
-                    notes.append(f"rank {q} failed: {records[q]['msg'].splitlines()[0][:300]}")
+                    notes.append(f"{self.name(q)} failed: {records[q]['msg'].splitlines()[0][:300]}")
                 continue
-            state = _process_state(self._get(f"who/{q}"))
+            state = _processes.state(self._get(f"who/{q}"))
             at = self._get(f"at/{q}")
             reached = at is not None and int(at.split()[1]) >= seq
             if state == "exited":
                 ranks.append(q)
-                notes.append(f"rank {q}: its process has exited")
+                notes.append(f"{self.name(q)}: its process has exited")
             elif not reached:
                 ranks.append(q)
                 where = f"last seen waiting in #{at.split()[0]}" if at else "no report"
                 alive = ", its process is alive" if state == "alive" else ""
-                notes.append(f"rank {q} has not reached collective #{seq} ({where}{alive})")
+                notes.append(f"{self.name(q)} has not reached collective #{seq} ({where}{alive})")
         return ranks, notes
 
     def _publish_at(self, seq: int, force: bool = False) -> None:
@@ -418,6 +440,13 @@ def _unnamed(notes: list) -> str:
     return "no peer could be named" + (f" ({'; '.join(notes)})" if notes else "")
 
 
+def _global_ranks(group, size: int) -> list:
+    try:
+        return list(dist.get_process_group_ranks(group))
+    except Exception:  # noqa: BLE001 - a group torch.distributed does not know (a test double): group numbering
+        return list(range(size))
+
+
 def _group_store(group):
     try:
         return dist.distributed_c10d._get_process_group_store(group)
@@ -440,42 +469,3 @@ def _abort(group) -> None:
     except Exception as exc:  # noqa: BLE001
         log.error("lancet-rt: could not abort the communicator (%s); the process waits for the process group's "
                   "own timeout", exc)
-
-
-# ------------------------------------------------------------------------------ processes
-def _machine() -> Optional[str]:
-    """This machine and PID namespace (two ranks with the same value can see each other's PIDs)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{socket.gethostname()}:{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return None
-
-
-def _proc_stat(pid: int) -> Optional[tuple[str, str]]:
-    """(state, start time) of a process from /proc, or None if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], fields[19]
-
-
-def _process_identity() -> str:
-    stat = _proc_stat(os.getpid())
-    return json.dumps({"machine": _machine(), "pid": os.getpid(), "start": stat[1] if stat else None})
-
-
-def _process_state(identity: Optional[str]) -> Optional[str]:
-    """"exited" or "alive" for a process on this machine, None when that cannot be told."""
-    if not identity:
-        return None
-    who = json.loads(identity)
-    if who["machine"] is None or who["machine"] != _machine():
-        return None
-    stat = _proc_stat(who["pid"])
-    if stat is None or stat[0] == "Z" or (who["start"] is not None and stat[1] != who["start"]):
-        return "exited"
-    return "alive"

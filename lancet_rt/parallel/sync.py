@@ -72,13 +72,14 @@ def sync_gradients(model: nn.Module, group=None) -> None:
         group: the data/expert-parallel process group (None: the default group), or a DeviceMesh
             with dimensions ``("dp", "ep")`` whose "ep" group is the MoE layers' ``ep_group``.
     """
+    if _mesh.is_mesh(group):  # by membership, before any collective (layout may create the mesh's groups)
+        _mesh.check_mesh(group, "group")
+        _mesh.check_expert_groups(model, group, "group")
     lay = _mesh.layout(group)
     if lay.emulated:
         raise TypeError("group: sync_gradients needs a ProcessGroup, None or a DeviceMesh; on a "
                         "lancet_rt.EmulatedGroup use GradientSync")
-    if _mesh.is_mesh(group):
-        _mesh.check_expert_groups(model, lay.ep, "group")
-    else:
+    if not _mesh.is_mesh(group):
         _mesh.check_one_group(model, group)
     if lay.divisor == 1:
         return
@@ -142,6 +143,9 @@ class GradientSync:
                  piece_mb: Optional[float] = None, low_priority: bool = True):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if _mesh.is_mesh(group):  # by membership, before any collective (layout may create the mesh's groups)
+            _mesh.check_mesh(group, "group")
+            _mesh.check_expert_groups(model, group, "group")
         lay = _mesh.layout(group)
         if params not in ("dense", "all"):
             raise ValueError(f"params must be 'dense' or 'all', got {params!r}")
@@ -152,9 +156,7 @@ class GradientSync:
                 raise ValueError(f"{name} must be a number > 0, got {v!r}")
         if not isinstance(low_priority, bool):
             raise TypeError(f"low_priority must be a bool, got {type(low_priority).__name__}")
-        if _mesh.is_mesh(group):
-            _mesh.check_expert_groups(model, lay.ep, "group")
-        elif params == "dense" and not lay.emulated:
+        if not _mesh.is_mesh(group) and params == "dense" and not lay.emulated:
             _mesh.check_one_group(model, group)
         self.group = group
         self.params = params
@@ -301,8 +303,8 @@ def _abort_step(buckets: list, exc: BaseException) -> None:
         if isinstance(group, dist.ProcessGroup) or group is None:
             mon = _mesh.monitor(group)  # (one that broke already, with this error say, keeps its record)
             if mon.size > 1:
-                mon.break_(PeerError(f"{mon.label} rank {mon.rank} raised in backward inside its gradient "
-                                     f"sync ({cause[:300]}); the step's gradient all-reduces are incomplete",
+                mon.break_(mon.error(PeerError, f"{mon.label} {mon.name(mon.rank)} raised in backward inside its "
+                                     f"gradient sync ({cause[:300]}); the step's gradient all-reduces are incomplete",
                                      [mon.rank]))
     _drain(buckets)
 
