@@ -114,7 +114,9 @@ def with_the_dead(results: dict, victim: int, out_dir) -> list:
     result then read from its file); every other rank must have returned."""
     import json
 
-    assert victim not in results, f"rank {victim} killed itself"
+    errors = {r: p for r, (s, p) in results.items() if s != "ok"}
+    assert not errors, "\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
+    assert victim not in results, f"rank {victim} was to kill itself, and returned"
     out = []
     for r in range(len(results) + 1):
         if r == victim:

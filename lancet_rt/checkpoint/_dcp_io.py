@@ -4,20 +4,21 @@
 
 Saving (:func:`save`): :func:`~lancet_rt.checkpoint._common.guarded_save` with DCP as the write,
 into the staging directory, DCP's collectives bounded by the group's monitor, through
-:func:`_checksum_writer`: once DCP has written a rank's files, each item's bytes are read back and
-their CRC-32 stored beside the item's offset and length in DCP's own ``.metadata`` (an attribute of
-its ``_StorageInfo``, which a reader without lancet-rt ignores).
+:func:`_checksum_writer`: the CRC-32 of each item's bytes, taken as they are written, goes beside
+the item's offset and length in DCP's own ``.metadata`` (an attribute of its ``_StorageInfo``,
+which a reader without lancet-rt ignores).
 
 Loading (:func:`load`): the metadata is checked against the model and every data file's presence
 and size (ValueError naming the file and key, before any tensor is read); the tensors are read into
-new ones through :func:`_reader` (each item's CRC-32 checked first; any failure names the file, the
-key and the global rank), and copied in only once every rank read all of its part. DCP's own
-``CheckpointException`` (a BaseException) never escapes: it becomes a ValueError (bad data on every
-failing rank) or a :class:`~lancet_rt.checkpoint._common.CheckpointError`.
+new ones through :func:`_reader` (each item read once, its CRC-32 checked before DCP deserialises
+it; any failure names the file, the key and the global rank), and copied in only once every rank
+read all of its part. DCP's own ``CheckpointException`` (a BaseException) never escapes: it becomes
+a ValueError (bad data on every failing rank) or a :class:`~lancet_rt.checkpoint._common.CheckpointError`.
 """
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import warnings
 import zlib
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from lancet_rt.checkpoint import _atomic
 from lancet_rt.checkpoint._common import _agree, _bad_argument, _dcp_failure, _digest, _listing, guarded_save
 
-_BLOCK = 1 << 24  # checksums read files in 16 MiB blocks: no second copy of a large tensor in memory
+_BLOCK = 1 << 24  # a checksum read back from a file goes in 16 MiB blocks
 
 
 @dataclass
@@ -81,6 +82,7 @@ def save(build: Callable[[], State], path, pg, use_dist: bool, what: str = "chec
 
 
 def _crc(file, offset: int, length: int) -> int:
+    """CRC-32 of ``length`` bytes of ``file`` at ``offset`` (-1 if the file ends before), in blocks."""
     file.seek(offset)
     crc, left = 0, length
     while left > 0:
@@ -92,27 +94,68 @@ def _crc(file, offset: int, length: int) -> int:
     return crc if left == 0 else -1
 
 
+class _CrcStream:
+    """A file being written, with the CRC-32 of the bytes between consecutive ``tell()`` calls: DCP
+    calls ``tell()`` before and after each item it writes, so each item's CRC comes from the bytes as
+    they pass, without reading the file again. ``segments``: (start, end) -> CRC-32."""
+
+    def __init__(self, raw, segments: dict):
+        self.raw, self.segments = raw, segments
+        self.start, self.crc = raw.tell(), 0
+
+    def write(self, b) -> int:
+        n = self.raw.write(b)
+        self.crc = zlib.crc32(memoryview(b).cast("B")[:n], self.crc)
+        return n
+
+    def tell(self) -> int:
+        pos = self.raw.tell()
+        self.segments[(self.start, pos)] = self.crc
+        self.start, self.crc = pos, 0
+        return pos
+
+    def __getattr__(self, name):
+        return getattr(self.raw, name)
+
+
 def _checksum_writer(stage: str):
     """DCP's file writer; each written item's storage info gets ``crc32``, the CRC-32 of its bytes as
-    they are on disk (read back once the rank's files are written and synced)."""
+    written (from the bytes passing through the stream; read back from the file where DCP did not
+    delimit the item by ``tell()``)."""
+    import contextlib
+
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.futures import Future
 
     class Writer(FileSystemWriter):
+        def __init__(self):
+            super().__init__(stage)
+            self.segments: dict = {}  # file name -> {(start, end): CRC-32}
+            create = self.fs.create_stream
+
+            @contextlib.contextmanager
+            def create_stream(path, mode):
+                with create(path, mode) as raw:
+                    if "w" not in mode:
+                        yield raw
+                    else:
+                        yield _CrcStream(raw, self.segments.setdefault(os.path.basename(os.fspath(path)), {}))
+            self.fs.create_stream = create_stream
+
         def write_data(self, plan, planner):
             results = super().write_data(plan, planner).wait()
-            by_file: dict = {}
             for r in results:
-                by_file.setdefault(r.storage_data.relative_path, []).append(r.storage_data)
-            for rel, infos in by_file.items():
-                with open(os.path.join(self.path, rel), "rb") as f:
-                    for info in infos:
-                        info.crc32 = _crc(f, info.offset, info.length)  # pickled with it (its __getstate__: __dict__)
+                info = r.storage_data
+                crc = self.segments.get(info.relative_path, {}).get((info.offset, info.offset + info.length))
+                if crc is None:
+                    with open(os.path.join(self.path, info.relative_path), "rb") as f:
+                        crc = _crc(f, info.offset, info.length)
+                info.crc32 = crc  # pickled with it (its __getstate__: its __dict__)
             done: Future = Future()
             done.set_result(results)
             return done
 
-    return Writer(stage)
+    return Writer()
 
 
 # ------------------------------------------------------------------ load
@@ -274,12 +317,16 @@ def _reader(path: str, who: str):
         def _slice_file(self, file, sinfo):
             self.current = sinfo
             want = getattr(sinfo, "crc32", None)
-            if want is not None:
-                got = _crc(file, sinfo.offset, sinfo.length)
-                if got != want:
-                    raise ValueError(f"checksum mismatch: CRC-32 {got & 0xFFFFFFFF:08x} of its {sinfo.length} bytes at "
-                                     f"offset {sinfo.offset}, {want:08x} when saved (the file changed after the save)")
-            return super()._slice_file(file, sinfo)
+            if want is None:
+                return super()._slice_file(file, sinfo)
+            file.seek(sinfo.offset)
+            data = file.read(sinfo.length)  # read once: checked, then handed to DCP from memory
+            got = zlib.crc32(data)
+            if len(data) != sinfo.length or got != want:
+                raise ValueError(f"checksum mismatch: CRC-32 {got:08x} of its {len(data)} bytes at offset "
+                                 f"{sinfo.offset}, {want:08x} of {sinfo.length} when saved (the file changed after "
+                                 f"the save)")
+            return io.BytesIO(data)
 
         def read_data(self, plan, planner):
             self.current = None

@@ -46,7 +46,7 @@ def _outcome(fn) -> list:
 def _experts(model) -> list:
     from lancet_rt.parallel import expert_parameters
 
-    return [p.detach().clone() for p in expert_parameters(model)]
+    return [getattr(p, "_local_tensor", p).detach().clone() for p in expert_parameters(model)]  # (a DTensor: its shard)
 
 
 def _engine_cases(rank, world, out_dir):
