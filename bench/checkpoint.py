@@ -118,8 +118,8 @@ def main(argv=None) -> list:
     root = tempfile.mkdtemp(prefix="lancet-bench-ckpt-", dir=args.dir)
     loads = []
     try:
-        for _ in range(args.repeats):  # interleaved: each repeat runs every variant once
-            for v in variants:
+        for i in range(args.repeats):  # interleaved: each repeat runs every variant once, in a rotated order
+            for v in variants[i % 3:] + variants[:i % 3]:
                 s, ld = _variant(v, model, root)
                 times[v][0].append(s)
                 times[v][1].append(ld)
