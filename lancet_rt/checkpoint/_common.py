@@ -119,6 +119,18 @@ def _agree(error: Optional[Exception], pg, use_dist: bool, digest: Optional[str]
                          f"shapes or dtypes differ); (global) ranks agreeing with each other: {list(groups.values())}")
 
 
+def path_argument(value, name: str) -> str:
+    """``os.fspath(value)`` of a checkpoint's directory argument ``name``: a TypeError naming it unless
+    ``value`` is a str or an ``os.PathLike`` of one, a ValueError if it is empty (it would be the
+    current directory); raised inside the cross-rank agreement, so on every rank."""
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a directory path (a str or os.PathLike), got {type(value).__name__}")
+    if not text:
+        raise ValueError(f"{name} must not be empty")
+    return text
+
+
 def guarded_save(prepare: Callable[[str], tuple], write: Callable, path, pg, use_dist: bool, *, fmt: str,
                  argument: str = "path", finish: Optional[Callable] = None) -> None:
     """The save protocol of every checkpoint format, on every rank of ``pg``:
@@ -138,9 +150,7 @@ def guarded_save(prepare: Callable[[str], tuple], write: Callable, path, pg, use
     rank = dist.get_rank(pg) if use_dist else 0
     error, state, digest = None, None, None
     try:
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"{argument} must be a str or os.PathLike, got {type(path).__name__}")
-        path = os.path.abspath(os.fspath(path))
+        path = os.path.abspath(path_argument(path, argument))
         state, digest = prepare(path)
         if rank == 0:
             _atomic.prepare(path)

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 
 from lancet_rt.checkpoint import _atomic
-from lancet_rt.checkpoint._common import _agree, _bad_argument, _dcp_failure, _digest, _listing, guarded_save
+from lancet_rt.checkpoint._common import (_agree, _bad_argument, _dcp_failure, _digest, _listing, guarded_save,
+                                         path_argument)
 
 _BLOCK = 1 << 24  # a checksum read back from a file goes in 16 MiB blocks
 
@@ -167,9 +168,7 @@ def load(build: Callable[[], State], path, pg, use_dist: bool) -> State:
 
     error, state = None, None
     try:
-        if not isinstance(path, (str, os.PathLike)):
-            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-        path = _atomic.resolve(os.fspath(path))
+        path = _atomic.resolve(path_argument(path, "path"))
         state = build()
         _check_dcp(state, path)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
