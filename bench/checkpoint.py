@@ -141,7 +141,8 @@ def main(argv=None) -> list:
                 f"checkpoint, {nbytes / 1e9:.2f} GB of parameters, medians of {args.repeats} "
                 f"(load average {row['loadavg_1m']}; zlib CRC-32 {row['crc_gbs']} GB/s)")
     print(f"checksums cost: save {row['crc_overhead_save']:+.1%}, load {row['crc_overhead_load']:+.1%}; "
-          f"the whole layer over plain DCP: save {row['layer_overhead_save']:+.1%}, load {row['layer_overhead_load']:+.1%}")
+          f"the whole layer over plain DCP: save {row['layer_overhead_save']:+.1%}, "
+          f"load {row['layer_overhead_load']:+.1%}")
     log = RowLog(args.json)
     log.add(row)
     return log

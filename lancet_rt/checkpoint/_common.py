@@ -179,7 +179,8 @@ def _dcp_failure(exc: BaseException, path: str, doing: str, pg=None) -> Exceptio
         inner = pair[0] if isinstance(pair, tuple) else pair
         kinds.add(type(inner).__name__)
         g = dist.get_global_rank(pg, r) if pg is not None else r
-        parts.append(f"rank {g}{'' if g == r else f' (group rank {r})'}: {type(inner).__name__}: {str(inner).strip().splitlines()[0] if str(inner).strip() else ''}")
+        first = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
+        parts.append(f"rank {g}{'' if g == r else f' (group rank {r})'}: {type(inner).__name__}: {first}")
     kind = ValueError if kinds == {"ValueError"} else CheckpointError
     err = kind(f"path: {doing} the checkpoint at {path!r} failed ({'; '.join(parts) or exc}); nothing was changed")
     err.__cause__ = exc

@@ -93,7 +93,8 @@ def check_schedule(overlapped) -> None:
             if len({row[j] for row in rows}) > 1:
                 shown = [("'auto'" if v == 0 else str(v)) if name == "chunks" else str(bool(v))
                          for v in (row[j] for row in rows)]
-                diff.append(f"{name}: " + ", ".join(f"rank {r}={v}" for r, v in enumerate(shown)))
+                who = getattr(getattr(group, "monitor", None), "name", lambda q: f"rank {q}")  # global ranks
+                diff.append(f"{name}: " + ", ".join(f"{who(r)}={v}" for r, v in enumerate(shown)))
         if diff:
             raise ValueError(
                 f"Overlapped schedule differs across expert-parallel ranks ({'; '.join(diff)}); every rank "

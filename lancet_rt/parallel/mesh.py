@@ -193,7 +193,8 @@ def check_expert_groups(model, mesh, argument: str = "mesh") -> None:
             have = dist.get_process_group_ranks(m.group.group)
         else:
             raise ValueError(f"{argument}: MoE layer {layer} has an ep_group of type {type(m.group).__name__}; on a "
-                             f"mesh it must be the mesh's 'ep' group: build the model with ep_group=mesh['ep'].get_group()")
+                             f"mesh it must be the mesh's 'ep' group: build the model with "
+                             f"ep_group=mesh['ep'].get_group()")
         if have != want:
             size = ("as many as the mesh's 'ep' dimension but not its ranks (is it another dimension's group?)"
                     if len(have) == len(want) else f"the mesh's 'ep' dimension has {len(want)}")
