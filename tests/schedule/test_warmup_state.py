@@ -115,9 +115,11 @@ def warmup_case(grads: str, ep_group=None, rank: int = 0) -> list:
         _prepare(model, opt, runner, xs, grads)
         if warm:
             example = torch.randn(4, 3, D, generator=torch.Generator().manual_seed(7))
-            before = snapshot(model, opt)
+            before, held = snapshot(model, opt), [p.grad for p in model.parameters()]
             lancet_rt.warmup(runner, example)
             found += [f"warmup changed {d}" for d in differences(before, snapshot(model, opt))]
+            found += [f"warmup replaced .grad of {n}" for (n, p), g in zip(model.named_parameters(), held)
+                      if p.grad is not g]  # (the caller's tensors, not copies)
         _loss(runner, xs[2]).backward()
         runs[warm] = dict(grads={n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
