@@ -157,3 +157,22 @@ def test_row_is_on_disk_after_the_link_passes_and_survives_sigint(tmp_path):
     assert 0 < row["overlapped_ms"] < math.inf and 0 < row["sequential_ms"] < math.inf
     assert row["hidden_comm_fraction"] == 1 - (row["overlapped_ms"] - row["compute_ms"]) / row["comm_ms"]
     assert row["pass_bound_ms"] is None and "hidden_comm_fraction_accum" not in row
+
+
+def test_cross_microbatch_part_runs_only_if_its_projected_time_fits(tmp_path, monkeypatch):
+    """--max-seconds: the part is left out when its projection exceeds what is left; the row is then
+    complete without it (written once, not twice)."""
+    import json
+
+    args = overlap.parse_args(["--quick", "--microbatches", "3", "--accum-steps", "2", "--steps", "4"])
+    row = dict(overlapped_ms=30.0, compute_ms=10.0)
+    # 3 rounds (2 timed + a warm-up) x 8 runs (4 schedules x 2 links) x 3 microbatches x 20 ms x 1.5
+    assert math.isclose(overlap._extras_seconds(row, args, overlap.sizes(args)), 3 * 8 * 3 * 0.020 * 1.5)
+    assert overlap._extras_seconds(row, overlap.parse_args(["--quick"]), {}) == 0.0
+    monkeypatch.setattr(overlap, "_extras_seconds", lambda *a: 1e9)
+    path = tmp_path / "rows.json"
+    out = overlap.main(["--device", "cpu", "--quick", "--layers", "1", "--d-model", "32", "--d-ffn", "32", "--batch",
+                        "4", "--seq", "16", "--steps", "1", "--microbatches", "2", "--max-seconds", "3600",
+                        "--json", str(path)])
+    (saved,) = json.loads(path.read_text())
+    assert saved == out and out["complete"] and "hidden_comm_fraction_accum" not in out
