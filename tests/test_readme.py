@@ -2,10 +2,11 @@
 
 A page's ```python blocks run in one namespace, in a fresh directory. A block whose first line is a
 comment holding ``torchrun --nproc-per-node N`` is a script for N ranks: after its run in this
-process (where ``dist.is_initialized()`` is False), it runs again as that script on N gloo ranks
-(tests/dist.py), in the same directory, so the blocks after it see what the ranks wrote (a checkpoint
-saved at EP=2 and loaded in one process, say). Other fences (```bash: commands, GPU and multi-node
-runs) do not run.
+process (no ``RANK`` in the environment: one process, every expert local), it runs again as that
+script on N processes (forked by tests/dist.py) in torchrun's environment (``RANK``, ``WORLD_SIZE``,
+``MASTER_ADDR``, ...: the script calls ``dist.init_process_group()`` itself), in the same directory,
+so the blocks after it see what the ranks wrote (a checkpoint saved at EP=2 and loaded in one
+process, say). Other fences (```bash: commands, GPU and multi-node runs) do not run.
 """
 from __future__ import annotations
 
@@ -36,7 +37,18 @@ def torchrun_ranks(block: str):
 
 
 def _script(rank, world, source, name, directory):
-    """One rank of a block run as a script (module-level: tests/dist.py forks it)."""
+    """One rank of a block run as a script in torchrun's environment (module-level: tests/dist.py forks
+    it). Rank 0 hosts the rendezvous store on a port the OS picks, as torchrun's agent does
+    (``TORCHELASTIC_USE_AGENT_STORE``: no port is chosen first and bound later); the harness's group
+    hands its port over and is destroyed, and the script makes its own."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False) if rank == 0 else None
+    port = [store.port if store else None]
+    dist.broadcast_object_list(port, src=0)
+    dist.destroy_process_group()
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port[0]), TORCHELASTIC_USE_AGENT_STORE="True")
     os.chdir(directory)
     exec(compile(source, name, "exec"), {"__name__": "__main__"})
     return rank
