@@ -36,7 +36,6 @@ from torch import nn
 
 from lancet_rt.checkpoint import _dcp_io
 from lancet_rt.checkpoint._common import CheckpointError, _expert_shards, _process_group, _Shard, _tensor_id
-from lancet_rt.checkpoint._common import path_argument  # noqa: F401 - the checks' one home, importable from here too
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError"]
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from lancet_rt.checkpoint import _atomic
 from lancet_rt.checkpoint._common import (CheckpointError, _agree, _bad_argument, _digest, _expert_shards, _listing,
-                                         _process_group, _Shard, _tensor_id, guarded_save)
+                                         _process_group, _Shard, _tensor_id, guarded_save, path_argument)
 from lancet_rt.checkpoint._hf_files import _SINGLE, _finish_hf_dir, _Headers, _is_hf, _read, _weight_map, _write_atomic
 from lancet_rt.comm.group import as_group
 
@@ -406,7 +406,7 @@ def load_hf(model: nn.Module, directory, *, process_group: Optional[dist.Process
     rank = dist.get_rank(pg) if use_dist else 0
     error, headers, plan = None, None, None
     try:
-        directory = _atomic.resolve(os.fspath(directory))
+        directory = _atomic.resolve(path_argument(directory, "directory"))
         layout = _hf_layout(model, pg)
         headers = _Headers(directory, _weight_map(directory))
         plan = _plan_hf_load(layout, headers)
