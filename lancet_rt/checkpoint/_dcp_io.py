@@ -4,13 +4,15 @@
 
 Saving (:func:`save`): :func:`~lancet_rt.checkpoint._common.guarded_save` with DCP as the write,
 into the staging directory, DCP's collectives bounded by the group's monitor, through
-:func:`_checksum_writer`: the CRC-32 of each item's bytes, taken as they are written, goes beside
+:func:`_checksum_writer`: the checksum of each item's bytes, taken as they are written, goes beside
 the item's offset and length in DCP's own ``.metadata`` (an attribute of its ``_StorageInfo``,
-which a reader without lancet-rt ignores).
+which a reader without lancet-rt ignores). The checksum is XXH3-64 (the ``xxhash`` package: about
+12 GB/s on one core of the 2-core CPU machine, 3.5x zlib's CRC-32 there), so that checking every byte
+costs a fraction of the I/O rather than half of it.
 
 Loading (:func:`load`): the metadata is checked against the model and every data file's presence
 and size (ValueError naming the file and key, before any tensor is read); the tensors are read into
-new ones through :func:`_reader` (each item read once, its CRC-32 checked before DCP deserialises
+new ones through :func:`_reader` (each item's checksum checked over the file before DCP reads and deserialises
 it; any failure names the file, the key and the global rank), and copied in only once every rank
 read all of its part. DCP's own ``CheckpointException`` (a BaseException) never escapes: it becomes
 a ValueError (bad data on every failing rank) or a :class:`~lancet_rt.checkpoint._common.CheckpointError`.
@@ -18,10 +20,8 @@ a ValueError (bad data on every failing rank) or a :class:`~lancet_rt.checkpoint
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import warnings
-import zlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -32,7 +32,16 @@ from lancet_rt.checkpoint import _atomic
 from lancet_rt.checkpoint._common import (_agree, _bad_argument, _dcp_failure, _digest, _listing, guarded_save,
                                          path_argument)
 
+import xxhash
+
 _BLOCK = 1 << 24  # a checksum read back from a file goes in 16 MiB blocks
+#: The attribute of an item's storage info that holds its checksum, and the algorithm's name in messages.
+FIELD, ALGORITHM = "xxh3_64", "XXH3-64"
+
+
+def digest(data) -> int:
+    """The checksum of ``data`` (bytes-like) that our checkpoints store per item."""
+    return xxhash.xxh3_64_intdigest(data)
 
 
 @dataclass
@@ -82,37 +91,39 @@ def save(build: Callable[[], State], path, pg, use_dist: bool, what: str = "chec
     guarded_save(prepare, write, path, pg, use_dist, fmt="dcp")
 
 
-def _crc(file, offset: int, length: int) -> int:
-    """CRC-32 of ``length`` bytes of ``file`` at ``offset`` (-1 if the file ends before), in blocks."""
+def _file_digest(file, offset: int, length: int) -> int:
+    """The checksum of ``length`` bytes of ``file`` at ``offset`` (-1 if the file ends before), read in
+    blocks into one reused buffer (from the page cache, about a memory copy: no copy of the whole item)."""
     file.seek(offset)
-    crc, left = 0, length
+    h, left = xxhash.xxh3_64(), length
+    block = memoryview(bytearray(min(_BLOCK, max(length, 1))))
     while left > 0:
-        block = file.read(min(_BLOCK, left))
-        if not block:
+        n = file.readinto(block[:min(len(block), left)])
+        if not n:
             break
-        crc = zlib.crc32(block, crc)
-        left -= len(block)
-    return crc if left == 0 else -1
+        h.update(block[:n])
+        left -= n
+    return h.intdigest() if left == 0 else -1
 
 
-class _CrcStream:
-    """A file being written, with the CRC-32 of the bytes between consecutive ``tell()`` calls: DCP
-    calls ``tell()`` before and after each item it writes, so each item's CRC comes from the bytes as
-    they pass, without reading the file again. ``segments``: (start, end) -> CRC-32."""
+class _DigestStream:
+    """A file being written, with the checksum of the bytes between consecutive ``tell()`` calls: DCP
+    calls ``tell()`` before and after each item it writes, so each item's checksum comes from the bytes
+    as they pass, without reading the file again. ``segments``: (start, end) -> checksum."""
 
     def __init__(self, raw, segments: dict):
         self.raw, self.segments = raw, segments
-        self.start, self.crc = raw.tell(), 0
+        self.start, self.hash = raw.tell(), xxhash.xxh3_64()
 
     def write(self, b) -> int:
         n = self.raw.write(b)
-        self.crc = zlib.crc32(memoryview(b).cast("B")[:n], self.crc)
+        self.hash.update(memoryview(b).cast("B")[:n])
         return n
 
     def tell(self) -> int:
         pos = self.raw.tell()
-        self.segments[(self.start, pos)] = self.crc
-        self.start, self.crc = pos, 0
+        self.segments[(self.start, pos)] = self.hash.intdigest()
+        self.start, self.hash = pos, xxhash.xxh3_64()
         return pos
 
     def __getattr__(self, name):
@@ -120,7 +131,7 @@ class _CrcStream:
 
 
 def _checksum_writer(stage: str):
-    """DCP's file writer; each written item's storage info gets ``crc32``, the CRC-32 of its bytes as
+    """DCP's file writer; each written item's storage info gets :data:`FIELD`, the checksum of its bytes as
     written (from the bytes passing through the stream; read back from the file where DCP did not
     delimit the item by ``tell()``)."""
     import contextlib
@@ -131,7 +142,7 @@ def _checksum_writer(stage: str):
     class Writer(FileSystemWriter):
         def __init__(self):
             super().__init__(stage)
-            self.segments: dict = {}  # file name -> {(start, end): CRC-32}
+            self.segments: dict = {}  # file name -> {(start, end): checksum}
             create = self.fs.create_stream
 
             @contextlib.contextmanager
@@ -140,18 +151,18 @@ def _checksum_writer(stage: str):
                     if "w" not in mode:
                         yield raw
                     else:
-                        yield _CrcStream(raw, self.segments.setdefault(os.path.basename(os.fspath(path)), {}))
+                        yield _DigestStream(raw, self.segments.setdefault(os.path.basename(os.fspath(path)), {}))
             self.fs.create_stream = create_stream
 
         def write_data(self, plan, planner):
             results = super().write_data(plan, planner).wait()
             for r in results:
                 info = r.storage_data
-                crc = self.segments.get(info.relative_path, {}).get((info.offset, info.offset + info.length))
-                if crc is None:
+                value = self.segments.get(info.relative_path, {}).get((info.offset, info.offset + info.length))
+                if value is None:
                     with open(os.path.join(self.path, info.relative_path), "rb") as f:
-                        crc = _crc(f, info.offset, info.length)
-                info.crc32 = crc  # pickled with it (its __getstate__: its __dict__)
+                        value = _file_digest(f, info.offset, info.length)
+                setattr(info, FIELD, value)  # pickled with it (its __getstate__: its __dict__)
             done: Future = Future()
             done.set_result(results)
             return done
@@ -304,7 +315,7 @@ def _fresh(v):
 
 
 def _reader(path: str, who: str):
-    """DCP's file reader; each item's CRC-32 (where the save stored one) is checked before its bytes are
+    """DCP's file reader; each item's checksum (where the save stored one) is checked before its bytes are
     used, and a failure names the file, the key and the rank (a ValueError: bad data)."""
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -315,17 +326,18 @@ def _reader(path: str, who: str):
 
         def _slice_file(self, file, sinfo):
             self.current = sinfo
-            want = getattr(sinfo, "crc32", None)
+            want = getattr(sinfo, FIELD, None)
             if want is None:
                 return super()._slice_file(file, sinfo)
-            file.seek(sinfo.offset)
-            data = file.read(sinfo.length)  # read once: checked, then handed to DCP from memory
-            got = zlib.crc32(data)
-            if len(data) != sinfo.length or got != want:
-                raise ValueError(f"checksum mismatch: CRC-32 {got:08x} of its {len(data)} bytes at offset "
-                                 f"{sinfo.offset}, {want:08x} of {sinfo.length} when saved (the file changed after "
-                                 f"the save)")
-            return io.BytesIO(data)
+            # Checked before DCP reads the item (a pass over the page cache that DCP's read then finds warm;
+            # reading the item into memory for both would copy it once more and cost more than the hash).
+            got = _file_digest(file, sinfo.offset, sinfo.length)
+            if got != want:
+                short = " (the file ends before it)" if got == -1 else ""
+                raise ValueError(f"checksum mismatch: {ALGORITHM} of its {sinfo.length} bytes at offset "
+                                 f"{sinfo.offset}{short} is {got & (2**64 - 1):016x}, {want:016x} when saved "
+                                 f"(the file changed after the save)")
+            return super()._slice_file(file, sinfo)
 
         def read_data(self, plan, planner):
             self.current = None

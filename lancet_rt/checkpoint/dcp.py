@@ -20,7 +20,7 @@ NCCL, as for DCP itself, each rank's CUDA device must be set (``torch.cuda.set_d
 Neither format can destroy the last good checkpoint or leave a model half loaded: a save writes into
 a staging directory beside the target and swaps it in only after every rank wrote
 (:mod:`lancet_rt.checkpoint._atomic`); a load checks the files' presence and sizes, reads into new
-tensors, and changes the model only once every rank read everything. DCP checkpoints carry a CRC-32
+tensors, and changes the model only once every rank read everything. DCP checkpoints carry an XXH3-64 checksum
 of every item, checked on load. The agreements and DCP's collectives go through the group's monitor
 (bounded by ``LANCET_TIMEOUT_S``, a lost peer named). The protocol and the DCP reading and writing
 are shared with :func:`lancet_rt.parallel.save_sharded` (:mod:`lancet_rt.checkpoint._dcp_io`).
@@ -155,7 +155,7 @@ def save_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Opti
     Call on every rank of ``process_group`` (a collective). Expert parameters (and their optimizer
     moments) are stored with their global shape [E, ...], each expert as its own chunk written by
     the rank that holds it; replicated tensors are written once and must be equal on every rank.
-    Every item's CRC-32 goes into the checkpoint's metadata (checked by every load).
+    Every item's XXH3-64 checksum goes into the checkpoint's metadata (checked by every load).
 
     Args:
         model: a module holding :class:`lancet_rt.MoE` layers whose ``ep_group`` is None or a
@@ -204,7 +204,7 @@ def load_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Opti
         TypeError, ValueError: on every rank, before any tensor is read, naming what differs (E of
             a layer, a shape, missing or unexpected keys, no optimizer state, other param groups)
             or a data file that is missing or truncated; and, with the model unchanged, a file
-            that cannot be read or whose bytes changed since the save (its CRC-32; naming the
+            that cannot be read or whose bytes changed since the save (its XXH3-64 checksum; naming the
             file, the key and the global rank).
         CheckpointError: reading failed otherwise on some rank; the model is unchanged.
     """

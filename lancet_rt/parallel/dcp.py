@@ -13,7 +13,7 @@ already). The keys are those of :func:`lancet_rt.save_checkpoint` (``model.<fqn>
 Both go through the checkpoint safety layer :func:`lancet_rt.save_checkpoint` uses
 (:mod:`lancet_rt.checkpoint._dcp_io`), over the process group of the mesh's ranks: the MoE layers'
 groups checked against the mesh and the path agreed before anything is written, a staging directory
-swapped in once every rank wrote, CRC-32 checksums in the metadata, files validated and read into
+swapped in once every rank wrote, XXH3-64 checksums in the metadata, files validated and read into
 new tensors before any parameter changes, every collective bounded and a lost peer named.
 """
 from __future__ import annotations
@@ -107,7 +107,7 @@ def load_sharded(model: nn.Module, mesh, path, optimizer: Optional[torch.optim.O
     Raises:
         TypeError, ValueError: on every rank, before any parameter changes: what differs between the
             checkpoint and the model, a data file missing, truncated or changed since the save (its
-            CRC-32), naming the file, the key and the global rank.
+            checksum), naming the file, the key and the global rank.
         CheckpointError: reading failed otherwise on some rank; the model is unchanged.
         PeerError, PeerTimeout: as for :func:`save_sharded`.
     """
