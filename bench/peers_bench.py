@@ -12,7 +12,8 @@ ours first (:func:`bench.peers.check_equal`: outputs and every gradient; the run
 not), then timed in interleaved rounds (each round runs every variant once, the order rotating), a
 step being zero_grad, forward, backward; with W ranks a step's time is the slowest rank's (a barrier
 before, an all-reduce of the times after). Reported: the median step, ours over each peer's median,
-and per step the minor page faults and system CPU time (``getrusage``, the slowest rank's). Variants:
+and per step the minor page faults and system CPU time (``getrusage``, the slowest rank's; for ours
+also the faults inside the experts' backward, ``experts_bwd_minflt``). Variants:
 float32: lancet_rt.MoE, torchtitan_fp32 (its layer with float32 experts), deepspeed; bf16: lancet_rt.MoE,
 torchtitan (as shipped: bfloat16 experts).
 
@@ -45,6 +46,33 @@ def _usage() -> tuple:
     return r.ru_minflt, r.ru_stime
 
 
+class _ExpertsFaults:
+    """Counts the minor page faults inside our experts' backward (issue 38's < 500 per step): a
+    wrapper around ``_ExpertsFn._backward`` while active."""
+
+    def __init__(self):
+        self.faults = 0
+
+    def __enter__(self):
+        from lancet_rt.moe import experts
+
+        self._fn = experts._ExpertsFn
+        original = self._original = self._fn._backward
+
+        def counted(ctx, dy):
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            try:
+                return original(ctx, dy)
+            finally:
+                self.faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+
+        self._fn._backward = staticmethod(counted)
+        return self
+
+    def __exit__(self, *exc):
+        self._fn._backward = staticmethod(self._original)
+
+
 def _build(args, model: str, group, rank: int) -> tuple:
     """Ours (seeded: the same weights on every rank) and this rank's input and output gradient."""
     moe = dict(d_ffn=args.d_ffn, num_experts=args.experts, top_k=args.top_k, ep_group=group)
@@ -72,13 +100,15 @@ def _step(module, x, dy, autocast) -> None:
     y.float().backward(dy)
 
 
-def _timed(fn, group) -> tuple:
-    """(ms, minor faults, system ms) of one run of ``fn``: the slowest rank's of each."""
+def _timed(fn, group, experts: _ExpertsFaults) -> tuple:
+    """(ms, minor faults, system ms, faults in our experts' backward) of one run of ``fn``: the
+    slowest rank's of each."""
     gc.collect()
     if group is not None:
         torch.distributed.barrier(group)
     gc.disable()
     try:
+        e0 = experts.faults
         f0, s0 = _usage()
         t0 = time.perf_counter()
         fn()
@@ -86,7 +116,7 @@ def _timed(fn, group) -> tuple:
         f1, s1 = _usage()
     finally:
         gc.enable()
-    out = torch.tensor([ms, f1 - f0, (s1 - s0) * 1e3], dtype=torch.float64)
+    out = torch.tensor([ms, f1 - f0, (s1 - s0) * 1e3, experts.faults - e0], dtype=torch.float64)
     if group is not None:
         torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX, group=group)
     return tuple(out.tolist())
@@ -116,9 +146,10 @@ def measure(args, group=None, rank: int = 0) -> list:
             times = {name: [] for name in steps}
             names = list(steps)
             load = [os.getloadavg()]
-            for r in range(args.rounds):
-                for name in names[r % len(names):] + names[:r % len(names)]:
-                    times[name].append(_timed(steps[name], group))
+            with _ExpertsFaults() as counter:
+                for r in range(args.rounds):
+                    for name in names[r % len(names):] + names[:r % len(names)]:
+                        times[name].append(_timed(steps[name], group, counter))
             load.append(os.getloadavg())
             med = {name: statistics.median(t[0] for t in ts) for name, ts in times.items()}
             for name, ts in times.items():
@@ -127,6 +158,7 @@ def measure(args, group=None, rank: int = 0) -> list:
                                  lancet_over=med["lancet"] / med[name] if name != "lancet" else None,
                                  minflt_per_step=statistics.median(t[1] for t in ts),
                                  sys_ms_per_step=statistics.median(t[2] for t in ts),
+                                 experts_bwd_minflt=statistics.median(t[3] for t in ts) if name == "lancet" else None,
                                  check_rel_rms=checks.get(name), check_rtol=None if name == "lancet" else
                                  (peers.RTOL_BFLOAT16 if autocast else peers.RTOL_FLOAT32),
                                  loadavg_start=load[0][0], loadavg_end=load[1][0], rounds=args.rounds))
@@ -228,7 +260,7 @@ def main(argv: Optional[list] = None) -> list:
             rows.append(row)
             log.add(row)
     print_table(rows, ["model", "mode", "world_size", "variant", "step_ms", "lancet_over", "minflt_per_step",
-                       "sys_ms_per_step", "check_rel_rms", "loadavg_start"],
+                       "experts_bwd_minflt", "sys_ms_per_step", "check_rel_rms", "loadavg_start"],
                 f"bench.peers on {meta['device']} ({meta['date']}): unchunked, no link; D={args.d_model} "
                 f"F={args.d_ffn} E={args.experts} K={args.top_k}, {args.batch * args.seq} tokens per rank, dropless; "
                 f"median of {args.rounds} interleaved rounds; lancet_over = our step / the variant's")

@@ -52,8 +52,8 @@ class _Spec(NamedTuple):
 
 class _Scratch(threading.local):
     """Memory the experts' backward reuses from step to step on the reference (CPU) path: the [R, F]
-    gradient of h, the [R, 2F] gradient of gu and, with expert parallelism, dX before its return
-    permutation, each a view of one flat buffer per role, dtype and device, grown to the largest
+    gradient of h, the [R, 2F] gradient of gu and, with expert parallelism, dY after and dX before
+    their permutations, each a view of one flat buffer per role, dtype and device, grown to the largest
     chunk seen.
 
     Allocated afresh each step (40-65 MB at the benchmark's size), these were returned to the OS by
@@ -64,6 +64,12 @@ class _Scratch(threading.local):
     a fresh tensor and returns). Per thread: ``Overlapped.accumulate`` runs a backward on a helper
     thread. CUDA keeps its caching allocator and the kernels' own buffers: no scratch there.
     """
+
+    #: Below this size of dgu the backward allocates as before: its temporaries are then at most a
+    #: few hundred pages even when faulted in again (none under 128 KiB, glibc's initial mmap
+    #: threshold), while the per-segment ``mm`` into a scratch buffer costs ATen ops per chunk (issue
+    #: 20's count, bench.host: +3.5 per extra chunk at its sizes).
+    MIN_BYTES = 1 << 20
 
     def __init__(self):
         self.buffers: dict = {}
@@ -126,7 +132,6 @@ class _ExpertsFn(torch.autograd.Function):
         w_E2FD = gate_up.transpose(1, 2) if spec.gpt_oss else gate_up
         w_EDF = down.transpose(1, 2) if spec.gpt_oss else down
         to_expert, to_rank = ctx.perms
-        dy_RD = dy_out.contiguous() if to_expert is None else dy_out.index_select(0, to_expert)
         deferring = False
         if ctx.wgrad is not None:
             # params: (gate_up, down) then the biases the module has, in that order.
@@ -135,9 +140,14 @@ class _ExpertsFn(torch.autograd.Function):
             needs_all = tuple(next(it) if has else False for has in present)
             deferring = any(needs_all) and wgrad.accumulating(ctx.probe)
         # The reference path's temporaries in reused memory (_Scratch); a deferred dW holds dgu.
-        scratch = getattr(ops, "host_offsets", False) and dy_RD.device.type == "cpu"
         R, F2 = gu_R2F.shape
+        scratch = (getattr(ops, "host_offsets", False) and dy_out.device.type == "cpu"
+                   and R * F2 * gu_R2F.element_size() >= _Scratch.MIN_BYTES)
         out = (lambda role, shape: dict(out=_scratch.take(role, shape, gu_R2F))) if scratch else (lambda *_: {})
+        if to_expert is None:
+            dy_RD = dy_out.contiguous()
+        else:
+            dy_RD = torch.index_select(dy_out, 0, to_expert, **({} if deferring else out("dy", (R, dy_out.shape[1]))))
         dh_RF = ops.grouped_mm_dx(dy_RD, w_EDF, offsets_E1, **out("dh", (R, F2 // 2)))
         dgu_R2F = ops.swiglu_bwd(gu_R2F, dh_RF, **spec.act(), **({} if deferring else out("dgu", (R, F2))))
         del dh_RF

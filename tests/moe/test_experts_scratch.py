@@ -3,6 +3,7 @@
 bytes of every new storage an ATen op creates inside the backward."""
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -56,7 +57,7 @@ def test_experts_backward_allocates_only_its_gradients():
     torch.manual_seed(0)
     E, D, F = 4, 64, 96
     experts = lancet_rt.Experts(E, D, F)
-    for R in (512, 300, 512):  # a smaller chunk reuses the scratch; the same size again too
+    for R in (2048, 1400, 2048):  # a smaller chunk reuses the scratch; the same size again too
         bounds = rex.HostBounds([0, R // 5, R // 2, R // 2, R])  # (an empty expert)
         x = torch.randn(R, D, requires_grad=True)
         dy = torch.randn(R, D)
@@ -105,3 +106,21 @@ def test_half_precision_dx_with_contiguous_weights_is_no_worse():
             err = ((got.double() - ref).norm() / ref.norm()).item()
             base = ((strided.double() - ref).norm() / ref.norm()).item()
             assert err <= 1.05 * base, (dtype, err, base)
+
+
+@pytest.mark.parametrize("chunks, defer", [(1, False), (3, True)])
+def test_scratch_is_bitwise_the_fresh_path(monkeypatch, chunks, defer):
+    """Scratch on for every size against scratch off, with expert parallelism (dY and dX permuted
+    on the emulated link), chunked with deferred dW (dgu held by the queue): the same bits."""
+    def run(min_bytes):
+        monkeypatch.setattr(experts_mod._Scratch, "MIN_BYTES", min_bytes)
+        torch.manual_seed(0)
+        moe = lancet_rt.MoE(32, 48, 8, 2, ep_group=lancet_rt.EmulatedGroup(4, float("inf"), 0.0))
+        x = torch.randn(90, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        runner = lancet_rt.Overlapped(moe, chunks=chunks, defer_wgrad=defer) if chunks > 1 else moe
+        y = runner(x)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2)))
+        return [y.detach(), x.grad] + [p.grad for p in moe.parameters()]
+
+    fresh, scratch = run(1 << 62), run(0)
+    assert len(fresh) == len(scratch) and all(torch.equal(a, b) for a, b in zip(fresh, scratch))
