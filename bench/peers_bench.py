@@ -12,8 +12,11 @@ ours first (:func:`bench.peers.check_equal`: outputs and every gradient; the run
 not), then timed in interleaved rounds (each round runs every variant once, the order rotating), a
 step being zero_grad, forward, backward; with W ranks a step's time is the slowest rank's (a barrier
 before, an all-reduce of the times after). Reported: the median step, ours over each peer's median,
+the same for the process's CPU time per step (``cpu_ms``, ``lancet_over_cpu``: what a shared machine's
+other load inflates least),
 and per step the minor page faults and system CPU time (``getrusage``, the slowest rank's; for ours
-also the faults inside the experts' backward, ``experts_bwd_minflt``). Variants:
+also the faults inside the experts' backward, ``experts_bwd_minflt``, and their mean: a step now and
+then faults in a freshly returned gradient's pages). Variants:
 float32: lancet_rt.MoE, torchtitan_fp32 (its layer with float32 experts), deepspeed; bf16: lancet_rt.MoE,
 torchtitan (as shipped: bfloat16 experts).
 
@@ -101,8 +104,8 @@ def _step(module, x, dy, autocast) -> None:
 
 
 def _timed(fn, group, experts: _ExpertsFaults) -> tuple:
-    """(ms, minor faults, system ms, faults in our experts' backward) of one run of ``fn``: the
-    slowest rank's of each."""
+    """(ms, minor faults, system ms, faults in our experts' backward, CPU ms) of one run of ``fn``:
+    the slowest rank's of each."""
     gc.collect()
     if group is not None:
         torch.distributed.barrier(group)
@@ -110,13 +113,13 @@ def _timed(fn, group, experts: _ExpertsFaults) -> tuple:
     try:
         e0 = experts.faults
         f0, s0 = _usage()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
-        ms = (time.perf_counter() - t0) * 1e3
+        ms, cpu_ms = (time.perf_counter() - t0) * 1e3, (time.process_time() - c0) * 1e3
         f1, s1 = _usage()
     finally:
         gc.enable()
-    out = torch.tensor([ms, f1 - f0, (s1 - s0) * 1e3, experts.faults - e0], dtype=torch.float64)
+    out = torch.tensor([ms, f1 - f0, (s1 - s0) * 1e3, experts.faults - e0, cpu_ms], dtype=torch.float64)
     if group is not None:
         torch.distributed.all_reduce(out, op=torch.distributed.ReduceOp.MAX, group=group)
     return tuple(out.tolist())
@@ -152,13 +155,16 @@ def measure(args, group=None, rank: int = 0) -> list:
                         times[name].append(_timed(steps[name], group, counter))
             load.append(os.getloadavg())
             med = {name: statistics.median(t[0] for t in ts) for name, ts in times.items()}
+            cpu = {name: statistics.median(t[4] for t in ts) for name, ts in times.items()}
             for name, ts in times.items():
                 rows.append(dict(model=model, mode=mode, world_size=world, variant=name, step_ms=med[name],
                                  step_ms_min=min(t[0] for t in ts),
                                  lancet_over=med["lancet"] / med[name] if name != "lancet" else None,
+                                 cpu_ms=cpu[name], lancet_over_cpu=cpu["lancet"] / cpu[name] if name != "lancet" else None,
                                  minflt_per_step=statistics.median(t[1] for t in ts),
                                  sys_ms_per_step=statistics.median(t[2] for t in ts),
                                  experts_bwd_minflt=statistics.median(t[3] for t in ts) if name == "lancet" else None,
+                                 experts_bwd_minflt_mean=statistics.mean(t[3] for t in ts) if name == "lancet" else None,
                                  check_rel_rms=checks.get(name), check_rtol=None if name == "lancet" else
                                  (peers.RTOL_BFLOAT16 if autocast else peers.RTOL_FLOAT32),
                                  loadavg_start=load[0][0], loadavg_end=load[1][0], rounds=args.rounds))
@@ -259,8 +265,9 @@ def main(argv: Optional[list] = None) -> list:
             row = dict(bench="peers", **r, **shape, **meta)
             rows.append(row)
             log.add(row)
-    print_table(rows, ["model", "mode", "world_size", "variant", "step_ms", "lancet_over", "minflt_per_step",
-                       "experts_bwd_minflt", "sys_ms_per_step", "check_rel_rms", "loadavg_start"],
+    print_table(rows, ["model", "mode", "world_size", "variant", "step_ms", "lancet_over", "cpu_ms", "lancet_over_cpu",
+                       "minflt_per_step",
+                       "experts_bwd_minflt", "experts_bwd_minflt_mean", "sys_ms_per_step", "check_rel_rms", "loadavg_start"],
                 f"bench.peers on {meta['device']} ({meta['date']}): unchunked, no link; D={args.d_model} "
                 f"F={args.d_ffn} E={args.experts} K={args.top_k}, {args.batch * args.seq} tokens per rank, dropless; "
                 f"median of {args.rounds} interleaved rounds; lancet_over = our step / the variant's")
