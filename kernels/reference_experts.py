@@ -245,8 +245,19 @@ def swiglu_bwd_ref(gu_R2F: torch.Tensor, grad_h_RF: torch.Tensor, *, activation:
     elementwise ops in the same order as written out, so the same bits with no [R, F] temporaries.
     """
     _check_activation(activation)
-    g, u = _split_gu(gu_R2F.to(_acc(gu_R2F)), interleaved)
+    gu = gu_R2F.to(_acc(gu_R2F))
+    g, u = _split_gu(gu, interleaved)
     dh = grad_h_RF.to(g.dtype)
+    if activation == "swiglu" and not _differentiable(gu_R2F, grad_h_RF) and gu is not gu_R2F:
+        # 16-bit gu: the float32 copy is ours, so the two halves are computed in it: dg in u's
+        # columns (u is read only by dh * u), du in g's (after silu_backward's last read of g),
+        # then each rounded into its own columns of the result.
+        dgu = torch.empty_like(gu_R2F) if out is None else out
+        dg_out, du_out = _split_gu(dgu, interleaved)
+        torch.ops.aten.silu_backward.grad_input(u.mul_(dh), g, grad_input=u)
+        dg_out.copy_(u)
+        du_out.copy_(torch.ops.aten.silu_(g).mul_(dh))
+        return dgu
     if activation == "swiglu" and not _differentiable(gu_R2F, grad_h_RF):
         direct = out is not None and out.dtype == g.dtype
         dgu = out if direct else torch.empty(gu_R2F.shape, dtype=g.dtype, device=g.device)
