@@ -241,33 +241,27 @@ def swiglu_bwd_ref(gu_R2F: torch.Tensor, grad_h_RF: torch.Tensor, *, activation:
     -limit <= up <= limit: bounds included) and give zero elsewhere.
 
     ``out``: an optional [R, 2F] buffer in gu's dtype for the result. For "swiglu" the two halves
-    are computed in place in the result's columns (in float32: in ``out`` itself), the same
-    elementwise ops in the same order as written out, so the same bits with no [R, F] temporaries.
+    are computed in place (float32: in the result's columns; 16-bit: in the float32 copy of gu), the
+    same elementwise ops as written out, so the same bits with no [R, F] temporaries.
     """
     _check_activation(activation)
     gu = gu_R2F.to(_acc(gu_R2F))
     g, u = _split_gu(gu, interleaved)
     dh = grad_h_RF.to(g.dtype)
-    if activation == "swiglu" and not _differentiable(gu_R2F, grad_h_RF) and gu is not gu_R2F:
-        # 16-bit gu: the float32 copy is ours, so the two halves are computed in it: dg in u's
-        # columns (u is read only by dh * u), du in g's (after silu_backward's last read of g),
-        # then each rounded into its own columns of the result.
-        dgu = torch.empty_like(gu_R2F) if out is None else out
-        dg_out, du_out = _split_gu(dgu, interleaved)
-        torch.ops.aten.silu_backward.grad_input(u.mul_(dh), g, grad_input=u)
-        dg_out.copy_(u)
-        du_out.copy_(torch.ops.aten.silu_(g).mul_(dh))
-        return dgu
     if activation == "swiglu" and not _differentiable(gu_R2F, grad_h_RF):
-        direct = out is not None and out.dtype == g.dtype
-        dgu = out if direct else torch.empty(gu_R2F.shape, dtype=g.dtype, device=g.device)
+        dgu = torch.empty(gu_R2F.shape, dtype=gu_R2F.dtype, device=gu_R2F.device) if out is None else out
         dg, du = _split_gu(dgu, interleaved)
-        # d silu(g) = sig (1 + g (1 - sig)): ATen's silu_backward, of dh * u
-        torch.ops.aten.silu_backward.grad_input(torch.mul(dh, u, out=dg), g, grad_input=dg)
-        torch.ops.aten.silu.out(g, out=du).mul_(dh)  # dh * silu(g): a product is symmetric, bit for bit
-        if direct:
-            return dgu
-        return dgu.to(gu_R2F.dtype) if out is None else out.copy_(dgu)
+        # d silu(g) = sig (1 + g (1 - sig)): ATen's silu_backward, of dh * u; a product is
+        # symmetric bit for bit, so each op below is the written-out formula's.
+        if gu is gu_R2F:  # float32/64: the halves in place in the result's columns
+            torch.ops.aten.silu_backward.grad_input(torch.mul(dh, u, out=dg), g, grad_input=dg)
+            torch.ops.aten.silu.out(g, out=du).mul_(dh)
+        else:  # 16-bit: in the float32 copy of gu (ours): dg in u's columns (u's last read is dh * u),
+            # du in g's (after silu_backward's last read of g), each rounded into its own columns
+            torch.ops.aten.silu_backward.grad_input(u.mul_(dh), g, grad_input=u)
+            dg.copy_(u)
+            du.copy_(torch.ops.aten.silu_(g).mul_(dh))
+        return dgu
     if activation == "swiglu":  # (differentiated: out-of-place)
         dg = torch.ops.aten.silu_backward(dh * u, g)
         du = dh * F.silu(g)
