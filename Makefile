@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup train test test-gpu gpu-wheels
+.PHONY: setup peers train test test-gpu gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -19,12 +19,26 @@ $(VENV)/.installed: pyproject.toml Makefile
 	@$(BIN)/python -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.cuda.is_available())"
 	touch $@
 
+# The real peers bench.peers compares against (a bench extra): torchtitan 0.3.0 without its dependencies
+# (its trainer's: datasets, wandb, torchdata, ...) plus the two its MoE modules import, and DeepSpeed
+# with no op builds (pure Python on torch's CPU wheel). About 30 s; `make test` installs them so the
+# peers' equality tests run in CI.
+PEERS_STAMP := $(VENV)/.peers
+peers: $(PEERS_STAMP)
+
+$(PEERS_STAMP): $(VENV)/.installed
+	$(BIN)/python -m pip install -q --no-deps torchtitan==0.3.0
+	$(BIN)/python -m pip install -q spmd_types==0.2.3 tyro
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q deepspeed==0.19.8
+	@$(BIN)/python -c "import torch, torchtitan.models.common.moe, deepspeed; print('peers: torch', torch.__version__, '| deepspeed', deepspeed.__version__)"
+	touch $@
+
 # The main job: a GPT-style MoE language model, 2 expert-parallel ranks, under lancet_rt.Overlapped.
 train: setup
 	$(BIN)/python -m torch.distributed.run --standalone --nproc-per-node 2 -m bench.train_lm
 
 # The test suite (CPU lane; Triton kernels in the interpreter). Exit code 5 (no tests) is not a failure.
-test: setup
+test: setup peers
 	$(BIN)/python -m pytest -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 # The GPU lane, on a CUDA machine.
