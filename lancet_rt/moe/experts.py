@@ -151,11 +151,15 @@ class _ExpertsFn(torch.autograd.Function):
         dh_RF = ops.grouped_mm_dx(dy_RD, w_EDF, offsets_E1, **out("dh", (R, F2 // 2)))
         dgu_R2F = ops.swiglu_bwd(gu_R2F, dh_RF, **spec.act(), **({} if deferring else out("dgu", (R, F2))))
         del dh_RF
-        dx_RD = ops.grouped_mm_dx(dgu_R2F, w_E2FD, offsets_E1,
-                                  **({} if to_rank is None else out("dx", (R, x_RD.shape[1]))))
-        dx_in = dx_RD if to_rank is None else dx_RD.index_select(0, to_rank)
-        if ctx.link is not None:
-            ctx.link.issue(dx_in)  # the dispatch's backward all-to-all starts now
+        dx_in = None
+        if ctx.needs_input_grad[0]:
+            # (else the rows came from tokens that need no gradient, e.g. a first layer's input: no
+            # dX GEMM and no dual all-to-all, whose forward then recorded no backward to wait for it)
+            dx_RD = ops.grouped_mm_dx(dgu_R2F, w_E2FD, offsets_E1,
+                                      **({} if to_rank is None else out("dx", (R, x_RD.shape[1]))))
+            dx_in = dx_RD if to_rank is None else dx_RD.index_select(0, to_rank)
+            if ctx.link is not None:
+                ctx.link.issue(dx_in)  # the dispatch's backward all-to-all starts now
         none = (None,) * 10
 
         def param_grads(needs):
