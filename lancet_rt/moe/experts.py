@@ -32,6 +32,7 @@ from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
 from lancet_rt.schedule import wgrad
 from lancet_rt.kernels.reference import ACTIVATIONS
+from lancet_rt.kernels.reference_experts import GateUp
 
 #: Parameter layouts (module docstring).
 LAYOUTS = ("lancet", "gpt_oss")
@@ -103,10 +104,13 @@ class _ExpertsFn(torch.autograd.Function):
         # The kernels' views: [E, 2F, D] and [E, D, F] (GPT-OSS: transposes of its parameters).
         w_E2FD = w_gate_up.transpose(1, 2) if spec.gpt_oss else w_gate_up
         w_EDF = w_down.transpose(1, 2) if spec.gpt_oss else w_down
-        h_RF, gu_R2F = ops.gate_up_swiglu(x_RD, w_E2FD, segments, b_gate_up, **spec.act())
+        # (the references: gate and up as contiguous halves, for the activation's passes; GateUp)
+        halves = dict(halves=True) if getattr(ops, "gate_up_halves", False) else {}
+        h_RF, gu_R2F = ops.gate_up_swiglu(x_RD, w_E2FD, segments, b_gate_up, **spec.act(), **halves)
         y_RD = ops.grouped_mm(h_RF, w_EDF, segments, b_down)
         ctx.perms, ctx.link, ctx.spec = (to_expert, to_rank), link, spec
-        ctx.save_for_backward(x_RD, gu_R2F, h_RF, w_gate_up, w_down, offsets_E1)
+        ctx.save_for_backward(x_RD, h_RF, w_gate_up, w_down, offsets_E1,
+                              *(gu_R2F if isinstance(gu_R2F, GateUp) else (gu_R2F,)))
         ctx.has_bias = (b_gate_up is not None, b_down is not None)
         # The gradients' dtypes: the parameters' (float32 under autocast), as a differentiable cast gives.
         ctx.grad_dtypes = tuple(None if w is None else w.dtype for w in (gate_up, down, gate_up_bias, down_bias))
@@ -125,7 +129,8 @@ class _ExpertsFn(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dy_out):
-        x_RD, gu_R2F, h_RF, gate_up, down, offsets_E1 = ctx.saved_tensors
+        x_RD, h_RF, gate_up, down, offsets_E1, *pre = ctx.saved_tensors
+        gu_R2F = GateUp(*pre) if len(pre) == 2 else pre[0]  # [R, 2F], or its halves
         ops, spec = ctx.ops, ctx.spec
         if ctx.bounds is not None:
             offsets_E1 = ctx.bounds
@@ -142,8 +147,8 @@ class _ExpertsFn(torch.autograd.Function):
         # The reference path's temporaries in reused memory (_Scratch); a deferred dW holds dgu.
         R, F2 = gu_R2F.shape
         scratch = (getattr(ops, "host_offsets", False) and dy_out.device.type == "cpu"
-                   and R * F2 * gu_R2F.element_size() >= _Scratch.MIN_BYTES)
-        out = (lambda role, shape: dict(out=_scratch.take(role, shape, gu_R2F))) if scratch else (lambda *_: {})
+                   and R * F2 * h_RF.element_size() >= _Scratch.MIN_BYTES)
+        out = (lambda role, shape: dict(out=_scratch.take(role, shape, h_RF))) if scratch else (lambda *_: {})
         if to_expert is None:
             dy_RD = dy_out.contiguous()
         else:
