@@ -69,6 +69,11 @@ class GateUp(NamedTuple):
         R, F = self.gate.shape
         return torch.Size((R, 2 * F))
 
+    @staticmethod
+    def tensors(gu) -> tuple:
+        """The tensors of a pre-activation or its gradient: (gate, up) of a GateUp, else (gu,)."""
+        return tuple(gu) if isinstance(gu, GateUp) else (gu,)
+
 
 def _halves(gu, interleaved: bool) -> tuple:
     """(gate, up) of a pre-activation, a [R, 2F] tensor or a :class:`GateUp`, in the accumulation
@@ -214,12 +219,23 @@ def grouped_mm_dx_ref(dy_RN: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torc
     return dx
 
 
-def grouped_mm_dw_ref(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
+def grouped_mm_dw_ref(dy_RN: Union[torch.Tensor, GateUp], x_RK: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
     """dw[e] = dy_seg.T @ x_seg over segment e (zeros for an empty segment): the weight gradient.
+
+    ``dy_RN`` may be a :class:`GateUp` (N = 2F): each half's products are written into its rows of
+    dw, gate rows first (the same per-segment products as over the joined [R, 2F]).
 
     Returns:
         dw_ENK [E, N, K] in x's dtype.
     """
+    if isinstance(dy_RN, GateUp):
+        if _differentiable(*dy_RN, x_RK):
+            return torch.cat([grouped_mm_dw_ref(half, x_RK, offsets_E1) for half in dy_RN], dim=1)
+        half = dy_RN.gate.shape[1]
+        dw = x_RK.new_empty(len(_bounds(offsets_E1)) - 1, 2 * half, x_RK.shape[1])
+        _dw_loop(dy_RN.gate.t(), x_RK, offsets_E1, dw[:, :half])
+        _dw_loop(dy_RN.up.t(), x_RK, offsets_E1, dw[:, half:])
+        return dw
     dy_NR = dy_RN.t()
     if _differentiable(dy_RN, x_RK):
         return torch.stack([torch.mm(dy, x) for dy, x in zip(_segments(dy_NR, offsets_E1, dim=1),
@@ -228,11 +244,15 @@ def grouped_mm_dw_ref(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets_E1: torch
         return torch.mm(dy_NR, x_RK).unsqueeze(0)
     if _one_launch(dy_NR, x_RK):
         return torch._grouped_mm(dy_NR, x_RK, offs=_ends(offsets_E1))  # (an empty segment gives zeros)
-    dys, xs = _segments(dy_NR, offsets_E1, dim=1), _segments(x_RK, offsets_E1)
-    dw = x_RK.new_empty(len(dys), dy_RN.shape[1], x_RK.shape[1])
-    for dy, x, out in zip(dys, xs, dw.unbind(0)):
+    return _dw_loop(dy_NR, x_RK, offsets_E1, x_RK.new_empty(len(offsets_E1) - 1, dy_RN.shape[1], x_RK.shape[1]))
+
+
+def _dw_loop(dy_NR: torch.Tensor, x_RK: torch.Tensor, offsets_E1, dw_ENK: torch.Tensor) -> torch.Tensor:
+    """dw[e] = dy_NR[:, segment e] @ x_RK[segment e] into ``dw_ENK`` (any [E, N, K] view with rows
+    of unit stride), one ``mm`` per segment, as ``torch._grouped_mm`` runs them."""
+    for dy, x, out in zip(_segments(dy_NR, offsets_E1, dim=1), _segments(x_RK, offsets_E1), dw_ENK.unbind(0)):
         torch.mm(dy, x, out=out)  # (an empty segment writes zeros)
-    return dw
+    return dw_ENK
 
 
 def segment_sum_ref(g_RN: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
@@ -265,16 +285,12 @@ def swiglu_fwd_ref(gu_R2F: Union[torch.Tensor, GateUp], *, activation: str = "sw
     g, u = _halves(gu_R2F, interleaved)
     dtype = _dtype(gu_R2F)
     if activation == "swiglu":
-        if _differentiable(*_tensors(gu_R2F)):
+        if _differentiable(*GateUp.tensors(gu_R2F)):
             return (F.silu(g) * u).to(dtype)
         return F.silu(g).mul_(u).to(dtype)  # (the product in silu's result: one [R, F] fewer)
     g = g.clamp(max=limit)
     u = u.clamp(min=-limit, max=limit)
     return ((u + 1) * (g * torch.sigmoid(alpha * g))).to(dtype)
-
-
-def _tensors(gu) -> tuple:
-    return tuple(gu) if isinstance(gu, GateUp) else (gu,)
 
 
 def _dtype(gu) -> torch.dtype:
@@ -283,24 +299,28 @@ def _dtype(gu) -> torch.dtype:
 
 def swiglu_bwd_ref(gu_R2F: Union[torch.Tensor, GateUp], grad_h_RF: torch.Tensor, *, activation: str = "swiglu",
                    interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0,
-                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   out: Union[torch.Tensor, GateUp, None] = None, halves: bool = False):
     """Gradient of :func:`swiglu_fwd_ref` with respect to gu (a [R, 2F] tensor, or its halves as a
-    :class:`GateUp`), as one [R, 2F] tensor in gu's dtype and column order.
+    :class:`GateUp`), in gu's dtype and column order: one [R, 2F] tensor, or with ``halves`` (gate
+    rows first only) a :class:`GateUp` of two contiguous [R, F] tensors, the same values.
 
     For "swiglu_oai" the clamps pass the gradient where torch.clamp's does (gate <= limit,
     -limit <= up <= limit: bounds included) and give zero elsewhere.
 
-    ``out``: an optional [R, 2F] buffer in gu's dtype for the result. For "swiglu" the two halves
-    are computed in place (float32: in the result's columns; 16-bit: in the float32 copy of gu), the
-    same elementwise ops as written out, so the same bits with no [R, F] temporaries.
+    ``out``: an optional buffer in gu's dtype for the result, [R, 2F] (a :class:`GateUp` of two
+    [R, F] with ``halves``). For "swiglu" the two halves are computed in place (float32: in the
+    result's halves; 16-bit: in the float32 copy of gu), the same elementwise ops as written out,
+    so the same bits with no [R, F] temporaries.
     """
     _check_activation(activation)
     g, u = _halves(gu_R2F, interleaved)
     dtype = _dtype(gu_R2F)
     dh = grad_h_RF.to(g.dtype)
-    if activation == "swiglu" and not _differentiable(*_tensors(gu_R2F), grad_h_RF):
-        dgu = torch.empty(gu_R2F.shape, dtype=dtype, device=g.device) if out is None else out
-        dg, du = _split_gu(dgu, interleaved)
+    halves = halves and not interleaved
+    if activation == "swiglu" and not _differentiable(*GateUp.tensors(gu_R2F), grad_h_RF):
+        dgu = out if out is not None else GateUp(*torch.empty((2,) + g.shape, dtype=dtype, device=g.device)) \
+            if halves else torch.empty(gu_R2F.shape, dtype=dtype, device=g.device)
+        dg, du = dgu if halves else _split_gu(dgu, interleaved)
         # d silu(g) = sig (1 + g (1 - sig)): ATen's silu_backward, of dh * u; a product is
         # symmetric bit for bit, so each op below is the written-out formula's.
         if dtype == g.dtype:  # float32/64: the halves in place in the result's columns
@@ -320,6 +340,9 @@ def swiglu_bwd_ref(gu_R2F: Union[torch.Tensor, GateUp], grad_h_RF: torch.Tensor,
         sig = torch.sigmoid(alpha * gc)
         dg = torch.where(g <= limit, dh * (uc + 1) * sig * (1 + alpha * gc * (1 - sig)), 0.0)
         du = torch.where((u >= -limit) & (u <= limit), dh * gc * sig, 0.0)
+    if halves:
+        dgu = GateUp(dg.to(dtype), du.to(dtype))
+        return dgu if out is None else GateUp(*(o.copy_(t) for o, t in zip(out, dgu)))
     dgu = _join_gu(dg, du, interleaved).to(dtype)
     return dgu if out is None else out.copy_(dgu)
 

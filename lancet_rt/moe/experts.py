@@ -154,7 +154,13 @@ class _ExpertsFn(torch.autograd.Function):
         else:
             dy_RD = torch.index_select(dy_out, 0, to_expert, **({} if deferring else out("dy", (R, dy_out.shape[1]))))
         dh_RF = ops.grouped_mm_dx(dy_RD, w_EDF, offsets_E1, **out("dh", (R, F2 // 2)))
-        dgu_R2F = ops.swiglu_bwd(gu_R2F, dh_RF, **spec.act(), **({} if deferring else out("dgu", (R, F2))))
+        # Without dX, and without a gate/up bias, the references' dgu may be contiguous halves too
+        # (GateUp): its passes and the dW GEMMs then stream (the fused dX GEMM reads one [R, 2F]).
+        halves = isinstance(gu_R2F, GateUp) and not ctx.needs_input_grad[0] and not ctx.has_bias[0]
+        dgu_out = {} if deferring else out("dgu", (2, R, F2 // 2) if halves else (R, F2))
+        if halves:
+            dgu_out = dict(halves=True, **{k: GateUp(*v) for k, v in dgu_out.items()})
+        dgu_R2F = ops.swiglu_bwd(gu_R2F, dh_RF, **spec.act(), **dgu_out)
         del dh_RF
         dx_in = None
         if ctx.needs_input_grad[0]:
@@ -191,7 +197,7 @@ class _ExpertsFn(torch.autograd.Function):
 
                 needs = tuple(n for n, has in zip(needs_all, present) if has)
                 ctx.wgrad.push(ctx.params, needs, weight_grads, flops,
-                               wgrad.held_bytes(x_RD, dgu_R2F, h_RF, dy_RD), x_RD.dtype)
+                               wgrad.held_bytes(x_RD, *GateUp.tensors(dgu_R2F), h_RF, dy_RD), x_RD.dtype)
             return (dx_in, None, None, None, None) + none
         needs = ctx.needs_input_grad[1:5]
         grads = tuple(None if g is None else g.to(dtype) for g, dtype in zip(param_grads(needs), ctx.grad_dtypes))

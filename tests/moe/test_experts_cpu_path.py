@@ -1,7 +1,7 @@
 """The experts' CPU path (the references) does no work it need not, on memory it can stream (issue 38,
 the float32 layer against torchtitan's): without an input gradient no dX GEMM and no dual
 all-to-all; gate and up computed and kept as contiguous halves (kernels.reference_experts.GateUp),
-bit for bit the one [R, 2F] GEMM's results."""
+and without dX their gradient too, bit for bit the one [R, 2F] GEMM's results."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -89,6 +89,16 @@ def test_gate_up_halves_are_the_fused_gemm_bit_for_bit(dtype, bias):
     oai = dict(activation="swiglu_oai", alpha=1.5, limit=0.5)
     assert torch.equal(rex.swiglu_fwd_ref(halves, **oai), rex.swiglu_fwd_ref(gu, **oai))
     assert torch.equal(rex.swiglu_bwd_ref(halves, dh, **oai), rex.swiglu_bwd_ref(gu, dh, **oai))
+    # the gradient as halves too (the layer's backward without dX), and dW from them
+    for act in ({}, oai):
+        joined = rex.swiglu_bwd_ref(halves, dh, **act)
+        dgu = rex.swiglu_bwd_ref(halves, dh, halves=True, **act)
+        assert isinstance(dgu, GateUp) and all(t.is_contiguous() for t in dgu)
+        assert torch.equal(dgu.gate, joined[:, :F]) and torch.equal(dgu.up, joined[:, F:])
+        bufs = GateUp(*torch.full((2, R, F), float("nan"), dtype=dtype))
+        assert rex.swiglu_bwd_ref(halves, dh, halves=True, out=bufs, **act) is not None
+        assert torch.equal(bufs.gate, dgu.gate) and torch.equal(bufs.up, dgu.up)
+        assert torch.equal(rex.grouped_mm_dw_ref(dgu, x, bounds), rex.grouped_mm_dw_ref(joined, x, bounds))
 
 
 def test_a_silu_tail_is_why_f_must_be_a_multiple_of_the_vector_step():
@@ -146,25 +156,28 @@ def test_cpu_layer_saves_contiguous_halves_not_the_strided_pre_activation():
     assert len(halves) == 3 and all(t.is_contiguous() for t in halves)  # gate, up and h
 
 
+@pytest.mark.parametrize("x_grad", [True, False])
 @pytest.mark.parametrize("chunks, defer", [(1, False), (3, True)])
-def test_layer_with_halves_is_bitwise_the_layer_without(monkeypatch, chunks, defer):
-    """The whole layer, F = 64 (halves taken), expert-parallel on the emulated link (dY and dX
-    permuted), chunked with deferred dW: output, input gradient and every parameter gradient the
-    same bits with the CPU path's halves as with the one [R, 2F] pre-activation; and chunked, the
-    output and the input gradient are unchunked's (the weight gradients sum per-chunk products)."""
+def test_layer_with_halves_is_bitwise_the_layer_without(monkeypatch, chunks, defer, x_grad):
+    """The whole layer, F = 64 (halves taken; without an input gradient dgu as halves too),
+    expert-parallel on the emulated link (dY and dX permuted), chunked with deferred dW: output, input
+    gradient and every parameter gradient the same bits with the CPU path's halves as with the one
+    [R, 2F] pre-activation; and chunked, the output and the input gradient are unchunked's (the
+    weight gradients sum per-chunk products)."""
     ns = ops_mod.get_ops(torch.device("cpu"), torch.float32)
 
     def run(halves, chunks, defer):
         monkeypatch.setattr(ns, "gate_up_halves", halves)
         torch.manual_seed(0)
         moe = lancet_rt.MoE(32, 64, 8, 2, ep_group=lancet_rt.EmulatedGroup(4, float("inf"), 0.0))
-        x = torch.randn(240, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        x = torch.randn(240, 32, generator=torch.Generator().manual_seed(1), requires_grad=x_grad)
         runner = lancet_rt.Overlapped(moe, chunks=chunks, defer_wgrad=defer) if chunks > 1 else moe
         y = runner(x)
         y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2)))
         return [y.detach(), x.grad] + [p.grad for p in moe.parameters()]
 
     with_halves = run(True, chunks, defer)
-    assert all(torch.equal(a, b) for a, b in zip(with_halves, run(False, chunks, defer)))
-    if chunks > 1:
+    assert all(a is b is None or torch.equal(a, b) for a, b in zip(with_halves, run(False, chunks, defer)))
+    if chunks > 1 and x_grad:
         assert all(torch.equal(a, b) for a, b in zip(with_halves[:2], run(True, 1, False)[:2]))
+
