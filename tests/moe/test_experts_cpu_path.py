@@ -1,7 +1,8 @@
 """The experts' CPU path (the references) does no work it need not, on memory it can stream (issue 38,
 the float32 layer against torchtitan's): without an input gradient no dX GEMM and no dual
 all-to-all; gate and up computed and kept as contiguous halves (kernels.reference_experts.GateUp),
-and without dX their gradient too, bit for bit the one [R, 2F] GEMM's results."""
+and without dX their gradient too, bit for bit the one [R, 2F] GEMM's results; one host read of
+the counts per forward without a group."""
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -181,3 +182,16 @@ def test_layer_with_halves_is_bitwise_the_layer_without(monkeypatch, chunks, def
     if chunks > 1 and x_grad:
         assert all(torch.equal(a, b) for a, b in zip(with_halves[:2], run(True, 1, False)[:2]))
 
+
+def test_one_process_reads_the_counts_once_per_forward():
+    """Without a group the layer reads its kept rows per expert once (the rows to permute and the
+    experts' segment bounds), not once more per grouped GEMM."""
+    from bench.host import OpCounter
+
+    torch.manual_seed(0)
+    moe = lancet_rt.MoE(32, 64, 8, 2)
+    x = torch.randn(100, 32, requires_grad=True)
+    moe(x).sum().backward()  # warm
+    with OpCounter() as counter:
+        moe(x).sum().backward()
+    assert counter.reads == 1, counter.ops
