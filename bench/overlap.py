@@ -72,10 +72,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 import torch
 
 import lancet_rt
+from bench import overlap_real
 from bench.accumulation import (add_accumulation, add_accumulation_args, check_accumulation, measure_accumulation,
                                 measure_lina)
 from bench.common import RowLog, TimeBudget, print_table, run_metadata
@@ -151,6 +153,7 @@ def parse_args(argv=None):
                         "(with --microbatches M > 1, also the cross-microbatch acceptance)")
     add_accumulation_args(p)
     add_routing_args(p)
+    overlap_real.add_args(p)
     return p.parse_args(argv)
 
 
@@ -174,7 +177,12 @@ def sizes(args) -> dict:
 
 def main(argv=None) -> dict:
     """Run the benchmark (see the module docstring); returns the row (or seeds.main's rows with --compare)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.link != "emulated":  # ranks over a real link (bench/overlap_real.py)
+        if not any(a == "--world-size" or a.startswith("--world-size=") for a in argv):
+            args.world_size = None
+        return overlap_real.main(args, argv)
     if args.microbatches < 1:
         raise SystemExit(f"--microbatches must be >= 1, got {args.microbatches}")
     device = torch.device(args.device)
