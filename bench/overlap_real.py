@@ -102,22 +102,12 @@ def main(args, argv: list) -> Optional[dict]:
             reallink.require_tools()
         except reallink.LinkError as exc:
             raise SystemExit(f"bench.overlap --link real (bench.reallink): {exc}") from None
-        signal_teardown()
+        reallink.signals_raise()  # (SIGTERM/SIGHUP end the with block: the link is torn down)
         with reallink.real_link(args.world_size, rate or 450_000_000, args.delay_ms, queue_ms=args.queue_ms) as link:
             rc = link.launch(cmd, args.link_timeout)
     if rc:
         raise SystemExit(rc)
     return None
-
-
-def signal_teardown() -> None:
-    """SIGTERM/SIGHUP raise SystemExit, so that the link's ``with`` block tears it down."""
-    import signal
-
-    def handler(signum, frame):
-        raise SystemExit(128 + signum)
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, handler)
 
 
 # ------------------------------------------------------------------------------ inside a rank

@@ -538,7 +538,7 @@ def parse_args(argv=None):
     return args
 
 
-def _signals_raise() -> None:
+def signals_raise() -> None:
     """SIGTERM and SIGHUP end the launcher as SIGINT does (the finally blocks tear down)."""
     def handler(signum, frame):
         raise SystemExit(128 + signum)
@@ -559,7 +559,7 @@ def main(argv=None) -> int:
     except (LinkError, ValueError) as exc:
         print(f"bench.reallink: {exc}", file=sys.stderr)
         return 2
-    _signals_raise()
+    signals_raise()
     from bench.common import RowLog, run_metadata
 
     try:

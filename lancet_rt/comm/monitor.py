@@ -56,6 +56,11 @@ class GroupMonitor:
         check_headers: compare every collective's (sequence number, kind, dtype, sizes) across the
             ranks before it is issued (:meth:`issue`; None: on for gloo, off for NCCL).
         header_device: where the header all-gather's tensors live (CUDA for NCCL; default CPU).
+        channels: a split group's process groups (:class:`lancet_rt.comm.channels.Channels`, gloo): the
+            headers go on its control group, and every collective is queued on a thread that checks
+            its header and launches it in issue order (:class:`lancet_rt.comm.channels.Issuer`), so the
+            host never waits for a header; a mismatch is raised by the collective's wait (or the next
+            issue) on every rank, and nothing is sent.
 
     Attributes:
         label: how messages name the group's ranks ("expert-parallel"; "data-parallel" for a group
@@ -63,13 +68,15 @@ class GroupMonitor:
     """
 
     def __init__(self, group, rank: int, size: int, backend: str, timeout_s: float, counts_group=None,
-                 check_headers: Optional[bool] = None, header_device=None):
+                 check_headers: Optional[bool] = None, header_device=None, channels=None):
         self.group, self.rank, self.size = group, rank, size
+        self.channels = channels
         self.label = "expert-parallel"
         # gloo: the header's host round trip costs what the collective's own wait costs; NCCL: a host sync, so off
         self.check_headers = ("gloo" in backend) if check_headers is None else bool(check_headers)
         self.header_device = torch.device("cpu") if header_device is None else header_device
         self.counts_group = group if counts_group is None else counts_group
+        self.header_group = group if channels is None else channels.control
         self.issued = 0       # collectives issued on this group, in order (the same on every rank)
         self.exchanges = 0    # of which counts exchanges
         self.broken: Optional[GroupError] = None
@@ -82,6 +89,15 @@ class GroupMonitor:
         self._fatal: Optional[GroupError] = None
         self._inflight: "collections.deque" = collections.deque()
         self._lock = threading.Lock()
+        self._break_lock = threading.Lock()
+        self._issuer = None
+        if channels is not None:
+            from lancet_rt.comm.channels import Issuer
+
+            # each channel's gloo backend keeps the group's timeout as its operation timeout (set_timeout)
+            self._gloo = self._counts_gloo = None
+            self._issuer = Issuer(self._check_header, lambda fn, seq, what: self._launch(None, fn, seq, what),
+                                  lambda: self.broken)
         self._thread: Optional[threading.Thread] = None
         self._events_seen = 0
         self._published_at = -1
@@ -97,6 +113,10 @@ class GroupMonitor:
         self.timeout_s = float(timeout_s)
         self._timeout_td = datetime.timedelta(seconds=self.timeout_s)
         self._slice_td = datetime.timedelta(seconds=min(POLL_S, self.timeout_s))
+        for g in self.channels.groups() if getattr(self, "channels", None) is not None else ():
+            backend = _gloo_backend(g)
+            if backend is not None:
+                backend._set_default_timeout(self._timeout_td)
 
     # ---------------------------------------------------------------- issuing and waiting
     def issue(self, what: str, launch: Callable[[], object], header=None) -> "Watched":
@@ -107,17 +127,22 @@ class GroupMonitor:
         small fixed-size collective and every rank raises :class:`CollectiveMismatch` if they
         disagree, so mismatched messages never reach the backend (gloo aborts the process on them).
         """
-        if self.broken is not None:
-            raise GroupError(f"{self.label} group unusable since an earlier failure: {self.broken}",
-                             self.broken.ranks)
+        self._refuse_if_broken()
         self.issued += 1
         seq = self.issued
         if what == "counts exchange":
             self.exchanges += 1
+        transfer = _trace_transfer(what)
+        checked = self.check_headers and self.size > 1 and header is not None
+        if self._issuer is not None:
+            work = self._issuer.submit(seq, what, launch, header if checked else None, transfer)
+            return Watched(work, self, seq, what)
         gloo = self._counts_gloo if what == "counts exchange" else self._gloo
-        if self.check_headers and self.size > 1 and header is not None:
+        if checked:
             self._check_header(seq, what, header)
         work = self._launch(gloo, launch, seq, what)
+        if transfer is not None:
+            transfer.started(work)
         if self._watchdog:
             with self._lock:
                 while self._inflight and self._inflight[0][2].is_completed():
@@ -131,12 +156,26 @@ class GroupMonitor:
         ``check_headers`` off): every rank raises :class:`CollectiveMismatch` if the ranks' (sequence
         number, kind, dtype, sizes) differ. For a plan checked once before collectives issued
         unchecked, where waiting for the peers before each one could deadlock (gradient buckets)."""
-        if self.broken is not None:
-            raise GroupError(f"{self.label} group unusable since an earlier failure: {self.broken}",
-                             self.broken.ranks)
+        self._refuse_if_broken()
         if self.check_headers and self.size > 1:
             self.issued += 1
+            if self._issuer is not None:  # in order with the collectives queued before it
+                self.wait(self._issuer.submit(self.issued, what, None, header), self.issued, what)
+                return
             self._check_header(self.issued, what, header)
+
+    def _refuse_if_broken(self) -> None:
+        """Raise if the group failed: the failure itself if the issuer thread found it and no wait has
+        raised it yet (a mismatch), else a GroupError saying the group is unusable."""
+        if self.broken is None:
+            return
+        raise self._raised(self.broken)
+
+    def flush(self) -> None:
+        """Return once every collective issued so far has been handed to the backend (split groups;
+        at once otherwise)."""
+        if self._issuer is not None:
+            self._issuer.flush()
 
     def _launch(self, gloo, launch: Callable[[], object], seq: int, what: str):
         try:
@@ -157,7 +196,8 @@ class GroupMonitor:
         mine = torch.tensor(header_row(seq, what, dtype, send, recv), dtype=torch.int64, device=self.header_device)
         rows = [torch.empty_like(mine) for _ in range(self.size)]
         # always on ``group`` (a counts exchange's header too): ranks issuing different kinds must still meet
-        work = self._launch(self._gloo, lambda: dist.all_gather(rows, mine, group=self.group, async_op=True), seq, what)
+        work = self._launch(self._gloo, lambda: dist.all_gather(rows, mine, group=self.header_group, async_op=True),
+                            seq, what)
         self.wait(work, seq, what)  # (the header is part of the collective: same number, same name)
         problem, ranks = mismatch(torch.stack(rows).cpu().tolist(), self.size)
         if problem:
@@ -174,9 +214,10 @@ class GroupMonitor:
         timeout applies)."""
         if self.broken is not None:
             raise GroupError(f"process group unusable since an earlier failure: {self.broken}", self.broken.ranks)
+        self.flush()  # (the collectives queued before these are on the backend first, on every rank)
         self.issued += 1
         seq = self.issued
-        gloo = self._gloo
+        gloo = self._gloo if self._gloo is not None else _gloo_backend(self.group)
         prev = None if gloo is None else gloo.options._timeout
         if gloo is not None:
             gloo._set_default_timeout(self._timeout_td)
@@ -205,11 +246,15 @@ class GroupMonitor:
             try:
                 work.wait(timeout=self._slice_td)
                 return
+            except GroupError as exc:  # a split group's header check or launch failed (already broken)
+                raise self._raised(exc)
             except RuntimeError as exc:
                 if work.is_completed():  # finished after the slice ended, or failed
                     try:
                         work.wait()
                         return
+                    except GroupError as failed:
+                        raise self._raised(failed)
                     except RuntimeError as real:
                         raise self.break_(self._lost(seq, what, real)) from real
                 now = time.monotonic()
@@ -235,11 +280,22 @@ class GroupMonitor:
             raise self._fatal
         return out
 
+    def _raised(self, error: GroupError) -> GroupError:
+        """What a wait or an issue raises for the group's failure ``error``: the failure itself the first
+        time when the issuer thread found it (the host has not seen it), else that the group is unusable."""
+        if getattr(error, "_lancet_found_here", False):
+            error._lancet_found_here = False
+            return error
+        return GroupError(f"{self.label} group unusable since an earlier failure: {error}", error.ranks)
+
     # ---------------------------------------------------------------- failure records
     def break_(self, error: GroupError) -> GroupError:
         """Mark the group unusable and tell the peers (a record in the store); returns ``error``."""
-        if self.broken is None:
-            self.broken = error
+        with self._break_lock:  # (the issuer thread and the host may both find a failure)
+            first = self.broken is None
+            if first:
+                self.broken = error
+        if first:
             self._put(f"fail/{self.rank}", json.dumps({"ranks": error.ranks, "msg": str(error)[:2000],
                                                        "kind": type(error).__name__}))
             self._add("events", 1)
@@ -412,6 +468,19 @@ class Watched:
     def wait(self) -> bool:
         self.monitor.wait(self.work, self.seq, self.what)
         return True
+
+
+def _trace_transfer(what: str):
+    """A :class:`lancet_rt.comm.channels.Transfer` recorded in the active trace (None when not tracing)."""
+    from lancet_rt import trace as _trace
+
+    if _trace.active() is None:
+        return None
+    from lancet_rt.comm.channels import Transfer
+
+    transfer = Transfer(what)
+    _trace.record_link(transfer, 0)
+    return transfer
 
 
 def _unnamed(notes: list) -> str:

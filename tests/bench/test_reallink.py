@@ -120,12 +120,17 @@ def _rank_pids(names: list) -> list:
     return pids
 
 
+def _launched() -> tuple:
+    """(the launcher, its namespaces, its ranks' PIDs) once its ranks run."""
+    proc = _launcher()
+    names = _wait_for_namespaces(proc, 3)
+    return proc, names, _rank_pids(names)
+
+
 @needs_link
 def test_sigint_tears_the_link_down():
     t0 = time.monotonic()
-    proc = _launcher()
-    names = _wait_for_namespaces(proc, 3)
-    pids = _rank_pids(names)
+    proc, names, pids = _launched()
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, (out, err)
@@ -145,9 +150,7 @@ def _alive(pid: int) -> bool:
 @needs_link
 def test_a_sigkilled_launchers_leftovers_are_removed_by_the_next_start():
     t0 = time.monotonic()
-    proc = _launcher()
-    names = _wait_for_namespaces(proc, 3)
-    pids = _rank_pids(names)
+    proc, names, pids = _launched()
     proc.kill()
     proc.communicate(timeout=30)
     assert sorted(_ours(f"{reallink.PREFIX}{proc.pid}-")) == sorted(names)  # left behind
@@ -222,3 +225,36 @@ def test_a_delay_without_netem_is_a_clear_error():
 def test_bad_world_is_refused_before_anything_is_made():
     with pytest.raises(ValueError, match="world must be an int in"):
         reallink.create(1, "100mbit")
+
+
+TINY = ["--quick", "--layers", "1", "--d-model", "32", "--d-ffn", "32", "--experts", "4", "--batch", "4", "--seq", "8",
+        "--chunks", "2", "--world-size", "2"]
+
+
+def _dump(tmp_path, link: str, channels: str) -> dict:
+    import torch
+
+    path = tmp_path / f"{link.split(':')[0]}-{channels}"
+    out = subprocess.run([sys.executable, "-m", "bench.overlap", "--link", link, "--channels", channels,
+                          "--dump", str(path), *TINY], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return {r: torch.load(f"{path}.rank{r}") for r in range(2)}
+
+
+@needs_link
+def test_results_over_the_real_link_equal_loopback_bitwise(tmp_path):
+    """Every schedule's gradients after one step, on every rank: the split group over a shaped real link
+    against the plain group on loopback (same seeds), bitwise."""
+    import torch
+
+    real = _dump(tmp_path, "real:300mbit", "split")
+    loop = _dump(tmp_path, "loopback", "plain")
+    for r in range(2):
+        assert sorted(real[r]) == sorted(loop[r]) == sorted(
+            ["sequential", "moe_pipelined", "overlapped", "overlapped_dw", "accumulate"])
+        for name in real[r]:
+            a, b = real[r][name], loop[r][name]
+            assert len(a) == len(b) > 0, name
+            for i, (x, y) in enumerate(zip(a, b)):
+                assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), (r, name, i)
+    assert not torch.equal(real[0]["sequential"][-1], real[1]["sequential"][-1])  # the ranks' own experts differ
