@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup train test test-gpu gpu-wheels
+.PHONY: setup train train-link test test-gpu gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -22,6 +22,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 # The main job: a GPT-style MoE language model, 2 expert-parallel ranks, under lancet_rt.Overlapped.
 train: setup
 	$(BIN)/python -m torch.distributed.run --standalone --nproc-per-node 2 -m bench.train_lm
+
+# The main job over a real link (root; iproute2): 2 ranks, each in its own network namespace, every port
+# token-bucket limited at LINK_RATE (bench.reallink), the expert-parallel group split; prints sequential vs
+# overlapped tokens/s.
+LINK_RATE ?= 250mbit
+TRAIN_LINK_ARGS ?= --steps 100 --timing-steps 10
+train-link: setup
+	$(BIN)/python -m bench.reallink --ranks 2 --rate $(LINK_RATE) -- -m bench.train_lm --channels split $(TRAIN_LINK_ARGS)
 
 # The test suite (CPU lane; Triton kernels in the interpreter). Exit code 5 (no tests) is not a failure.
 test: setup

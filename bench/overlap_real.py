@@ -255,6 +255,9 @@ def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: st
         row[f"{n}_min_ms"] = min(times[("shaped", n)])
         row[f"hidden_{n}"] = 1 - (med[("shaped", n)] - med[("unshaped", n)]) / comm_ms if comm_ms > 0 else None
         row[f"speedup_{n}"] = med[("shaped", "sequential")] / med[("shaped", n)]
+    for n in names:  # the peers (bench.peers): Overlapped's step over theirs, in the same run
+        if n.startswith("peer_") and "@" not in n and "overlapped" in names:
+            row[f"overlapped_over_{n}"] = med[("shaped", "overlapped")] / med[("shaped", n)]
     row["hidden_comm_fraction"] = row.get("hidden_overlapped")
     row["speedup_vs_sequential"] = row.get("speedup_overlapped")
     if me.rank == 0:
@@ -335,6 +338,10 @@ def _report(row: dict, names: list) -> None:
                       f"{row['channels']}; rate {'-' if rate is None else f'{rate:.0f} Mbit/s'}, comm {row['comm_ms']:.0f} ms "
                       f"= {row['measured_comm_ratio']:.2f} x compute; medians of {row['rounds']} rounds, the slowest "
                       f"rank's step; step_ms per microbatch")
+    peers = [k for k in row if k.startswith("overlapped_over_peer_")]
+    if peers:
+        print("Overlapped's step over the peers' (same link, same run): "
+              + ", ".join(f"{k[len('overlapped_over_peer_'):]} {row[k]:.2f}x" for k in peers))
     if "socket_mbit" in row:
         print(f"link achieved per rank: {row['socket_mbit']:.0f} Mbit/s (sockets), {row['gloo_a2a_mbit']:.0f} Mbit/s "
               f"(one gloo all-to-all)" + (f", {row['lanes_a2a_mbit']:.0f} Mbit/s (our lanes)" if "lanes_a2a_mbit" in row

@@ -143,10 +143,12 @@ class RealRunner:
 
 
 def peer_schedules(runner: RealRunner) -> dict:
-    """Schedules of other systems on the same link (the peers' module, when the branch that adds it is
-    merged): ``bench.peers.real_link_schedules(runner)`` returns {name: step callable}, each a training
-    step of a model built from ``runner.blocks(...)``'s weights over ``runner.group``, outputs checked
-    equal to ours before it is timed. Empty without that module or for a transformers model."""
+    """The other systems' schedules on the same link (``bench.peers``, from the branch that adds the
+    peers; empty without it, or for a transformers model): for each peer that imports here, a copy
+    of the blocks model with every MoE layer the peer's own, on our weights, expert-parallel over the
+    same process group, checked equal to ours (``peers.check_equal``, forward and backward) before it
+    is timed; its step is one training step as ours (``peer_<name>``). A module that defines
+    ``real_link_schedules(runner)`` gives them itself."""
     if runner.hf:
         return {}
     try:
@@ -154,4 +156,19 @@ def peer_schedules(runner: RealRunner) -> dict:
     except ImportError:
         return {}
     hook = getattr(peers, "real_link_schedules", None)
-    return dict(hook(runner)) if hook is not None else {}
+    if hook is not None:
+        return dict(hook(runner))
+    pg = getattr(runner.group, "group", runner.group)  # (a TorchGroup's process group)
+    out = {}
+    for peer in getattr(peers, "PEERS", ()):
+        if not peers.available(peer):
+            continue
+        theirs = peers.peer_blocks(runner.model, peer, group=pg)
+        check = peers.check_equal(runner.model, theirs, runner.x)
+        if not check["ok"]:
+            raise RuntimeError(f"{peer} differs from ours on this rank ({check['worst']}): not timed")
+        runner.extra_models.append(theirs)
+        out[f"peer_{peer}"] = lambda m=theirs: runner._blocks_step(m)
+    for m in runner.models + runner.extra_models:
+        m.zero_grad(set_to_none=True)
+    return out
