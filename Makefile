@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup train train-link test test-gpu gpu-wheels
+.PHONY: setup train train-link bench-link test test-gpu gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -30,6 +30,11 @@ LINK_RATE ?= 250mbit
 TRAIN_LINK_ARGS ?= --steps 100 --timing-steps 10
 train-link: setup
 	$(BIN)/python -m bench.reallink --ranks 2 --rate $(LINK_RATE) -- -m bench.train_lm --channels split $(TRAIN_LINK_ARGS)
+
+# Issue 38's acceptance on a real link (root; minutes): bench.overlap --link real on the blocks model (2 and 4
+# ranks) and Mixtral, rate calibrated to comm = 1x compute; prints the table, appends bench/results/overlap_real.json.
+bench-link: setup
+	$(BIN)/python -m bench.reallink_acceptance
 
 # The test suite (CPU lane; Triton kernels in the interpreter). Exit code 5 (no tests) is not a failure.
 test: setup

@@ -241,13 +241,14 @@ def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: st
     if args.trace:
         _trace(runner, me, args.trace)
     med = {k: statistics.median(v) for k, v in times.items()}
+    skew = _max_over_mean(runner, me)
     comm_ms = med[("shaped", "sequential")] - med[("unshaped", "sequential")]
     row = dict(bench="overlap_real", **run_metadata(torch.device("cpu")), link=kind, world_size=me.world,
                channels=args.channels, model=args.model, routing=args.routing, **s, chunks=args.chunks,
                top_k=args.top_k, microbatches=runner.microbatches, comm_ratio=args.comm_ratio,
                configured_mbit=None if rate is None else rate / 1e6, delay_ms=args.delay_ms, queue_ms=args.queue_ms,
                rounds=rounds, statistic="median", load_avg_before=load_before, load_avg_after=os.getloadavg(),
-               threads=args.threads, comm_ms=comm_ms, measured_comm_ratio=comm_ms / med[("unshaped", "sequential")],
+               threads=args.threads, max_over_mean=skew, comm_ms=comm_ms, measured_comm_ratio=comm_ms / med[("unshaped", "sequential")],
                **{f"{k}": v for k, v in link_numbers.items()})
     for n in names:
         row[f"{n}_ms"] = med[("shaped", n)]
@@ -264,6 +265,20 @@ def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: st
         _report(row, names)
         RowLog(args.json).add(row)
     return row
+
+
+def _max_over_mean(runner: RealRunner, me: _Rank) -> float:
+    """The busiest expert's load over the mean, summed over the ranks, averaged over the primary model's
+    MoE layers after the last step (``--routing`` skews it)."""
+    import lancet_rt
+
+    layers = lancet_rt.integrations.hf.moe_layers(runner.model) if runner.hf else runner.model.moe_layers()
+    vals = []
+    for moe in layers:
+        load = moe.tokens_per_expert.detach().to(torch.float64).clone()
+        dist.all_reduce(load, group=me.sync)
+        vals.append(float(load.max() / load.mean().clamp_min(1e-9)))
+    return sum(vals) / max(len(vals), 1)
 
 
 def _calibrate(runner: RealRunner, me: _Rank, ratio: float) -> int:
@@ -335,7 +350,8 @@ def _report(row: dict, names: list) -> None:
                 title=f"bench.overlap --link {row['link']} on {row['device']}: W={row['world_size']}, {row['layers']} "
                       f"{row['model']} layers D={row['d_model']} F={row['d_ffn']} E={row['experts']} K={row['top_k']} "
                       f"tokens/rank={row['batch'] * row['seq']} {row['dtype']}, chunks={row['chunks']}, channels "
-                      f"{row['channels']}; rate {'-' if rate is None else f'{rate:.0f} Mbit/s'}, comm {row['comm_ms']:.0f} ms "
+                      f"{row['channels']}, routing {row['routing'] or 'balanced'} (max/mean load "
+                      f"{row['max_over_mean']:.2f}); rate {'-' if rate is None else f'{rate:.0f} Mbit/s'}, comm {row['comm_ms']:.0f} ms "
                       f"= {row['measured_comm_ratio']:.2f} x compute; medians of {row['rounds']} rounds, the slowest "
                       f"rank's step; step_ms per microbatch")
     peers = [k for k in row if k.startswith("overlapped_over_peer_")]
