@@ -80,6 +80,22 @@ def _exactness(model, ref_grads: dict, ref_loss: float, loss, ep_rank: int) -> f
     return worst
 
 
+def _rounds(names: list, links: dict, timed, rounds: int, link, sync) -> dict:
+    """{(link, name): median ms}: every name on every link (rate or None: unshaped), rounds alternating
+    the links' order and the names', after one warm-up step each."""
+    times = {(lk, n): [] for lk in links for n in names}
+    for n in names:
+        timed(n)
+    for rnd in range(rounds):
+        for lk in (list(links) if rnd % 2 == 0 else list(links)[::-1]):
+            if link is not None:
+                link.set_rate(links[lk])
+            dist.barrier(sync)
+            for n in (names if rnd % 2 == 0 else names[::-1]):
+                times[(lk, n)].append(timed(n))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     from torch.distributed.device_mesh import init_device_mesh
@@ -132,17 +148,7 @@ def main(argv=None) -> dict:
 
     load_before = os.getloadavg()
     links = {"unshaped": None, "shaped": rate}
-    times = {(lk, n): [] for lk in links for n in models}
-    for n in models:
-        timed(n)  # warm-up
-    for rnd in range(args.rounds):
-        for lk in (list(links) if rnd % 2 == 0 else list(links)[::-1]):
-            if link is not None:
-                link.set_rate(links[lk])
-            dist.barrier(sync)
-            for n in (list(models) if rnd % 2 == 0 else list(models)[::-1]):
-                times[(lk, n)].append(timed(n))
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = _rounds(list(models), links, timed, args.rounds, link, sync)
     row = dict(bench="fsdp_real", **run_metadata(torch.device("cpu")), model=args.model, mesh="dp=2,ep=2",
                world_size=world, channels=args.channels, chunks=args.chunks, tokens_per_rank=args.rows * args.seq,
                configured_mbit=None if rate is None else rate / 1e6, rounds=args.rounds, statistic="median",

@@ -26,7 +26,7 @@ Metrics: ``comm_ms = sequential shaped - sequential unshaped``; for each schedul
 (shaped - unshaped) / comm_ms`` (what of the sequential step's communication it does not add to
 its own computation) and ``speedup = sequential shaped / its shaped``. The row carries the
 configured rate, the achieved per-rank rate and all-to-all latency measured on the link at that
-rate after the timing (bench.reallink.probe), W, the load average before and after, device, commit
+rate after the timing (bench.reallink_probe.probe), W, the load average before and after, device, commit
 and date. ``--trace PATH`` writes one overlapped step of every rank (one process per rank) as a
 Chrome trace, with each transfer's issue, start and end on the link tracks.
 """
@@ -41,7 +41,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from bench import reallink
+from bench import reallink, reallink_probe
 from bench.common import RowLog, print_table, run_metadata
 from bench.real_runner import SCHEDULES, RealRunner, peer_schedules
 from bench.timing import keep_freed_memory, wall_ms
@@ -235,7 +235,7 @@ def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: st
             for n in (names if rnd % 2 == 0 else names[::-1]):
                 times[(lk, n)].append(me.timed(runner, n))
     me.set_rate(rate)
-    link_numbers = reallink.probe() if kind == "real" else {}
+    link_numbers = reallink_probe.probe() if kind == "real" else {}
     if getattr(group, "channels", None) is not None and kind == "real":
         link_numbers["lanes_a2a_mbit"] = _lanes_rate(group, me)
     if args.trace:

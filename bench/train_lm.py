@@ -105,8 +105,6 @@ def main(argv=None) -> dict:
         dist.init_process_group("nccl" if use_cuda else "gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     group = dist.group.WORLD if world > 1 else None
-    if group is not None and args.channels == "split" and not use_cuda:
-        lancet_rt.TorchGroup.split(group)  # the layers and the gradient sync find it: as_group(group)
     main_rank = rank == 0
 
     model = _build_model(args, device, group, rank, world)
@@ -163,25 +161,34 @@ def main(argv=None) -> dict:
     ovl_ms = timed(overlapped) if args.timing_steps else math.nan
     summary = dict(world=world, device=device.type, steps=args.steps, chunks=args.chunks,
                    first_loss=history[0]["loss"], final_loss=history[-1]["loss"], entropy=data.entropy,
-                   train_s=train_s, sequential_step_ms=seq_ms, overlapped_step_ms=ovl_ms,
+                   train_s=train_s, sequential_step_ms=seq_ms, overlapped_step_ms=ovl_ms, channels=args.channels,
                    sequential_tokens_per_s=tokens_per_step / seq_ms * 1e3,
-                   overlapped_tokens_per_s=tokens_per_step / ovl_ms * 1e3, channels=args.channels, history=history)
+                   overlapped_tokens_per_s=tokens_per_step / ovl_ms * 1e3, history=history)
     if main_rank:
-        print(f"summary: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} "
-              f"(floor {data.entropy:.3f}) in {args.steps} steps, {train_s:.1f} s; step time "
-              f"sequential {seq_ms:.1f} ms, overlapped ({args.chunks} chunks) {ovl_ms:.1f} ms "
-              f"({seq_ms / ovl_ms:.2f}x); tokens/s sequential {tokens_per_step / seq_ms * 1e3:.0f}, overlapped "
-              f"{tokens_per_step / ovl_ms * 1e3:.0f}")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(summary, f, indent=1)
+        _report(summary, args)
     if world > 1:
         dist.destroy_process_group()
     return summary
 
 
+def _report(summary: dict, args) -> None:
+    """Print the summary line (and write ``--json``)."""
+    seq_ms, ovl_ms = summary["sequential_step_ms"], summary["overlapped_step_ms"]
+    print(f"summary: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} "
+          f"(floor {summary['entropy']:.3f}) in {args.steps} steps, {summary['train_s']:.1f} s; step time "
+          f"sequential {seq_ms:.1f} ms, overlapped ({args.chunks} chunks) {ovl_ms:.1f} ms "
+          f"({seq_ms / ovl_ms:.2f}x); tokens/s sequential {summary['sequential_tokens_per_s']:.0f}, overlapped "
+          f"{summary['overlapped_tokens_per_s']:.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
 def _build_model(args, device, group, rank: int, world: int) -> MoELanguageModel:
-    """The model with the same dense weights on every rank and each rank's own experts."""
+    """The model with the same dense weights on every rank and each rank's own experts (``--channels
+    split``: on the split group of ``group``, which the layers and the gradient sync find by as_group)."""
+    if group is not None and args.channels == "split" and device.type == "cpu":
+        lancet_rt.TorchGroup.split(group)
     torch.manual_seed(0)
     moe_kwargs = dict(d_ffn=args.d_ffn, num_experts=args.experts, top_k=args.top_k,
                       capacity_factor=args.capacity_factor if args.capacity_factor > 0 else None,

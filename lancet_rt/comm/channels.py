@@ -109,6 +109,17 @@ class Transfer:
         self.end = time.perf_counter()
 
 
+def traced_transfer(what: str) -> Optional[Transfer]:
+    """A :class:`Transfer` recorded in the active trace (None when not tracing)."""
+    from lancet_rt import trace as _trace
+
+    if _trace.active() is None:
+        return None
+    transfer = Transfer(what)
+    _trace.record_link(transfer, 0)
+    return transfer
+
+
 class Deferred:
     """A collective queued on an :class:`Issuer`: a work whose ``wait(timeout)`` first waits for the
     launch (a timeout raises RuntimeError, as gloo's does), then for the collective; a failed header

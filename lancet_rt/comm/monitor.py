@@ -22,8 +22,6 @@ import contextlib
 import datetime
 import json
 import logging
-import os
-import socket
 import threading
 import time
 from typing import Callable, Optional
@@ -34,6 +32,8 @@ import torch.distributed as dist
 from lancet_rt import env
 from lancet_rt.comm.faults import ADVICE, CollectiveMismatch, GroupError, PeerError, PeerTimeout
 from lancet_rt.comm.header import header_row, mismatch
+from lancet_rt.comm.processes import process_identity, process_state
+from lancet_rt.comm.channels import traced_transfer
 
 log = logging.getLogger("lancet_rt")
 
@@ -102,7 +102,7 @@ class GroupMonitor:
         self._events_seen = 0
         self._published_at = -1
         if size > 1:
-            self._put(f"who/{rank}", _process_identity())
+            self._put(f"who/{rank}", process_identity())
 
     def _advice(self) -> str:
         return ADVICE.replace("expert-parallel", self.label, 1)
@@ -132,7 +132,7 @@ class GroupMonitor:
         seq = self.issued
         if what == "counts exchange":
             self.exchanges += 1
-        transfer = _trace_transfer(what)
+        transfer = traced_transfer(what)
         checked = self.check_headers and self.size > 1 and header is not None
         if self._issuer is not None:
             work = self._issuer.submit(seq, what, launch, header if checked else None, transfer)
@@ -378,7 +378,7 @@ class GroupMonitor:
                     ranks.append(q)
                     notes.append(f"rank {q} failed: {records[q]['msg'].splitlines()[0][:300]}")
                 continue
-            state = _process_state(self._get(f"who/{q}"))
+            state = process_state(self._get(f"who/{q}"))
             at = self._get(f"at/{q}")
             reached = at is not None and int(at.split()[1]) >= seq
             if state == "exited":
@@ -470,19 +470,6 @@ class Watched:
         return True
 
 
-def _trace_transfer(what: str):
-    """A :class:`lancet_rt.comm.channels.Transfer` recorded in the active trace (None when not tracing)."""
-    from lancet_rt import trace as _trace
-
-    if _trace.active() is None:
-        return None
-    from lancet_rt.comm.channels import Transfer
-
-    transfer = Transfer(what)
-    _trace.record_link(transfer, 0)
-    return transfer
-
-
 def _unnamed(notes: list) -> str:
     return "no peer could be named" + (f" ({'; '.join(notes)})" if notes else "")
 
@@ -509,42 +496,3 @@ def _abort(group) -> None:
     except Exception as exc:  # noqa: BLE001
         log.error("lancet-rt: could not abort the communicator (%s); the process waits for the process group's "
                   "own timeout", exc)
-
-
-# ------------------------------------------------------------------------------ processes
-def _machine() -> Optional[str]:
-    """This machine and PID namespace (two ranks with the same value can see each other's PIDs)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-        return f"{socket.gethostname()}:{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
-    except OSError:
-        return None
-
-
-def _proc_stat(pid: int) -> Optional[tuple[str, str]]:
-    """(state, start time) of a process from /proc, or None if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return fields[0], fields[19]
-
-
-def _process_identity() -> str:
-    stat = _proc_stat(os.getpid())
-    return json.dumps({"machine": _machine(), "pid": os.getpid(), "start": stat[1] if stat else None})
-
-
-def _process_state(identity: Optional[str]) -> Optional[str]:
-    """"exited" or "alive" for a process on this machine, None when that cannot be told."""
-    if not identity:
-        return None
-    who = json.loads(identity)
-    if who["machine"] is None or who["machine"] != _machine():
-        return None
-    stat = _proc_stat(who["pid"])
-    if stat is None or stat[0] == "Z" or (who["start"] is not None and stat[1] != who["start"]):
-        return "exited"
-    return "alive"
