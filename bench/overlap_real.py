@@ -53,7 +53,8 @@ def add_args(p) -> None:
                         "a rate-limited link, bench.reallink; RATE tc-style, e.g. 450mbit, else calibrated to "
                         "--comm-ratio) or loopback (the same ranks over loopback, unshaped)")
     p.add_argument("--delay-ms", type=float, default=0.0, help="--link real: netem delay on every port")
-    p.add_argument("--queue-ms", type=float, default=5.0, help="--link real: the token bucket's queue, ms at the rate")
+    p.add_argument("--queue-ms", type=float, default=reallink.QUEUE_MS,
+                   help="--link real: the token bucket's queue, ms at the rate")
     p.add_argument("--rounds", type=int, default=None, help="--link real: timed rounds (default 15; --quick 5)")
     p.add_argument("--channels", default="split",
                    help="--link real: the expert-parallel group's channels: split (counts and checks on a group of "

@@ -62,6 +62,10 @@ def test_link_is_built_inside_its_namespaces_and_torn_down():
             bridge_port = subprocess.run(["tc", "-n", link.bridge, "qdisc", "show", "dev", f"p{r}"],
                                          capture_output=True, text=True).stdout
             assert "rate 200Mbit" in bridge_port  # the port towards the rank: its ingress
+            for ns, dev in ((link.ns(r), reallink.IFACE), (link.bridge, f"p{r}")):  # packets a short queue holds
+                details = subprocess.run(["ip", "-n", ns, "-d", "link", "show", dev], capture_output=True,
+                                         text=True).stdout
+                assert f"gso_max_size {reallink.GSO_MAX} " in details
         host = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
         assert reallink.IFACE not in host and "p0@" not in host  # nothing of ours on the host
         link.set_rate(None)  # unshaped: the delay stays, the bucket goes
