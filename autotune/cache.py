@@ -10,7 +10,9 @@ File format (JSON, ``SCHEMA``/``VERSION`` below)::
 
 Writes are atomic and safe across processes: under an exclusive ``fcntl.flock`` on a side file
 (``<path>.lock``) the writer re-reads what is on disk, merges its entries in, writes a temporary
-file in the same directory and ``os.replace``-s it over the cache. Readers never lock: they see the
+file in the same directory and ``os.replace``-s it over the cache. A cache path that is a symbolic
+link (a shared cache) is written at its target, lock and temporary file included, so the link stays
+and writers through other links merge into the same file. Readers never lock: they see the
 old file or the new one, never a torn one. A file that is not valid JSON, belongs to another tool
 (wrong ``schema``) or has another ``version``, including one that is not UTF-8, is ignored with a
 warning and replaced on the next write. Entries are validated on read: a key that is not a
@@ -289,7 +291,11 @@ class TuneCache:
         if os.path.isdir(self.path):
             raise IsADirectoryError(errno.EISDIR, f"the autotune cache path is a directory, not a file; {_WHERE}",
                                     self.path)
-        directory = os.path.dirname(self.path)
+        # Through a symbolic link (a cache shared by several users or jobs) the TARGET is updated: its
+        # lock, its temporary file beside it, renamed onto it. The link stays a link, and writers
+        # through other links to the same file take the same lock and merge.
+        target = os.path.realpath(self.path)
+        directory = os.path.dirname(target)
         parent = directory
         while parent and not os.path.exists(parent):
             parent = os.path.dirname(parent)
@@ -298,13 +304,13 @@ class TuneCache:
                                      self.path)
         try:
             os.makedirs(directory, exist_ok=True)
-            with _locked(self.path + ".lock"):
-                entries = _read_entries(self.path, what="autotune cache", replacing=True)
+            with _locked(target + ".lock"):
+                entries = _read_entries(target, what="autotune cache", replacing=True)
                 entries.update(new)
                 data = {"schema": SCHEMA, "version": VERSION, "entries": entries}
                 if by == "device_name":
                     data["keyed_by"] = by
-                _atomic_write_json(self.path, data)
+                _atomic_write_json(target, data)
         except OSError as exc:
             if exc.errno is None:
                 raise
@@ -413,7 +419,13 @@ def _locked(lock_path: str):
 
 
 def _atomic_write_json(path: str, data: dict) -> None:
+    """``data`` to ``path`` by a temporary file beside it renamed onto it; the file keeps its mode
+    (a cache shared through a group-writable file stays group-writable)."""
     directory, base = os.path.split(path)
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except OSError:
+        mode = 0o644
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{base}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
@@ -421,7 +433,7 @@ def _atomic_write_json(path: str, data: dict) -> None:
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -95,31 +95,60 @@ class TimeBudget:
     def spent(self) -> bool:
         return self.deadline is not None and time.monotonic() >= self.deadline
 
+    def left(self) -> float:
+        """Seconds left (infinity without an allowance)."""
+        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
+
 
 class RowLog(list):
     """The rows of one run; each is appended to ``path`` (if given) the moment it is measured, so the
-    file holds every finished row even when the process is cut short."""
+    file holds every finished row even when the process is cut short; :meth:`update` rewrites the
+    latest one in place as a run adds to it."""
 
     def __init__(self, path: str | os.PathLike | None = None):
         super().__init__()
         self.path = path
+        self._index = None  # the latest row's position in the file
 
     def add(self, row: dict) -> None:
         self.append(row)
         if self.path:
-            write_json(self.path, [row])
+            self._index = write_json(self.path, [row])
+
+    def update(self, row: dict) -> None:
+        """Replace the latest row (in memory and in the file) with ``row``; with none yet, add it."""
+        if not self:
+            return self.add(row)
+        self[-1] = row
+        if self.path:
+            rows = _read_rows(Path(self.path))
+            if self._index is None or self._index >= len(rows):  # the file was replaced meanwhile
+                self._index = write_json(self.path, [row])
+            else:
+                rows[self._index] = row
+                _write_rows(Path(self.path), rows)
 
 
-def write_json(path: str | os.PathLike, rows: Sequence[dict]) -> None:
-    """Append ``rows`` to the JSON list at ``path`` (created if missing), written atomically."""
+def write_json(path: str | os.PathLike, rows: Sequence[dict]) -> int:
+    """Append ``rows`` to the JSON list at ``path`` (created if missing), written atomically; returns
+    the position of the first appended row."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    existing = []
-    if path.exists():
-        try:
-            existing = json.loads(path.read_text())
-        except json.JSONDecodeError:
-            existing = []
+    existing = _read_rows(path)
+    _write_rows(path, existing + list(rows))
+    return len(existing)
+
+
+def _read_rows(path: Path) -> list:
+    if not path.exists():
+        return []
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return []
+
+
+def _write_rows(path: Path, rows: list) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(existing + list(rows), indent=1))
+    tmp.write_text(json.dumps(rows, indent=1))
     os.replace(tmp, path)

@@ -1,59 +1,77 @@
-"""The whole GPU lane in one command (../shared/GPU.md), ending with every headline number and its target.
+"""The GPU lane: one call on a lent H100/H200 that brings the project's headline numbers home first.
 
-    python3 -m bench.gpu_lane --out "$OUT"        # on an H100/H200, from the repo root
+A lent GPU gives a session 15 minutes of device time in all (the machine's start, every call, idle
+waits, the close), at most 10 minutes a command, and brings back at most 8 files from ``$OUT``. So the
+lane is ONE prepared call of about 8 minutes, in priority order, that keeps what it measured however
+it ends. Here, where PyPI is reachable, first::
 
-The lane first installs the checkout itself (``pip install --no-index --no-deps --no-build-isolation
---target SITE .``: setuptools maps kernels/ and autotune/ to lancet_rt.kernels and lancet_rt.autotune,
-which the bare repository on PYTHONPATH does not) into a temporary site directory, then runs its
-steps from a scratch directory with that site ahead of the repository on PYTHONPATH (the repository
-still provides bench/ and tests/), so ``import lancet_rt`` finds the installed package.
+    make gpu-wheels            # .whl/: greenlet, the one package the GPU image lacks
 
-Steps, each in its own process, so one failure does not hide the others: versions and device;
-``pytest -m gpu`` (tests; verbose, so each failure shows as it happens even if the step is stopped);
-bench.kernels, bench.experts and bench.overlap (cuda, emulated link at
---comm-ratio 1, with the timeline PNG), each writing JSON rows with the ceilings measured in the same
-run; ``lancet-autotune`` on bench.overlap's block, exporting the choice as shipped defaults
-(autotune). Results land in ``--out`` (copy them to bench/results/ and autotune/defaults.json to
-commit them); the summary is printed last and written as summary.json.
+then THE call (the device tool's ``run``), and ``give_back`` after it unless you rerun at once::
 
-A lent GPU takes commands of at most 10 minutes, so the lane keeps to ``--budget`` seconds of wall
-clock: each step gets a share of what is left (by its weight in :data:`STEPS`), the benchmarks stop
-starting new cases when their share is spent and keep every finished row, and a step that outlives
-its share is interrupted (SIGINT: pytest still prints its failures' tracebacks) and then stopped
-(bench.overlap leaves its cross-microbatch part out once its share is spent, and writes its row
-before it draws the timeline). Split the lane over calls with ``--only``; a
-step run alone gets the whole budget (the tests need it: an H100 ran 11 of them in a 233 s share)::
+    run(command="PYTHONUNBUFFERED=1 python3 -m bench.gpu_lane --budget 480 --out $OUT",
+        carry=[".whl"], timeout_s=540)
 
-    python3 -m bench.gpu_lane --out "$OUT" --only tests
-    python3 -m bench.gpu_lane --out "$OUT" --only experts,kernels
-    python3 -m bench.gpu_lane --out "$OUT" --only overlap,autotune
+What comes back: ``$OUT/lane.tar.gz`` (every step's JSON rows, logs, pytest JUnit XML, the overlap
+timeline PNG and trace) and ``$OUT/summary.json`` (the plan, each step's outcome and each headline
+number against its target), both refreshed after every step and every 20 s while one runs; the reply's
+output tail ends with the steps and the targets table. Bring it home and commit::
 
-The tests and bench.experts share their grouped-GEMM shapes, so on the same machine (one call, or
-the next while it is still warm) the benchmark finds the configs the tests' autotuning compiled and
-chose in Triton's on-disk caches (the routing kernels' spaces prune to one config per key; the
-grouped GEMM's to up to 14).
+    python -m bench.gpu_lane --collect /path/to/lane.tar.gz    # rows appended under bench/results/
 
-Back on the development machine, ``python -m bench.gpu_lane --collect DIR`` (DIR: a call's returned
-``$OUT``) appends the rows to ``bench/results/`` (kernels, experts, overlap, and the summary as
-gpu_lane.json), copies the timeline PNG and trace under the GPU's name, and merges the exported
-autotune defaults into ``autotune/defaults.json``; run it once per call, then commit.
+The default plan (``--plan priority``; each step a fixed cap, time a step leaves over flows down to the
+next, and a short ``--budget`` cuts the last steps first; the plan with each cap is printed first):
 
-Packages the GPU machine lacks (greenlet, pytest-timeout) travel as wheels in ``.whl/`` (``make
-gpu-wheels`` where PyPI is reachable, then ``carry: [".whl"]``); the lane installs them into the
-same temporary site directory.
+    P0  pre-flight, 40 s: install the carried wheels and the checkout (with timeouts), import everything
+        (greenlet too: the lane stops at once, non-zero, on a failed import), versions, nvidia-smi -L,
+        the copy-bandwidth and matmul ceilings (bench.preflight)
+    P1  bench.overlap on CUDA, 150 s: its single-step row is on disk right after the two link passes;
+        then the bound and floors, then 4 microbatches if their projected time fits
+    P2  bench.host --device cuda, 35 s + 35 s: host against GPU us per layer-chunk, Qwen3-30B-A3B-like
+        (128 experts of F=768, top-8) and Mixtral-like (8 experts of F=14336, top-2): HOST_SHAPES
+    P3  the steady-state host-sync test, 40 s: the full stack of every synchronizing call
+    P4  the runtime's GPU tests, 90 s (streams, events, NCCL with one rank, accumulate and
+        early-backward twins; 90 s per test)
+    P5  bench.kernels at T=16384 without torch.compile baselines, 45 s
+    P6  the kernel tests, with what is left (90 s per test)
+
+P1-P4 pin the grouped GEMM's configs (bench.lane_steps.GEMM_PINS: those that won on an H100 on
+2026-11-24), so each kernel variant compiles once instead of autotuning; P5-P6 and ``--plan tuning``
+(bench.experts autotuned, then lancet-autotune, for a later call) tune. Each step runs in its own
+process (one failure does not hide the others) from a scratch directory, with the checkout installed
+into a temporary site ahead of the repository on PYTHONPATH (setuptools maps kernels/ and autotune/ to
+lancet_rt.kernels and lancet_rt.autotune, which the bare repository does not); a step that outlives its
+allowance is interrupted (SIGINT: pytest still prints its failures), then killed.
+
+``--dry-run`` runs the same plan at toy sizes on the CPU (TRITON_INTERPRET=1): every step's command
+really runs, so each module parses its arguments (tests/bench/test_gpu_lane_dry_run.py, in CI).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 from pathlib import Path
+
+from bench import lane_files
+from bench.lane_files import collect  # noqa: F401 - (the lane's API: bench.gpu_lane.collect)
+from bench.lane_steps import MIN_STEP_SECONDS, PLANS, Context, allot, deadlines, pin_env
+
+REPO = Path(__file__).resolve().parent.parent
+INTERRUPT_SECONDS = 15  # at most, of a step's allowance: from its interrupt to its kill
+TAIL_CHARS = 700        # of each step's log printed (the reply keeps the last 12,000 characters of all)
+INSTALL_TIMEOUT_S = 60
+#: --dry-run: each step's allowance is its cap times this. The toy steps need a few CPU seconds each,
+#: but on a shared 2-core machine importing torch alone can take longer than a GPU machine's cap.
+DRY_RUN_SLOWDOWN = 4
 
 # Issue targets: (label, JSON file, row filter, value, target (None: shown, not judged), higher is better).
 TARGETS = [
@@ -77,110 +95,10 @@ TARGETS = [
     ("most communication any schedule could hide", "overlap.json", {}, "max_hidden_comm_fraction", None, True),
     ("speedup of a schedule at the pass-aware bound", "overlap.json", {}, "pass_bound_speedup", None, True),
     ("chunking overhead over the lean eager layer's", "overlap.json", {}, "overhead_over_lean", None, False),
+    # Host against GPU per layer-chunk at 4 chunks (bench.host on CUDA): near 1, the GPU waits for the host.
+    *[(f"host / GPU time per layer-chunk, {label}, 4 chunks", "host.json", dict(experts=E, top_k=K, chunks=4),
+       "host_over_gpu", None, False) for label, E, K in (("Qwen3-30B-A3B-like", 128, 8), ("Mixtral-like", 8, 2))],
 ]
-
-
-# name -> (share weight, seconds kept back for a graceful stop, or None if the step has no --max-seconds).
-STEPS = {
-    "tests": (4, None),
-    "kernels": (5, 45),
-    "experts": (5, 120),   # one (F, routing) group: 6 projections, autotuned on first sight
-    "overlap": (3, 30),    # kept back for the trace and timeline after the row is written
-    "host": (1, None),     # what each extra chunk costs the host (issue 20), every configuration
-    "autotune": (2, None),
-}
-SUMMARY_SECONDS = 10   # kept back from --budget for the summary
-REPO = Path(__file__).resolve().parent.parent
-INTERRUPT_SECONDS = 15  # of a step's share: from its interrupt to its kill, for its own summary
-
-
-def step_command(step: str, py: str, out: Path, max_seconds: float) -> list:
-    bench = {"kernels": "bench.kernels", "experts": "bench.experts"}
-    if step == "tests":
-        # Not -x: a first run on a GPU should show every failure, not the first (the share still bounds it).
-        # -v --tb=short: each test's outcome as it finishes, so a step stopped by its share still shows
-        # its failures. --import-mode=append: tests/ is a package, and prepending the repository would
-        # put its lancet_rt (without kernels/ and autotune/ mapped in) ahead of the installed one.
-        return [py, "-m", "pytest", str(REPO / "tests"), "-m", "gpu", "-v", "--tb=short", "-rfE", "--durations=15",
-                "--maxfail=10", "--import-mode=append", "-p", "no:cacheprovider"]
-    if step in bench:
-        return [py, "-m", bench[step], "--device", "cuda", "--json", str(out / f"{step}.json"),
-                "--max-seconds", f"{max_seconds:.0f}"]
-    if step == "overlap":
-        # --microbatches 4: the same run also measures the cross-microbatch step (issue #12's GPU part)
-        return [py, "-m", "bench.overlap", "--device", "cuda", "--microbatches", "4", "--json", str(out / "overlap.json"),
-                "--png", str(out / "overlap.png"), "--trace", str(out / "overlap-trace.json"),
-                "--max-seconds", f"{max_seconds:.0f}"]
-    if step == "host":
-        # fine-grained experts (E=64 over 8 emulated ranks, 4096 tokens): the host-bound case
-        return [py, "-m", "bench.host", "--device", "cuda", "--sweep", "--world-size", "8", "--experts", "64",
-                "--d-model", "1024", "--d-ffn", "512", "--heads", "8", "--batch", "8", "--seq", "512",
-                "--reps", "10", "--json", str(out / "host.json")]
-    ov = _rows(out, "overlap.json")
-    bw = ov[-1]["bandwidth_gbps"] if ov else 50.0
-    return [py, "-m", "lancet_rt.autotune", "--device", "cuda", "--link", "emulated", "--world-size", "8",
-            "--bandwidth-gbps", f"{bw:.6g}", "--latency-us", "20", "--d-model", "2048", "--d-ffn", "4096",
-            "--experts", "16", "--top-k", "2", "--capacity-factor", "1.25", "--tokens", "16384", "--seq", "1024",
-            "--layers", "4", "--heads", "16", "--dtype", "bfloat16", "--cache", str(out / "autotune-cache.json"),
-            "--export-defaults", str(out / "defaults.json"), "--no-progress"]
-
-
-def run(step: str, cmd: list, out: Path, timeout: float, env: dict, cwd: str | None = None) -> dict:
-    """Run one step's ``cmd`` (in ``cwd``) for at most ``timeout`` seconds, its output in ``out/STEP.log``.
-
-    Returns:
-        ``dict(step=, rc=, seconds=)``; rc is "timeout" when the step was stopped.
-    """
-    print(f"\n=== {step} (at most {timeout:.0f} s): {' '.join(cmd)}", flush=True)
-    t0 = time.time()
-    with open(out / f"{step}.log", "w") as log:
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd)
-        try:
-            text, _ = p.communicate(timeout=max(1.0, timeout - INTERRUPT_SECONDS))
-            rc = p.returncode
-        except subprocess.TimeoutExpired:
-            # Interrupted first, as Ctrl-C would: pytest then prints its summary with the failures'
-            # tracebacks, which a kill would lose.
-            p.send_signal(signal.SIGINT)
-            try:
-                text, _ = p.communicate(timeout=INTERRUPT_SECONDS)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                text, _ = p.communicate()
-            rc = "timeout"
-        text = text or ""
-        log.write(text)
-    failed = [line for line in text.splitlines() if line.startswith(("FAILED ", "ERROR ")) or
-              line.rstrip().endswith((" FAILED", " ERROR")) or " FAILED " in line]
-    if failed:  # before the tail, which may have cut them off
-        print("failures:\n  " + "\n  ".join(dict.fromkeys(failed)))
-    print(text[-1500:], flush=True)   # the whole log is in --out; the reply keeps only a tail
-    return dict(step=step, rc=rc, seconds=round(time.time() - t0, 1))
-
-
-def install_checkout(repo: Path, site: str) -> bool:
-    """Install the checkout itself into ``site`` (no registry, no build isolation: the machine's own
-    setuptools builds it), so its steps import lancet_rt.kernels and lancet_rt.autotune as mapped by
-    package-dir; returns whether pip succeeded."""
-    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
-                        "--target", site, str(repo)], capture_output=True, text=True, cwd=repo)
-    if p.returncode != 0:  # the steps then fail at their imports and say so
-        print(f"could not install the checkout into {site}:\n{p.stderr.strip()[-600:]}")
-    return p.returncode == 0
-
-
-def carried_packages(repo: Path, site: str) -> bool:
-    """Install the wheels carried in ``.whl/`` (``make gpu-wheels``: greenlet, pytest-timeout; the GPU
-    machine has no package registry) into ``site``; returns whether there were any and they installed."""
-    wheels = sorted(str(w) for w in (repo / ".whl").glob("*.whl"))
-    if not wheels:
-        return False
-    p = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", site,
-                        *wheels], capture_output=True, text=True)
-    if p.returncode != 0:  # a wheel for another Python, say: the steps say what is missing
-        print(f"could not install the carried wheels {wheels}:\n{p.stderr.strip()[-600:]}")
-        return False
-    return True
 
 
 def _rows(out: Path, name: str) -> list:
@@ -210,101 +128,224 @@ def summary(out: Path) -> list:
     return results
 
 
-def collect(src: Path, results: Path, defaults: Path) -> list:
-    """Bring one call's ``$OUT`` into the repository (see the module docstring); returns what was
-    written. Rows are appended, never replaced: each carries its device, commit and date."""
-    from bench.common import write_json
+def install(repo: Path, site: str, log: Path) -> bool:
+    """Install the carried wheels (``.whl/``, ``make gpu-wheels``; the GPU machine has no package
+    registry) and the checkout itself (no registry, no build isolation: the machine's own setuptools)
+    into ``site``, each with a timeout, their output in ``log``; returns whether both went through.
+    A failure shows at the pre-flight's imports, which stop the lane."""
+    wheels = sorted(str(w) for w in (repo / ".whl").glob("*.whl"))
+    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", site]
+    ok = True
+    with open(log, "a") as f:
+        for what, cmd in (("carried wheels", [*pip, *wheels] if wheels else None),
+                          ("the checkout", [*pip, "--no-build-isolation", str(repo)])):
+            if cmd is None:
+                f.write(f"no carried wheels in {repo / '.whl'}\n")
+                continue
+            try:
+                p = subprocess.run(cmd, capture_output=True, text=True, cwd=repo, timeout=INSTALL_TIMEOUT_S)
+                rc, text = p.returncode, p.stdout + p.stderr
+            except subprocess.TimeoutExpired:
+                rc, text = "timeout", f"pip did not finish in {INSTALL_TIMEOUT_S} s"
+            f.write(f"install {what}: rc {rc}\n{text}\n")
+            if rc != 0:
+                print(f"could not install {what} into {site}: {text.strip()[-400:]}", flush=True)
+                ok = False
+    return ok
 
-    written = []
-    for name in ("kernels", "experts", "overlap", "host"):
-        rows = _rows(src, f"{name}.json")
-        if rows:
-            write_json(results / f"{name}.json", rows)
-            written.append(f"{results / name}.json (+{len(rows)} rows)")
-    device = next((r["device"] for name in ("kernels", "experts", "overlap") for r in _rows(src, f"{name}.json")
-                   if r.get("device")), None)
-    slug = "".join(ch if ch.isalnum() else "_" for ch in (device or "gpu")).strip("_").lower()
-    if (src / "summary.json").exists():
-        summary_row = dict(json.loads((src / "summary.json").read_text()), device=device)
-        write_json(results / "gpu_lane.json", [summary_row])
-        written.append(f"{results / 'gpu_lane.json'} (+1 row)")
-    for name, dest in (("overlap.png", f"overlap_{slug}.png"), ("overlap-trace.json", f"overlap_{slug}_trace.json")):
-        if (src / name).exists():
-            (results / dest).write_bytes((src / name).read_bytes())
-            written.append(str(results / dest))
-    exported = src / "defaults.json"
-    if exported.exists():
-        new = json.loads(exported.read_text()).get("entries", {})
-        shipped = json.loads(defaults.read_text())
-        shipped.setdefault("entries", {}).update(new)   # the other fields (schema, comment) stay
-        defaults.write_text(json.dumps(shipped, indent=1) + "\n")
-        written.append(f"{defaults} (+{len(new)} entries)")
-    return written
+
+def run_step(cmd: list, env: dict, cwd: str, log: Path, seconds: float, refresh) -> tuple:
+    """Run ``cmd`` for at most ``seconds`` (its output appended to ``log``), calling ``refresh()`` every
+    :data:`lane_files.REFRESH_SECONDS`; returns (rc, seconds taken, CPU seconds). Past its time the step's process
+    group is interrupted (SIGINT, as Ctrl-C: pytest prints its failures, the benchmarks keep their
+    rows), then killed; rc is then "timeout". Also returns the CPU seconds its processes took."""
+    t0, cpu0 = time.monotonic(), _children_cpu()
+    grace = min(INTERRUPT_SECONDS, seconds / 4)
+    soft, last = t0 + seconds - grace, t0
+    with open(log, "a") as f:
+        p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=cwd, start_new_session=True)
+        stopped = False
+        while p.poll() is None:
+            now = time.monotonic()
+            if now >= soft:
+                _signal(p, signal.SIGKILL if stopped else signal.SIGINT)
+                soft, stopped = now + grace, True
+            if now - last >= lane_files.REFRESH_SECONDS:
+                refresh()
+                last = now
+            time.sleep(0.1)
+    return ("timeout" if stopped else p.returncode), round(time.monotonic() - t0, 1), round(_children_cpu() - cpu0, 1)
+
+
+def _children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _signal(p: subprocess.Popen, sig) -> None:
+    try:
+        os.killpg(p.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _show(log: Path) -> None:
+    """Print a step's failures (before its tail, which may have cut them off) and its tail."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    failed = [line for line in text.splitlines() if line.startswith(("FAILED ", "ERROR ")) or
+              line.rstrip().endswith((" FAILED", " ERROR"))]
+    failed = list(dict.fromkeys(failed))
+    if failed:  # (at most 20 lines: the reply keeps the last 12,000 characters of the whole call)
+        print("failures:\n  " + "\n  ".join(failed[:20]) + (f"\n  ... {len(failed) - 20} more" if len(failed) > 20 else ""))
+    print(text[-TAIL_CHARS:], flush=True)
+
+
+def junit_counts(path: Path) -> dict | None:
+    """tests, failures, errors, skipped of a pytest --junitxml file (None if there is none)."""
+    if not path.exists():
+        return None
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError:
+        return None
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    return {k: sum(int(s.get(k, 0)) for s in suites) for k in ("tests", "failures", "errors", "skipped")}
+
+
+class Lane:
+    """The records of one run and its two files in ``--out``, refreshed after every step."""
+
+    def __init__(self, args, plan: list, caps: list, out: Path, work: Path):
+        self.out, self.work, self.plan, self.caps = out, work, plan, caps
+        self.head = dict(plan_name=args.plan, budget_s=args.budget, dry_run=args.dry_run, started=time.time(),
+                         plan=[dict(label=s.label, step=s.name, cap_s=round(c, 1), what=s.what)
+                               for s, c in zip(plan, caps)])
+        self.steps: list = []
+        self.left_out: list = []
+
+    def refresh(self) -> None:
+        lane_files.write_summary(self.work, self.summary())  # (the archive holds it too)
+        self.left_out = lane_files.pack(self.work, self.out)
+        lane_files.write_summary(self.out, self.summary())
+
+    def summary(self) -> dict:
+        return dict(self.head, steps=self.steps, targets=summary(self.work), left_out_of_archive=self.left_out,
+                    seconds=round(time.time() - self.head["started"], 1))
+
+
+def print_plan(plan: list, caps: list, budget: float) -> None:
+    print(f"=== plan (--budget {budget:g} s; each step's cap, time left over flows down)")
+    t = 0.0
+    for step, cap in zip(plan, caps):
+        print(f"{step.label:3s} {step.name:13s} {cap:5.0f} s  (by {t + cap:4.0f} s)  {step.what}"
+              + (f"  [GEMM configs pinned: {step.pins}]" if step.pins else ""))
+        t += cap
+    print(flush=True)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.environ.get("OUT", "gpu-lane-out"))
-    p.add_argument("--only", default=",".join(STEPS), help=f"comma-separated steps to run, of {','.join(STEPS)}")
+    p.add_argument("--out", default=os.environ.get("OUT", "gpu-lane-out"),
+                   help="where the archive and summary.json go (default: $OUT)")
+    p.add_argument("--plan", choices=sorted(PLANS), default="priority")
+    p.add_argument("--only", default=None, help="comma-separated steps of the plan to run (the pre-flight always runs)")
     p.add_argument("--skip", default="", help="comma-separated steps to leave out")
-    p.add_argument("--budget", type=float, default=560.0,
-                   help="wall-clock seconds for the whole call (a lent GPU's command limit is 600)")
-    p.add_argument("--collect", metavar="DIR", default=None,
-                   help="instead of running: bring a call's returned $OUT into bench/results/ and autotune/")
+    p.add_argument("--budget", type=float, default=480.0,
+                   help="wall-clock seconds for the whole call (run it with timeout_s 60 s more)")
+    p.add_argument("--dry-run", action="store_true", help="the same plan at toy sizes on the CPU (TRITON_INTERPRET=1)")
+    p.add_argument("--collect", metavar="ARCHIVE", default=None,
+                   help="instead of running: bring a call's lane.tar.gz (or $OUT directory) into bench/results/")
+    p.add_argument("--results", default=str(REPO / "bench" / "results"), help="--collect: where the rows go")
     args = p.parse_args(argv)
-    repo = REPO
     if args.collect:
         src = Path(args.collect)
-        if not src.is_dir():
-            p.error(f"--collect: {src} is not a directory")
-        for line in collect(src, repo / "bench" / "results", repo / "autotune" / "defaults.json") or ["nothing"]:
+        if not src.exists():
+            p.error(f"--collect: {src} does not exist")
+        for line in collect(src, Path(args.results), REPO / "autotune" / "defaults.json") or ["nothing"]:
             print("collected:", line)
         return 0
-    t_end = time.time() + args.budget - SUMMARY_SECONDS
+    if args.budget <= 0:
+        p.error(f"--budget must be > 0 seconds, got {args.budget:g}")
+    names = [s.name for s in PLANS[args.plan]]
+    only = names if args.only is None else ["preflight", *args.only.split(",")]
+    skip = [n for n in args.skip.split(",") if n and n != "preflight"]
+    unknown = sorted(set(only + skip) - set(names))
+    if unknown:
+        p.error(f"--only/--skip: unknown steps {unknown}; the {args.plan} plan has {names}")
+    plan = [s for s in PLANS[args.plan] if s.name in only and s.name not in skip]
+    caps = allot(plan, args.budget)
+    print_plan(plan, caps, args.budget)
     out = Path(args.out).resolve()  # the steps run from a scratch directory
     out.mkdir(parents=True, exist_ok=True)
-    chosen = [s for s in filter(None, args.only.split(",")) if s not in set(args.skip.split(","))]
-    unknown = sorted(set(chosen) - set(STEPS))
-    if unknown:
-        p.error(f"--only/--skip: unknown steps {unknown}; expected some of {list(STEPS)}")
-    site = tempfile.mkdtemp(prefix="lancet-site-")
-    install_checkout(repo, site)
-    carried_packages(repo, site)
-    # The site ahead of the repository (which still provides bench/ and tests/), and the steps run from
-    # a scratch directory, not the repository root, whose lancet_rt would come first on sys.path.
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [site, str(repo), os.environ.get("PYTHONPATH")])))
-    scratch = tempfile.mkdtemp(prefix="lancet-lane-")
-    py = sys.executable
-    steps = [run("versions", [py, "-c", "import lancet_rt.kernels, lancet_rt.autotune; print('lancet_rt from', "
-                              "lancet_rt.__file__); import torch, triton, greenlet; print('torch', torch.__version__, "
-                              "'triton', triton.__version__, 'greenlet', greenlet.__version__, "
-                              "torch.cuda.get_device_name())"], out, 60, env, scratch)]
+    dirs = [Path(tempfile.mkdtemp(prefix=f"lancet-lane-{d}-")) for d in ("work", "site", "cwd")]
     try:
-        subprocess.run(["nvidia-smi", "-L"], timeout=30)
-    except (OSError, subprocess.SubprocessError) as e:
-        print(f"nvidia-smi -L: {e}")
-    for i, step in enumerate(chosen):
-        weight, margin = STEPS[step]
-        left = t_end - time.time()
-        share = left * weight / sum(STEPS[s][0] for s in chosen[i:])
-        if share < 30:
-            steps.append(dict(step=step, rc="no time left", seconds=0))
+        lane = Lane(args, plan, caps, out, dirs[0])
+        rc = run_plan(lane, args.dry_run, *dirs[1:])
+        lane.refresh()
+    finally:
+        for d in dirs:
+            shutil.rmtree(d, ignore_errors=True)
+    _report(lane.summary())
+    return rc
+
+
+def run_plan(lane: Lane, dry: bool, site: Path, scratch: Path) -> int:
+    """Install, then run ``lane``'s steps in order, each until its deadline; returns the lane's exit
+    status (non-zero: the pre-flight failed, and nothing after it ran)."""
+    slow = DRY_RUN_SLOWDOWN if dry else 1
+    if dry:
+        print(f"(dry run on the CPU: each allowance is its cap x {slow})", flush=True)
+    t0, work = time.monotonic(), lane.work
+    install(REPO, str(site), work / "preflight.log")
+    # The site ahead of the repository (which still provides bench/ and tests/); the steps run from a
+    # scratch directory, not the repository root, whose lancet_rt would come first on sys.path.
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(site), str(REPO), os.environ.get("PYTHONPATH")])))
+    if dry:
+        env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    for step, cap, end in zip(lane.plan, lane.caps, deadlines(lane.caps)):
+        seconds = end * slow - (time.monotonic() - t0)
+        record = dict(step=step.name, label=step.label, cap_s=round(cap, 1), allowance_s=round(max(seconds, 0), 1))
+        if seconds < MIN_STEP_SECONDS:
+            lane.steps.append(dict(record, rc="no time left", seconds=0))
             continue
-        cmd = step_command(step, py, out, share - (margin or 0))
-        steps.append(run(step, cmd, out, share, env, scratch))
-    shutil.rmtree(site, ignore_errors=True)
-    shutil.rmtree(scratch, ignore_errors=True)
-    table = summary(out)
-    (out / "summary.json").write_text(json.dumps(dict(steps=steps, targets=table), indent=1))
-    print("\n=== steps")
-    for s in steps:
-        print(f"{s['step']:10s} rc={s['rc']}  {s['seconds']} s")
-    print("\n=== headline numbers vs targets")
-    for r in table:
-        print(f"{r['metric']:52s} {str(r['value']):>8s}  target {r['target']:>8}  {r['met']}"
-              + (f"  ({r['failed']} rows failed their check)" if r.get("failed") else ""))
+        cmd = step.argv(Context(sys.executable, REPO, work, dry, seconds - step.stop_s))
+        log = work / f"{step.name}.log"
+        print(f"\n=== {step.label} {step.name} (at most {seconds:.0f} s): {' '.join(cmd)}", flush=True)
+        rows_before = len(_rows(work, step.rows)) if step.rows else 0
+        with open(log, "a") as f:  # (the pre-flight's log already holds the installs)
+            f.write(f"$ {' '.join(cmd)}\n")
+        rc, took, cpu = run_step(cmd, dict(env, **pin_env(step.pins)), str(scratch), log, seconds, lane.refresh)
+        record.update(rc=rc, seconds=took, cpu_s=cpu)
+        if step.rows:
+            record["rows"] = len(_rows(work, step.rows)) - rows_before
+        tests = junit_counts(work / f"{step.name}.xml")
+        if tests:
+            record["tests"] = tests
+        lane.steps.append(record)
+        _show(log)
+        lane.refresh()
+        if step.name == "preflight" and rc != 0:
+            print(f"pre-flight failed (rc {rc}): stopping here, before any step spends the call", flush=True)
+            return rc if isinstance(rc, int) and rc > 0 else 3
     return 0
+
+
+def _report(s: dict) -> None:
+    print("\n=== steps")
+    for r in s["steps"]:
+        extra = f"  rows +{r['rows']}" if "rows" in r else ""
+        if r.get("tests"):
+            t = r["tests"]
+            extra += f"  tests {t['tests']}: {t['failures']} failed, {t['errors']} errors, {t['skipped']} skipped"
+        print(f"{r['label']:3s} {r['step']:13s} rc={r['rc']}  {r['seconds']} s of {r['allowance_s']}"
+              f" (CPU {r.get('cpu_s', 0)} s){extra}")
+    print("\n=== headline numbers vs targets")
+    for r in s["targets"]:
+        print(f"{r['metric']:60s} {str(r['value']):>8s}  target {r['target']:>8}  {r['met']}"
+              + (f"  ({r['failed']} rows failed their check)" if r.get("failed") else ""))
+    print(f"\n{s['seconds']} s; --out holds {lane_files.ARCHIVE} and {lane_files.SUMMARY}"
+          + (f" (left out of the archive to fit: {s['left_out_of_archive']})" if s["left_out_of_archive"] else ""))
 
 
 if __name__ == "__main__":

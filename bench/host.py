@@ -17,6 +17,13 @@ and the compute's own work is left), a training step is run unchunked and under
 and per step: the bytes saved for backward (distinct storages packed by autograd, parameters
 excluded: what the step holds beyond the model) and, on CUDA, the peak allocated memory.
 
+On CUDA, host against GPU: each timed step starts on an idle device (synchronized before, never
+inside), and CUDA events beside the host clock give each phase's GPU time (``fwd_gpu_us``,
+``bwd_gpu_us``); ``host_us`` and ``gpu_us`` are the step's per layer and chunk, and
+``host_over_gpu`` their ratio (:func:`host_vs_gpu`: well under 1, the GPU sets the pace; near 1, it
+waits for the host). CPU rows have none of these fields. Every row carries the model's shape
+(``world_size``, ``experts``, ``top_k``, ``layers``, ``d_model``, ``d_ffn``, ``heads``, ``batch``, ``seq``).
+
 The "per extra chunk" columns are (value at N chunks - value unchunked) / (layers x (N - 1)): what
 each chunk beyond the first adds to one layer's step. Every option of the layer the step depends on
 is a flag: dropless or a capacity factor, autocast, deferred dW.
@@ -33,7 +40,6 @@ import contextlib
 import copy
 import gc
 import statistics
-import time
 from typing import Optional
 
 import torch
@@ -41,6 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import lancet_rt
 from bench.common import RowLog, print_table, run_metadata
+from bench.timing import PhaseTimer, collect_garbage
 from lancet_rt.models.blocks import MoEBlocks
 
 _READ = torch.ops.aten._local_scalar_dense.default
@@ -218,25 +225,53 @@ class Step:
         return row
 
     def host_us(self, n: int, reps: int, plain: bool = False) -> dict:
-        """Median wall time of the forward and of the backward, in microseconds (GC paused);
-        ``plain``: of :meth:`plain_forward`'s step instead."""
+        """Median wall time of the forward and of the backward, in microseconds (GC paused; the device
+        synchronized before each step, never inside it); ``plain``: of :meth:`plain_forward`'s step
+        instead. On CUDA also the phases' CUDA-event GPU times and :func:`host_vs_gpu`'s fields."""
         forward = self.plain_forward if plain else self.forward
-        fwd, bwd = [], []
-        gc.collect()
+        timer = PhaseTimer(self.device)
+        phases = []
+        collect_garbage()
         gc.disable()
         try:
             for _ in range(reps):
                 self.model.zero_grad(set_to_none=True)
-                t0 = time.perf_counter()
+                timer.start()
                 loss = forward(n)
-                t1 = time.perf_counter()
+                timer.lap()
                 loss.backward()
-                t2 = time.perf_counter()
-                fwd.append((t1 - t0) * 1e6)
-                bwd.append((t2 - t1) * 1e6)
+                timer.lap()
+                phases.append(timer.result())
         finally:
             gc.enable()
-        return dict(fwd_us=statistics.median(fwd), bwd_us=statistics.median(bwd))
+        fwd, bwd = [p[0] for p in phases], [p[1] for p in phases]  # (host_us, gpu_us) of each step
+        out = dict(fwd_us=statistics.median(h for h, _ in fwd), bwd_us=statistics.median(h for h, _ in bwd))
+        if timer.cuda:
+            out.update(host_vs_gpu(out["fwd_us"], out["bwd_us"], statistics.median(g for _, g in fwd),
+                                   statistics.median(g for _, g in bwd), self.layers * n))
+        return out
+
+
+def host_vs_gpu(fwd_us: float, bwd_us: float, fwd_gpu_us: float, bwd_gpu_us: float, layer_chunks: int) -> dict:
+    """A CUDA row's host time against its GPU time (step totals in, per layer-chunk out).
+
+    Args:
+        fwd_us, bwd_us: the phases' host wall times (median, microseconds).
+        fwd_gpu_us, bwd_gpu_us: their CUDA-event GPU times (median, microseconds).
+        layer_chunks: layers x chunks of the step.
+
+    Returns:
+        ``fwd_gpu_us``, ``bwd_gpu_us`` (as given); ``host_us`` and ``gpu_us``, the step's (forward +
+        backward) per layer and chunk; ``host_over_gpu`` their ratio, and ``fwd_host_over_gpu``,
+        ``bwd_host_over_gpu`` per phase. A phase's GPU time is its span on the device, from an event
+        recorded at its start to one at its end, so it counts the time the GPU waited for the host:
+        a ratio well under 1 is a GPU-bound step (the host enqueues ahead, by that margin); near 1, the
+        GPU waited for the host (host-bound). Above 1 only per phase (a backward whose GPU work
+        started late because the forward's had not finished).
+    """
+    host, gpu = (fwd_us + bwd_us) / layer_chunks, (fwd_gpu_us + bwd_gpu_us) / layer_chunks
+    return dict(fwd_gpu_us=fwd_gpu_us, bwd_gpu_us=bwd_gpu_us, host_us=host, gpu_us=gpu, host_over_gpu=host / gpu,
+                fwd_host_over_gpu=fwd_us / fwd_gpu_us, bwd_host_over_gpu=bwd_us / bwd_gpu_us)
 
 
 _PER_CHUNK = ("fwd_ops", "bwd_ops", "fwd_reads", "bwd_reads", "fwd_launches", "bwd_launches", "fwd_us", "bwd_us")
@@ -276,6 +311,10 @@ def _top_added(base: collections.Counter, now: collections.Counter, per: int, to
     return sorted(((k, v) for k, v in added.items() if v), key=lambda kv: -abs(kv[1]))[:top]
 
 
+#: The model's shape, in every row.
+SHAPE = ("world_size", "experts", "top_k", "layers", "d_model", "d_ffn", "heads", "batch", "seq")
+
+
 def configurations(args) -> list[dict]:
     """The configurations one run covers: the one given, or with ``--sweep`` the issue's set."""
     if not args.sweep:
@@ -310,7 +349,7 @@ def main(argv: Optional[list] = None) -> list[dict]:
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     log = RowLog(args.json)
-    meta = run_metadata(device)
+    meta = run_metadata(device, **{k: getattr(args, k) for k in SHAPE})
     rows = []
     for cfg in configurations(args):
         run_args = copy.copy(args)
@@ -330,6 +369,10 @@ def _print(rows: list[dict], top: int) -> None:
     have = [c for c in cols if any(c in r for r in rows)]
     print_table([r for r in rows if r["chunks"] > 1], have,
                 "per layer per extra chunk (fwd+bwd), and the step's saved bytes / peak memory against unchunked")
+    if any("gpu_us" in r for r in rows):
+        print_table(rows, ["autocast", "defer_wgrad", "chunks", "fwd_us", "fwd_gpu_us", "bwd_us", "bwd_gpu_us",
+                           "host_us", "gpu_us", "host_over_gpu"],
+                    "\nhost against GPU (us; host_us and gpu_us per layer and chunk; host_over_gpu near 1: the GPU waits)")
     if top:
         for r in rows:
             if r["chunks"] > 1:

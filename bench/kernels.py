@@ -43,8 +43,9 @@ COLUMNS = ["op", "T", "E", "K", "D", "S", "MB", "triton_ms", "eager_ms", "compil
            "V", "head_ms", "x_head", "peak_MB", "eager_peak_MB"]  # (the last: op=linear_ce rows)
 
 
-def cases(quick: bool) -> List[dict]:
-    """The benchmark shapes: dicts with op, T, E, K and D (None for the gating ops)."""
+def cases(quick: bool, tokens: Optional[int] = None) -> List[dict]:
+    """The benchmark shapes: dicts with op, T, E, K and D (None for the gating ops); ``tokens``: only
+    those at T = tokens."""
     if quick:
         gating = [(64, 8, 2), (40, 64, 8)]
         permute = [(64, 8, 2, 128)]
@@ -54,6 +55,8 @@ def cases(quick: bool) -> List[dict]:
         permute += [(16384, E, 8, 4096) for E in (8, 256)]
     rows = [dict(op=op, T=T, E=E, K=K, D=None) for (T, E, K) in gating for op in GATING_OPS]
     rows += [dict(op=op, T=T, E=E, K=K, D=D) for (T, E, K, D) in permute for op in OPS[2:]]
+    if tokens is not None:
+        rows = [r for r in rows if r["T"] == tokens]
     # The issue's targets are at T = 16384: measure those first, so a run stopped by --max-seconds
     # still has them (a stable sort keeps the order within each group).
     return sorted(rows, key=lambda r: r["T"] != TARGET_T)
@@ -139,8 +142,9 @@ def _short_error(e: BaseException) -> str:
 
 
 def run(device: torch.device, quick: bool, dtype: torch.dtype = torch.bfloat16, *, json_path=None,
-        max_seconds: Optional[float] = None) -> List[dict]:
-    """Measure every case; rows go to ``json_path`` as they are made; no case starts after
+        max_seconds: Optional[float] = None, tokens: Optional[int] = None, compiled: bool = True) -> List[dict]:
+    """Measure every case (``tokens``: those at T = tokens; ``compiled`` False: no torch.compile
+    baselines, ``compiled_ms`` None); rows go to ``json_path`` as they are made; no case starts after
     ``max_seconds``."""
     from lancet_rt.kernels import gating, permute, reference
 
@@ -157,7 +161,7 @@ def run(device: torch.device, quick: bool, dtype: torch.dtype = torch.bfloat16, 
     meta = run_metadata(device, copy_gbs=copy_gbs)
     gen = torch.Generator(device=device).manual_seed(0)
     elem = torch.finfo(dtype).bits // 8
-    rows, budget, todo = RowLog(json_path), TimeBudget(max_seconds), cases(quick)
+    rows, budget, todo = RowLog(json_path), TimeBudget(max_seconds), cases(quick, tokens)
     for case in todo:
         if budget.spent():
             print(f"  --max-seconds {max_seconds} spent: {len(todo) - len(rows)} of {len(todo)} cases not run",
@@ -180,12 +184,14 @@ def run(device: torch.device, quick: bool, dtype: torch.dtype = torch.bfloat16, 
             print(f"  {op:14s} T={case['T']:<6} E={case['E']:<4} K={case['K']:<2}: {row['error']}", flush=True)
             continue
         row["eager_ms"] = bench_ms(ref, device, **timing)["ms"]
+        row["compiled_ms"] = None
         try:
-            compiled = lambda: compiled_fns[op](*args, **kwargs)   # noqa: E731
-            compiled()
-            row["compiled_ms"] = bench_ms(compiled, device, **timing)["ms"]
+            if compiled:
+                comp = lambda: compiled_fns[op](*args, **kwargs)   # noqa: E731
+                comp()
+                row["compiled_ms"] = bench_ms(comp, device, **timing)["ms"]
         except Exception as e:  # noqa: BLE001 - any compile failure is a result, not a crash
-            row["compiled_ms"], row["compile_error"] = None, _short_error(e)
+            row["compile_error"] = _short_error(e)
 
         row["triton_GBs"] = nbytes / (row["triton_ms"] * 1e-3) / 1e9
         row["eager_GBs"] = nbytes / (row["eager_ms"] * 1e-3) / 1e9
@@ -200,7 +206,7 @@ def run(device: torch.device, quick: bool, dtype: torch.dtype = torch.bfloat16, 
             torch.cuda.empty_cache()
     from bench.kernels_dense import run_dense  # the dense kernels' rows (add + RMSNorm, linear CE)
 
-    run_dense(device, quick, dtype, meta, copy_gbs, rows, budget, timing)
+    run_dense(device, quick, dtype, meta, copy_gbs, rows, budget, timing, tokens=tokens, compiled=compiled)
     return rows
 
 
@@ -211,6 +217,10 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the command (CPU: a minute)")
     parser.add_argument("--max-seconds", type=float, default=None,
                         help="start no new case after this many seconds (the T=16384 targets run first)")
+    parser.add_argument("--tokens", type=int, default=None, metavar="T",
+                        help="only the cases at T tokens (one size; the targets are at 16384)")
+    parser.add_argument("--no-compile", dest="compiled", action="store_false",
+                        help="leave out the torch.compile baselines (compiled_ms None): the slowest part of a cold run")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
                         help="default: cuda when available, else cpu (Triton interpreter)")
     args = parser.parse_args(argv)
@@ -232,7 +242,10 @@ def main(argv=None) -> int:
     except ImportError:
         pass
 
-    rows = run(device, args.quick, json_path=args.json, max_seconds=args.max_seconds)
+    if not cases(args.quick, args.tokens):
+        parser.error(f"--tokens {args.tokens}: no case at that size (T of {sorted({c['T'] for c in cases(args.quick)})})")
+    rows = run(device, args.quick, json_path=args.json, max_seconds=args.max_seconds, tokens=args.tokens,
+               compiled=args.compiled)
     if not rows:
         return 1
     print_table(rows, COLUMNS, title=f"\nrouting kernels on {rows[0]['device']} "

@@ -21,13 +21,14 @@ import torch.nn.functional as F
 from bench.timing import bench_ms
 
 
-def cases(quick: bool) -> List[dict]:
+def cases(quick: bool, tokens: Optional[int] = None) -> List[dict]:
     if quick:
         norm, ce = [(64, 128)], [(64, 128, 1000)]
     else:
         norm, ce = [(T, 4096) for T in (4096, 16384, 65536)], [(T, 4096, 151936) for T in (4096, 16384)]
     rows = [dict(op=op, T=T, D=D) for (T, D) in norm for op in ("add_rmsnorm_fwd", "add_rmsnorm_bwd")]
-    return rows + [dict(op="linear_ce", T=T, D=D, V=V) for (T, D, V) in ce]
+    rows += [dict(op="linear_ce", T=T, D=D, V=V) for (T, D, V) in ce]
+    return [r for r in rows if tokens is None or r["T"] == tokens]
 
 
 def _peak_mb(fn, device) -> Optional[float]:
@@ -41,7 +42,7 @@ def _peak_mb(fn, device) -> Optional[float]:
     return (torch.cuda.max_memory_allocated() - base) / 1e6
 
 
-def _norm_row(case, device, dtype, gen, timing, elem):
+def _norm_row(case, device, dtype, gen, timing, elem, compiled=True):
     from lancet_rt.kernels import norm, reference_dense as ref
 
     T, D = case["T"], case["D"]
@@ -62,15 +63,17 @@ def _norm_row(case, device, dtype, gen, timing, elem):
     nbytes = 4 * T * D * elem
     row = dict(case, bytes=nbytes, MB=nbytes / 1e6, check=check, triton_ms=bench_ms(tri, device, **timing)["ms"],
                eager_ms=bench_ms(eag, device, **timing)["ms"])
+    row["compiled_ms"] = None
     try:
-        comp()
-        row["compiled_ms"] = bench_ms(comp, device, **timing)["ms"]
+        if compiled:
+            comp()
+            row["compiled_ms"] = bench_ms(comp, device, **timing)["ms"]
     except Exception as e:  # noqa: BLE001 - a compile failure is a result
-        row["compiled_ms"], row["compile_error"] = None, f"{type(e).__name__}"
+        row["compile_error"] = f"{type(e).__name__}"
     return row
 
 
-def _ce_row(case, device, dtype, gen, timing, elem):
+def _ce_row(case, device, dtype, gen, timing, elem, compiled=True):
     from lancet_rt.dense import linear_cross_entropy
 
     T, D, V = case["T"], case["D"], case["V"]
@@ -101,16 +104,18 @@ def _ce_row(case, device, dtype, gen, timing, elem):
 
 
 def run_dense(device: torch.device, quick: bool, dtype: torch.dtype, meta: dict, copy_gbs: float, rows, budget,
-              timing: dict) -> None:
-    """Add the dense kernels' rows to ``rows`` (a RowLog); no case starts once ``budget`` is spent."""
+              timing: dict, tokens: Optional[int] = None, compiled: bool = True) -> None:
+    """Add the dense kernels' rows to ``rows`` (a RowLog); no case starts once ``budget`` is spent
+    (``tokens``, ``compiled``: as in bench.kernels.run)."""
     gen = torch.Generator(device=device).manual_seed(0)
     elem = torch.finfo(dtype).bits // 8
-    for case in cases(quick):
+    for case in cases(quick, tokens):
         if budget.spent():
             break
         try:
             make = _ce_row if case["op"] == "linear_ce" else _norm_row
-            row = dict(meta, dtype=str(dtype).replace("torch.", ""), **make(case, device, dtype, gen, timing, elem))
+            row = dict(meta, dtype=str(dtype).replace("torch.", ""),
+                       **make(case, device, dtype, gen, timing, elem, compiled))
         except Exception as e:  # noqa: BLE001 - a kernel that fails to build or run is a result
             row = dict(meta, **case, check="error", error=f"{type(e).__name__}: {str(e)[:160]}")
             rows.add(row)

@@ -208,19 +208,28 @@ def main(argv=None) -> dict:
         return routing.run(args, s, device)
     budget = TimeBudget(args.max_seconds)
     r = Runner(args, s, device)
-    m = _measure(r, args, s, budget)
+    log = RowLog(args.json)
+    # The row is on disk as soon as the two link passes are timed (an interrupt after them keeps it),
+    # and rewritten in place as the bound, the floors and the cross-microbatch part add to it.
+    m = _measure(r, args, s, budget, on_link=lambda m: log.add(_single_row(r, args, s, device, m)))
     row = _single_row(r, args, s, device, m)
+    log.update(row)
     _report(row, args, s, m)
     link = (m["bw"], s["latency_us"])
-    if (args.microbatches > 1 or args.dp_allreduce) and budget.spent():
-        print(f"--max-seconds {args.max_seconds:g} spent: the cross-microbatch and all-reduce parts are left out")
+    extras = args.microbatches > 1 or args.dp_allreduce
+    projected = _extras_seconds(row, args, s)
+    if extras and (budget.spent() or projected > budget.left()):
+        print(f"--max-seconds {args.max_seconds:g}: {budget.left():.0f} s left, the cross-microbatch and all-reduce "
+              f"parts (about {projected:.0f} s) are left out")
     else:
         if args.microbatches > 1:
             add_accumulation(r, args)
             row.update(measure_accumulation(r, args, s, link, row))
+            log.update(row)
         if args.dp_allreduce:
             row.update(measure_lina(r, args, s, link))
-    RowLog(args.json).add(row)  # written before the optional trace and drawing
+    row["complete"] = True
+    log.update(row)  # before the optional trace and drawing
     if args.trace or args.png:
         _trace(r, args, row, device)
     if args.check:
@@ -234,9 +243,10 @@ def main(argv=None) -> dict:
     return row
 
 
-def _measure(r: Runner, args, s: dict, budget: TimeBudget) -> dict:
+def _measure(r: Runner, args, s: dict, budget: TimeBudget, on_link=None) -> dict:
     """Calibrate the link to --comm-ratio, time every schedule on the free and the calibrated link, and
-    measure the forward for the pass-aware bound; the numbers the row is made of."""
+    measure the forward for the pass-aware bound; the numbers the row is made of. ``on_link`` gets the
+    numbers of the first two parts (the link passes) before the rest is measured."""
     # 1. Calibration: the step's computation on a zero-cost link sets the bandwidth so that one
     #    step's communication is R x compute.
     free = (math.inf, 0.0)
@@ -261,6 +271,9 @@ def _measure(r: Runner, args, s: dict, budget: TimeBudget) -> dict:
         bw *= wire_ms / max(args.comm_ratio * compute_ms - transfers * lat_ms, 1e-9)
         print(f"(measured comm/compute {ratio:.2f} vs --comm-ratio {args.comm_ratio}: bandwidth -> {bw:.3g} GB/s, "
               f"measuring again)")
+    if on_link is not None:
+        on_link(dict(bw=bw, nbytes=nbytes, transfers=transfers, comm_ms=comm_ms, compute=compute, ms=ms,
+                     compute_ms=compute_ms))
     # 3. The pass-aware bound: the backward starts only when the loss has every chunk's output, so
     #    no schedule beats max(forward compute, forward comm) + max(backward compute, backward comm).
     r.set_link(*free)
@@ -283,9 +296,29 @@ def _measure(r: Runner, args, s: dict, budget: TimeBudget) -> dict:
 
 
 def _single_row(r: Runner, args, s: dict, device, m: dict) -> dict:
-    """The JSON row of the single-step schedules from :func:`_measure`'s numbers."""
+    """The JSON row of the single-step schedules from :func:`_measure`'s numbers; from the link passes'
+    alone (``on_link``), the pass-aware bound's and the floors' fields are None. ``complete`` is set
+    True once nothing more will be added."""
+    return dict(_row(r, args, s, device, m), complete=False, **_bound_fields(m), **_floor_fields(m.get("floor")))
+
+
+def _bound_fields(m: dict) -> dict:
+    """The pass-aware bound's fields and what they imply (:func:`_ceiling_fields`); None before the
+    bound is measured."""
+    if "pass_bound_ms" not in m:
+        return dict(forward_compute_ms=None, forward_comm_ms=None, pass_bound_ms=None, over_pass_bound=None,
+                    max_hidden_comm_fraction=None, **dict.fromkeys(_ceiling_fields(1.0, 1.0, 1.0, 1.0)))
+    ms, compute, bound = m["ms"], m["compute"], m["pass_bound_ms"]
+    return dict(forward_compute_ms=m["forward_compute_ms"], forward_comm_ms=m["forward_comm_ms"], pass_bound_ms=bound,
+                over_pass_bound=ms["overlapped"] / bound - 1,
+                max_hidden_comm_fraction=1 - (bound - m["compute_ms"]) / m["comm_ms"],
+                **_ceiling_fields(ms["sequential"], compute["sequential"], m["compute_ms"], bound))
+
+
+def _row(r: Runner, args, s: dict, device, m: dict) -> dict:
+    """The row's fields from the link passes (the first two parts of :func:`_measure`)."""
     ms, compute, comm_ms, compute_ms = m["ms"], m["compute"], m["comm_ms"], m["compute_ms"]
-    overlapped_ms, pass_bound_ms = ms["overlapped"], m["pass_bound_ms"]
+    overlapped_ms = ms["overlapped"]
     return dict(
         bench="overlap", **run_metadata(device), **{k: v for k, v in s.items()}, model=args.model,
         world_size=args.world_size, chunks=args.chunks, top_k=args.top_k, counts_channel=args.counts_channel,
@@ -306,14 +339,24 @@ def _single_row(r: Runner, args, s: dict, device, m: dict) -> dict:
         speedup_vs_sequential=ms["sequential"] / overlapped_ms,
         speedup_vs_moe_pipelined=ms["moe_pipelined"] / overlapped_ms,
         over_bound=overlapped_ms / max(compute_ms, comm_ms) - 1,
-        forward_compute_ms=m["forward_compute_ms"], forward_comm_ms=m["forward_comm_ms"], pass_bound_ms=pass_bound_ms,
-        over_pass_bound=overlapped_ms / pass_bound_ms - 1,
-        max_hidden_comm_fraction=1 - (pass_bound_ms - compute_ms) / comm_ms,
         chunking_overhead=compute_ms / compute["sequential"],
-        **_ceiling_fields(ms["sequential"], compute["sequential"], compute_ms, pass_bound_ms),
         sequential_excess=ms["sequential"] / (compute["sequential"] + comm_ms) - 1,
-        **_floor_fields(m["floor"]),
     )
+
+
+def _extras_seconds(row: dict, args, s: dict) -> float:
+    """About how long the cross-microbatch and all-reduce parts take (0 without them), projected from
+    the single-step row: each of their timed rounds runs M microbatches of every schedule on the free
+    link and on the calibrated one (bench.accumulation), each microbatch about a single step; x 1.5
+    for their warm-up and the host's share."""
+    if args.microbatches <= 1 and not args.dp_allreduce:
+        return 0.0
+    from bench.accumulation import ACCUM_MODES, LINA_MODES
+
+    rounds = (args.accum_steps or min(s["steps"], 5)) + 1
+    runs = len(ACCUM_MODES) * 2 + (len(LINA_MODES) + 1 if args.dp_allreduce else 0)
+    step_ms = row["overlapped_ms"] + row["compute_ms"]
+    return 1.5 * rounds * runs * max(args.microbatches, 1) * step_ms / 2 / 1e3
 
 
 #: Issue 20's speedup target over sequential (CPU, --quick, 4 chunks, comm = 1x compute).

@@ -13,7 +13,8 @@ tiles of ``BLOCK_T`` tokens x ``BLOCK_E = next_pow2(E)`` experts held in registe
    candidates. This is exactly a stable descending sort cut at K, so ties go to the lower expert.
    A NaN score (a NaN logit; under softmax also a +inf logit or an all -inf row) ranks first,
    as in ``torch.sort``, and makes the token's normalised weights NaN, as in the reference.
-   The round in which expert e was taken is kept in a ``[BLOCK_T, BLOCK_E]`` matrix ``kidx``;
+   Normalising divides by the chosen scores' sum + 1e-20 (the contract's ``NORM_EPS``), so a token
+   whose sigmoid scores all underflow to 0 gets weights 0. The round in which expert e was taken is kept in a ``[BLOCK_T, BLOCK_E]`` matrix ``kidx``;
 3. expert, weight and slot are scattered to ``t * K + kidx`` in one masked store each (every
    ``(t, k)`` has exactly one writer, and a tile's K-wide rows are contiguous, so stores coalesce);
 4. slot ranks: a token takes K *distinct* experts, so an assignment's rank among this call's
@@ -66,6 +67,7 @@ gradient on the scores ``g_s`` and then on the logits:
 * weights, normalised: ``g_s[e] += (g_w[e] - sum_k g_w[k] * w[k]) / S_t`` on the chosen experts
   (``g_s[e] += g_w[e]`` without normalisation);
 * aux statistics: ``g_s[e] += (g_P[e] - sum_e' g_P[e'] * s[e'] / Z_t) / Z_t``;
+* ``S_t`` and ``Z_t`` include the contract's ``+ 1e-20`` (``reference.NORM_EPS``), as in the forward;
 * softmax: ``g_l = s * (g_s - sum_e g_s[e] * s[e])``; sigmoid: ``g_l = g_s * s * (1 - s)``;
 * z-loss: ``g_l += g_z * 2 * lse_t * p``.
 
@@ -85,6 +87,11 @@ import triton.language as tl
 
 from ._common import interpreting, pinned_config
 from ._topk import kept_groups, select_topk
+from .reference import NORM_EPS
+
+#: reference.NORM_EPS, added to each sum a weight or an aux score is divided by. The kernels make it
+#: with ``tl.full`` in the logits' dtype: a bare literal would be a float32 constant, inexact in float64.
+_NORM_EPS = tl.constexpr(NORM_EPS)
 
 _ENV_FWD_CONFIG = "LANCET_GATING_FWD_CONFIG"
 _ENV_BWD_CONFIG = "LANCET_GATING_BWD_CONFIG"
@@ -189,6 +196,7 @@ def _gating_fwd_kernel(
         offs_e = tl.arange(0, BLOCK_E)
         mask_e = offs_e < E
     acc_dtype = logits_ptr.dtype.element_ty
+    b_eps = tl.full([BLOCK_T], _NORM_EPS, acc_dtype)
     if HAS_BIAS:
         b_bias = tl.load(bias_ptr + offs_e, mask=mask_e, other=0.0).to(acc_dtype)
     if HAS_SCALE:
@@ -261,7 +269,7 @@ def _gating_fwd_kernel(
         mask_tk = (b_kidx >= 0) & mask_t[:, None]
         offs_tk = offs_t[:, None] * K + b_kidx
         if NORMALIZE:
-            b_w = b_s / b_topsum[:, None]
+            b_w = b_s / (b_topsum + b_eps)[:, None]   # (+ eps: all-zero scores give 0, not NaN)
         else:
             b_w = b_s
         if HAS_SCALE:
@@ -283,7 +291,7 @@ def _gating_fwd_kernel(
 
         # -- phase 6: aux statistics of the tile --
         # Aux statistics: scores normalised to sum 1 per token, and lse^2.
-        b_tot = tl.sum(b_s, axis=1)
+        b_tot = tl.sum(b_s, axis=1) + b_eps
         b_score_acc += tl.sum(tl.where(mask_t[:, None], b_s / b_tot[:, None], 0.0), axis=0)
         b_zsq_acc += tl.where(mask_t, b_lse * b_lse, 0.0)
 
@@ -409,6 +417,7 @@ def _gating_bwd_kernel(
     offs_e = tl.arange(0, BLOCK_E)
     mask_e = offs_e < E
     acc_dtype = logits_ptr.dtype.element_ty
+    b_eps = tl.full([BLOCK_T], _NORM_EPS, acc_dtype)
 
     b_l = tl.load(
         logits_ptr + offs_t64[:, None] * stride_lt + offs_e[None, :] * stride_le,
@@ -441,8 +450,7 @@ def _gating_bwd_kernel(
         if HAS_SCALE:
             b_scale = tl.cast(scale_hi, acc_dtype) + tl.cast(scale_lo, acc_dtype)
         if NORMALIZE:
-            b_topsum = tl.sum(tl.where(b_sel, b_s, 0.0), axis=1)
-            b_topsum = tl.where(mask_t, b_topsum, 1.0)  # padded rows choose nothing: avoid 0/0
+            b_topsum = tl.sum(tl.where(b_sel, b_s, 0.0), axis=1) + b_eps   # (padded rows: 0 / eps)
             b_dot = tl.sum(tl.where(b_sel, b_gw * b_s, 0.0), axis=1) / b_topsum   # sum_k g_w * w
             if HAS_SCALE:
                 b_gs += tl.where(b_sel, (b_gw - b_dot[:, None]) * (b_scale / b_topsum)[:, None], 0.0)
@@ -454,7 +462,7 @@ def _gating_bwd_kernel(
             b_gs += b_gw
     if HAS_GRAD_P:
         b_gp = tl.load(grad_p_ptr + offs_e * stride_pe, mask=mask_e, other=0.0).to(acc_dtype)
-        b_tot = tl.sum(b_s, axis=1)
+        b_tot = tl.sum(b_s, axis=1) + b_eps
         b_dot = tl.sum(b_gp[None, :] * b_s, axis=1) / b_tot
         b_gs += (b_gp[None, :] - b_dot[:, None]) / b_tot[:, None]
 

@@ -46,6 +46,14 @@ class GatingOutput(NamedTuple):
     zsq_sum: torch.Tensor
 
 
+#: Added to every sum the routing divides by (a token's K chosen scores with ``normalize_topk``, its E
+#: scores in the aux statistics), as transformers' DeepSeek-V3 router and torchtitan do: a token whose
+#: scores all underflow to 0 (sigmoid, float32 logits below about -104) gets weights 0, not 0/0 = NaN.
+#: It changes no float32 result whose sum is at least 2**-42 (``s + 1e-20 == s`` there), nor a
+#: float64 one from 2**-13; softmax sums are at least 1/E.
+NORM_EPS = 1e-20
+
+
 def _scores(logits_TE: torch.Tensor, score_fn: str) -> torch.Tensor:
     if score_fn == "softmax":
         return torch.softmax(logits_TE, dim=-1)
@@ -118,7 +126,7 @@ def _select_order(scores_TE, expert_bias, n_group, topk_group):
 def _topk_weights(scores_TE, expert_TK, normalize_topk, scaling=1.0):
     w_TK = torch.gather(scores_TE, 1, expert_TK if expert_TK.dtype == torch.int64 else expert_TK.long())
     if normalize_topk:
-        w_TK = w_TK / w_TK.sum(dim=-1, keepdim=True)
+        w_TK = w_TK / (w_TK.sum(dim=-1, keepdim=True) + NORM_EPS)
     if scaling != 1.0:
         w_TK = w_TK * scaling
     return w_TK
@@ -153,7 +161,7 @@ def gating_fwd_ref(
         used_E: int32 [E] assignments claimed by earlier chunks of the same batch (None: zeros).
         capacity: slots per expert for the whole batch, or None for dropless.
         score_fn: "softmax" or "sigmoid".
-        normalize_topk: divide the K weights of a token by their sum.
+        normalize_topk: divide the K weights of a token by their sum (+ :data:`NORM_EPS`).
         expert_bias: None or float [E] added to the scores for selection only (DeepSeek-V3's
             ``e_score_correction_bias``); it gets no gradient.
         n_group: expert groups, dividing E; 1 (default): no group restriction.
@@ -179,7 +187,7 @@ def gating_fwd_ref(
     slot_TK = slot.view(T, top_k)
 
     # (softmax scores sum to 1 already: no renormalisation)
-    norm_TE = scores_TE if score_fn == "softmax" else scores_TE / scores_TE.sum(dim=-1, keepdim=True)
+    norm_TE = scores_TE if score_fn == "softmax" else scores_TE / (scores_TE.sum(dim=-1, keepdim=True) + NORM_EPS)
     score_sum_E = norm_TE.sum(dim=0)
     lse_T = torch.logsumexp(logits_TE, dim=-1)
     zsq_sum = torch.dot(lse_T, lse_T)
@@ -242,18 +250,18 @@ def gating_bwd_ref(
             # renormalisation is the identity, and g_E reaches the softmax Jacobian as it is
             base = g_E
         else:
-            S_T1 = scores_TE.sum(dim=-1, keepdim=True)
+            S_T1 = scores_TE.sum(dim=-1, keepdim=True) + NORM_EPS
             base = (g_E - (scores_TE * g_E).sum(dim=-1, keepdim=True) / S_T1) / S_T1
     grad_scores = None if base is None else base.expand_as(scores_TE)
     if grad_weight_TK is not None:
-        # w_k = scaling * s[e_k] / G (G = the sum of the K chosen scores when normalising, else 1)
+        # w_k = scaling * s[e_k] / G (G = the sum of the K chosen scores + NORM_EPS when normalising, else 1)
         e_TK = expert_TK.long()
         s_TK = scores_TE.gather(1, e_TK)
         gw_TK = grad_weight_TK.to(scores_TE.dtype)
         if scaling != 1.0:
             gw_TK = gw_TK * scaling
         if normalize_topk:
-            G_T1 = s_TK.sum(dim=-1, keepdim=True)
+            G_T1 = s_TK.sum(dim=-1, keepdim=True) + NORM_EPS
             gw_TK = (gw_TK - (gw_TK * s_TK).sum(dim=-1, keepdim=True) / G_T1) / G_T1
         grad_scores = (torch.zeros_like(scores_TE) if grad_scores is None else grad_scores).scatter_add(1, e_TK, gw_TK)
     grad = None

@@ -18,7 +18,7 @@ def route_contract_ref(logits_TE, *, top_k, capacity=None, score_fn="softmax", n
     Selection: experts ranked by score + expert_bias (ties to the lower index); with n_group > 1
     only the experts of the topk_group groups with the highest group score (sum of the group's
     best min(2, E / n_group) selection scores; ties to the lower group) can be chosen. Weights:
-    the chosen experts' unbiased scores, divided by their sum if normalize_topk, times scaling.
+    the chosen experts' unbiased scores, divided by their sum + 1e-20 if normalize_topk, times scaling.
 
     Returns:
         (scores [T, E], chosen: list of T lists of K experts, best first, weights: list of T
@@ -43,7 +43,7 @@ def route_contract_ref(logits_TE, *, top_k, capacity=None, score_fn="softmax", n
         experts = sorted(candidates, key=lambda e: (-sel[e], e))[:top_k]
         w = scores[t, experts]
         if normalize_topk:
-            w = w / w.sum()
+            w = w / (w.sum() + 1e-20)  # (the contract's epsilon: all-zero scores give 0)
         chosen.append(experts)
         weights.append(w * scaling)
     used = [0] * E
@@ -82,7 +82,7 @@ def moe_contract_ref(x_TD, router_w_ED, gate_up_E2FD, down_EDF, *, top_k, capaci
     counts = torch.tensor(used, dtype=torch.float64)
     if T:
         f = counts / (T * top_k)
-        P = (scores / scores.sum(-1, keepdim=True)).mean(0)
+        P = (scores / (scores.sum(-1, keepdim=True) + 1e-20)).mean(0)
         aux = E * (f * P).sum()
         z = (torch.logsumexp(logits, -1) ** 2).mean()
     else:

@@ -164,6 +164,18 @@ def _row_planner(state: _DCPState):
     return _ExpertRowSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 
+def path_argument(value, name: str) -> str:
+    """``os.fspath(value)`` of a checkpoint's directory argument ``name``: a TypeError naming it unless
+    ``value`` is a str or an ``os.PathLike`` of one, a ValueError if it is empty (every public
+    checkpoint function's path goes through here, inside its cross-rank agreement)."""
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a directory path (a str or os.PathLike), got {type(value).__name__}")
+    if not text:
+        raise ValueError(f"{name} must not be empty")
+    return text
+
+
 def save_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Optimizer] = None, *,
                     process_group: Optional[dist.ProcessGroup] = None) -> None:
     """Save ``model`` (and ``optimizer``) with ``torch.distributed.checkpoint``, loadable at any EP size.
@@ -199,7 +211,7 @@ def save_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Opti
     rank = dist.get_rank(pg) if use_dist else 0
     error, state, digest = None, None, None
     try:
-        path = os.path.abspath(os.fspath(path))
+        path = os.path.abspath(path_argument(path, "path"))
         state = _dcp_state(model, optimizer, pg)
         digest = _digest(state.signature())
         if rank == 0:
@@ -344,7 +356,7 @@ def load_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Opti
     rank = dist.get_rank(pg) if use_dist else 0
     error, state = None, None
     try:
-        path = _atomic.resolve(os.fspath(path))
+        path = _atomic.resolve(path_argument(path, "path"))
         state = _dcp_state(model, optimizer, pg)
         _check_dcp(state, path)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang

@@ -26,6 +26,7 @@ from torch import nn
 from lancet_rt.checkpoint import _atomic
 from lancet_rt.checkpoint._common import (CheckpointError, _agree, _bad_argument, _digest, _expert_shards, _listing,
                                          _process_group, _Shard, _tensor_id)
+from lancet_rt.checkpoint.dcp import path_argument
 from lancet_rt.checkpoint._hf_files import _SINGLE, _finish_hf_dir, _Headers, _is_hf, _read, _weight_map, _write_atomic
 from lancet_rt.comm.group import as_group
 
@@ -299,7 +300,7 @@ def save_hf(model: nn.Module, directory, *, max_shard_bytes: int = _DEFAULT_SHAR
     try:
         if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes must be an int >= 1, got {max_shard_bytes!r}")
-        directory = os.path.abspath(os.fspath(directory))
+        directory = os.path.abspath(path_argument(directory, "directory"))
         layout = _hf_layout(model, pg)
         digest = _digest(layout.signature())
         if rank == 0:
@@ -417,7 +418,7 @@ def load_hf(model: nn.Module, directory, *, process_group: Optional[dist.Process
     rank = dist.get_rank(pg) if use_dist else 0
     error, headers, plan = None, None, None
     try:
-        directory = _atomic.resolve(os.fspath(directory))
+        directory = _atomic.resolve(path_argument(directory, "directory"))
         layout = _hf_layout(model, pg)
         headers = _Headers(directory, _weight_map(directory))
         plan = _plan_hf_load(layout, headers)

@@ -98,7 +98,8 @@ class MoEConfig:
             raise ValueError(f"capacity_factor must be None (dropless) or a finite number > 0, got {cf}")
 
     def _check_shadow(self) -> None:
-        """shadow_experts: an int in [0, num_experts], 0 with the all-reduce dispatcher (nothing to shadow)."""
+        """shadow_experts: an int in [0, num_experts], 0 with the all-reduce dispatcher (nothing to shadow)
+        and with pipeline_chunks > 1 (the pipelined dispatch does not shadow)."""
         n = self.shadow_experts
         if isinstance(n, bool) or not isinstance(n, int):
             raise TypeError(f"shadow_experts must be an int, got {type(n).__name__}")
@@ -107,6 +108,9 @@ class MoEConfig:
         if n and self.dispatcher != "alltoall":
             raise ValueError(f"shadow_experts must be 0 with dispatcher={self.dispatcher!r} (it shadows "
                              f"experts of the all-to-all dispatch), got {n}")
+        if n and self.pipeline_chunks > 1:
+            raise ValueError(f"shadow_experts must be 0 with pipeline_chunks={self.pipeline_chunks} (the Tutel-style "
+                             f"pipelined dispatch does not shadow experts), got {n}")
 
     def _check_groups(self) -> None:
         """Group-limited top-k: n_group divides E, topk_group in [1, n_group], and K experts reachable."""

@@ -218,6 +218,11 @@ class MoE(nn.Module):
         if not x.dtype.is_floating_point:
             return TypeError(f"x must be a floating-point tensor, got dtype {x.dtype}")
         p = self.router.weight
+        if "meta" in (x.device.type, p.device.type, self.experts.gate_up_proj.device.type):
+            return ValueError(
+                f"{type(self).__name__} layer {self.trace_name!r}: a forward on the meta device computes nothing "
+                f"(x on {x.device}, parameters on {p.device}); materialise the model first, e.g. "
+                f"model.to_empty(device=...) and initialise its parameters, as after FSDP2's meta-device init")
         if x.device != p.device:
             return ValueError(f"x must be on the parameters' device {p.device}, got {x.device}")
         allowed = {p.dtype}
@@ -330,6 +335,8 @@ class MoE(nn.Module):
     def forward_eager(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` on the eager runtime (collectives, chunk switches, deferred weight gradients)."""
         error = self._input_error(x)
+        if error is None and self.shadow_experts and self.group is not None:
+            error = shadow.unsupported(self)  # (raised on every rank, as a rejected input)
         if not self._config_checked:
             self._check_config(error)
         if error is not None:

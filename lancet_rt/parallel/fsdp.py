@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lancet_rt.parallel import mesh as _mesh
+from lancet_rt.parallel import supported as _supported
 
 
 def _unit_meshes(mesh):
@@ -126,6 +127,7 @@ def fully_shard(model: nn.Module, mesh, *, blocks: Optional[Sequence[nn.Module]]
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     _mesh.check_mesh(mesh)
+    _supported.check_layers(model, "lancet_rt.parallel.fully_shard", shards=True)
     if "mesh" in fsdp_kwargs:
         raise ValueError("fully_shard: pass the ('dp', 'ep') mesh as the mesh argument, not in fsdp_kwargs")
     lay = _mesh.layout(mesh)

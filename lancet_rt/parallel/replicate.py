@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lancet_rt.parallel import mesh as _mesh
+from lancet_rt.parallel import supported as _supported
 from lancet_rt.parallel.sync import GradientSync, _abort_step, expert_parameters
 
 
@@ -109,6 +110,7 @@ def replicate(model: nn.Module, mesh, *, bucket_mb: float = 25.0) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     _mesh.check_mesh(mesh)
+    _supported.check_layers(model, "lancet_rt.parallel.replicate")
     if getattr(model, "lancet_replicated", None) is not None:
         raise ValueError("model is already replicated (lancet_rt.parallel.replicate)")
     lay = _mesh.layout(mesh)

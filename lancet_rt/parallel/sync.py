@@ -24,6 +24,7 @@ from torch import nn
 from lancet_rt.comm.faults import GroupError, PeerError
 from lancet_rt.moe.experts import Experts
 from lancet_rt.parallel import mesh as _mesh
+from lancet_rt.parallel import supported as _supported
 
 
 def expert_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
@@ -72,6 +73,7 @@ def sync_gradients(model: nn.Module, group=None) -> None:
         group: the data/expert-parallel process group (None: the default group), or a DeviceMesh
             with dimensions ``("dp", "ep")`` whose "ep" group is the MoE layers' ``ep_group``.
     """
+    _supported.check_layers(model, "lancet_rt.parallel.sync_gradients")
     lay = _mesh.layout(group)
     if lay.emulated:
         raise TypeError("group: sync_gradients needs a ProcessGroup, None or a DeviceMesh; on a "
@@ -142,9 +144,11 @@ class GradientSync:
                  piece_mb: Optional[float] = None, low_priority: bool = True):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        lay = _mesh.layout(group)
         if params not in ("dense", "all"):
             raise ValueError(f"params must be 'dense' or 'all', got {params!r}")
+        if params == "dense":  # ("all": replicas of the whole model, whatever their layers)
+            _supported.check_layers(model, "lancet_rt.parallel.GradientSync")
+        lay = _mesh.layout(group)
         for name, v in (("bucket_mb", bucket_mb), ("piece_mb", piece_mb)):
             if v is None and name == "piece_mb":
                 continue

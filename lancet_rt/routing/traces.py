@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import numbers
 import random
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -45,16 +46,7 @@ class RoutingTrace:
     meta: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if not isinstance(self.loads, list) or not self.loads:
-            raise ValueError("loads must be a non-empty list [step][layer][expert]")
-        shape = (len(self.loads[0]), len(self.loads[0][0]) if self.loads[0] else 0)
-        for s, step in enumerate(self.loads):
-            if len(step) != shape[0] or any(len(layer) != shape[1] for layer in step):
-                raise ValueError(f"loads[{s}] must be [{shape[0]} layers][{shape[1]} experts], like loads[0]")
-            if any(int(v) != v or v < 0 for layer in step for v in layer):
-                raise ValueError(f"loads[{s}] must hold ints >= 0")
-        if shape[0] < 1 or shape[1] < 1:
-            raise ValueError("loads must have at least one layer and one expert")
+        self.loads = _checked_loads(self.loads)
 
     @property
     def steps(self) -> int:
@@ -90,11 +82,38 @@ class RoutingTrace:
 
     @classmethod
     def load(cls, path: str) -> "RoutingTrace":
-        with open(path) as f:
-            d = json.load(f)
+        """Read a file :meth:`save` wrote.
+
+        Raises:
+            ValueError: the file is not UTF-8 JSON, not a routing trace, or a field is damaged (the
+                message names the file and the field: ``loads[step][layer][expert]``, ``meta``,
+                ``steps``...). A load must be an int >= 0: NaN, infinities, fractions, negative
+                numbers, strings, booleans and nulls are refused, never truncated.
+            OSError: the file cannot be read.
+        """
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            d = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise ValueError(f"{path}: not a {FORMAT!r} file")
-        return cls([[[int(v) for v in layer] for layer in step] for step in d["loads"]], dict(d.get("meta", {})))
+            raise ValueError(f"{path}: not a {FORMAT!r} file (field 'format')")
+        if "loads" not in d:
+            raise ValueError(f"{path}: field 'loads' is missing")
+        meta = d.get("meta", {})
+        if not isinstance(meta, dict):
+            raise ValueError(f"{path}: field 'meta' must be an object, got {type(meta).__name__}")
+        try:
+            trace = cls(d["loads"], dict(meta))
+        except ValueError as exc:
+            raise ValueError(f"{path}: {exc}") from None
+        for name in ("steps", "layers", "experts"):  # written by save(): a damaged file may disagree
+            if name in d and (type(d[name]) is not int or d[name] != getattr(trace, name)):
+                raise ValueError(f"{path}: field {name!r} is {d[name]!r}, but 'loads' holds {getattr(trace, name)}")
+        return trace
 
     @classmethod
     def from_trace(cls, trace, meta: Optional[dict] = None) -> "RoutingTrace":
@@ -108,6 +127,41 @@ class RoutingTrace:
         cols = list(per_layer.values())
         steps = min(len(c) for c in cols)
         return cls([[c[s] for c in cols] for s in range(steps)], dict(meta or {}))
+
+
+def _load_value(v, where: str) -> int:
+    """One load as an int: an int >= 0, or a float that is one (3.0); anything else is refused, named."""
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0:
+        return int(v)
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer() and v >= 0:
+        return int(v)
+    raise ValueError(f"{where} must be an int >= 0 (assignments), got {v!r}")
+
+
+def _checked_loads(loads) -> list:
+    """``loads`` as ``[step][layer][expert]`` ints, every step of one shape; a ValueError names the
+    first bad field (its index and its step, layer and expert)."""
+    if not isinstance(loads, list) or not loads:
+        raise ValueError(f"loads must be a non-empty list [step][layer][expert], got {type(loads).__name__}")
+    out = []
+    for s, step in enumerate(loads):
+        if not isinstance(step, list):
+            raise ValueError(f"loads[{s}] (step {s}) must be a list of layers, got {type(step).__name__}")
+        rows = []
+        for l, layer in enumerate(step):
+            if not isinstance(layer, list):
+                raise ValueError(f"loads[{s}][{l}] (step {s}, layer {l}) must be a list of expert loads, "
+                                 f"got {type(layer).__name__}")
+            rows.append([_load_value(v, f"loads[{s}][{l}][{e}] (step {s}, layer {l}, expert {e})")
+                         for e, v in enumerate(layer)])
+        out.append(rows)
+    shape = (len(out[0]), len(out[0][0]) if out[0] else 0)
+    if shape[0] < 1 or shape[1] < 1:
+        raise ValueError("loads must have at least one layer and one expert")
+    for s, step in enumerate(out):
+        if len(step) != shape[0] or any(len(layer) != shape[1] for layer in step):
+            raise ValueError(f"loads[{s}] (step {s}) must be [{shape[0]} layers][{shape[1]} experts], like loads[0]")
+    return out
 
 
 def zipf_shares(experts: int, exponent: float, seed: int = 0) -> list:

@@ -10,8 +10,12 @@ in steady state one rank crosses into a new bucket alone and re-tunes while its 
 models the same number of ranks (:class:`~lancet_rt.comm.emulated.EmulatedGroup`: no collective
 starts), so every kernel of the forward and the backward, at the chunk count the step will use, is
 compiled and tuned here; then it launches the grouped GEMMs at every row bucket a step can reach
-(up to every token of the whole group routed to one rank's experts). What the step leaves behind is
-undone: gradients, the layers' statistics and configuration check, the RNG states. Row counts never
+(up to every token of the whole group routed to one rank's experts). The step leaves no trace: the
+gradients are set aside before it (its backward writes fresh ones, never into a ``.grad`` the
+caller holds: None, zeros or a partial sum of accumulated microbatches) and put back after; every
+buffer (a BatchNorm's statistics and counter, the router's expert bias), each module's train/eval
+flag, the layers' statistics and configuration check, an Overlapped's separability check and the
+RNG states (CPU and CUDA) are restored; parameters and optimizer state are never written. Row counts never
 select a compiled variant (the kernels do not specialise on them), so after this no row count a step
 meets compiles or tunes anything. The bucket range is agreed across ranks (one all-gather of the
 largest token count, the only collective this function issues), so every rank warms the same keys.
@@ -32,7 +36,8 @@ from lancet_rt.moe.layer import MoE
 from lancet_rt.schedule.overlap import Overlapped
 
 #: Layer attributes a step changes and warm-up restores.
-_LAYER_STATE = ("group", "_config_checked", "aux_loss", "z_loss", "tokens_per_expert", "_dropped", "expert_load")
+_LAYER_STATE = ("group", "_config_checked", "aux_loss", "z_loss", "tokens_per_expert", "_dropped", "expert_load",
+                "shadowed")
 #: The grouped GEMMs' autotune buckets of mean rows per expert (kernels.grouped_gemm._m_bucket).
 _BUCKETS = tuple(2 ** b for b in range(4, 13))
 
@@ -59,7 +64,7 @@ def warmup(model: nn.Module, *args, chunks: Optional[int] = None, **kwargs) -> d
     layers = [m for m in inner.modules() if isinstance(m, MoE)]
     t0 = time.perf_counter()
     tokens = _agreed_tokens(layers, args, kwargs)
-    with _restored(inner, layers):
+    with _restored(runner, inner, layers, (args, kwargs)):
         for m in layers:
             if m.group is not None:
                 m.group = EmulatedGroup(m.ep_size, float("inf"), 0.0, device=_device(args, kwargs))
@@ -91,19 +96,39 @@ def _agreed_tokens(layers: list, args, kwargs) -> int:
 
 
 @contextlib.contextmanager
-def _restored(model: nn.Module, layers: list):
-    """Undo what one step changes: gradients, the layers' state, the RNG states, the dW queue."""
-    grads = {p: p.grad for p in model.parameters()}
+def _restored(runner, model: nn.Module, layers: list, inputs):
+    """Undo what one step changes: gradients, buffers, train/eval flags, the layers' state, the RNG states.
+
+    The gradients of the parameters (and of input leaves that require one) are set aside and the
+    step starts from None, so its backward allocates its own instead of adding into the caller's; the
+    caller's tensors are put back, untouched. Buffers are copied back in place (their tensors stay the
+    ones the caller, an optimizer or a hook holds).
+    """
+    leaves = [t for t in pytree.tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad]
+    grads = {id(t): (t, t.grad) for t in [*model.parameters(), *leaves]}
+    buffers = [(m, name, b, b.clone()) for m in model.modules() for name, b in m._buffers.items() if b is not None]
+    training = [(m, m.training) for m in model.modules()]
     state = [{k: m.__dict__[k] for k in _LAYER_STATE if k in m.__dict__} for m in layers]
+    checked = runner.__dict__.get("_checked")
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None)
+    for t, _ in grads.values():
+        t.grad = None
     try:
         yield
     finally:
-        for p, g in grads.items():
-            p.grad = g
+        for t, g in grads.values():
+            t.grad = g
+        with torch.no_grad():
+            for m, name, b, saved in buffers:
+                m._buffers[name] = b
+                b.copy_(saved)
+        for m, flag in training:
+            m.training = flag
         for m, saved in zip(layers, state):
             m.__dict__.update(saved)
+        if checked is not None:
+            runner._checked = checked
         torch.set_rng_state(rng[0])
         if rng[1] is not None:
             torch.cuda.set_rng_state_all(rng[1])

@@ -37,14 +37,19 @@ def test_summary_shows_informational_rows_unjudged(tmp_path):
 
 
 def test_lane_writes_its_summary_when_steps_fail(tmp_path):
-    """On this CPU machine every CUDA step fails at once; the lane must still record each step and
-    write summary.json (a lent GPU's call returns only what is under --out)."""
+    """On this CPU machine the real lane's pre-flight finds no CUDA device: the lane stops there, at
+    once and non-zero (issue 36: no step spends the call on what cannot work), and still records the
+    step and leaves summary.json and the archive with the step's log in --out (a lent GPU's call
+    returns only what is under it)."""
+    import tarfile
+
     from bench.gpu_lane import main
 
-    assert main(["--out", str(tmp_path), "--only", "kernels", "--budget", "120"]) == 0
+    assert main(["--out", str(tmp_path), "--only", "kernels", "--budget", "120"]) != 0
     result = json.loads((tmp_path / "summary.json").read_text())
-    assert [s["step"] for s in result["steps"]] == ["versions", "kernels"]
-    assert result["steps"][1]["rc"] != 0 and (tmp_path / "kernels.log").read_text()
+    assert [s["step"] for s in result["steps"]] == ["preflight"] and result["steps"][0]["rc"] != 0
+    with tarfile.open(tmp_path / "lane.tar.gz") as tar:
+        assert "no CUDA device" in tar.extractfile("preflight.log").read().decode()
 
 
 def test_collect_appends_rows_and_merges_defaults(tmp_path):

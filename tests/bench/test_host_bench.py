@@ -21,3 +21,38 @@ def test_an_extra_chunk_reads_once_and_saves_nothing_more(extra):
     limit = 250 if not extra else 280  # (autocast: the fp32 accumulations' casts, ~20 more)
     assert row["ops_per_chunk"] <= limit, row["ops_per_chunk"]
     assert "plain_us_per_chunk" in row  # (a time: reported, not asserted)
+
+
+def test_host_vs_gpu_fields_per_layer_chunk():
+    """The CUDA row's comparison from its phases' times: per layer and chunk, and the ratio."""
+    f = host.host_vs_gpu(fwd_us=600.0, bwd_us=1000.0, fwd_gpu_us=1200.0, bwd_gpu_us=800.0, layer_chunks=8)
+    assert f["host_us"] == 200.0 and f["gpu_us"] == 250.0 and f["host_over_gpu"] == 0.8
+    assert f["fwd_host_over_gpu"] == 0.5 and f["bwd_host_over_gpu"] == 1.25
+    assert (f["fwd_gpu_us"], f["bwd_gpu_us"]) == (1200.0, 800.0)
+
+
+def test_cpu_rows_carry_the_shape_and_no_gpu_fields(tmp_path):
+    threads = torch.get_num_threads()
+    try:
+        rows = host.main(["--device", "cpu", "--chunks", "2", "--reps", "1", "--layers", "1", "--seq", "8",
+                          "--experts", "8", "--top-k", "4"])
+    finally:
+        torch.set_num_threads(threads)
+    for r in rows:
+        assert (r["experts"], r["top_k"], r["layers"], r["seq"]) == (8, 4, 1, 8)
+        assert r["fwd_us"] > 0 and r["bwd_us"] > 0
+        assert not {"gpu_us", "host_over_gpu", "fwd_gpu_us", "host_us"} & set(r)
+
+
+@pytest.mark.gpu
+def test_cuda_row_carries_gpu_time_and_the_ratio():
+    """GPU twin: a CUDA row has each phase's CUDA-event time beside its host time, per layer-chunk."""
+    rows = host.main(["--device", "cuda", "--chunks", "2", "--reps", "3", "--autocast", "bf16"])
+    for r in rows:
+        assert r["fwd_gpu_us"] > 0 and r["bwd_gpu_us"] > 0
+        per = r["layers"] * r["chunks"]
+        assert r["gpu_us"] == pytest.approx((r["fwd_gpu_us"] + r["bwd_gpu_us"]) / per)
+        assert r["host_us"] == pytest.approx((r["fwd_us"] + r["bwd_us"]) / per)
+        assert r["host_over_gpu"] == pytest.approx(r["host_us"] / r["gpu_us"])
+        # the GPU's span of a step starts when the host starts it and ends after the host's last enqueue
+        assert r["host_over_gpu"] <= 1.05

@@ -121,3 +121,58 @@ def test_speedup_ceiling_scales_the_link_with_the_chunked_compute():
     assert math.isclose((c_s + 5 / 6 * c_o2) / (1.1 * c_o2), 1.6)
     assert overlap._ceiling_fields(seq, c_s, c_o, bound, target=2.0)["overhead_for_target"] is None  # not even at o = 1
     assert overlap._ceiling_fields(seq, c_s, c_o, bound, target=0.5)["overhead_for_target"] == math.inf
+
+
+def test_row_is_on_disk_after_the_link_passes_and_survives_sigint(tmp_path):
+    """Issue 36: the single-step row is written right after the two link passes, before the bound,
+    the floors and the cross-microbatch part; a real SIGINT to a running ``python -m bench.overlap``
+    once it is there leaves it on disk (marked incomplete), not a half-written file."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    path = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "bench.overlap", "--device", "cpu", "--quick", "--layers", "1", "--d-model", "32",
+           "--d-ffn", "32", "--batch", "4", "--seq", "16", "--steps", "3", "--microbatches", "4", "--json", str(path)]
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    p = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not path.exists() and p.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert path.exists(), f"no row before the process ended (rc {p.poll()})"
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+    assert p.returncode != 0, "the run finished before the interrupt reached it:\n" + out[-2000:]
+    assert "KeyboardInterrupt" in out
+    (row,) = json.loads(path.read_text())
+    assert row["complete"] is False and row["bench"] == "overlap"
+    assert 0 < row["overlapped_ms"] < math.inf and 0 < row["sequential_ms"] < math.inf
+    assert row["hidden_comm_fraction"] == 1 - (row["overlapped_ms"] - row["compute_ms"]) / row["comm_ms"]
+    assert row["pass_bound_ms"] is None and "hidden_comm_fraction_accum" not in row
+
+
+def test_cross_microbatch_part_runs_only_if_its_projected_time_fits(tmp_path, monkeypatch):
+    """--max-seconds: the part is left out when its projection exceeds what is left; the row is then
+    complete without it (written once, not twice)."""
+    import json
+
+    args = overlap.parse_args(["--quick", "--microbatches", "3", "--accum-steps", "2", "--steps", "4"])
+    row = dict(overlapped_ms=30.0, compute_ms=10.0)
+    # 3 rounds (2 timed + a warm-up) x 8 runs (4 schedules x 2 links) x 3 microbatches x 20 ms x 1.5
+    assert math.isclose(overlap._extras_seconds(row, args, overlap.sizes(args)), 3 * 8 * 3 * 0.020 * 1.5)
+    assert overlap._extras_seconds(row, overlap.parse_args(["--quick"]), {}) == 0.0
+    monkeypatch.setattr(overlap, "_extras_seconds", lambda *a: 1e9)
+    path = tmp_path / "rows.json"
+    out = overlap.main(["--device", "cpu", "--quick", "--layers", "1", "--d-model", "32", "--d-ffn", "32", "--batch",
+                        "4", "--seq", "16", "--steps", "1", "--microbatches", "2", "--max-seconds", "3600",
+                        "--json", str(path)])
+    (saved,) = json.loads(path.read_text())
+    assert saved == out and out["complete"] and "hidden_comm_fraction_accum" not in out

@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import time
-import warnings
 
 import pytest
 import torch
@@ -173,9 +172,12 @@ def test_overlapped_cuda_steady_state_has_no_host_sync():
     """A steady-state step of Overlapped on the CUDA emulated link under
     torch.cuda.set_sync_debug_mode("warn"). The layer's one intended host wait per chunk and layer
     (the counts exchange, an Event.synchronize) is not reported by that mode; anything it reports
-    (a pageable host-to-device copy, .item(), .tolist() of a CUDA tensor, ...) stalls the host and
-    drains the compute queue (issue 5: no device-wide synchronisation in the steady state); the
-    failure lists every site."""
+    (a pageable host-to-device copy, .item(), .tolist() of a CUDA tensor, torch.cuda.synchronize(), ...)
+    stalls the host and drains the compute queue (issue 5: no device-wide synchronisation in the steady
+    state). The failure names each sync's CALLER with its full Python stack (tests/host_sync.py), not
+    torch's frame that issued the warning, so one run tells what to fix."""
+    from tests.host_sync import record_syncs, report
+
     link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=50.0, latency_us=20, device="cuda")
     torch.manual_seed(0)
     model = MoEBlocks(2, 512, 8, dict(d_ffn=1024, num_experts=16, top_k=2, capacity_factor=1.0,
@@ -185,17 +187,17 @@ def test_overlapped_cuda_steady_state_has_no_host_sync():
     g = torch.randn_like(x)
     ov(x).backward(g)  # warm-up: Triton autotuning, calibrations, pinned-memory pool
     torch.cuda.synchronize()
-    sites = []
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with record_syncs() as sites:
         torch.cuda.set_sync_debug_mode("warn")
         try:
             ov(x).backward(g)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    sites = sorted({f"{w.filename}:{w.lineno}" for w in caught if "synchronizing" in str(w.message)})
     torch.cuda.synchronize()
-    assert not sites, f"{len(sites)} host-sync site(s) in a steady-state Overlapped step on CUDA: " + "; ".join(sites)
+    if sites:
+        print(report(sites))  # (shown with the failure; the lane keeps the log)
+    assert not sites, (f"{len(sites)} host sync(s) in a steady-state Overlapped step on CUDA, by caller:\n"
+                       + report(sites))
 
 
 def test_overlapped_nccl_one_rank():

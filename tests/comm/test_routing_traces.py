@@ -63,3 +63,45 @@ def test_bias_routers_skews_and_removes():
     after = max(model[0].tokens_per_expert.tolist()) * 8 / 256
     assert skewed > base + 0.5
     assert after == pytest.approx(base)
+
+
+@pytest.mark.parametrize("text, field", [
+    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, 2]]', "line 1"),          # torn JSON
+    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, NaN]]]}', r"loads\[0\]\[0\]\[1\]"),
+    ('{"format": "lancet-rt routing trace v1", "loads": [[[Infinity, 1]]]}', r"loads\[0\]\[0\]\[0\]"),
+    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, 2]], [[3, 2.5]]]}', r"loads\[1\]\[0\]\[1\] \(step 1, layer 0, expert 1\)"),
+    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, -4]]]}', r"loads\[0\]\[0\]\[1\]"),
+    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, "7"]]]}', r"loads\[0\]\[0\]\[1\]"),
+    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, true]]]}', r"loads\[0\]\[0\]\[1\]"),
+    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, null]]]}', r"loads\[0\]\[0\]\[1\]"),
+    ('{"format": "lancet-rt routing trace v1", "loads": [[3, 4]]}', r"loads\[0\]\[0\] \(step 0, layer 0\)"),
+    ('{"format": "lancet-rt routing trace v1", "loads": [7]}', r"loads\[0\] \(step 0\)"),
+    ('{"format": "lancet-rt routing trace v1", "loads": {"a": 1}}', "loads must be a non-empty list"),
+    ('{"format": "lancet-rt routing trace v1"}', "'loads' is missing"),
+    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, 2]]], "meta": [1]}', "'meta'"),
+    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, 2]]], "steps": 3}', "'steps'"),
+    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, 2]]], "experts": 2.5}', "'experts'"),
+    ('{"format": "something else", "loads": [[[1, 2]]]}', "'format'"),
+])
+def test_a_damaged_trace_names_the_file_and_the_field(tmp_path, text, field):
+    path = tmp_path / "damaged.json"
+    path.write_text(text)
+    for load in (lambda: RoutingTrace.load(str(path)), lambda: parse_routing(f"trace:{path}")):
+        with pytest.raises(ValueError, match=field) as info:
+            load()
+        assert str(path) in str(info.value)
+
+
+def test_a_trace_that_is_not_text_names_the_file(tmp_path):
+    path = tmp_path / "binary.json"
+    path.write_bytes(b'{"loads": "\xff\xfe"}')
+    with pytest.raises(ValueError, match="UTF-8") as info:
+        RoutingTrace.load(str(path))
+    assert str(path) in str(info.value)
+
+
+def test_loads_are_whole_numbers_never_truncated():
+    assert RoutingTrace([[[1, 2.0]]]).loads == [[[1, 2]]]  # a float that is an int is that int
+    for bad in (0.5, 2.9999, -1, float("nan"), float("inf"), "3", None, True):
+        with pytest.raises(ValueError, match=r"loads\[0\]\[0\]\[1\] \(step 0, layer 0, expert 1\)"):
+            RoutingTrace([[[1, bad]]])

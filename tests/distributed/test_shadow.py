@@ -171,3 +171,55 @@ def _accumulate_matches_plain(rank, world):
 def test_shadowing_with_cross_microbatch_interleaving():
     seen = assert_all_ok(run_ranks(_accumulate_matches_plain, 2, timeout=300))
     assert seen[0] == seen[1] and 5 in seen[0], seen
+
+
+def _replicated_matches_global(rank, world):
+    """Shadowing under lancet_rt.parallel.replicate on a (dp=2, ep=2) mesh: two SGD steps equal one
+    process on the global batch (tests/distributed/mesh_cases.py), chunked or not."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lancet_rt.models.blocks import MoEBlocks
+    from lancet_rt.parallel import replicate
+    from tests.distributed import mesh_cases as mc
+
+    rows = 48  # per rank: enough tokens that fetching the hot expert pays
+
+    def blocks(ep_group=None, shadow=0):
+        torch.manual_seed(0)
+        model = MoEBlocks(1, mc.D, 2, dict(d_ffn=6, num_experts=mc.E, top_k=2, z_loss_coef=0.01, ep_group=ep_group,
+                                           shadow_experts=shadow))
+        with torch.no_grad():
+            model.blocks[0].moe.router.weight[3] += 3.0  # expert 3 hot
+        return model
+
+    def batch(step, world):
+        gen = torch.Generator().manual_seed(100 + step)
+        x = torch.randn(world * rows, mc.SEQ, mc.D, generator=gen)
+        return x, torch.randn(x.shape, generator=gen)
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("dp", "ep"))
+    ep_rank = mesh["ep"].get_local_rank()
+    expected = mc.reference_steps(blocks(), world, batch_fn=batch)
+    seen = []
+    for chunks in (1, 2):
+        model = blocks(mesh["ep"].get_group(), shadow=2)
+        mc.load_from_reference(model, blocks(), ep_rank)
+        replicate(model, mesh)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+        run = mc.runner(model, chunks, False)
+        for step in range(2):
+            x, g = (mc.local(t, rank, rows) for t in batch(step, world))
+            opt.zero_grad(set_to_none=True)
+            loss = mc.blocks_loss(run, x, g)
+            loss.backward()
+            opt.step()
+            mc.compare(model, expected[step], rank, ep_rank, loss, f"replicate shadowed chunks={chunks} step {step}")
+            seen.append(list(model.blocks[0].moe.shadowed))
+    return seen
+
+
+def test_shadowing_under_replicate_on_a_mesh():
+    """A supported combination (issue 35 looked for unsupported ones): replicate's hooks see the
+    shadowed experts' reduced gradients as any gradient."""
+    seen = assert_all_ok(run_ranks(_replicated_matches_global, 4, timeout=400))
+    assert all(3 in s for r in seen for s in r), f"the hot expert 3 was not shadowed: {seen}"

@@ -97,3 +97,21 @@ def test_warmup_leaves_no_new_kernel_key_for_the_steps():
     assert out[0]["report_buckets"] == out[1]["report_buckets"]   # the same keys warmed on every rank
     for r in (0, 1):
         assert out[r]["new"] == [], f"rank {r} launched keys warm-up never did: {out[r]['new']}"
+
+
+def _state_rank(rank, world):
+    import torch.distributed as dist
+
+    from tests.schedule.test_warmup_state import GRAD_STATES, warmup_case
+
+    return {grads: warmup_case(grads, dist.group.WORLD, rank) for grads in GRAD_STATES}
+
+
+def test_warmup_leaves_state_and_the_next_step_unchanged_on_two_ranks():
+    """The state checks of tests/schedule/test_warmup_state.py with a 2-rank expert-parallel group:
+    ``.grad`` None, zeros and a partial microbatch sum, bitwise, and the next step's gradients."""
+    results = run_ranks(_state_rank, 2, timeout=300)
+    errors = {r: v for r, (status, v) in results.items() if status != "ok"}
+    assert not errors, "\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
+    found = [f"rank {r}, .grad {g}: {d}" for r, (_, v) in sorted(results.items()) for g, ds in v.items() for d in ds]
+    assert not found, "\n".join(found)

@@ -218,12 +218,16 @@ def test_gating_nonfinite_logits(gen, monkeypatch, score_fn, normalize, capacity
     used = torch.randint(0, 2, (E,), generator=gen, dtype=torch.int32).to(DEVICE)
     out = _check_gating_nonfinite(gen, logits, K, used, capacity, score_fn, normalize)
     # Spelled out: the rows whose scores hold a NaN (NaN logits at experts 4 and 2), their
-    # experts, and their weights (all NaN once normalised); ordinary rows stay finite.
-    nan_rows = [0, 3, 6, 33, 35, 38] if score_fn == "softmax" else [0, 6, 33, 38]
+    # experts, and their weights (all NaN once normalised); ordinary rows stay finite. Under
+    # sigmoid an all -inf row scores 0 everywhere (experts 0..K-1): normalised by the sum + 1e-20
+    # (the contract), its weights are 0, not 0/0.
+    nan_rows = [0, 3, 6, 33, 35, 38] if score_fn == "softmax" else [0, 33]
     if score_fn == "softmax":
         assert torch.equal(out.expert_TK[nan_rows].long(), torch.arange(K).expand(len(nan_rows), K).to(DEVICE))
     else:
         assert int(out.expert_TK[0, 0]) == 4 and int(out.expert_TK[33, 0]) == 2
+        assert torch.equal(out.expert_TK[[6, 38]].long(), torch.arange(K).expand(2, K).to(DEVICE))
+        assert torch.equal(out.weight_TK[[6, 38]], torch.zeros(2, K, device=DEVICE))
     if normalize:
         assert bool(out.weight_TK[nan_rows].isnan().all())
     assert not bool(out.weight_TK[[1, 9, 20, 39]].isnan().any())

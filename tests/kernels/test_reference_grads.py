@@ -23,10 +23,10 @@ def _autograd_gating(logits, expert_TK, gw, gs, gz, score_fn, normalize_topk, sc
     s = _scores(logits, score_fn)
     w = torch.gather(s, 1, expert_TK.long())
     if normalize_topk:
-        w = w / w.sum(dim=-1, keepdim=True)
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)  # (the contract's epsilon)
     total = (w * scaling * gw).sum() if gw is not None else logits.new_zeros(())
     if gs is not None:
-        total = total + ((s / s.sum(dim=-1, keepdim=True)).sum(dim=0) * gs).sum()
+        total = total + ((s / (s.sum(dim=-1, keepdim=True) + 1e-20)).sum(dim=0) * gs).sum()
     if gz is not None:
         total = total + (torch.logsumexp(logits, dim=-1) ** 2).sum() * gz
     return torch.autograd.grad(total, logits)[0]

@@ -40,8 +40,10 @@ tests/distributed/test_shadow.py). Routing, drops and losses are untouched.
 
 The fetch is issued before the chunk's dispatch and waited after the chunk's switch (other chunks run
 meanwhile); the gradients' reduce is issued by the fetch's backward and waited by the node before it
-(:class:`_AwaitGrad`), which the autograd engine runs after the other ready work. Not done: shadowing
-with ``pipeline_chunks > 1`` (the Tutel-style baseline dispatches without it).
+(:class:`_AwaitGrad`), which the autograd engine runs after the other ready work. Not done, and refused
+on every rank before any collective (:func:`unsupported`, ``MoEConfig``, ``lancet_rt.parallel``):
+shadowing with ``pipeline_chunks > 1`` (the Tutel-style baseline dispatches without it), with FSDP2
+(``fully_shard``), and with activation checkpointing under an Overlapped of several chunks.
 """
 from __future__ import annotations
 
@@ -56,6 +58,7 @@ from lancet_rt.moe.dispatch.base import Exchanged
 from lancet_rt.moe.dispatch.common import counts_turn, host_bounds, to_device
 from lancet_rt.moe.experts import _ExpertsFn
 from lancet_rt.schedule import casts
+from lancet_rt.schedule import recompute as _recompute
 from lancet_rt.schedule import scope as _scope
 
 #: An expert is hot when its load exceeds this many times the mean expert load.
@@ -67,6 +70,40 @@ def check_group(shadow_experts: int, group) -> None:
     if shadow_experts and group is not None and not callable(getattr(group, "all_reduce", None)):
         raise ValueError(f"shadow_experts needs an ep_group with all_reduce (TorchGroup, EmulatedGroup), got "
                          f"{type(group).__name__}")
+
+
+def unsupported(moe) -> Optional[ValueError]:
+    """Why ``moe`` (shadowing, with a group) cannot run this forward, or None: checked at each forward
+    before the layer's first collective, and raised on every rank through the layer's status exchange.
+
+    Not supported: ``pipeline_chunks > 1`` (the Tutel-style baseline dispatches without shadowing; also
+    refused by :class:`~lancet_rt.moe.config.MoEConfig`, this catches a later change of the attribute);
+    experts sharded by FSDP2 (a fetch broadcasts the owner's whole weights, FSDP2 holds a dp shard of
+    them as a DTensor); activation checkpointing (:func:`lancet_rt.checkpoint`) under an Overlapped
+    with several chunks (the chunks after the first reuse the step's fetched copy, which the
+    recomputation in backward cannot replay: torch's checkpoint then finds other saved tensors).
+    """
+    n = moe.shadow_experts
+    if moe.pipeline_chunks > 1:
+        return ValueError(f"shadow_experts={n} cannot be combined with pipeline_chunks={moe.pipeline_chunks} (the "
+                          f"Tutel-style pipelined dispatch does not shadow experts); set one of them to its default")
+    if _sharded(moe.experts):
+        return ValueError(f"shadow_experts={n} cannot be combined with FSDP2 (fully_shard) on the experts: shadowing "
+                          f"broadcasts an expert's whole weights from its owner and FSDP2 holds a shard of them; use "
+                          f"shadow_experts=0, or lancet_rt.parallel.replicate / GradientSync")
+    if _recompute.recording() and _scope.current() is not None:
+        return ValueError(f"shadow_experts={n} cannot be combined with activation checkpointing (lancet_rt.checkpoint) "
+                          f"under Overlapped with more than one chunk: the chunks share one fetched copy of the hot "
+                          f"experts, which the recomputation cannot replay; use shadow_experts=0, chunks=1, or "
+                          f"checkpoint outside the MoE layers")
+    return None
+
+
+def _sharded(experts) -> bool:
+    """Whether FSDP2 manages ``experts`` as a unit of its own (its parameters are DTensors outside its forward)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in experts.parameters())
 
 
 def hot_experts(loads_WE: list, limit: int, L: int, row_bytes: int, fetch_bytes: float, chunks: int,
