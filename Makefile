@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup train train-link bench-link test test-gpu gpu-wheels
+.PHONY: setup peers train train-link bench-link test test-gpu gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -17,6 +17,20 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "torch==$(TORCH_VERSION)"
 	$(BIN)/python -m pip install -q -e ".[test,bench]"
 	@$(BIN)/python -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__, '| cuda', torch.cuda.is_available())"
+	touch $@
+
+# The real peers bench.peers compares against (a bench extra): torchtitan 0.3.0 without its dependencies
+# (its trainer's: datasets, wandb, torchdata, ...) plus the two its MoE modules import, and DeepSpeed
+# with no op builds (pure Python on torch's CPU wheel). About 30 s; `make test` installs them so the
+# peers' equality tests run in CI.
+PEERS_STAMP := $(VENV)/.peers
+peers: $(PEERS_STAMP)
+
+$(PEERS_STAMP): $(VENV)/.installed
+	$(BIN)/python -m pip install -q --no-deps torchtitan==0.3.0
+	$(BIN)/python -m pip install -q spmd_types==0.2.3 tyro
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q deepspeed==0.19.8
+	@$(BIN)/python -c "import torch, torchtitan.models.common.moe, deepspeed; print('peers: torch', torch.__version__, '| deepspeed', deepspeed.__version__)"
 	touch $@
 
 # The main job: a GPT-style MoE language model, 2 expert-parallel ranks, under lancet_rt.Overlapped.
@@ -32,12 +46,13 @@ train-link: setup
 	$(BIN)/python -m bench.reallink --ranks 2 --rate $(LINK_RATE) -- -m bench.train_lm --channels split $(TRAIN_LINK_ARGS)
 
 # Issue 38's acceptance on a real link (root; minutes): bench.overlap --link real on the blocks model (2 and 4
-# ranks) and Mixtral, rate calibrated to comm = 1x compute; prints the table, appends bench/results/overlap_real.json.
-bench-link: setup
+# ranks) and Mixtral, rate calibrated to comm = 1x compute, with the peers (make peers); prints the table and
+# appends bench/results/overlap_real.json.
+bench-link: setup peers
 	$(BIN)/python -m bench.reallink_acceptance
 
 # The test suite (CPU lane; Triton kernels in the interpreter). Exit code 5 (no tests) is not a failure.
-test: setup
+test: setup peers
 	$(BIN)/python -m pytest -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 # The GPU lane, on a CUDA machine.

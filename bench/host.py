@@ -8,6 +8,8 @@ and the compute's own work is left), a training step is run unchunked and under
 * host reads of tensor values (``aten._local_scalar_dense``: ``.item()``, ``.tolist()``, ``int(t)``;
   on a GPU each read of a device tensor is a host sync);
 * Triton launches (on the kernel path: ``LANCET_KERNELS=triton``, on CPU with ``TRITON_INTERPRET=1``);
+* minor page faults per step (``minflt``, the median over the timed steps: memory returned to the OS
+  and faulted in again; ``getrusage``);
 * host microseconds (the median wall time of the phase; on a GPU, the time to enqueue it), and
   ``plain_us_per_chunk``: the same for the model run on the chunks' rows one after the other with
   no ``Overlapped`` (one loss, one backward; no deferred dW): the cost of running every op once per
@@ -39,6 +41,7 @@ import collections
 import contextlib
 import copy
 import gc
+import resource
 import statistics
 from typing import Optional
 
@@ -57,6 +60,12 @@ _READ = torch.ops.aten._local_scalar_dense.default
 #: reads a CPU tensor's memory directly; ``cpu()`` of a CPU tensor returns it): counted by name, since
 #: on a GPU each is a device-to-host copy.
 _HOST_METHODS = ("tolist", "cpu", "numpy")
+
+
+def minor_faults() -> int:
+    """This process's minor page faults so far (``getrusage``): memory the allocator handed back to
+    the OS and touches again (on CPU, a tensor over glibc's mmap threshold freed and allocated anew)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 class OpCounter(TorchDispatchMode):
@@ -230,22 +239,25 @@ class Step:
         instead. On CUDA also the phases' CUDA-event GPU times and :func:`host_vs_gpu`'s fields."""
         forward = self.plain_forward if plain else self.forward
         timer = PhaseTimer(self.device)
-        phases = []
+        phases, faults = [], []
         collect_garbage()
         gc.disable()
         try:
             for _ in range(reps):
                 self.model.zero_grad(set_to_none=True)
+                f0 = minor_faults()
                 timer.start()
                 loss = forward(n)
                 timer.lap()
                 loss.backward()
                 timer.lap()
                 phases.append(timer.result())
+                faults.append(minor_faults() - f0)
         finally:
             gc.enable()
         fwd, bwd = [p[0] for p in phases], [p[1] for p in phases]  # (host_us, gpu_us) of each step
-        out = dict(fwd_us=statistics.median(h for h, _ in fwd), bwd_us=statistics.median(h for h, _ in bwd))
+        out = dict(fwd_us=statistics.median(h for h, _ in fwd), bwd_us=statistics.median(h for h, _ in bwd),
+                   minflt=statistics.median(faults))
         if timer.cuda:
             out.update(host_vs_gpu(out["fwd_us"], out["bwd_us"], statistics.median(g for _, g in fwd),
                                    statistics.median(g for _, g in bwd), self.layers * n))
@@ -365,10 +377,14 @@ def main(argv: Optional[list] = None) -> list[dict]:
 def _print(rows: list[dict], top: int) -> None:
     cols = ["capacity_factor", "autocast", "defer_wgrad", "chunks", "ops_per_chunk", "reads_per_chunk",
             "fwd_ops_per_chunk", "bwd_ops_per_chunk", "fwd_launches_per_chunk", "bwd_launches_per_chunk",
-            "fwd_us_per_chunk", "bwd_us_per_chunk", "plain_us_per_chunk", "saved_x", "peak_x"]
+            "fwd_us_per_chunk", "bwd_us_per_chunk", "plain_us_per_chunk", "saved_x", "peak_x", "minflt"]
     have = [c for c in cols if any(c in r for r in rows)]
     print_table([r for r in rows if r["chunks"] > 1], have,
-                "per layer per extra chunk (fwd+bwd), and the step's saved bytes / peak memory against unchunked")
+                "per layer per extra chunk (fwd+bwd), and the step's saved bytes / peak memory against unchunked; "
+                "minflt: the step's minor page faults (median)")
+    print("minor page faults per step: " + ", ".join(
+        f"{r['autocast']} cf={r['capacity_factor']} dw={r['defer_wgrad']} chunks={r['chunks']}: {r['minflt']:.0f}"
+        for r in rows))
     if any("gpu_us" in r for r in rows):
         print_table(rows, ["autocast", "defer_wgrad", "chunks", "fwd_us", "fwd_gpu_us", "bwd_us", "bwd_gpu_us",
                            "host_us", "gpu_us", "host_over_gpu"],

@@ -88,6 +88,24 @@ def _ends(offsets_E1) -> torch.Tensor:
     return torch.tensor(_bounds(offsets_E1)[1:], dtype=torch.int32)
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def _along(w_ENK: torch.Tensor, dim: int) -> torch.Tensor:
+    """``w_ENK`` with its ``dim`` (1 or 2: the GEMM's reduction dimension) contiguous, for a 16-bit
+    CPU GEMM whose other operand runs contiguously along it: a copy of the weights when needed.
+
+    Where the CPU has no native 16-bit GEMM (AVX2 without AVX512-BF16 or AMX, as on the machines
+    this project benchmarks on), ATen's own loops run a [R, K] @ [K, N] product 8x slower when only
+    one operand is contiguous along K (torch.profiler, bf16 autocast, 512 tokens: the experts' dX and
+    dH took 2.2 s of a 2.6 s layer step; 0.43 s with this). A [E, N, K] weight copy costs a few ms.
+    """
+    if w_ENK.dtype not in _HALF or w_ENK.device.type != "cpu" or w_ENK.stride(dim) == 1:
+        return w_ENK
+    other = 3 - dim
+    return w_ENK.transpose(dim, other).contiguous().transpose(dim, other)
+
+
 def grouped_mm_ref(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor,
                    bias_EN: Optional[torch.Tensor] = None) -> torch.Tensor:
     """y[r] = x[r] @ w[e].T (+ bias[e]) for the rows r of segment e = offsets[e]:offsets[e+1].
@@ -106,6 +124,8 @@ def grouped_mm_ref(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Te
     Returns:
         y_RN [R, N] in x's dtype.
     """
+    if not _differentiable(x_RK, w_ENK, bias_EN) and x_RK.stride(1) == 1:
+        w_ENK = _along(w_ENK, 2)  # (16-bit CPU: reduced over K, contiguous in both operands)
     w_EKN = w_ENK.transpose(1, 2)
     if _differentiable(x_RK, w_ENK, bias_EN):  # (out= does not record autograd: concatenate)
         xs, ws = _segments(x_RK, offsets_E1), w_EKN.unbind(0)
@@ -133,15 +153,23 @@ def _differentiable(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def grouped_mm_dx_ref(dy_RN: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
-    """dx[r] = dy[r] @ w[e] for the rows of segment e: the input gradient of :func:`grouped_mm_ref`."""
+def grouped_mm_dx_ref(dy_RN: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor, *,
+                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """dx[r] = dy[r] @ w[e] for the rows of segment e: the input gradient of :func:`grouped_mm_ref`.
+
+    ``out``: an optional [R, K] buffer in dy's dtype, written row segment by row segment with the
+    same per-segment ``mm`` that ``torch._grouped_mm`` runs on CPU (it takes no ``out``), so the
+    caller can keep the buffer across steps instead of allocating the product each time.
+    """
     if _differentiable(dy_RN, w_ENK):
         return torch.cat([torch.mm(dy, w) for dy, w in zip(_segments(dy_RN, offsets_E1), w_ENK.unbind(0))])
+    if dy_RN.stride(1) == 1:
+        w_ENK = _along(w_ENK, 1)  # (16-bit CPU: reduced over N, contiguous in both operands)
     if w_ENK.shape[0] == 1:  # one segment: one GEMM
-        return torch.mm(dy_RN, w_ENK[0])
-    if _one_launch(dy_RN, w_ENK):
+        return torch.mm(dy_RN, w_ENK[0]) if out is None else torch.mm(dy_RN, w_ENK[0], out=out)
+    if out is None and _one_launch(dy_RN, w_ENK):
         return torch._grouped_mm(dy_RN, w_ENK, offs=_ends(offsets_E1))
-    dx = dy_RN.new_empty(dy_RN.shape[0], w_ENK.shape[2])
+    dx = dy_RN.new_empty(dy_RN.shape[0], w_ENK.shape[2]) if out is None else out
     for dy, w, out in zip(_segments(dy_RN, offsets_E1), w_ENK.unbind(0), _segments(dx, offsets_E1)):
         torch.mm(dy, w, out=out)
     return dx
@@ -196,23 +224,45 @@ def swiglu_fwd_ref(gu_R2F: torch.Tensor, *, activation: str = "swiglu", interlea
     _check_activation(activation)
     g, u = _split_gu(gu_R2F.to(_acc(gu_R2F)), interleaved)
     if activation == "swiglu":
-        return (F.silu(g) * u).to(gu_R2F.dtype)
+        if _differentiable(gu_R2F):
+            return (F.silu(g) * u).to(gu_R2F.dtype)
+        return F.silu(g).mul_(u).to(gu_R2F.dtype)  # (the product in silu's result: one [R, F] fewer)
     g = g.clamp(max=limit)
     u = u.clamp(min=-limit, max=limit)
     return ((u + 1) * (g * torch.sigmoid(alpha * g))).to(gu_R2F.dtype)
 
 
 def swiglu_bwd_ref(gu_R2F: torch.Tensor, grad_h_RF: torch.Tensor, *, activation: str = "swiglu",
-                   interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+                   interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0,
+                   out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Gradient of :func:`swiglu_fwd_ref` with respect to gu, in gu's dtype and column order.
 
     For "swiglu_oai" the clamps pass the gradient where torch.clamp's does (gate <= limit,
     -limit <= up <= limit: bounds included) and give zero elsewhere.
+
+    ``out``: an optional [R, 2F] buffer in gu's dtype for the result. For "swiglu" the two halves
+    are computed in place (float32: in the result's columns; 16-bit: in the float32 copy of gu), the
+    same elementwise ops as written out, so the same bits with no [R, F] temporaries.
     """
     _check_activation(activation)
-    g, u = _split_gu(gu_R2F.to(_acc(gu_R2F)), interleaved)
+    gu = gu_R2F.to(_acc(gu_R2F))
+    g, u = _split_gu(gu, interleaved)
     dh = grad_h_RF.to(g.dtype)
-    if activation == "swiglu":  # d silu(g) = sig (1 + g (1 - sig)): ATen's silu_backward
+    if activation == "swiglu" and not _differentiable(gu_R2F, grad_h_RF):
+        dgu = torch.empty(gu_R2F.shape, dtype=gu_R2F.dtype, device=gu_R2F.device) if out is None else out
+        dg, du = _split_gu(dgu, interleaved)
+        # d silu(g) = sig (1 + g (1 - sig)): ATen's silu_backward, of dh * u; a product is
+        # symmetric bit for bit, so each op below is the written-out formula's.
+        if gu is gu_R2F:  # float32/64: the halves in place in the result's columns
+            torch.ops.aten.silu_backward.grad_input(torch.mul(dh, u, out=dg), g, grad_input=dg)
+            torch.ops.aten.silu.out(g, out=du).mul_(dh)
+        else:  # 16-bit: in the float32 copy of gu (ours): dg in u's columns (u's last read is dh * u),
+            # du in g's (after silu_backward's last read of g), each rounded into its own columns
+            torch.ops.aten.silu_backward.grad_input(u.mul_(dh), g, grad_input=u)
+            dg.copy_(u)
+            du.copy_(torch.ops.aten.silu_(g).mul_(dh))
+        return dgu
+    if activation == "swiglu":  # (differentiated: out-of-place)
         dg = torch.ops.aten.silu_backward(dh * u, g)
         du = dh * F.silu(g)
     else:
@@ -220,7 +270,8 @@ def swiglu_bwd_ref(gu_R2F: torch.Tensor, grad_h_RF: torch.Tensor, *, activation:
         sig = torch.sigmoid(alpha * gc)
         dg = torch.where(g <= limit, dh * (uc + 1) * sig * (1 + alpha * gc * (1 - sig)), 0.0)
         du = torch.where((u >= -limit) & (u <= limit), dh * gc * sig, 0.0)
-    return _join_gu(dg, du, interleaved).to(gu_R2F.dtype)
+    dgu = _join_gu(dg, du, interleaved).to(gu_R2F.dtype)
+    return dgu if out is None else out.copy_(dgu)
 
 
 def gate_up_swiglu_ref(x_RD: torch.Tensor, w_E2FD: torch.Tensor, offsets_E1: torch.Tensor,

@@ -21,6 +21,7 @@ all-to-alls.
 from __future__ import annotations
 
 import math
+import threading
 from typing import NamedTuple, Optional
 
 import torch
@@ -47,6 +48,42 @@ class _Spec(NamedTuple):
 
     def act(self) -> dict:
         return dict(activation=self.activation, interleaved=self.gpt_oss, alpha=self.alpha, limit=self.limit)
+
+
+class _Scratch(threading.local):
+    """Memory the experts' backward reuses from step to step on the reference (CPU) path: the [R, F]
+    gradient of h, the [R, 2F] gradient of gu and, with expert parallelism, dY after and dX before
+    their permutations, each a view of one flat buffer per role, dtype and device, grown to the largest
+    chunk seen.
+
+    Allocated afresh each step (40-65 MB at the benchmark's size), these were returned to the OS by
+    glibc on free and faulted in again page by page, 6-12k minor page faults and 10-20 ms of system
+    time per step (issue 38). A buffer is handed out only for a tensor that dies inside the same
+    backward call: never one a deferred dW holds or one that leaves the call, and there is no
+    switch to other work between its write and its last read (``link.issue`` starts a collective of
+    a fresh tensor and returns). Per thread: ``Overlapped.accumulate`` runs a backward on a helper
+    thread. CUDA keeps its caching allocator and the kernels' own buffers: no scratch there.
+    """
+
+    #: Below this size of dgu the backward allocates as before: its temporaries are then at most a
+    #: few hundred pages even when faulted in again (none under 128 KiB, glibc's initial mmap
+    #: threshold), while the per-segment ``mm`` into a scratch buffer costs ATen ops per chunk (issue
+    #: 20's count, bench.host: +3.5 per extra chunk at its sizes).
+    MIN_BYTES = 1 << 20
+
+    def __init__(self):
+        self.buffers: dict = {}
+
+    def take(self, role: str, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+        n = math.prod(shape)
+        key = (role, like.dtype, like.device)
+        buf = self.buffers.get(key)
+        if buf is None or buf.numel() < n:
+            buf = self.buffers[key] = torch.empty(n, dtype=like.dtype, device=like.device)
+        return buf[:n].view(shape)
+
+
+_scratch = _Scratch()
 
 
 class _ExpertsFn(torch.autograd.Function):
@@ -95,10 +132,27 @@ class _ExpertsFn(torch.autograd.Function):
         w_E2FD = gate_up.transpose(1, 2) if spec.gpt_oss else gate_up
         w_EDF = down.transpose(1, 2) if spec.gpt_oss else down
         to_expert, to_rank = ctx.perms
-        dy_RD = dy_out.contiguous() if to_expert is None else dy_out.index_select(0, to_expert)
-        dh_RF = ops.grouped_mm_dx(dy_RD, w_EDF, offsets_E1)
-        dgu_R2F = ops.swiglu_bwd(gu_R2F, dh_RF, **spec.act())
-        dx_RD = ops.grouped_mm_dx(dgu_R2F, w_E2FD, offsets_E1)
+        deferring = False
+        if ctx.wgrad is not None:
+            # params: (gate_up, down) then the biases the module has, in that order.
+            present = (True, True) + ctx.has_bias
+            it = iter(p.requires_grad for p in ctx.params)
+            needs_all = tuple(next(it) if has else False for has in present)
+            deferring = any(needs_all) and wgrad.accumulating(ctx.probe)
+        # The reference path's temporaries in reused memory (_Scratch); a deferred dW holds dgu.
+        R, F2 = gu_R2F.shape
+        scratch = (getattr(ops, "host_offsets", False) and dy_out.device.type == "cpu"
+                   and R * F2 * gu_R2F.element_size() >= _Scratch.MIN_BYTES)
+        out = (lambda role, shape: dict(out=_scratch.take(role, shape, gu_R2F))) if scratch else (lambda *_: {})
+        if to_expert is None:
+            dy_RD = dy_out.contiguous()
+        else:
+            dy_RD = torch.index_select(dy_out, 0, to_expert, **({} if deferring else out("dy", (R, dy_out.shape[1]))))
+        dh_RF = ops.grouped_mm_dx(dy_RD, w_EDF, offsets_E1, **out("dh", (R, F2 // 2)))
+        dgu_R2F = ops.swiglu_bwd(gu_R2F, dh_RF, **spec.act(), **({} if deferring else out("dgu", (R, F2))))
+        del dh_RF
+        dx_RD = ops.grouped_mm_dx(dgu_R2F, w_E2FD, offsets_E1,
+                                  **({} if to_rank is None else out("dx", (R, x_RD.shape[1]))))
         dx_in = dx_RD if to_rank is None else dx_RD.index_select(0, to_rank)
         if ctx.link is not None:
             ctx.link.issue(dx_in)  # the dispatch's backward all-to-all starts now
@@ -119,11 +173,7 @@ class _ExpertsFn(torch.autograd.Function):
             return dgate_up, ddown, dgate_up_bias, ddown_bias
 
         if ctx.wgrad is not None:
-            # params: (gate_up, down) then the biases the module has, in that order.
-            present = (True, True) + ctx.has_bias
-            it = iter(p.requires_grad for p in ctx.params)
-            needs_all = tuple(next(it) if has else False for has in present)
-            if any(needs_all) and wgrad.accumulating(ctx.probe):
+            if deferring:
                 flops = 3 * x_RD.shape[0] * gu_R2F.shape[1] * x_RD.shape[1]  # 2RD(2F) + 2RDF
 
                 def weight_grads():
