@@ -46,8 +46,9 @@ class RealRunner:
     # ------------------------------------------------------------------ models
     def _build_blocks(self) -> None:
         s, args = self.s, self.args
+        # Dropless and no load-balancing loss: the step the peers (bench.peers) compute too, checked equal.
         moe_kwargs = dict(d_ffn=s["d_ffn"], num_experts=s["experts"], top_k=args.top_k, capacity_factor=None,
-                          ep_group=self.group, aux_loss_coef=1e-2)
+                          ep_group=self.group, aux_loss_coef=0.0)
         self.model = self.blocks(moe_kwargs)
         self.model_dw = copy.deepcopy(self.model)  # (the copy shares the group)
         self.models = [self.model, self.model_dw]
