@@ -187,9 +187,11 @@ def _rank(args, kind: str, rate: Optional[int]) -> Optional[dict]:
         raise SystemExit(f"--channels must be a comma-separated list of {CHANNELS}, got {args.channels!r}")
     group = ep_group(variants[0])
     runner = RealRunner(args, s, group, me.rank)
-    for name, step in peer_schedules(runner).items():
-        runner.add_schedule(name, step)
-    wanted = args.schedules.split(",") if args.schedules else list(runner.steps)
+    asked = args.schedules.split(",") if args.schedules else None
+    if asked is None or any(n.startswith("peer_") for n in asked):  # (the peers are built and checked only if timed)
+        for name, step in peer_schedules(runner).items():
+            runner.add_schedule(name, step)
+    wanted = asked or list(runner.steps)
     names = [n for n in wanted if n in runner.steps]
     for variant in variants[1:]:  # the same model and schedules on another group, timed in the same rounds
         other = RealRunner(args, s, ep_group(variant), me.rank)
