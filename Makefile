@@ -59,7 +59,7 @@ test: setup peers
 test-gpu: setup
 	$(BIN)/python -m pytest -m gpu -q
 
-# What the lent GPU machine lacks of the lane's needs (it has no package registry): greenlet alone; its
+# What the lent GPU machine lacks of the lane's needs (it has no package registry): greenlet and xxhash; its
 # image has torch, triton, nvidia-ml-py, safetensors, tqdm, pytest, pytest-timeout, transformers and
 # matplotlib (../shared/GPU.md). Carried as .whl/ (ignored by git; `carry: [".whl"]`), installed by
 # bench.gpu_lane into a temporary directory. GPU_PYTHON is that machine's Python version.
@@ -67,5 +67,5 @@ GPU_PYTHON ?= 3.12
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \
 		--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-		-d .whl greenlet==3.5.6
+		-d .whl greenlet==3.5.6 xxhash==3.6.0
 	@ls .whl

@@ -5,7 +5,7 @@ waits, the close), at most 10 minutes a command, and brings back at most 8 files
 lane is ONE prepared call of about 8 minutes, in priority order, that keeps what it measured however
 it ends. Here, where PyPI is reachable, first::
 
-    make gpu-wheels            # .whl/: greenlet, the one package the GPU image lacks
+    make gpu-wheels            # .whl/: greenlet and xxhash, the packages the GPU image lacks
 
 then THE call (the device tool's ``run``), and ``give_back`` after it unless you rerun at once::
 

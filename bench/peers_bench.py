@@ -273,6 +273,3 @@ def main(argv: Optional[list] = None) -> list:
                 f"median of {args.rounds} interleaved rounds; lancet_over = our step / the variant's")
     return rows
 
-
-if __name__ == "__main__":
-    main()

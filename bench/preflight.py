@@ -16,7 +16,7 @@ import sys
 import time
 
 #: In import order: torch first, so that a broken torch is named as such.
-IMPORTS = ("torch", "triton", "greenlet", "lancet_rt", "lancet_rt.kernels", "lancet_rt.autotune", "pytest",
+IMPORTS = ("torch", "triton", "greenlet", "xxhash", "lancet_rt", "lancet_rt.kernels", "lancet_rt.autotune", "pytest",
            "pytest_timeout")
 IMPORT_FAILED = 3
 

@@ -99,6 +99,34 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, may_die=()) -> dict
         return results
 
 
+def die_reporting(res, out_dir: str, rank: int) -> None:
+    """Kill this rank (SIGKILL: no cleanup, as a crash) after writing ``res`` to ``out_dir/rank{rank}.json``."""
+    import json
+    import signal
+
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(res, f)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def with_the_dead(results: dict, victim: int, out_dir) -> list:
+    """Each rank's result of a run in which ``victim`` killed itself by :func:`die_reporting` (its
+    result then read from its file); every other rank must have returned."""
+    import json
+
+    errors = {r: p for r, (s, p) in results.items() if s != "ok"}
+    assert not errors, "\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
+    assert victim not in results, f"rank {victim} was to kill itself, and returned"
+    out = []
+    for r in range(len(results) + 1):
+        if r == victim:
+            out.append(json.loads(open(os.path.join(str(out_dir), f"rank{victim}.json")).read()))
+        else:
+            assert results[r][0] == "ok", results[r][1]
+            out.append(results[r][1])
+    return out
+
+
 def assert_all_ok(results: dict) -> list:
     errors = {r: p for r, (s, p) in results.items() if s != "ok"}
     assert not errors, "\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))

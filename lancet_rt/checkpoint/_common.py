@@ -1,9 +1,12 @@
-"""Helpers shared by the DCP and Hugging Face checkpoint formats: expert shards, cross-rank agreement."""
+"""The safety layer every checkpoint path shares (``save_checkpoint``, ``save_sharded``, ``save_hf``
+and their loads): expert shards, cross-rank agreement through the group's monitor, and the save
+protocol (:func:`guarded_save`): agree, write into a staging directory, agree, swap it in, agree."""
 from __future__ import annotations
 
 import hashlib
+import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -96,34 +99,88 @@ def _agree(error: Optional[Exception], pg, use_dist: bool, digest: Optional[str]
     mine = (None if error is None else (type(error).__name__, str(error)), digest, None if same is None else same[1])
     group = as_group(pg)
     rows = group.all_gather_object(mine, what)
+    name = group.monitor.name  # global ranks (the group rank beside, where they differ)
     if error is not None:
         if type(error) in _ERROR_TYPES.values() and not str(error).startswith("rank "):
-            named = type(error)(f"rank {group.rank}: {error}")  # every rank's message names the rank at fault
+            named = type(error)(f"{name(group.rank)}: {error}")  # every rank's message names the rank at fault
             raise named from error
         raise error
     for r, (err, _, _) in enumerate(rows):
         if err is not None:
-            raise _ERROR_TYPES.get(err[0], ValueError)(f"rank {r}: {err[1]}")
+            raise _ERROR_TYPES.get(err[0], ValueError)(f"{name(r)}: {err[1]}")
     if same is not None and len({v for _, _, v in rows}) > 1:
         raise ValueError(f"{same[0]}: the ranks passed different values, and a checkpoint must be one directory: "
-                         + ", ".join(f"rank {r}: {v!r}" for r, (_, _, v) in enumerate(rows)))
+                         + ", ".join(f"{name(r)}: {v!r}" for r, (_, _, v) in enumerate(rows)))
     if len({d for _, d, _ in rows}) > 1:
         groups: dict = {}
         for r, (_, d, _) in enumerate(rows):
-            groups.setdefault(d, []).append(r)
+            groups.setdefault(d, []).append(group.monitor.global_ranks[r])
         raise ValueError("model: the ranks hold differently structured models or optimizers (state-dict keys, "
-                         f"shapes or dtypes differ); ranks agreeing with each other: {list(groups.values())}")
+                         f"shapes or dtypes differ); (global) ranks agreeing with each other: {list(groups.values())}")
 
 
-def _dcp_failure(exc: BaseException, path: str, doing: str) -> Exception:
+def path_argument(value, name: str) -> str:
+    """``os.fspath(value)`` of a checkpoint's directory argument ``name``: a TypeError naming it unless
+    ``value`` is a str or an ``os.PathLike`` of one, a ValueError if it is empty (it would be the
+    current directory); raised inside the cross-rank agreement, so on every rank."""
+    text = os.fspath(value) if isinstance(value, os.PathLike) else value
+    if not isinstance(text, str):
+        raise TypeError(f"{name} must be a directory path (a str or os.PathLike), got {type(value).__name__}")
+    if not text:
+        raise ValueError(f"{name} must not be empty")
+    return text
+
+
+def guarded_save(prepare: Callable[[str], tuple], write: Callable, path, pg, use_dist: bool, *, fmt: str,
+                 argument: str = "path", finish: Optional[Callable] = None) -> None:
+    """The save protocol of every checkpoint format, on every rank of ``pg``:
+
+    1. ``state, digest = prepare(abspath)`` (validation, the state to write; no collective), rank 0
+       empties the staging directory beside ``path``; one agreement: any rank's error, different
+       paths or differently structured states raise the same error on every rank, nothing written;
+    2. ``write(state, stage, path)`` into the staging directory (its collectives bounded by the caller),
+       returning the error to agree on (or None); agreed: a failure on any rank raises everywhere;
+    3. rank 0: ``finish(state, stage)`` (files that need every rank's part), then the swap
+       (:func:`lancet_rt.checkpoint._atomic.commit`); agreed.
+
+    Until the swap, ``path`` holds the last good checkpoint, untouched; a rank killed anywhere
+    leaves it loadable, and its peers raise the monitor's PeerError naming it."""
+    from lancet_rt.checkpoint import _atomic
+
+    rank = dist.get_rank(pg) if use_dist else 0
+    error, state, digest = None, None, None
+    try:
+        path = os.path.abspath(path_argument(path, argument))
+        state, digest = prepare(path)
+        if rank == 0:
+            _atomic.prepare(path)
+    except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
+        error = _bad_argument(exc, argument)
+    _agree(error, pg, use_dist, digest, same=(argument, path))
+    stage = _atomic.staging(path)
+    _agree(write(state, stage, path), pg, use_dist)
+    error = None
+    if rank == 0:
+        try:
+            if finish is not None:
+                finish(state, stage)
+            _atomic.commit(path, fmt, dist.get_world_size(pg) if use_dist else 1)
+        except OSError as exc:
+            error = CheckpointError(f"{argument}: swapping the new checkpoint in at {path!r} failed on rank 0: {exc}")
+    _agree(error, pg, use_dist)
+
+
+def _dcp_failure(exc: BaseException, path: str, doing: str, pg=None) -> Exception:
     """DCP's CheckpointException (a BaseException, every rank's failures) as a CheckpointError, or a
-    ValueError when every failing rank found bad data; naming the ranks and what they said."""
+    ValueError when every failing rank found bad data; naming the (global) ranks and what they said."""
     failures = getattr(exc, "failures", {}) or {}
     parts, kinds = [], set()
     for r, pair in sorted(failures.items()):
         inner = pair[0] if isinstance(pair, tuple) else pair
         kinds.add(type(inner).__name__)
-        parts.append(f"rank {r}: {type(inner).__name__}: {str(inner).strip().splitlines()[0] if str(inner).strip() else ''}")
+        g = dist.get_global_rank(pg, r) if pg is not None else r
+        first = str(inner).strip().splitlines()[0] if str(inner).strip() else ""
+        parts.append(f"rank {g}{'' if g == r else f' (group rank {r})'}: {type(inner).__name__}: {first}")
     kind = ValueError if kinds == {"ValueError"} else CheckpointError
     err = kind(f"path: {doing} the checkpoint at {path!r} failed ({'; '.join(parts) or exc}); nothing was changed")
     err.__cause__ = exc

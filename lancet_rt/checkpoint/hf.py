@@ -25,8 +25,7 @@ from torch import nn
 
 from lancet_rt.checkpoint import _atomic
 from lancet_rt.checkpoint._common import (CheckpointError, _agree, _bad_argument, _digest, _expert_shards, _listing,
-                                         _process_group, _Shard, _tensor_id)
-from lancet_rt.checkpoint.dcp import path_argument
+                                         _process_group, _Shard, _tensor_id, guarded_save, path_argument)
 from lancet_rt.checkpoint._hf_files import _SINGLE, _finish_hf_dir, _Headers, _is_hf, _read, _weight_map, _write_atomic
 from lancet_rt.comm.group import as_group
 
@@ -296,48 +295,37 @@ def save_hf(model: nn.Module, directory, *, max_shard_bytes: int = _DEFAULT_SHAR
     pg, use_dist = _process_group(process_group)
     rank = dist.get_rank(pg) if use_dist else 0
     root = dist.get_global_rank(pg, 0) if use_dist else 0
-    error, layout, digest = None, None, None
-    try:
+    files: dict = {}  # the file names and every rank's file plan, for the index rank 0 writes
+
+    def prepare(_directory):
         if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
             raise ValueError(f"max_shard_bytes must be an int >= 1, got {max_shard_bytes!r}")
-        directory = os.path.abspath(path_argument(directory, "directory"))
         layout = _hf_layout(model, pg)
-        digest = _digest(layout.signature())
-        if rank == 0:
-            _atomic.prepare(directory)
-    except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
-        error = _bad_argument(exc, "directory")
-    _agree(error, pg, use_dist, digest, same=("directory", directory))
-    stage = _atomic.staging(directory)  # ``directory`` stays the last good checkpoint until the swap
+        return layout, _digest(layout.signature())
 
-    mine = _pack(_hf_tensors(layout, rank, root, materialize=False), max_shard_bytes)
-    every = as_group(pg).all_gather_object(mine, "checkpoint file plan") if use_dist else [mine]
-    count = sum(len(f) for f in every)
-    first = sum(len(f) for f in every[:rank])
-    names = [_SINGLE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
-
-    error = None
-    try:
-        files = iter(enumerate(mine))
-        j, planned, buffer = -1, [], {}
-        for key, _, _, t in _hf_tensors(layout, rank, root, materialize=True):
-            if not buffer:
-                j, planned = next(files)
-            buffer[key] = t.detach().contiguous().cpu()
-            if len(buffer) == len(planned):
-                _write_atomic(save_file, buffer, os.path.join(stage, names[first + j]))
-                buffer = {}
-    except OSError as exc:  # a collective may be what failed otherwise: then there is nothing to agree on
-        error = CheckpointError(f"directory: writing {directory!r} failed on rank {rank}: {exc}")
-    _agree(error, pg, use_dist)
-    error = None
-    if rank == 0:
+    def write(layout: _HFLayout, stage: str, target: str) -> Optional[Exception]:
+        mine = _pack(_hf_tensors(layout, rank, root, materialize=False), max_shard_bytes)
+        every = as_group(pg).all_gather_object(mine, "checkpoint file plan") if use_dist else [mine]
+        count = sum(len(f) for f in every)
+        first = sum(len(f) for f in every[:rank])
+        names = [_SINGLE] if count == 1 else [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+        files.update(names=names, every=every)
         try:
-            _finish_hf_dir(model, stage, names, every)
-            _atomic.commit(directory, "hf", dist.get_world_size(pg) if use_dist else 1)
-        except OSError as exc:
-            error = CheckpointError(f"directory: finishing {directory!r} failed on rank 0: {exc}")
-    _agree(error, pg, use_dist)
+            plan = iter(enumerate(mine))
+            j, planned, buffer = -1, [], {}
+            for key, _, _, t in _hf_tensors(layout, rank, root, materialize=True):
+                if not buffer:
+                    j, planned = next(plan)
+                buffer[key] = t.detach().contiguous().cpu()
+                if len(buffer) == len(planned):
+                    _write_atomic(save_file, buffer, os.path.join(stage, names[first + j]))
+                    buffer = {}
+        except OSError as exc:  # a collective may be what failed otherwise: then there is nothing to agree on
+            return CheckpointError(f"directory: writing {target!r} failed on rank {rank}: {exc}")
+        return None
+
+    guarded_save(prepare, write, directory, pg, use_dist, fmt="hf", argument="directory",
+                 finish=lambda layout, stage: _finish_hf_dir(model, stage, files["names"], files["every"]))
 
 
 def _plan_hf_load(layout: _HFLayout, headers: _Headers) -> tuple:

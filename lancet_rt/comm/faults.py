@@ -53,11 +53,13 @@ ADVICE = ("This expert-parallel group is out of step and cannot be used again: e
 
 class GroupError(RuntimeError):
     """The expert-parallel group cannot go on (a rank failed in the middle of a step, stopped
-    answering, or died). ``ranks``: the group ranks at fault."""
+    answering, or died). ``ranks``: the group ranks at fault; ``global_ranks``: the same ranks in the
+    default group's numbering (the processes whose logs to read; the messages name these)."""
 
-    def __init__(self, message: str, ranks=()):
+    def __init__(self, message: str, ranks=(), *, global_ranks=None):
         super().__init__(message)
         self.ranks = sorted(set(ranks))
+        self.global_ranks = self.ranks if global_ranks is None else sorted(set(global_ranks))
 
 
 class PeerError(GroupError):
@@ -94,7 +96,8 @@ def check_schedule(overlapped) -> None:
             if len({row[j] for row in rows}) > 1:
                 shown = [("'auto'" if v == 0 else str(v)) if name == "chunks" else str(bool(v))
                          for v in (row[j] for row in rows)]
-                diff.append(f"{name}: " + ", ".join(f"rank {r}={v}" for r, v in enumerate(shown)))
+                who = getattr(getattr(group, "monitor", None), "name", lambda q: f"rank {q}")  # global ranks
+                diff.append(f"{name}: " + ", ".join(f"{who(r)}={v}" for r, v in enumerate(shown)))
         if diff:
             raise ValueError(
                 f"Overlapped schedule differs across expert-parallel ranks ({'; '.join(diff)}); every rank "
@@ -139,22 +142,26 @@ def status_code(error: Optional[BaseException]) -> int:
     return getattr(error, "_lancet_status", 1)
 
 
-def raise_on_bad_status(status_W, local_error: Optional[BaseException]) -> None:
+def raise_on_bad_status(status_W, local_error: Optional[BaseException], group=None) -> None:
     """Raise on every rank once any rank reported a failure on the counts exchange or the config
     all-gather (the ranks stay in step: the error is marked so the step guard leaves the group usable).
-    ``status_W``: each rank's status code, host ints or a host tensor."""
+    ``status_W``: each rank's status code, host ints or a host tensor; ``group``: the group they came
+    from (its monitor names the ranks by their global numbers)."""
     codes = status_W.tolist() if isinstance(status_W, torch.Tensor) else list(status_W)
     bad = [r for r, s in enumerate(codes) if s != 0]
     if not bad:
         return
+    monitor = getattr(group, "monitor", None)
+    who = monitor.names(bad) if monitor is not None else f"rank(s) {bad}"
     if local_error is not None:
         error = local_error
     elif all(codes[r] == 1 for r in bad):
-        error = ValueError(f"MoE input rejected on expert-parallel rank(s) {bad} (see the error raised there); "
+        error = ValueError(f"MoE input rejected on expert-parallel {who} (see the error raised there); "
                            f"every rank stops instead of waiting in the all-to-all")
     else:
-        error = PeerError(f"expert-parallel rank(s) {bad} failed in this step before its collectives started "
-                          f"(see the error raised there); every rank stops, and the group stays usable", bad)
+        error = PeerError(f"expert-parallel {who} failed in this step before its collectives started "
+                          f"(see the error raised there); every rank stops, and the group stays usable", bad,
+                          global_ranks=monitor.to_global(bad) if monitor is not None else None)
     raise agreed(error)
 
 
@@ -244,9 +251,9 @@ class StepGuard:
             _cancel_link(g)
             monitor = getattr(g, "monitor", None)
             if monitor is not None and g.size > 1 and not complete and monitor.broken is None:
-                raise monitor.break_(GroupError(
-                    f"expert-parallel rank {g.rank}: the last backward raised after issuing {duals} of its {links} "
-                    f"backward all-to-alls, so its peers are still waiting in the others. {ADVICE}", [g.rank]))
+                raise monitor.break_(monitor.error(GroupError,
+                    f"expert-parallel {monitor.name(g.rank)}: the last backward raised after issuing {duals} of its "
+                    f"{links} backward all-to-alls, so its peers are still waiting in the others. {ADVICE}", [g.rank]))
         self.marks = {g: g.monitor.exchanges for g in self.groups if getattr(g, "monitor", None) is not None}
         return self
 
@@ -266,8 +273,8 @@ class StepGuard:
                 exc._lancet_status = 2
                 layer = next(m for m in self.overlapped.moe_layers() if m.group is g)
                 layer.fail_peers(exc)  # raises on every rank
-            monitor.break_(GroupError(f"expert-parallel rank {g.rank} raised {type(exc).__name__}: {exc}",
-                                      [g.rank]))
+            monitor.break_(monitor.error(GroupError, f"expert-parallel {monitor.name(g.rank)} raised "
+                                         f"{type(exc).__name__}: {exc}", [g.rank]))
             if hasattr(exc, "add_note"):
                 exc.add_note(f"lancet-rt: this happened after the step's collectives had started, so the peers were "
                              f"told and the expert-parallel group is unusable now. {ADVICE}.")

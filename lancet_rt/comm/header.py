@@ -35,11 +35,12 @@ def _name(words: list) -> str:
     return struct.pack(f"<{_NAME_BYTES // 8}q", *words).rstrip(b"\0").decode(errors="replace")
 
 
-def mismatch(rows: list, W: int) -> tuple[str, list]:
-    """("" or what differs, the ranks at fault) from the all-gathered headers [seq, kind, dtype, name, send[W], recv[W]]."""
+def mismatch(rows: list, W: int, name=lambda r: f"rank {r}") -> tuple[str, list]:
+    """("" or what differs, the ranks at fault) from the all-gathered headers [seq, kind, dtype, name, send[W], recv[W]];
+    ``name(r)`` words group rank r in the message."""
     def show(r):
         seq, _, dtype = rows[r][:3]
-        return (f"rank {r} issued #{seq} {_name(rows[r][3:_H])} ({_names.get(dtype, 'another dtype')}, sends "
+        return (f"{name(r)} issued #{seq} {_name(rows[r][3:_H])} ({_names.get(dtype, 'another dtype')}, sends "
                 f"{rows[r][_H:_H + W]} elements, expects {rows[r][_H + W:]})")
 
     by_head: dict = {}
@@ -53,7 +54,7 @@ def mismatch(rows: list, W: int) -> tuple[str, list]:
     pairs = [(r, q) for r in range(W) for q in range(W) if rows[r][_H + q] != rows[q][_H + W + r]]
     if pairs:
         ranks = sorted({r for pair in pairs for r in pair})
-        sizes = ", ".join(f"rank {r} sends {rows[r][_H + q]} elements to rank {q}, which expects {rows[q][_H + W + r]}"
+        sizes = ", ".join(f"{name(r)} sends {rows[r][_H + q]} elements to {name(q)}, which expects {rows[q][_H + W + r]}"
                           for r, q in pairs[:4])
         return f"{sizes} ({'; '.join(show(r) for r in ranks)})", ranks
     return "", []

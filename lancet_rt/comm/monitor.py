@@ -30,9 +30,11 @@ import torch
 import torch.distributed as dist
 
 from lancet_rt import env
+from lancet_rt.comm import processes as _processes
+from lancet_rt.comm.backend import abort as _abort, gloo_backend as _gloo_backend
+from lancet_rt.comm.backend import global_ranks as _global_ranks, group_store as _group_store
 from lancet_rt.comm.faults import ADVICE, CollectiveMismatch, GroupError, PeerError, PeerTimeout
 from lancet_rt.comm.header import header_row, mismatch
-from lancet_rt.comm.processes import process_identity, process_state
 from lancet_rt.comm.channels import traced_transfer
 
 log = logging.getLogger("lancet_rt")
@@ -56,11 +58,9 @@ class GroupMonitor:
         check_headers: compare every collective's (sequence number, kind, dtype, sizes) across the
             ranks before it is issued (:meth:`issue`; None: on for gloo, off for NCCL).
         header_device: where the header all-gather's tensors live (CUDA for NCCL; default CPU).
-        channels: a split group's process groups (:class:`lancet_rt.comm.channels.Channels`, gloo): the
-            headers go on its control group, and every collective is queued on a thread that checks
-            its header and launches it in issue order (:class:`lancet_rt.comm.channels.Issuer`), so the
-            host never waits for a header; a mismatch is raised by the collective's wait (or the next
-            issue) on every rank, and nothing is sent.
+        channels: a split group's process groups (:mod:`lancet_rt.comm.channels`): headers on its control
+            group, each collective checked and launched in issue order by the group's thread (``Issuer``);
+            a mismatch is raised by the collective's wait (or the next issue) on every rank, nothing sent.
 
     Attributes:
         label: how messages name the group's ranks ("expert-parallel"; "data-parallel" for a group
@@ -71,6 +71,7 @@ class GroupMonitor:
                  check_headers: Optional[bool] = None, header_device=None, channels=None):
         self.group, self.rank, self.size = group, rank, size
         self.channels = channels
+        self.global_ranks = _global_ranks(group, size)  # group rank -> global rank, for messages
         self.label = "expert-parallel"
         # gloo: the header's host round trip costs what the collective's own wait costs; NCCL: a host sync, so off
         self.check_headers = ("gloo" in backend) if check_headers is None else bool(check_headers)
@@ -102,10 +103,29 @@ class GroupMonitor:
         self._events_seen = 0
         self._published_at = -1
         if size > 1:
-            self._put(f"who/{rank}", process_identity())
+            self._put(f"who/{rank}", _processes.identity())
 
     def _advice(self) -> str:
         return ADVICE.replace("expert-parallel", self.label, 1)
+
+    # ---------------------------------------------------------------- naming ranks
+    def to_global(self, qs) -> list:
+        return [self.global_ranks[q] if 0 <= q < len(self.global_ranks) else q for q in qs]
+
+    def name(self, q: int) -> str:
+        """Group rank ``q`` as messages name it: its global rank (the process whose log to read), the
+        group rank beside it where the two differ (a subgroup of a mesh)."""
+        g = self.to_global([q])[0]
+        return f"rank {g}" if g == q else f"rank {g} (group rank {q})"
+
+    def names(self, qs) -> str:
+        qs = sorted(qs)
+        gs = self.to_global(qs)
+        return f"rank(s) {gs}" if gs == qs else f"rank(s) {gs} (group rank(s) {qs})"
+
+    def error(self, kind: type, message: str, ranks) -> GroupError:
+        """A ``kind`` error blaming group ``ranks`` (``.global_ranks`` filled in)."""
+        return kind(message, ranks, global_ranks=self.to_global(ranks))
 
     def set_timeout(self, timeout_s: float) -> None:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not 0 < timeout_s < float("inf"):
@@ -165,15 +185,11 @@ class GroupMonitor:
             self._check_header(self.issued, what, header)
 
     def _refuse_if_broken(self) -> None:
-        """Raise if the group failed: the failure itself if the issuer thread found it and no wait has
-        raised it yet (a mismatch), else a GroupError saying the group is unusable."""
-        if self.broken is None:
-            return
-        raise self._raised(self.broken)
+        if self.broken is not None:
+            raise self._raised(self.broken)
 
     def flush(self) -> None:
-        """Return once every collective issued so far has been handed to the backend (split groups;
-        at once otherwise)."""
+        """Return once every collective issued so far is on the backend (split groups; at once otherwise)."""
         if self._issuer is not None:
             self._issuer.flush()
 
@@ -199,12 +215,12 @@ class GroupMonitor:
         work = self._launch(self._gloo, lambda: dist.all_gather(rows, mine, group=self.header_group, async_op=True),
                             seq, what)
         self.wait(work, seq, what)  # (the header is part of the collective: same number, same name)
-        problem, ranks = mismatch(torch.stack(rows).cpu().tolist(), self.size)
+        problem, ranks = mismatch(torch.stack(rows).cpu().tolist(), self.size, self.name)
         if problem:
-            raise self.break_(CollectiveMismatch(
-                f"collective #{seq} does not match across {self.label} ranks (seen on rank {self.rank}): {problem}. "
-                f"The ranks ran different steps (a skipped backward, an extra forward or step, other shapes); nothing "
-                f"was sent. {self._advice()}", ranks))
+            raise self.break_(self.error(CollectiveMismatch,
+                f"collective #{seq} does not match across {self.label} ranks (seen on {self.name(self.rank)}): "
+                f"{problem}. The ranks ran different steps (a skipped backward, an extra forward or step, other "
+                f"shapes); nothing was sent. {self._advice()}", ranks))
 
     @contextlib.contextmanager
     def bounded(self, what: str):
@@ -213,7 +229,8 @@ class GroupMonitor:
         :class:`PeerError`/:class:`PeerTimeout` naming the lost ranks (NCCL: the process group's own
         timeout applies)."""
         if self.broken is not None:
-            raise GroupError(f"process group unusable since an earlier failure: {self.broken}", self.broken.ranks)
+            raise self.error(GroupError, f"process group unusable since an earlier failure: {self.broken}",
+                             self.broken.ranks)
         self.flush()  # (the collectives queued before these are on the backend first, on every rank)
         self.issued += 1
         seq = self.issued
@@ -262,6 +279,10 @@ class GroupMonitor:
                     started = now - POLL_S
                     self._publish_at(seq)
                 err = self._peer_failure(seq, what)
+                if err is not None and self._mismatch_only():
+                    # A faster peer compared this collective's headers already; ours arrive too (every rank
+                    # sent its row), and the comparison then raises the same CollectiveMismatch here.
+                    err = None
                 if err is None and now - started >= self.timeout_s:
                     err = self._timed_out(seq, what, now - started)
                 if err is not None:
@@ -281,12 +302,11 @@ class GroupMonitor:
         return out
 
     def _raised(self, error: GroupError) -> GroupError:
-        """What a wait or an issue raises for the group's failure ``error``: the failure itself the first
-        time when the issuer thread found it (the host has not seen it), else that the group is unusable."""
+        """What a wait or an issue raises for ``error``: itself the first time if the issuer thread found it."""
         if getattr(error, "_lancet_found_here", False):
             error._lancet_found_here = False
             return error
-        return GroupError(f"{self.label} group unusable since an earlier failure: {error}", error.ranks)
+        return self.error(GroupError, f"{self.label} group unusable since an earlier failure: {error}", error.ranks)
 
     # ---------------------------------------------------------------- failure records
     def break_(self, error: GroupError) -> GroupError:
@@ -317,15 +337,20 @@ class GroupMonitor:
             return None
         at_fault = sorted({r for rec in records.values() for r in rec["ranks"]})
         origin = {q: rec for q, rec in records.items() if q in rec["ranks"]}  # not ranks that gave up on others
-        told = "; ".join(f"rank {q}: {rec['msg'].splitlines()[0][:600]}"
+        told = "; ".join(f"{self.name(q)}: {rec['msg'].splitlines()[0][:600]}"
                          for q, rec in sorted((origin or records).items()))
         if at_fault == [self.rank]:
-            return PeerError(f"{self.label} rank {self.rank} was reported as not answering while it waited in "
-                             f"collective #{seq} ({what}) (by {told}){cause}. {self._advice()}", at_fault)
+            return self.error(PeerError, f"{self.label} {self.name(self.rank)} was reported as not answering while "
+                              f"it waited in collective #{seq} ({what}) (by {told}){cause}. {self._advice()}", at_fault)
         timeout = all(rec.get("kind") == "PeerTimeout" for rec in records.values())
-        return (PeerTimeout if timeout else PeerError)(
-            f"{self.label} rank(s) {at_fault} failed or stopped answering in the middle of a step; rank "
-            f"{self.rank} was waiting in collective #{seq} ({what}) ({told}){cause}. {self._advice()}", at_fault)
+        return self.error(PeerTimeout if timeout else PeerError,
+            f"{self.label} {self.names(at_fault)} failed or stopped answering in the middle of a step; "
+            f"{self.name(self.rank)} was waiting in collective #{seq} ({what}) ({told}){cause}. {self._advice()}",
+            at_fault)
+
+    def _mismatch_only(self) -> bool:
+        records = self._records()
+        return bool(records) and all(rec.get("kind") == "CollectiveMismatch" for rec in records.values())
 
     def _records(self) -> dict:
         out = {}
@@ -343,9 +368,10 @@ class GroupMonitor:
         if known is not None:
             return known
         ranks, notes = self._roll_call(seq)
-        who = f"rank(s) {ranks} stopped answering ({'; '.join(notes)})" if ranks else _unnamed(notes)
-        return PeerTimeout(f"{self.label} rank {self.rank} waited {waited:.1f} s (timeout {self.timeout_s:g} s, "
-                           f"{env.TIMEOUT}) in collective #{seq} ({what}): {who}. {self._advice()}", ranks)
+        who = f"{self.names(ranks)} stopped answering ({'; '.join(notes)})" if ranks else _unnamed(notes)
+        return self.error(PeerTimeout, f"{self.label} {self.name(self.rank)} waited {waited:.1f} s (timeout "
+                          f"{self.timeout_s:g} s, {env.TIMEOUT}) in collective #{seq} ({what}): {who}. "
+                          f"{self._advice()}", ranks)
 
     def _lost(self, seq: int, what: str, exc: BaseException) -> GroupError:
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -353,13 +379,13 @@ class GroupMonitor:
         if known is not None:
             return known
         ranks, notes = self._roll_call(seq)
-        who = f"rank(s) {ranks} stopped answering ({'; '.join(notes)})" if ranks else _unnamed(notes)
+        who = f"{self.names(ranks)} stopped answering ({'; '.join(notes)})" if ranks else _unnamed(notes)
         if any(w in cause.lower() for w in ("timed out", "timeout")):  # gloo's operation timeout (set to the group's)
-            return PeerTimeout(f"collective #{seq} ({what}) timed out on {self.label} rank {self.rank} (timeout "
-                               f"{self.timeout_s:g} s, {env.TIMEOUT}): {who}. Backend error: {cause}. "
-                               f"{self._advice()}", ranks)
-        return PeerError(f"collective #{seq} ({what}) failed on {self.label} rank {self.rank}: {who}. "
-                         f"Backend error: {cause}. {self._advice()}", ranks)
+            return self.error(PeerTimeout, f"collective #{seq} ({what}) timed out on {self.label} "
+                              f"{self.name(self.rank)} (timeout {self.timeout_s:g} s, {env.TIMEOUT}): {who}. Backend "
+                              f"error: {cause}. {self._advice()}", ranks)
+        return self.error(PeerError, f"collective #{seq} ({what}) failed on {self.label} {self.name(self.rank)}: "
+                          f"{who}. Backend error: {cause}. {self._advice()}", ranks)
 
     def _roll_call(self, seq: int) -> tuple[list, list]:
         """Which peers have not reached collective ``seq``, and why (exited, alive, failed)."""
@@ -376,19 +402,19 @@ class GroupMonitor:
             if q in records:
                 if q in records[q]["ranks"]:  # it failed itself (not a rank that gave up on another)
                     ranks.append(q)
-                    notes.append(f"rank {q} failed: {records[q]['msg'].splitlines()[0][:300]}")
+                    notes.append(f"{self.name(q)} failed: {records[q]['msg'].splitlines()[0][:300]}")
                 continue
-            state = process_state(self._get(f"who/{q}"))
+            state = _processes.state(self._get(f"who/{q}"))
             at = self._get(f"at/{q}")
             reached = at is not None and int(at.split()[1]) >= seq
             if state == "exited":
                 ranks.append(q)
-                notes.append(f"rank {q}: its process has exited")
+                notes.append(f"{self.name(q)}: its process has exited")
             elif not reached:
                 ranks.append(q)
                 where = f"last seen waiting in #{at.split()[0]}" if at else "no report"
                 alive = ", its process is alive" if state == "alive" else ""
-                notes.append(f"rank {q} has not reached collective #{seq} ({where}{alive})")
+                notes.append(f"{self.name(q)} has not reached collective #{seq} ({where}{alive})")
         return ranks, notes
 
     def _publish_at(self, seq: int, force: bool = False) -> None:
@@ -472,27 +498,3 @@ class Watched:
 
 def _unnamed(notes: list) -> str:
     return "no peer could be named" + (f" ({'; '.join(notes)})" if notes else "")
-
-
-def _group_store(group):
-    try:
-        return dist.distributed_c10d._get_process_group_store(group)
-    except Exception:  # noqa: BLE001 - a private API: without it, failures are found by timeout only
-        return None
-
-
-def _gloo_backend(group):
-    try:
-        backend = group._get_backend(torch.device("cpu"))
-        backend.options._timeout  # noqa: B018 - the API the operation timeout needs
-        return backend
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def _abort(group) -> None:
-    try:
-        dist.distributed_c10d._abort_process_group(group)
-    except Exception as exc:  # noqa: BLE001
-        log.error("lancet-rt: could not abort the communicator (%s); the process waits for the process group's "
-                  "own timeout", exc)

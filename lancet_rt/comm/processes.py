@@ -1,6 +1,6 @@
-"""Which process a rank is, and whether it still runs: what :class:`lancet_rt.comm.monitor.GroupMonitor`
-writes for its peers (its identity) and reads of theirs (exited, alive, or cannot tell) when one of them
-stops answering."""
+"""Which process a rank is, and whether it still runs: what a lost peer's message says ("its process
+has exited", "its process is alive"), for ranks on this machine and PID namespace
+(:mod:`lancet_rt.comm.monitor` publishes each rank's identity in the process group's store)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +9,7 @@ import socket
 from typing import Optional
 
 
-def _machine() -> Optional[str]:
+def machine() -> Optional[str]:
     """This machine and PID namespace (two ranks with the same value can see each other's PIDs)."""
     try:
         with open("/proc/sys/kernel/random/boot_id") as f:
@@ -19,7 +19,7 @@ def _machine() -> Optional[str]:
         return None
 
 
-def _proc_stat(pid: int) -> Optional[tuple[str, str]]:
+def proc_stat(pid: int) -> Optional[tuple[str, str]]:
     """(state, start time) of a process from /proc, or None if there is no such process."""
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -29,19 +29,20 @@ def _proc_stat(pid: int) -> Optional[tuple[str, str]]:
     return fields[0], fields[19]
 
 
-def process_identity() -> str:
-    stat = _proc_stat(os.getpid())
-    return json.dumps({"machine": _machine(), "pid": os.getpid(), "start": stat[1] if stat else None})
+def identity() -> str:
+    """This process, as :func:`state` reads it on another rank."""
+    stat = proc_stat(os.getpid())
+    return json.dumps({"machine": machine(), "pid": os.getpid(), "start": stat[1] if stat else None})
 
 
-def process_state(identity: Optional[str]) -> Optional[str]:
+def state(identity: Optional[str]) -> Optional[str]:
     """"exited" or "alive" for a process on this machine, None when that cannot be told."""
     if not identity:
         return None
     who = json.loads(identity)
-    if who["machine"] is None or who["machine"] != _machine():
+    if who["machine"] is None or who["machine"] != machine():
         return None
-    stat = _proc_stat(who["pid"])
+    stat = proc_stat(who["pid"])
     if stat is None or stat[0] == "Z" or (who["start"] is not None and stat[1] != who["start"]):
         return "exited"
     return "alive"

@@ -246,15 +246,16 @@ class MoE(nn.Module):
         """One all-gather on first use: every rank raises if configurations or inputs disagree."""
         rows = self.group.all_gather(config_vector(self, faults.status_code(error)))
         names = config_names()
+        name = getattr(getattr(self.group, "monitor", None), "name", lambda q: f"rank {q}")
         for r in range(rows.shape[0]):  # compared before the status, so a rejected input cannot skip it
             diff = [n for n, a, b in zip(names, rows[r, 1:].tolist(), rows[self.ep_rank, 1:].tolist()) if a != b]
             if diff:
                 raise faults.agreed(ValueError(
-                    f"MoE configuration differs across expert-parallel ranks: rank {r} and rank "
-                    f"{self.ep_rank} differ in {', '.join(diff)}"
+                    f"MoE configuration differs across expert-parallel ranks: {name(r)} and "
+                    f"{name(self.ep_rank)} differ in {', '.join(diff)}"
                 ))
         self._config_checked = True
-        faults.raise_on_bad_status(rows[:, 0], error)
+        faults.raise_on_bad_status(rows[:, 0], error, self.group)
 
     # ---------------------------------------------------------------- stages
     def route(self, x_TD: torch.Tensor, state: BatchRouting, ops) -> Route:

@@ -4,21 +4,28 @@ FSDP2 makes each expert parameter a DTensor over ``mesh["dp"]`` whose global sha
 [E_local, ...]: the ep split is invisible to it, so DCP would see every ep rank writing its own
 experts under one key. Here expert tensors (and their optimizer moments) go to DCP as DTensors over
 the mesh read as ``("ep", "dp")`` with placements ``(Shard(0), Shard(0))``: global shape [E, ...],
-rows split over ep first and then over dp, as fully_shard holds them. Dense tensors go as FSDP2's
-DTensors (global shapes already). The keys are those of :func:`lancet_rt.save_checkpoint`
-(``model.<fqn>``, ``optim.state.<fqn>.<name>``, ``optim.param_groups``), so a checkpoint written
-here also loads with :func:`lancet_rt.load_checkpoint` (in one process, or expert-parallel without
-FSDP2).
+rows split over ep first and then over dp, as fully_shard holds them (that mesh is built from the
+mesh's own process groups: no collective). Dense tensors go as FSDP2's DTensors (global shapes
+already). The keys are those of :func:`lancet_rt.save_checkpoint` (``model.<fqn>``,
+``optim.state.<fqn>.<name>``, ``optim.param_groups``), so a checkpoint written here also loads with
+:func:`lancet_rt.load_checkpoint` (in one process, or expert-parallel without FSDP2).
+
+Both go through the checkpoint safety layer :func:`lancet_rt.save_checkpoint` uses
+(:mod:`lancet_rt.checkpoint._dcp_io`), over the process group of the mesh's ranks: the MoE layers'
+groups checked against the mesh and the path agreed before anything is written, a staging directory
+swapped in once every rank wrote, XXH3-64 checksums in the metadata, files validated and read into
+new tensors before any parameter changes, every collective bounded and a lost peer named.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 from torch import nn
 
+from lancet_rt.checkpoint import _dcp_io
 from lancet_rt.parallel import mesh as _mesh
+
 
 def _global_expert(v: torch.Tensor, mesh) -> torch.Tensor:
     """An expert DTensor of fully_shard (over dp, or HSDP's (dp_replicate, dp)) as one over the mesh
@@ -38,13 +45,18 @@ def _global_expert(v: torch.Tensor, mesh) -> torch.Tensor:
 
 
 def _state(model: nn.Module, optimizer, mesh):
-    """(flat DCP dict, model state dict, optimizer state dict) of a fully_shard model."""
+    """(the :class:`~lancet_rt.checkpoint._dcp_io.State`, model state dict, optimizer state dict) of a
+    fully_shard model; the flat entries alias the two state dicts' tensors."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     from lancet_rt.parallel.sync import expert_parameters
 
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
     if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"optimizer must be None or a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    _mesh.check_expert_groups(model, mesh)
     experts = {id(p) for p in expert_parameters(model)}
     expert_fqns = {n for n, p in model.named_parameters() if id(p) in experts}
     msd, osd = get_state_dict(model, optimizer) if optimizer is not None else (get_model_state_dict(model), None)
@@ -57,7 +69,8 @@ def _state(model: nn.Module, optimizer, mesh):
                 sharded = fqn in expert_fqns and isinstance(v, torch.Tensor) and v.dim() > 0
                 flat[f"optim.state.{fqn}.{name}"] = _global_expert(v, mesh) if sharded else v
         flat["optim.param_groups"] = osd["param_groups"]
-    return flat, msd, osd
+    state = _dcp_io.State(flat, {}, [], osd is not None, planner=lambda: DefaultSavePlanner(flatten_state_dict=False))
+    return state, msd, osd
 
 
 def save_sharded(model: nn.Module, mesh, path, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -65,16 +78,22 @@ def save_sharded(model: nn.Module, mesh, path, optimizer: Optional[torch.optim.O
 
     Args:
         model: the model after :func:`lancet_rt.parallel.fully_shard` over ``mesh``.
-        mesh: its ``("dp", "ep")`` DeviceMesh.
-        path: the checkpoint directory.
+        mesh: its ``("dp", "ep")`` DeviceMesh (or HSDP's).
+        path: the checkpoint directory, the same on every rank (written as ``.<name>.lancet-saving``
+            beside it and swapped in once complete, as :func:`lancet_rt.save_checkpoint` does).
         optimizer: optionally its optimizer (state and param groups are saved).
-    """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultSavePlanner
 
+    Raises:
+        TypeError, ValueError: on every rank, before anything is written: a mesh or a model whose
+            MoE layers are not expert-parallel over ``mesh["ep"]``, ranks passing different paths,
+            differently structured models or optimizers.
+        CheckpointError: on every rank, when writing failed on some rank (named); the checkpoint
+            at ``path`` is then the previous one, untouched.
+        PeerError, PeerTimeout: a rank died, or did not call, or stopped answering (named).
+    """
     _mesh.check_mesh(mesh)
-    flat, _, _ = _state(model, optimizer, mesh)
-    dcp.save(flat, checkpoint_id=os.fspath(path), planner=DefaultSavePlanner(flatten_state_dict=False))
+    _dcp_io.save(lambda: _state(model, optimizer, mesh)[0], path, _mesh.flat_group(mesh), True,
+                 "sharded checkpoint save (DCP)")
 
 
 def load_sharded(model: nn.Module, mesh, path, optimizer: Optional[torch.optim.Optimizer] = None) -> None:
@@ -84,14 +103,24 @@ def load_sharded(model: nn.Module, mesh, path, optimizer: Optional[torch.optim.O
     Args:
         model, mesh, optimizer: as for :func:`save_sharded` (now on the mesh to load at).
         path: the checkpoint directory.
+
+    Raises:
+        TypeError, ValueError: on every rank, before any parameter changes: what differs between the
+            checkpoint and the model, a data file missing, truncated or changed since the save (its
+            checksum), naming the file, the key and the global rank.
+        CheckpointError: reading failed otherwise on some rank; the model is unchanged.
+        PeerError, PeerTimeout: as for :func:`save_sharded`.
     """
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import DefaultLoadPlanner
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     _mesh.check_mesh(mesh)
-    flat, msd, osd = _state(model, optimizer, mesh)
-    dcp.load(flat, checkpoint_id=os.fspath(path), planner=DefaultLoadPlanner(flatten_state_dict=False))
+    held: dict = {}
+
+    def build():
+        state, held["msd"], held["osd"] = _state(model, optimizer, mesh)
+        return state
+
+    state = _dcp_io.load(build, path, _mesh.flat_group(mesh), True)
     if optimizer is not None:  # the flat entries alias msd's and osd's tensors: hand them over
-        osd["param_groups"] = flat["optim.param_groups"]
-        set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+        held["osd"]["param_groups"] = state.flat["optim.param_groups"]
+        set_state_dict(model, optimizer, model_state_dict=held["msd"], optim_state_dict=held["osd"])

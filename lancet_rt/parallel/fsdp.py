@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lancet_rt.parallel import fsdp_comm
 from lancet_rt.parallel import mesh as _mesh
 from lancet_rt.parallel import supported as _supported
 
@@ -109,6 +110,12 @@ def fully_shard(model: nn.Module, mesh, *, blocks: Optional[Sequence[nn.Module]]
     across units), and ``Overlapped.accumulate(..., interleave=False)``; ``accumulate(interleave=True)``
     is refused when called, on every rank before any collective.
 
+    Every MoE layer's group must be ``mesh["ep"]``'s (the same global ranks in the same order:
+    ValueError otherwise, before anything is sharded). FSDP2's all-gathers and reduce-scatters run
+    through the process groups' monitors (:mod:`lancet_rt.parallel.fsdp_comm`): bounded by
+    ``LANCET_TIMEOUT_S``, and an exception in one rank's forward is a PeerError naming it on every
+    peer instead of a wait in FSDP2's collective; the groups are unusable afterwards.
+
     Args:
         model: the model, its MoE layers built with ``ep_group=mesh["ep"].get_group()``.
         mesh: a DeviceMesh with dimensions ``("dp", "ep")``, or ``("dp_replicate", "dp", "ep")`` for
@@ -130,8 +137,8 @@ def fully_shard(model: nn.Module, mesh, *, blocks: Optional[Sequence[nn.Module]]
     _supported.check_layers(model, "lancet_rt.parallel.fully_shard", shards=True)
     if "mesh" in fsdp_kwargs:
         raise ValueError("fully_shard: pass the ('dp', 'ep') mesh as the mesh argument, not in fsdp_kwargs")
+    _mesh.check_expert_groups(model, mesh)  # by membership, before anything is sharded
     lay = _mesh.layout(mesh)
-    _mesh.check_expert_groups(model, lay.ep)
     gloo = dist.get_backend(lay.dense_group) != "nccl"
     expert_mesh, expert_shards, dense_mesh, dense_shards = _unit_meshes(mesh)
     units = []  # (unit, its shard group's size)
@@ -150,6 +157,10 @@ def fully_shard(model: nn.Module, mesh, *, blocks: Optional[Sequence[nn.Module]]
     for u, _ in units:  # after FSDP2's input hook (it prepends its own): see _FlushDeferred
         u.register_forward_pre_hook(_flush_before_reduce, with_kwargs=True)
     model.register_forward_hook(_flush_first_at_the_end, prepend=True)
+    # FSDP2's collectives through the groups' monitors; a forward that raises tells the peers (fsdp_comm)
+    names = {id(m): n or "<root>" for n, m in model.named_modules()}
+    groups = fsdp_comm.install([(u, names[id(u)]) for u, _ in units], [expert_mesh, dense_mesh])
+    model.register_forward_hook(fsdp_comm.break_on_forward_error(groups), always_call=True)
     # Read by Overlapped.accumulate: FSDP2 reshards a unit in its post-backward while the next
     # microbatch's forward (on another thread) uses it.
     model.lancet_interleave_refused = (

@@ -46,6 +46,7 @@ def parallelize_hf(model: nn.Module, mesh, *, engine: Optional[str] = "fully_sha
     if engine is None and engine_kwargs:
         raise ValueError(f"engine=None takes no engine options, got {sorted(engine_kwargs)}")
     from_hf(model, mesh["ep"].get_group(), chunks=chunks, defer_wgrad=defer_wgrad, capacity_factor=capacity_factor)
+    _mesh.check_expert_groups(model, mesh)  # (engine=None too: sync_gradients/GradientSync check it again per use)
     if engine == "fully_shard":
         engine_kwargs.setdefault("blocks", _decoder_layers(model))
         fully_shard(model, mesh, **engine_kwargs)

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 #: The mesh dimension names :func:`layout` accepts: data x expert parallelism, and HSDP's (the
@@ -64,16 +65,59 @@ def check_mesh(mesh, argument: str = "mesh") -> None:
 
 def derived_mesh(mesh, order, names: tuple):
     """A DeviceMesh over ``mesh``'s ranks with its dimensions permuted by ``order`` and the trailing
-    ones merged to ``len(names)`` dimensions; created once per mesh (a collective the first time,
-    on every rank of the world, as any DeviceMesh)."""
+    ones merged to ``len(names)`` dimensions; created once per mesh. A dimension that is one of
+    ``mesh``'s reuses its process group (no collective: a permuted mesh is built from the groups
+    that exist); a merged one gets new groups, the first time, on every rank of the world
+    (:func:`new_groups`: bounded, an absent rank named)."""
     from torch.distributed.device_mesh import DeviceMesh
 
     ranks = mesh.mesh.permute(*order)
-    ranks = ranks.reshape(tuple(ranks.shape[:len(names) - 1]) + (-1,))
+    ranks = ranks.reshape(tuple(ranks.shape[:len(names) - 1]) + (-1,)).contiguous()
     key = (mesh.device_type, tuple(ranks.flatten().tolist()), tuple(ranks.shape), names)
     if key not in _meshes:
-        _meshes[key] = DeviceMesh(mesh.device_type, ranks.contiguous(), mesh_dim_names=names)
+        groups = []
+        for d in range(len(names)):
+            merged = order[d:] if d == len(names) - 1 else (order[d],)
+            if len(merged) == 1:
+                groups.append(mesh.get_group(merged[0]))
+            else:  # the rows along the last dimension, one group each; this rank's is the one holding it
+                rows = ranks.reshape(-1, ranks.shape[-1]).tolist()
+                groups.append(new_groups(rows, f"mesh {names}"))
+        _meshes[key] = DeviceMesh.from_group(groups, mesh.device_type, ranks, mesh_dim_names=names)
     return _meshes[key]
+
+
+def new_groups(rank_lists: list, what: str) -> dist.ProcessGroup:
+    """``dist.new_group`` for each list of global ranks, in order, on every rank of the world (as
+    ``new_group`` needs); returns the group holding this rank (the default group for the whole
+    world). Bounded: first an all-gather through the default group's monitor, so a rank that does
+    not come is a :class:`PeerTimeout` naming it instead of a wait in ``new_group``'s rendezvous, then
+    each group created with the monitor's timeout (which gloo also takes as the group's own)."""
+    import datetime
+
+    world = list(range(dist.get_world_size()))
+    if any(sorted(r) == world for r in rank_lists):  # (new_group sorts the ranks: it would be the world's again)
+        return dist.group.WORLD
+    mon = monitor(None)
+    if mon.size > 1:
+        from lancet_rt.comm.group import as_group
+
+        as_group(dist.group.WORLD).all_gather(torch.tensor([len(rank_lists)]), f"new groups ({what})")
+    timeout = datetime.timedelta(seconds=mon.timeout_s)
+    me = dist.get_rank()
+    out = None
+    for ranks in rank_lists:
+        g = _created(ranks, timeout)
+        if me in ranks:
+            out = g
+    return out
+
+
+def _created(ranks: list, timeout):
+    key = tuple(ranks)
+    if key not in _flat_groups:
+        _flat_groups[key] = dist.new_group(list(ranks), timeout=timeout)
+    return _flat_groups[key]
 
 
 def expert_dp_mesh(mesh):
@@ -90,10 +134,9 @@ def flat_group(mesh) -> dist.ProcessGroup:
     ranks = sorted(mesh.mesh.flatten().tolist())
     if ranks == list(range(dist.get_world_size())):
         return dist.group.WORLD
-    key = tuple(ranks)
-    if key not in _flat_groups:
-        _flat_groups[key] = dist.new_group(ranks)
-    return _flat_groups[key]
+    if tuple(ranks) not in _flat_groups:
+        new_groups([ranks], "the mesh's ranks")
+    return _flat_groups[tuple(ranks)]
 
 
 def layout(group_or_mesh) -> Layout:
@@ -131,16 +174,34 @@ def reduce_op(group, divisor: int):
     return dist.ReduceOp.SUM, divisor
 
 
-def check_expert_groups(model, ep_size: int, argument: str = "mesh") -> None:
-    """Every lancet MoE layer's expert-parallel group has ``ep_size`` ranks (ValueError otherwise)."""
+def check_expert_groups(model, mesh, argument: str = "mesh") -> None:
+    """Every lancet MoE layer's expert-parallel group IS ``mesh``'s "ep" group on this rank: the same
+    global ranks in the same order (ValueError naming both lists otherwise; no collective). A group
+    of the right size over other ranks (``mesh["dp"]``: the transposed mesh) would have the engines
+    broadcast one ep rank's experts over another's and reduce expert gradients over the wrong ranks."""
+    from lancet_rt.comm.group import TorchGroup
     from lancet_rt.moe.layer import MoE
 
+    want = dist.get_process_group_ranks(mesh.get_group(mesh.ndim - 1))
     for name, m in model.named_modules():
-        if isinstance(m, MoE):
-            size = 1 if m.group is None else m.group.size
-            if size != ep_size:
-                raise ValueError(f"{argument}: MoE layer {name or '<root>'} is expert-parallel over {size} rank(s), "
-                                 f"the mesh's 'ep' dimension has {ep_size}: build the model with ep_group=mesh['ep']")
+        if not isinstance(m, MoE):
+            continue
+        layer = name or "<root>"
+        if m.group is None:
+            have = [dist.get_rank()]
+        elif isinstance(m.group, TorchGroup):
+            have = dist.get_process_group_ranks(m.group.group)
+        else:
+            raise ValueError(f"{argument}: MoE layer {layer} has an ep_group of type {type(m.group).__name__}; on a "
+                             f"mesh it must be the mesh's 'ep' group: build the model with "
+                             f"ep_group=mesh['ep'].get_group()")
+        if have != want:
+            size = ("as many as the mesh's 'ep' dimension but not its ranks (is it another dimension's group?)"
+                    if len(have) == len(want) else f"the mesh's 'ep' dimension has {len(want)}")
+            raise ValueError(
+                f"{argument}: MoE layer {layer} is expert-parallel over {len(have)} rank(s), {size}: build the model "
+                f"with ep_group=mesh['ep'].get_group() (the layer's group is over ranks {have}, the mesh's 'ep' "
+                f"group over ranks {want}, global ranks, on rank {dist.get_rank()})")
 
 
 def check_one_group(model, group, argument: str = "group") -> None:

@@ -113,8 +113,8 @@ def replicate(model: nn.Module, mesh, *, bucket_mb: float = 25.0) -> nn.Module:
     _supported.check_layers(model, "lancet_rt.parallel.replicate")
     if getattr(model, "lancet_replicated", None) is not None:
         raise ValueError("model is already replicated (lancet_rt.parallel.replicate)")
+    _mesh.check_expert_groups(model, mesh)  # by membership, before anything is broadcast
     lay = _mesh.layout(mesh)
-    _mesh.check_expert_groups(model, lay.ep)
     _broadcast(model, lay)
     reducer = Replicated(model, mesh, bucket_mb)
     try:  # its backwards start inside the autograd engine, no place to wait for the peers: checked once, here

@@ -74,13 +74,14 @@ def sync_gradients(model: nn.Module, group=None) -> None:
             with dimensions ``("dp", "ep")`` whose "ep" group is the MoE layers' ``ep_group``.
     """
     _supported.check_layers(model, "lancet_rt.parallel.sync_gradients")
+    if _mesh.is_mesh(group):  # by membership, before any collective (layout may create the mesh's groups)
+        _mesh.check_mesh(group, "group")
+        _mesh.check_expert_groups(model, group, "group")
     lay = _mesh.layout(group)
     if lay.emulated:
         raise TypeError("group: sync_gradients needs a ProcessGroup, None or a DeviceMesh; on a "
                         "lancet_rt.EmulatedGroup use GradientSync")
-    if _mesh.is_mesh(group):
-        _mesh.check_expert_groups(model, lay.ep, "group")
-    else:
+    if not _mesh.is_mesh(group):
         _mesh.check_one_group(model, group)
     if lay.divisor == 1:
         return
@@ -148,6 +149,9 @@ class GradientSync:
             raise ValueError(f"params must be 'dense' or 'all', got {params!r}")
         if params == "dense":  # ("all": replicas of the whole model, whatever their layers)
             _supported.check_layers(model, "lancet_rt.parallel.GradientSync")
+        if _mesh.is_mesh(group):  # by membership, before any collective (layout may create the mesh's groups)
+            _mesh.check_mesh(group, "group")
+            _mesh.check_expert_groups(model, group, "group")
         lay = _mesh.layout(group)
         for name, v in (("bucket_mb", bucket_mb), ("piece_mb", piece_mb)):
             if v is None and name == "piece_mb":
@@ -156,9 +160,7 @@ class GradientSync:
                 raise ValueError(f"{name} must be a number > 0, got {v!r}")
         if not isinstance(low_priority, bool):
             raise TypeError(f"low_priority must be a bool, got {type(low_priority).__name__}")
-        if _mesh.is_mesh(group):
-            _mesh.check_expert_groups(model, lay.ep, "group")
-        elif params == "dense" and not lay.emulated:
+        if not _mesh.is_mesh(group) and params == "dense" and not lay.emulated:
             _mesh.check_one_group(model, group)
         self.group = group
         self.params = params
@@ -305,8 +307,8 @@ def _abort_step(buckets: list, exc: BaseException) -> None:
         if isinstance(group, dist.ProcessGroup) or group is None:
             mon = _mesh.monitor(group)  # (one that broke already, with this error say, keeps its record)
             if mon.size > 1:
-                mon.break_(PeerError(f"{mon.label} rank {mon.rank} raised in backward inside its gradient "
-                                     f"sync ({cause[:300]}); the step's gradient all-reduces are incomplete",
+                mon.break_(mon.error(PeerError, f"{mon.label} {mon.name(mon.rank)} raised in backward inside its "
+                                     f"gradient sync ({cause[:300]}); the step's gradient all-reduces are incomplete",
                                      [mon.rank]))
     _drain(buckets)
 

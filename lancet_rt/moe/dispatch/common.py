@@ -52,8 +52,8 @@ class Counts:
     a tensor is read on the host in the dispatch.
     """
 
-    def __init__(self, exchange, P, W, L, error):
-        self._exchange, self._shape, self._error = exchange, (P, W, L), error
+    def __init__(self, exchange, P, W, L, error, group=None):
+        self._exchange, self._shape, self._error, self._group = exchange, (P, W, L), error, group
         self.host: Optional[tuple[list, list]] = None  # (recv, sent), each [P][W][E_local] ints
         self.loads: Optional[list] = None  # [W][E] each rank's kept rows per expert (hot-expert shadowing)
 
@@ -63,7 +63,7 @@ class Counts:
         recv = self._exchange.wait()
         if self.host is None:
             rows_recv, rows_sent = torch.stack((recv, self._exchange.sent)).tolist()  # the one read
-            faults.raise_on_bad_status([row[P * L] for row in rows_recv], self._error)
+            faults.raise_on_bad_status([row[P * L] for row in rows_recv], self._error, self._group)
             self.host = (_by_piece(rows_recv, P, L), _by_piece(rows_sent, P, L))
             if len(rows_recv[0]) > P * L + 1:  # the senders' whole kept_E rode along (shadowing)
                 self.loads = [row[P * L + 1:] for row in rows_recv]
@@ -105,7 +105,7 @@ def exchange_counts(moe, kept_PE: torch.Tensor, error: Optional[Exception] = Non
     if getattr(moe, "shadow_experts", 0) and moe.dispatcher == "alltoall":
         send = torch.cat([send, kept_PE.sum(0).long().view(1, -1).expand(W, -1)], dim=1)
     group = moe.group
-    return faults.in_order(group, lambda: Counts(group.exchange(send), P, W, L, error))
+    return faults.in_order(group, lambda: Counts(group.exchange(send), P, W, L, error, group))
 
 
 def counts_turn(moe, x: torch.Tensor) -> None:
