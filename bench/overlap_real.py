@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import os
 import statistics
-import sys
 import time
 from typing import Optional
 
@@ -372,6 +371,3 @@ def _report(row: dict, names: list) -> None:
     print(f"load average {' '.join(f'{v:.2f}' for v in row['load_avg_before'])} before, "
           f"{' '.join(f'{v:.2f}' for v in row['load_avg_after'])} after", flush=True)
 
-
-if __name__ == "__main__":
-    sys.exit("run it as: python -m bench.overlap --link real ...")
