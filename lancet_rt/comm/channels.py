@@ -179,6 +179,10 @@ class Issuer:
                 self._thread.start()
         return d
 
+    def on_thread(self) -> bool:
+        """Whether the caller is this issuer's thread."""
+        return threading.current_thread() is self._thread
+
     def flush(self) -> None:
         """Return once every queued collective has been launched (or failed)."""
         with self._cv:

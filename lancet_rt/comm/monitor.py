@@ -35,7 +35,7 @@ from lancet_rt.comm.backend import abort as _abort, gloo_backend as _gloo_backen
 from lancet_rt.comm.backend import global_ranks as _global_ranks, group_store as _group_store
 from lancet_rt.comm.faults import ADVICE, CollectiveMismatch, GroupError, PeerError, PeerTimeout
 from lancet_rt.comm.header import header_row, mismatch
-from lancet_rt.comm.channels import traced_transfer
+from lancet_rt.comm.channels import Issuer, traced_transfer
 
 log = logging.getLogger("lancet_rt")
 
@@ -91,10 +91,8 @@ class GroupMonitor:
         self._inflight: "collections.deque" = collections.deque()
         self._lock = threading.Lock()
         self._break_lock = threading.Lock()
-        self._issuer = None
+        self._issuer, self._told = None, False  # (_told: the host has raised a failure of this group)
         if channels is not None:
-            from lancet_rt.comm.channels import Issuer
-
             # each channel's gloo backend keeps the group's timeout as its operation timeout (set_timeout)
             self._gloo = self._counts_gloo = None
             self._issuer = Issuer(self._check_header, lambda fn, seq, what: self._launch(None, fn, seq, what),
@@ -302,9 +300,9 @@ class GroupMonitor:
         return out
 
     def _raised(self, error: GroupError) -> GroupError:
-        """What a wait or an issue raises for ``error``: itself the first time if the issuer thread found it."""
-        if getattr(error, "_lancet_found_here", False):
-            error._lancet_found_here = False
+        """``error`` itself if the issuer thread found it and the host raised no failure yet, else "unusable"."""
+        if getattr(error, "_lancet_found_here", False) and not self._told:
+            self._told = True
             return error
         return self.error(GroupError, f"{self.label} group unusable since an earlier failure: {error}", error.ranks)
 
@@ -315,6 +313,8 @@ class GroupMonitor:
             first = self.broken is None
             if first:
                 self.broken = error
+            if self._issuer is None or not self._issuer.on_thread():
+                self._told = True  # (the host raises it, or its own exception, now)
         if first:
             self._put(f"fail/{self.rank}", json.dumps({"ranks": error.ranks, "msg": str(error)[:2000],
                                                        "kind": type(error).__name__}))

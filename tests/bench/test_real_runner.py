@@ -10,6 +10,7 @@ import types
 import pytest
 import torch
 
+import bench
 from bench import overlap
 from bench.real_runner import SCHEDULES, RealRunner, peer_schedules
 
@@ -48,6 +49,7 @@ def _stub_peers(monkeypatch, ok: bool, calls: list):
         return dict(ok=ok, worst=("output", 0.0 if ok else 0.5))
     stub.peer_blocks, stub.check_equal = peer_blocks, check_equal
     monkeypatch.setitem(sys.modules, "bench.peers", stub)
+    monkeypatch.setattr(bench, "peers", stub, raising=False)  # (if the real one was imported before)
 
 
 def test_peers_are_checked_equal_then_timed_as_schedules(monkeypatch):

@@ -79,6 +79,24 @@ def _cases(rank, world):
         work.wait()
     out["reduced"] = torch.equal(v, torch.full((8,), float(world)))
 
+    # A failure the group's thread found is raised once, by the host's next wait or issue, as itself;
+    # after that, or once the host has raised a failure of its own, the group is "unusable".
+    from lancet_rt.comm.faults import GroupError, PeerError
+
+    raised = []
+    for host_first in (False, True):
+        mon = lancet_rt.TorchGroup.split(dist.new_group()).monitor
+        found = GroupError("found on the group's thread", [1])
+        found._lancet_found_here = True
+        mon.broken = found  # (as the issuer thread's break_ leaves it)
+        if host_first:
+            mon.break_(PeerError("raised by the host", [1]))  # a wait of the host raised its own error
+        for _ in range(2):
+            try:
+                mon.issue("all-reduce", lambda: None, None)
+            except GroupError as exc:
+                raised.append(str(exc).split(":")[0])
+    out["raised once"] = raised
     errors = []
     for call in (lambda: lancet_rt.TorchGroup.split(dist.new_group(), counts_group=dist.new_group()),
                  lambda: lancet_rt.TorchGroup.split(split.group)):
@@ -94,4 +112,6 @@ def _cases(rank, world):
 def test_split_group_equals_the_plain_group_and_issues_off_the_host(world):
     for rank, res in enumerate(assert_all_ok(run_ranks(_cases, world, timeout=240))):
         assert res == {"collectives": True, "overlapped step": True, "issued before the peer": True if rank == 0 else None,
-                       "reduced": True, "refused": ["counts_group", "group already has a TorchGroup (as_group made one)"]}, res
+                       "reduced": True, "refused": ["counts_group", "group already has a TorchGroup (as_group made one)"],
+                       "raised once": ["found on the group's thread"] + ["expert-parallel group unusable since an "
+                                                                         "earlier failure"] * 3}, res
