@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup peers train test test-gpu gpu-wheels
+.PHONY: setup peers train train-link bench-link test test-gpu gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,20 @@ $(PEERS_STAMP): $(VENV)/.installed
 # The main job: a GPT-style MoE language model, 2 expert-parallel ranks, under lancet_rt.Overlapped.
 train: setup
 	$(BIN)/python -m torch.distributed.run --standalone --nproc-per-node 2 -m bench.train_lm
+
+# The main job over a real link (root; iproute2): 2 ranks, each in its own network namespace, every port
+# token-bucket limited at LINK_RATE (bench.reallink), the expert-parallel group split; prints sequential vs
+# overlapped tokens/s.
+LINK_RATE ?= 250mbit
+TRAIN_LINK_ARGS ?= --steps 100 --timing-steps 10
+train-link: setup
+	$(BIN)/python -m bench.reallink --ranks 2 --rate $(LINK_RATE) -- -m bench.train_lm --channels split $(TRAIN_LINK_ARGS)
+
+# Issue 38's acceptance on a real link (root; minutes): bench.overlap --link real on the blocks model (2 and 4
+# ranks) and Mixtral, rate calibrated to comm = 1x compute, with the peers (make peers); prints the table and
+# appends bench/results/overlap_real.json.
+bench-link: setup peers
+	$(BIN)/python -m bench.reallink_acceptance
 
 # The test suite (CPU lane; Triton kernels in the interpreter). Exit code 5 (no tests) is not a failure.
 test: setup peers

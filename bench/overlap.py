@@ -72,10 +72,12 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 
 import torch
 
 import lancet_rt
+from bench import overlap_real
 from bench.accumulation import (add_accumulation, add_accumulation_args, check_accumulation, measure_accumulation,
                                 measure_lina)
 from bench.common import RowLog, TimeBudget, print_table, run_metadata
@@ -96,6 +98,11 @@ def parse_args(argv=None):
     p.add_argument("--chunks", type=int, default=4)
     p.add_argument("--world-size", type=int, default=8)
     p.add_argument("--latency-us", type=float, default=None)
+    p.add_argument("--handshake-us", type=float, default=None,
+                   help="CPU: the control round trip before each transfer may start, beside the transfers in flight "
+                        "(EmulatedGroup(handshake_us); a split gloo group's header check on a real link). Default: "
+                        "2 x --latency-us. The real link's small all-to-all time (bench.reallink, the row's "
+                        "a2a_latency_us) makes the emulated link pay what the real one pays per collective")
     p.add_argument("--counts-channel", choices=("own", "shared"), default="own",
                    help="the counts exchanges on a channel of their own (default; TorchGroup(counts_group=...)) or "
                         "queued behind the tokens on theirs (one communicator for both)")
@@ -151,6 +158,7 @@ def parse_args(argv=None):
                         "(with --microbatches M > 1, also the cross-microbatch acceptance)")
     add_accumulation_args(p)
     add_routing_args(p)
+    overlap_real.add_args(p)
     return p.parse_args(argv)
 
 
@@ -174,7 +182,12 @@ def sizes(args) -> dict:
 
 def main(argv=None) -> dict:
     """Run the benchmark (see the module docstring); returns the row (or seeds.main's rows with --compare)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    if args.link != "emulated":  # ranks over a real link (bench/overlap_real.py)
+        if not any(a == "--world-size" or a.startswith("--world-size=") for a in argv):
+            args.world_size = None
+        return overlap_real.main(args, argv)
     if args.microbatches < 1:
         raise SystemExit(f"--microbatches must be >= 1, got {args.microbatches}")
     device = torch.device(args.device)
@@ -309,6 +322,7 @@ def _row(r: Runner, args, s: dict, device, m: dict) -> dict:
     return dict(
         bench="overlap", **run_metadata(device), **{k: v for k, v in s.items()}, model=args.model,
         world_size=args.world_size, chunks=args.chunks, top_k=args.top_k, counts_channel=args.counts_channel,
+        handshake_us=r.link.handshake_us,
         capacity_factor=None if r.hf else args.capacity_factor,
         fused_loss=bool(getattr(args, "fused_loss", False)) if r.hf else None,
         early_backward=not getattr(args, "no_early_backward", False) if r.hf else None,
@@ -409,7 +423,7 @@ def _report(row: dict, args, s: dict, m: dict) -> None:
                 title=f"bench.overlap on {row['device']}: {s['layers']} {args.model} layers D={s['d_model']} F={s['d_ffn']} "
                       f"E={s['experts']} K={args.top_k} W={args.world_size} tokens={s['batch'] * s['seq']} "
                       f"{s['dtype']}, chunks={args.chunks}, comm {comm_ms:.2f} ms = {comm_ms / compute_ms:.2f} x compute "
-                      f"({m['bw']:.3g} GB/s, {s['latency_us']} us, counts on "
+                      f"({m['bw']:.3g} GB/s, {s['latency_us']} us, handshake {row['handshake_us']:g} us, counts on "
                       f"{'their own' if args.counts_channel == 'own' else 'the tokens'} channel)")
     print(f"hidden_comm_fraction {row['hidden_comm_fraction']:.3f} (with deferred dW "
           f"{row['hidden_comm_fraction_dw']:.3f})  overlapped {row['overlapped_ms']:.2f} ms vs "

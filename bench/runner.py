@@ -29,6 +29,15 @@ def _lean_applies(layers) -> bool:
     return True
 
 
+def handshake_us(args, s: dict, device) -> float:
+    """The emulated link's control round trip before each transfer (``--handshake-us``; default a round
+    trip at the modelled latency, on the CPU link; 0 on CUDA, where it is not modelled)."""
+    value = getattr(args, "handshake_us", None)
+    if value is not None:
+        return value
+    return 2 * s["latency_us"] if torch.device(device).type == "cpu" else 0.0
+
+
 class Runner:
     """One model and its four schedules over one emulated link."""
 
@@ -38,7 +47,8 @@ class Runner:
         group = lancet_rt.EmulatedGroup
         if getattr(args, "routing", None):  # --routing: the asymmetric link (bench.routing)
             from lancet_rt.comm.emulated_skew import SkewedGroup as group
-        self.link = group(args.world_size, math.inf, 0.0, device=device, counts_channel=args.counts_channel)
+        self.link = group(args.world_size, math.inf, 0.0, device=device, counts_channel=args.counts_channel,
+                          handshake_us=handshake_us(args, s, device))
         self.chunks = args.chunks
         self.statistic = args.statistic
         self.steps: dict = {}  # mode -> a whole step of its own (the floor below, add_accumulation)

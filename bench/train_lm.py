@@ -1,6 +1,7 @@
 """The main job: train a small GPT-style MoE language model with expert parallelism.
 
     torchrun --standalone --nproc-per-node 2 -m bench.train_lm
+    make train-link      # (root) the same on 2 ranks over a real rate-limited link (bench.reallink), split group
 
 Each rank holds E / W experts and its own data shard; tokens reach their experts through the
 all-to-alls (gloo on CPU, NCCL when every rank has a GPU). The data is an order-2 Markov language
@@ -73,6 +74,10 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--chunks", type=int, default=2, help="Overlapped chunk count (1: sequential)")
     p.add_argument("--timing-steps", type=int, default=8, help="steps timed each way at the end")
+    p.add_argument("--channels", choices=("plain", "split"), default="plain",
+                   help="gloo: the expert-parallel group as it is (plain) or split (lancet_rt.TorchGroup.split: the "
+                        "counts and checks on a group of their own, each direction of the tokens on its own; what a "
+                        "real link wants, make train-link)")
     p.add_argument("--json", default=None, help="write the summary as JSON here")
     p.add_argument("--routing-trace", default=None,
                    help="record every step's per-layer expert loads (rank 0's) as a lancet_rt routing trace JSON here")
@@ -156,22 +161,34 @@ def main(argv=None) -> dict:
     ovl_ms = timed(overlapped) if args.timing_steps else math.nan
     summary = dict(world=world, device=device.type, steps=args.steps, chunks=args.chunks,
                    first_loss=history[0]["loss"], final_loss=history[-1]["loss"], entropy=data.entropy,
-                   train_s=train_s, sequential_step_ms=seq_ms, overlapped_step_ms=ovl_ms, history=history)
+                   train_s=train_s, sequential_step_ms=seq_ms, overlapped_step_ms=ovl_ms, channels=args.channels,
+                   sequential_tokens_per_s=tokens_per_step / seq_ms * 1e3,
+                   overlapped_tokens_per_s=tokens_per_step / ovl_ms * 1e3, history=history)
     if main_rank:
-        print(f"summary: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} "
-              f"(floor {data.entropy:.3f}) in {args.steps} steps, {train_s:.1f} s; step time "
-              f"sequential {seq_ms:.1f} ms, overlapped ({args.chunks} chunks) {ovl_ms:.1f} ms "
-              f"({seq_ms / ovl_ms:.2f}x)")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(summary, f, indent=1)
+        _report(summary, args)
     if world > 1:
         dist.destroy_process_group()
     return summary
 
 
+def _report(summary: dict, args) -> None:
+    """Print the summary line (and write ``--json``)."""
+    seq_ms, ovl_ms = summary["sequential_step_ms"], summary["overlapped_step_ms"]
+    print(f"summary: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} "
+          f"(floor {summary['entropy']:.3f}) in {args.steps} steps, {summary['train_s']:.1f} s; step time "
+          f"sequential {seq_ms:.1f} ms, overlapped ({args.chunks} chunks) {ovl_ms:.1f} ms "
+          f"({seq_ms / ovl_ms:.2f}x); tokens/s sequential {summary['sequential_tokens_per_s']:.0f}, overlapped "
+          f"{summary['overlapped_tokens_per_s']:.0f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+
+
 def _build_model(args, device, group, rank: int, world: int) -> MoELanguageModel:
-    """The model with the same dense weights on every rank and each rank's own experts."""
+    """The model with the same dense weights on every rank and each rank's own experts (``--channels
+    split``: on the split group of ``group``, which the layers and the gradient sync find by as_group)."""
+    if group is not None and args.channels == "split" and device.type == "cpu":
+        lancet_rt.TorchGroup.split(group)
     torch.manual_seed(0)
     moe_kwargs = dict(d_ffn=args.d_ffn, num_experts=args.experts, top_k=args.top_k,
                       capacity_factor=args.capacity_factor if args.capacity_factor > 0 else None,

@@ -67,10 +67,12 @@ class Trace:
             torch.cuda.synchronize()
         out = []
         for work, nbytes in self._links:
+            name = getattr(work, "kind", None) or ("all_to_all" if nbytes else "exchange")
+            issued = getattr(work, "issued", None)  # a real backend's collective (comm.channels.Transfer)
+            if issued is not None and work.start is not None:
+                out.append(self._event(name, "link issue", issued, work.start, {}))  # issued -> handed to the backend
             if work.start is not None and work.end is not None:
-                name = getattr(work, "kind", None) or ("all_to_all" if nbytes else "exchange")
-                out.append(self._event(name, "link",
-                                       work.start, work.end, dict(bytes=nbytes)))
+                out.append(self._event(name, "link", work.start, work.end, dict(bytes=nbytes or None)))
         for s in self.spans:
             if s.ev0 is not None:
                 ref_ev, ref_t = self._cuda_origin
@@ -132,7 +134,8 @@ def _traced_span(t, name: str, track: str, cuda: bool, args: dict):
 
 
 def record_link(work, nbytes: int) -> None:
-    """Keep a CPU link transfer; its start and end are read when the trace is saved."""
+    """Keep a CPU link transfer (an emulated one, or a real backend's collective with its issue time);
+    its start and end are read when the trace is saved."""
     t = _active
     if t is not None:
         with t._lock:

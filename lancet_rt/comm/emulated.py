@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 import torch
 
 from lancet_rt import trace as _trace
+from lancet_rt.comm.emulated_cuda import _CudaLowWork, _CudaWork, _sleep_cycles_per_ms
 from lancet_rt.comm.group import check_link, link_ms
 
 
@@ -68,6 +69,7 @@ class _CpuLink:
 
     def __init__(self):
         self._lock = threading.Lock()
+        self.handshake_s = 0.0  # a transfer starts no sooner than this after its submission (EmulatedGroup)
         self._busy_until = 0.0
         self._epoch = 0
         self._low: "collections.deque[_LinkWork]" = collections.deque()  # not yet committed
@@ -83,7 +85,7 @@ class _CpuLink:
             if low_priority:
                 self._low.append(work)
             else:
-                self._commit(work, max(now, self._busy_until), now)
+                self._commit(work, max(now + self.handshake_s, self._busy_until), now)
 
     def _commit(self, work: _LinkWork, start: float, now: float) -> None:
         work.start, work.expected_end = start, start + work.hold_s
@@ -167,37 +169,6 @@ def _sleep_until(deadline: float, now: float) -> None:
         os.sched_yield()
 
 
-class _CudaWork:
-    def __init__(self, event: torch.cuda.Event, stream):
-        self.event, self.stream = event, stream
-
-    def is_completed(self) -> bool:
-        return self.event.query()
-
-    def wait(self) -> bool:
-        torch.cuda.current_stream().wait_event(self.event)
-        return True
-
-
-class _CudaLowWork:
-    """A low-priority transfer on the CUDA link, held on the host until the link is idle."""
-
-    def __init__(self, group: "EmulatedGroup", launch):
-        self._group, self._launch, self._work = group, launch, None
-
-    def launch(self) -> None:
-        if self._work is None:
-            self._work = self._launch()
-
-    def is_completed(self) -> bool:
-        self._group._pump()
-        return self._work is not None and self._work.is_completed()
-
-    def wait(self) -> bool:
-        self._group._pump(upto=self)
-        return self._work.wait()
-
-
 def _reduce_op_names() -> dict:
     try:
         from torch.distributed import ReduceOp
@@ -218,32 +189,6 @@ def _hashable(v) -> bool:
     return True
 
 
-_cycles_per_ms: dict = {}
-
-
-def _sleep_cycles_per_ms(device) -> float:
-    """Calibrate torch.cuda._sleep (a one-thread kernel spinning on clock64(): its argument is SM
-    clock cycles, about 1.5-2e6 per ms on an H100/H200) once per device.
-
-    Timed on the device's current stream with CUDA events; call it outside the communication
-    stream's context (a one-off host sync of about 20 ms) so it never lands inside a transfer.
-    """
-    device = torch.device(device)
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _cycles_per_ms:
-        with torch.cuda.device(device):
-            cycles = 20_000_000
-            torch.cuda._sleep(cycles)  # warm-up, long enough for the SM clock to leave idle
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.cuda._sleep(cycles)
-            end.record()
-            end.synchronize()
-            _cycles_per_ms[device] = cycles / start.elapsed_time(end)
-    return _cycles_per_ms[device]
-
-
 class EmulatedGroup:
     """An :class:`~lancet_rt.comm.group.ExpertParallelGroup` emulating ``world_size`` symmetric ranks.
 
@@ -257,6 +202,12 @@ class EmulatedGroup:
             a :class:`lancet_rt.TorchGroup` whose counts and tokens share one communicator; "own":
             on a channel of their own (latency only), as with ``TorchGroup(counts_group=...)``, so
             a chunk's counts never wait behind the tokens in flight.
+        handshake_us: the control round trip before every transfer may start (CPU link), off the host
+            and beside the transfers in flight: a transfer submitted at t starts at ``max(t +
+            handshake, link free)``. What a split gloo group does on a real link (its header check on
+            its control group, then gloo's ready-to-receive notice; :mod:`lancet_rt.comm.channels`):
+            on an idle link the transfer starts a round trip late, behind another it costs nothing.
+            ``bench.overlap`` sets it to the real link's measured small all-to-all time.
 
     Attributes:
         modeled_ms: total link time modeled so far (sum over transfers, counts exchanges included;
@@ -266,9 +217,13 @@ class EmulatedGroup:
     """
 
     def __init__(self, world_size: int, bandwidth_gbps: float = math.inf, latency_us: float = 0.0,
-                 device="cpu", *, counts_channel: str = "shared"):
+                 device="cpu", *, counts_channel: str = "shared", handshake_us: float = 0.0):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+        if isinstance(handshake_us, bool) or not isinstance(handshake_us, (int, float)) or not 0 <= handshake_us < math.inf:
+            raise ValueError(f"handshake_us must be a finite number >= 0, got {handshake_us!r}")
+        if handshake_us and torch.device(device).type != "cpu":
+            raise ValueError("handshake_us is modelled on the CPU link only (device='cpu')")
         if counts_channel not in ("own", "shared"):
             raise ValueError(f"counts_channel must be 'own' or 'shared', got {counts_channel!r}")
         self._size = world_size
@@ -278,6 +233,8 @@ class EmulatedGroup:
         cpu = self.device.type == "cpu"
         self._cpu_link = _CpuLink() if cpu else None
         self._cpu_counts = _CpuLink() if cpu and counts_channel == "own" else None
+        self._handshake_us = 0.0
+        self.handshake_us = handshake_us
         self._stream = None
         self._counts_stream = None  # CUDA, counts_channel="own"
         self._last_event = None  # CUDA: the last transfer queued on the link
@@ -286,6 +243,18 @@ class EmulatedGroup:
 
     def __deepcopy__(self, memo):
         return self  # a group is a handle: copies of a model share it
+
+    @property
+    def handshake_us(self) -> float:
+        """The control round trip before each transfer may start (``__init__``'s argument)."""
+        return self._handshake_us
+
+    @handshake_us.setter
+    def handshake_us(self, value: float) -> None:
+        self._handshake_us = float(value)
+        for link in (self._cpu_link, self._cpu_counts):
+            if link is not None:
+                link.handshake_s = self._handshake_us * 1e-6
 
     @property
     def size(self) -> int:
@@ -483,7 +452,8 @@ class EmulatedGroup:
 
     def __repr__(self) -> str:
         return (f"EmulatedGroup(world_size={self._size}, bandwidth_gbps={self.bandwidth_gbps}, "
-                f"latency_us={self.latency_us}, device={self.device}, counts_channel={self.counts_channel!r})")
+                f"latency_us={self.latency_us}, device={self.device}, counts_channel={self.counts_channel!r}, "
+                f"handshake_us={self.handshake_us})")
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:

@@ -81,10 +81,10 @@ class _SkewLink(_CpuLink):
         with self._lock:
             now = time.perf_counter()
             self._advance(now)
-            ready = max(now, self._busy_until)
+            ready = max(now + self.handshake_s, self._busy_until)
             start = max(ready, not_before)
             if ready_order:
-                start = max(now, not_before)
+                start = max(now + self.handshake_s, not_before)
                 for a, b in self._reserved:  # by start: the first gap that fits
                     if b <= start:
                         continue
@@ -123,7 +123,7 @@ class SkewedGroup(EmulatedGroup):
 
     def __init__(self, world_size: int, bandwidth_gbps: float = math.inf, latency_us: float = 0.0, device="cpu",
                  *, counts_channel: str = "shared", expert_ms_per_row: float = 0.0, backward_factor: float = 1.0,
-                 order: str = "fifo"):
+                 order: str = "fifo", handshake_us: float = 0.0):
         if torch.device(device).type != "cpu":
             raise ValueError(f"device must be 'cpu' (SkewedGroup models a CPU link), got {device!r}")
         for name, v in (("expert_ms_per_row", expert_ms_per_row), ("backward_factor", backward_factor)):
@@ -134,6 +134,7 @@ class SkewedGroup(EmulatedGroup):
         super().__init__(world_size, bandwidth_gbps, latency_us, device, counts_channel=counts_channel)
         self.order = order
         self._cpu_link = _SkewLink()
+        self.handshake_us = handshake_us  # (on the new link too)
         self.expert_ms_per_row = float(expert_ms_per_row)
         self.backward_factor = float(backward_factor)
         self._outbound: dict = {}  # (backward?, splits) -> deque of the outbound transfers' planned ends

@@ -29,7 +29,10 @@ each ends fast, on every rank, with an error that names the rank at fault (READM
   per rank and one host round trip per collective, so 5 per MoE layer per training step (counts
   exchange, dispatch and combine, two backward all-to-alls; with ``pipeline_chunks`` P, 1 + 4 P).
   On NCCL it is off (it would be a host sync per collective; ``GroupMonitor.check_headers``
-  turns it on): a mismatched step there ends at the timeout.
+  turns it on): a mismatched step there ends at the timeout. On a split gloo group
+  (:meth:`lancet_rt.TorchGroup.split`) the header check runs on a thread of the group and its own
+  control group, before the collective is handed to gloo, and the host does not wait for it: the
+  mismatch is raised by the collective's ``wait()`` (or the next issue) on every rank, nothing sent.
 
 How a wait is bounded on gloo and on NCCL: :mod:`lancet_rt.comm.monitor`. On NCCL no host sync and
 no collective is added per chunk.

@@ -110,20 +110,51 @@ class TorchGroup:
 
     def __init__(self, group: dist.ProcessGroup, *, bandwidth_gbps: Optional[float] = None,
                  latency_us: float = 0.0, timeout_s: Optional[float] = None,
-                 counts_group: Optional[dist.ProcessGroup] = None):
+                 counts_group: Optional[dist.ProcessGroup] = None, _channels=None):
         self.group = group
         self._size = dist.get_world_size(group)
         self._rank = dist.get_rank(group)
         backend = dist.get_backend(group)
         self.backend = str(backend).lower()
-        self.counts_group = _counts_group(group, counts_group)
+        self.channels = _channels
+        self.counts_group = _channels.control if _channels is not None else _counts_group(group, counts_group)
+        self._bulk = _channels.bulk if _channels is not None else group  # lancet's all-reduces, broadcasts, ...
+        self._small = _channels.control if _channels is not None else group  # small all-gathers
         self.bandwidth_gbps: Optional[float] = None
         self.latency_us = 0.0
         if bandwidth_gbps is not None:
             self.set_link(bandwidth_gbps, latency_us)
         self.monitor = GroupMonitor(group, self._rank, self._size, self.backend,
                                     env.timeout_s() if timeout_s is None else timeout_s,
-                                    counts_group=self.counts_group, header_device=self._small_device())
+                                    counts_group=self.counts_group, header_device=self._small_device(),
+                                    channels=_channels)
+
+    @classmethod
+    def split(cls, group: dist.ProcessGroup, **kwargs) -> "TorchGroup":
+        """A gloo group whose traffic is split over process groups of its own (a collective call, on
+        every rank of ``group``): the counts exchanges and the header checks on a control group, each
+        direction of the tokens' all-to-alls on a group of its own, lancet's all-reduces on another,
+        every checked collective's header check and launch on a thread of the group, off the host's
+        path (:mod:`lancet_rt.comm.channels`: why, as a real rate-limited link showed). It checks and
+        bounds what a plain group does. ``kwargs``: :class:`TorchGroup`'s (not ``counts_group``).
+        ``as_group(group)`` returns it from now on (a TorchGroup made for ``group`` before is an error).
+
+        Returns:
+            the :class:`TorchGroup`.
+        """
+        if "counts_group" in kwargs:
+            raise ValueError("counts_group: a split group makes its own (its control group)")
+        if "gloo" not in str(dist.get_backend(group)).lower():
+            raise ValueError(f"group must be a gloo process group to split (NCCL's all-to-all is full duplex), got "
+                             f"{dist.get_backend(group)}")
+        if group in _torch_groups:
+            raise ValueError("group already has a TorchGroup (as_group made one): split it before any layer uses it")
+        from lancet_rt.comm.channels import make_channels
+
+        timeout = kwargs.get("timeout_s")
+        made = cls(group, _channels=make_channels(group, env.timeout_s() if timeout is None else timeout), **kwargs)
+        _torch_groups[group] = made
+        return made
 
     @property
     def counts_channel(self) -> str:
@@ -169,6 +200,11 @@ class TorchGroup:
     def all_to_all(self, output, input, output_splits, input_splits) -> Work:
         row_in, row_out = math.prod(input.shape[1:]), math.prod(output.shape[1:])
         header = (input.dtype, [n * row_in for n in input_splits], [n * row_out for n in output_splits])
+        if self.channels is not None:  # each direction on its own lane
+            from lancet_rt.comm.channels import lane_all_to_all
+
+            return self.monitor.issue("all-to-all", lambda: lane_all_to_all(
+                self.channels, self._rank, output, input, output_splits, input_splits), header)
         return self.monitor.issue("all-to-all", lambda: dist.all_to_all_single(
             output, input, list(output_splits), list(input_splits), group=self.group, async_op=True), header)
 
@@ -178,13 +214,13 @@ class TorchGroup:
             raise ValueError(f"op must be 'sum', got {op!r}")
         header = (tensor.dtype, [tensor.numel()] * self._size, [tensor.numel()] * self._size)
         return self.monitor.issue(what, lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM,
-                                                                group=self.group, async_op=True), header)
+                                                                group=self._bulk, async_op=True), header)
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str = "broadcast") -> Work:
         """Start a broadcast of ``tensor`` in place from group rank ``src`` (async; valid after ``wait()``)."""
         header = (tensor.dtype, [tensor.numel()] * self._size, [tensor.numel()] * self._size)
         root = dist.get_global_rank(self.group, src)
-        return self.monitor.issue(what, lambda: dist.broadcast(tensor, src=root, group=self.group, async_op=True),
+        return self.monitor.issue(what, lambda: dist.broadcast(tensor, src=root, group=self._bulk, async_op=True),
                                   header)
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: str = "sum", what: str = "reduce") -> Work:
@@ -194,7 +230,7 @@ class TorchGroup:
             raise ValueError(f"op must be 'sum', got {op!r}")
         header = (tensor.dtype, [tensor.numel()] * self._size, [tensor.numel()] * self._size)
         root = dist.get_global_rank(self.group, dst)
-        return self.monitor.issue(what, lambda: dist.reduce(tensor, dst=root, op=dist.ReduceOp.SUM, group=self.group,
+        return self.monitor.issue(what, lambda: dist.reduce(tensor, dst=root, op=dist.ReduceOp.SUM, group=self._bulk,
                                                             async_op=True), header)
 
     def exchange(self, send_WN: torch.Tensor) -> "Exchange":
@@ -224,7 +260,7 @@ class TorchGroup:
         vec = vec_N.to(self._small_device(), torch.int64).contiguous()
         out = [torch.empty_like(vec) for _ in range(self._size)]
         header = (vec.dtype, [vec.numel()] * self._size, [vec.numel()] * self._size)
-        self.monitor.issue(what, lambda: dist.all_gather(out, vec, group=self.group, async_op=True), header).wait()
+        self.monitor.issue(what, lambda: dist.all_gather(out, vec, group=self._small, async_op=True), header).wait()
         return self.monitor.block(lambda: torch.stack(out).cpu())
 
     def all_gather_object(self, obj, what: str = "object all-gather") -> list:
@@ -236,7 +272,7 @@ class TorchGroup:
         buf[:data.numel()] = data.to(buf.device)
         out = [torch.empty_like(buf) for _ in range(self._size)]
         header = (buf.dtype, [buf.numel()] * self._size, [buf.numel()] * self._size)
-        self.monitor.issue(what, lambda: dist.all_gather(out, buf, group=self.group, async_op=True), header).wait()
+        self.monitor.issue(what, lambda: dist.all_gather(out, buf, group=self._bulk, async_op=True), header).wait()
         host = self.monitor.block(lambda: [t.cpu() for t in out])
         return [pickle.loads(t.numpy()[:n].tobytes()) for t, n in zip(host, sizes)]
 

@@ -31,8 +31,11 @@ import torch.distributed as dist
 
 from lancet_rt import env
 from lancet_rt.comm import processes as _processes
+from lancet_rt.comm.backend import abort as _abort, gloo_backend as _gloo_backend
+from lancet_rt.comm.backend import global_ranks as _global_ranks, group_store as _group_store
 from lancet_rt.comm.faults import ADVICE, CollectiveMismatch, GroupError, PeerError, PeerTimeout
 from lancet_rt.comm.header import header_row, mismatch
+from lancet_rt.comm.channels import Issuer, traced_transfer
 
 log = logging.getLogger("lancet_rt")
 
@@ -55,6 +58,9 @@ class GroupMonitor:
         check_headers: compare every collective's (sequence number, kind, dtype, sizes) across the
             ranks before it is issued (:meth:`issue`; None: on for gloo, off for NCCL).
         header_device: where the header all-gather's tensors live (CUDA for NCCL; default CPU).
+        channels: a split group's process groups (:mod:`lancet_rt.comm.channels`): headers on its control
+            group, each collective checked and launched in issue order by the group's thread (``Issuer``);
+            a mismatch is raised by the collective's wait (or the next issue) on every rank, nothing sent.
 
     Attributes:
         label: how messages name the group's ranks ("expert-parallel"; "data-parallel" for a group
@@ -62,14 +68,16 @@ class GroupMonitor:
     """
 
     def __init__(self, group, rank: int, size: int, backend: str, timeout_s: float, counts_group=None,
-                 check_headers: Optional[bool] = None, header_device=None):
+                 check_headers: Optional[bool] = None, header_device=None, channels=None):
         self.group, self.rank, self.size = group, rank, size
+        self.channels = channels
         self.global_ranks = _global_ranks(group, size)  # group rank -> global rank, for messages
         self.label = "expert-parallel"
         # gloo: the header's host round trip costs what the collective's own wait costs; NCCL: a host sync, so off
         self.check_headers = ("gloo" in backend) if check_headers is None else bool(check_headers)
         self.header_device = torch.device("cpu") if header_device is None else header_device
         self.counts_group = group if counts_group is None else counts_group
+        self.header_group = group if channels is None else channels.control
         self.issued = 0       # collectives issued on this group, in order (the same on every rank)
         self.exchanges = 0    # of which counts exchanges
         self.broken: Optional[GroupError] = None
@@ -82,6 +90,13 @@ class GroupMonitor:
         self._fatal: Optional[GroupError] = None
         self._inflight: "collections.deque" = collections.deque()
         self._lock = threading.Lock()
+        self._break_lock = threading.Lock()
+        self._issuer, self._told = None, False  # (_told: the host has raised a failure of this group)
+        if channels is not None:
+            # each channel's gloo backend keeps the group's timeout as its operation timeout (set_timeout)
+            self._gloo = self._counts_gloo = None
+            self._issuer = Issuer(self._check_header, lambda fn, seq, what: self._launch(None, fn, seq, what),
+                                  lambda: self.broken)
         self._thread: Optional[threading.Thread] = None
         self._events_seen = 0
         self._published_at = -1
@@ -116,6 +131,10 @@ class GroupMonitor:
         self.timeout_s = float(timeout_s)
         self._timeout_td = datetime.timedelta(seconds=self.timeout_s)
         self._slice_td = datetime.timedelta(seconds=min(POLL_S, self.timeout_s))
+        for g in self.channels.groups() if getattr(self, "channels", None) is not None else ():
+            backend = _gloo_backend(g)
+            if backend is not None:
+                backend._set_default_timeout(self._timeout_td)
 
     # ---------------------------------------------------------------- issuing and waiting
     def issue(self, what: str, launch: Callable[[], object], header=None) -> "Watched":
@@ -126,17 +145,22 @@ class GroupMonitor:
         small fixed-size collective and every rank raises :class:`CollectiveMismatch` if they
         disagree, so mismatched messages never reach the backend (gloo aborts the process on them).
         """
-        if self.broken is not None:
-            raise self.error(GroupError, f"{self.label} group unusable since an earlier failure: {self.broken}",
-                             self.broken.ranks)
+        self._refuse_if_broken()
         self.issued += 1
         seq = self.issued
         if what == "counts exchange":
             self.exchanges += 1
+        transfer = traced_transfer(what)
+        checked = self.check_headers and self.size > 1 and header is not None
+        if self._issuer is not None:
+            work = self._issuer.submit(seq, what, launch, header if checked else None, transfer)
+            return Watched(work, self, seq, what)
         gloo = self._counts_gloo if what == "counts exchange" else self._gloo
-        if self.check_headers and self.size > 1 and header is not None:
+        if checked:
             self._check_header(seq, what, header)
         work = self._launch(gloo, launch, seq, what)
+        if transfer is not None:
+            transfer.started(work)
         if self._watchdog:
             with self._lock:
                 while self._inflight and self._inflight[0][2].is_completed():
@@ -150,12 +174,22 @@ class GroupMonitor:
         ``check_headers`` off): every rank raises :class:`CollectiveMismatch` if the ranks' (sequence
         number, kind, dtype, sizes) differ. For a plan checked once before collectives issued
         unchecked, where waiting for the peers before each one could deadlock (gradient buckets)."""
-        if self.broken is not None:
-            raise self.error(GroupError, f"{self.label} group unusable since an earlier failure: {self.broken}",
-                             self.broken.ranks)
+        self._refuse_if_broken()
         if self.check_headers and self.size > 1:
             self.issued += 1
+            if self._issuer is not None:  # in order with the collectives queued before it
+                self.wait(self._issuer.submit(self.issued, what, None, header), self.issued, what)
+                return
             self._check_header(self.issued, what, header)
+
+    def _refuse_if_broken(self) -> None:
+        if self.broken is not None:
+            raise self._raised(self.broken)
+
+    def flush(self) -> None:
+        """Return once every collective issued so far is on the backend (split groups; at once otherwise)."""
+        if self._issuer is not None:
+            self._issuer.flush()
 
     def _launch(self, gloo, launch: Callable[[], object], seq: int, what: str):
         try:
@@ -176,7 +210,8 @@ class GroupMonitor:
         mine = torch.tensor(header_row(seq, what, dtype, send, recv), dtype=torch.int64, device=self.header_device)
         rows = [torch.empty_like(mine) for _ in range(self.size)]
         # always on ``group`` (a counts exchange's header too): ranks issuing different kinds must still meet
-        work = self._launch(self._gloo, lambda: dist.all_gather(rows, mine, group=self.group, async_op=True), seq, what)
+        work = self._launch(self._gloo, lambda: dist.all_gather(rows, mine, group=self.header_group, async_op=True),
+                            seq, what)
         self.wait(work, seq, what)  # (the header is part of the collective: same number, same name)
         problem, ranks = mismatch(torch.stack(rows).cpu().tolist(), self.size, self.name)
         if problem:
@@ -194,9 +229,10 @@ class GroupMonitor:
         if self.broken is not None:
             raise self.error(GroupError, f"process group unusable since an earlier failure: {self.broken}",
                              self.broken.ranks)
+        self.flush()  # (the collectives queued before these are on the backend first, on every rank)
         self.issued += 1
         seq = self.issued
-        gloo = self._gloo
+        gloo = self._gloo if self._gloo is not None else _gloo_backend(self.group)
         prev = None if gloo is None else gloo.options._timeout
         if gloo is not None:
             gloo._set_default_timeout(self._timeout_td)
@@ -225,11 +261,15 @@ class GroupMonitor:
             try:
                 work.wait(timeout=self._slice_td)
                 return
+            except GroupError as exc:  # a split group's header check or launch failed (already broken)
+                raise self._raised(exc)
             except RuntimeError as exc:
                 if work.is_completed():  # finished after the slice ended, or failed
                     try:
                         work.wait()
                         return
+                    except GroupError as failed:
+                        raise self._raised(failed)
                     except RuntimeError as real:
                         raise self.break_(self._lost(seq, what, real)) from real
                 now = time.monotonic()
@@ -259,11 +299,23 @@ class GroupMonitor:
             raise self._fatal
         return out
 
+    def _raised(self, error: GroupError) -> GroupError:
+        """``error`` itself if the issuer thread found it and the host raised no failure yet, else "unusable"."""
+        if getattr(error, "_lancet_found_here", False) and not self._told:
+            self._told = True
+            return error
+        return self.error(GroupError, f"{self.label} group unusable since an earlier failure: {error}", error.ranks)
+
     # ---------------------------------------------------------------- failure records
     def break_(self, error: GroupError) -> GroupError:
         """Mark the group unusable and tell the peers (a record in the store); returns ``error``."""
-        if self.broken is None:
-            self.broken = error
+        with self._break_lock:  # (the issuer thread and the host may both find a failure)
+            first = self.broken is None
+            if first:
+                self.broken = error
+            if self._issuer is None or not self._issuer.on_thread():
+                self._told = True  # (the host raises it, or its own exception, now)
+        if first:
             self._put(f"fail/{self.rank}", json.dumps({"ranks": error.ranks, "msg": str(error)[:2000],
                                                        "kind": type(error).__name__}))
             self._add("events", 1)
@@ -446,34 +498,3 @@ class Watched:
 
 def _unnamed(notes: list) -> str:
     return "no peer could be named" + (f" ({'; '.join(notes)})" if notes else "")
-
-
-def _global_ranks(group, size: int) -> list:
-    try:
-        return list(dist.get_process_group_ranks(group))
-    except Exception:  # noqa: BLE001 - a group torch.distributed does not know (a test double): group numbering
-        return list(range(size))
-
-
-def _group_store(group):
-    try:
-        return dist.distributed_c10d._get_process_group_store(group)
-    except Exception:  # noqa: BLE001 - a private API: without it, failures are found by timeout only
-        return None
-
-
-def _gloo_backend(group):
-    try:
-        backend = group._get_backend(torch.device("cpu"))
-        backend.options._timeout  # noqa: B018 - the API the operation timeout needs
-        return backend
-    except Exception:  # noqa: BLE001
-        return None
-
-
-def _abort(group) -> None:
-    try:
-        dist.distributed_c10d._abort_process_group(group)
-    except Exception as exc:  # noqa: BLE001
-        log.error("lancet-rt: could not abort the communicator (%s); the process waits for the process group's "
-                  "own timeout", exc)

@@ -5,7 +5,9 @@ stops answering, a rank that is killed, and the CUDA path's watchdog run on gloo
 Each case asserts the exception type and that the message names the rank (README, "Reliability").
 Two spawns go through their faults in sequence, each fault on its own process group where the
 group breaks, so one spawn checks many faults; the rank that dies is the last fault of its spawn.
-Every spawn has a hard timeout (a hang fails, never waits).
+Every spawn has a hard timeout (a hang fails, never waits). The 3-rank faults run twice: on plain
+gloo groups and on split ones (``TorchGroup.split``: header checks and launches on a thread of the
+group, the tokens on a lane per direction), which must detect and name the same faults.
 """
 from __future__ import annotations
 
@@ -44,23 +46,27 @@ def _until_given_up(group, ranks):
         time.sleep(0.05)
 
 
-def _group(timeout_s=None):
+def _group(timeout_s=None, split=False):
+    """A new process group (``split``: a split TorchGroup on one)."""
     import torch.distributed as dist
 
     g = dist.new_group()
+    if split:
+        return lancet_rt.TorchGroup.split(g, **({} if timeout_s is None else dict(timeout_s=timeout_s)))
     if timeout_s is not None:
         lancet_rt.comm.group.as_group(g).set_timeout(timeout_s)
     return g
 
 
-def _three_ranks(rank, world, out_dir):
+def _three_ranks(rank, world, out_dir, split=False):
     """The 3-rank faults in sequence; returns {case: outcome on this rank}. Rank 2 is the rank at
-    fault in every case that breaks a group, and dies in the last one."""
+    fault in every case that breaks a group, and dies in the last one. ``split``: every group a split
+    TorchGroup."""
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(rank)
     x, g = torch.randn(4, 3, D, generator=gen), torch.randn(4, 3, D, generator=gen)
     res = {}
-    healthy = _group()
+    healthy = _group(split=split)
 
     def overlapped(**kw):
         moe = {k: kw.pop(k) for k in list(kw) if k in ("capacity_factor",)}
@@ -93,13 +99,13 @@ def _three_ranks(rank, world, out_dir):
     res["next step after them equals a fresh model"] = outcome(same_as_fresh)
 
     # After the collectives started: the group breaks, the peers are told within a poll.
-    broken = lancet_rt.Overlapped(make_model(_group(), E=6), chunks=4)
+    broken = lancet_rt.Overlapped(make_model(_group(split=split), E=6), chunks=4)
     h = in_chunk(broken.model.blocks[1], 2, lambda: raise_(RuntimeError("injected in chunk 2 of 4"))) \
         if rank == 2 else None
     res["error in chunk 2 of 4"] = outcome(lambda: _step(broken, x))
     res["next step on the broken group"] = outcome(lambda: _step(broken, x))
 
-    bwd = lancet_rt.Overlapped(make_model(_group(), E=6), chunks=2)
+    bwd = lancet_rt.Overlapped(make_model(_group(split=split), E=6), chunks=2)
     if rank == 2:
         bwd.model.blocks[0].register_forward_hook(
             lambda m, a, y: [y.register_hook(lambda grad: raise_(RuntimeError("injected in backward")))] and None)
@@ -110,7 +116,10 @@ def _three_ranks(rank, world, out_dir):
     import torch.distributed as dist
 
     hung_group = _group()
-    hung_ep = lancet_rt.TorchGroup(hung_group, timeout_s=2.0, counts_group=dist.new_group())
+    if split:
+        hung_ep = lancet_rt.TorchGroup.split(hung_group, timeout_s=2.0)
+    else:
+        hung_ep = lancet_rt.TorchGroup(hung_group, timeout_s=2.0, counts_group=dist.new_group())
     hung = lancet_rt.Overlapped(make_model(hung_ep, E=6), chunks=2)
     if rank == 2:
         in_chunk(hung.model.blocks[1], 1, lambda: _until_given_up(hung_group, [0, 1]))
@@ -118,16 +127,16 @@ def _three_ranks(rank, world, out_dir):
 
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
-    dead = lancet_rt.Overlapped(make_model(_group(), E=6), chunks=2)
+    dead = lancet_rt.Overlapped(make_model(_group(split=split), E=6), chunks=2)
     if rank == 2:
         in_chunk(dead.model.blocks[1], 1, lambda: os.kill(os.getpid(), signal.SIGKILL))
     return outcome(lambda: _step(dead, x))
 
 
-@pytest.fixture(scope="module")
-def three_ranks(tmp_path_factory):
+@pytest.fixture(scope="module", params=["plain", "split"])
+def three_ranks(tmp_path_factory, request):
     out = tmp_path_factory.mktemp("three_ranks")
-    results = run_ranks(_three_ranks, 3, str(out), timeout=90, may_die=(2,))
+    results = run_ranks(_three_ranks, 3, str(out), request.param == "split", timeout=90, may_die=(2,))
     assert 2 not in results, "rank 2 killed itself"
     per_rank = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
     for r in (0, 1):

@@ -215,10 +215,13 @@ def test_save_hf_interrupted_keeps_the_last_good_one_and_other_files(tmp_path, m
 
 
 # ====================================================================================== two ranks
-def _new_group(timeout_s=None):
+def _new_group(timeout_s=None, split=False):
+    """A new process group; ``split``: its TorchGroup (``as_group``) a split one (TorchGroup.split)."""
     import torch.distributed as dist
 
     g = dist.new_group()
+    if split:
+        lancet_rt.TorchGroup.split(g)
     if timeout_s is not None:
         lancet_rt.comm.group.as_group(g).set_timeout(timeout_s)
     return g
@@ -236,15 +239,19 @@ def _until_given_up(group, ranks):
         time.sleep(0.05)
 
 
-def _collective_cases(rank, world, root):
-    """The crash, hang and mismatch cases in sequence; returns {case: outcome on this rank}."""
+def _collective_cases(rank, world, root, split=False):
+    """The crash, hang and mismatch cases in sequence; returns {case: outcome on this rank}. ``split``:
+    every group's TorchGroup a split one (its checks on a thread of its own must detect the same)."""
+    import functools
+
+    _new_group_ = functools.partial(_new_group, split=split)
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(rank)
     x, gy = torch.randn(2, 3, D, generator=gen), torch.randn(2, 3, D, generator=gen)
     res = {}
 
     def skipped_backward():
-        m = _model(_new_group())
+        m = _model(_new_group_())
         y = m(x)
         if rank == 0:
             y.backward(gy)
@@ -252,7 +259,7 @@ def _collective_cases(rank, world, root):
     res["a rank skips a backward"] = outcome(skipped_backward)
 
     def extra_forward():
-        g = _new_group()
+        g = _new_group_()
         m = _model(g, expert_bias=True)
         m(x)
         if rank == 0:
@@ -261,13 +268,13 @@ def _collective_cases(rank, world, root):
     res["a rank runs an extra forward"] = outcome(extra_forward)
 
     def other_sizes():
-        tg = lancet_rt.TorchGroup(_new_group())
+        tg = lancet_rt.comm.group.as_group(_new_group_())
         splits = [2, 2] if rank == 0 else [3, 2]
         out = torch.empty(4, D)
         tg.all_to_all(out, torch.randn(sum(splits), D), [2, 2], splits).wait()
     res["all-to-all sizes differ"] = outcome(other_sizes)
 
-    g = _new_group(timeout_s=2.0)
+    g = _new_group_(timeout_s=2.0)
     m = _model(g, expert_bias=True)
     m(x)
     if rank == 1:
@@ -276,7 +283,7 @@ def _collective_cases(rank, world, root):
     else:
         res["update_expert_bias, a peer absent"] = outcome(lambda: lancet_rt.update_expert_bias(m, group=g))
 
-    g = _new_group(timeout_s=2.0)
+    g = _new_group_(timeout_s=2.0)
     path = os.path.join(root, "absent")
     if rank == 1:
         _until_given_up(g, [0])
@@ -285,7 +292,7 @@ def _collective_cases(rank, world, root):
         res["checkpoint agreement, a peer absent"] = outcome(lambda: save_checkpoint(_model(), path, process_group=g))
         res["nothing written"] = ["ok", not os.path.exists(os.path.join(path, ".metadata")), None]
 
-    healthy = _new_group()
+    healthy = _new_group_()
 
     def one_layer(**kw):
         torch.manual_seed(0)
@@ -302,10 +309,10 @@ def _collective_cases(rank, world, root):
     return res
 
 
-@pytest.fixture(scope="module")
-def collective_cases(tmp_path_factory):
+@pytest.fixture(scope="module", params=["plain", "split"])
+def collective_cases(tmp_path_factory, request):
     root = tmp_path_factory.mktemp("collectives")
-    results = run_ranks(_collective_cases, 2, str(root), timeout=180)
+    results = run_ranks(_collective_cases, 2, str(root), request.param == "split", timeout=180)
     for r in (0, 1):
         assert results[r][0] == "ok", results[r][1]
     return [results[r][1] for r in (0, 1)]

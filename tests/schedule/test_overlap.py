@@ -464,6 +464,34 @@ def test_emulated_counts_channel(channel):
         lancet_rt.EmulatedGroup(4, counts_channel="separate")
 
 
+def test_emulated_handshake_delays_a_transfer_on_an_idle_link_only():
+    """handshake_us: a transfer submitted to an idle link starts a handshake after its submission;
+    one submitted behind a longer transfer starts when that ends, as without one (planned times from
+    the link's timeline)."""
+    link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=0.0002, latency_us=1_000, handshake_us=30_000)
+    x = torch.randn(150, 100)  # 100 rows x 400 bytes leave rank 0: 200 ms + 1 ms
+    t0 = time.perf_counter()
+    first = link.all_to_all(torch.empty_like(x), x, [50, 50, 25, 25], [50, 50, 25, 25])
+    t1 = time.perf_counter()
+    second = link.all_to_all(torch.empty_like(x), x, [50, 50, 25, 25], [50, 50, 25, 25])
+    assert t0 + 0.030 <= first.start <= t1 + 0.030
+    assert second.start == first.end  # behind the first: the handshake ran beside it
+    exchange = link.exchange(torch.arange(8).view(2, 4))  # (counts on the tokens' FIFO: behind both)
+    assert exchange._work.start == second.end
+    own = lancet_rt.EmulatedGroup(4, latency_us=1_000, counts_channel="own", handshake_us=30_000)
+    t0 = time.perf_counter()
+    planned = own.exchange(torch.arange(8).view(2, 4))._work
+    assert planned.start >= t0 + 0.030  # its own channel, idle: a handshake late
+    link.handshake_us = 0.0
+    link.cancel_pending()
+    t0 = time.perf_counter()
+    third = link.all_to_all(torch.empty_like(x), x, [50, 50, 25, 25], [50, 50, 25, 25])
+    assert t0 <= third.start <= time.perf_counter()
+    for bad in (-1.0, math.inf, True):
+        with pytest.raises(ValueError, match="handshake_us must be a finite number >= 0"):
+            lancet_rt.EmulatedGroup(2, handshake_us=bad)
+
+
 def _first_layer_order(link, device="cpu"):
     """(stage, chunk) of the first MoE layer's route and permute spans, in the order the host ran
     them, in a 3-chunk training step on ``link`` (the schedule's order, not its timing)."""

@@ -1,0 +1,93 @@
+"""Issue 38's acceptance on a real link, in one command (root; a quiet machine for numbers that count):
+
+    python -m bench.reallink_acceptance            # or: make bench-link
+
+Runs ``bench.overlap --link real`` three times, each on a link of its own (bench.reallink), the rate
+calibrated so that the sequential step's communication is 1x its compute:
+
+1. the blocks model, 2 ranks (with the peers' schedules where bench.peers is installed);
+2. Mixtral via from_hf, 2 ranks;
+3. the blocks model, 4 ranks;
+
+appends every row to ``--json`` (bench/results/overlap_real.json) and prints the table the issue's
+acceptance reads: Overlapped's speedup over the sequential step and its hidden fraction (targets:
+>= 1.6x and >= 0.80 on run 1, >= 1.4x on run 2; run 3 reported), Overlapped's step over each peer's
+(targets: <= 0.55x torchtitan, <= 0.50x DeepSpeed-MoE), with the configured and achieved rates, the
+device, the date and the load average. Exit status 0 whether or not the targets are met (they are
+printed met or missed); non-zero if a run failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.common import print_table
+
+RUNS = (("blocks, W=2", ["--world-size", "2"]),
+        ("mixtral, W=2", ["--world-size", "2", "--model", "mixtral"]),
+        ("blocks, W=4", ["--world-size", "4"]))
+TARGETS = {"blocks, W=2": dict(speedup=1.6, hidden=0.80), "mixtral, W=2": dict(speedup=1.4)}
+PEER_TARGETS = {"torchtitan": 0.55, "torchtitan_fp32": 0.55, "deepspeed": 0.50}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", default="bench/results/overlap_real.json")
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--runs", default=",".join(str(i) for i in range(len(RUNS))),
+                   help="which of the runs (0, 1, 2: module docstring), comma-separated")
+    return p.parse_args(argv)
+
+
+def _rows(path: Path) -> list:
+    return json.loads(path.read_text()) if path.exists() else []
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    path = Path(args.json)
+    results = []
+    for i in [int(v) for v in args.runs.split(",")]:
+        name, extra = RUNS[i]
+        before = len(_rows(path))
+        cmd = [sys.executable, "-m", "bench.overlap", "--link", "real", "--rounds", str(args.rounds),
+               "--json", str(path), *extra]
+        print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
+        rc = subprocess.run(cmd).returncode
+        if rc != 0:
+            print(f"bench.reallink_acceptance: {name} failed (exit status {rc})", file=sys.stderr)
+            return rc
+        rows = _rows(path)[before:]
+        results.append((name, rows[-1]))
+    table = []
+    for name, row in results:
+        cell = dict(run=name, rate_mbit=row["configured_mbit"], achieved_mbit=row.get("socket_mbit"),
+                    comm_ratio=row["measured_comm_ratio"], sequential_ms=row["sequential_ms"],
+                    overlapped_ms=row["overlapped_ms"], speedup=row["speedup_vs_sequential"],
+                    hidden=row["hidden_comm_fraction"])
+        target = TARGETS.get(name, {})
+        verdict = [f"{k} {'met' if cell[k] >= v else 'MISSED'} (>= {v})" for k, v in target.items()]
+        for key, value in row.items():
+            if key.startswith("overlapped_over_peer_"):
+                peer = key[len("overlapped_over_peer_"):]
+                cell[f"vs_{peer}"] = value
+                if peer in PEER_TARGETS and name == "blocks, W=2":
+                    verdict.append(f"vs {peer} {'met' if value <= PEER_TARGETS[peer] else 'MISSED'} "
+                                   f"(<= {PEER_TARGETS[peer]})")
+        cell["targets"] = "; ".join(verdict) or "reported"
+        table.append(cell)
+    cols = ["run", "rate_mbit", "achieved_mbit", "comm_ratio", "sequential_ms", "overlapped_ms", "speedup", "hidden"]
+    cols += sorted({k for c in table for k in c if k.startswith("vs_")}) + ["targets"]
+    first = results[0][1] if results else {}
+    print_table(table, cols, title=f"issue 38 acceptance on a real link: {first.get('device')}, {first.get('date')}, "
+                                   f"commit {first.get('commit')}, load average {first.get('load_avg_before')}")
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""What :class:`lancet_rt.comm.monitor.GroupMonitor` asks of a process group beyond collectives, through
+torch.distributed's private API where there is no public one (each answer degrades to "unknown"): its
+global ranks, its store, its gloo backend (the operation timeout), and aborting its communicator."""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("lancet_rt")
+
+
+def global_ranks(group, size: int) -> list:
+    try:
+        return list(dist.get_process_group_ranks(group))
+    except Exception:  # noqa: BLE001 - a group torch.distributed does not know (a test double): group numbering
+        return list(range(size))
+
+
+def group_store(group):
+    try:
+        return dist.distributed_c10d._get_process_group_store(group)
+    except Exception:  # noqa: BLE001 - a private API: without it, failures are found by timeout only
+        return None
+
+
+def gloo_backend(group):
+    try:
+        backend = group._get_backend(torch.device("cpu"))
+        backend.options._timeout  # noqa: B018 - the API the operation timeout needs
+        return backend
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def abort(group) -> None:
+    try:
+        dist.distributed_c10d._abort_process_group(group)
+    except Exception as exc:  # noqa: BLE001
+        log.error("lancet-rt: could not abort the communicator (%s); the process waits for the process group's "
+                  "own timeout", exc)

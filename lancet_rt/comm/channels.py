@@ -1,0 +1,215 @@
+"""Split channels of a gloo expert-parallel group (:meth:`lancet_rt.TorchGroup.split`), and the
+thread that issues its checked collectives off the host's path.
+
+What a real link showed (bench.overlap --link real; docs): on one gloo process group,
+
+- a send waits for the peer's ready-to-receive notice, and that notice travels on the same TCP stream
+  as the peer's own data to us: the two directions of an all-to-all take turns (one all-to-all of
+  8 MiB per peer reached 0.48x of the port's rate with both directions busy, plain sockets 0.94x);
+- the header check before every collective (:meth:`GroupMonitor.issue`) and the counts exchanges
+  queued behind the tokens in flight, and the header's all-gather blocked the host until every
+  peer had reached the same collective, once per collective.
+
+So a split group has four process groups of the same ranks: ``control`` (headers, counts exchanges,
+small all-gathers), ``up`` and ``down`` (the tokens: on ``up`` only rows from a lower rank to a higher
+one travel, on ``down`` only the reverse; each direction's ready notices ride the other's idle
+stream), and ``bulk`` (lancet's all-reduces, broadcasts and reduces). An all-to-all is two gloo
+collectives, one per lane (:func:`lane_all_to_all`). And one thread per group (:class:`Issuer`) runs
+each checked collective's header all-gather and then launches it, in issue order: the host queues a
+collective and goes on; a mismatch is still found before any payload reaches gloo, and is raised by
+the collective's ``wait()`` (or the next issue) on every rank.
+"""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class Channels:
+    """The process groups of a split expert-parallel group (module docstring)."""
+    control: dist.ProcessGroup
+    up: dist.ProcessGroup
+    down: dist.ProcessGroup
+    bulk: dist.ProcessGroup
+
+    def groups(self) -> list:
+        return [self.control, self.up, self.down, self.bulk]
+
+
+def make_channels(group: dist.ProcessGroup, timeout_s: float) -> Channels:
+    """Four gloo groups of ``group``'s ranks (a collective call: every rank of ``group``, same order)."""
+    import datetime
+
+    ranks = dist.get_process_group_ranks(group)
+    td = datetime.timedelta(seconds=timeout_s)
+    made = [dist.new_group(ranks, backend="gloo", timeout=td, use_local_synchronization=True) for _ in range(4)]
+    return Channels(*made)
+
+
+class Both:
+    """Two collectives' works as one (the two lanes of an all-to-all)."""
+
+    __slots__ = ("works",)
+
+    def __init__(self, *works):
+        self.works = works
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self, timeout=None) -> bool:
+        for w in self.works:
+            w.wait() if timeout is None else w.wait(timeout=timeout)
+        return True
+
+    def get_future(self):
+        return torch.futures.collect_all([w.get_future() for w in self.works])
+
+
+def lane_all_to_all(ch: Channels, rank: int, output: torch.Tensor, input: torch.Tensor,
+                    output_splits: Sequence[int], input_splits: Sequence[int]) -> Both:
+    """All-to-all of rows as two gloo all-to-alls: rows to higher ranks (and our own) on ``ch.up``,
+    rows to lower ranks on ``ch.down``. The rows from ranks <= ``rank`` are a prefix of ``output``
+    and those to ranks >= ``rank`` a suffix of ``input``, so each lane moves contiguous views."""
+    W = len(input_splits)
+    below_in = sum(input_splits[:rank])         # rows to lower ranks
+    upto_out = sum(output_splits[:rank + 1])    # rows from ranks <= rank
+    zeros_lo, zeros_hi = [0] * rank, [0] * (W - rank - 1)
+    up = dist.all_to_all_single(output[:upto_out], input[below_in:], list(output_splits[:rank + 1]) + zeros_hi,
+                                zeros_lo + list(input_splits[rank:]), group=ch.up, async_op=True)
+    down = dist.all_to_all_single(output[upto_out:], input[:below_in], zeros_lo + [0] + list(output_splits[rank + 1:]),
+                                  list(input_splits[:rank]) + [0] + zeros_hi, group=ch.down, async_op=True)
+    return Both(up, down)
+
+
+class Transfer:
+    """A collective as a trace shows it (:mod:`lancet_rt.trace`): issued by the host, started (handed to
+    the backend, after its header check), ended (the backend reported it done); perf_counter() times."""
+
+    __slots__ = ("kind", "issued", "start", "end")
+
+    def __init__(self, kind: str):
+        self.kind, self.issued, self.start, self.end = kind, time.perf_counter(), None, None
+
+    def started(self, work) -> None:
+        self.start = time.perf_counter()
+        try:
+            work.get_future().then(self._ended)
+        except (RuntimeError, AttributeError):  # a work without a future: its end stays unknown
+            pass
+
+    def _ended(self, fut) -> None:
+        self.end = time.perf_counter()
+
+
+def traced_transfer(what: str) -> Optional[Transfer]:
+    """A :class:`Transfer` recorded in the active trace (None when not tracing)."""
+    from lancet_rt import trace as _trace
+
+    if _trace.active() is None:
+        return None
+    transfer = Transfer(what)
+    _trace.record_link(transfer, 0)
+    return transfer
+
+
+class Deferred:
+    """A collective queued on an :class:`Issuer`: a work whose ``wait(timeout)`` first waits for the
+    launch (a timeout raises RuntimeError, as gloo's does), then for the collective; a failed header
+    check or launch raises its error (a :class:`lancet_rt.comm.faults.GroupError`)."""
+
+    __slots__ = ("launched", "work", "error", "transfer")
+
+    def __init__(self, transfer: Optional[Transfer] = None):
+        self.launched = threading.Event()
+        self.work = None
+        self.error: Optional[BaseException] = None
+        self.transfer = transfer
+
+    def is_completed(self) -> bool:
+        return self.launched.is_set() and (self.error is not None or self.work is None or self.work.is_completed())
+
+    def wait(self, timeout=None) -> bool:
+        t0 = time.monotonic()
+        if not self.launched.wait(None if timeout is None else timeout.total_seconds()):
+            raise RuntimeError("timed out waiting for the collective's header check and launch")
+        if self.error is not None:
+            raise self.error
+        if self.work is None:  # a header check alone
+            return True
+        if timeout is None:
+            return self.work.wait()
+        left = max(timeout.total_seconds() - (time.monotonic() - t0), 0.0)
+        return self.work.wait(timeout=type(timeout)(seconds=left))
+
+
+class Issuer:
+    """One thread issuing a group's checked collectives in issue order: the header check (a blocking
+    all-gather on the control group, bounded and watched by the monitor), then the launch.
+
+    Args:
+        check: ``check(seq, what, header)`` raises on a mismatch (every rank raises for the same one).
+        launch: ``launch(fn, seq, what)`` hands a collective to the backend and returns its work.
+        broken: returns the group's failure, if any (queued collectives then fail with it).
+    """
+
+    def __init__(self, check: Callable, launch: Callable, broken: Callable):
+        self._check, self._launch, self._broken = check, launch, broken
+        self._queue: "collections.deque" = collections.deque()
+        self._cv = threading.Condition()
+        self._busy = False
+        self._thread: Optional[threading.Thread] = None
+
+    def submit(self, seq: int, what: str, fn: Optional[Callable], header, transfer: Optional[Transfer] = None
+               ) -> Deferred:
+        """Queue collective ``seq`` (``fn()`` launches it; None: a header check alone)."""
+        d = Deferred(transfer)
+        with self._cv:
+            self._queue.append((d, seq, what, fn, header))
+            self._cv.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="lancet-rt-issuer", daemon=True)
+                self._thread.start()
+        return d
+
+    def on_thread(self) -> bool:
+        """Whether the caller is this issuer's thread."""
+        return threading.current_thread() is self._thread
+
+    def flush(self) -> None:
+        """Return once every queued collective has been launched (or failed)."""
+        with self._cv:
+            self._cv.wait_for(lambda: not self._queue and not self._busy)
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                self._cv.wait_for(lambda: self._queue)
+                d, seq, what, fn, header = self._queue.popleft()
+                self._busy = True
+            try:
+                broken = self._broken()
+                if broken is not None:  # (a known failure: this collective is never launched)
+                    d.error = broken
+                    continue
+                if header is not None:
+                    self._check(seq, what, header)
+                if fn is not None:
+                    d.work = self._launch(fn, seq, what)
+                    if d.transfer is not None:
+                        d.transfer.started(d.work)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                exc._lancet_found_here = True  # the host has not seen it yet (GroupMonitor raises it once)
+                d.error = exc
+            finally:
+                d.launched.set()
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()

@@ -1,0 +1,73 @@
+"""bench.real_runner (one process, no link): the real-link benchmark's schedules leave no gradient
+behind, and the peers plug in as schedules through bench.peers' interface (a stand-in module here:
+the peers themselves come with their own branch), checked equal before they are timed."""
+from __future__ import annotations
+
+import copy
+import sys
+import types
+
+import pytest
+import torch
+
+import bench
+from bench import overlap
+from bench.real_runner import SCHEDULES, RealRunner, peer_schedules
+
+
+def _runner():
+    args = overlap.parse_args(["--quick", "--layers", "1", "--d-model", "32", "--d-ffn", "32", "--experts", "4",
+                               "--batch", "2", "--seq", "8", "--chunks", "2"])
+    return RealRunner(args, overlap.sizes(args), None, rank=0)
+
+
+def test_every_schedule_steps_and_leaves_no_gradient():
+    r = _runner()
+    assert list(r.steps) == list(SCHEDULES) and r.per_step["accumulate"] == r.microbatches == 2
+    for name in SCHEDULES:
+        grads = r.outputs(name)
+        assert grads and all(torch.isfinite(g).all() for g in grads), name
+        r.step(name)
+        assert all(p.grad is None for m in r.models for p in m.parameters()), name
+    # the unchunked and the chunked steps compute the same gradients (one process: no link between them)
+    seq, ovl = r.outputs("sequential"), r.outputs("overlapped")
+    for a, b in zip(seq, ovl):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _stub_peers(monkeypatch, ok: bool, calls: list):
+    stub = types.ModuleType("bench.peers")
+    stub.PEERS = ("stub", "absent")
+    stub.available = lambda peer: peer == "stub"
+
+    def peer_blocks(model, peer, group=None):
+        calls.append(("blocks", peer, group))
+        return copy.deepcopy(model)
+
+    def check_equal(ours, theirs, x):
+        calls.append(("check", tuple(x.shape)))
+        return dict(ok=ok, worst=("output", 0.0 if ok else 0.5))
+    stub.peer_blocks, stub.check_equal = peer_blocks, check_equal
+    monkeypatch.setitem(sys.modules, "bench.peers", stub)
+    monkeypatch.setattr(bench, "peers", stub, raising=False)  # (if the real one was imported before)
+
+
+def test_peers_are_checked_equal_then_timed_as_schedules(monkeypatch):
+    calls = []
+    _stub_peers(monkeypatch, True, calls)
+    r = _runner()
+    steps = peer_schedules(r)
+    assert list(steps) == ["peer_stub"]  # a peer that does not import is left out
+    assert calls == [("blocks", "stub", None), ("check", tuple(r.x.shape))]
+    theirs = r.extra_models[-1]
+    r.add_schedule("peer_stub", steps["peer_stub"])
+    r.step("peer_stub")
+    assert all(p.grad is None for p in theirs.parameters())  # its gradients dropped like ours
+    steps["peer_stub"]()
+    assert any(p.grad is not None for p in theirs.parameters())  # it trained its own copy
+
+
+def test_a_peer_that_differs_is_not_timed(monkeypatch):
+    _stub_peers(monkeypatch, False, [])
+    with pytest.raises(RuntimeError, match="stub differs from ours"):
+        peer_schedules(_runner())
