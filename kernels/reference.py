@@ -376,13 +376,15 @@ def unpermute_bwd_ref(
     T, K = row_TK.shape
     src = src_S  # (index_select takes int32 indices: no cast)
     acc = _acc(y_SD)
-    gy_TD = grad_y_TD.to(acc)  # (cast once: both products read it)
     w_S = weight_TK.reshape(-1).to(acc).index_select(0, src)
     tok_S = torch.div(src, K, rounding_mode="floor")  # (not ``src // K``: Tensor.__floordiv__ is a Python wrapper)
-    grad_y_SD = (gy_TD.index_select(0, tok_S) * w_S.unsqueeze(1)).to(y_SD.dtype)
-    rows, kept = _assignment_rows(y_SD, row_TK, acc)
-    dot_TK = (rows * gy_TD.unsqueeze(1)).sum(dim=2)
-    grad_w = dot_TK if kept is None else torch.where(kept.squeeze(2), dot_TK, 0.0)
+    gy_SD = grad_y_TD.to(acc).index_select(0, tok_S)  # each row's token's gradient (both products read it)
+    grad_y_SD = (gy_SD * w_S.unsqueeze(1)).to(y_SD.dtype)
+    # The weights' gradient, dot(y row, its token's gradient), in the rows' order, then gathered to
+    # [T, K]: the products and the sums over D of a gather of y's rows to [T, K, D], without the gather
+    y_S = y_SD if y_SD.shape[0] == src.shape[0] else y_SD[: src.shape[0]]  # (a padded buffer: its rows)
+    dots, kept = _assignment_rows((y_S.to(acc) * gy_SD).sum(dim=1, keepdim=True), row_TK, acc)
+    grad_w = _masked(kept, dots).squeeze(2)
     if weight_TK.dtype == torch.float64:
         grad_w = grad_w.to(torch.float64)
     return grad_y_SD, grad_w

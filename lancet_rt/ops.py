@@ -43,8 +43,9 @@ def _reference(names: list[str]) -> dict:
 
 def _reference_ops() -> SimpleNamespace:
     # host_offsets: the grouped GEMMs take segment bounds as host ints (the references loop over
-    # segments on the host; the kernels read device offsets)
-    return SimpleNamespace(name="torch", host_offsets=True,
+    # segments on the host; the kernels read device offsets). gate_up_halves: gate_up_swiglu takes
+    # ``halves=True`` and swiglu_bwd the GateUp it then gives (kernels.reference_experts.GateUp)
+    return SimpleNamespace(name="torch", host_offsets=True, gate_up_halves=True,
                            **_reference([n for group in _OP_NAMES.values() for n in group]))
 
 
@@ -69,7 +70,8 @@ def _triton_ops(dtype) -> SimpleNamespace:
     if dtype in (None, torch.float32) and "grouped_gemm" not in fallback:
         ops.update({n: _honouring_tf32(ops[n]) for n in _TF32_OPS})
     return SimpleNamespace(name="triton", reference_families=tuple(fallback),
-                           host_offsets="grouped_gemm" in fallback, **ops)
+                           host_offsets="grouped_gemm" in fallback,
+                           gate_up_halves={"grouped_gemm", "swiglu"} <= set(fallback), **ops)
 
 
 #: The grouped GEMMs, whose float32 products may use TF32 tensor cores (``allow_tf32``).

@@ -32,6 +32,7 @@ from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
 from lancet_rt.schedule import wgrad
 from lancet_rt.kernels.reference import ACTIVATIONS
+from lancet_rt.kernels.reference_experts import GateUp
 
 #: Parameter layouts (module docstring).
 LAYOUTS = ("lancet", "gpt_oss")
@@ -103,10 +104,13 @@ class _ExpertsFn(torch.autograd.Function):
         # The kernels' views: [E, 2F, D] and [E, D, F] (GPT-OSS: transposes of its parameters).
         w_E2FD = w_gate_up.transpose(1, 2) if spec.gpt_oss else w_gate_up
         w_EDF = w_down.transpose(1, 2) if spec.gpt_oss else w_down
-        h_RF, gu_R2F = ops.gate_up_swiglu(x_RD, w_E2FD, segments, b_gate_up, **spec.act())
+        # (the references: gate and up as contiguous halves, for the activation's passes; GateUp)
+        halves = dict(halves=True) if getattr(ops, "gate_up_halves", False) else {}
+        h_RF, gu_R2F = ops.gate_up_swiglu(x_RD, w_E2FD, segments, b_gate_up, **spec.act(), **halves)
         y_RD = ops.grouped_mm(h_RF, w_EDF, segments, b_down)
         ctx.perms, ctx.link, ctx.spec = (to_expert, to_rank), link, spec
-        ctx.save_for_backward(x_RD, gu_R2F, h_RF, w_gate_up, w_down, offsets_E1)
+        ctx.save_for_backward(x_RD, h_RF, w_gate_up, w_down, offsets_E1,
+                              *(gu_R2F if isinstance(gu_R2F, GateUp) else (gu_R2F,)))
         ctx.has_bias = (b_gate_up is not None, b_down is not None)
         # The gradients' dtypes: the parameters' (float32 under autocast), as a differentiable cast gives.
         ctx.grad_dtypes = tuple(None if w is None else w.dtype for w in (gate_up, down, gate_up_bias, down_bias))
@@ -125,7 +129,8 @@ class _ExpertsFn(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dy_out):
-        x_RD, gu_R2F, h_RF, gate_up, down, offsets_E1 = ctx.saved_tensors
+        x_RD, h_RF, gate_up, down, offsets_E1, *pre = ctx.saved_tensors
+        gu_R2F = GateUp(*pre) if len(pre) == 2 else pre[0]  # [R, 2F], or its halves
         ops, spec = ctx.ops, ctx.spec
         if ctx.bounds is not None:
             offsets_E1 = ctx.bounds
@@ -142,20 +147,30 @@ class _ExpertsFn(torch.autograd.Function):
         # The reference path's temporaries in reused memory (_Scratch); a deferred dW holds dgu.
         R, F2 = gu_R2F.shape
         scratch = (getattr(ops, "host_offsets", False) and dy_out.device.type == "cpu"
-                   and R * F2 * gu_R2F.element_size() >= _Scratch.MIN_BYTES)
-        out = (lambda role, shape: dict(out=_scratch.take(role, shape, gu_R2F))) if scratch else (lambda *_: {})
+                   and R * F2 * h_RF.element_size() >= _Scratch.MIN_BYTES)
+        out = (lambda role, shape: dict(out=_scratch.take(role, shape, h_RF))) if scratch else (lambda *_: {})
         if to_expert is None:
             dy_RD = dy_out.contiguous()
         else:
             dy_RD = torch.index_select(dy_out, 0, to_expert, **({} if deferring else out("dy", (R, dy_out.shape[1]))))
         dh_RF = ops.grouped_mm_dx(dy_RD, w_EDF, offsets_E1, **out("dh", (R, F2 // 2)))
-        dgu_R2F = ops.swiglu_bwd(gu_R2F, dh_RF, **spec.act(), **({} if deferring else out("dgu", (R, F2))))
+        # Without dX, and without a gate/up bias, the references' dgu may be contiguous halves too
+        # (GateUp): its passes and the dW GEMMs then stream (the fused dX GEMM reads one [R, 2F]).
+        halves = isinstance(gu_R2F, GateUp) and not ctx.needs_input_grad[0] and not ctx.has_bias[0]
+        dgu_out = {} if deferring else out("dgu", (2, R, F2 // 2) if halves else (R, F2))
+        if halves:
+            dgu_out = dict(halves=True, **{k: GateUp(*v) for k, v in dgu_out.items()})
+        dgu_R2F = ops.swiglu_bwd(gu_R2F, dh_RF, **spec.act(), **dgu_out)
         del dh_RF
-        dx_RD = ops.grouped_mm_dx(dgu_R2F, w_E2FD, offsets_E1,
-                                  **({} if to_rank is None else out("dx", (R, x_RD.shape[1]))))
-        dx_in = dx_RD if to_rank is None else dx_RD.index_select(0, to_rank)
-        if ctx.link is not None:
-            ctx.link.issue(dx_in)  # the dispatch's backward all-to-all starts now
+        dx_in = None
+        if ctx.needs_input_grad[0]:
+            # (else the rows came from tokens that need no gradient, e.g. a first layer's input: no
+            # dX GEMM and no dual all-to-all, whose forward then recorded no backward to wait for it)
+            dx_RD = ops.grouped_mm_dx(dgu_R2F, w_E2FD, offsets_E1,
+                                      **({} if to_rank is None else out("dx", (R, x_RD.shape[1]))))
+            dx_in = dx_RD if to_rank is None else dx_RD.index_select(0, to_rank)
+            if ctx.link is not None:
+                ctx.link.issue(dx_in)  # the dispatch's backward all-to-all starts now
         none = (None,) * 10
 
         def param_grads(needs):
@@ -182,7 +197,7 @@ class _ExpertsFn(torch.autograd.Function):
 
                 needs = tuple(n for n, has in zip(needs_all, present) if has)
                 ctx.wgrad.push(ctx.params, needs, weight_grads, flops,
-                               wgrad.held_bytes(x_RD, dgu_R2F, h_RF, dy_RD), x_RD.dtype)
+                               wgrad.held_bytes(x_RD, *GateUp.tensors(dgu_R2F), h_RF, dy_RD), x_RD.dtype)
             return (dx_in, None, None, None, None) + none
         needs = ctx.needs_input_grad[1:5]
         grads = tuple(None if g is None else g.to(dtype) for g, dtype in zip(param_grads(needs), ctx.grad_dtypes))

@@ -306,7 +306,8 @@ class MoE(nn.Module):
             x_SD: [S, D] rows grouped by expert (so by destination rank).
             kept_E: [E] kept rows per expert, on the device.
             counts_WL, sent_WL: [W, E_local] rows received / sent per (rank, local expert), host ints
-                from :meth:`exchange_counts` (``Counts.host``; ignored without a group).
+                from :meth:`exchange_counts` (``Counts.host``; without a group None, or ``[kept_E]``
+                as host ints).
         """
         return alltoall.dispatch(self, x_SD, kept_E, counts_WL, sent_WL)
 

@@ -92,3 +92,26 @@ def test_grouped_mm_one_segment_is_the_gemm_grouped_mm_runs(dtype, R):
         got = (rex.grouped_mm_ref(x, w, b), rex.grouped_mm_dx_ref(dy, w, b), rex.grouped_mm_dw_ref(dy, x, b))
         for name, a, e in zip(("y", "dx", "dw"), got, want):
             assert a.shape == e.shape and torch.equal(a, e), name
+
+
+@pytest.mark.parametrize("dropped", [0, 3])
+def test_unpermute_weight_gradient_is_the_gathered_rows_formula(dropped):
+    """The weights' gradient, dot(y row, its token's gradient), computed over the rows in dispatch
+    order and gathered to [T, K]: bitwise the written-out gather of y's rows to [T, K, D] (zero where
+    dropped)."""
+    g = torch.Generator().manual_seed(dropped)
+    T, K, D = 9, 3, 40
+    perm = torch.randperm(T * K, generator=g)
+    row = torch.empty(T * K, dtype=torch.int32)
+    row[perm] = torch.arange(T * K, dtype=torch.int32)
+    row[perm[T * K - dropped:]] = -1  # the last rows' assignments dropped
+    row = row.view(T, K)
+    S = T * K - dropped
+    y, w, gy = torch.randn(S, D, generator=g), torch.rand(T, K, generator=g), torch.randn(T, D, generator=g)
+    src = torch.empty(S, dtype=torch.int32)
+    kept = row.view(-1) >= 0
+    src[row.view(-1)[kept].long()] = torch.arange(T * K, dtype=torch.int32)[kept]
+    _, grad_w = ref.unpermute_bwd_ref(gy, y, row, w, src)
+    rows = y[row.clamp(min=0).long()]  # [T, K, D]
+    want = torch.where(row >= 0, (rows * gy.unsqueeze(1)).sum(dim=2), 0.0)
+    assert torch.equal(grad_w, want)

@@ -26,14 +26,16 @@ def dispatch(moe, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL, sent_WL) 
         kept_E: [E] kept rows per expert, on the device.
         counts_WL, sent_WL: [W, E_local] rows received / sent per (rank, local expert), as host
             ints (nested lists, from :attr:`~lancet_rt.moe.dispatch.common.Counts.host`: nothing is
-            read here; ignored without a group).
+            read here). Without a group: None, or W = 1 rows of the kept rows per expert (the
+            experts' segment bounds, so that the references read nothing).
 
     Returns:
         The chunk's :class:`~lancet_rt.moe.dispatch.common.Dispatched` layout; its ``pending`` is
         the rows' exchange in flight.
     """
-    if moe.group is None:
-        return Dispatched(comm.Pending(x_SD, None), offsets(kept_E), None, [x_SD.shape[0]], [x_SD.shape[0]],
+    if moe.group is None:  # (counts_WL: [kept_E] as host ints where known, the experts' bounds)
+        bounds_L1 = None if counts_WL is None else HostBounds(host_bounds(counts_WL[0]))
+        return Dispatched(comm.Pending(x_SD, None), offsets(kept_E), bounds_L1, [x_SD.shape[0]], [x_SD.shape[0]],
                           None, None)
     send_splits = [sum(row) for row in sent_WL]
     recv_splits = [sum(row) for row in counts_WL]
@@ -66,8 +68,9 @@ def exchange_and_compute(moe, x_TD: torch.Tensor, r, ops, chunk, x_in: torch.Ten
     """Permute, dispatch, experts, combine (a :class:`~lancet_rt.moe.dispatch.base.Dispatcher`); the
     shared experts (on ``x_in``, the layer's input) run while the dispatch is in flight."""
     if moe.group is None:
-        x_SD, src_S = moe.permute_rows(x_TD, r, int(r.kept_E.sum()), ops, chunk)  # host sync: rows
-        d = moe.dispatch(x_SD, r.kept_E, None, None)
+        kept = r.kept_E.tolist()  # host sync: the rows, and the experts' bounds for the references, in one read
+        x_SD, src_S = moe.permute_rows(x_TD, r, sum(kept), ops, chunk)
+        d = moe.dispatch(x_SD, r.kept_E, [kept], [kept])
     else:
         counts = moe.exchange_counts(r.kept_E.view(1, -1))
         counts_turn(moe, x_TD)  # other chunks run while the counts travel (where that pays)
