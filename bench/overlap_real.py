@@ -237,6 +237,11 @@ def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: st
             for n in (names if rnd % 2 == 0 else names[::-1]):
                 times[(lk, n)].append(me.timed(runner, n))
     me.set_rate(rate)
+    step_tx = None
+    if kind == "real":  # what the busiest port carries in one sequential step (wire bytes, the shaper's count)
+        before = me.tx_bytes()
+        me.timed(runner, "sequential")
+        step_tx = me.slowest(me.tx_bytes() - before)
     link_numbers = reallink_probe.probe() if kind == "real" else {}
     if getattr(group, "channels", None) is not None and kind == "real":
         link_numbers["lanes_a2a_mbit"] = _lanes_rate(group, me)
@@ -263,10 +268,28 @@ def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: st
             row[f"overlapped_over_{n}"] = med[("shaped", "overlapped")] / med[("shaped", n)]
     row["hidden_comm_fraction"] = row.get("hidden_overlapped")
     row["speedup_vs_sequential"] = row.get("speedup_overlapped")
+    row.update(link_bound(row, step_tx))
     if me.rank == 0:
         _report(row, names)
         RowLog(args.json).add(row)
     return row
+
+
+def link_bound(row: dict, step_tx_bytes: Optional[float]) -> dict:
+    """What no schedule can beat on this link: the busiest port must pass ``step_tx_bytes`` (one sequential
+    step's wire bytes) at the configured rate, ``link_time_ms``; Overlapped's step is at least that and at least
+    its own unshaped step, so ``bound_speedup`` = sequential / max(the two) and ``bound_hidden`` the hidden
+    fraction there. (The calibration's ``comm_ms``, shaped minus unshaped, is less than ``link_time_ms``: the
+    unshaped link's transfers take time too, inside the sequential step's computation.) None without a rate."""
+    rate, ov = row.get("configured_mbit"), row.get("overlapped_compute_ms")
+    if not step_tx_bytes or not rate or ov is None or "sequential_ms" not in row:
+        return dict(step_tx_mb=None if not step_tx_bytes else step_tx_bytes / 1e6, link_time_ms=None,
+                    bound_speedup=None, bound_hidden=None)
+    link_ms = step_tx_bytes * 8 / (rate * 1e6) * 1e3
+    best = max(link_ms, ov)
+    comm = row["comm_ms"]
+    return dict(step_tx_mb=step_tx_bytes / 1e6, link_time_ms=link_ms, bound_speedup=row["sequential_ms"] / best,
+                bound_hidden=1 - (best - ov) / comm if comm > 0 else None)
 
 
 def _max_over_mean(runner: RealRunner, me: _Rank) -> float:
@@ -368,6 +391,11 @@ def _report(row: dict, names: list) -> None:
         print(f"link achieved per rank: {row['socket_mbit']:.0f} Mbit/s (sockets), {row['gloo_a2a_mbit']:.0f} Mbit/s "
               f"(one gloo all-to-all)" + (f", {row['lanes_a2a_mbit']:.0f} Mbit/s (our lanes)" if "lanes_a2a_mbit" in row
                                            else "") + f"; small all-to-all {row['a2a_latency_us']:.0f} us")
+    if row.get("link_time_ms") is not None:
+        print(f"link bound: the busiest port sends {row['step_tx_mb']:.1f} MB per sequential step, "
+              f"{row['link_time_ms']:.0f} ms at the configured rate; no step is shorter, so at Overlapped's own "
+              f"compute ({row['overlapped_compute_ms']:.0f} ms) the best is {row['bound_speedup']:.2f}x, hidden "
+              f"{row['bound_hidden']:.2f}", flush=True)
     print(f"load average {' '.join(f'{v:.2f}' for v in row['load_avg_before'])} before, "
           f"{' '.join(f'{v:.2f}' for v in row['load_avg_after'])} after", flush=True)
 

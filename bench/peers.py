@@ -42,6 +42,7 @@ A misrouted token or a missing expert gives errors of order 1.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Optional
 
 import torch
@@ -53,7 +54,7 @@ import lancet_rt
 PEERS = ("torchtitan", "torchtitan_fp32", "deepspeed")
 #: Relative RMS error allowed by :func:`check_equal`: float32 experts on both sides, or bfloat16 ones.
 RTOL_FLOAT32, RTOL_BFLOAT16 = 1e-5, 1e-2
-INSTALL = "make peers (torchtitan==0.3.0 --no-deps, spmd_types, tyro, deepspeed; see docs/incoming/peers.md)"
+INSTALL = "make peers (torchtitan==0.3.0 --no-deps, spmd_types, tyro, deepspeed; see docs/benchmarks.md, 'The real peers')"
 
 
 def available(peer: str) -> bool:
@@ -158,6 +159,9 @@ def peer_blocks(model, peer: str, group=None) -> nn.Module:
 
 
 def _torchtitan(moe: lancet_rt.MoE, peer: str, group, world: int) -> PeerMoE:
+    # Its router's autocast(float32) is a no-op on CPU, and torch says so at every call.
+    warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported",
+                            category=UserWarning)
     from torchtitan.distributed import utils as tt_utils
     from torchtitan.models.common.linear import Linear
     from torchtitan.models.common.moe import MoE, GroupedExperts, RoutedExperts, TokenChoiceTopKRouter

@@ -13,7 +13,9 @@ appends every row to ``--json`` (bench/results/overlap_real.json) and prints the
 acceptance reads: Overlapped's speedup over the sequential step and its hidden fraction (targets:
 >= 1.6x and >= 0.80 on run 1, >= 1.4x on run 2; run 3 reported), Overlapped's step over each peer's
 (targets: <= 0.55x torchtitan, <= 0.50x DeepSpeed-MoE), with the configured and achieved rates, the
-device, the date and the load average. Exit status 0 whether or not the targets are met (they are
+device, the date and the load average; beside them the cross-microbatch ``accumulate`` schedule's
+speedup and hidden fraction, and the link's own bound (``bound_speedup``, ``bound_hidden``: the busiest
+port's bytes at the configured rate, which no schedule beats; bench.overlap_real.link_bound). Exit status 0 whether or not the targets are met (they are
 printed met or missed); non-zero if a run failed.
 """
 from __future__ import annotations
@@ -68,7 +70,9 @@ def main(argv=None) -> int:
         cell = dict(run=name, rate_mbit=row["configured_mbit"], achieved_mbit=row.get("socket_mbit"),
                     comm_ratio=row["measured_comm_ratio"], sequential_ms=row["sequential_ms"],
                     overlapped_ms=row["overlapped_ms"], speedup=row["speedup_vs_sequential"],
-                    hidden=row["hidden_comm_fraction"])
+                    hidden=row["hidden_comm_fraction"], accumulate_speedup=row.get("speedup_accumulate"),
+                    accumulate_hidden=row.get("hidden_accumulate"), bound_speedup=row.get("bound_speedup"),
+                    bound_hidden=row.get("bound_hidden"))
         target = TARGETS.get(name, {})
         verdict = [f"{k} {'met' if cell[k] >= v else 'MISSED'} (>= {v})" for k, v in target.items()]
         for key, value in row.items():
@@ -80,7 +84,8 @@ def main(argv=None) -> int:
                                    f"(<= {PEER_TARGETS[peer]})")
         cell["targets"] = "; ".join(verdict) or "reported"
         table.append(cell)
-    cols = ["run", "rate_mbit", "achieved_mbit", "comm_ratio", "sequential_ms", "overlapped_ms", "speedup", "hidden"]
+    cols = ["run", "rate_mbit", "achieved_mbit", "comm_ratio", "sequential_ms", "overlapped_ms", "speedup", "hidden",
+            "accumulate_speedup", "accumulate_hidden", "bound_speedup", "bound_hidden"]
     cols += sorted({k for c in table for k in c if k.startswith("vs_")}) + ["targets"]
     first = results[0][1] if results else {}
     print_table(table, cols, title=f"issue 38 acceptance on a real link: {first.get('device')}, {first.get('date')}, "

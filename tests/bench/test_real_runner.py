@@ -71,3 +71,21 @@ def test_a_peer_that_differs_is_not_timed(monkeypatch):
     _stub_peers(monkeypatch, False, [])
     with pytest.raises(RuntimeError, match="stub differs from ours"):
         peer_schedules(_runner())
+
+
+def test_link_bound_from_the_ports_bytes_and_the_rate():
+    """The link's own bound: 20 MB at 160 Mbit/s is 1000 ms, more than Overlapped's 800 ms of compute, so no
+    schedule beats sequential 1500 / 1000 = 1.5x, and at that step Overlapped would leave 200 of the 700 ms of
+    measured comm exposed (hidden 5/7); where compute is the longer, compute bounds it."""
+    from bench.overlap_real import link_bound
+
+    row = dict(configured_mbit=160.0, overlapped_compute_ms=800.0, sequential_ms=1500.0, comm_ms=700.0)
+    got = link_bound(row, 20e6)
+    assert got["link_time_ms"] == pytest.approx(1000.0)
+    assert got["bound_speedup"] == pytest.approx(1.5)
+    assert got["bound_hidden"] == pytest.approx(1 - 200 / 700)
+    assert got["step_tx_mb"] == pytest.approx(20.0)
+    fast = link_bound(dict(row, configured_mbit=320.0), 20e6)  # 500 ms of link: compute binds
+    assert fast["bound_speedup"] == pytest.approx(1500 / 800) and fast["bound_hidden"] == pytest.approx(1.0)
+    for missing in (link_bound(dict(row, configured_mbit=None), 20e6), link_bound(row, None)):
+        assert missing["bound_speedup"] is None and missing["link_time_ms"] is None
