@@ -32,6 +32,7 @@ Chrome trace, with each transfer's issue, start and end on the link tracks.
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -314,7 +315,8 @@ def _calibrate(runner: RealRunner, me: _Rank, ratio: float) -> int:
     me.timed(runner, "sequential")
     nbytes = me.slowest(me.tx_bytes() - before)
     rate = nbytes * 8 / (ratio * compute * 1e-3) / 0.9  # (TCP's goodput is about 0.9-0.95 of the rate)
-    for _ in range(4):
+    tried: list = []  # (rate, got): once one try is above the target and one below, interpolate in log-log
+    for _ in range(6):
         me.set_rate(int(rate))
         shaped = statistics.median(me.timed(runner, "sequential") for _ in range(3))
         me.set_rate(None)
@@ -325,12 +327,27 @@ def _calibrate(runner: RealRunner, me: _Rank, ratio: float) -> int:
                   f"(comm = {got * ratio:.2f} x compute)", flush=True)
         if abs(got - 1) <= 0.08:
             break
-        rate = me.slowest(rate * max(0.5, min(2.0, got)))  # (every rank the same number)
+        tried.append((rate, got))
+        rate = me.slowest(next_rate(tried))  # (every rank the same number)
     else:
         if me.rank == 0:
-            print(f"calibration: not within 8% in 4 tries; timing at {rate / 1e6:.0f} Mbit/s, the last one's "
+            print(f"calibration: not within 8% in 6 tries; timing at {rate / 1e6:.0f} Mbit/s, the last one's "
                   f"correction (the row's measured_comm_ratio says what it gave)", flush=True)
     return int(rate)
+
+
+def next_rate(tried: list) -> float:
+    """The calibration's next rate from its tries ``(rate, got)`` (``got``: comm over the wanted comm; it falls
+    as the rate rises): between the closest tries on either side of 1, interpolated in log-log (with four
+    time-sliced ranks ``got`` is far from proportional to 1 / rate); else the last rate scaled by ``got``,
+    at most 2x either way."""
+    above = [t for t in tried if t[1] > 1]
+    below = [t for t in tried if t[1] < 1]
+    if above and below:
+        (r1, g1), (r2, g2) = min(above, key=lambda t: t[1]), max(below, key=lambda t: t[1])
+        return math.exp(math.log(r1) + math.log(g1) * (math.log(r2) - math.log(r1)) / (math.log(g1) - math.log(g2)))
+    rate, got = tried[-1]
+    return rate * max(0.5, min(2.0, got))
 
 
 def _lanes_rate(group, me: _Rank, nbytes: int = 8 << 20) -> float:

@@ -89,3 +89,14 @@ def test_link_bound_from_the_ports_bytes_and_the_rate():
     assert fast["bound_speedup"] == pytest.approx(1500 / 800) and fast["bound_hidden"] == pytest.approx(1.0)
     for missing in (link_bound(dict(row, configured_mbit=None), 20e6), link_bound(row, None)):
         assert missing["bound_speedup"] is None and missing["link_time_ms"] is None
+
+
+def test_calibration_interpolates_between_tries_on_either_side():
+    """Alone above the target it scales by what it got (at most 2x); once bracketed, log-log: tries at 100 and
+    400 Mbit/s giving 2x and 0.5x the wanted comm (comm proportional to 1 / rate) meet at 200."""
+    from bench.overlap_real import next_rate
+
+    assert next_rate([(100e6, 4.0)]) == pytest.approx(200e6)
+    assert next_rate([(100e6, 1.5)]) == pytest.approx(150e6)
+    assert next_rate([(100e6, 4.0), (200e6, 2.0), (400e6, 0.5)]) == pytest.approx(200e6 * 2 ** (1 / 2))
+    assert next_rate([(100e6, 2.0), (400e6, 0.5)]) == pytest.approx(200e6)
