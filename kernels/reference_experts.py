@@ -75,11 +75,16 @@ class GateUp(NamedTuple):
         return tuple(gu) if isinstance(gu, GateUp) else (gu,)
 
 
-def _halves(gu, interleaved: bool) -> tuple:
+def _halves(gu, interleaved: bool, work=None) -> tuple:
     """(gate, up) of a pre-activation, a [R, 2F] tensor or a :class:`GateUp`, in the accumulation
-    dtype (copies for 16-bit inputs; float32 and float64: views, or the halves themselves)."""
+    dtype (copies for 16-bit inputs; float32 and float64: views, or the halves themselves). ``work``:
+    where a 16-bit input's float32 copy goes (gu's layout, float32; the same values as ``.to``)."""
     if isinstance(gu, GateUp):
+        if work is not None and _acc(gu.gate) != gu.gate.dtype:
+            return tuple(w.copy_(t) for w, t in zip(work, gu))
         return tuple(t.to(_acc(t)) for t in gu)
+    if work is not None and _acc(gu) != gu.dtype:
+        return _split_gu(work.copy_(gu), interleaved)
     return _split_gu(gu.to(_acc(gu)), interleaved)
 
 
@@ -299,7 +304,8 @@ def _dtype(gu) -> torch.dtype:
 
 def swiglu_bwd_ref(gu_R2F: Union[torch.Tensor, GateUp], grad_h_RF: torch.Tensor, *, activation: str = "swiglu",
                    interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0,
-                   out: Union[torch.Tensor, GateUp, None] = None, halves: bool = False):
+                   out: Union[torch.Tensor, GateUp, None] = None, halves: bool = False,
+                   work: Union[torch.Tensor, GateUp, None] = None):
     """Gradient of :func:`swiglu_fwd_ref` with respect to gu (a [R, 2F] tensor, or its halves as a
     :class:`GateUp`), in gu's dtype and column order: one [R, 2F] tensor, or with ``halves`` (gate
     rows first only) a :class:`GateUp` of two contiguous [R, F] tensors, the same values.
@@ -311,13 +317,17 @@ def swiglu_bwd_ref(gu_R2F: Union[torch.Tensor, GateUp], grad_h_RF: torch.Tensor,
     [R, F] with ``halves``). For "swiglu" the two halves are computed in place (float32: in the
     result's halves; 16-bit: in the float32 copy of gu), the same elementwise ops as written out,
     so the same bits with no [R, F] temporaries.
+
+    ``work``: for 16-bit gu and "swiglu" without autograd, a float32 buffer of gu's layout ([R, 2F],
+    or a :class:`GateUp`) for that copy (reused memory: the layer's CPU path); else ignored.
     """
     _check_activation(activation)
-    g, u = _halves(gu_R2F, interleaved)
+    fast = activation == "swiglu" and not _differentiable(*GateUp.tensors(gu_R2F), grad_h_RF)
+    g, u = _halves(gu_R2F, interleaved, work if fast else None)
     dtype = _dtype(gu_R2F)
     dh = grad_h_RF.to(g.dtype)
     halves = halves and not interleaved
-    if activation == "swiglu" and not _differentiable(*GateUp.tensors(gu_R2F), grad_h_RF):
+    if fast:
         dgu = out if out is not None else GateUp(*torch.empty((2,) + g.shape, dtype=dtype, device=g.device)) \
             if halves else torch.empty(gu_R2F.shape, dtype=dtype, device=g.device)
         dg, du = dgu if halves else _split_gu(dgu, interleaved)

@@ -75,12 +75,13 @@ class _Scratch(threading.local):
     def __init__(self):
         self.buffers: dict = {}
 
-    def take(self, role: str, shape: tuple, like: torch.Tensor) -> torch.Tensor:
+    def take(self, role: str, shape: tuple, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         n = math.prod(shape)
-        key = (role, like.dtype, like.device)
+        dtype = dtype or like.dtype
+        key = (role, dtype, like.device)
         buf = self.buffers.get(key)
         if buf is None or buf.numel() < n:
-            buf = self.buffers[key] = torch.empty(n, dtype=like.dtype, device=like.device)
+            buf = self.buffers[key] = torch.empty(n, dtype=dtype, device=like.device)
         return buf[:n].view(shape)
 
 
@@ -160,6 +161,10 @@ class _ExpertsFn(torch.autograd.Function):
         dgu_out = {} if deferring else out("dgu", (2, R, F2 // 2) if halves else (R, F2))
         if halves:
             dgu_out = dict(halves=True, **{k: GateUp(*v) for k, v in dgu_out.items()})
+        if scratch and h_RF.dtype in (torch.bfloat16, torch.float16):  # (the float32 copy of gu, reused too)
+            work = _scratch.take("gu32", (2, R, F2 // 2) if isinstance(gu_R2F, GateUp) else (R, F2), h_RF,
+                                 torch.float32)
+            dgu_out["work"] = GateUp(*work) if isinstance(gu_R2F, GateUp) else work
         dgu_R2F = ops.swiglu_bwd(gu_R2F, dh_RF, **spec.act(), **dgu_out)
         del dh_RF
         dx_in = None

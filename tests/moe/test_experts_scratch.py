@@ -108,19 +108,24 @@ def test_half_precision_dx_with_contiguous_weights_is_no_worse():
             assert err <= 1.05 * base, (dtype, err, base)
 
 
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+@pytest.mark.parametrize("x_grad", [True, False], ids=["dx", "no-dx"])
 @pytest.mark.parametrize("chunks, defer", [(1, False), (3, True)])
-def test_scratch_is_bitwise_the_fresh_path(monkeypatch, chunks, defer):
+def test_scratch_is_bitwise_the_fresh_path(monkeypatch, chunks, defer, x_grad, autocast):
     """Scratch on for every size against scratch off, with expert parallelism (dY and dX permuted
-    on the emulated link), chunked with deferred dW (dgu held by the queue): the same bits."""
+    on the emulated link), chunked with deferred dW (dgu held by the queue), with and without an input
+    gradient (without: dgu as contiguous halves), in float32 and under bf16 autocast (the float32 copy
+    of gu in scratch too): the same bits."""
     def run(min_bytes):
         monkeypatch.setattr(experts_mod._Scratch, "MIN_BYTES", min_bytes)
         torch.manual_seed(0)
-        moe = lancet_rt.MoE(32, 48, 8, 2, ep_group=lancet_rt.EmulatedGroup(4, float("inf"), 0.0))
-        x = torch.randn(90, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        moe = lancet_rt.MoE(32, 64, 8, 2, ep_group=lancet_rt.EmulatedGroup(4, float("inf"), 0.0))
+        x = torch.randn(90, 32, generator=torch.Generator().manual_seed(1), requires_grad=x_grad)
         runner = lancet_rt.Overlapped(moe, chunks=chunks, defer_wgrad=defer) if chunks > 1 else moe
-        y = runner(x)
-        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2)))
-        return [y.detach(), x.grad] + [p.grad for p in moe.parameters()]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            y = runner(x)
+        y.backward(torch.randn(y.shape, generator=torch.Generator().manual_seed(2), dtype=y.dtype))
+        return [y.detach()] + ([x.grad] if x_grad else []) + [p.grad for p in moe.parameters()]
 
     fresh, scratch = run(1 << 62), run(0)
     assert len(fresh) == len(scratch) and all(torch.equal(a, b) for a, b in zip(fresh, scratch))
