@@ -132,6 +132,8 @@ def resolve(qualified: str):
 
 def identity(qualified: str, obj) -> object:
     """Aliases of one class, function or module are one thing to document; a constant is its name."""
+    if inspect.ismethod(obj):  # (a classmethod is bound afresh at each access: its function is the thing)
+        obj = obj.__func__
     if inspect.isclass(obj) or inspect.isroutine(obj) or inspect.ismodule(obj):
         return id(obj)
     return qualified
