@@ -140,7 +140,7 @@ def _ends(offsets_E1) -> torch.Tensor:
 _HALF = (torch.bfloat16, torch.float16)
 
 
-def _along(w_ENK: torch.Tensor, dim: int) -> torch.Tensor:
+def _along(w_ENK: torch.Tensor, dim: int, work: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``w_ENK`` with its ``dim`` (1 or 2: the GEMM's reduction dimension) contiguous, for a 16-bit
     CPU GEMM whose other operand runs contiguously along it: a copy of the weights when needed.
 
@@ -148,11 +148,16 @@ def _along(w_ENK: torch.Tensor, dim: int) -> torch.Tensor:
     this project benchmarks on), ATen's own loops run a [R, K] @ [K, N] product 8x slower when only
     one operand is contiguous along K (torch.profiler, bf16 autocast, 512 tokens: the experts' dX and
     dH took 2.2 s of a 2.6 s layer step; 0.43 s with this). A [E, N, K] weight copy costs a few ms.
+    ``work``: a flat buffer of w's dtype and at least its numel for the copy (reused memory); the same
+    values and strides as without.
     """
     if w_ENK.dtype not in _HALF or w_ENK.device.type != "cpu" or w_ENK.stride(dim) == 1:
         return w_ENK
     other = 3 - dim
-    return w_ENK.transpose(dim, other).contiguous().transpose(dim, other)
+    t = w_ENK.transpose(dim, other)
+    if work is None:
+        return t.contiguous().transpose(dim, other)
+    return work[:t.numel()].view(t.shape).copy_(t).transpose(dim, other)
 
 
 def grouped_mm_ref(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor,
@@ -203,17 +208,18 @@ def _differentiable(*tensors) -> bool:
 
 
 def grouped_mm_dx_ref(dy_RN: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor, *,
-                      out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      out: Optional[torch.Tensor] = None, work: Optional[torch.Tensor] = None) -> torch.Tensor:
     """dx[r] = dy[r] @ w[e] for the rows of segment e: the input gradient of :func:`grouped_mm_ref`.
 
     ``out``: an optional [R, K] buffer in dy's dtype, written row segment by row segment with the
     same per-segment ``mm`` that ``torch._grouped_mm`` runs on CPU (it takes no ``out``), so the
     caller can keep the buffer across steps instead of allocating the product each time.
+    ``work``: where a 16-bit CPU weight copy goes (:func:`_along`), reused memory likewise.
     """
     if _differentiable(dy_RN, w_ENK):
         return torch.cat([torch.mm(dy, w) for dy, w in zip(_segments(dy_RN, offsets_E1), w_ENK.unbind(0))])
     if dy_RN.stride(1) == 1:
-        w_ENK = _along(w_ENK, 1)  # (16-bit CPU: reduced over N, contiguous in both operands)
+        w_ENK = _along(w_ENK, 1, work)  # (16-bit CPU: reduced over N, contiguous in both operands)
     if w_ENK.shape[0] == 1:  # one segment: one GEMM
         return torch.mm(dy_RN, w_ENK[0]) if out is None else torch.mm(dy_RN, w_ENK[0], out=out)
     if out is None and _one_launch(dy_RN, w_ENK):

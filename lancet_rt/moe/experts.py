@@ -154,14 +154,16 @@ class _ExpertsFn(torch.autograd.Function):
             dy_RD = dy_out.contiguous()
         else:
             dy_RD = torch.index_select(dy_out, 0, to_expert, **({} if deferring else out("dy", (R, dy_out.shape[1]))))
-        dh_RF = ops.grouped_mm_dx(dy_RD, w_EDF, offsets_E1, **out("dh", (R, F2 // 2)))
+        half = scratch and h_RF.dtype in (torch.bfloat16, torch.float16)  # (16-bit: their weight copies too)
+        along = (lambda role, w: dict(work=_scratch.take(role, (w.numel(),), w))) if half else (lambda *_: {})
+        dh_RF = ops.grouped_mm_dx(dy_RD, w_EDF, offsets_E1, **out("dh", (R, F2 // 2)), **along("along_dh", w_EDF))
         # Without dX, and without a gate/up bias, the references' dgu may be contiguous halves too
         # (GateUp): its passes and the dW GEMMs then stream (the fused dX GEMM reads one [R, 2F]).
         halves = isinstance(gu_R2F, GateUp) and not ctx.needs_input_grad[0] and not ctx.has_bias[0]
         dgu_out = {} if deferring else out("dgu", (2, R, F2 // 2) if halves else (R, F2))
         if halves:
             dgu_out = dict(halves=True, **{k: GateUp(*v) for k, v in dgu_out.items()})
-        if scratch and h_RF.dtype in (torch.bfloat16, torch.float16):  # (the float32 copy of gu, reused too)
+        if half:  # (the float32 copy of gu, reused too)
             work = _scratch.take("gu32", (2, R, F2 // 2) if isinstance(gu_R2F, GateUp) else (R, F2), h_RF,
                                  torch.float32)
             dgu_out["work"] = GateUp(*work) if isinstance(gu_R2F, GateUp) else work
@@ -171,7 +173,7 @@ class _ExpertsFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # (else the rows came from tokens that need no gradient, e.g. a first layer's input: no
             # dX GEMM and no dual all-to-all, whose forward then recorded no backward to wait for it)
-            dx_RD = ops.grouped_mm_dx(dgu_R2F, w_E2FD, offsets_E1,
+            dx_RD = ops.grouped_mm_dx(dgu_R2F, w_E2FD, offsets_E1, **along("along_dx", w_E2FD),
                                       **({} if to_rank is None else out("dx", (R, x_RD.shape[1]))))
             dx_in = dx_RD if to_rank is None else dx_RD.index_select(0, to_rank)
             if ctx.link is not None:
