@@ -35,7 +35,6 @@ from __future__ import annotations
 import math
 import os
 import statistics
-import time
 from typing import Optional
 
 import torch
@@ -352,17 +351,8 @@ def next_rate(tried: list) -> float:
 
 def _lanes_rate(group, me: _Rank, nbytes: int = 8 << 20) -> float:
     """Per-rank Mbit/s of one all-to-all of ``nbytes`` to each peer through ``group`` (its lanes)."""
-    x = torch.ones(me.world * nbytes // 4)
-    y = torch.empty_like(x)
     splits = [nbytes // 4] * me.world
-    group.all_to_all(y, x, splits, splits).wait()
-    took = []
-    for _ in range(3):
-        dist.barrier(me.sync)
-        t0 = time.perf_counter()
-        group.all_to_all(y, x, splits, splits).wait()
-        took.append(me.slowest(time.perf_counter() - t0))
-    return (me.world - 1) * nbytes * 8 / statistics.median(took) / 1e6
+    return reallink_probe.a2a_mbit(lambda y, x: group.all_to_all(y, x, splits, splits).wait(), nbytes, me.sync)
 
 
 def _trace(runner: RealRunner, me: _Rank, path: str) -> None:

@@ -27,16 +27,7 @@ def probe(nbytes: int = 8 << 20, small_reps: int = 50, group=None) -> dict:
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     out = dict(world=world, probe_bytes=nbytes)
     out["socket_mbit"] = _socket_rate(rank, world, nbytes, group)
-    n = nbytes // 4
-    x, y = torch.ones(world * n), torch.empty(world * n)
-    dist.all_to_all_single(y, x, group=group)  # warm-up (connections)
-    times = []
-    for _ in range(3):
-        dist.barrier(group)
-        t0 = time.perf_counter()
-        dist.all_to_all_single(y, x, group=group)
-        times.append(_slowest(time.perf_counter() - t0, group))
-    out["gloo_a2a_mbit"] = (world - 1) * nbytes * 8 / statistics.median(times) / 1e6
+    out["gloo_a2a_mbit"] = a2a_mbit(lambda y, x: dist.all_to_all_single(y, x, group=group), nbytes, group)
     small_x, small_y = torch.ones(world, dtype=torch.int64), torch.empty(world, dtype=torch.int64)
     dist.barrier(group)
     lat = []
@@ -46,6 +37,26 @@ def probe(nbytes: int = 8 << 20, small_reps: int = 50, group=None) -> dict:
         lat.append(time.perf_counter() - t0)
     out["a2a_latency_us"] = _slowest(statistics.median(lat), group) * 1e6
     return out
+
+
+def a2a_mbit(all_to_all, nbytes: int, group=None) -> float:
+    """Per-rank Mbit/s of one all-to-all of ``nbytes`` to each peer, ``all_to_all(out, in)`` run to its
+    end on every rank of ``group`` (which times it: barriers, the slowest rank): the median of 3 after
+    a warm-up (connections)."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    x = torch.ones(world * (nbytes // 4))
+    y = torch.empty_like(x)
+    all_to_all(y, x)
+    times = []
+    for _ in range(3):
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        all_to_all(y, x)
+        times.append(_slowest(time.perf_counter() - t0, group))
+    return (world - 1) * nbytes * 8 / statistics.median(times) / 1e6
 
 
 def _slowest(seconds: float, group) -> float:

@@ -154,8 +154,8 @@ class _ExpertsFn(torch.autograd.Function):
             dy_RD = dy_out.contiguous()
         else:
             dy_RD = torch.index_select(dy_out, 0, to_expert, **({} if deferring else out("dy", (R, dy_out.shape[1]))))
-        half = scratch and h_RF.dtype in (torch.bfloat16, torch.float16)  # (16-bit: their weight copies too)
-        along = (lambda role, w: dict(work=_scratch.take(role, (w.numel(),), w))) if half else (lambda *_: {})
+        low = scratch and h_RF.dtype in (torch.bfloat16, torch.float16)  # (16-bit: their copies in scratch too)
+        along = (lambda role, w: dict(work=_scratch.take(role, (w.numel(),), w))) if low else (lambda *_: {})
         dh_RF = ops.grouped_mm_dx(dy_RD, w_EDF, offsets_E1, **out("dh", (R, F2 // 2)), **along("along_dh", w_EDF))
         # Without dX, and without a gate/up bias, the references' dgu may be contiguous halves too
         # (GateUp): its passes and the dW GEMMs then stream (the fused dX GEMM reads one [R, 2F]).
@@ -163,7 +163,7 @@ class _ExpertsFn(torch.autograd.Function):
         dgu_out = {} if deferring else out("dgu", (2, R, F2 // 2) if halves else (R, F2))
         if halves:
             dgu_out = dict(halves=True, **{k: GateUp(*v) for k, v in dgu_out.items()})
-        if half:  # (the float32 copy of gu, reused too)
+        if low:  # (the float32 copy of gu)
             work = _scratch.take("gu32", (2, R, F2 // 2) if isinstance(gu_R2F, GateUp) else (R, F2), h_RF,
                                  torch.float32)
             dgu_out["work"] = GateUp(*work) if isinstance(gu_R2F, GateUp) else work
