@@ -17,6 +17,10 @@ DEFAULT_TIMEOUT_S = 300.0
 #: The largest LANCET_TIMEOUT_S accepted (about 115 days: longer is "never", which the clocks and
 #: timedelta the monitor waits with cannot hold).
 MAX_TIMEOUT_S = 1e7
+#: "1" or "0": the expert- and data-parallel groups' per-collective header check on or off (default: on
+#: for gloo, off for NCCL, where it costs a host sync per collective). Tests set "0" on gloo ranks to see
+#: collectives as NCCL does.
+CHECK_HEADERS = "LANCET_CHECK_HEADERS"
 
 
 def kernels_override() -> str | None:
@@ -53,3 +57,14 @@ def timeout_s() -> float:
     if not 0 < value <= MAX_TIMEOUT_S:
         raise ValueError(f"{TIMEOUT} must be a number of seconds > 0 and <= {MAX_TIMEOUT_S:g}, got {text!r}")
     return value
+
+
+def check_headers(backend: str) -> bool:
+    """``LANCET_CHECK_HEADERS`` as a bool; unset: on for a gloo ``backend``, off otherwise (NCCL). A
+    ValueError naming it for any other value."""
+    text = os.environ.get(CHECK_HEADERS, "").strip()
+    if not text:
+        return "gloo" in backend
+    if text not in ("0", "1"):
+        raise ValueError(f"{CHECK_HEADERS} must be '1', '0' or unset, got {text!r}")
+    return text == "1"

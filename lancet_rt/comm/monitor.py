@@ -74,7 +74,7 @@ class GroupMonitor:
         self.global_ranks = _global_ranks(group, size)  # group rank -> global rank, for messages
         self.label = "expert-parallel"
         # gloo: the header's host round trip costs what the collective's own wait costs; NCCL: a host sync, so off
-        self.check_headers = ("gloo" in backend) if check_headers is None else bool(check_headers)
+        self.check_headers = env.check_headers(backend) if check_headers is None else bool(check_headers)
         self.header_device = torch.device("cpu") if header_device is None else header_device
         self.counts_group = group if counts_group is None else counts_group
         self.header_group = group if channels is None else channels.control
