@@ -11,6 +11,24 @@ if not torch.cuda.is_available():
 import pytest  # noqa: E402
 
 
+#: The distributions whose versions decide what the suite exercises, printed in its header: ours, the
+#: peers it compares against (bench.peers) and Hugging Face's kernels, which transformers imports.
+REPORTED = ("torch", "triton", "transformers", "accelerate", "safetensors", "xxhash", "greenlet", "kernels",
+            "torchtitan", "deepspeed")
+
+
+def pytest_report_header(config):
+    import importlib.metadata
+    import platform
+
+    def version(name):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return "-"
+    return ["versions: python " + platform.python_version() + ", " + ", ".join(f"{n} {version(n)}" for n in REPORTED)]
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (the GPU lane: pytest -m gpu)")
 

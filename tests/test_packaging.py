@@ -54,23 +54,30 @@ def test_wheel_installs_one_top_level_name(wheel):
 def test_installed_package_leaves_kernels_to_hugging_face(wheel, tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
-    # Without Hugging Face's kernels installed: no `kernels` anywhere, and transformers knows it.
+    # The wheel adds no top-level name: `kernels` is Hugging Face's where it is installed (transformers
+    # >= 5.25 requires it), nothing otherwise, and transformers agrees.
     _run("""
-        import importlib.util
+        import importlib.metadata, importlib.util
         import lancet_rt, lancet_rt.kernels.gating, lancet_rt.autotune
         assert lancet_rt.__file__.startswith(%r), lancet_rt.__file__
-        for name in ("kernels", "autotune", "bench"):
+        for name in ("autotune", "bench"):
             assert importlib.util.find_spec(name) is None, (name, importlib.util.find_spec(name))
+        try:
+            importlib.metadata.version("kernels")
+            hub = True
+        except importlib.metadata.PackageNotFoundError:
+            hub = False
+        spec = importlib.util.find_spec("kernels")
+        assert (spec is not None) == hub and (spec is None or "lancet_rt" not in spec.origin), spec
         import transformers
         from transformers.utils import is_kernels_available
-        from transformers.integrations import hub_kernels  # noqa: F401
-        assert not is_kernels_available()
+        assert is_kernels_available() == hub
         import torch
         moe = lancet_rt.MoE(8, 16, 4, 2)
         assert moe(torch.randn(3, 8)).shape == (3, 8)
     """ % str(site), tmp_path, [site])
-    # With a package named `kernels` installed (standing in for Hugging Face's), `import kernels`
-    # is that package, before and after lancet_rt is imported and used.
+    # With a package named `kernels` ahead of everything (standing in for Hugging Face's), `import
+    # kernels` is that package, before and after lancet_rt is imported and used.
     other = tmp_path / "other"
     (other / "kernels").mkdir(parents=True)
     (other / "kernels" / "__init__.py").write_text("__version__ = '0.0.0+stand-in'\n")
@@ -82,4 +89,4 @@ def test_installed_package_leaves_kernels_to_hugging_face(wheel, tmp_path):
         moe(torch.randn(3, 8)).sum().backward()
         import sys
         assert sys.modules["kernels"] is kernels and "lancet_rt.kernels.reference" in sys.modules
-    """, tmp_path, [site, other])
+    """, tmp_path, [other, site])
