@@ -8,7 +8,7 @@ TORCH_VERSION ?= 2.13.0
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup peers train train-link bench-link test test-gpu gpu-wheels
+.PHONY: setup peers train train-link bench-link test test-oldest test-gpu gpu-wheels
 
 setup: $(VENV)/.installed
 
@@ -22,16 +22,19 @@ $(VENV)/.installed: pyproject.toml Makefile
 # The real peers bench.peers compares against (a bench extra): torchtitan 0.3.0 without its dependencies
 # (its trainer's: datasets, wandb, torchdata, ...) plus the two its MoE modules import, and DeepSpeed
 # with no op builds (pure Python on torch's CPU wheel). About 30 s; `make test` installs them so the
-# peers' equality tests run in CI.
+# peers' equality tests run in CI. pip's resolver lists torchtitan's trainer dependencies as missing
+# (expected: its MoE modules do not need them), so its output goes to $(VENV)/peers.log, shown on failure.
 PEERS_STAMP := $(VENV)/.peers
 peers: $(PEERS_STAMP)
 
 $(PEERS_STAMP): $(VENV)/.installed
-	$(BIN)/python -m pip install -q --no-deps torchtitan==0.3.0
-	$(BIN)/python -m pip install -q spmd_types==0.2.3 tyro
-	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q deepspeed==0.19.8
-	@$(BIN)/python -c "import torch, torchtitan.models.common.moe, deepspeed; print('peers: torch', torch.__version__, '| deepspeed', deepspeed.__version__)"
-	touch $@
+	@echo "installing the peers (torchtitan 0.3.0 without its trainer's dependencies, DeepSpeed 0.19.8 without op builds; log: $(VENV)/peers.log)"
+	@( $(BIN)/python -m pip install -q --no-deps torchtitan==0.3.0 \
+	  && $(BIN)/python -m pip install -q spmd_types==0.2.3 tyro \
+	  && DS_BUILD_OPS=0 $(BIN)/python -m pip install -q deepspeed==0.19.8 ) > $(VENV)/peers.log 2>&1 \
+	  || { cat $(VENV)/peers.log; exit 1; }
+	@DS_ACCELERATOR=cpu $(BIN)/python -c "import torch, torchtitan.models.common.moe, deepspeed; print('peers: torchtitan 0.3.0 | deepspeed', deepspeed.__version__)"
+	@touch $@
 
 # The main job: a GPT-style MoE language model, 2 expert-parallel ranks, under lancet_rt.Overlapped.
 train: setup
@@ -51,9 +54,22 @@ train-link: setup
 bench-link: setup peers
 	$(BIN)/python -m bench.reallink_acceptance
 
-# The test suite (CPU lane; Triton kernels in the interpreter). Exit code 5 (no tests) is not a failure.
+# The test suite (CPU lane; Triton kernels in the interpreter); its header states the versions it ran
+# with. Exit code 5 (no tests) is not a failure.
 test: setup peers
-	$(BIN)/python -m pytest -q; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(BIN)/python -m pytest; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+
+# The suite on pyproject.toml's lower bounds, pinned (tests/lower_bounds.py turns every `name>=X` into
+# `name==X`) in a venv of their own, without the peers: the oldest supported set is a tested one. `make
+# test` runs the newest that resolves today. Minutes: a fresh venv, then the whole suite.
+OLDEST := .venv-oldest
+test-oldest:
+	rm -rf $(OLDEST)
+	$(PYTHON) -m venv $(OLDEST)
+	$(OLDEST)/bin/python -m pip install -q "tomli; python_version < '3.11'"
+	$(OLDEST)/bin/python -m tests.lower_bounds > $(OLDEST)/constraints.txt
+	$(OLDEST)/bin/python -m pip install -q -c $(OLDEST)/constraints.txt -e ".[test]"
+	$(OLDEST)/bin/python -m pytest -p no:cacheprovider $(OLDEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 # The GPU lane, on a CUDA machine.
 test-gpu: setup

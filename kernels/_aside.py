@@ -6,7 +6,11 @@ package-dir); as top-level names, ``kernels`` and ``autotune`` belong to other d
 repository root is on ``sys.path`` ahead of site-packages (``python -m ...`` or ``pytest`` from the
 root, a script saved in the checkout, ``PYTHONPATH=.``), Python finds the folder first. Its
 ``__init__`` then calls :func:`step_aside`, which loads the next package of that name on
-``sys.path`` in its place, or raises ``ModuleNotFoundError`` as if the folder were not there.
+``sys.path`` in its place or, where no other is installed, leaves what Python makes of a folder
+without ``__init__.py``: an empty namespace package (no ``__file__``, no version, no submodules). That
+is what libraries probing for the name expect of a stray folder: transformers (5.0-5.24, whose
+``kernels`` is optional) finds the name, finds no distribution's metadata, imports it, sees no
+``__file__`` and reports the package absent.
 
 This file is executed by path (``runpy.run_path``), never imported: under either top-level name it
 would itself be a module of the package it stands aside for.
@@ -26,16 +30,15 @@ def step_aside(name: str, init_file: str) -> None:
         name: the top-level name the folder was imported as (``"kernels"``, ``"autotune"``).
         init_file: the folder's ``__init__.py`` (its ``__file__``).
 
-    Raises:
-        ModuleNotFoundError: no other package of that name is installed.
+    With no other package of that name, ``sys.modules[name]`` becomes an empty namespace package.
     """
     root = os.path.realpath(os.path.dirname(os.path.dirname(os.path.abspath(init_file))))
     path = [p for p in sys.path if os.path.realpath(p or os.getcwd()) != root]
     spec = importlib.machinery.PathFinder.find_spec(name, path)
-    if spec is None:
-        raise ModuleNotFoundError(
-            f"No module named {name!r} (this checkout's {name}/ folder is lancet_rt.{name}, not a top-level "
-            f"package: import lancet_rt.{name})", name=name)
+    if spec is None:  # none elsewhere: the namespace package of a folder without __init__.py, without its modules
+        spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+        spec.submodule_search_locations = []
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # the import statement returns what sys.modules holds after our __init__ ran
-    spec.loader.exec_module(module)
+    if spec.loader is not None:
+        spec.loader.exec_module(module)

@@ -121,7 +121,9 @@ def test_another_distributions_names_are_theirs(where, how, tmp_path):
 
 
 @pytest.mark.parametrize("how", ["c", "script"])
-def test_a_name_no_distribution_owns_is_not_found(how):
+def test_a_name_no_distribution_owns_is_an_empty_namespace(how):
+    """With nothing else of that name installed, the folder is what Python makes of one without
+    ``__init__.py``: an empty namespace package, which probing libraries report as absent."""
     _run("""
         import importlib.metadata
         try:
@@ -129,12 +131,31 @@ def test_a_name_no_distribution_owns_is_not_found(how):
             raise SystemExit(0)  # a distribution named autotune is installed: nothing to check here
         except importlib.metadata.PackageNotFoundError:
             pass
+        import autotune
+        assert getattr(autotune, "__file__", None) is None and list(autotune.__path__) == [], vars(autotune)
+        assert not hasattr(autotune, "AutoChunks") and not hasattr(autotune, "__version__")
         try:
-            import autotune
+            import autotune.search
         except ModuleNotFoundError as e:
-            assert e.name == "autotune" and "lancet_rt.autotune" in str(e), e
+            assert e.name == "autotune.search", e
         else:
-            raise AssertionError(f"import autotune found {autotune.__file__}")
+            raise AssertionError(f"import autotune.search found {autotune.search.__file__}")
+        import sys
         import lancet_rt.autotune
-        assert lancet_rt.autotune.AutoChunks
+        assert lancet_rt.autotune.AutoChunks and "lancet_rt.autotune.search" in sys.modules
     """, ROOT, how)
+
+
+def test_transformers_probing_an_absent_name_finds_nothing():
+    """transformers' probe (find_spec, then the distribution's version, then an import) on a name whose
+    only candidate is this checkout's folder: reported absent, from the root."""
+    _run("""
+        import importlib.metadata
+        try:
+            importlib.metadata.version("autotune")
+            raise SystemExit(0)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+        from transformers.utils.import_utils import _is_package_available
+        assert _is_package_available("autotune", return_version=True) == (False, "N/A")
+    """, ROOT, "c")
