@@ -87,6 +87,21 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def _precision(args, device: torch.device):
+    """The autocast every step computes in (and the warm-up warms): ``--autocast``."""
+    if args.autocast == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _warm_up(args, runners: tuple, example: torch.Tensor, device: torch.device) -> None:
+    """Every kernel compiled and tuned before the first collective, in the dtype the steps compute in
+    (the sequential runner too: the timing at the end runs it)."""
+    with _precision(args, device):
+        for runner in dict.fromkeys(runners):
+            lancet_rt.warmup(runner, example)
+
+
 def _save_routing_trace(args, loads: list, world: int) -> None:
     """--routing-trace: rank 0's per-step, per-layer expert loads as a lancet_rt routing trace."""
     from lancet_rt.routing.traces import RoutingTrace
@@ -117,16 +132,10 @@ def main(argv=None) -> dict:
     gen = torch.Generator().manual_seed(rank)
     tokens_per_step = args.batch * args.seq * world
 
-    def precision():
-        """The autocast every step computes in (and the warm-up warms)."""
-        if args.autocast == "bf16":
-            return torch.autocast(device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
     def step(runner):
         x, y = data.batch(args.batch, args.seq, gen)
         x, y = x.to(device), y.to(device)
-        with precision():
+        with _precision(args, device):
             logits = runner(x)
             loss = F.cross_entropy(logits.reshape(-1, args.vocab).float(), y.reshape(-1))
         loss.backward()
@@ -139,12 +148,7 @@ def main(argv=None) -> dict:
         print(f"lancet-rt main job: {world} rank(s) on {device.type}, {args.layers} MoE layers, "
               f"E={args.experts} K={args.top_k} cf={args.capacity_factor}, D={args.d_model}, "
               f"chunks={args.chunks}; loss floor (entropy) {data.entropy:.3f} nats")
-    # Every kernel compiled and tuned before the first collective, in the dtype the steps compute in
-    # (the sequential runner too: the timing at the end runs it).
-    example = data.batch(args.batch, args.seq, torch.Generator().manual_seed(rank))[0].to(device)
-    with precision():
-        for runner in dict.fromkeys((overlapped, model)):
-            lancet_rt.warmup(runner, example)
+    _warm_up(args, (overlapped, model), data.batch(args.batch, args.seq, torch.Generator())[0].to(device), device)
     history, losses, loads = [], [], []
     moes = [m for m in model.modules() if isinstance(m, lancet_rt.MoE)]
     t0 = t_int = time.perf_counter()
