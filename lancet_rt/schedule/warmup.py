@@ -100,8 +100,8 @@ def before_step(overlapped, args: tuple, kwargs: dict) -> None:
         args, kwargs: the step's inputs (those of its first microbatch under ``accumulate``).
     """
     peers = [m for m in overlapped.moe_layers() if _has_peers(m)]
-    device = _first_device(args, kwargs)
-    if not peers or device is None:
+    device = _first_device(args, kwargs) if peers else None
+    if device is None:
         return
     check_connections(device)
     if _ops.implementation(device) != "triton":
