@@ -342,7 +342,7 @@ class MoE(nn.Module):
     def forward_eager(self, x: torch.Tensor) -> torch.Tensor:
         """:meth:`forward` on the eager runtime (collectives, chunk switches, deferred weight gradients),
         with ``x``'s GPU as the current CUDA device (an Overlapped step sets it around its chunks)."""
-        if x.is_cuda and _scope.current() is None:
+        if isinstance(x, torch.Tensor) and x.is_cuda and _scope.current() is None:  # (a non-tensor: rejected below)
             with _ops.on_device(x.device):
                 return self._forward_eager(x)
         return self._forward_eager(x)

@@ -47,7 +47,8 @@ def test_overlapped_step_runs_on_the_inputs_gpu(monkeypatch):
     check_schedule = faults.check_schedule
     monkeypatch.setattr(faults, "check_schedule", lambda ov: seen.setdefault("schedule", fake.current)
                         or check_schedule(ov))
-    monkeypatch.setattr(Overlapped, "run_chunked", lambda self, n, args, kwargs: seen.setdefault("chunks", fake.current))
+    monkeypatch.setattr(Overlapped, "run_chunked",
+                        lambda self, n, args, kwargs: seen.setdefault("chunks", fake.current))
     model = torch.nn.Sequential(_layer())
     Overlapped(model, chunks=2)(_OnGPU(1))
     assert seen == {"schedule": 1, "chunks": 1} and fake.current == 0
