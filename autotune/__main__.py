@@ -291,6 +291,8 @@ def _measure(args, rank: int, device, dtype, runner, overlapped, rows: int) -> t
     the link; returns the search result, the compute profile and the link model."""
     layers = overlapped.moe_layers()
     group = layers[0].group
+    if args.link == "torch":  # every kernel compiled and tuned before the search's first collective
+        lancet_rt.warmup(overlapped, *runner.args, **runner.kwargs)  # (in --dtype: the steps run no autocast)
     kept, _ = candidate_chunks(args.tokens, rows, args.candidates, args.min_tokens_per_chunk)
     # Compute-only probes for the cost model, timed in the same rounds as the candidates.
     profile_counts = [n for n in PROFILE_CHUNKS if n in kept] or [1]

@@ -12,6 +12,7 @@ at the end the same training step is timed sequentially and overlapped.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -73,6 +74,8 @@ def parse_args(argv=None):
     p.add_argument("--aux-loss-coef", type=float, default=0.01)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--chunks", type=int, default=2, help="Overlapped chunk count (1: sequential)")
+    p.add_argument("--autocast", choices=("none", "bf16"), default="none",
+                   help="run every step, and the warm-up before the first, under torch.autocast in bfloat16")
     p.add_argument("--timing-steps", type=int, default=8, help="steps timed each way at the end")
     p.add_argument("--channels", choices=("plain", "split"), default="plain",
                    help="gloo: the expert-parallel group as it is (plain) or split (lancet_rt.TorchGroup.split: the "
@@ -82,6 +85,21 @@ def parse_args(argv=None):
     p.add_argument("--routing-trace", default=None,
                    help="record every step's per-layer expert loads (rank 0's) as a lancet_rt routing trace JSON here")
     return p.parse_args(argv)
+
+
+def _precision(args, device: torch.device):
+    """The autocast every step computes in (and the warm-up warms): ``--autocast``."""
+    if args.autocast == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def _warm_up(args, runners: tuple, example: torch.Tensor, device: torch.device) -> None:
+    """Every kernel compiled and tuned before the first collective, in the dtype the steps compute in
+    (the sequential runner too: the timing at the end runs it)."""
+    with _precision(args, device):
+        for runner in dict.fromkeys(runners):
+            lancet_rt.warmup(runner, example)
 
 
 def _save_routing_trace(args, loads: list, world: int) -> None:
@@ -100,7 +118,7 @@ def main(argv=None) -> dict:
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    device = torch.device("cuda") if use_cuda else torch.device("cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     if world > 1:
         dist.init_process_group("nccl" if use_cuda else "gloo")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -117,8 +135,9 @@ def main(argv=None) -> dict:
     def step(runner):
         x, y = data.batch(args.batch, args.seq, gen)
         x, y = x.to(device), y.to(device)
-        logits = runner(x)
-        loss = F.cross_entropy(logits.reshape(-1, args.vocab).float(), y.reshape(-1))
+        with _precision(args, device):
+            logits = runner(x)
+            loss = F.cross_entropy(logits.reshape(-1, args.vocab).float(), y.reshape(-1))
         loss.backward()
         sync_gradients(model, group)
         opt.step()
@@ -129,6 +148,7 @@ def main(argv=None) -> dict:
         print(f"lancet-rt main job: {world} rank(s) on {device.type}, {args.layers} MoE layers, "
               f"E={args.experts} K={args.top_k} cf={args.capacity_factor}, D={args.d_model}, "
               f"chunks={args.chunks}; loss floor (entropy) {data.entropy:.3f} nats")
+    _warm_up(args, (overlapped, model), data.batch(args.batch, args.seq, torch.Generator())[0].to(device), device)
     history, losses, loads = [], [], []
     moes = [m for m in model.modules() if isinstance(m, lancet_rt.MoE)]
     t0 = t_int = time.perf_counter()

@@ -1,6 +1,8 @@
-"""Helpers shared by the kernel launchers: the interpreter switch, pinned configs, argument checks."""
+"""Helpers shared by the kernel launchers: the interpreter switch, pinned configs, argument checks, and
+the device every launch runs on (its input tensors', not whichever GPU happens to be current)."""
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional
 
@@ -11,6 +13,35 @@ import triton
 def interpreting() -> bool:
     """True when Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def on_tensor_device(launcher):
+    """``launcher`` run with its first tensor argument's GPU as the current CUDA device.
+
+    Triton launches a kernel on the current CUDA device, on that device's current stream, whatever
+    device its pointers are on: a rank that never called ``torch.cuda.set_device`` (or a caller holding
+    tensors on another GPU) would run the kernel on the wrong GPU, or fault. Every public launcher
+    takes its device from its inputs through this wrapper (CPU tensors, the interpreter's, pass through).
+
+    Args:
+        launcher: a launcher whose first tensor argument (positional, else keyword) is on the device
+            it computes on.
+
+    Returns:
+        The wrapped launcher (``on_tensor_device`` attribute True).
+    """
+    @functools.wraps(launcher)
+    def launch(*args, **kwargs):
+        t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if t is None:
+            t = next((a for a in kwargs.values() if isinstance(a, torch.Tensor)), None)
+        if t is not None and t.is_cuda and t.device.index != torch.cuda.current_device():
+            with torch.cuda.device(t.device):
+                return launcher(*args, **kwargs)
+        return launcher(*args, **kwargs)
+
+    launch.on_tensor_device = True
+    return launch
 
 
 def pinned_config(env_var: str) -> Optional[triton.Config]:

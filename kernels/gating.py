@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import triton
 
-from ._common import (check_out as _check_out, check_tensor as _check_tensor, run_autotuned)
+from ._common import check_out as _check_out, check_tensor as _check_tensor, on_tensor_device, run_autotuned
 from ._gating_kernels import (_ENV_BWD_CONFIG, _ENV_FWD_CONFIG, _gating_bwd_kernel, _gating_fwd_kernel,
                               _gating_scan_kernel, _gating_slot_kernel, _token_tile_configs, _token_tile_prune)
 from .reference import GatingOutput, check_router_args, check_scaling
@@ -148,6 +148,7 @@ def _launch_fwd(logits_TE, bias, used_E, out: GatingOutput, K: int, span: int, s
     )
 
 
+@on_tensor_device
 def gating_fwd(
     logits_TE: torch.Tensor,
     top_k: int,
@@ -219,6 +220,7 @@ def gating_fwd(
 
 
 
+@on_tensor_device
 def gating_bwd(
     logits_TE: torch.Tensor,
     expert_TK: torch.Tensor,

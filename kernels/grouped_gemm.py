@@ -62,6 +62,7 @@ from typing import Optional, Tuple
 import torch
 import triton
 
+from ._common import on_tensor_device
 from ._expert_checks import (_INTERPRET, _check_activation, _check_bias, _check_device, _check_float, _check_ndim,
                              _check_offsets, _check_out, _check_same_dtype)
 from ._gemm_space import CONFIG_ENV, _TILE_NAMES, _gemm_configs, _make_config, _pinned_config, _prune_configs, _tile_of
@@ -179,6 +180,7 @@ def _grouped_mm(op: str, x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: to
     return y
 
 
+@on_tensor_device
 def grouped_mm(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor,
                bias_EN: Optional[torch.Tensor] = None, *,
                out: Optional[torch.Tensor] = None, allow_tf32: bool = False) -> torch.Tensor:
@@ -213,6 +215,7 @@ def grouped_mm(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor
     return _grouped_mm("fwd", x_RK, w_ENK, offsets_E1, out, allow_tf32, bias_EN)
 
 
+@on_tensor_device
 def grouped_mm_dx(dy_RN: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor, *,
                   out: Optional[torch.Tensor] = None, allow_tf32: bool = False) -> torch.Tensor:
     """dx[r] = dy[r] @ w[e] for the rows of segment e: the input gradient of :func:`grouped_mm`.
@@ -242,6 +245,7 @@ def grouped_mm_dx(dy_RN: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Te
     return _grouped_mm("dx", dy_RN, w_ENK.transpose(1, 2), offsets_E1, out, allow_tf32)
 
 
+@on_tensor_device
 def grouped_mm_dw(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets_E1: torch.Tensor, *,
                   out: Optional[torch.Tensor] = None, allow_tf32: bool = False) -> torch.Tensor:
     """dw[e] = dy_seg.T @ x_seg over segment e, zeros for an empty segment: the weight gradient.
@@ -283,6 +287,7 @@ def grouped_mm_dw(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets_E1: torch.Ten
     return dw
 
 
+@on_tensor_device
 def gate_up_swiglu(x_RD: torch.Tensor, w_E2FD: torch.Tensor, offsets_E1: torch.Tensor,
                    bias_E2F: Optional[torch.Tensor] = None, *, activation: str = "swiglu",
                    interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0,

@@ -11,7 +11,7 @@ from typing import Optional, Tuple
 import torch
 import triton
 
-from ._common import check_out, check_tensor, interpreting
+from ._common import check_out, check_tensor, interpreting, on_tensor_device
 from ._norm_kernels import _add_rmsnorm_bwd_kernel, _add_rmsnorm_fwd_kernel
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
@@ -31,6 +31,7 @@ def _check_rows(name: str, t, like: torch.Tensor) -> None:
         raise ValueError(f"{name} must have unit stride along D")
 
 
+@on_tensor_device
 def add_rmsnorm_fwd(x_RD: torch.Tensor, residual_RD: Optional[torch.Tensor], weight_D: torch.Tensor,
                     eps: float = 1e-6, *, out: Optional[torch.Tensor] = None,
                     out_sum: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -76,6 +77,7 @@ def add_rmsnorm_fwd(x_RD: torch.Tensor, residual_RD: Optional[torch.Tensor], wei
     return y, s, rstd
 
 
+@on_tensor_device
 def add_rmsnorm_bwd(grad_y_RD: torch.Tensor, grad_s_RD: Optional[torch.Tensor], s_RD: torch.Tensor,
                     rstd_R: torch.Tensor, weight_D: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`add_rmsnorm_fwd`.

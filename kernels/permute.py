@@ -47,7 +47,7 @@ from typing import Optional, Tuple
 import torch
 import triton
 
-from ._common import check_out as _check_out, check_tensor as _check_tensor, run_autotuned
+from ._common import check_out as _check_out, check_tensor as _check_tensor, on_tensor_device, run_autotuned
 from ._permute_kernels import (_ENV_PERMUTE_FWD_CONFIG, _ENV_UNPERMUTE_BWD_CONFIG, _ENV_UNPERMUTE_FWD_CONFIG,
                                _dispatch_base_kernel, _dispatch_rows_kernel, _permute_fwd_kernel, _row_tile_configs,
                                _row_tile_prune, _unpermute_bwd_kernel, _unpermute_fwd_kernel)
@@ -78,6 +78,7 @@ def _row_grid(T: int, D: int):
     return lambda meta: (triton.cdiv(T, meta["BLOCK_T"]), max(1, triton.cdiv(D, meta["BLOCK_D"])))
 
 
+@on_tensor_device
 def permute_fwd(
     x_TD: torch.Tensor,
     row_TK: torch.Tensor,
@@ -145,6 +146,7 @@ def _gather_reduce(y_SD, row_TK, weight_TK, out, out_name):
     return out
 
 
+@on_tensor_device
 def permute_bwd(grad_x_SD: torch.Tensor, row_TK: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """grad_x_TD[t] = sum over kept k of grad_x_SD[row_TK[t, k]] (float32 accumulation, k order).
 
@@ -161,6 +163,7 @@ def permute_bwd(grad_x_SD: torch.Tensor, row_TK: torch.Tensor, *, out: Optional[
     return _gather_reduce(grad_x_SD, row_TK, None, out, "out")
 
 
+@on_tensor_device
 def unpermute_fwd(
     y_SD: torch.Tensor,
     row_TK: torch.Tensor,
@@ -186,6 +189,7 @@ def unpermute_fwd(
     return _gather_reduce(y_SD, row_TK, weight_TK, out, "out")
 
 
+@on_tensor_device
 def unpermute_bwd(
     grad_y_TD: torch.Tensor,
     y_SD: torch.Tensor,
@@ -241,6 +245,7 @@ def unpermute_bwd(
     return grad_y_SD, grad_w_TK
 
 
+@on_tensor_device
 def dispatch_rows(
     expert_TK: torch.Tensor,
     slot_TK: torch.Tensor,

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import on_tensor_device
 from ._expert_checks import _INTERPRET, _check_device, _check_float, _check_ndim, _check_offsets, _check_out
 
 
@@ -77,6 +78,7 @@ def _segment_sum_blocks(N: int, E: int, device: torch.device) -> Tuple[int, int,
     return 64, block_n, 4
 
 
+@on_tensor_device
 def segment_sum(g_RN: torch.Tensor, offsets_E1: torch.Tensor, *,
                 out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """s[e] = the sum of rows offsets[e]:offsets[e+1] of g (zeros for an empty segment): the

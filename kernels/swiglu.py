@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._common import on_tensor_device
 from ._expert_checks import (_INTERPRET, _check_activation, _check_device, _check_float, _check_ndim, _check_out,
                              _check_same_dtype)
 from ._grouped_gemm_kernels import _glu
@@ -142,6 +143,7 @@ def _check_gu(gu_R2F: torch.Tensor) -> None:
         raise ValueError(f"gu_R2F must have an even number of columns [R, 2F], got shape {tuple(gu_R2F.shape)}")
 
 
+@on_tensor_device
 def swiglu_fwd(gu_R2F: torch.Tensor, *, activation: str = "swiglu", interleaved: bool = False,
                alpha: float = 1.702, limit: float = 7.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """h = act(gate, up) of a pre-activation, computed in fp32.
@@ -175,6 +177,7 @@ def swiglu_fwd(gu_R2F: torch.Tensor, *, activation: str = "swiglu", interleaved:
     return h
 
 
+@on_tensor_device
 def swiglu_bwd(gu_R2F: torch.Tensor, grad_h_RF: torch.Tensor, *, activation: str = "swiglu",
                interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0,
                out: Optional[torch.Tensor] = None) -> torch.Tensor:

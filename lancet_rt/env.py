@@ -21,6 +21,11 @@ MAX_TIMEOUT_S = 1e7
 #: for gloo, off for NCCL, where it costs a host sync per collective). Tests set "0" on gloo ranks to see
 #: collectives as NCCL does.
 CHECK_HEADERS = "LANCET_CHECK_HEADERS"
+#: CUDA's own variable: how many hardware work queues the streams of a process share (CUDA's default 8).
+#: At 1 every stream funnels into one queue in launch order, so a wait on a side stream (a collective's
+#: completion, the counts' copy to the host) holds back all compute launched after it: Overlapped's
+#: overlap disappears. lancet-rt reads it, never sets it (it must be set before CUDA starts).
+CUDA_DEVICE_MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
 
 
 def kernels_override() -> str | None:
@@ -68,3 +73,15 @@ def check_headers(backend: str) -> bool:
     if text not in ("0", "1"):
         raise ValueError(f"{CHECK_HEADERS} must be '1', '0' or unset, got {text!r}")
     return text == "1"
+
+
+def cuda_device_max_connections() -> int | None:
+    """``CUDA_DEVICE_MAX_CONNECTIONS`` as an int >= 1 (None: unset, CUDA's default); a ValueError naming it
+    for anything else (CUDA would ignore it silently)."""
+    text = os.environ.get(CUDA_DEVICE_MAX_CONNECTIONS, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{CUDA_DEVICE_MAX_CONNECTIONS} must be an integer >= 1 (or unset: CUDA's default, 8), "
+                         f"got {text!r}")
+    return int(text)

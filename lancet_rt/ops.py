@@ -8,6 +8,7 @@ float32 and the grouped GEMM and SwiGLU take 16- and 32-bit floats only.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 from types import SimpleNamespace
 from typing import Optional
@@ -122,3 +123,21 @@ def get_ops(device: torch.device, dtype: Optional[torch.dtype] = None) -> Simple
     if key not in _cache:
         _cache[key] = _triton_ops(dtype) if name == "triton" else _reference_ops()
     return _cache[key]
+
+
+def on_device(device: Optional[torch.device]):
+    """A context that makes ``device`` the current CUDA device (nothing off CUDA, or for None).
+
+    The step's code that allocates or launches on "the current device" (Triton, a process group's
+    small control tensors, pinned host buffers) then follows the tensors, not whichever GPU the
+    process last selected: a rank that never called ``torch.cuda.set_device`` still runs on its own.
+
+    Args:
+        device: the device of the step's tensors.
+
+    Returns:
+        A context manager.
+    """
+    if device is None or device.type != "cuda":
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)

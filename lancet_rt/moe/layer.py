@@ -102,6 +102,11 @@ class MoE(nn.Module):
     """
 
     _ROLES = ("router", "experts", "shared_experts", "shared_expert_gate")
+    #: ``hook(layer, x) -> Optional[Exception]``, run by an expert-parallel forward outside
+    #: :class:`lancet_rt.Overlapped` before the layer's first collective; an exception it returns is
+    #: raised on every rank as a rejected input. :mod:`lancet_rt.schedule.warmup` installs its
+    #: first-forward warm-up here (the layer imports nothing of the scheduler).
+    before_collectives = None
 
     def __init__(self, d_model: int, d_ffn: int, num_experts: int, top_k: int, *,
                  capacity_factor: Optional[float] = None, score_fn: str = "softmax",
@@ -335,10 +340,20 @@ class MoE(nn.Module):
 
     @torch.compiler.disable  # collectives, host syncs and chunk switches: torch.compile runs around it
     def forward_eager(self, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` on the eager runtime (collectives, chunk switches, deferred weight gradients)."""
+        """:meth:`forward` on the eager runtime (collectives, chunk switches, deferred weight gradients),
+        with ``x``'s GPU as the current CUDA device (an Overlapped step sets it around its chunks)."""
+        if isinstance(x, torch.Tensor) and x.is_cuda and _scope.current() is None:  # (a non-tensor: rejected below)
+            with _ops.on_device(x.device):
+                return self._forward_eager(x)
+        return self._forward_eager(x)
+
+    def _forward_eager(self, x: torch.Tensor) -> torch.Tensor:
         error = self._input_error(x)
         if error is None and self.shadow_experts and self.group is not None:
             error = shadow.unsupported(self)  # (raised on every rank, as a rejected input)
+        hook = MoE.before_collectives
+        if error is None and hook is not None and self.group is not None and _scope.current() is None:
+            error = hook(self, x)  # (the first forward's warm-up)
         if not self._config_checked:
             self._check_config(error)
         if error is not None:

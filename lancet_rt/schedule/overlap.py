@@ -22,10 +22,12 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from lancet_rt import ops as _ops
 from lancet_rt.comm import faults as _faults
 from lancet_rt.schedule import policy as _policy
 from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
+from lancet_rt.schedule import warmup as _warmup
 from lancet_rt.schedule import wgrad as _wgrad
 from lancet_rt.schedule.accumulate import accumulate as _accumulate
 from lancet_rt.schedule.balance import BalancedChunks
@@ -67,7 +69,9 @@ class Overlapped(nn.Module):
     batch's rows instead. Counts above :data:`lancet_rt.schedule.policy.MAX_CHUNKS` (256) are refused,
     from the argument or from a policy. Outputs (tensors, or tuples/lists/dicts/model outputs of
     them) are concatenated along dim 0. Grad mode, autocast and saved-tensor hooks (activation
-    checkpointing) are kept per chunk across its switches.
+    checkpointing) are kept per chunk across its switches. On CUDA a step runs with its inputs' GPU as
+    the current device, and its first step per compute dtype warms the kernels before the layers'
+    first collective (:func:`lancet_rt.schedule.warmup.before_step`).
     """
 
     def __init__(self, model: nn.Module, chunks=2, *, defer_wgrad: bool = False, check: bool = False,
@@ -110,7 +114,8 @@ class Overlapped(nn.Module):
     def forward(self, *args, **kwargs):
         self._step_layers = self.moe_layers()  # (the tree does not change during a step)
         try:
-            return self._guarded_forward(*args, **kwargs)
+            with _ops.on_device(_input_device(args, kwargs)):  # (the schedule check's all-gather included)
+                return self._guarded_forward(*args, **kwargs)
         finally:
             self._step_layers = None
 
@@ -127,17 +132,25 @@ class Overlapped(nn.Module):
 
     def forward_chunked(self, n: int, args: tuple, kwargs: dict):
         """The forward on ``n`` chunks (``forward`` once the chunk count is known)."""
-        if self.check and not self._checked:
-            self._check_separable(n, args, kwargs)
-        prev = _wgrad.set_current(self.wgrad_queue)
-        try:
-            if n == 1:
-                return self.model(*args, **kwargs)
-            return self.run_chunked(n, args, kwargs)
-        finally:
-            _wgrad.set_current(prev)
+        with _ops.on_device(_input_device(args, kwargs)):  # (accumulate calls this, not forward)
+            if self.check and not self._checked:
+                self._check_separable(n, args, kwargs)
+            prev = _wgrad.set_current(self.wgrad_queue)
+            try:
+                if n == 1:
+                    return self.model(*args, **kwargs)
+                return self.run_chunked(n, args, kwargs)
+            finally:
+                _wgrad.set_current(prev)
 
     def _resolve_chunks(self, args, kwargs) -> int:
+        """This step's chunk count. First (every step starts here, ``accumulate``'s too) the start of step
+        checks and the first-step warm-up, before the layers' first collective and the policy's."""
+        with _ops.on_device(_input_device(args, kwargs)):
+            _warmup.before_step(self, args, kwargs)
+            return self._chunk_count(args, kwargs)
+
+    def _chunk_count(self, args, kwargs) -> int:
         if isinstance(self.chunks, int):
             n = self.chunks
         else:
@@ -244,6 +257,11 @@ class Overlapped(nn.Module):
                         f"(max abs err {err:.3e}, scale {scale:.3e}); the model must be separable along "
                         f"dim 0 outside lancet MoE layers, with a deterministic forward"))
         self._checked = True
+
+
+def _input_device(args, kwargs) -> Optional[torch.device]:
+    """The first tensor argument's device (None without one)."""
+    return next((v.device for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)), None)
 
 
 def _batch_rows(args, kwargs) -> Optional[int]:
