@@ -20,9 +20,10 @@ MIN_STEP_SECONDS = 8
 #: The host-sync test, run alone (P3) and left out of the runtime's tests (P4).
 HOST_SYNC_TEST = "tests/comm/test_gpu_runtime.py::test_overlapped_cuda_steady_state_has_no_host_sync"
 #: The runtime's GPU tests (P4): streams, events, the emulated link on CUDA, NCCL with one rank, the
-#: accumulate and early-backward twins, bench.host's CUDA row. Every file outside tests/kernels with
+#: accumulate and early-backward twins, the fused loss's host reads, chunked router logits, bench.host's
+#: CUDA row. Every file outside tests/kernels with
 #: a GPU test is here (tests/bench/test_gpu_lane.py checks).
-RUNTIME_TESTS = ("tests/comm/test_gpu_runtime.py", "tests/schedule/test_accumulate.py",
+RUNTIME_TESTS = ("tests/comm/test_gpu_runtime.py", "tests/comm/test_gpu_twins.py", "tests/schedule/test_accumulate.py",
                  "tests/distributed/test_mesh_nccl.py", "tests/bench/test_host_bench.py")
 
 # ------------------------------------------------------------------------------------------------
