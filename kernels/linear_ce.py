@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_out, check_tensor, interpreting
-from .reference_dense import check_labels as _check_labels
+from .reference_dense import _check_labels
 
 
 @triton.jit(do_not_specialize=["C"])

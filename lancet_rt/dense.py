@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from lancet_rt import ops as _ops
-from lancet_rt.kernels.reference_dense import bad_labels, check_labels
+from lancet_rt.kernels.reference_dense import _bad_labels, _check_labels
 
 
 # ------------------------------------------------------------------------------------- add + RMSNorm
@@ -175,7 +175,7 @@ def _linear_ce_chunks(hidden, weight, labels, divisor, ignore_index, chunk, need
     grad_w = grad_w_acc if grad_w_acc is not None else \
         torch.zeros(weight.shape, device=weight.device, dtype=acc) if need_grad_w else weight.new_empty(0)
     if d != d:  # a NaN divisor: perhaps flagged by _flag_bad_labels (raises if so)
-        check_labels("labels", labels, weight.shape[0], ignore_index)
+        _check_labels("labels", labels, weight.shape[0], ignore_index)
     for c0 in range(0, hidden.shape[0], chunk):
         h_CD = hidden[c0:c0 + chunk]
         logits_CV = (h_CD @ weight.t()).to(acc)  # the head in the model's dtype, the loss in float32
@@ -215,7 +215,7 @@ def _flag_bad_labels(labels_T: torch.Tensor, V: int, ignore_index: int, divisor:
     and raise ValueError naming them. So the whole batch's labels are checked with a few device ops
     and no host read of their own (on CUDA no extra sync); a label never reaches a kernel unchecked.
     """
-    bad = bad_labels(labels_T, V, ignore_index).any()
+    bad = _bad_labels(labels_T, V, ignore_index).any()
     return torch.where(bad, float("nan"), divisor.to(torch.float64))
 
 
