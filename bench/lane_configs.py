@@ -16,7 +16,6 @@ Under ``TRITON_INTERPRET=1`` nothing is timed: the rows say so (``config`` None)
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import torch
@@ -59,7 +58,9 @@ def chosen(tokens: int, device: torch.device, shapes=ROUTING_SHAPES) -> list:
     from bench.kernels import _inputs
     from lancet_rt.kernels import gating, permute
 
-    pinned = sorted(v for v in ROUTING_PINS if os.environ.get(v))
+    from lancet_rt.kernels._common import pinned_config
+
+    pinned = sorted(v for v in ROUTING_PINS if pinned_config(v) is not None)
     if pinned:
         raise SystemExit(f"bench.lane_configs: {pinned} set: unset them to see what autotuning chooses")
     fns = dict(gating_fwd=gating.gating_fwd, gating_bwd=gating.gating_bwd, permute_fwd=permute.permute_fwd,
