@@ -22,22 +22,30 @@ output tail ends with the steps and the targets table. Bring it home and commit:
 The default plan (``--plan priority``; each step a fixed cap, time a step leaves over flows down to the
 next, and a short ``--budget`` cuts the last steps first; the plan with each cap is printed first):
 
-    P0  pre-flight, 40 s: install the carried wheels and the checkout (with timeouts), import everything
-        (greenlet too: the lane stops at once, non-zero, on a failed import), versions, nvidia-smi -L,
-        the copy-bandwidth and matmul ceilings (bench.preflight)
+    P0  pre-flight, 40 s from the end of the installs (the carried wheels and the checkout, each with
+        its own timeout, come first): import everything (greenlet too), versions, nvidia-smi -L, the
+        copy-bandwidth and matmul ceilings (bench.preflight). The lane stops at once, non-zero, on a
+        failed import or no CUDA device, and only then (a ceiling that fails or runs long does not stop it)
     P1  bench.overlap on CUDA, 150 s: its single-step row is on disk right after the two link passes;
         then the bound and floors, then 4 microbatches if their projected time fits
     P2  bench.host --device cuda, 35 s + 35 s: host against GPU us per layer-chunk, Qwen3-30B-A3B-like
         (128 experts of F=768, top-8) and Mixtral-like (8 experts of F=14336, top-2): HOST_SHAPES
     P3  the steady-state host-sync test, 40 s: the full stack of every synchronizing call
     P4  the runtime's GPU tests, 90 s (streams, events, NCCL with one rank, accumulate and
-        early-backward twins; 90 s per test)
-    P5  bench.kernels at T=16384 without torch.compile baselines, 45 s
-    P6  the kernel tests, with what is left (90 s per test)
+        early-backward twins, the fused loss's host reads, chunked router logits; 90 s per test)
+    P5  P1's single step again with CUDA_DEVICE_MAX_CONNECTIONS=1, 60 s (P1 runs with it unset: the
+        driver's default), rows in overlap_conn1.json
+    P6  bench.kernels at T=16384 without torch.compile baselines, 45 s
+    P7  the routing kernels tuned unpinned at the lane's shapes, 40 s: each autotuner's choice beside
+        the pin (bench.lane_configs, routing_configs.json)
+    P8  the kernel tests, with what is left (90 s per test)
 
-P1-P4 pin the grouped GEMM's configs (bench.lane_steps.GEMM_PINS: those that won on an H100 on
-2026-11-24), so each kernel variant compiles once instead of autotuning; P5-P6 and ``--plan tuning``
-(bench.experts autotuned, then lancet-autotune, for a later call) tune. Each step runs in its own
+The installs' time comes out of the last steps: no step runs past ``--budget``. The tests' per-test
+timeout uses pytest-timeout's thread method, which also ends a test blocked in C++ (a CUDA wait).
+P1-P5 pin the grouped GEMM's configs (bench.lane_steps.GEMM_PINS: those that won on an H100 on
+2026-11-24) and the routing kernels' (bench.lane_configs.ROUTING_PINS: gating, permute, unpermute), so
+each kernel variant compiles once instead of autotuning; P6-P8 and ``--plan tuning`` (bench.experts
+autotuned, the routing configs, then lancet-autotune, for a later call) tune. Each step runs in its own
 process (one failure does not hide the others) from a scratch directory, with the checkout installed
 into a temporary site ahead of the repository on PYTHONPATH (setuptools maps kernels/ and autotune/ to
 lancet_rt.kernels and lancet_rt.autotune, which the bare repository does not); a step that outlives its
@@ -61,9 +69,9 @@ import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from bench import lane_files
+from bench import lane_files, preflight
 from bench.lane_files import collect  # noqa: F401 - (the lane's API: bench.gpu_lane.collect)
-from bench.lane_steps import MIN_STEP_SECONDS, PLANS, Context, allot, deadlines, pin_env
+from bench.lane_steps import MIN_STEP_SECONDS, PLANS, SUMMARY_SECONDS, Context, allot, deadlines, pin_env
 
 REPO = Path(__file__).resolve().parent.parent
 INTERRUPT_SECONDS = 15  # at most, of a step's allowance: from its interrupt to its kill
@@ -90,6 +98,11 @@ TARGETS = [
     ("Overlapped over bound_ms", "overlap.json", {}, "over_bound", 0.15, False),
     ("hidden communication fraction", "overlap.json", {}, "hidden_comm_fraction", 0.80, True),
     ("hidden communication fraction, cross-microbatch", "overlap.json", {}, "hidden_comm_fraction_accum", 0.90, True),
+    # The same single step with CUDA_DEVICE_MAX_CONNECTIONS=1 (P5), beside P1's (the driver's default).
+    ("Overlapped vs sequential, CUDA_DEVICE_MAX_CONNECTIONS=1", "overlap_conn1.json", {}, "speedup_vs_sequential",
+     None, True),
+    ("hidden communication fraction, CUDA_DEVICE_MAX_CONNECTIONS=1", "overlap_conn1.json", {}, "hidden_comm_fraction",
+     None, True),
     # Not issue targets: what a perfect schedule could reach in the same run (bench/overlap.py).
     ("Overlapped over the pass-aware bound", "overlap.json", {}, "over_pass_bound", None, False),
     ("most communication any schedule could hide", "overlap.json", {}, "max_hidden_comm_fraction", None, True),
@@ -238,7 +251,8 @@ def print_plan(plan: list, caps: list, budget: float) -> None:
     t = 0.0
     for step, cap in zip(plan, caps):
         print(f"{step.label:3s} {step.name:13s} {cap:5.0f} s  (by {t + cap:4.0f} s)  {step.what}"
-              + (f"  [GEMM configs pinned: {step.pins}]" if step.pins else ""))
+              + (f"  [configs pinned: GEMM {step.pins}, routing]" if step.pins else "")
+              + "".join(f"  [{k}={'(unset)' if v is None else v}]" for k, v in step.env))
         t += cap
     print(flush=True)
 
@@ -295,8 +309,12 @@ def run_plan(lane: Lane, dry: bool, site: Path, scratch: Path) -> int:
     slow = DRY_RUN_SLOWDOWN if dry else 1
     if dry:
         print(f"(dry run on the CPU: each allowance is its cap x {slow})", flush=True)
-    t0, work = time.monotonic(), lane.work
+    start, work = time.monotonic(), lane.work
     install(REPO, str(site), work / "preflight.log")
+    # The plan's clock starts after the installs (the pre-flight's cap is its own imports and ceilings);
+    # the installs' time comes out of the last steps: no step runs past the budget's end.
+    t0 = time.monotonic()
+    last = start + (lane.head["budget_s"] - SUMMARY_SECONDS) * slow
     # The site ahead of the repository (which still provides bench/ and tests/); the steps run from a
     # scratch directory, not the repository root, whose lancet_rt would come first on sys.path.
     env = dict(os.environ, PYTHONUNBUFFERED="1",
@@ -304,7 +322,8 @@ def run_plan(lane: Lane, dry: bool, site: Path, scratch: Path) -> int:
     if dry:
         env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     for step, cap, end in zip(lane.plan, lane.caps, deadlines(lane.caps)):
-        seconds = end * slow - (time.monotonic() - t0)
+        now = time.monotonic()
+        seconds = min(end * slow - (now - t0), last - now)
         record = dict(step=step.name, label=step.label, cap_s=round(cap, 1), allowance_s=round(max(seconds, 0), 1))
         if seconds < MIN_STEP_SECONDS:
             lane.steps.append(dict(record, rc="no time left", seconds=0))
@@ -315,7 +334,7 @@ def run_plan(lane: Lane, dry: bool, site: Path, scratch: Path) -> int:
         rows_before = len(_rows(work, step.rows)) if step.rows else 0
         with open(log, "a") as f:  # (the pre-flight's log already holds the installs)
             f.write(f"$ {' '.join(cmd)}\n")
-        rc, took, cpu = run_step(cmd, dict(env, **pin_env(step.pins)), str(scratch), log, seconds, lane.refresh)
+        rc, took, cpu = run_step(cmd, step_env(env, step), str(scratch), log, seconds, lane.refresh)
         record.update(rc=rc, seconds=took, cpu_s=cpu)
         if step.rows:
             record["rows"] = len(_rows(work, step.rows)) - rows_before
@@ -325,10 +344,24 @@ def run_plan(lane: Lane, dry: bool, site: Path, scratch: Path) -> int:
         lane.steps.append(record)
         _show(log)
         lane.refresh()
-        if step.name == "preflight" and rc != 0:
-            print(f"pre-flight failed (rc {rc}): stopping here, before any step spends the call", flush=True)
-            return rc if isinstance(rc, int) and rc > 0 else 3
+        if step.name == "preflight" and rc in (preflight.IMPORT_FAILED, preflight.NO_CUDA):
+            print(f"pre-flight failed (rc {rc}: {'an import' if rc == preflight.IMPORT_FAILED else 'no CUDA device'}):"
+                  " stopping here, before any step spends the call", flush=True)
+            return rc
+        if step.name == "preflight" and rc != 0:  # (a ceiling that failed or ran long: the steps still can run)
+            print(f"pre-flight: rc {rc}, but its imports and device were fine: going on", flush=True)
     return 0
+
+
+def step_env(env: dict, step) -> dict:
+    """``env`` with ``step``'s pinned configs and its own variables (a None value unsets one)."""
+    out = dict(env, **pin_env(step.pins))
+    for name, value in step.env:
+        if value is None:
+            out.pop(name, None)
+        else:
+            out[name] = value
+    return out
 
 
 def _report(s: dict) -> None:

@@ -20,7 +20,7 @@ SUMMARY = "summary.json"
 MAX_ARCHIVE_BYTES = 15 << 20
 REFRESH_SECONDS = 20
 #: The rows --collect appends to bench/results/<name>.json.
-ROW_FILES = ("kernels", "experts", "overlap", "host")
+ROW_FILES = ("kernels", "experts", "overlap", "host", "overlap_conn1", "routing_configs")
 #: The steps whose logs --collect keeps (the tests': their failures are results).
 TEST_LOGS = ("hostsync", "runtime", "kernel_tests")
 

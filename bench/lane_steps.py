@@ -13,6 +13,8 @@ import dataclasses
 from pathlib import Path
 from typing import Callable, Optional
 
+from bench.lane_configs import ROUTING_PINS
+
 #: Seconds of the budget kept for the summary and the last archive.
 SUMMARY_SECONDS = 10
 #: A step with less than this left is not started.
@@ -20,9 +22,10 @@ MIN_STEP_SECONDS = 8
 #: The host-sync test, run alone (P3) and left out of the runtime's tests (P4).
 HOST_SYNC_TEST = "tests/comm/test_gpu_runtime.py::test_overlapped_cuda_steady_state_has_no_host_sync"
 #: The runtime's GPU tests (P4): streams, events, the emulated link on CUDA, NCCL with one rank, the
-#: accumulate and early-backward twins, bench.host's CUDA row. Every file outside tests/kernels with
+#: accumulate and early-backward twins, the fused loss's host reads, chunked router logits, bench.host's
+#: CUDA row. Every file outside tests/kernels with
 #: a GPU test is here (tests/bench/test_gpu_lane.py checks).
-RUNTIME_TESTS = ("tests/comm/test_gpu_runtime.py", "tests/schedule/test_accumulate.py",
+RUNTIME_TESTS = ("tests/comm/test_gpu_runtime.py", "tests/comm/test_gpu_twins.py", "tests/schedule/test_accumulate.py",
                  "tests/distributed/test_mesh_nccl.py", "tests/bench/test_host_bench.py")
 
 # ------------------------------------------------------------------------------------------------
@@ -47,11 +50,12 @@ GEMM_PINS = {
 
 def pin_env(dtype: Optional[str]) -> dict:
     """The environment that pins every grouped-GEMM op's config for element type ``dtype`` ("bf16" or
-    "fp32"; None: nothing pinned, the autotuner chooses). The fp32 configs also run bf16 (correct, not
-    tuned), so a step that may meet both takes them."""
+    "fp32"; None: nothing pinned, the autotuner chooses) and the routing kernels' configs
+    (:data:`bench.lane_configs.ROUTING_PINS`, one set for every dtype). The fp32 GEMM configs also run
+    bf16 (correct, not tuned), so a step that may meet both takes them."""
     if dtype is None:
         return {}
-    return {f"{CONFIG_ENV}_{op.upper()}": cfg for op, cfg in GEMM_PINS[dtype].items()}
+    return {**{f"{CONFIG_ENV}_{op.upper()}": cfg for op, cfg in GEMM_PINS[dtype].items()}, **ROUTING_PINS}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -75,8 +79,9 @@ class Context:
 @dataclasses.dataclass(frozen=True)
 class Step:
     """One step of a plan: ``argv(ctx)`` is its command; ``rows`` the JSON file it appends to (in the
-    work directory), ``pins`` the element type whose grouped-GEMM configs its environment pins (None:
-    autotuned), ``stop_s`` the seconds of its allowance kept back for a graceful stop."""
+    work directory), ``pins`` the element type whose grouped-GEMM configs its environment pins, with the
+    routing kernels' (None: autotuned), ``stop_s`` the seconds of its allowance kept back for a graceful
+    stop, ``env`` (name, value) pairs set in its environment (value None: unset)."""
 
     name: str
     label: str
@@ -86,15 +91,19 @@ class Step:
     rows: Optional[str] = None
     pins: Optional[str] = None
     stop_s: float = 0.0
+    env: tuple = ()
 
 
 def _pytest(ctx: Context, name: str, targets, timeout: int, *extra) -> list:
     # -v --tb=short: each outcome as it happens, so a step stopped at its cap still shows its failures;
     # --junitxml: the counts and the failures' text for the summary; --import-mode=append: tests/ is a
     # package, and prepending the repository would put its lancet_rt (kernels/ and autotune/ not mapped
-    # in) ahead of the installed one. The per-test timeout fails a hung test instead of the step.
+    # in) ahead of the installed one. The per-test timeout fails a hung test instead of the step; by a
+    # watchdog thread, which also ends a test blocked in C++ (a CUDA or NCCL wait), where the signal
+    # method's handler would never run.
     return [ctx.py, "-m", "pytest", *(str(ctx.repo / t) for t in targets), "-m", "gpu", "-v", "--tb=short", "-rfE",
-            "--durations=10", f"--timeout={timeout}", "--import-mode=append", "-p", "no:cacheprovider",
+            "--durations=10", f"--timeout={timeout}", "--timeout-method=thread", "--import-mode=append",
+            "-p", "no:cacheprovider",
             f"--junitxml={ctx.work / (name + '.xml')}", *extra]
 
 
@@ -111,6 +120,21 @@ def _overlap(ctx: Context) -> list:
     return [ctx.py, "-m", "bench.overlap", "--device", ctx.device, *sizes, "--json", str(w / "overlap.json"),
             "--png", str(w / "overlap.png"), "--trace", str(w / "overlap-trace.json"),
             "--max-seconds", f"{ctx.seconds:.0f}"]
+
+
+def _overlap_one_queue(ctx: Context) -> list:
+    """P1's single step again, its environment with CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue:
+    the streams' kernels issue in one order, as Megatron-LM sets it), rows in their own file."""
+    sizes = (["--quick", "--layers", "1", "--d-model", "32", "--d-ffn", "64", "--experts", "8", "--batch", "4",
+              "--seq", "16", "--steps", "2"] if ctx.dry else [])
+    return [ctx.py, "-m", "bench.overlap", "--device", ctx.device, *sizes, "--microbatches", "1",
+            "--json", str(ctx.work / "overlap_conn1.json"), "--max-seconds", f"{ctx.seconds:.0f}"]
+
+
+def _configs(ctx: Context) -> list:
+    size = ["--quick", "--tokens", "40"] if ctx.dry else ["--tokens", "4096"]
+    return [ctx.py, "-m", "bench.lane_configs", "--device", ctx.device, *size,
+            "--json", str(ctx.work / "routing_configs.json")]
 
 
 #: bench.host's two shapes (2 layers each, W=8 emulated ranks, 4096 tokens, bf16 autocast, dropless):
@@ -166,13 +190,19 @@ def _autotune(ctx: Context) -> list:
             "--export-defaults", str(ctx.work / "defaults.json"), "--no-progress"]
 
 
-PREFLIGHT = Step("preflight", "P0", 40, "installs, imports (greenlet too), device, copy and matmul ceilings",
+PREFLIGHT = Step("preflight", "P0", 40, "imports (greenlet too), device, copy and matmul ceilings (after the installs)",
                  _preflight, rows="preflight.json")
+#: The routing kernels tuned unpinned at the lane's shapes: which config each autotuner chose, beside the pin.
+CONFIGS = Step("configs", "P7", 40, "the routing kernels' autotuned configs at the lane's shapes, beside the pins",
+               _configs, rows="routing_configs.json")
+#: CUDA_DEVICE_MAX_CONNECTIONS: the hardware queues CUDA gives the streams (the driver's default, 8,
+#: when unset; Megatron-LM sets 1 for its communication overlap).
+MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
 #: The default plan: the headline first (../shared/GPU.md).
 PRIORITY = [
     PREFLIGHT,
     Step("overlap", "P1", 150, "bench.overlap on CUDA: the single step, then 4 microbatches if they fit",
-         _overlap, rows="overlap.json", pins="bf16", stop_s=25),
+         _overlap, rows="overlap.json", pins="bf16", stop_s=25, env=((MAX_CONNECTIONS, None),)),
     Step("host_fine", "P2", 35, "bench.host, Qwen3-30B-A3B-like (E=128 F=768 top-8): host vs GPU us per layer-chunk",
          _host("host_fine"), rows="host.json", pins="bf16"),
     Step("host_mixtral", "P2", 35, "bench.host, Mixtral-like (E=8 F=14336 top-2): host vs GPU us per layer-chunk",
@@ -181,9 +211,12 @@ PRIORITY = [
          lambda ctx: _pytest(ctx, "hostsync", [HOST_SYNC_TEST], 60), pins="fp32"),
     Step("runtime", "P4", 90, "the runtime's GPU tests (streams, events, NCCL one rank, twins), 90 s each",
          lambda ctx: _pytest(ctx, "runtime", RUNTIME_TESTS, 90, "--deselect", HOST_SYNC_TEST), pins="fp32"),
-    Step("kernels", "P5", 45, "bench.kernels at T=16384, no torch.compile baselines", _kernels, rows="kernels.json",
+    Step("overlap_conn1", "P5", 60, "P1's single step with CUDA_DEVICE_MAX_CONNECTIONS=1 (overlap_conn1.json)",
+         _overlap_one_queue, rows="overlap_conn1.json", pins="bf16", stop_s=15, env=((MAX_CONNECTIONS, "1"),)),
+    Step("kernels", "P6", 45, "bench.kernels at T=16384, no torch.compile baselines", _kernels, rows="kernels.json",
          stop_s=10),
-    Step("kernel_tests", "P6", None, "the kernel tests (autotuned), with what is left",
+    CONFIGS,
+    Step("kernel_tests", "P8", None, "the kernel tests (autotuned), with what is left",
          lambda ctx: _pytest(ctx, "kernel_tests", ["tests/kernels"], 90)),
 ]
 #: The steps about tuning (autotuned grouped GEMM, the chunk-count autotuner), for a later call.
@@ -191,7 +224,8 @@ TUNING = [
     PREFLIGHT,
     Step("experts", "T1", 240, "bench.experts: the grouped GEMM autotuned, balanced and skewed", _experts,
          rows="experts.json", stop_s=60),
-    Step("autotune", "T2", None, "lancet-autotune on bench.overlap's block (exported as defaults)", _autotune),
+    dataclasses.replace(CONFIGS, label="T2"),
+    Step("autotune", "T3", None, "lancet-autotune on bench.overlap's block (exported as defaults)", _autotune),
 ]
 PLANS = {"priority": PRIORITY, "tuning": TUNING}
 

@@ -19,6 +19,8 @@ import time
 IMPORTS = ("torch", "triton", "greenlet", "xxhash", "lancet_rt", "lancet_rt.kernels", "lancet_rt.autotune", "pytest",
            "pytest_timeout")
 IMPORT_FAILED = 3
+#: ``--device cuda`` and torch sees no CUDA device: the lane stops too.
+NO_CUDA = 4
 
 
 def check_imports(names=IMPORTS) -> dict:
@@ -58,7 +60,7 @@ def main(argv=None) -> int:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             print("pre-flight: --device cuda, but torch sees no CUDA device", flush=True)
-            return 4
+            return NO_CUDA
         try:
             print(subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout.strip())
         except (OSError, subprocess.SubprocessError) as e:

@@ -1,7 +1,9 @@
 """Triton kernels of the fused residual add + RMSNorm (launchers: :mod:`lancet_rt.kernels.norm`).
 
 A program owns BLOCK_R whole rows ([BLOCK_R, BLOCK_D] tile, BLOCK_D >= D): the statistics need the
-whole row, and D <= 16384 for the models served. Statistics in float32.
+whole row, and D <= 16384 for the models served. Statistics in float32. The row count ``R`` is not
+specialised on (Triton specialises an int argument divisible by 16 or equal to 1), so a chunk of a new
+length runs the kernel already compiled instead of compiling another mid-step.
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _add_rmsnorm_fwd_kernel(
     # pointers
     x_ptr,  # [R, D] input
@@ -44,7 +46,7 @@ def _add_rmsnorm_fwd_kernel(
     tl.store(y_ptr + offs_r[:, None] * stride_yr + offs_d[None, :], b_y.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])
 def _add_rmsnorm_bwd_kernel(
     # pointers
     dy_ptr,  # [R, D] gradient of y

@@ -3,7 +3,11 @@ the chunked linear cross-entropy (``lancet_rt.dense.LinearCrossEntropy``), which
 than one chunk's [C, V] logits.
 
 One program per row, two passes over V: an online max / sum-of-exp, then ``scale * (softmax - onehot)``
-over the logits (zero on ``ignore_index`` rows). It replaces PyTorch's log_softmax + nll + their
+over the logits (zero on ``ignore_index`` rows). A label outside ``[0, V)`` (not the ignore index)
+is never used as an offset: its row's loss and gradient are NaN. The launcher refuses such labels
+(ValueError) unless told its caller checked them (``check_labels=False``: the chunked loss checks the
+whole batch once, without a host read of its own). The row count ``C`` is not specialised on, so a
+new chunk length does not compile the kernel again. It replaces PyTorch's log_softmax + nll + their
 backward (which read and write [C, V] five times) with two reads and one write.
 Reference: :func:`lancet_rt.kernels.reference_dense.ce_grad_fwd_ref`.
 """
@@ -16,9 +20,10 @@ import triton
 import triton.language as tl
 
 from ._common import check_out, check_tensor, interpreting
+from .reference_dense import _check_labels
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["C"])
 def _ce_grad_fwd_kernel(
     # pointers
     logits_ptr,  # [C, V] float32, overwritten with the gradient
@@ -36,6 +41,7 @@ def _ce_grad_fwd_kernel(
     row = logits_ptr + pid_c * stride_lc
     label = tl.load(labels_ptr + pid_c)
     valid = label != ignore_index
+    bad = valid & ((label < 0) | (label >= V))  # (never an offset: NaN loss and gradient)
     m = float("-inf")
     acc = 0.0
     for v0 in range(0, V, BLOCK_V):
@@ -45,10 +51,10 @@ def _ce_grad_fwd_kernel(
         acc = acc * tl.exp(m - m_new) + tl.sum(tl.exp(b_x - m_new), axis=0)
         m = m_new
     lse = m + tl.log(acc)
-    target = tl.where(valid, label, 0)
+    target = tl.where(valid & ~bad, label, 0)
     picked = tl.load(row + target)
-    tl.store(loss_ptr + pid_c, tl.where(valid, lse - picked, 0.0))
-    g_scale = tl.where(valid, scale, 0.0)
+    tl.store(loss_ptr + pid_c, tl.where(bad, float("nan"), tl.where(valid, lse - picked, 0.0)))
+    g_scale = tl.where(bad, float("nan"), tl.where(valid, scale, 0.0))
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         mask_v = offs_v < V
@@ -58,7 +64,8 @@ def _ce_grad_fwd_kernel(
 
 
 def ce_grad_fwd(logits_CV: torch.Tensor, labels_C: torch.Tensor, scale: float,
-                ignore_index: int = -100, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                ignore_index: int = -100, *, out: Optional[torch.Tensor] = None,
+                check_labels: bool = True) -> torch.Tensor:
     """Cross-entropy per row and its gradient over the logits, in place.
 
     Args:
@@ -68,6 +75,8 @@ def ce_grad_fwd(logits_CV: torch.Tensor, labels_C: torch.Tensor, scale: float,
         scale: the gradient's factor (1 / the number of valid tokens of the whole batch).
         ignore_index: the label of rows without loss.
         out: optional contiguous [C] float32 buffer for the loss.
+        check_labels: raise ValueError on a label outside ``[0, V)`` other than ``ignore_index`` (a
+            host read on CUDA). False: the caller checked them; such a row's loss and gradient are NaN.
 
     Returns:
         loss_C [C] float32, 0 on ignored rows.
@@ -82,6 +91,8 @@ def ce_grad_fwd(logits_CV: torch.Tensor, labels_C: torch.Tensor, scale: float,
         check_out("out", out, (C,), torch.float32, logits_CV.device)
     if C == 0:
         return loss
+    if check_labels:
+        _check_labels("labels_C", labels_C, V, ignore_index)
     block_v = min(64 if interpreting() or logits_CV.device.type != "cuda" else 4096, triton.next_power_of_2(V))
     _ce_grad_fwd_kernel[(C,)](
         logits_CV, labels_C.contiguous(), loss, C, V, float(scale), int(ignore_index), logits_CV.stride(0),

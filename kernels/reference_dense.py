@@ -58,8 +58,44 @@ def add_rmsnorm_bwd_ref(grad_y_RD: torch.Tensor, grad_s_RD: Optional[torch.Tenso
     return ds.to(s_RD.dtype), (dy * n).sum(tuple(range(s_RD.dim() - 1))).to(weight_D.dtype)
 
 
+def _bad_labels(labels: torch.Tensor, V: int, ignore_index: int) -> torch.Tensor:
+    """The labels a cross-entropy over ``V`` classes refuses, without a host read.
+
+    Args:
+        labels: integer targets, any shape.
+        V: the number of classes.
+        ignore_index: the label of rows without loss (never bad).
+
+    Returns:
+        A boolean tensor like ``labels``: True where a label is outside ``[0, V)`` and not ``ignore_index``.
+    """
+    return (labels != ignore_index) & ((labels < 0) | (labels >= V))
+
+
+def _check_labels(name: str, labels: torch.Tensor, V: int, ignore_index: int) -> None:
+    """Refuse labels outside ``[0, V)`` other than ``ignore_index``, as ``torch.nn.functional.cross_entropy``
+    does. One host read on a GPU tensor; more only when raising.
+
+    Args:
+        name: the argument's name, for the message.
+        labels: integer targets.
+        V: the number of classes.
+        ignore_index: the label of rows without loss.
+
+    Raises:
+        ValueError: naming ``name``, the bad values, ``V`` and ``ignore_index``.
+    """
+    bad = _bad_labels(labels, V, ignore_index)
+    if bool(bad.any()):
+        values = labels[bad]
+        shown = sorted(set(values.tolist()))
+        more = f" (and {len(shown) - 8} more distinct)" if len(shown) > 8 else ""
+        raise ValueError(f"{name} must be in [0, V={V}) or the ignore index {ignore_index}; got "
+                         f"{values.numel()} outside: {shown[:8]}{more}")
+
+
 def ce_grad_fwd_ref(logits_CV: torch.Tensor, labels_C: torch.Tensor, scale: float,
-                    ignore_index: int = -100) -> torch.Tensor:
+                    ignore_index: int = -100, *, check_labels: bool = True) -> torch.Tensor:
     """Cross-entropy of each row and its gradient, the gradient written over the logits.
 
     Args:
@@ -67,10 +103,15 @@ def ce_grad_fwd_ref(logits_CV: torch.Tensor, labels_C: torch.Tensor, scale: floa
             ``scale * (softmax(logits) - onehot(label))`` (zero on ignored rows).
         labels_C: [C] integer targets; ``ignore_index`` rows contribute no loss and no gradient.
         scale: the factor of the gradient (1 / the number of valid tokens of the whole batch).
+        ignore_index: the label of rows without loss.
+        check_labels: raise ValueError on a label outside ``[0, V)`` other than ``ignore_index``
+            (False: the caller checked them, e.g. once for the whole batch).
 
     Returns:
         loss_C [C] in the logits' dtype: ``logsumexp(logits) - logits[label]``, 0 on ignored rows.
     """
+    if check_labels:
+        _check_labels("labels_C", labels_C, logits_CV.shape[-1], ignore_index)
     valid = labels_C != ignore_index
     target = torch.where(valid, labels_C, 0).long()
     lse = torch.logsumexp(logits_CV, dim=-1)

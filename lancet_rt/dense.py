@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from lancet_rt import ops as _ops
+from lancet_rt.kernels.reference_dense import _bad_labels, _check_labels
 
 
 # ------------------------------------------------------------------------------------- add + RMSNorm
@@ -173,10 +174,12 @@ def _linear_ce_chunks(hidden, weight, labels, divisor, ignore_index, chunk, need
     grad_h = torch.empty_like(hidden) if need_grad_h else hidden.new_empty(0)
     grad_w = grad_w_acc if grad_w_acc is not None else \
         torch.zeros(weight.shape, device=weight.device, dtype=acc) if need_grad_w else weight.new_empty(0)
+    if d != d:  # a NaN divisor: perhaps flagged by _flag_bad_labels (raises if so)
+        _check_labels("labels", labels, weight.shape[0], ignore_index)
     for c0 in range(0, hidden.shape[0], chunk):
         h_CD = hidden[c0:c0 + chunk]
         logits_CV = (h_CD @ weight.t()).to(acc)  # the head in the model's dtype, the loss in float32
-        total += ops.ce_grad_fwd(logits_CV, labels[c0:c0 + chunk], scale, ignore_index).sum()
+        total += ops.ce_grad_fwd(logits_CV, labels[c0:c0 + chunk], scale, ignore_index, check_labels=False).sum()
         if need_grad_h:  # logits_CV now holds d loss / d logits
             torch.mm(logits_CV.to(weight.dtype), weight, out=grad_h[c0:c0 + chunk])
         if need_grad_w or grad_w_acc is not None:
@@ -205,6 +208,17 @@ def _linear_ce_backward(ctx, grad_loss, _g1, _g2):
 _linear_ce.register_autograd(_linear_ce_backward, setup_context=_linear_ce_setup)
 
 
+def _flag_bad_labels(labels_T: torch.Tensor, V: int, ignore_index: int, divisor: torch.Tensor) -> torch.Tensor:
+    """The divisor (float64), NaN if a label is outside ``[0, V)`` and not ``ignore_index``.
+
+    The chunk loop reads the divisor on the host once anyway; a NaN there makes it check the labels
+    and raise ValueError naming them. So the whole batch's labels are checked with a few device ops
+    and no host read of their own (on CUDA no extra sync); a label never reaches a kernel unchecked.
+    """
+    bad = _bad_labels(labels_T, V, ignore_index).any()
+    return torch.where(bad, float("nan"), divisor.to(torch.float64))
+
+
 def _default_chunk(T: int, D: int, V: int) -> int:
     """Rows per chunk: about T * D logits per chunk (the hidden state's size), a power of two."""
     per = max(1, -(-T * D // max(V, 1)))
@@ -224,7 +238,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     Args:
         hidden: [..., D] last hidden state (bf16/fp16/fp32/fp64).
         weight: [V, D] the LM head's weight, hidden's dtype.
-        labels: [...] integer labels, hidden's leading shape; ``ignore_index`` marks no loss.
+        labels: [...] integer labels in ``[0, V)``, hidden's leading shape; ``ignore_index`` marks
+            no loss. Any other label raises ValueError (checked on the device; no extra host sync).
         ignore_index: the label without loss.
         shift_labels: predict token t + 1 from position t (pad with ``ignore_index`` and shift along
             the last label dimension, as transformers does); False: labels are already aligned.
@@ -256,7 +271,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         divisor = torch.as_tensor(num_items_in_batch, device=hidden.device)
     chunk = chunk_size or _default_chunk(h_TD.shape[0], D, weight.shape[0])
     grad = torch.is_grad_enabled()
-    loss, _, _ = _linear_ce(h_TD, weight, labels_T, divisor.to(torch.float64), int(ignore_index), int(chunk),
+    divisor = _flag_bad_labels(labels_T, weight.shape[0], int(ignore_index), divisor)
+    loss, _, _ = _linear_ce(h_TD, weight, labels_T, divisor, int(ignore_index), int(chunk),
                             grad and hidden.requires_grad, grad and weight.requires_grad)
     return loss
 
@@ -352,7 +368,8 @@ class SharedHeadGrad:
         if self.acc is None:
             return linear_cross_entropy(hidden, self.weight, labels, ignore_index=self.ignore_index,
                                         shift_labels=False, num_items_in_batch=self.divisor, chunk_size=chunk)
-        return _ChunkTerm.apply(h_TD, self.weight.detach(), labels_T, self.divisor, self.ignore_index, self.acc,
+        divisor = _flag_bad_labels(labels_T, self.weight.shape[0], self.ignore_index, self.divisor)
+        return _ChunkTerm.apply(h_TD, self.weight.detach(), labels_T, divisor, self.ignore_index, self.acc,
                                 chunk, scale)
 
     def attach(self, loss: torch.Tensor) -> torch.Tensor:

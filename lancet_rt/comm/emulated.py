@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import torch
 
 from lancet_rt import trace as _trace
-from lancet_rt.comm.emulated_cuda import _CudaLowWork, _CudaWork, _sleep_cycles_per_ms
+from lancet_rt.comm.emulated_cuda import _CudaLowWork, _CudaWork, _sleep_cycles_per_ms, link_stream
 from lancet_rt.comm.group import check_link, link_ms
 
 
@@ -290,15 +290,14 @@ class EmulatedGroup:
         return link_ms(off_rank_bytes, self.bandwidth_gbps, self.latency_us)
 
     def _comm_stream(self, kind: str = "all_to_all"):
-        # High priority, as a link is: when the compute stream's kernels fill the SMs, the link's
-        # copy and timed kernel take the next free slot instead of queueing behind a whole GEMM
-        # grid, so a transfer starts when the link is free, not when compute lets it.
+        # NCCL's stream priority (emulated_cuda.link_stream): a transfer waits for SM slots as
+        # NCCL's kernel would, not ahead of the compute stream's queued blocks.
         if kind == "exchange" and self.counts_channel == "own":
             if self._counts_stream is None:
-                self._counts_stream = torch.cuda.Stream(self.device, priority=-1)
+                self._counts_stream = link_stream(self.device)
             return self._counts_stream
         if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device, priority=-1)
+            self._stream = link_stream(self.device)
         return self._stream
 
     def _submit(self, off_rank_bytes: int, copy=None, tensors=(), kind: str = "all_to_all",

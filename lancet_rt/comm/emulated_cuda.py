@@ -1,9 +1,30 @@
-"""The CUDA side of the emulated link (:class:`lancet_rt.EmulatedGroup` on a GPU): a transfer's handle
-(an event on the communication stream), a low-priority transfer held on the host until the link is
-idle, and the calibration of the timed kernel that holds the link."""
+"""The CUDA side of the emulated link (:class:`lancet_rt.EmulatedGroup` on a GPU): the link's streams,
+a transfer's handle (an event on the communication stream), a low-priority transfer held on the host
+until the link is idle, and the calibration of the timed kernel that holds the link.
+
+The link's streams have NCCL's priority: torch's ``ProcessGroupNCCL`` issues its collectives on
+streams of default priority (unless its ``is_high_priority_stream`` option is set). A high-priority
+link stream would start each transfer on the next free SM slot, ahead of the compute stream's queued
+blocks, where NCCL's kernel waits its turn: the emulated benchmark would flatter the overlap.
+"""
 from __future__ import annotations
 
 import torch
+
+#: The priority of the emulated link's CUDA streams: NCCL's default (0, the lowest; -1 is higher).
+LINK_STREAM_PRIORITY = 0
+
+
+def link_stream(device) -> "torch.cuda.Stream":
+    """A new stream for the emulated link on ``device``, at NCCL's priority.
+
+    Args:
+        device: the CUDA device.
+
+    Returns:
+        A ``torch.cuda.Stream`` of priority :data:`LINK_STREAM_PRIORITY`.
+    """
+    return torch.cuda.Stream(device, priority=LINK_STREAM_PRIORITY)
 
 
 class _CudaWork:

@@ -9,22 +9,118 @@ from pathlib import Path
 
 import pytest
 
-from bench import lane_files, lane_steps
+from bench import lane_configs, lane_files, lane_steps
 from bench.lane_steps import GEMM_PINS, PRIORITY, allot, deadlines
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_priority_plan_gives_the_headline_its_caps_first():
-    caps = dict(zip([s.name for s in PRIORITY], allot(PRIORITY, 480)))
-    assert [s.label for s in PRIORITY] == ["P0", "P1", "P2", "P2", "P3", "P4", "P5", "P6"]
-    for step in PRIORITY[:5]:  # P0-P3: their whole caps
+    caps = dict(zip([s.name for s in PRIORITY], allot(PRIORITY, 700)))
+    assert [s.label for s in PRIORITY] == ["P0", "P1", "P2", "P2", "P3", "P4", "P5", "P6", "P7", "P8"]
+    for step in PRIORITY[:-1]:  # with 700 s every step but the last has its whole cap
         assert caps[step.name] == step.cap
-    assert caps["kernel_tests"] == 480 - lane_steps.SUMMARY_SECONDS - sum(s.cap for s in PRIORITY[:-1]) > 0
+    assert caps["kernel_tests"] == 700 - lane_steps.SUMMARY_SECONDS - sum(s.cap for s in PRIORITY[:-1]) > 0
+    # the default budget: P0-P5 whole (the headline, host time, the tests, the one-queue overlap)
+    assert allot(PRIORITY, 480)[:7] == [s.cap for s in PRIORITY[:7]]
     # a short budget cuts from the end: P0 and P1 whole, P2 what is left, nothing after
     short = allot(PRIORITY, 230)
-    assert short[:3] == [40, 150, 230 - 10 - 190] and short[3:] == [0] * 5
+    assert short[:3] == [40, 150, 230 - 10 - 190] and short[3:] == [0] * 7
     assert deadlines([40, 150, 30]) == [40, 190, 220]
+
+
+def test_pytest_steps_time_out_by_thread():
+    """pytest-timeout's signal method cannot interrupt a test blocked in C++; the thread method can."""
+    from bench.lane_steps import Context
+
+    ctx = Context("python", REPO, REPO, False, 60)
+    for step in PRIORITY:
+        argv = step.argv(ctx)
+        if "pytest" in argv:
+            assert "--timeout-method=thread" in argv and any(a.startswith("--timeout=") for a in argv), step.name
+
+
+@pytest.mark.parametrize("var", sorted(lane_configs.ROUTING_PINS))
+def test_routing_pins_are_in_the_spaces_and_kept_at_the_lanes_shapes(var):
+    """Each pinned routing config is one of its kernel's candidates and survives the kernel's own
+    prune at every (E, K, D) the lane's pinned steps run; the variables are the kernels'."""
+    import triton
+
+    from lancet_rt.kernels import _gating_kernels, _permute_kernels
+
+    tuner = lane_configs.tuners()[var]
+    text = lane_configs.ROUTING_PINS[var]
+    assert text in {lane_configs.config_string(c) for c in tuner.configs}
+    config = next(c for c in tuner.configs if lane_configs.config_string(c) == text)
+    for E, K, D in lane_configs.ROUTING_SHAPES:
+        if "GATING" in var:
+            assert _gating_kernels._token_tile_keep(config, triton.next_power_of_2(E)), (var, E)
+        else:
+            assert _permute_kernels._row_tile_keep(config, D), (var, D)
+    env = lane_steps.pin_env("bf16")
+    assert env[var] == text and lane_steps.pin_env("fp32")[var] == text
+
+
+def test_pinned_routing_config_is_what_the_kernel_launches(monkeypatch):
+    """The lane's routing variables are the ones the kernels' prune reads: pinned, it returns the pin alone."""
+    for name, value in lane_steps.pin_env("bf16").items():
+        monkeypatch.setenv(name, value)
+    for var, tuner in lane_configs.tuners().items():
+        prune = tuner.early_config_prune
+        (config,) = prune(tuner.configs, dict(D=4096), BLOCK_E=16)
+        assert lane_configs.config_string(config) == lane_configs.ROUTING_PINS[var]
+
+
+def test_step_environment_sets_and_unsets_its_variables(monkeypatch):
+    from bench import gpu_lane
+
+    steps = {s.name: s for s in PRIORITY}
+    base = {"CUDA_DEVICE_MAX_CONNECTIONS": "4", "KEEP": "1"}
+    p1, p5 = gpu_lane.step_env(base, steps["overlap"]), gpu_lane.step_env(base, steps["overlap_conn1"])
+    assert "CUDA_DEVICE_MAX_CONNECTIONS" not in p1 and p5["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert p1["KEEP"] == p5["KEEP"] == "1" and p1["LANCET_GATING_FWD_CONFIG"] == p5["LANCET_GATING_FWD_CONFIG"]
+    assert not any(k.startswith("LANCET_") for k in gpu_lane.step_env(base, steps["kernels"]))
+
+
+def _fake_lane(monkeypatch, tmp_path, preflight_rc, install_s=1.5):
+    """Run the lane's main with the installs taking ``install_s`` and every step faked: returns the
+    lane's rc and the (step, allowance) of each step run."""
+    import time
+
+    from bench import gpu_lane
+
+    ran = []
+
+    def run_step(cmd, env, cwd, log, seconds, refresh):
+        name = log.stem
+        ran.append((name, seconds))
+        return (preflight_rc if name == "preflight" else 0), 0.0, 0.0
+
+    monkeypatch.setattr(gpu_lane, "install", lambda *a: time.sleep(install_s))
+    monkeypatch.setattr(gpu_lane, "run_step", run_step)
+    rc = gpu_lane.main(["--budget", "480", "--out", str(tmp_path / "out"), "--only", "overlap,host_fine"])
+    return rc, ran
+
+
+def test_preflight_clock_starts_after_the_installs(monkeypatch, tmp_path):
+    rc, ran = _fake_lane(monkeypatch, tmp_path, 0, install_s=1.5)
+    assert rc == 0 and [n for n, _ in ran] == ["preflight", "overlap", "host_fine"]
+    assert ran[0][1] > lane_steps.PREFLIGHT.cap - 0.5  # the installs' 1.5 s are not the pre-flight's
+
+
+@pytest.mark.parametrize("rc", ["timeout", 1])
+def test_preflight_that_ran_long_does_not_end_the_call(monkeypatch, tmp_path, rc):
+    code, ran = _fake_lane(monkeypatch, tmp_path, rc, install_s=0)
+    assert code == 0 and [n for n, _ in ran] == ["preflight", "overlap", "host_fine"]
+
+
+@pytest.mark.parametrize("rc", [3, 4])
+def test_failed_import_or_no_cuda_ends_the_call(monkeypatch, tmp_path, rc):
+    from bench import preflight
+
+    assert rc in (preflight.IMPORT_FAILED, preflight.NO_CUDA)
+    code, ran = _fake_lane(monkeypatch, tmp_path, rc, install_s=0)
+    assert code == rc and [n for n, _ in ran] == ["preflight"]
 
 
 def _h100_winners() -> dict:
