@@ -21,13 +21,12 @@ printed met or missed); non-zero if a run failed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from bench.common import print_table
+from bench.common import _read_rows, print_table
 
 RUNS = (("blocks, W=2", ["--world-size", "2"]),
         ("mixtral, W=2", ["--world-size", "2", "--model", "mixtral"]),
@@ -47,7 +46,7 @@ def parse_args(argv=None):
 
 
 def _rows(path: Path) -> list:
-    return json.loads(path.read_text()) if path.exists() else []
+    return _read_rows(path)  # (a damaged results file is a ValueError naming it)
 
 
 def main(argv=None) -> int:
