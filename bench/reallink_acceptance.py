@@ -27,6 +27,7 @@ import sys
 from pathlib import Path
 
 from bench.common import _read_rows, print_table
+from lancet_rt.cli import int_in, list_of
 
 RUNS = (("blocks, W=2", ["--world-size", "2"]),
         ("mixtral, W=2", ["--world-size", "2", "--model", "mixtral"]),
@@ -39,8 +40,9 @@ PEER_TARGETS = {"torchtitan": 0.55, "torchtitan_fp32": 0.55, "deepspeed": 0.50}
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default="bench/results/overlap_real.json")
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--runs", default=",".join(str(i) for i in range(len(RUNS))),
+    p.add_argument("--rounds", type=int_in(1), default=15)
+    p.add_argument("--runs", type=list_of(int_in(0, len(RUNS) - 1), unique=True),
+                   default=",".join(str(i) for i in range(len(RUNS))),
                    help="which of the runs (0, 1, 2: module docstring), comma-separated")
     return p.parse_args(argv)
 
@@ -53,7 +55,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     path = Path(args.json)
     results = []
-    for i in [int(v) for v in args.runs.split(",")]:
+    for i in args.runs:
         name, extra = RUNS[i]
         before = len(_rows(path))
         cmd = [sys.executable, "-m", "bench.overlap", "--link", "real", "--rounds", str(args.rounds),
