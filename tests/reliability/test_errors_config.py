@@ -107,3 +107,23 @@ def test_good_values_still_launch_and_match_the_reference(monkeypatch):
         assert_close(f"output/gradient {i}", a, b)
     assert grouped_gemm.selected_config("dw") == "32,16,16,2,2"  # the Triton kernels ran, pinned
     assert grouped_gemm.selected_config("fwd") == "16,16,16,4,1"
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("ON", True), ("yes", True), ("0", False),
+                                      ("false", False), ("", False), ("no", False)])
+def test_triton_interpret_is_read_as_triton_reads_it(value, on, monkeypatch):
+    from triton._C.libtriton import getenv_bool
+
+    from lancet_rt import env
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    assert env.triton_interpret() is on and getenv_bool("TRITON_INTERPRET", False) is on
+
+
+@pytest.mark.parametrize("value", ["2", "enabled", " 1"])
+def test_a_triton_interpret_value_triton_would_ignore_is_named(value, monkeypatch):
+    from lancet_rt import env
+
+    monkeypatch.setenv("TRITON_INTERPRET", value)
+    with pytest.raises(ValueError, match=f"TRITON_INTERPRET must be one of 1, true, on, yes .* got {value!r}"):
+        env.triton_interpret()
