@@ -45,7 +45,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from lancet_rt.cli import float_in, int_in
+from lancet_rt.cli import checked, float_in, int_in, or_word
 
 #: Namespace names made here: PREFIX + "<owner pid>-<owner start time>-" + "br" or "r<rank>".
 PREFIX = "lancetrl"
@@ -410,16 +410,6 @@ def rank_link() -> Optional[RankLink]:
 
 
 # ------------------------------------------------------------------------------ command line
-def _rate_arg(text: str) -> str:
-    """--rate: 'none' or a rate :func:`parse_rate` takes (the text, checked)."""
-    if text != "none":
-        try:
-            parse_rate(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(f"{exc} (or 'none')") from None
-    return text
-
-
 def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     command = []
@@ -429,7 +419,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(prog="python -m bench.reallink", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int_in(2, 64), default=2)
-    p.add_argument("--rate", type=_rate_arg, default="450mbit",
+    p.add_argument("--rate", type=or_word(checked(parse_rate), value="none"), default="450mbit",
                    help="each rank's port rate, tc style (450mbit, 1gbit); 'none': unshaped")
     p.add_argument("--delay-ms", type=float_in(0, 1000), default=0.0, help="netem delay on each rank's egress")
     p.add_argument("--queue-ms", type=float_in(0, 1000, above=True), default=QUEUE_MS,

@@ -101,3 +101,19 @@ def or_word(item: Callable[[str], object], *words: str, value=None) -> Callable[
 
     parse.__name__ = getattr(item, "__name__", "value")
     return parse
+
+
+def checked(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """An argparse ``type`` from a parser that raises ValueError (its message becomes argparse's line).
+
+    Returns:
+        The callable argparse calls with the argument's text.
+    """
+    def parse_checked(text: str):
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    parse_checked.__name__ = getattr(parse, "__name__", "value")
+    return parse_checked
