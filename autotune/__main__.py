@@ -22,6 +22,7 @@ import torch
 
 import lancet_rt
 
+from lancet_rt.cli import float_in, int_in, list_of, or_word
 from lancet_rt.models.blocks import TuningBlocks
 from .cache import TuneCache
 from .cost_model import CostModel
@@ -42,25 +43,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--link", choices=["emulated", "torch"], default="emulated",
                    help="emulated: this process is rank 0 of --world-size symmetric ranks on a link of "
                         "--bandwidth-gbps/--latency-us; torch: the real default process group (run under torchrun)")
-    p.add_argument("--world-size", type=int, default=None, help="expert-parallel ranks (emulated; default 8)")
-    p.add_argument("--bandwidth-gbps", type=float, default=None, help="emulated link bandwidth per rank, GB/s")
-    p.add_argument("--latency-us", type=float, default=20.0, help="emulated link latency per collective")
-    p.add_argument("--d-model", type=int, default=1024)
-    p.add_argument("--d-ffn", type=int, default=2048)
-    p.add_argument("--experts", type=int, default=16, help="experts over all ranks")
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--capacity-factor", default="1.25", help="a number > 0, or 'none' (dropless)")
-    p.add_argument("--tokens", type=int, default=16384, help="tokens per step on each rank")
-    p.add_argument("--seq", type=int, default=128, help="sequence length (rows = tokens / seq)")
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--world-size", type=int_in(1, 1024), default=None, help="expert-parallel ranks (emulated; default 8)")
+    p.add_argument("--bandwidth-gbps", type=float_in(0, above=True), default=None, help="emulated link bandwidth per rank, GB/s")
+    p.add_argument("--latency-us", type=float_in(0, 1e6), default=20.0, help="emulated link latency per collective")
+    p.add_argument("--d-model", type=int_in(1), default=1024)
+    p.add_argument("--d-ffn", type=int_in(1), default=2048)
+    p.add_argument("--experts", type=int_in(1), default=16, help="experts over all ranks")
+    p.add_argument("--top-k", type=int_in(1), default=2)
+    p.add_argument("--capacity-factor", type=or_word(float_in(0, above=True), "none", "dropless"), default="1.25", help="a number > 0, or 'none' (dropless)")
+    p.add_argument("--tokens", type=int_in(1), default=16384, help="tokens per step on each rank")
+    p.add_argument("--seq", type=int_in(1), default=128, help="sequence length (rows = tokens / seq)")
+    p.add_argument("--layers", type=int_in(1), default=2)
+    p.add_argument("--heads", type=int_in(1), default=8)
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                    help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--defer-wgrad", action="store_true", help="tune Overlapped(defer_wgrad=True)")
-    p.add_argument("--candidates", default=",".join(map(str, DEFAULT_CANDIDATES)))
-    p.add_argument("--min-tokens-per-chunk", type=int, default=DEFAULT_MIN_TOKENS_PER_CHUNK)
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per candidate")
-    p.add_argument("--reps", type=int, default=5, help="timed steps per candidate")
+    p.add_argument("--candidates", type=list_of(int_in(1, 64)), default=",".join(map(str, DEFAULT_CANDIDATES)))
+    p.add_argument("--min-tokens-per-chunk", type=int_in(0), default=DEFAULT_MIN_TOKENS_PER_CHUNK)
+    p.add_argument("--warmup", type=int_in(0), default=2, help="untimed steps per candidate")
+    p.add_argument("--reps", type=int_in(1), default=5, help="timed steps per candidate")
     p.add_argument("--statistic", choices=["median", "min"], default="median",
                    help="summary of each candidate's timed steps (min resists other processes on a shared CPU)")
     p.add_argument("--cache", default=None, help="cache file (default: LANCET_AUTOTUNE_CACHE or "
@@ -69,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--export-defaults", default=None, metavar="PATH",
                    help="also write the entry, keyed by GPU name, into a shipped-defaults file "
                         "(autotune/defaults.json)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p.parse_args(argv)
 
@@ -90,7 +91,7 @@ def validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--d-model ({args.d_model}) must be divisible by --heads ({args.heads})")
     if args.tokens % args.seq:
         raise ValueError(f"--tokens ({args.tokens}) must be a multiple of --seq ({args.seq})")
-    cf = str(args.capacity_factor).strip().lower()
+    cf = str(args.capacity_factor).strip().lower()  # (argparse gives a float or None; callers may give text)
     if cf in ("none", "dropless"):
         args.capacity_factor = None
     else:
@@ -102,7 +103,8 @@ def validate(args: argparse.Namespace) -> None:
         if not args.capacity_factor > 0 or math.isinf(args.capacity_factor):
             raise ValueError(f"--capacity-factor must be a finite number > 0 or 'none', got {args.capacity_factor}")
     try:
-        args.candidates = sorted({int(c) for c in str(args.candidates).split(",") if c.strip()})
+        args.candidates = sorted({int(c) for c in (str(args.candidates).split(",") if isinstance(args.candidates, str)
+                                                   else args.candidates) if str(c).strip()})
     except ValueError:
         raise ValueError(f"--candidates must be comma-separated ints, got {args.candidates!r}") from None
     if not args.candidates or min(args.candidates) < 1:

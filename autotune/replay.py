@@ -46,6 +46,8 @@ import json
 import sys
 from typing import Iterable, Optional, Sequence
 
+from lancet_rt.cli import float_in, int_in, list_of
+
 from .replay_profile import ReplayProfile, build_profile
 from .replay_sim import EXPERTS_DW_SHARE, ReplayPrediction, replay
 from .replay_trace import STAGES, TracedStep, load_events, parse_trace
@@ -61,26 +63,6 @@ def replay_traces(traces: Iterable, chunks: Sequence[int], bandwidths: Sequence[
     return [replay(profile, n, b, latency_ms, counts_channel) for b in bandwidths for n in chunks]
 
 
-def _ints(text: str) -> list:
-    try:
-        out = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
-    if not out or any(v < 1 for v in out):
-        raise argparse.ArgumentTypeError(f"expected ints >= 1, got {text!r}")
-    return out
-
-
-def _floats(text: str) -> list:
-    try:
-        out = [float(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-    if not out or any(not v > 0 for v in out):
-        raise argparse.ArgumentTypeError(f"expected numbers > 0, got {text!r}")
-    return out
-
-
 def main(argv=None) -> list:
     """The command (module docstring): replay the traces at every chunk count and bandwidth, print a table.
 
@@ -94,10 +76,10 @@ def main(argv=None) -> list:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("traces", nargs="+", help="trace JSON of one step each (lancet_rt.tracing(); two or more chunk "
                                              "counts of the same batch also fit the per-chunk overhead)")
-    p.add_argument("--chunks", type=_ints, default=[1, 2, 4], help="chunk counts to predict (default 1,2,4)")
-    p.add_argument("--bandwidth-gbps", type=_floats, default=None,
+    p.add_argument("--chunks", type=list_of(int_in(1, 64)), default=[1, 2, 4], help="chunk counts to predict (default 1,2,4)")
+    p.add_argument("--bandwidth-gbps", type=list_of(float_in(0, above=True)), default=None,
                    help="link bandwidths to predict, GB/s (default: the traced link's)")
-    p.add_argument("--latency-us", type=float, default=None, help="link latency (default: the traced link's)")
+    p.add_argument("--latency-us", type=float_in(0, 1e6), default=None, help="link latency (default: the traced link's)")
     p.add_argument("--counts-channel", choices=("shared", "own"), default="shared",
                    help="the counts exchanges in the link's FIFO (default) or on a channel of their own")
     p.add_argument("--json", default=None, help="write the predictions here (a JSON list)")
@@ -106,8 +88,6 @@ def main(argv=None) -> list:
         profile = build_profile([parse_trace(t) for t in args.traces])
     except (OSError, ValueError) as exc:
         p.exit(2, f"replay: {exc}\n")
-    if args.latency_us is not None and not args.latency_us >= 0:
-        p.error(f"--latency-us must be >= 0, got {args.latency_us}")
     lat = None if args.latency_us is None else args.latency_us * 1e-3
     preds = [replay(profile, n, b, lat, args.counts_channel) for b in (args.bandwidth_gbps or [None]) for n in args.chunks]
     print(f"replay of {len(args.traces)} trace(s): {len(profile.layers)} MoE layers, {profile.tokens} tokens, traced "

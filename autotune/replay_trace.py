@@ -6,10 +6,12 @@ where): :func:`parse_trace` reads one training step of :class:`lancet_rt.Overlap
 """
 from __future__ import annotations
 
-import json
+import os
 import re
 from dataclasses import dataclass
 from typing import Sequence
+
+from lancet_rt.jsonfile import read_json
 
 #: Forward stages of one MoE layer, in the order a chunk runs them.
 STAGES = ("pre", "route", "permute", "issue", "experts", "post")
@@ -57,17 +59,31 @@ class TracedStep:
         return sum(self.tokens)
 
 
+def _path_of(source):
+    """``source`` as a path name when it is one (str, bytes, os.PathLike), else None."""
+    if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
+        return os.fsdecode(source)
+    return None
+
+
 def load_events(source) -> list:
-    """Trace events (Chrome JSON, times in us) from a path, a :class:`lancet_rt.Trace`, a dict or a list."""
+    """Trace events (Chrome JSON, times in us) from a path, a :class:`lancet_rt.Trace`, a dict or a list.
+
+    Raises:
+        ValueError: the file or object is not a trace (from a path: the message starts with the path,
+            whatever is wrong, :func:`lancet_rt.jsonfile.read_json`).
+    """
     if hasattr(source, "events"):
         return source.events()
-    if isinstance(source, (str, bytes)) or hasattr(source, "__fspath__"):
-        with open(source) as f:
-            source = json.load(f)
+    path = _path_of(source)
+    if path is not None:
+        source = read_json(source)
     if isinstance(source, dict):
         source = source.get("traceEvents")
-    if not isinstance(source, list):
-        raise ValueError("trace must be a path, a lancet_rt.Trace, {'traceEvents': [...]} or a list of events")
+    if not isinstance(source, list) or not all(isinstance(e, dict) for e in source):
+        what = "a path, a lancet_rt.Trace, {'traceEvents': [...]} or a list of events (objects)"
+        raise ValueError(f"{path}: not a trace: expected {{'traceEvents': [...]}} or a list of events (objects)"
+                         if path is not None else f"trace must be {what}")
     return source
 
 
@@ -90,9 +106,24 @@ def parse_trace(source) -> TracedStep:
 
     Raises:
         ValueError: if the trace is not one step of Overlapped (or a plain model) with lancet MoE
-            layers on the emulated link, naming what is missing.
+            layers on the emulated link, naming what is missing (and the file, from a path).
     """
-    events = [e for e in load_events(source) if e.get("ph", "X") == "X"]
+    path = _path_of(source)
+    try:
+        return _parse_events(load_events(source))
+    except (KeyError, TypeError, AttributeError, IndexError, ArithmeticError) as exc:  # an event without a field it needs
+        where = f"{path}: " if path is not None else ""
+        raise ValueError(f"{where}not a lancet_rt.tracing() trace of one step (an event lacks a field or has one "
+                         f"of the wrong type: {type(exc).__name__} {exc})") from None
+    except ValueError as exc:
+        if path is None or str(exc).startswith(path):
+            raise
+        raise ValueError(f"{path}: {exc}") from None
+
+
+def _parse_events(events: list) -> TracedStep:
+    """:func:`parse_trace` on the events (any error names what is wrong, not the file)."""
+    events = [e for e in events if e.get("ph", "X") == "X"]
     extent = [e for e in events if e.get("tid") == "tracing"]
     if len(extent) != 1:
         raise ValueError("trace must hold one 'tracing' extent (recorded by lancet_rt.tracing() of this version)")

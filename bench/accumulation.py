@@ -17,26 +17,27 @@ import torch
 import lancet_rt
 from bench.common import print_table
 from bench.runner import Runner
+from lancet_rt.cli import float_in, int_in
 
 ACCUM_MODES = ("accumulate_sequential", "accumulate", "accumulate_dw", "accumulate_megatron")
 LINA_MODES = ("lina_fifo", "lina_priority")
 
 
 def add_accumulation_args(p) -> None:
-    p.add_argument("--microbatches", type=int, default=1,
+    p.add_argument("--microbatches", type=int_in(1), default=1,
                    help="M > 1: also time a training step of M microbatches under the cross-microbatch "
                         "schedule (Overlapped.accumulate) and the Megatron-style pairing")
-    p.add_argument("--accum-chunks", type=int, default=None,
+    p.add_argument("--accum-chunks", type=int_in(1, 64), default=None,
                    help="chunks per microbatch in the cross-microbatch schedules (default: --chunks; the "
                         "pass beside a forward already overlaps it, so fewer chunks may do)")
-    p.add_argument("--accum-steps", type=int, default=None,
+    p.add_argument("--accum-steps", type=int_in(1), default=None,
                    help="timed steps per cross-microbatch schedule (default: --steps, at most 5)")
     p.add_argument("--dp-allreduce", action="store_true",
                    help="also time the step with a data-parallel all-reduce of every gradient on the same link "
                         "(lancet_rt.parallel.GradientSync): whole buckets in FIFO order vs Lina's pieces at low priority")
-    p.add_argument("--bucket-mb", type=float, default=None,
+    p.add_argument("--bucket-mb", type=float_in(0, 1e6, above=True), default=None,
                    help="--dp-allreduce bucket size (default: a quarter of the gradients, so buckets start during backward)")
-    p.add_argument("--piece-mb", type=float, default=None,
+    p.add_argument("--piece-mb", type=float_in(0, 1e6, above=True), default=None,
                    help="--dp-allreduce piece size with priority (default: an eighth of a bucket)")
 
 

@@ -18,6 +18,7 @@ from typing import Iterable, Sequence
 import torch
 
 from bench.timing import bench_ms
+from lancet_rt.jsonfile import read_json
 
 
 def git_commit() -> str:
@@ -108,6 +109,8 @@ class RowLog(list):
     def __init__(self, path: str | os.PathLike | None = None):
         super().__init__()
         self.path = path
+        if path:
+            _read_rows(Path(path))  # a damaged file is named now, before the run measures anything
         self._index = None  # the latest row's position in the file
 
     def add(self, row: dict) -> None:
@@ -140,12 +143,15 @@ def write_json(path: str | os.PathLike, rows: Sequence[dict]) -> int:
 
 
 def _read_rows(path: Path) -> list:
+    """The rows of the results file at ``path`` ([] when there is none); a ValueError naming it when it is
+    not a JSON list (never replaced by the new rows alone: the rows it holds would be lost)."""
     if not path.exists():
         return []
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return []
+    rows = read_json(path)
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: not a results file (a JSON list of rows), got a {type(rows).__name__}: move it "
+                         f"aside or pass another --json")
+    return rows
 
 
 def _write_rows(path: Path, rows: list) -> None:

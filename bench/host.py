@@ -51,6 +51,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import lancet_rt
 from bench.common import RowLog, print_table, run_metadata
 from bench.timing import PhaseTimer, collect_garbage
+from lancet_rt.cli import float_in, int_in, list_of
 from lancet_rt.models.blocks import MoEBlocks
 
 _READ = torch.ops.aten._local_scalar_dense.default
@@ -338,24 +339,24 @@ def configurations(args) -> list[dict]:
 def main(argv: Optional[list] = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
-    p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--d-ffn", type=int, default=128)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=32)
-    p.add_argument("--chunks", type=lambda s: [int(v) for v in s.split(",")], default=[2, 4])
-    p.add_argument("--capacity-factor", type=float, default=None, help="None: dropless")
+    p.add_argument("--world-size", type=int_in(1, 1024), default=4)
+    p.add_argument("--experts", type=int_in(1), default=16)
+    p.add_argument("--layers", type=int_in(1), default=2)
+    p.add_argument("--d-model", type=int_in(1), default=64)
+    p.add_argument("--d-ffn", type=int_in(1), default=128)
+    p.add_argument("--heads", type=int_in(1), default=4)
+    p.add_argument("--top-k", type=int_in(1), default=2)
+    p.add_argument("--batch", type=int_in(1), default=8)
+    p.add_argument("--seq", type=int_in(1), default=32)
+    p.add_argument("--chunks", type=list_of(int_in(1, 64)), default=[2, 4])
+    p.add_argument("--capacity-factor", type=float_in(0, above=True), default=None, help="None: dropless")
     p.add_argument("--autocast", choices=("none", "bf16", "fp16"), default="none")
     p.add_argument("--defer-wgrad", action="store_true")
     p.add_argument("--sweep", action="store_true",
                    help="every combination of dropless / capacity 1.25, autocast none / bf16, defer_wgrad off / on")
-    p.add_argument("--reps", type=int, default=20, help="timed steps per chunk count (host time)")
-    p.add_argument("--top", type=int, default=0, help="print the N op names each extra chunk adds most")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--reps", type=int_in(1), default=20, help="timed steps per chunk count (host time)")
+    p.add_argument("--top", type=int_in(0), default=0, help="print the N op names each extra chunk adds most")
+    p.add_argument("--threads", type=int_in(1, 1024), default=1)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)

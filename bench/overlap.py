@@ -86,6 +86,7 @@ from bench.routing import add_routing_args
 from bench.runner import Runner
 from bench.timeline import draw_timeline
 from bench.timing import bandwidth_for_ratio, keep_freed_memory, synchronize
+from lancet_rt.cli import float_in, int_in
 
 MODES = ("sequential", "moe_pipelined", "overlapped", "overlapped_dw")
 
@@ -94,11 +95,11 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     p.add_argument("--quick", action="store_true", help="small sizes (CPU: well under a minute)")
-    p.add_argument("--comm-ratio", type=float, default=1.0)
-    p.add_argument("--chunks", type=int, default=4)
-    p.add_argument("--world-size", type=int, default=8)
-    p.add_argument("--latency-us", type=float, default=None)
-    p.add_argument("--handshake-us", type=float, default=None,
+    p.add_argument("--comm-ratio", type=float_in(0, 1e3, above=True), default=1.0)
+    p.add_argument("--chunks", type=int_in(1, 64), default=4)
+    p.add_argument("--world-size", type=int_in(1, 1024), default=8)
+    p.add_argument("--latency-us", type=float_in(0, 1e6), default=None)
+    p.add_argument("--handshake-us", type=float_in(0, 1e6), default=None,
                    help="CPU: the control round trip before each transfer may start, beside the transfers in flight "
                         "(EmulatedGroup(handshake_us); a split gloo group's header check on a real link). Default: "
                         "2 x --latency-us. The real link's small all-to-all time (bench.reallink, the row's "
@@ -106,27 +107,27 @@ def parse_args(argv=None):
     p.add_argument("--counts-channel", choices=("own", "shared"), default="own",
                    help="the counts exchanges on a channel of their own (default; TorchGroup(counts_group=...)) or "
                         "queued behind the tokens on theirs (one communicator for both)")
-    p.add_argument("--layers", type=int, default=None)
-    p.add_argument("--d-model", type=int, default=None)
-    p.add_argument("--d-ffn", type=int, default=None)
-    p.add_argument("--experts", type=int, default=None)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--batch", type=int, default=None, help="sequences per step")
-    p.add_argument("--seq", type=int, default=None)
-    p.add_argument("--capacity-factor", type=float, default=1.25)
+    p.add_argument("--layers", type=int_in(1), default=None)
+    p.add_argument("--d-model", type=int_in(1), default=None)
+    p.add_argument("--d-ffn", type=int_in(1), default=None)
+    p.add_argument("--experts", type=int_in(1), default=None)
+    p.add_argument("--top-k", type=int_in(1), default=2)
+    p.add_argument("--batch", type=int_in(1), default=None, help="sequences per step")
+    p.add_argument("--seq", type=int_in(1), default=None)
+    p.add_argument("--capacity-factor", type=float_in(0, above=True), default=1.25)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--steps", type=int, default=None, help="timed steps per schedule")
+    p.add_argument("--steps", type=int_in(1), default=None, help="timed steps per schedule")
     p.add_argument("--statistic", choices=["min", "median"], default="min",
                    help="summary of each schedule's interleaved steps (default min: load from elsewhere "
                         "only ever slows a step, so the fastest is the steadiest estimate)")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=int_in(1, 1024), default=1,
                    help="CPU intra-op threads (default 1: the host is one device, and OpenMP spin-waits "
                         "under oversubscription do not distort the timings)")
     p.add_argument("--malloc", choices=["keep", "default"], default="keep",
                    help="CPU, glibc: keep freed memory in the process (default; see keep_freed_memory) or "
                         "leave the allocator as it is")
     p.add_argument("--json", default=None, help="append a JSON row here (as soon as it is measured, before any drawing)")
-    p.add_argument("--max-seconds", type=float, default=None,
+    p.add_argument("--max-seconds", type=float_in(0, 1e7, above=True), default=None,
                    help="wall-clock allowance: once spent, the calibration is not repeated and the cross-microbatch "
                         "and all-reduce parts are left out, so the row is written before a hard time limit")
     p.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace of one overlapped step")
@@ -150,7 +151,7 @@ def parse_args(argv=None):
     p.add_argument("--replay-from", default="2,8",
                    help="--compare replay: chunk counts to trace (the first alone, then all, predict; far "
                         "apart, so that noise weighs little on the per-chunk overhead they fit)")
-    p.add_argument("--replay-traces", type=int, default=20,
+    p.add_argument("--replay-traces", type=int_in(1), default=20,
                    help="--compare replay: traced steps per chunk count (the fastest is kept)")
     p.add_argument("--replay-defer-wgrad", action="store_true", help="--compare replay: Overlapped(defer_wgrad=True)")
     p.add_argument("--check", action="store_true",

@@ -38,6 +38,7 @@ import torch
 import lancet_rt
 from bench import peers
 from bench.common import RowLog, print_table, run_metadata
+from lancet_rt.cli import float_in, int_in, list_of
 
 MODELS = ("layer", "blocks")
 MODES = ("float32", "bf16")
@@ -229,21 +230,21 @@ def _versions() -> dict:
 
 def main(argv: Optional[list] = None) -> list:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--world-sizes", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2])
+    p.add_argument("--world-sizes", type=list_of(int_in(1, 64)), default=[1, 2])
     p.add_argument("--models", type=lambda s: s.split(","), default=list(MODELS))
     p.add_argument("--modes", type=lambda s: s.split(","), default=list(MODES))
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--d-ffn", type=int, default=512)
-    p.add_argument("--experts", type=int, default=8)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--layers", type=int, default=2, help="blocks")
-    p.add_argument("--heads", type=int, default=4, help="blocks")
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank (the layer: batch x seq tokens)")
-    p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds a multi-rank run may take")
+    p.add_argument("--d-model", type=int_in(1), default=256)
+    p.add_argument("--d-ffn", type=int_in(1), default=512)
+    p.add_argument("--experts", type=int_in(1), default=8)
+    p.add_argument("--top-k", type=int_in(1), default=2)
+    p.add_argument("--layers", type=int_in(1), default=2, help="blocks")
+    p.add_argument("--heads", type=int_in(1), default=4, help="blocks")
+    p.add_argument("--batch", type=int_in(1), default=8, help="sequences per rank (the layer: batch x seq tokens)")
+    p.add_argument("--seq", type=int_in(1), default=256)
+    p.add_argument("--rounds", type=int_in(1), default=15)
+    p.add_argument("--warmup", type=int_in(0), default=2)
+    p.add_argument("--threads", type=int_in(1, 1024), default=1, help="torch threads per process")
+    p.add_argument("--timeout", type=float_in(0, 1e7, above=True), default=1800.0, help="seconds a multi-rank run may take")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     for name, values, allowed in (("--models", args.models, MODELS), ("--modes", args.modes, MODES)):

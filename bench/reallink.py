@@ -45,6 +45,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from lancet_rt.cli import checked, float_in, int_in, or_word
+
 #: Namespace names made here: PREFIX + "<owner pid>-<owner start time>-" + "br" or "r<rank>".
 PREFIX = "lancetrl"
 #: The rank's interface, inside its own namespace.
@@ -416,12 +418,15 @@ def parse_args(argv=None):
         argv, command = argv[:i], argv[i + 1:]
     p = argparse.ArgumentParser(prog="python -m bench.reallink", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--ranks", type=int, default=2)
-    p.add_argument("--rate", default="450mbit", help="each rank's port rate, tc style (450mbit, 1gbit); 'none': unshaped")
-    p.add_argument("--delay-ms", type=float, default=0.0, help="netem delay on each rank's egress")
-    p.add_argument("--queue-ms", type=float, default=QUEUE_MS, help="the token bucket's queue, in ms at the rate")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds the ranks may run (then ended)")
-    p.add_argument("--probe-mb", type=int, default=8, help="MiB each rank sends to each other in the rate probe")
+    p.add_argument("--ranks", type=int_in(2, 64), default=2)
+    p.add_argument("--rate", type=or_word(checked(parse_rate), value="none"), default="450mbit",
+                   help="each rank's port rate, tc style (450mbit, 1gbit); 'none': unshaped")
+    p.add_argument("--delay-ms", type=float_in(0, 1000), default=0.0, help="netem delay on each rank's egress")
+    p.add_argument("--queue-ms", type=float_in(0, 1000, above=True), default=QUEUE_MS,
+                   help="the token bucket's queue, in ms at the rate")
+    p.add_argument("--timeout", type=float_in(0, 1e7, above=True), default=3600.0,
+                   help="seconds the ranks may run (then ended)")
+    p.add_argument("--probe-mb", type=int_in(1, 4096), default=8, help="MiB each rank sends to each other in the rate probe")
     p.add_argument("--no-probe", action="store_true", help="with a command: do not measure the link first")
     p.add_argument("--json", default="bench/results/reallink.json", help="append the probe's row here ('' : no row)")
     p.add_argument("--rank-probe", action="store_true", help=argparse.SUPPRESS)

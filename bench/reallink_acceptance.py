@@ -21,13 +21,13 @@ printed met or missed); non-zero if a run failed.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from bench.common import print_table
+from bench.common import _read_rows, print_table
+from lancet_rt.cli import int_in, list_of
 
 RUNS = (("blocks, W=2", ["--world-size", "2"]),
         ("mixtral, W=2", ["--world-size", "2", "--model", "mixtral"]),
@@ -40,21 +40,22 @@ PEER_TARGETS = {"torchtitan": 0.55, "torchtitan_fp32": 0.55, "deepspeed": 0.50}
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default="bench/results/overlap_real.json")
-    p.add_argument("--rounds", type=int, default=15)
-    p.add_argument("--runs", default=",".join(str(i) for i in range(len(RUNS))),
+    p.add_argument("--rounds", type=int_in(1), default=15)
+    p.add_argument("--runs", type=list_of(int_in(0, len(RUNS) - 1), unique=True),
+                   default=",".join(str(i) for i in range(len(RUNS))),
                    help="which of the runs (0, 1, 2: module docstring), comma-separated")
     return p.parse_args(argv)
 
 
 def _rows(path: Path) -> list:
-    return json.loads(path.read_text()) if path.exists() else []
+    return _read_rows(path)  # (a damaged results file is a ValueError naming it)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     path = Path(args.json)
     results = []
-    for i in [int(v) for v in args.runs.split(",")]:
+    for i in args.runs:
         name, extra = RUNS[i]
         before = len(_rows(path))
         cmd = [sys.executable, "-m", "bench.overlap", "--link", "real", "--rounds", str(args.rounds),

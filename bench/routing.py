@@ -38,6 +38,7 @@ import torch
 from bench.common import RowLog, print_table, run_metadata
 from bench.timing import bandwidth_for_ratio, step_ms
 from lancet_rt import ops as _ops
+from lancet_rt.cli import int_in
 from lancet_rt.routing.traces import ZIPF_PRESET_MAX_OVER_MEAN, bias_routers, parse_routing
 
 MODES = ("sequential", "moe_pipelined", "overlapped", "overlapped_dw", "mitigated", "shadowed")
@@ -47,7 +48,7 @@ def add_routing_args(p) -> None:
     p.add_argument("--routing", default=None,
                    help="comma-separated routings run side by side on the asymmetric link: balanced, zipf (the preset, "
                         "max/mean expert load ~3), zipf:S (Zipf exponent S), trace:FILE (a lancet_rt routing trace)")
-    p.add_argument("--shadow-experts", type=int, default=2,
+    p.add_argument("--shadow-experts", type=int_in(0), default=2,
                    help="--routing: the 'shadowed' schedule's MoE(shadow_experts=N) (hot-expert shadowing; 0: leave it out)")
 
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 import lancet_rt
 from bench.model import MoELanguageModel
+from lancet_rt.cli import float_in, int_in
 from lancet_rt.parallel import dense_parameters, sync_gradients
 
 
@@ -59,24 +60,24 @@ class MarkovLanguage:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--log-every", type=int, default=25)
-    p.add_argument("--batch", type=int, default=16, help="sequences per rank per step")
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=64)
-    p.add_argument("--d-model", type=int, default=64)
-    p.add_argument("--d-ffn", type=int, default=128)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--experts", type=int, default=4)
-    p.add_argument("--top-k", type=int, default=2)
-    p.add_argument("--capacity-factor", type=float, default=1.25, help="<= 0 for dropless")
-    p.add_argument("--aux-loss-coef", type=float, default=0.01)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--chunks", type=int, default=2, help="Overlapped chunk count (1: sequential)")
+    p.add_argument("--steps", type=int_in(1), default=300)
+    p.add_argument("--log-every", type=int_in(1), default=25)
+    p.add_argument("--batch", type=int_in(1), default=16, help="sequences per rank per step")
+    p.add_argument("--seq", type=int_in(1), default=64)
+    p.add_argument("--vocab", type=int_in(2), default=64)
+    p.add_argument("--d-model", type=int_in(1), default=64)
+    p.add_argument("--d-ffn", type=int_in(1), default=128)
+    p.add_argument("--layers", type=int_in(1), default=2)
+    p.add_argument("--heads", type=int_in(1), default=4)
+    p.add_argument("--experts", type=int_in(1), default=4)
+    p.add_argument("--top-k", type=int_in(1), default=2)
+    p.add_argument("--capacity-factor", type=float_in(), default=1.25, help="<= 0 for dropless")
+    p.add_argument("--aux-loss-coef", type=float_in(0), default=0.01)
+    p.add_argument("--lr", type=float_in(0, above=True), default=3e-3)
+    p.add_argument("--chunks", type=int_in(1, 64), default=2, help="Overlapped chunk count (1: sequential)")
     p.add_argument("--autocast", choices=("none", "bf16"), default="none",
                    help="run every step, and the warm-up before the first, under torch.autocast in bfloat16")
-    p.add_argument("--timing-steps", type=int, default=8, help="steps timed each way at the end")
+    p.add_argument("--timing-steps", type=int_in(0), default=8, help="steps timed each way at the end")
     p.add_argument("--channels", choices=("plain", "split"), default="plain",
                    help="gloo: the expert-parallel group as it is (plain) or split (lancet_rt.TorchGroup.split: the "
                         "counts and checks on a group of their own, each direction of the tokens on its own; what a "

@@ -2,15 +2,15 @@
 raises a TypeError or ValueError that names the argument and what was expected."""
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import torch
 
+from ._common import interpreting
 from .reference import ACTIVATIONS  # the activations' names; their semantics are the references'
 
 #: Triton decides at definition time whether @triton.jit kernels run in the CPU interpreter.
-_INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+_INTERPRET = interpreting()
 _FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 

@@ -7,11 +7,12 @@ survivor for sm_90, and the tests check the predicate without a GPU.
 from __future__ import annotations
 
 import functools
-import os
 from typing import Optional, Tuple
 
 import torch
 import triton
+
+from ._common import parse_config
 
 #: "BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages" pins one config (suffix _FWD/_DX/_GATE_UP/_DW: one op).
 CONFIG_ENV = "LANCET_GEMM_CONFIG"
@@ -146,25 +147,11 @@ def _prune_configs(op: str):
     return prune
 
 
-def _parse_config(text: str, var: str) -> Tuple[int, int, int, int, int]:
-    try:
-        vals = tuple(int(v) for v in text.split(","))
-    except ValueError:
-        vals = ()
-    if len(vals) != 5:
-        raise ValueError(f"{var} must be 'BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages' (5 integers), got {text!r}")
-    *blocks, num_warps, num_stages = vals
-    if any(b < 16 or b & (b - 1) for b in blocks):
-        raise ValueError(f"{var}: block sizes must be powers of two >= 16, got {text!r}")
-    if num_warps not in (1, 2, 4, 8, 16) or num_stages < 1:
-        raise ValueError(f"{var}: num_warps must be a power of two <= 16 and num_stages >= 1, got {text!r}")
-    return vals
-
-
 def _pinned_config(op: str) -> Optional[Tuple[int, int, int, int, int]]:
     """The config pinned by the environment for ``op`` (op-specific variable first), or None."""
     for var in (f"{CONFIG_ENV}_{op.upper()}", CONFIG_ENV):
-        text = os.environ.get(var)
-        if text:
-            return _parse_config(text, var)
+        parsed = parse_config(var)  # (kernels._common: the one parser of every kernel-config variable)
+        if parsed is not None:
+            tiles, num_warps, num_stages = parsed
+            return (*tiles.values(), num_warps, num_stages)
     return None

@@ -62,7 +62,7 @@ from typing import Optional, Tuple
 import torch
 import triton
 
-from ._common import on_tensor_device
+from ._common import check_config_vars, on_tensor_device
 from ._expert_checks import (_INTERPRET, _check_activation, _check_bias, _check_device, _check_float, _check_ndim,
                              _check_offsets, _check_out, _check_same_dtype)
 from ._gemm_space import CONFIG_ENV, _TILE_NAMES, _gemm_configs, _make_config, _pinned_config, _prune_configs, _tile_of
@@ -121,6 +121,7 @@ _LAST_CONFIG: dict = {}  # op -> the config of its latest launch, for selected_c
 def _launch_gemm(op: str, grid, args: tuple, device: torch.device, **const) -> None:
     """Launch ``op`` with the pinned config, the interpreter config, or the CUDA autotuner."""
     kernel = {"fwd": _FWD, "dx": _FWD, "gate_up": _GATE_UP, "dw": _DW}[op]
+    check_config_vars()  # any bad kernel-config variable raises before the first launch
     pinned = _pinned_config(op)
     if pinned is None and (device.type != "cuda" or _INTERPRET):
         pinned = _INTERPRETER_CONFIG

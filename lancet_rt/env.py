@@ -1,4 +1,6 @@
-"""Every environment variable lancet-rt reads, in one place (listed in the README)."""
+"""Every environment variable lancet-rt reads, in one place (listed in the README), but the kernel-config
+variables (``LANCET_*_CONFIG``), which ``kernels/`` reads itself: ``lancet_rt.kernels._common.CONFIG_VARS``
+lists them, with one parser."""
 from __future__ import annotations
 
 import math
@@ -38,7 +40,11 @@ def kernels_override() -> str | None:
 
 
 def triton_interpret() -> bool:
-    return os.environ.get(TRITON_INTERPRET, "0") == "1"
+    """``TRITON_INTERPRET`` as Triton reads it (a ValueError naming it for a value Triton would ignore): the
+    kernels' reader, which ``kernels/`` keeps because it cannot import this module."""
+    from lancet_rt.kernels._common import interpreting
+
+    return interpreting()
 
 
 def autotune_cache_path() -> str:

@@ -44,13 +44,59 @@ class Channels:
 
 
 def make_channels(group: dist.ProcessGroup, timeout_s: float) -> Channels:
-    """Four gloo groups of ``group``'s ranks (a collective call: every rank of ``group``, same order)."""
+    """Four gloo groups of ``group``'s ranks (a collective call: every rank of ``group``, same order).
+
+    Every rank first checks in on ``group``'s store (:func:`_all_arrive`), so a rank that calls it alone
+    gets a :class:`lancet_rt.comm.faults.PeerTimeout` naming the ranks that did not, after
+    ``timeout_s``, instead of the gloo constructor's bare "Wait timeout"."""
     import datetime
 
     ranks = dist.get_process_group_ranks(group)
+    _all_arrive(group, ranks, timeout_s)
     td = datetime.timedelta(seconds=timeout_s)
-    made = [dist.new_group(ranks, backend="gloo", timeout=td, use_local_synchronization=True) for _ in range(4)]
+    try:
+        made = [dist.new_group(ranks, backend="gloo", timeout=td, use_local_synchronization=True) for _ in range(4)]
+    except RuntimeError as exc:  # a peer that checked in and then stopped (died, or left the call)
+        me = dist.get_rank(group)
+        raise _split_timeout(me, ranks, [q for q in range(len(ranks)) if q != me], timeout_s,
+                             f"; backend error: {str(exc).strip()[:200]}") from None
     return Channels(*made)
+
+
+#: Seconds between two looks at the store while waiting for the peers of a split.
+_ARRIVE_POLL_S = 0.05
+
+
+def _all_arrive(group: dist.ProcessGroup, ranks: list, timeout_s: float) -> None:
+    """Wait until every rank of ``group`` has entered its n-th split (n: this rank's count of splits
+    entered, so a retry after a failed split does not meet the earlier attempt's marks), at most
+    ``timeout_s``; a :class:`PeerTimeout` naming the ranks that did not otherwise."""
+    from lancet_rt.comm.backend import group_store
+
+    store = group_store(group)
+    if store is None or len(ranks) == 1:
+        return
+    me = dist.get_rank(group)
+    n = store.add(f"lancet_rt/split/{me}", 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [q for q in range(len(ranks)) if q != me and store.add(f"lancet_rt/split/{q}", 0) < n]
+        if not missing:
+            return
+        if time.monotonic() >= deadline:
+            raise _split_timeout(me, ranks, missing, timeout_s, "")
+        time.sleep(_ARRIVE_POLL_S)
+
+
+def _split_timeout(me: int, ranks: list, missing: list, timeout_s: float, cause: str):
+    from lancet_rt import env
+    from lancet_rt.comm.faults import PeerTimeout
+
+    names = [ranks[q] for q in missing]
+    return PeerTimeout(
+        f"TorchGroup.split on rank {ranks[me]}: rank(s) {names} of the group (ranks {ranks}) did not join "
+        f"within {timeout_s:g} s (timeout_s, or {env.TIMEOUT}){cause}. TorchGroup.split is a collective "
+        f"call: call it on every rank of the group, in the same order", missing, global_ranks=names)
 
 
 class Both:

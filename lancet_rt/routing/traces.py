@@ -28,6 +28,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from lancet_rt.jsonfile import read_json
+
 #: The max/mean expert load of the ``zipf`` preset (measured on real runs: 2-4; torchtitan, DeepEP).
 ZIPF_PRESET_MAX_OVER_MEAN = 3.0
 FORMAT = "lancet-rt routing trace v1"
@@ -85,20 +87,14 @@ class RoutingTrace:
         """Read a file :meth:`save` wrote.
 
         Raises:
-            ValueError: the file is not UTF-8 JSON, not a routing trace, or a field is damaged (the
+            ValueError: the file is not UTF-8 JSON (or nested too deeply, or holds an integer longer than
+                Python converts), not a routing trace, or a field is damaged (the
                 message names the file and the field: ``loads[step][layer][expert]``, ``meta``,
                 ``steps``...). A load must be an int >= 0: NaN, infinities, fractions, negative
                 numbers, strings, booleans and nulls are refused, never truncated.
             OSError: the file cannot be read.
         """
-        with open(path, "rb") as f:
-            raw = f.read()
-        try:
-            d = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{path}: not a UTF-8 text file ({exc.reason} at byte {exc.start})") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
+        d = read_json(path)  # (a ValueError naming the file: not UTF-8, not JSON, nested too deeply, huge numbers)
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise ValueError(f"{path}: not a {FORMAT!r} file (field 'format')")
         if "loads" not in d:

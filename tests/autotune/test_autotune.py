@@ -394,13 +394,21 @@ def test_link_model_measure_fits_the_timings(monkeypatch):
 # ---------------------------------------------------------------------------------- validation
 @pytest.mark.parametrize("extra, match", [
     (["--tokens", "500"], "--tokens"),
-    (["--capacity-factor", "-1"], "--capacity-factor"),
     (["--experts", "6"], "--experts"),
-    (["--candidates", "0,2"], "--candidates"),
 ])
 def test_command_rejects_bad_arguments(tmp_path, extra, match):
     with pytest.raises(ValueError, match=match):
         cli.run(ARGS + ["--cache", str(tmp_path / "c.json")] + extra)
+
+
+@pytest.mark.parametrize("extra, match", [
+    (["--capacity-factor", "-1"], "argument --capacity-factor: must be a finite number > 0"),
+    (["--candidates", "0,2"], "argument --candidates: item '0'"),
+])
+def test_command_refuses_an_out_of_range_argument_in_argparse(tmp_path, extra, match, capsys):
+    with pytest.raises(SystemExit) as info:
+        cli.run(ARGS + ["--cache", str(tmp_path / "c.json")] + extra)
+    assert info.value.code == 2 and match in capsys.readouterr().err
 
 
 def test_command_needs_a_bandwidth_for_the_emulated_link(tmp_path):
