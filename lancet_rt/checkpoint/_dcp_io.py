@@ -85,7 +85,8 @@ def save(build: Callable[[], State], path, pg, use_dist: bool, what: str = "chec
                 dcp.save(state.flat, storage_writer=_checksum_writer(stage), planner=state.planner(),
                          process_group=pg, no_dist=not use_dist)
         except _checkpoint_exception() as exc:  # every rank has it (DCP gathers the failures)
-            if _is_no_space(exc) or (_free_bytes(stage) or _FULL_BYTES) < _FULL_BYTES:
+            free = _free_bytes(stage)
+            if _is_no_space(exc) or (free is not None and free < _FULL_BYTES):
                 return write_failure(exc, target, stage, "writing the checkpoint", "path",
                                      dist.get_rank(pg) if use_dist else 0)
             return _dcp_failure(exc, target, "writing", pg)
