@@ -290,7 +290,9 @@ def save_hf(model: nn.Module, directory, *, max_shard_bytes: int = _DEFAULT_SHAR
         TypeError, ValueError: on every rank before anything is written (an emulated EP group, a
             layout transformers converts other than by renaming, ranks holding different models or
             passing different directories).
-        CheckpointError: on every rank, when writing failed on some rank; ``directory`` is untouched.
+        CheckpointError: on every rank, when writing failed on some rank, or another save to
+            ``directory`` is in progress; ``directory`` is untouched.
+        OSError: ENOSPC on every rank when the disk filled up, naming ``directory``.
     """
     from safetensors.torch import save_file
 
@@ -407,7 +409,9 @@ def load_hf(model: nn.Module, directory, *, process_group: Optional[dist.Process
 
     Raises:
         TypeError, ValueError: on every rank before any tensor is read, naming what differs (E of a
-            layer, shapes, missing keys, a missing or damaged file); and, the model unchanged (every
+            layer, shapes, dtypes of another kind than the parameters', missing keys, a missing or
+            damaged file, a header that differs from ``lancet-manifest.json``, ranks naming different
+            checkpoints); and, the model unchanged (every
             tensor is read before any parameter changes), a tensor that cannot be read (the file, the
             key and the rank named).
     """
