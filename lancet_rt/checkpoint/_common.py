@@ -188,7 +188,7 @@ def guarded_save(prepare: Callable[[str], tuple], write: Callable, path, pg, use
                 if finish is not None:
                     finish(state, stage)
                 _atomic.commit(path, fmt, dist.get_world_size(pg) if use_dist else 1)
-            except OSError as exc:
+            except Exception as exc:  # noqa: BLE001 - the peers wait in the agreement below
                 error = write_failure(exc, path, stage, "swapping the new checkpoint in", argument)
         _agree(error, pg, use_dist)
     except BaseException:
