@@ -15,7 +15,10 @@ link (a shared cache) is written at its target, lock and temporary file included
 and writers through other links merge into the same file. Readers never lock: they see the
 old file or the new one, never a torn one. A file that is not valid JSON, belongs to another tool
 (wrong ``schema``) or has another ``version``, including one that is not UTF-8, is ignored with a
-warning and replaced on the next write. Entries are validated on read: a key that is not a
+warning and replaced on the next write. A path that is not a regular file (``/dev/null``, a common
+way to turn a cache off, another device, a FIFO) is never read nor replaced: lookups find nothing
+there and a write is skipped with a warning; a regular file that cannot be read is a warning and no
+write either (replacing it would drop entries we could not see). Entries are validated on read: a key that is not a
 :class:`CacheKey`, a ``chunks`` that is not an int in [1, ``MAX_CHUNKS``] or a non-bool ``defer_wgrad``
 makes the entry skipped, with a warning.
 
@@ -30,6 +33,7 @@ import errno
 import json
 import math
 import os
+import stat
 import tempfile
 import time
 import warnings
@@ -302,10 +306,18 @@ class TuneCache:
         if parent and not os.path.isdir(parent):
             raise NotADirectoryError(errno.ENOTDIR, f"the autotune cache's folder {parent} is a file; {_WHERE}",
                                      self.path)
+        if _not_regular(target):
+            warnings.warn(f"lancet-rt: the autotune cache {self.path} is not a regular file ({_not_regular(target)}); "
+                          f"not writing it (this run's entries are not cached)", RuntimeWarning, stacklevel=3)
+            return
         try:
             os.makedirs(directory, exist_ok=True)
             with _locked(target + ".lock"):
-                entries = _read_entries(target, what="autotune cache", replacing=True)
+                entries = _read_file(target, what="autotune cache", replacing=True)
+                if entries is None:  # unreadable, or no longer a regular file: never replaced
+                    warnings.warn(f"lancet-rt: not writing the autotune cache {self.path}: it cannot be read, and "
+                                  f"replacing it would drop its entries", RuntimeWarning, stacklevel=3)
+                    return
                 entries.update(new)
                 data = {"schema": SCHEMA, "version": VERSION, "entries": entries}
                 if by == "device_name":
@@ -357,16 +369,46 @@ def _find(entries: dict, key: CacheKey, by: str, nearest: bool, max_distance, ma
     return CacheHit(key=stored, value=value, exact=dist == 0, source=source, path=path)
 
 
-def _read_entries(path: str, *, what: str, replacing: bool = False) -> dict:
-    """Valid entries of the file at ``path``; a missing file is empty, a bad one empty with a warning."""
+def _not_regular(path: str) -> Optional[str]:
+    """What ``path`` is if it exists and is not a regular file (None otherwise; links followed)."""
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+             (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+    return next((name for test, name in kinds if test(mode)), "not a regular file")
+
+
+def _read_entries(path: str, *, what: str, replacing: bool = False) -> dict:
+    """Valid entries of the file at ``path``; a missing file is empty, a bad one empty with a warning, a
+    path that is not a regular file empty (never read: a FIFO would block)."""
+    entries = _read_file(path, what=what, replacing=replacing)
+    return {} if entries is None else entries
+
+
+def _read_file(path: str, *, what: str, replacing: bool = False) -> Optional[dict]:
+    """As :func:`_read_entries`, but None for a file that must not be replaced: unreadable, or not a
+    regular file (opened without blocking and checked on the open descriptor)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         return {}
     except OSError as exc:
         warnings.warn(f"lancet-rt: cannot read the {what} {path} ({exc}); ignoring it", RuntimeWarning, stacklevel=3)
-        return {}
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read()
+    except OSError as exc:
+        warnings.warn(f"lancet-rt: cannot read the {what} {path} ({exc}); ignoring it", RuntimeWarning, stacklevel=3)
+        return None
+    finally:
+        os.close(fd)
     then = " (it will be replaced on this write)" if replacing else " (it is replaced on the next write)"
     try:  # (decoded here: a file that is not UTF-8 is a corrupted cache, not an error in the step)
         data = json.loads(raw.decode("utf-8"))

@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from lancet_rt.checkpoint import _atomic
-from lancet_rt.checkpoint._common import (_agree, _bad_argument, _dcp_failure, _digest, _listing, guarded_save,
-                                         path_argument)
+from lancet_rt.checkpoint._common import (_FULL_BYTES, _agree, _bad_argument, _dcp_failure, _digest, _free_bytes,
+                                         _is_no_space, _listing, guarded_save, path_argument, write_failure)
 
 import xxhash
 
@@ -85,6 +85,10 @@ def save(build: Callable[[], State], path, pg, use_dist: bool, what: str = "chec
                 dcp.save(state.flat, storage_writer=_checksum_writer(stage), planner=state.planner(),
                          process_group=pg, no_dist=not use_dist)
         except _checkpoint_exception() as exc:  # every rank has it (DCP gathers the failures)
+            free = _free_bytes(stage)
+            if _is_no_space(exc) or (free is not None and free < _FULL_BYTES):
+                return write_failure(exc, target, stage, "writing the checkpoint", "path",
+                                     dist.get_rank(pg) if use_dist else 0)
             return _dcp_failure(exc, target, "writing", pg)
         return None
 
@@ -177,14 +181,16 @@ def load(build: Callable[[], State], path, pg, use_dist: bool) -> State:
     unless every rank validated and read all of its part; errors are raised on every rank."""
     from torch.distributed.checkpoint import DefaultLoadPlanner
 
-    error, state = None, None
+    error, state, metadata, same = None, None, None, None
     try:
         path = _atomic.resolve(path_argument(path, "path"))
+        metadata, identity = _read_metadata(path)
+        same = ("path", (os.path.realpath(path), identity))
         state = build()
-        _check_dcp(state, path)
+        _check_dcp(state, path, metadata)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
         error = _bad_argument(exc, "path")
-    _agree(error, pg, use_dist)
+    _agree(error, pg, use_dist, same=same)  # every rank reads one checkpoint: the same path and metadata
     who = _rank_name(pg, use_dist)
 
     def read(entries: dict) -> Optional[Exception]:
@@ -192,7 +198,7 @@ def load(build: Callable[[], State], path, pg, use_dist: bool) -> State:
 
         try:
             with _single_process_quiet(), _bounded(pg, use_dist, "checkpoint load (DCP)"):
-                dcp.load(entries, storage_reader=_reader(path, who),
+                dcp.load(entries, storage_reader=_reader(path, who, metadata),
                          planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
                          process_group=pg, no_dist=not use_dist)
         except _checkpoint_exception() as exc:  # every rank has it (DCP gathers the failures)
@@ -225,17 +231,83 @@ def _rank_name(pg, use_dist: bool) -> str:
     return as_group(pg).monitor.name(dist.get_rank(pg))
 
 
-def _check_dcp(state: State, path: str) -> None:
-    """ValueError naming what differs between the checkpoint at ``path`` and the model."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+def _read_metadata(path: str) -> tuple:
+    """(DCP metadata, its SHA-256) of the checkpoint at ``path``, read once (DCP is handed this copy):
+    a ValueError if it is unreadable, differs from the SHA-256 the save recorded in its completion
+    marker, or plans chunks that do not tile their tensors."""
+    import hashlib
+    import pickle
 
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    file = os.path.join(path, ".metadata")
     try:
-        metadata = FileSystemReader(path).read_metadata()
-        saved = metadata.state_dict_metadata
+        with open(file, "rb") as f:
+            raw = f.read()
+        metadata = pickle.loads(raw)
+        _ = metadata.state_dict_metadata
     except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint is a bad argument
         raise ValueError(f"path: no readable torch.distributed.checkpoint at {path!r} "
                          f"({type(exc).__name__}: {exc})") from exc
+    identity = hashlib.sha256(raw).hexdigest()
+    want = _atomic.marker(path).get("metadata_sha256")
+    if want is not None and want != identity:
+        raise ValueError(f"path: file '.metadata' of {path!r} changed since the save (SHA-256 {identity[:16]}..., "
+                         f"{str(want)[:16]}... when saved): the checkpoint is damaged; nothing was read")
+    if getattr(metadata, "storage_meta", None) is None:
+        metadata.storage_meta = StorageMeta()
+    _check_chunks(metadata, path)
+    return metadata, identity
+
+
+def _check_chunks(metadata, path: str) -> None:
+    """ValueError naming a tensor whose chunks lie outside its shape, overlap, leave elements uncovered or
+    have no data: a damaged plan would otherwise leave elements unread (the items' checksums cover their
+    bytes, not where they go)."""
+    import math
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
+
+    storage, problems = metadata.storage_data or {}, []
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            continue
+        size, boxes, bad = tuple(md.size), [], None
+        for c in md.chunks:
+            off, n = tuple(c.offsets), tuple(c.sizes)
+            if len(off) != len(size) or len(n) != len(size) or any(
+                    o < 0 or k < 0 or o + k > d for o, k, d in zip(off, n, size)):
+                bad = f"{fqn}: a chunk at offsets {list(off)} of sizes {list(n)} lies outside its shape {list(size)}"
+            elif MetadataIndex(fqn, off) not in storage:
+                bad = f"{fqn}: the chunk at offsets {list(off)} has no data in the checkpoint"
+            boxes.append((off, n))
+        covered = sum(math.prod(n) for _, n in boxes)
+        if bad is None and (covered != math.prod(size) or _overlap(boxes)):
+            bad = (f"{fqn}: its {len(boxes)} chunks cover {covered} elements of its {math.prod(size)} "
+                   f"(shape {list(size)}){' and overlap' if covered == math.prod(size) else ''}")
+        if bad:
+            problems.append(bad)
+    if problems:
+        raise ValueError(f"path: the metadata of the checkpoint at {path!r} is damaged: " + "; ".join(problems[:4]))
+
+
+def _overlap(boxes: list) -> bool:
+    """Whether two of the boxes (offsets, sizes) share an element (a sweep along dim 0)."""
+    boxes = sorted(b for b in boxes if all(b[1]))  # an empty chunk holds nothing
+    for i, (a, n) in enumerate(boxes):
+        for b, m in boxes[i + 1:]:
+            if a and b[0] >= a[0] + n[0]:
+                break
+            if all(y < x + k and x < y + j for x, k, y, j in zip(a, n, b, m)):
+                return True
+    return False
+
+
+def _check_dcp(state: State, path: str, metadata) -> None:
+    """ValueError naming what differs between the checkpoint at ``path`` (its ``metadata``) and the model."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    saved = metadata.state_dict_metadata
     _check_files(metadata.storage_data or {}, path)
     if state.has_optim and not any(k.startswith("optim.") for k in saved):
         raise ValueError(f"path: the checkpoint at {path!r} holds no optimizer state (saved without optimizer=); "
@@ -314,8 +386,9 @@ def _fresh(v):
                               shape=v.shape, stride=v.stride())
 
 
-def _reader(path: str, who: str):
-    """DCP's file reader; each item's checksum (where the save stored one) is checked before its bytes are
+def _reader(path: str, who: str, metadata):
+    """DCP's file reader of the ``metadata`` already read and agreed on (not read again: the directory may
+    change meanwhile); each item's checksum (where the save stored one) is checked before its bytes are
     used, and a failure names the file, the key and the rank (a ValueError: bad data)."""
     from torch.distributed.checkpoint import FileSystemReader
 
@@ -323,6 +396,10 @@ def _reader(path: str, who: str):
         def __init__(self):
             super().__init__(path)
             self.current = None
+
+        def read_metadata(self, *args, **kwargs):
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
 
         def _slice_file(self, file, sinfo):
             self.current = sinfo

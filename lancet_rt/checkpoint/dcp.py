@@ -162,7 +162,8 @@ def save_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Opti
             ProcessGroup (an :class:`~lancet_rt.EmulatedGroup` is rejected with a TypeError).
         path: the checkpoint directory, the same on every rank (written as ``.<name>.lancet-saving``
             beside it and swapped in once complete; files in an existing directory that the save
-            does not write are kept).
+            does not write are kept). A symbolic link is written at its target; a dangling one or
+            a loop is a ValueError before anything is written.
         optimizer: optionally a ``torch.optim.Optimizer`` over ``model``'s parameters; its state and
             param groups are saved through DCP's ``get_state_dict`` (keys are parameter FQNs).
         process_group: the group that saves together (default: the default group when
@@ -174,8 +175,11 @@ def save_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Opti
             save as sharded (a :func:`lancet_rt.parallel.fully_shard` one: use ``save_sharded``),
             when the ranks' models or optimizers differ in structure, or when the ranks pass
             different paths.
-        CheckpointError: on every rank, when writing failed on some rank (named); the checkpoint
-            at ``path`` is then the previous one, untouched.
+        CheckpointError: on every rank, when writing failed on some rank (named), or another save
+            to ``path`` is in progress (a lock beside it); the checkpoint at ``path`` is then the
+            previous one, untouched.
+        OSError: ENOSPC on every rank when the disk filled up, naming ``path`` (the staging
+            directory removed, the previous checkpoint untouched).
         PeerError, PeerTimeout: a rank died or stopped answering during the save (named).
     """
     pg, use_dist = _process_group(process_group)
@@ -203,7 +207,9 @@ def load_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Opti
     Raises:
         TypeError, ValueError: on every rank, before any tensor is read, naming what differs (E of
             a layer, a shape, missing or unexpected keys, no optimizer state, other param groups)
-            or a data file that is missing or truncated; and, with the model unchanged, a file
+            or a data file that is missing or truncated, a damaged ``.metadata`` (its chunks against
+            their tensors' shapes, its SHA-256 against the save's), ranks naming different
+            checkpoints (path or contents); and, with the model unchanged, a file
             that cannot be read or whose bytes changed since the save (its XXH3-64 checksum; naming the
             file, the key and the global rank).
         CheckpointError: reading failed otherwise on some rank; the model is unchanged.

@@ -24,9 +24,11 @@ import torch.distributed as dist
 from torch import nn
 
 from lancet_rt.checkpoint import _atomic
-from lancet_rt.checkpoint._common import (CheckpointError, _agree, _bad_argument, _digest, _expert_shards, _listing,
-                                         _process_group, _Shard, _tensor_id, guarded_save, path_argument)
+from lancet_rt.checkpoint._common import (_agree, _bad_argument, _digest, _expert_shards, _listing,
+                                         _process_group, _Shard, _tensor_id, guarded_save, path_argument,
+                                         write_failure)
 from lancet_rt.checkpoint._hf_files import _SINGLE, _finish_hf_dir, _Headers, _is_hf, _read, _weight_map, _write_atomic
+from lancet_rt.comm.faults import GroupError
 from lancet_rt.comm.group import as_group
 
 __all__ = ["save_hf", "load_hf"]
@@ -288,7 +290,9 @@ def save_hf(model: nn.Module, directory, *, max_shard_bytes: int = _DEFAULT_SHAR
         TypeError, ValueError: on every rank before anything is written (an emulated EP group, a
             layout transformers converts other than by renaming, ranks holding different models or
             passing different directories).
-        CheckpointError: on every rank, when writing failed on some rank; ``directory`` is untouched.
+        CheckpointError: on every rank, when writing failed on some rank, or another save to
+            ``directory`` is in progress; ``directory`` is untouched.
+        OSError: ENOSPC on every rank when the disk filled up, naming ``directory``.
     """
     from safetensors.torch import save_file
 
@@ -320,8 +324,10 @@ def save_hf(model: nn.Module, directory, *, max_shard_bytes: int = _DEFAULT_SHAR
                 if len(buffer) == len(planned):
                     _write_atomic(save_file, buffer, os.path.join(stage, names[first + j]))
                     buffer = {}
-        except OSError as exc:  # a collective may be what failed otherwise: then there is nothing to agree on
-            return CheckpointError(f"directory: writing {target!r} failed on rank {rank}: {exc}")
+        except GroupError:  # a collective failed: there is nothing to agree on
+            raise
+        except Exception as exc:  # noqa: BLE001 - OSError, safetensors' SafetensorError (a full disk: ENOSPC)
+            return write_failure(exc, target, stage, "writing the checkpoint", "directory", rank)
         return None
 
     guarded_save(prepare, write, directory, pg, use_dist, fmt="hf", argument="directory",
@@ -338,6 +344,8 @@ def _plan_hf_load(layout: _HFLayout, headers: _Headers) -> tuple:
             missing.append(disk)
         elif headers.shape(src) != tuple(t.shape):
             problems.append(f"{src}: shape {headers.shape(src)} in the checkpoint, {tuple(t.shape)} in the model")
+        elif headers.dtype_error(src, t.dtype):
+            problems.append(headers.dtype_error(src, t.dtype))
         else:
             dense.append((src, t))
     experts = []
@@ -372,6 +380,9 @@ def _plan_hf_load(layout: _HFLayout, headers: _Headers) -> tuple:
                         what = f"the checkpoint has E={got[0]} experts, the model's layer {p.shard.layer!r} has E={E}"
                     problems.append(f"{q.key(e)}: {what}")
                     break
+                if headers.dtype_error(q.key(e), p.param.dtype):
+                    problems.append(headers.dtype_error(q.key(e), p.param.dtype))
+                    break
         experts.append((p, parts))
     if missing:
         problems.append(f"missing from the checkpoint: {_listing(missing)}")
@@ -398,21 +409,24 @@ def load_hf(model: nn.Module, directory, *, process_group: Optional[dist.Process
 
     Raises:
         TypeError, ValueError: on every rank before any tensor is read, naming what differs (E of a
-            layer, shapes, missing keys, a missing or damaged file); and, the model unchanged (every
+            layer, shapes, dtypes of another kind than the parameters', missing keys, a missing or
+            damaged file, a header that differs from ``lancet-manifest.json``, ranks naming different
+            checkpoints); and, the model unchanged (every
             tensor is read before any parameter changes), a tensor that cannot be read (the file, the
             key and the rank named).
     """
     pg, use_dist = _process_group(process_group)
     rank = dist.get_rank(pg) if use_dist else 0
-    error, headers, plan = None, None, None
+    error, headers, plan, same = None, None, None, None
     try:
         directory = _atomic.resolve(path_argument(directory, "directory"))
         layout = _hf_layout(model, pg)
         headers = _Headers(directory, _weight_map(directory))
+        same = ("directory", (os.path.realpath(directory), headers.identity))
         plan = _plan_hf_load(layout, headers)
     except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
         error = _bad_argument(exc, "directory")
-    _agree(error, pg, use_dist)
+    _agree(error, pg, use_dist, same=same)  # every rank reads one checkpoint: the same path and headers
     # Everything is read into new tensors first; the parameters change only once every rank read all of it.
     dense, experts = plan
     updates, error = [], None

@@ -87,8 +87,9 @@ def save_sharded(model: nn.Module, mesh, path, optimizer: Optional[torch.optim.O
         TypeError, ValueError: on every rank, before anything is written: a mesh or a model whose
             MoE layers are not expert-parallel over ``mesh["ep"]``, ranks passing different paths,
             differently structured models or optimizers.
-        CheckpointError: on every rank, when writing failed on some rank (named); the checkpoint
-            at ``path`` is then the previous one, untouched.
+        CheckpointError: on every rank, when writing failed on some rank (named), or another save
+            to ``path`` is in progress; the checkpoint at ``path`` is then the previous one, untouched.
+        OSError: ENOSPC on every rank when the disk filled up, naming ``path``.
         PeerError, PeerTimeout: a rank died, or did not call, or stopped answering (named).
     """
     _mesh.check_mesh(mesh)
@@ -107,7 +108,8 @@ def load_sharded(model: nn.Module, mesh, path, optimizer: Optional[torch.optim.O
     Raises:
         TypeError, ValueError: on every rank, before any parameter changes: what differs between the
             checkpoint and the model, a data file missing, truncated or changed since the save (its
-            checksum), naming the file, the key and the global rank.
+            checksum), a damaged ``.metadata``, ranks naming different checkpoints; naming the
+            file, the key and the global rank.
         CheckpointError: reading failed otherwise on some rank; the model is unchanged.
         PeerError, PeerTimeout: as for :func:`save_sharded`.
     """
