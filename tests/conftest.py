@@ -10,6 +10,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from tests.cuda_semantics import execution  # noqa: E402,F401 - the fixture: plain and CUDA-semantics runs
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (the GPU lane: pytest -m gpu)")
