@@ -114,6 +114,29 @@ def install() -> None:
     torch.autograd._engine_run_backward = _engine_run_backward  # (the name backward() and grad() call)
 
 
+def bounded(fn, timeout_s: float, what: str):
+    """``fn()`` on a thread of its own (its host), waited for at most ``timeout_s``: a hang fails with an
+    AssertionError naming ``what`` instead of blocking the test, and the device thread, possibly stuck
+    in it, is replaced so that later calls get a free one. Returns ``fn()``'s result or raises its error."""
+    box: dict = {}
+
+    def host():
+        try:
+            box["result"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - raised on the test's thread
+            box["error"] = exc
+
+    t = threading.Thread(target=host, name="cuda-semantics-host", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        _devices.pop(os.getpid(), None)
+        raise AssertionError(f"{what} did not finish within {timeout_s:g} s (hang)")
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
 @contextlib.contextmanager
 def cuda_semantics():
     """The mode on for the body, in this process and in the gloo ranks it starts."""
