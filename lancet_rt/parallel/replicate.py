@@ -26,7 +26,10 @@ class Replicated(GradientSync):
     """The reducer :func:`replicate` installs (``model.lancet_replicated``): a :class:`GradientSync`
     that is active in every backward and averages, so that gradients accumulated over several
     backwards stay right. Its buckets are issued in index order per communicator, whatever the dW
-    timing; it finishes in an autograd-engine callback queued behind deferred dW's flush."""
+    timing; it finishes in an autograd-engine callback queued behind deferred dW's flush. A backward
+    that raised before that finish (and was caught) is found by state, whatever thread ran its hooks
+    (on CUDA the engine's device thread): by the next forward that does not run beside it, or by the
+    next backward once its graph task is gone; the step is then aborted and the peers told."""
 
     def __init__(self, model: nn.Module, mesh, bucket_mb: float):
         super().__init__(model, mesh, bucket_mb=bucket_mb)
