@@ -85,3 +85,45 @@ def test_a_backward_raised_and_caught_under_replicate_is_named_to_every_peer(exe
         assert kind in ("GroupError", "PeerError") and ranks == [1], (r, kind, ranks, msg)
         assert "PeerTimeout" not in msg and "timeout" not in msg.lower(), msg
 
+
+
+def _backward_after_a_raised_backward(rank, world):
+    """Two losses built before either backward; the first backward raises inside the gradient sync
+    and is caught, the second runs with no forward between: it must start a fresh sync."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from lancet_rt.parallel import replicate
+
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "ep"))
+    model = mc.make_blocks(mesh["ep"].get_group())
+    reference = mc.make_blocks()
+    replicate(model, mesh, bucket_mb=0.0002)
+    reducer = model.lancet_replicated
+    x, g = mc.global_batch(0, 1)
+    first, second = mc.blocks_loss(model, x, g), mc.blocks_loss(model, x, g)
+    raised = []
+
+    def once(p):
+        if not raised:
+            raised.append(1)
+            raise RuntimeError("injected out of memory in backward")
+    handle = dict(model.named_parameters())[RAISES_AFTER].register_post_accumulate_grad_hook(once)
+    res = {"first": outcome(first.backward), "left begun": reducer._in_backward}
+    handle.remove()
+    model.zero_grad(set_to_none=True)
+    second.backward()
+    mc.blocks_loss(reference, x, g).backward()
+    grads = dict(reference.named_parameters())
+    res["finished"] = not reducer._in_backward
+    res["every bucket, in order"] = reducer.order == list(range(len(reducer._buckets)))
+    res["exact"] = all(torch.equal(p.grad, grads[n].grad) for n, p in model.named_parameters())
+    return res
+
+
+def test_the_next_backward_after_one_that_raised_starts_a_fresh_sync(execution):
+    """One rank (no peer to tell): the reducer's state, found stale by the next backward because the
+    first one's graph task is gone, whichever thread ran the hooks."""
+    status, res = run_ranks(_backward_after_a_raised_backward, 1, timeout=120)[0]
+    assert status == "ok", res
+    assert res["first"][0] == "RuntimeError" and res["left begun"], res
+    assert res["finished"] and res["every bucket, in order"] and res["exact"], res
