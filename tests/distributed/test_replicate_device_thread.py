@@ -6,7 +6,8 @@ On CUDA the gradient hooks run on the engine's device thread, never on the threa
 the peers, waiting in the step's bucket all-reduces, are told at once (a ``PeerError`` naming the
 rank), and the reducer starts its next backward afresh. 2 gloo ranks on a (dp=1, ep=2) mesh, in both
 execution modes (tests/cuda_semantics.py; the CUDA-semantics one without gloo's header check, as on
-NCCL), ``LANCET_TIMEOUT_S=60`` so that finding it by the timeout fails the test.
+NCCL), ``LANCET_TIMEOUT_S=60`` so that finding it by the timeout fails the test. On one rank, a
+second backward with no forward between finds the first one's state stale (its graph task is gone).
 """
 from __future__ import annotations
 
