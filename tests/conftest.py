@@ -10,6 +10,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+from tests.cuda_semantics import execution  # noqa: E402,F401 - the fixture: plain and CUDA-semantics runs
+
 
 #: The distributions whose versions decide what the suite exercises, printed in its header: ours, the
 #: peers it compares against (bench.peers) and Hugging Face's kernels, which transformers imports.

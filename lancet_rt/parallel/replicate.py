@@ -9,7 +9,8 @@ result is the gradient of the global mean loss, accumulation across backwards in
 """
 from __future__ import annotations
 
-import threading
+import weakref
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -18,17 +19,22 @@ from torch import nn
 from lancet_rt.parallel import mesh as _mesh
 from lancet_rt.parallel import supported as _supported
 from lancet_rt.parallel.sync import GradientSync, _abort_step, expert_parameters
+from lancet_rt.schedule import scope as _scope
 
 
 class Replicated(GradientSync):
     """The reducer :func:`replicate` installs (``model.lancet_replicated``): a :class:`GradientSync`
     that is active in every backward and averages, so that gradients accumulated over several
     backwards stay right. Its buckets are issued in index order per communicator, whatever the dW
-    timing; it finishes in an autograd-engine callback queued behind deferred dW's flush."""
+    timing; it finishes in an autograd-engine callback queued behind deferred dW's flush. A backward
+    that raised before that finish (and was caught) is found by state, whatever thread ran its hooks
+    (on CUDA the engine's device thread): by the next forward that does not run beside it, or by the
+    next backward once its graph task is gone; the step is then aborted and the peers told."""
 
     def __init__(self, model: nn.Module, mesh, bucket_mb: float):
         super().__init__(model, mesh, bucket_mb=bucket_mb)
-        self._in_backward, self._thread = False, None
+        self._in_backward = False
+        self._graph_task: Optional[weakref.ref] = None  # alive while the backward's graph task is
         ep = self._lay.ep
         self._scaled = []  # experts are scaled on arrival instead (accumulation-safe)
         if ep > 1:
@@ -41,14 +47,18 @@ class Replicated(GradientSync):
         return self._lay.expert_group.size() if expert else self._lay.divisor
 
     def _ready(self, p: torch.Tensor) -> None:
-        if self._in_backward and threading.get_ident() != self._thread:
-            self._abandon()  # a backward on another thread raised before its finish
+        if self._in_backward and self._graph_task() is None:
+            self._abandon()  # the backward it began ended (raised) before its finish; this is another
         if not self._in_backward:
-            self._in_backward, self._thread = True, threading.get_ident()
+            self._in_backward = True
             self._start()
             # Queued now, it runs after the callbacks already queued in this backward (deferred dW's
-            # flush among them); it queues the finish behind any queued meanwhile.
-            torch.autograd.Variable._execution_engine.queue_callback(self._queue_finish)
+            # flush among them); it queues the finish behind any queued meanwhile. The engine holds it
+            # as long as the graph task lives, which a backward that raised does not outlive.
+            end = _GraphTaskEnd(self._queue_finish)
+            self._graph_task = weakref.ref(end)
+            torch.autograd.Variable._execution_engine.queue_callback(end)
+            del end  # (a traceback through this frame would keep it alive)
         super()._ready(p)
 
     def _queue_finish(self) -> None:
@@ -59,14 +69,27 @@ class Replicated(GradientSync):
         self._finish()
 
     def _before_forward(self, module, args) -> None:
-        # A backward begun on this thread that is not running any more raised before its finish.
-        # (Overlapped.accumulate runs a backward on another thread beside this forward: not that.)
-        if self._in_backward and self._thread == threading.get_ident() and torch._C._current_graph_task_id() == -1:
+        # A backward begun and not finished by the time a forward starts raised before its finish,
+        # whichever thread ran it (on CUDA the engine's device thread runs the hooks, not this one).
+        # Not so for a forward that a backward runs (recomputation: inside a graph task), nor beside
+        # one that Overlapped.accumulate parks mid-way on purpose (the forward's scope says so).
+        if self._in_backward and torch._C._current_graph_task_id() == -1 and not _scope.beside_active():
             self._abandon()
 
     def _abandon(self) -> None:
         _abort_step(self._buckets, RuntimeError("a backward raised before its gradient sync finished"))
         self._active = self._in_backward = False
+
+
+class _GraphTaskEnd:
+    """The engine callback that starts the reducer's finish; a weak reference to it tells whether the
+    graph task that holds it still exists."""
+
+    def __init__(self, then):
+        self.then = then
+
+    def __call__(self) -> None:
+        self.then()
 
 
 @torch.no_grad()

@@ -74,6 +74,7 @@ class _Backward:
         self.done = False
         self.error: Optional[BaseException] = None
         self._abort = False
+        self._task: Optional[int] = None  # the engine's id of this backward's graph task, once it runs
         self._host = threading.current_thread()
         self._cuda = loss.is_cuda
         self._go = threading.Semaphore(0)    # the backward may run
@@ -86,7 +87,14 @@ class _Backward:
             if not self._abort:
                 if loss.is_cuda:  # host-side work of this backward on the loss's device, as on the host
                     torch.cuda.set_device(loss.device)
-                loss.backward()
+                # The loss's node runs first, on whichever thread the engine runs this backward (on
+                # CUDA its device thread): it names the graph task that may give the host its turns.
+                handle = loss.grad_fn.register_prehook(self._note_task) if loss.grad_fn is not None else None
+                try:
+                    loss.backward()
+                finally:
+                    if handle is not None:
+                        handle.remove()
         except BaseException as e:  # noqa: BLE001 - handed to the host, which raises it
             self.error = e
         finally:
@@ -104,10 +112,18 @@ class _Backward:
         if self.error is not None and not self._abort:
             raise self.error
 
+    def _note_task(self, grad_outputs):
+        self._task = torch._C._current_graph_task_id()
+
     def yield_(self) -> None:
-        """Engine thread, at a backward all-to-all's wait: the host runs until it gives a turn back."""
-        if threading.current_thread() is self._host:
-            return  # a backward the host runs itself is not this one
+        """Engine thread, at a backward all-to-all's wait: the host runs until it gives a turn back.
+
+        Only inside this backward's own graph task, while it runs. Any other autograd call that
+        reaches an all-to-all's backward (the host's own, or a user's gradient penalty, which on CUDA
+        runs on the device thread too, after this backward ended) runs through: the host is waiting
+        for that call, so giving it a turn would block both forever."""
+        if self.done or self._task is None or torch._C._current_graph_task_id() != self._task:
+            return
         if self._abort:
             raise _Aborted("lancet_rt.schedule.accumulate: the forward beside this backward failed")
         self._back.release()

@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from tests import cuda_semantics  # noqa: F401 - the execution modes, in the ranks too
 from tests.dist import assert_all_ok, run_ranks
 from tests.distributed import mesh_cases as mc
 
@@ -212,7 +213,7 @@ def _accumulated(rank, world, hows):
     return True
 
 
-def test_accumulate_on_a_mesh():
+def test_accumulate_on_a_mesh(execution):
     assert_all_ok(run_ranks(_accumulated, 4, ("sync_gradients", "GradientSync", "replicate", "fully_shard"),
                             timeout=400))
 
@@ -231,7 +232,7 @@ def test_hsdp_mesh(shape):
         assert len(flushed) == 2 and all(n > 0 for n in flushed), flushed
 
 
-def test_collective_order_does_not_follow_dw_timing():
+def test_collective_order_does_not_follow_dw_timing(execution):
     results = assert_all_ok(run_ranks(_skewed, 4, timeout=300))
     for i in range(2):  # GradientSync, replicate
         arrivals = [r[i][0] for r in results]

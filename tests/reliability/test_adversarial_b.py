@@ -19,6 +19,7 @@ from torch import nn
 import lancet_rt
 from lancet_rt import env
 from lancet_rt.schedule import policy
+from tests import cuda_semantics  # noqa: F401 - the execution modes, in the ranks too
 from tests.dist import assert_all_ok, run_ranks
 from tests.helpers import assert_close
 
@@ -249,7 +250,7 @@ def test_from_hf_two_token_sequences():
 
 
 @pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
-def test_from_hf_expert_parallel_empty_chunks(family):
+def test_from_hf_expert_parallel_empty_chunks(family, execution):
     """Expert parallelism (an emulated 2-rank link) keeps the agreed chunk count: the empty chunks
     run a stand-in row that is dropped; loss and gradients equal the unchunked run's."""
     from bench.hf_models import batch
@@ -277,7 +278,7 @@ def _ranks_with_few_rows(rank, world):
     return float(want[0].loss)
 
 
-def test_from_hf_rank_with_fewer_rows_than_chunks_over_gloo():
+def test_from_hf_rank_with_fewer_rows_than_chunks_over_gloo(execution):
     pytest.importorskip("transformers")
     losses = assert_all_ok(run_ranks(_ranks_with_few_rows, 2))
     assert len(losses) == 2 and all(loss > 0 for loss in losses)

@@ -14,6 +14,7 @@ import lancet_rt
 from lancet_rt.schedule.accumulate import accumulate
 from lancet_rt.parallel import GradientSync, sync_gradients
 from tests.schedule import test_overlap as overlap_tests
+from tests import cuda_semantics  # noqa: F401 - the execution modes, in the ranks too
 from tests.dist import assert_all_ok, run_ranks
 from tests.helpers import assert_close
 
@@ -167,7 +168,7 @@ def test_accumulate_rejects_bad_arguments():
         ov.accumulate([x, x], lambda out, i: out.sum(0))
 
 
-def test_failure_in_a_forward_beside_a_backward():
+def test_failure_in_a_forward_beside_a_backward(execution):
     """A forward that raises while the previous microbatch's backward is suspended: the error
     reaches the caller, the backward's thread ends, and the next step is exact."""
     link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=0.1, latency_us=100)
@@ -267,7 +268,7 @@ def _accumulate_gloo(rank, world):
     return drops, sync.issued, len(sync._buckets), group.monitor.exchanges, refused
 
 
-def test_accumulate_expert_parallel_gloo():
+def test_accumulate_expert_parallel_gloo(execution):
     results = assert_all_ok(run_ranks(_accumulate_gloo, 2, timeout=240))
     assert sum(r[0] for r in results) > 0, "the capacity cells must drop"
     for r in results:
@@ -472,7 +473,7 @@ def _penalised_step(device):
     assert_same_step(ref, twin, losses)
 
 
-def test_autograd_from_a_forward_beside_a_parked_backward():
+def test_autograd_from_a_forward_beside_a_parked_backward(execution):
     _penalised_step("cpu")
 
 

@@ -12,6 +12,7 @@ from torch import nn
 
 import lancet_rt
 from bench.model import MoEBlocks
+from tests import cuda_semantics  # noqa: F401 - the execution modes, in the ranks too
 from tests.dist import assert_all_ok, run_ranks
 from tests.helpers import assert_close
 
@@ -217,7 +218,7 @@ def test_deferred_wgrad_complete_when_backward_returns():
     assert any(isinstance(m, lancet_rt.schedule.wgrad.DeferredLinear) for m in model.modules())
 
 
-def test_deferred_wgrad_reaches_parameter_hooks():
+def test_deferred_wgrad_reaches_parameter_hooks(execution):
     """Deferred dW goes through each parameter's gradient accumulator: its hooks run once per backward,
     with the whole gradient (as without deferral), and the windows still ran dW."""
     link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=1.0, latency_us=100_000)
@@ -239,7 +240,7 @@ def test_deferred_wgrad_reaches_parameter_hooks():
         assert_close(f"grad {n} at its tensor hook", pre_hook[n][0], ref[n])
 
 
-def test_deferred_wgrad_under_autograd_grad():
+def test_deferred_wgrad_under_autograd_grad(execution):
     """autograd.grad accumulates nothing: deferring layers compute and queue no dW, and leave every
     .grad alone. Deferred weights are outside the autograd graph, so autograd.grad cannot ask for them."""
     model = make_model(0.75)
@@ -259,7 +260,7 @@ def test_deferred_wgrad_under_autograd_grad():
     assert all(p.grad is not None for p in twin.parameters())
 
 
-def test_backward_that_raises_leaves_no_orphaned_wgrad():
+def test_backward_that_raises_leaves_no_orphaned_wgrad(execution):
     """A backward that raises (out of memory, say) after deferring some dW: the engine drops the
     queue's flush, and the next step must neither lose its own dW nor keep the stale work."""
     model = make_model(None)
@@ -344,7 +345,7 @@ def _overlapped_ep_chunks(rank, world, batch):
     return [_overlapped_ep(rank, world, chunks, batch) for chunks in (2, 3, 4)]
 
 
-def test_overlapped_expert_parallel_gloo():
+def test_overlapped_expert_parallel_gloo(execution):
     batch = [5, 2]  # rank 1 has fewer rows than chunks when chunks > 2
     per_rank = assert_all_ok(run_ranks(_overlapped_ep_chunks, 2, batch, timeout=300))
     for chunks, cells in zip((2, 3, 4), zip(*per_rank)):
