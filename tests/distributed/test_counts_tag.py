@@ -53,6 +53,13 @@ def _group(kind: str):
     return tg
 
 
+def _into(errors: list, y, gy) -> None:
+    try:
+        y.backward(gy)
+    except BaseException as exc:  # noqa: BLE001 - reported to the forward's thread
+        errors.append(f"{type(exc).__name__}: {exc}")
+
+
 def _cases(rank, world, headers: str, kinds: tuple) -> dict:
     """Every case in sequence, each on a group of its own; {case: outcome on this rank}."""
     import os
@@ -63,11 +70,16 @@ def _cases(rank, world, headers: str, kinds: tuple) -> dict:
     x, gy = torch.randn(2, 3, D, generator=gen), torch.randn(2, 3, D, generator=gen)
     res = {}
 
-    def in_step(kind):  # no false alarm: forward, backward, forward; and a recomputation in backward
+    def in_step(kind):  # no false alarm: forward, backward, forward; a recomputation in backward, on another
+        import threading  # thread than the forward's (as CUDA's autograd runs it)
+
         m = _TwoMoE(_group(kind))
         m(x).backward(gy)
-        ckpt = lancet_rt.checkpoint(m, x)
-        ckpt.backward(gy)
+        ckpt, errors = lancet_rt.checkpoint(m, x), []
+        worker = threading.Thread(target=_into, args=(errors, ckpt, gy))
+        worker.start()
+        worker.join()
+        assert not errors, errors
         return m(x).shape[0]
     res["in step"] = outcome(lambda: in_step("plain"))
 
@@ -159,3 +171,29 @@ def test_four_ranks_name_the_rank_that_skipped_a_layer_on_every_rank():
         assert results[r][0] == "ok", results[r][1]
         assert_raised(results[r][1], "CollectiveMismatch", "rank 3 ran MoE layer #1", "rank 0 ran MoE layer #0",
                       ranks=[3])
+
+
+def test_the_odd_rank_out_is_named_alike_from_every_rank_s_view():
+    from lancet_rt.comm.header import odd_ones
+
+    assert odd_ones([(1, 2)] * 4) == []
+    assert odd_ones([(1, 2), (1, 2), (1, 2), (1, 3)]) == [3]
+    assert odd_ones([(1, 2), (1, 3)]) == [0, 1]  # no majority: every rank
+    assert odd_ones([(1, 2), (1, 2), (1, 3), (1, 3)]) == [0, 1, 2, 3]
+
+
+def test_positions_of_another_kind_at_the_same_number_are_a_mismatch():
+    from lancet_rt.comm.header import blocked_apart
+
+    at = ["9 9 all-to-all", "9 9 counts exchange", "8 9 counts exchange", None]
+    problem, ranks = blocked_apart(0, 9, "all-to-all", at)
+    assert ranks == [0, 1] and "rank 0 waits in #9 all-to-all; rank 1 in #9 counts exchange" == problem
+    assert blocked_apart(1, 9, "counts exchange", at[:1] + [None, None, None])[1] == [0, 1]
+    assert blocked_apart(0, 9, "all-to-all", ["9 9 all-to-all", "9 9 all-to-all", "9 9", None]) == ("", [])
+
+
+def test_a_row_that_is_not_a_counts_exchange_s_is_named_as_such():
+    from lancet_rt.moe.dispatch.common import TAG_WORDS, describe_tag
+
+    assert "not a counts exchange's" in describe_tag(None, [7] * TAG_WORDS)
+    assert "not a counts exchange's" in describe_tag(None, [])

@@ -123,23 +123,23 @@ class Counts:
 
 
 def _by_piece(rows_W: list, P: int, L: int) -> list:
-    """[W][P * L + 1] exchanged ints (status last) as [P][W][L]."""
+    """[W][P * L + 1 + ...] exchanged ints (the counts first) as [P][W][L]."""
     return [[row[p * L:(p + 1) * L] for row in rows_W] for p in range(P)]
 
 
 def number_layer(moe) -> int:
-    """The layer's number on its group: how many MoE layers were built on that group before it
-    (-1 without a group). The same model built the same way on every rank numbers its layers alike,
-    whichever layers a rank runs; a copy keeps its original's number. Called once, by the layer's
-    constructor.
+    """The layer's number on its group: how many MoE layers were built on that group before it. The
+    same model built the same way on every rank numbers its layers alike, whichever layers a rank
+    runs; a copy keeps its original's number. Called once, by the layer's constructor.
 
     Args:
         moe: the layer being built (its ``group`` set).
 
     Returns:
-        The number the counts exchange's tag carries for this layer.
+        The number the counts exchange's tag carries for this layer (-1 on a group without a monitor,
+        which sends no tag).
     """
-    if moe.group is None:
+    if getattr(moe.group, "monitor", None) is None:
         return -1
     built = _layers.setdefault(moe.group, [])
     built.append(weakref.ref(moe))
