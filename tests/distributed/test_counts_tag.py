@@ -25,10 +25,10 @@ TIMEOUT_S = 60.0
 class _TwoMoE(nn.Module):
     """Two blocks of attention and a MoE layer; the blocks listed in ``skip`` are not run."""
 
-    def __init__(self, group):
+    def __init__(self, group, **moe):
         super().__init__()
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList(Block(D, 2, lancet_rt.MoE(D, F, E, 2, ep_group=group)) for _ in range(2))
+        self.blocks = nn.ModuleList(Block(D, 2, lancet_rt.MoE(D, F, E, 2, ep_group=group, **moe)) for _ in range(2))
         self.skip = ()
 
     def forward(self, x):
@@ -51,6 +51,11 @@ def _group(kind: str):
         tg = lancet_rt.comm.group.as_group(g)
     tg.set_timeout(TIMEOUT_S)
     return tg
+
+
+#: The other dispatchers that exchange counts (the same tag: lancet_rt.moe.dispatch.common.exchange_counts).
+_DISPATCHERS = {"pipelined": dict(pipeline_chunks=2), "shadow": dict(shadow_experts=1),
+                "allreduce": dict(dispatcher="allreduce")}
 
 
 def _into(errors: list, y, gy) -> None:
@@ -83,12 +88,14 @@ def _cases(rank, world, headers: str, kinds: tuple) -> dict:
         return m(x).shape[0]
     res["in step"] = outcome(lambda: in_step("plain"))
 
-    def skip_layer(chunks=None):
-        m = _TwoMoE(_group("plain"))
+    def skip_layer(chunks=None, **moe):
+        m = _TwoMoE(_group("plain"), **moe)
         m.skip = (0,) if rank == 1 else ()
         return list((m if chunks is None else lancet_rt.Overlapped(m, chunks=chunks))(x).shape)
     res["skip a layer"] = outcome(skip_layer)
     res["skip a layer, Overlapped(chunks=2)"] = outcome(lambda: skip_layer(chunks=2))
+    for name, moe in _DISPATCHERS.items():
+        res[f"skip a layer, {name}"] = outcome(lambda: skip_layer(**moe))
 
     def autocast_alone():
         m = _TwoMoE(_group("plain"))
@@ -129,10 +136,11 @@ def test_ranks_in_step_raise_nothing(cases):
         assert res["in step"] == ["ok", 2, None], res["in step"]
 
 
-@pytest.mark.parametrize("case", ["skip a layer", "skip a layer, Overlapped(chunks=2)"])
+@pytest.mark.parametrize("case", ["skip a layer", "skip a layer, Overlapped(chunks=2)"]
+                         + [f"skip a layer, {name}" for name in _DISPATCHERS])
 def test_a_skipped_moe_layer_raises_collective_mismatch_on_every_rank(cases, case):
     headers, results = cases
-    names = ("", "") if case == "skip a layer" else (" ('blocks.0.moe' here)", " ('blocks.1.moe' here)")
+    names = (" ('blocks.0.moe' here)", " ('blocks.1.moe' here)") if "Overlapped" in case else ("", "")
     for res in results:
         assert_raised(res[case], "CollectiveMismatch", "does not match across expert-parallel ranks",
                       f"rank 0 ran MoE layer #0{names[0]}", f"rank 1 ran MoE layer #1{names[1]}", "no token was sent",
