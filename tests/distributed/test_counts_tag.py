@@ -58,6 +58,31 @@ _DISPATCHERS = {"pipelined": dict(pipeline_chunks=2), "shadow": dict(shadow_expe
                 "allreduce": dict(dispatcher="allreduce")}
 
 
+class _Untagged:
+    """A TorchGroup seen without its monitor: the same collectives, the counts exchanged untagged."""
+
+    def __init__(self, group):
+        self._group = group
+
+    def __getattr__(self, name):
+        if name == "monitor":
+            raise AttributeError(name)
+        return getattr(self._group, name)
+
+
+def _bitwise_as_untagged(rank, x, gy) -> bool:
+    """A step on the tagged group equals one on the same group untagged, bit for bit (the tag is not a count)."""
+    tg = _group("plain")
+    out = []
+    for group in (tg, _Untagged(tg)):
+        m = _TwoMoE(group)
+        y = m(x)
+        y.backward(gy)
+        out.append([y.detach()] + [p.grad for p in m.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*out)), "the tag changed a result"
+    return len(out[0])
+
+
 def _into(errors: list, y, gy) -> None:
     try:
         y.backward(gy)
@@ -87,6 +112,7 @@ def _cases(rank, world, headers: str, kinds: tuple) -> dict:
         assert not errors, errors
         return m(x).shape[0]
     res["in step"] = outcome(lambda: in_step("plain"))
+    res["bitwise as untagged"] = outcome(lambda: _bitwise_as_untagged(rank, x, gy))
 
     def skip_layer(chunks=None, **moe):
         m = _TwoMoE(_group("plain"), **moe)
@@ -134,6 +160,7 @@ def cases(request):
 def test_ranks_in_step_raise_nothing(cases):
     for res in cases[1]:
         assert res["in step"] == ["ok", 2, None], res["in step"]
+        assert res["bitwise as untagged"][0] == "ok" and res["bitwise as untagged"][1] > 10, res["bitwise as untagged"]
 
 
 @pytest.mark.parametrize("case", ["skip a layer", "skip a layer, Overlapped(chunks=2)"]
