@@ -18,11 +18,40 @@ def global_ranks(group, size: int) -> list:
         return list(range(size))
 
 
-def group_store(group):
+def group_store(group) -> "Store":
     try:
-        return dist.distributed_c10d._get_process_group_store(group)
+        return Store(dist.distributed_c10d._get_process_group_store(group))
     except Exception:  # noqa: BLE001 - a private API: without it, failures are found by timeout only
-        return None
+        return Store(None)
+
+
+class Store:
+    """The process group's store under ``lancet_rt/`` keys, never blocking and never raising: a failed
+    operation (the store's host may be the rank that died) answers None."""
+
+    def __init__(self, store):
+        self.store = store  # (None: no store; every operation answers None)
+
+    def put(self, key: str, value: str) -> None:
+        try:
+            if self.store is not None:
+                self.store.set(f"lancet_rt/{key}", value)
+        except Exception:  # noqa: BLE001
+            pass
+
+    def add(self, key: str, n: int):
+        try:
+            return None if self.store is None else self.store.add(f"lancet_rt/{key}", n)
+        except Exception:  # noqa: BLE001
+            return None
+
+    def get(self, key: str):
+        try:
+            if self.store is None or not self.store.check([f"lancet_rt/{key}"]):
+                return None
+            return self.store.get(f"lancet_rt/{key}").decode()
+        except Exception:  # noqa: BLE001
+            return None
 
 
 def gloo_backend(group):

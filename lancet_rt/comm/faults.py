@@ -29,7 +29,10 @@ each ends fast, on every rank, with an error that names the rank at fault (READM
   per rank and one host round trip per collective, so 5 per MoE layer per training step (counts
   exchange, dispatch and combine, two backward all-to-alls; with ``pipeline_chunks`` P, 1 + 4 P).
   On NCCL it is off (it would be a host sync per collective; ``GroupMonitor.check_headers``
-  turns it on): a mismatched step there ends at the timeout. On a split gloo group
+  turns it on); there the counts exchange's tag (:mod:`lancet_rt.moe.dispatch.common`: which layer,
+  chunk, direction and dtype each rank ran, compared by every rank on receipt) and the positions of
+  ranks blocked in collectives of different kinds (:meth:`GroupMonitor.wait`) still raise it, else a
+  mismatched step ends at the timeout. On a split gloo group
   (:meth:`lancet_rt.TorchGroup.split`) the header check runs on a thread of the group and its own
   control group, before the collective is handed to gloo, and the host does not wait for it: the
   mismatch is raised by the collective's ``wait()`` (or the next issue) on every rank, nothing sent.
@@ -68,7 +71,8 @@ class PeerError(GroupError):
 
 class CollectiveMismatch(GroupError):
     """The ranks issued different collectives at the same point (sequence number, kind, dtype or sizes):
-    raised on every rank before the mismatched collective reaches the backend."""
+    raised on every rank before the mismatched collective reaches the backend; or their counts exchanges
+    came from different MoE layers, chunks, directions or dtypes: raised on every rank before any token is sent."""
 
 
 class PeerTimeout(PeerError, TimeoutError):

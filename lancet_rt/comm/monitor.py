@@ -34,7 +34,7 @@ from lancet_rt.comm import processes as _processes
 from lancet_rt.comm.backend import abort as _abort, gloo_backend as _gloo_backend
 from lancet_rt.comm.backend import global_ranks as _global_ranks, group_store as _group_store
 from lancet_rt.comm.faults import ADVICE, CollectiveMismatch, GroupError, PeerError, PeerTimeout
-from lancet_rt.comm.header import header_row, mismatch
+from lancet_rt.comm.header import blocked_apart, header_row, mismatch
 from lancet_rt.comm.channels import Issuer, traced_transfer
 
 log = logging.getLogger("lancet_rt")
@@ -43,6 +43,9 @@ log = logging.getLogger("lancet_rt")
 POLL_S = 0.1
 #: After a collective failed or timed out, how long peers get to report where they are (seconds).
 ROLL_CALL_S = 2 * POLL_S
+#: With the header check off, a rank blocked this long looks where its peers are blocked, and again
+#: this often (seconds): a peer in the same collective number of another kind is a mismatch.
+LOOK_S = 2 * POLL_S
 
 
 class GroupMonitor:
@@ -99,9 +102,9 @@ class GroupMonitor:
                                   lambda: self.broken)
         self._thread: Optional[threading.Thread] = None
         self._events_seen = 0
-        self._published_at = -1
+        self._published_at, self._published_what = -1, ""
         if size > 1:
-            self._put(f"who/{rank}", _processes.identity())
+            self._store.put(f"who/{rank}", _processes.identity())
 
     def _advice(self) -> str:
         return ADVICE.replace("expert-parallel", self.label, 1)
@@ -256,7 +259,7 @@ class GroupMonitor:
             except RuntimeError as exc:
                 raise self.break_(self._lost(seq, what, exc)) from exc
             return
-        started = None
+        started = look = None
         while True:
             try:
                 work.wait(timeout=self._slice_td)
@@ -274,13 +277,15 @@ class GroupMonitor:
                         raise self.break_(self._lost(seq, what, real)) from real
                 now = time.monotonic()
                 if started is None:
-                    started = now - POLL_S
-                    self._publish_at(seq)
+                    started, look = now - POLL_S, now - POLL_S + LOOK_S
+                    self._publish_at(seq, what=what)
                 err = self._peer_failure(seq, what)
                 if err is not None and self._mismatch_only():
                     # A faster peer compared this collective's headers already; ours arrive too (every rank
                     # sent its row), and the comparison then raises the same CollectiveMismatch here.
-                    err = None
+                    err, look = None, now
+                if err is None and not self.check_headers and now >= look:
+                    err, look = self._blocked_apart(seq, what), now + 5 * LOOK_S
                 if err is None and now - started >= self.timeout_s:
                     err = self._timed_out(seq, what, now - started)
                 if err is not None:
@@ -316,18 +321,18 @@ class GroupMonitor:
             if self._issuer is None or not self._issuer.on_thread():
                 self._told = True  # (the host raises it, or its own exception, now)
         if first:
-            self._put(f"fail/{self.rank}", json.dumps({"ranks": error.ranks, "msg": str(error)[:2000],
+            self._store.put(f"fail/{self.rank}", json.dumps({"ranks": error.ranks, "msg": str(error)[:2000],
                                                        "kind": type(error).__name__}))
-            self._add("events", 1)
+            self._store.add("events", 1)
         return error
 
     def _peer_failure(self, seq: int, what: str) -> Optional[GroupError]:
         """A failure record of a peer (one store operation when there is none)."""
-        events = self._add("events", 0)
+        events = self._store.add("events", 0)
         if events is None or events == self._events_seen:
             return None
         self._events_seen = events
-        self._publish_at(seq, force=True)  # someone may be asking where everyone is
+        self._publish_at(seq, force=True, what=what)  # someone may be asking where everyone is
         return self._from_records(seq, what)
 
     def _from_records(self, seq: int, what: str, cause: str = "") -> Optional[GroupError]:
@@ -348,6 +353,16 @@ class GroupMonitor:
             f"{self.name(self.rank)} was waiting in collective #{seq} ({what}) ({told}){cause}. {self._advice()}",
             at_fault)
 
+    def _blocked_apart(self, seq: int, what: str) -> Optional[GroupError]:
+        """Header check off: a :class:`CollectiveMismatch` if a peer is blocked in collective ``seq`` of another
+        kind (their ``at`` records: W - 1 store reads, in a wait that lasted :data:`LOOK_S`)."""
+        problem, ranks = blocked_apart(self.rank, seq, what, [self._store.get(f"at/{q}") for q in range(self.size)],
+                                       self.name)
+        return None if not problem else self.error(CollectiveMismatch,
+            f"collective #{seq} does not match across {self.label} ranks (seen on {self.name(self.rank)}, header "
+            f"check off): {problem}. The ranks ran different steps (a skipped backward, an extra forward or step), "
+            f"so each waits for a collective the other never issues. {self._advice()}", ranks)
+
     def _mismatch_only(self) -> bool:
         records = self._records()
         return bool(records) and all(rec.get("kind") == "CollectiveMismatch" for rec in records.values())
@@ -355,7 +370,7 @@ class GroupMonitor:
     def _records(self) -> dict:
         out = {}
         for q in range(self.size):
-            text = self._get(f"fail/{q}") if q != self.rank else None
+            text = self._store.get(f"fail/{q}") if q != self.rank else None
             if text:
                 try:
                     out[q] = json.loads(text)
@@ -390,8 +405,8 @@ class GroupMonitor:
     def _roll_call(self, seq: int) -> tuple[list, list]:
         """Which peers have not reached collective ``seq``, and why (exited, alive, failed)."""
         self._publish_at(seq, force=True)
-        if self._add("events", 1) is None:
-            where = "none found" if self._store is None else "unreachable: its host, often rank 0, may have died"
+        if self._store.add("events", 1) is None:
+            where = "none found" if self._store.store is None else "unreachable: its host, often rank 0, may have died"
             return [], [f"the process group's store is {where}"]
         time.sleep(ROLL_CALL_S)  # peers blocked in a collective report where they are
         records = self._records()
@@ -404,8 +419,8 @@ class GroupMonitor:
                     ranks.append(q)
                     notes.append(f"{self.name(q)} failed: {records[q]['msg'].splitlines()[0][:300]}")
                 continue
-            state = _processes.state(self._get(f"who/{q}"))
-            at = self._get(f"at/{q}")
+            state = _processes.state(self._store.get(f"who/{q}"))
+            at = self._store.get(f"at/{q}")
             reached = at is not None and int(at.split()[1]) >= seq
             if state == "exited":
                 ranks.append(q)
@@ -417,10 +432,12 @@ class GroupMonitor:
                 notes.append(f"{self.name(q)} has not reached collective #{seq} ({where}{alive})")
         return ranks, notes
 
-    def _publish_at(self, seq: int, force: bool = False) -> None:
+    def _publish_at(self, seq: int, force: bool = False, what: str = "") -> None:
+        """Where this rank waits: "seq issued what" (the kind: :meth:`_blocked_apart`)."""
+        what = what or (self._published_what if seq == self._published_at else "")
         if force or self._published_at != seq:
-            self._published_at = seq
-            self._put(f"at/{self.rank}", f"{seq} {self.issued}")
+            self._published_at, self._published_what = seq, what
+            self._store.put(f"at/{self.rank}", f"{seq} {self.issued} {what}".rstrip())
 
     # ---------------------------------------------------------------- NCCL watchdog
     def _start_watchdog(self) -> None:
@@ -441,8 +458,11 @@ class GroupMonitor:
             age = time.monotonic() - since
             if age < POLL_S:
                 continue
-            self._publish_at(seq)
+            self._publish_at(seq, what=what)
             err = self._peer_failure(seq, what)
+            if err is None and not self.check_headers and age >= LOOK_S and (age < LOOK_S + POLL_S
+                                                                              or int(age) > int(age - POLL_S)):
+                err = self._blocked_apart(seq, what)  # (after LOOK_S, then about once a second: W - 1 reads)
             if err is None and age >= self.timeout_s:
                 err = self._timed_out(seq, what, age)
             if err is not None:
@@ -452,32 +472,6 @@ class GroupMonitor:
                 if self.counts_group is not self.group:
                     _abort(self.counts_group)
                 return
-
-    # ---------------------------------------------------------------- store access (never blocks)
-    def _put(self, key: str, value: str) -> None:
-        if self._store is not None:
-            try:
-                self._store.set(f"lancet_rt/{key}", value)
-            except Exception:  # noqa: BLE001 - the store's host may be the rank that died
-                pass
-
-    def _add(self, key: str, n: int) -> Optional[int]:
-        if self._store is None:
-            return None
-        try:
-            return self._store.add(f"lancet_rt/{key}", n)
-        except Exception:  # noqa: BLE001
-            return None
-
-    def _get(self, key: str) -> Optional[str]:
-        if self._store is None:
-            return None
-        try:
-            if not self._store.check([f"lancet_rt/{key}"]):
-                return None
-            return self._store.get(f"lancet_rt/{key}").decode()
-        except Exception:  # noqa: BLE001
-            return None
 
 
 class Watched:

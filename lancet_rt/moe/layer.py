@@ -28,7 +28,7 @@ from lancet_rt.moe.config import (MoEConfig, check_modules, check_prebuilt, conf
                                   role_names)
 from lancet_rt.moe.dispatch import allreduce as _allreduce
 from lancet_rt.moe.dispatch import alltoall, pipelined, shadow
-from lancet_rt.moe.dispatch.common import Counts, Dispatched, Route, exchange_counts
+from lancet_rt.moe.dispatch.common import Counts, Dispatched, Route, exchange_counts, number_layer
 from lancet_rt.moe import library as _library
 from lancet_rt.moe.experts import Experts
 from lancet_rt.routing.functions import BatchRouting, gate, permute, unpermute
@@ -158,6 +158,7 @@ class MoE(nn.Module):
                 self._modules[self._names[role]] = module
         self._config_checked = self.group is None
         self.trace_name = "moe"
+        self.layer_number = number_layer(self)  # (its counts exchanges' tag: the same layer on every rank)
 
         self.aux_loss: Optional[torch.Tensor] = None
         self.z_loss: Optional[torch.Tensor] = None

@@ -1,8 +1,23 @@
 """What the dispatchers and the layer share: one chunk's routing and communication layout, the
 counts exchange, and the small index helpers (segment offsets, the rank-major/expert-major
-permutations, host-to-device copies without a host sync)."""
+permutations, host-to-device copies without a host sync).
+
+The counts exchange is tagged. Every MoE layer of one shape exchanges a ``[W, P L + 1]`` int64 row
+(the counts, then the status), so a rank that skipped a MoE layer, a backward or a microbatch would
+pair its exchange with another layer's and size its token all-to-all from it: silent on NCCL (no
+header check there), and on gloo too where the headers match. The row therefore carries
+:data:`TAG_WORDS` more columns, the same in every row a rank sends: a magic word, the monitor's
+sequence number of the exchange, the layer's number on its group (:func:`number_layer`, the order
+the layers were built in: the same model on every rank), the chunk, the direction (forward, or a
+recomputation in backward) and the compute dtype. Every rank receives every rank's row, so every
+rank compares them all and raises the same :class:`~lancet_rt.comm.faults.CollectiveMismatch`
+(naming each rank's call) before any token is sent, at no extra collective and no extra host read:
+the row is read on the host anyway. Groups without a monitor (:class:`lancet_rt.EmulatedGroup`,
+one process) send no tag.
+"""
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -10,7 +25,14 @@ import torch
 
 from lancet_rt.comm import faults
 from lancet_rt.comm import group as comm
+from lancet_rt.comm import header as _header
 from lancet_rt.schedule import scope as _scope
+
+#: Tag columns after the status: magic, sequence number, layer, chunk, direction, dtype.
+TAG_WORDS = 6
+_layers: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # group -> its layers' weakrefs, in build order
+for _dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+    _header.code(str(_dtype))  # (so that a peer's compute dtype is named, not only this rank's)
 
 
 @dataclass
@@ -52,21 +74,47 @@ class Counts:
     a tensor is read on the host in the dispatch.
     """
 
-    def __init__(self, exchange, P, W, L, error, group=None):
+    def __init__(self, exchange, P, W, L, error, group=None, tagged: bool = False):
         self._exchange, self._shape, self._error, self._group = exchange, (P, W, L), error, group
+        self._tag = TAG_WORDS if tagged else 0
+        self._mismatch: Optional[Exception] = None
         self.host: Optional[tuple[list, list]] = None  # (recv, sent), each [P][W][E_local] ints
         self.loads: Optional[list] = None  # [W][E] each rank's kept rows per expert (hot-expert shadowing)
 
     def wait(self) -> None:
-        """Fills :attr:`host`; raises if any rank reported a rejected input."""
+        """Fills :attr:`host`; raises if any rank reported a rejected input, and
+        :class:`~lancet_rt.comm.faults.CollectiveMismatch` if the ranks' tags differ (every rank)."""
         P, W, L = self._shape
         recv = self._exchange.wait()
+        if self._mismatch is not None:
+            raise self._mismatch
         if self.host is None:
             rows_recv, rows_sent = torch.stack((recv, self._exchange.sent)).tolist()  # the one read
-            faults.raise_on_bad_status([row[P * L] for row in rows_recv], self._error, self._group)
+            if self._tag:  # (another collective's data in a row: its status word is garbage too)
+                tags = [row[P * L + 1:P * L + 1 + self._tag] for row in rows_recv]
+                if all(t[0] == _header.COUNTS_MAGIC for t in tags):
+                    faults.raise_on_bad_status([row[P * L] for row in rows_recv], self._error, self._group)
+                self._check(tags, rows_sent[0][P * L + 1:P * L + 1 + self._tag])
+            else:
+                faults.raise_on_bad_status([row[P * L] for row in rows_recv], self._error, self._group)
             self.host = (_by_piece(rows_recv, P, L), _by_piece(rows_sent, P, L))
-            if len(rows_recv[0]) > P * L + 1:  # the senders' whole kept_E rode along (shadowing)
-                self.loads = [row[P * L + 1:] for row in rows_recv]
+            if len(rows_recv[0]) > P * L + 1 + self._tag:  # the senders' whole kept_E rode along (shadowing)
+                self.loads = [row[P * L + 1 + self._tag:] for row in rows_recv]
+
+    def _check(self, tags_W: list, mine: list) -> None:
+        """Raise :class:`~lancet_rt.comm.faults.CollectiveMismatch` (and break the group) unless every
+        rank sent the tag this rank sent; ``tags_W``: each rank's, the same list on every rank."""
+        monitor = self._group.monitor
+        ranks = _header.odd_ones([tuple(t) for t in tags_W])
+        if not ranks:
+            return
+        calls = "; ".join(f"{monitor.name(q)} {describe_tag(self._group, t)}" for q, t in enumerate(tags_W))
+        self._mismatch = monitor.break_(monitor.error(faults.CollectiveMismatch,
+            f"counts exchange #{mine[1]} does not match across {monitor.label} ranks (seen on "
+            f"{monitor.name(monitor.rank)}): {calls}. The ranks ran different MoE layers, chunks, directions or "
+            f"dtypes (a rank skipped a MoE layer, a backward or a microbatch, or ran under autocast alone); "
+            f"no token was sent. {faults.ADVICE}", ranks))
+        raise self._mismatch
 
     def received(self) -> torch.Tensor:
         """recv [P, W, E_local] on the host, after :meth:`wait`."""
@@ -75,8 +123,49 @@ class Counts:
 
 
 def _by_piece(rows_W: list, P: int, L: int) -> list:
-    """[W][P * L + 1] exchanged ints (status last) as [P][W][L]."""
+    """[W][P * L + 1 + ...] exchanged ints (the counts first) as [P][W][L]."""
     return [[row[p * L:(p + 1) * L] for row in rows_W] for p in range(P)]
+
+
+def number_layer(moe) -> int:
+    """The layer's number on its group: how many MoE layers were built on that group before it. The
+    same model built the same way on every rank numbers its layers alike, whichever layers a rank
+    runs; a copy keeps its original's number. Called once, by the layer's constructor.
+
+    Args:
+        moe: the layer being built (its ``group`` set).
+
+    Returns:
+        The number the counts exchange's tag carries for this layer (-1 on a group without a monitor,
+        which sends no tag).
+    """
+    if getattr(moe.group, "monitor", None) is None:
+        return -1
+    built = _layers.setdefault(moe.group, [])
+    built.append(weakref.ref(moe))
+    return len(built) - 1
+
+
+def _tag(moe, kept_PE: torch.Tensor, seq: int) -> list:
+    """This exchange's tag words (module docstring); ``kept_PE`` is on the tokens' device."""
+    s = _scope.current()
+    backward = torch._C._current_graph_task_id() != -1  # a recomputation inside backward
+    dtype = moe._compute_dtype(kept_PE)  # (the tokens' dtype: autocast's, else the experts')
+    return [_header.COUNTS_MAGIC, seq, getattr(moe, "layer_number", -1), -1 if s is None else s.chunk,
+            int(backward), _header.code(str(dtype))]
+
+
+def describe_tag(group, tag: list) -> str:
+    """A tag as the call that sent it: layer (by this rank's name for that number), chunk, direction, dtype."""
+    if len(tag) != TAG_WORDS or tag[0] != _header.COUNTS_MAGIC:
+        return "sent a row that is not a counts exchange's (another collective's data)"
+    _, seq, number, chunk, backward, dtype = tag
+    refs = _layers.get(group, [])
+    layer = refs[number]() if 0 <= number < len(refs) else None
+    name = f"MoE layer #{number}" + (f" ({layer.trace_name!r} here)" if layer is not None else "")
+    where = "no chunk" if chunk < 0 else f"chunk {chunk}"
+    return (f"ran {name}, {where}, {'recomputed in backward' if backward else 'forward'}, "
+            f"{_header.known(dtype)} (its collective #{seq})")
 
 
 def exchange_counts(moe, kept_PE: torch.Tensor, error: Optional[Exception] = None) -> Counts:
@@ -92,6 +181,8 @@ def exchange_counts(moe, kept_PE: torch.Tensor, error: Optional[Exception] = Non
         counts over all E experts (they must agree). With ``moe.shadow_experts > 0`` each row also
         carries the sender's kept rows of all E experts (``Counts.loads``: the same global loads on
         every rank, from which the shadowed experts are chosen; :mod:`~lancet_rt.moe.dispatch.shadow`).
+        On a group with a monitor each row carries this call's tag, checked by ``Counts.wait``
+        (module docstring).
     """
     L, W = moe.num_local_experts, moe.ep_size
     P = kept_PE.shape[0]
@@ -100,12 +191,24 @@ def exchange_counts(moe, kept_PE: torch.Tensor, error: Optional[Exception] = Non
         counts = kept_PE.reshape(1, P * L).expand(W, -1).long()
     else:
         counts = (kept_PE.view(W, L) if P == 1 else kept_PE.view(P, W, L).permute(1, 0, 2).reshape(W, P * L)).long()
-    # The status column: one pad (constant_pad_nd), not a full and a cat, per chunk and layer.
-    send = torch.nn.functional.pad(counts, (0, 1), value=faults.status_code(error))
-    if getattr(moe, "shadow_experts", 0) and moe.dispatcher == "alltoall":
-        send = torch.cat([send, kept_PE.sum(0).long().view(1, -1).expand(W, -1)], dim=1)
     group = moe.group
-    return faults.in_order(group, lambda: Counts(group.exchange(send), P, W, L, error, group))
+    monitor = getattr(group, "monitor", None)
+    tagged = monitor is not None and group.size > 1
+    loads = (kept_PE.sum(0).long().view(1, -1).expand(W, -1)
+             if getattr(moe, "shadow_experts", 0) and moe.dispatcher == "alltoall" else None)
+
+    def issue() -> Counts:
+        if tagged:  # status and tag: one host row, one copy (pinned, no sync), one cat
+            extra = to_device(torch.tensor([faults.status_code(error)] + _tag(moe, kept_PE, monitor.issued + 1)),
+                              counts.device)
+            send = torch.cat([counts, extra.view(1, -1).expand(W, -1)] + ([] if loads is None else [loads]), dim=1)
+        else:  # the status column: one pad (constant_pad_nd), not a full and a cat, per chunk and layer
+            send = torch.nn.functional.pad(counts, (0, 1), value=faults.status_code(error))
+            if loads is not None:
+                send = torch.cat([send, loads], dim=1)
+        return Counts(group.exchange(send), P, W, L, error, group, tagged)
+
+    return faults.in_order(group, issue)
 
 
 def counts_turn(moe, x: torch.Tensor) -> None:
