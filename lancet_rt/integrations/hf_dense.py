@@ -203,7 +203,7 @@ def chunk_loss(mode: LossMode, out) -> None:
     c = scope.chunk if scope is not None else 0
     r0 = sum(scope.rows[:c]) if scope is not None else 0
     labels = mode.labels_BS[r0:r0 + hidden.shape[0]] if hidden.shape[0] != mode.labels_BS.shape[0] or r0 else mode.labels_BS
-    early = (mode.early and scope is not None and scope.rows[c] > 0 and torch.is_grad_enabled()
+    early = (mode.early and scope is not None and torch.is_grad_enabled()
              and not _scope.beside_active())
     scale = _early.GradScale() if early else None
     mode.parts[c] = mode.loss.term(hidden, labels, scale)

@@ -76,15 +76,16 @@ class _Counts:
         monkeypatch.setattr(comm.BackwardLink, "issue", counted_issue)
 
 
-def _step(model, ids, mask, labels, kind, thread=False):
-    """One step with the consumer's term added (the loss scaled by 3: not a power of two); returns
-    (loss, {name: grad}, duals issued from the forward)."""
+def _step(model, ids, mask, labels, kind, thread=False, factor=3.0):
+    """One step with the consumer's term added, the loss scaled by ``factor`` (3: not a power of two,
+    the dual sent from the forward then differs from the backward's by a rounding); returns (loss,
+    {name: grad}, duals issued from the forward)."""
     extra = _consumer(model, kind)
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, attention_mask=mask, labels=labels, **_kwargs(kind))
     group = lancet_rt.integrations.hf.moe_layers(model)[0].group
     from_forward = faults._state(group).duals if group is not None else 0
-    loss = 3 * out.loss + extra(out)
+    loss = factor * out.loss + extra(out)
     if thread:  # the backward's nodes and hooks on a thread other than the forward's
         errors = []
         t = threading.Thread(target=lambda: _backward(loss, errors))
@@ -218,3 +219,28 @@ def test_a_second_consumer_over_gloo():
         for family, kind, from_forward, same in rank_results:
             assert same, f"{family} {kind}: the step differs with early_backward"
             assert from_forward == 2, (family, kind, from_forward)
+
+
+def _empty_chunks(rank, world):
+    """Rank 0 runs 4 rows, rank 1 2 (its chunks 2 and 3 empty, a stand-in row each) in 4 chunks: every
+    rank issues every chunk's dual from the forward, in the same order, and the step equals the one
+    without the early backward."""
+    import torch.distributed as dist
+
+    hf = build("mixtral")
+    ids, mask, labels = batch(hf.config.vocab_size, 4 - 2 * rank, 7, seed=10 + rank)
+    steps = []
+    for early in (True, False):
+        lm = lancet_rt.from_hf(copy.deepcopy(hf), dist.group.WORLD, chunks=4, fused_loss=True, early_backward=early)
+        steps.append(_step(lm, ids, mask, labels, "none", factor=2.0))
+    (loss, grads, from_forward), (loss_b, grads_b, _) = steps
+    return from_forward, torch.equal(loss, loss_b) and all(torch.equal(grads[n], grads_b[n]) for n in grads)
+
+
+def test_empty_chunks_on_one_rank_issue_their_duals_alike():
+    """A chunk empty on one rank only (fewer rows than chunks there) issued no dual from the forward
+    on that rank while the others did: the ranks' collectives differed (CollectiveMismatch)."""
+    from tests.dist import assert_all_ok, run_ranks
+
+    for from_forward, same in assert_all_ok(run_ranks(_empty_chunks, 2, timeout=300)):
+        assert same and from_forward == 4, (from_forward, same)
