@@ -69,9 +69,7 @@ def _path(top, bottom) -> Optional[tuple[list, dict]]:
     ``(output k, (index of the next node, its input slot))``; bottom is index -1. None where a slot
     has two path edges, or the path has no single last node (module docstring)."""
     floor = bottom._sequence_nr()  # every node on the path was created after the combine's
-    index, nodes, reaches, stack = {}, [], {}, [(top, 0)]
-    index[id(top)] = 0
-    nodes.append(top)
+    nodes, reaches, stack = [top], {}, [(top, 0)]  # (nodes holds every visited one: their ids stay unique)
     while stack:  # iterative depth-first search: a node reaches bottom if a child does
         node, k = stack.pop()
         nxt = node.next_functions
@@ -89,7 +87,6 @@ def _path(top, bottom) -> Optional[tuple[list, dict]]:
             if seq < floor or seq >= _LEAF_SEQ:
                 continue
             if id(child) not in reaches:
-                index[id(child)] = len(nodes)
                 nodes.append(child)
                 stack.append((node, k))
                 stack.append((child, 0))
