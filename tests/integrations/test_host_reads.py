@@ -68,3 +68,28 @@ def test_frozen_head_reads_its_divisor_once_per_step(host_reads):
     out.loss.backward()
     assert sum(host_reads[f] for f in LOSS_FILES) == 1, dict(host_reads)
     assert lm.get_output_embeddings().weight.grad is None and lm.model.norm.weight.grad is not None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU lane: needs CUDA; its CPU twin counts the reads")
+def test_fused_loss_syncs_once_per_step_on_cuda():
+    """On CUDA, torch.cuda.set_sync_debug_mode("warn") reports the fused loss's host syncs by caller
+    (tests/host_sync.py): one per step with 1 or 4 chunks."""
+    import copy
+
+    from tests.host_sync import record_syncs, report
+
+    hf = build("mixtral").cuda()
+    ids, mask, labels = (t.cuda() for t in batch(hf.config.vocab_size, 4, 9))
+    for chunks in (1, 4):
+        lm = lancet_rt.from_hf(copy.deepcopy(hf), chunks=chunks, fused_loss=True)
+        lm(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()  # warm-up
+        torch.cuda.synchronize()
+        with record_syncs() as sites:
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                lm(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.synchronize()
+        loss = [s for s in sites if s.caller() is not None and os.path.abspath(s.caller().filename) in LOSS_FILES]
+        assert len(loss) == 1, f"chunks={chunks}: {len(loss)} syncs in the fused loss:\n" + report(loss)
