@@ -165,10 +165,11 @@ def _linear_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
 
 def _linear_ce_chunks(hidden, weight, labels, divisor, ignore_index, chunk, need_grad_h, need_grad_w,
                       grad_w_acc=None):
-    """The chunk loop; with ``grad_w_acc`` (float32 [V, D]) the head's gradient accumulates there."""
+    """The chunk loop; with ``grad_w_acc`` (float32 [V, D]) the head's gradient accumulates there.
+    ``divisor``: a tensor (read here) or its value already read (a float: no host read)."""
     ops = _ops.get_ops(hidden.device, hidden.dtype)
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    d = float(divisor)  # the one host read: the whole batch's count of valid labels
+    d = divisor if isinstance(divisor, float) else float(divisor)  # the whole batch's count of valid labels
     scale = 1.0 / d if d else float("inf")  # (no valid label: loss 0 / 0 = NaN, as transformers')
     total = torch.zeros((), device=hidden.device, dtype=acc)
     grad_h = torch.empty_like(hidden) if need_grad_h else hidden.new_empty(0)
@@ -342,17 +343,26 @@ class SharedHeadGrad:
     :class:`lancet_rt.Overlapped`): :meth:`term` gives each piece's loss term (its share of the whole
     batch's mean) and its hidden-state gradient, all pieces accumulate the head's gradient into one
     float32 [V, D] buffer, and :meth:`attach` on the summed loss hands it to the head in the backward
-    (one head gradient held, however many pieces).
+    (one head gradient held, however many pieces). The divisor is read on the host once, here: one
+    host read per batch, however many pieces.
 
     ``rows``: the whole batch's token count. Each piece then runs the inner chunks
     (:func:`linear_cross_entropy`'s default ``chunk_size``) the whole batch would: cutting the batch
     changes neither the transient logits' bound nor the GEMMs' shapes (sized from a piece's own rows,
     4 pieces ran 4x as many 4x thinner GEMMs: +40% time for the head on a CPU). None: from each
-    piece's rows."""
+    piece's rows. ``labels``: the whole batch's (shifted) labels, checked here within the divisor's one
+    host read (a ValueError naming them if one is outside ``[0, V)`` and not ``ignore_index``); None:
+    each piece's are checked in :meth:`term`, a host read each."""
 
     def __init__(self, weight: torch.Tensor, divisor: torch.Tensor, ignore_index: int = -100,
-                 rows: Optional[int] = None):
+                 rows: Optional[int] = None, labels: Optional[torch.Tensor] = None):
         self.weight, self.divisor, self.ignore_index = weight, divisor.to(torch.float64), ignore_index
+        self.labels_checked = labels is not None
+        if self.labels_checked:  # the whole batch's labels, flagged into the divisor: no read of their own
+            self.divisor = _flag_bad_labels(labels.reshape(-1), weight.shape[0], ignore_index, self.divisor)
+        self.divisor_value = float(self.divisor)  # the one host read of the batch
+        if self.labels_checked and self.divisor_value != self.divisor_value:
+            _check_labels("labels", labels, weight.shape[0], ignore_index)
         self.rows = rows
         wants = torch.is_grad_enabled() and weight.requires_grad
         acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
@@ -365,12 +375,12 @@ class SharedHeadGrad:
         h_TD = hidden.reshape(-1, hidden.shape[-1]).contiguous()
         labels_T = labels.reshape(-1).long().contiguous()
         chunk = _default_chunk(self.rows or h_TD.shape[0], h_TD.shape[1], self.weight.shape[0])
-        if self.acc is None:
-            return linear_cross_entropy(hidden, self.weight, labels, ignore_index=self.ignore_index,
-                                        shift_labels=False, num_items_in_batch=self.divisor, chunk_size=chunk)
-        divisor = _flag_bad_labels(labels_T, self.weight.shape[0], self.ignore_index, self.divisor)
-        return _ChunkTerm.apply(h_TD, self.weight.detach(), labels_T, divisor, self.ignore_index, self.acc,
-                                chunk, scale)
+        if not self.labels_checked:  # labels not given to the constructor: checked here, one host read
+            _check_labels("labels", labels_T, self.weight.shape[0], self.ignore_index)
+        # (a frozen head, or no grad: acc is None and the term hands the hidden state its gradient alone)
+        h_TD = h_TD if torch.is_grad_enabled() else h_TD.detach()
+        return _ChunkTerm.apply(h_TD, self.weight.detach(), labels_T, self.divisor_value, self.ignore_index,
+                                self.acc, chunk, scale)
 
     def attach(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.acc is None else _AttachHeadGrad.apply(loss, self.weight, self.acc)

@@ -414,6 +414,14 @@ class BackwardLink:
         self.early = (grad_in, work)
         self.scaled_by = early
 
+    def withdraw_early(self) -> None:
+        """Drop the dual issued from the forward (waited for, its result unread): the consumer's
+        backward issues it again (:mod:`lancet_rt.schedule.early_backward`)."""
+        _, work = self.early
+        work.wait()
+        self.early = None
+        self.scaled_by = None
+
     def window_ms(self, grad_out: torch.Tensor) -> Optional[float]:
         """The backward collective's expected time, where the group models it (the emulated link,
         a :class:`TorchGroup` with a link model); None otherwise."""

@@ -400,8 +400,9 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
             output's ``logits`` is then None (:mod:`lancet_rt.integrations.hf_dense`).
         early_backward: with ``fused_loss`` and expert parallelism, chunked: each chunk issues its last
             MoE layer's first backward all-to-all from the forward, right after its loss term, so it
-            travels while the other chunks finish (:mod:`lancet_rt.schedule.early_backward`; skipped
-            for calls that return hidden states or attentions, with gradient checkpointing, on FSDP).
+            travels while the other chunks finish (:mod:`lancet_rt.schedule.early_backward`: the
+            gradients are those without it, another consumer of the last hidden state included;
+            skipped with gradient checkpointing, on FSDP).
 
     Chunk counts above the batch's rows run as many chunks as rows without expert parallelism; with
     it, every rank runs the agreed count (its empty chunks run one stand-in row, dropped, so that

@@ -158,20 +158,17 @@ class LossMode:
     def __init__(self, labels_BS: torch.Tensor, divisor: torch.Tensor, weight: torch.Tensor, ignore_index: int,
                  early: bool = False):
         self.labels_BS = labels_BS
-        self.loss = SharedHeadGrad(weight, divisor, ignore_index, rows=labels_BS.numel())
+        self.loss = SharedHeadGrad(weight, divisor, ignore_index, rows=labels_BS.numel(), labels=labels_BS)
         self.parts: dict[int, torch.Tensor] = {}
         self.early = early
 
 
-def _last_hidden_only_feeds_the_loss(model: nn.Module, kwargs: dict) -> bool:
-    """Whether this call's last hidden state has no consumer but the fused loss, and its backward no
-    hook with a state of its own (what issuing a backward all-to-all from the forward needs): no
-    hidden states or attentions returned, no gradient checkpointing (its recomputation would rerun the
-    layer), no FSDP-sharded module (its backward hooks unshard and reduce)."""
-    config = getattr(model, "config", None)
-    for name in ("output_hidden_states", "output_attentions"):
-        if kwargs.get(name) or (kwargs.get(name) is None and getattr(config, name, False)):
-            return False
+def _backward_hooks_are_plain(model: nn.Module) -> bool:
+    """Whether this model's backward runs the forward's graph with no hook that has a state of its own
+    (what issuing a backward all-to-all from the forward needs): no gradient checkpointing (its
+    recomputation would rerun the layer), no FSDP-sharded module (its backward hooks unshard and
+    reduce). Other consumers of the last hidden state are found by the backward itself
+    (:mod:`lancet_rt.schedule.early_backward`)."""
     fsdp = getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
     return not any(getattr(m, "gradient_checkpointing", False) is True or (fsdp is not None and isinstance(m, fsdp))
                    for m in model.modules())
@@ -192,7 +189,7 @@ def loss_mode_for(model: nn.Module, head: Optional[nn.Module], args: tuple, kwar
     shifted = nn.functional.pad(labels, (0, 1), value=ignore)[..., 1:]
     num_items = kwargs.get("num_items_in_batch")
     divisor = (shifted != ignore).sum() if num_items is None else torch.as_tensor(num_items, device=labels.device)
-    early = early and _last_hidden_only_feeds_the_loss(model, kwargs)
+    early = early and _backward_hooks_are_plain(model)
     kwargs = {k: v for k, v in kwargs.items() if k != "labels"}
     return LossMode(shifted, divisor, head.weight, ignore, early), kwargs
 
@@ -206,12 +203,12 @@ def chunk_loss(mode: LossMode, out) -> None:
     c = scope.chunk if scope is not None else 0
     r0 = sum(scope.rows[:c]) if scope is not None else 0
     labels = mode.labels_BS[r0:r0 + hidden.shape[0]] if hidden.shape[0] != mode.labels_BS.shape[0] or r0 else mode.labels_BS
-    early = (mode.early and scope is not None and scope.rows[c] > 0 and torch.is_grad_enabled()
+    early = (mode.early and scope is not None and torch.is_grad_enabled()
              and not _scope.beside_active())
     scale = _early.GradScale() if early else None
     mode.parts[c] = mode.loss.term(hidden, labels, scale)
     if early:
-        _early.issue_from_forward(hidden, scale)
+        _early.issue_from_forward(hidden, mode.parts[c], scale)
 
 
 def finish(model: nn.Module, mode: LossMode, out):
