@@ -400,7 +400,11 @@ def _read_file(path: str, *, what: str, replacing: bool = False) -> Optional[dic
         warnings.warn(f"lancet-rt: cannot read the {what} {path} ({exc}); ignoring it", RuntimeWarning, stacklevel=3)
         return None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):  # (a character device, /dev/null, is a cache switched off: said on write)
+            if not stat.S_ISCHR(mode):
+                warnings.warn(f"lancet-rt: cannot read the {what} {path} ({_not_regular(path)}, not a regular "
+                              f"file); ignoring it", RuntimeWarning, stacklevel=3)
             return None
         with os.fdopen(fd, "rb", closefd=False) as f:
             raw = f.read()
