@@ -275,7 +275,8 @@ def _summarise(table: dict, kept: list, stat: Callable, agree: Optional[Callable
     for n in ok:
         m = table[n]
         m.ms = stat(m.samples)
-        qs = statistics.quantiles(m.samples, n=5) if len(m.samples) >= 2 else [m.samples[0]] * 4
+        # inclusive: quantiles within the samples (the default, exclusive, extrapolates from a few steps)
+        qs = statistics.quantiles(m.samples, n=5, method="inclusive") if len(m.samples) >= 2 else [m.samples[0]] * 4
         m.ms_q20, m.ms_q80 = qs[0], qs[3]
     if agree is not None:
         for n, ms in zip(ok, agree([table[n].ms for n in ok])):

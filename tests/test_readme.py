@@ -1,17 +1,24 @@
 """The examples of the README and of every reference page run, in order, as a user would paste them.
 
-A page's ```python blocks run in one namespace, in a fresh directory. A block whose first line is a
+A page's ```python blocks run in order in a fresh directory, each alone (a namespace of its own, as a
+block pasted into a new interpreter or saved as a script): every block carries its imports and builds
+what it uses; only files carry over (a checkpoint one block saves and a later one loads). A block whose first line is a
 comment holding ``torchrun --nproc-per-node N`` is a script for N ranks: after its run in this
 process (no ``RANK`` in the environment: one process, every expert local), it runs again as that
 script on N processes (forked by tests/dist.py) in torchrun's environment (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``, ...: the script calls ``dist.init_process_group()`` itself), in the same directory,
 so the blocks after it see what the ranks wrote (a checkpoint saved at EP=2 and loaded in one
-process, say). Other fences (```bash: commands, GPU and multi-node runs) do not run.
+process, say). Other fences (```bash: commands, GPU and multi-node runs) do not run, but for the CPU
+``lancet-autotune`` command of docs/autotuning.md, run as written in a fresh directory.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -61,12 +68,11 @@ def test_examples_run(page, tmp_path, monkeypatch):
         assert blocks, f"{page.name} has no Python example"
     monkeypatch.chdir(tmp_path)
     environ = dict(os.environ)
-    namespace: dict = {"__name__": "__main__"}
     on_ranks = 0
     try:
         for i, block in enumerate(blocks):
             name = f"{page.name}, example {i + 1}"
-            exec(compile(block, name, "exec"), namespace)
+            exec(compile(block, name, "exec"), {"__name__": "__main__"})
             world = torchrun_ranks(block)
             if world:
                 ranks = assert_all_ok(run_ranks(_script, world, block, name, str(tmp_path), timeout=600))
@@ -80,3 +86,23 @@ def test_examples_run(page, tmp_path, monkeypatch):
         assert (tmp_path / "trace.json").stat().st_size > 0
     if page == README:
         assert len(blocks) >= 3 and (tmp_path / "ckpt").is_dir()
+
+
+def test_autotune_cpu_command_runs_as_written(tmp_path):
+    """The CPU ``lancet-autotune`` command of docs/autotuning.md tunes, prints its choice and caches it,
+    in a fresh directory (its ``--cache`` relative to it; ``LANCET_AUTOTUNE_CACHE`` points there too)."""
+    page = (ROOT / "docs" / "autotuning.md").read_text()
+    commands = [c for b in re.findall(r"```bash\n(.*?)```", page, re.S)
+                for c in b.replace("\\\n", " ").splitlines() if c.startswith("lancet-autotune --device cpu")]
+    assert len(commands) == 1, "autotuning.md has one CPU lancet-autotune command"
+    argv = shlex.split(commands[0].split("#")[0])
+    script = Path(sys.executable).with_name("lancet-autotune")
+    argv[:1] = [str(script)] if script.exists() else [sys.executable, "-m", "lancet_rt.autotune"]
+    env = dict(os.environ, LANCET_AUTOTUNE_CACHE=str(tmp_path / "env-cache.json"))
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "choice:" in done.stdout and "stored in" in done.stdout, done.stdout
+    cache = tmp_path / argv[argv.index("--cache") + 1] if "--cache" in argv else tmp_path / "env-cache.json"
+    (entry,) = json.loads(cache.read_text())["entries"].values()
+    if "--candidates" in argv:
+        assert entry["value"]["chunks"] in {int(n) for n in argv[argv.index("--candidates") + 1].split(",")}

@@ -2,7 +2,8 @@
 
 The gating state of one forward of one MoE layer is a :class:`BatchRouting`: it carries each
 expert's used capacity from chunk to chunk and sums the aux/z statistics over the whole local
-batch, so chunking changes no slot, drop, loss or gradient (docs/design.md, idea 3).
+batch, so chunking changes no slot and no drop; the losses and gradients only by float32 rounding
+(sums taken chunk by chunk; docs/design.md, idea 3).
 """
 from __future__ import annotations
 

@@ -20,11 +20,12 @@ Two layouts:
   for its share of the work ``per_token`` should count the padded length (give ``per_token=0`` and
   let the attention's ``per_token_pair`` decide, or cut equal rows).
 
-Exactness: the boundaries change which tokens share a chunk, never a number. Chunks pass the gating
-in order with carried capacity over the whole local batch, whatever their sizes, so outputs, drops,
-losses and gradients equal the unchunked model's (tests/test_seeds.py). Every rank computes its own
-boundaries from its own inputs: the chunk count is the same everywhere (every chunk joins every
-collective, an empty one included), the boundaries need not be. Reading the lengths is one host
+Exactness: the boundaries change which tokens share a chunk, never a routing decision. Chunks pass the
+gating in order with carried capacity over the whole local batch, whatever their sizes, so drops are
+the unchunked model's and outputs, losses and gradients equal it up to float32 rounding
+(tests/test_seeds.py). Every rank computes its own boundaries from its own inputs: the chunk count
+is the same everywhere (every chunk joins every collective, an empty one included), the boundaries
+need not be. Reading the lengths is one host
 synchronisation per forward (boundaries are host integers).
 """
 from __future__ import annotations

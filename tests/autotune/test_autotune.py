@@ -456,3 +456,14 @@ def test_command_on_a_real_gloo_group(tmp_path):
     first, second = g0
     assert first > 0 and second > 0
     assert cached0 == (abs(math.log2(second / first)) <= 1.0), (first, second, cached0)
+
+
+@pytest.mark.parametrize("samples", [[300.0, 100.0], [120.0, 900.0, 150.0]])
+def test_quantiles_of_a_few_steps_lie_within_them(samples):
+    """A short run (--reps 2 or 3) reports its 20/80% quantiles between the fastest and slowest step:
+    never an extrapolated (even negative) time."""
+    from lancet_rt.autotune.search import Measurement, _summarise
+
+    table = {1: Measurement(1, samples=list(samples))}
+    assert _summarise(table, [1], min, None) == [1]
+    assert min(samples) <= table[1].ms_q20 <= table[1].ms_q80 <= max(samples)
