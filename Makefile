@@ -50,9 +50,9 @@ train-link: setup
 
 # Issue 38's acceptance on a real link (root; minutes): bench.overlap --link real on the blocks model (2 and 4
 # ranks) and Mixtral, rate calibrated to comm = 1x compute, with the peers (make peers); prints the table and
-# appends bench/results/overlap_real.json.
+# appends out/overlap_real.json (untracked; BENCH_LINK_ARGS="--json bench/results/overlap_real.json" for the project's rows).
 bench-link: setup peers
-	$(BIN)/python -m bench.reallink_acceptance
+	$(BIN)/python -m bench.reallink_acceptance $(BENCH_LINK_ARGS)
 
 # The test suite (CPU lane; Triton kernels in the interpreter); its header states the versions it ran
 # with. Exit code 5 (no tests) is not a failure.

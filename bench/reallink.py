@@ -428,7 +428,8 @@ def parse_args(argv=None):
                    help="seconds the ranks may run (then ended)")
     p.add_argument("--probe-mb", type=int_in(1, 4096), default=8, help="MiB each rank sends to each other in the rate probe")
     p.add_argument("--no-probe", action="store_true", help="with a command: do not measure the link first")
-    p.add_argument("--json", default="bench/results/reallink.json", help="append the probe's row here ('' : no row)")
+    p.add_argument("--json", default="out/reallink.json",
+                   help="append the probe's row here ('': no row; default out/, untracked)")
     p.add_argument("--rank-probe", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
