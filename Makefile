@@ -20,20 +20,23 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 # The real peers bench.peers compares against (a bench extra): torchtitan 0.3.0 without its dependencies
-# (its trainer's: datasets, wandb, torchdata, ...) plus the two its MoE modules import, and DeepSpeed
-# with no op builds (pure Python on torch's CPU wheel). About 30 s; `make test` installs them so the
-# peers' equality tests run in CI. pip's resolver lists torchtitan's trainer dependencies as missing
-# (expected: its MoE modules do not need them), so its output goes to $(VENV)/peers.log, shown on failure.
-PEERS_STAMP := $(VENV)/.peers
+# (its trainer's: datasets, wandb, torchdata, ...) plus what its MoE modules import, and DeepSpeed with no
+# op builds (pure Python on torch's CPU wheel), into $(VENV)/peers: beside the venv's packages, not among
+# them (bench.peers puts it on sys.path), so a transformers.Trainer in the venv does not import DeepSpeed.
+# About 30 s; `make test` installs them so the peers' equality tests run in CI. Output in
+# $(VENV)/peers.log, shown on failure.
+PEERS_STAMP := $(VENV)/.peers-dir
+PEERS_DIR := $(VENV)/peers
 peers: $(PEERS_STAMP)
 
 $(PEERS_STAMP): $(VENV)/.installed
-	@echo "installing the peers (torchtitan 0.3.0 without its trainer's dependencies, DeepSpeed 0.19.8 without op builds; log: $(VENV)/peers.log)"
-	@( $(BIN)/python -m pip install -q --no-deps torchtitan==0.3.0 \
-	  && $(BIN)/python -m pip install -q spmd_types==0.2.3 tyro \
-	  && DS_BUILD_OPS=0 $(BIN)/python -m pip install -q deepspeed==0.19.8 ) > $(VENV)/peers.log 2>&1 \
+	@echo "installing the peers into $(PEERS_DIR) (torchtitan 0.3.0 without its trainer's dependencies, DeepSpeed 0.19.8 without op builds; log: $(VENV)/peers.log)"
+	@rm -rf $(PEERS_DIR)
+	@( $(BIN)/python -m pip uninstall -y -q torchtitan deepspeed spmd_types \
+	  && DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-deps --target $(PEERS_DIR) torchtitan==0.3.0 spmd_types==0.2.3 deepspeed==0.19.8 \
+	  && $(BIN)/python -m pip install -q --target $(PEERS_DIR) tyro einops hjson msgpack ninja py-cpuinfo pydantic ) > $(VENV)/peers.log 2>&1 \
 	  || { cat $(VENV)/peers.log; exit 1; }
-	@DS_ACCELERATOR=cpu $(BIN)/python -c "import torch, torchtitan.models.common.moe, deepspeed; print('peers: torchtitan 0.3.0 | deepspeed', deepspeed.__version__)"
+	@$(BIN)/python -c "import bench.peers, torchtitan.models.common.moe, deepspeed; print('peers: torchtitan 0.3.0 | deepspeed', deepspeed.__version__, 'in', bench.peers.PEERS_DIR)"
 	@touch $@
 
 # The main job: a GPT-style MoE language model, 2 expert-parallel ranks, under lancet_rt.Overlapped.
