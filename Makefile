@@ -20,20 +20,27 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 # The real peers bench.peers compares against (a bench extra): torchtitan 0.3.0 without its dependencies
-# (its trainer's: datasets, wandb, torchdata, ...) plus the two its MoE modules import, and DeepSpeed
-# with no op builds (pure Python on torch's CPU wheel). About 30 s; `make test` installs them so the
-# peers' equality tests run in CI. pip's resolver lists torchtitan's trainer dependencies as missing
-# (expected: its MoE modules do not need them), so its output goes to $(VENV)/peers.log, shown on failure.
-PEERS_STAMP := $(VENV)/.peers
+# (its trainer's: datasets, wandb, torchdata, ...) plus what its MoE modules import, and DeepSpeed with no
+# op builds (pure Python on torch's CPU wheel), into $(VENV)/peers: beside the venv's packages, not among
+# them (bench.peers puts it on sys.path), so a transformers.Trainer in the venv does not import DeepSpeed.
+# About 30 s; `make test` installs them so the peers' equality tests run in CI. Output in
+# $(VENV)/peers.log, shown on failure.
+PEERS_STAMP := $(VENV)/.peers-dir
 peers: $(PEERS_STAMP)
 
+# $(1): the venv whose peers/ folder gets them.
+define install_peers
+	@echo "installing the peers into $(1)/peers (torchtitan 0.3.0 without its trainer's dependencies, DeepSpeed 0.19.8 without op builds; log: $(1)/peers.log)"
+	@rm -rf $(1)/peers
+	@( $(1)/bin/python -m pip uninstall -y -q torchtitan deepspeed spmd_types \
+	  && DS_BUILD_OPS=0 $(1)/bin/python -m pip install -q --no-deps --target $(1)/peers torchtitan==0.3.0 spmd_types==0.2.3 deepspeed==0.19.8 \
+	  && $(1)/bin/python -m pip install -q --target $(1)/peers tyro einops hjson msgpack ninja py-cpuinfo pydantic ) > $(1)/peers.log 2>&1 \
+	  || { cat $(1)/peers.log; exit 1; }
+	@$(1)/bin/python -c "import bench.peers, torchtitan.models.common.moe, deepspeed; print('peers: torchtitan 0.3.0 | deepspeed', deepspeed.__version__, 'in', bench.peers.PEERS_DIR)"
+endef
+
 $(PEERS_STAMP): $(VENV)/.installed
-	@echo "installing the peers (torchtitan 0.3.0 without its trainer's dependencies, DeepSpeed 0.19.8 without op builds; log: $(VENV)/peers.log)"
-	@( $(BIN)/python -m pip install -q --no-deps torchtitan==0.3.0 \
-	  && $(BIN)/python -m pip install -q spmd_types==0.2.3 tyro \
-	  && DS_BUILD_OPS=0 $(BIN)/python -m pip install -q deepspeed==0.19.8 ) > $(VENV)/peers.log 2>&1 \
-	  || { cat $(VENV)/peers.log; exit 1; }
-	@DS_ACCELERATOR=cpu $(BIN)/python -c "import torch, torchtitan.models.common.moe, deepspeed; print('peers: torchtitan 0.3.0 | deepspeed', deepspeed.__version__)"
+	$(call install_peers,$(VENV))
 	@touch $@
 
 # The main job: a GPT-style MoE language model, 2 expert-parallel ranks, under lancet_rt.Overlapped.
@@ -50,9 +57,9 @@ train-link: setup
 
 # Issue 38's acceptance on a real link (root; minutes): bench.overlap --link real on the blocks model (2 and 4
 # ranks) and Mixtral, rate calibrated to comm = 1x compute, with the peers (make peers); prints the table and
-# appends bench/results/overlap_real.json.
+# appends out/overlap_real.json (untracked; BENCH_LINK_ARGS="--json bench/results/overlap_real.json" for the project's rows).
 bench-link: setup peers
-	$(BIN)/python -m bench.reallink_acceptance
+	$(BIN)/python -m bench.reallink_acceptance $(BENCH_LINK_ARGS)
 
 # The test suite (CPU lane; Triton kernels in the interpreter); its header states the versions it ran
 # with. Exit code 5 (no tests) is not a failure.
@@ -60,7 +67,7 @@ test: setup peers
 	$(BIN)/python -m pytest; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 # The suite on pyproject.toml's lower bounds, pinned (tests/lower_bounds.py turns every `name>=X` into
-# `name==X`) in a venv of their own, without the peers: the oldest supported set is a tested one. `make
+# `name==X`) in a venv of their own, with the peers: the oldest supported set is a tested one. `make
 # test` runs the newest that resolves today. Minutes: a fresh venv, then the whole suite.
 OLDEST := .venv-oldest
 test-oldest:
@@ -69,6 +76,7 @@ test-oldest:
 	$(OLDEST)/bin/python -m pip install -q "tomli; python_version < '3.11'"
 	$(OLDEST)/bin/python -m tests.lower_bounds > $(OLDEST)/constraints.txt
 	$(OLDEST)/bin/python -m pip install -q -c $(OLDEST)/constraints.txt -e ".[test]"
+	$(call install_peers,$(OLDEST))
 	$(OLDEST)/bin/python -m pytest -p no:cacheprovider $(OLDEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 # The GPU lane, on a CUDA machine.

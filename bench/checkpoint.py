@@ -108,7 +108,8 @@ def main(argv=None) -> list:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    ap.add_argument("--json", default="bench/results/checkpoint_cpu.json")
+    ap.add_argument("--json", default="out/checkpoint_cpu.json",
+                    help="append the rows here (default out/, untracked; bench/results/ for the project's rows)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))

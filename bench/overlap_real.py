@@ -35,6 +35,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import time
 from typing import Optional
 
 import torch
@@ -231,11 +232,16 @@ def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: st
     rate = rate if kind == "loopback" or rate else _calibrate(runner, me, args.comm_ratio)
     links = {"unshaped": None, "shaped": rate}
     times = {(lk, n): [] for lk in links for n in names}
+    start = time.perf_counter()
     for rnd in range(rounds):
         for lk in (list(links) if rnd % 2 == 0 else list(links)[::-1]):
             me.set_rate(links[lk])
             for n in (names if rnd % 2 == 0 else names[::-1]):
                 times[(lk, n)].append(me.timed(runner, n))
+        if me.rank == 0:  # a round takes tens of seconds on the link: say where the run is
+            done = time.perf_counter() - start
+            print(f"round {rnd + 1}/{rounds} ({len(names)} schedules, on and off the link): {done:.0f} s, about "
+                  f"{done / (rnd + 1) * (rounds - rnd - 1):.0f} s to go", flush=True)
     me.set_rate(rate)
     step_tx = None
     if kind == "real":  # what the busiest port carries in one sequential step (wire bytes, the shaper's count)
@@ -390,6 +396,9 @@ def _report(row: dict, names: list) -> None:
                       f"{row['max_over_mean']:.2f}); rate {'-' if rate is None else f'{rate:.0f} Mbit/s'}, comm {row['comm_ms']:.0f} ms "
                       f"= {row['measured_comm_ratio']:.2f} x compute; medians of {row['rounds']} rounds, the slowest "
                       f"rank's step; step_ms per microbatch")
+    print("hidden: 1 - (the schedule's step on the link - its step off it) / the sequential step's link time; "
+          "below 0, a schedule pays more link time than the sequential step (a peer's all-to-alls on a slower "
+          "transport, or none of its communication overlapped)")
     peers = [k for k in row if k.startswith("overlapped_over_peer_")]
     if peers:
         print("Overlapped's step over the peers' (same link, same run): "

@@ -42,7 +42,10 @@ A misrouted token or a missing expert gives errors of order 1.
 from __future__ import annotations
 
 import copy
+import os
+import sys
 import warnings
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -51,10 +54,19 @@ from torch import nn
 
 import lancet_rt
 
+#: Where ``make peers`` installs the peers: a folder beside the venv's packages, not among them, put at
+#: the end of sys.path here (a transformers.Trainer in the venv would otherwise import DeepSpeed and
+#: print its accelerator line into the user's run).
+PEERS_DIR = Path(sys.prefix) / "peers"
+if PEERS_DIR.is_dir() and str(PEERS_DIR) not in sys.path:
+    sys.path.append(str(PEERS_DIR))
+if not torch.cuda.is_available():  # DeepSpeed's own choice, said once without its warning
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
 PEERS = ("torchtitan", "torchtitan_fp32", "deepspeed")
 #: Relative RMS error allowed by :func:`check_equal`: float32 experts on both sides, or bfloat16 ones.
 RTOL_FLOAT32, RTOL_BFLOAT16 = 1e-5, 1e-2
-INSTALL = "make peers (torchtitan==0.3.0 --no-deps, spmd_types, tyro, deepspeed; see docs/benchmarks.md, 'The real peers')"
+INSTALL = "make peers (torchtitan==0.3.0, spmd_types, tyro, deepspeed into .venv/peers; see docs/benchmarks.md, 'The real peers')"
 
 
 def available(peer: str) -> bool:

@@ -214,7 +214,9 @@ class RealLink:
                 "LOCAL_WORLD_SIZE": str(self.world), "MASTER_ADDR": address(0), "MASTER_PORT": str(MASTER_PORT),
                 "GLOO_SOCKET_IFNAME": IFACE, ENV_NS: self.ns(rank), ENV_BRIDGE: self.bridge,
                 ENV_RATE: str(self.shape.rate_bps or 0), ENV_DELAY: str(self.shape.delay_ms),
-                ENV_SHAPE: json.dumps(dict(burst_bytes=self.shape.burst_bytes, queue_ms=self.shape.queue_ms))}
+                ENV_SHAPE: json.dumps(dict(burst_bytes=self.shape.burst_bytes, queue_ms=self.shape.queue_ms)),
+                # c10d warns at every connection that a peer's address has no name (no DNS in a namespace)
+                "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
 
     def set_rate(self, rate_bps: Optional[int], ranks: Optional[Sequence[int]] = None) -> None:
         """Shape the ports of ``ranks`` (default all) at ``rate_bps`` (None: unshaped), both ways."""
@@ -428,7 +430,8 @@ def parse_args(argv=None):
                    help="seconds the ranks may run (then ended)")
     p.add_argument("--probe-mb", type=int_in(1, 4096), default=8, help="MiB each rank sends to each other in the rate probe")
     p.add_argument("--no-probe", action="store_true", help="with a command: do not measure the link first")
-    p.add_argument("--json", default="bench/results/reallink.json", help="append the probe's row here ('' : no row)")
+    p.add_argument("--json", default="out/reallink.json",
+                   help="append the probe's row here ('': no row; default out/, untracked)")
     p.add_argument("--rank-probe", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)

@@ -208,9 +208,25 @@ def _report(summary: dict, args) -> None:
           f"sequential {seq_ms:.1f} ms, overlapped ({args.chunks} chunks) {ovl_ms:.1f} ms "
           f"({seq_ms / ovl_ms:.2f}x); tokens/s sequential {summary['sequential_tokens_per_s']:.0f}, overlapped "
           f"{summary['overlapped_tokens_per_s']:.0f}")
+    print(_link_note(summary, args))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f, indent=1)
+
+
+def _link_note(summary: dict, args) -> str:
+    """What the link under the step times was, and where to see the overlap: on loopback (or one
+    process) the all-to-alls cost almost nothing, so the ratio is chunking's own cost, not a result."""
+    rate = os.environ.get("LANCET_REALLINK_RATE_BPS")
+    if rate:
+        return (f"link: the real link of bench.reallink, {float(rate) / 1e6:.0f} Mbit/s per port: the overlapped "
+                f"step hides what it can of that link's all-to-alls")
+    if summary["device"] == "cuda" and summary["world"] > 1:
+        return "link: NCCL between this node's GPUs (the overlap hides what of it the step's computation covers)"
+    where = "one process: no all-to-all" if summary["world"] == 1 else "gloo ranks on loopback"
+    return (f"link: {where}, so there is (almost) nothing to hide and the ratio above is what chunking costs "
+            f"(about 1x, either way by noise). To see the overlap: `make train-link` (root: a real link limited "
+            f"per port) or `python -m bench.overlap --device cpu --quick` (an emulated link); docs/benchmarks.md")
 
 
 def _build_model(args, device, group, rank: int, world: int) -> MoELanguageModel:

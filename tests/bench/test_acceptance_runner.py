@@ -1,0 +1,45 @@
+"""make bench-link's runner (bench.reallink_acceptance) without a link: a run that fails does not hide
+the others' table, the rows go under out/ by default, and the main job says what its link was."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import bench.reallink_acceptance as acceptance
+from bench.train_lm import _link_note
+
+ROW = dict(configured_mbit=160.0, socket_mbit=150.0, measured_comm_ratio=1.0, sequential_ms=1400.0,
+           overlapped_ms=1000.0, speedup_vs_sequential=1.4, hidden_comm_fraction=0.7, device="cpu",
+           date="2026-12-06", commit="x", load_avg_before=[0.1, 0.1, 0.1])
+
+
+def test_a_failed_run_leaves_the_others_table(tmp_path, monkeypatch, capsys):
+    path = tmp_path / "rows.json"
+    calls = []
+
+    def fake_run(cmd, *a, **k):
+        calls.append(cmd)
+        if len(calls) == 2:  # the second run fails before writing a row
+            return subprocess.CompletedProcess(cmd, 3)
+        rows = json.loads(path.read_text()) if path.exists() else []
+        path.write_text(json.dumps(rows + [dict(ROW, speedup_vs_sequential=1.0 + len(calls) / 10)]))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(acceptance.subprocess, "run", fake_run)
+    rc = acceptance.main(["--json", str(path)])
+    out, err = capsys.readouterr()
+    assert rc == 3 and len(calls) == 3
+    assert "blocks, W=2" in out and "blocks, W=4" in out and "1.1" in out and "1.3" in out
+    assert "FAILED: mixtral, W=2 (exit status 3" in err
+
+
+def test_rows_go_outside_the_tracked_results_by_default():
+    assert acceptance.parse_args([]).json == "out/overlap_real.json"
+
+
+def test_the_main_job_names_its_link(monkeypatch):
+    monkeypatch.delenv("LANCET_REALLINK_RATE_BPS", raising=False)
+    note = _link_note(dict(world=2, device="cpu"), None)
+    assert "loopback" in note and "make train-link" in note and "bench.overlap" in note
+    monkeypatch.setenv("LANCET_REALLINK_RATE_BPS", "163000000")
+    assert "163 Mbit/s" in _link_note(dict(world=2, device="cpu"), None)
