@@ -75,7 +75,7 @@ test-oldest:
 	$(PYTHON) -m venv $(OLDEST)
 	$(OLDEST)/bin/python -m pip install -q "tomli; python_version < '3.11'"
 	$(OLDEST)/bin/python -m tests.lower_bounds > $(OLDEST)/constraints.txt
-	$(OLDEST)/bin/python -m pip install -q -c $(OLDEST)/constraints.txt -e ".[test]"
+	$(OLDEST)/bin/python -m pip install -q -c $(OLDEST)/constraints.txt -e ".[test,bench]"
 	$(call install_peers,$(OLDEST))
 	$(OLDEST)/bin/python -m pytest -p no:cacheprovider $(OLDEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 

@@ -15,8 +15,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-#: the extras whose dependencies the oldest run installs (the suite's; bench's plots are not exercised by it)
-EXTRAS = ("test",)
+#: the extras whose dependencies the oldest run installs (the suite, and bench: its plots are drawn by the GPU lane dry run)
+EXTRAS = ("test", "bench")
 _SPEC = re.compile(r"^\s*([A-Za-z0-9_.\-]+)\s*>=\s*([0-9][^,;\s]*)\s*(;.*)?$")
 
 
