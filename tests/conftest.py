@@ -23,11 +23,14 @@ def pytest_report_header(config):
     import importlib.metadata
     import platform
 
+    import sys
+    from pathlib import Path
+
+    path = sys.path + [str(Path(sys.prefix) / "peers")]  # make peers installs them there (bench.peers)
+
     def version(name):
-        try:
-            return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            return "-"
+        dist = next(iter(importlib.metadata.distributions(name=name, path=path)), None)
+        return "-" if dist is None else dist.version
     return ["versions: python " + platform.python_version() + ", " + ", ".join(f"{n} {version(n)}" for n in REPORTED)]
 
 

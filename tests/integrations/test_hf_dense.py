@@ -97,13 +97,14 @@ def test_rmsnorms_alone_and_eval_with_labels():
 
 
 def _saved_bytes(model, ids, mask, labels) -> int:
-    seen = {}
+    seen, kept = {}, []
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
 
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
         if ptr not in params:
             seen[ptr] = t.untyped_storage().nbytes()
+            kept.append(t)  # alive to the end: a freed storage's address, reused by a later one, hid one of the two
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
