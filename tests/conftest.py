@@ -1,5 +1,7 @@
 import os
+import sys
 import zlib
+from pathlib import Path
 
 import torch
 
@@ -7,6 +9,15 @@ import torch
 # so it is set before any test module imports kernels/.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed's choice, without its warning
+
+# `make peers` installs the peers in .venv/peers, which bench.peers puts on sys.path when imported. The
+# suite puts it there from the start, so every library agrees on whether DeepSpeed is installed
+# (accelerate decides when imported, transformers' Trainer at each call): a page of examples that runs
+# the peers must not change what a later page's Trainer finds.
+PEERS_DIR = Path(sys.prefix) / "peers"
+if PEERS_DIR.is_dir() and str(PEERS_DIR) not in sys.path:
+    sys.path.append(str(PEERS_DIR))
 
 import pytest  # noqa: E402
 
@@ -23,10 +34,7 @@ def pytest_report_header(config):
     import importlib.metadata
     import platform
 
-    import sys
-    from pathlib import Path
-
-    path = sys.path + [str(Path(sys.prefix) / "peers")]  # make peers installs them there (bench.peers)
+    path = sys.path + [str(PEERS_DIR)]
 
     def version(name):
         dist = next(iter(importlib.metadata.distributions(name=name, path=path)), None)
