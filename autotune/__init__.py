@@ -58,6 +58,7 @@ Main pieces: :class:`AutoChunks` (online), :class:`TuneCache`/:class:`CacheKey` 
 Imported under another name than ``lancet_rt.autotune`` (this folder found first as the top-level
 ``autotune``, which is another distribution's), it loads that package instead (``kernels/_aside.py``).
 """
+
 if __name__ != "lancet_rt.autotune":  # the checkout's folder found as the top-level `autotune`: not ours
     import os as _os
     import runpy as _runpy
@@ -66,21 +67,45 @@ if __name__ != "lancet_rt.autotune":  # the checkout's folder found as the top-l
     _runpy.run_path(_aside)["step_aside"](__name__, __file__)
 else:
     from lancet_rt.models.blocks import TuningBlocks
+
     from .cache import CacheHit, CacheKey, TuneCache, token_bucket
     from .cost_model import CostModel, Prediction, SimOp, simulate
-    from .profiling import ComputeProfile, LinkModel, Profiler, profile_compute
     from .gpu import DeviceIdentity, device_identity
     from .key import LinkInfo, count_tokens, key_for_layers, link_descriptor
     from .online import AutoChunks
+    from .profiling import ComputeProfile, LinkModel, Profiler, profile_compute
     from .search import DEFAULT_CANDIDATES, Measurement, SearchResult, StepRunner, candidate_chunks, search
 
     __all__ = [
-        "AutoChunks", "TuneCache", "CacheKey", "CacheHit", "token_bucket", "device_identity", "DeviceIdentity",
-        "search", "StepRunner", "candidate_chunks", "Measurement", "SearchResult", "DEFAULT_CANDIDATES",
-        "CostModel", "LinkModel", "ComputeProfile", "Prediction", "Profiler", "SimOp", "profile_compute", "simulate",
-        "key_for_layers", "link_descriptor", "LinkInfo", "count_tokens", "TuningBlocks",
+        "AutoChunks",
+        "TuneCache",
+        "CacheKey",
+        "CacheHit",
+        "token_bucket",
+        "device_identity",
+        "DeviceIdentity",
+        "search",
+        "StepRunner",
+        "candidate_chunks",
+        "Measurement",
+        "SearchResult",
+        "DEFAULT_CANDIDATES",
+        "CostModel",
+        "LinkModel",
+        "ComputeProfile",
+        "Prediction",
+        "Profiler",
+        "SimOp",
+        "profile_compute",
+        "simulate",
+        "key_for_layers",
+        "link_descriptor",
+        "LinkInfo",
+        "count_tokens",
+        "TuningBlocks",
     ]
 
     # Overlapped(chunks="auto") and from_hf(chunks="auto") build an AutoChunks: the runtime never imports this package.
-    from lancet_rt.schedule.policy import register_chunk_policy as _register_chunk_policy  # noqa: E402
+    from lancet_rt.schedule.policy import register_chunk_policy as _register_chunk_policy
+
     _register_chunk_policy("auto", AutoChunks)

@@ -26,6 +26,7 @@ Lookups fall back to the nearest token bucket (in log space) with otherwise the 
 shipped defaults (``autotune/defaults.json``, same format, keyed by GPU name instead of the full
 device identity). This module does not import torch, so it is cheap in helper processes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -128,8 +129,13 @@ class CacheKey:
                 raise ValueError(f"{name} must be a non-empty string, got {getattr(self, name)!r}")
         for name, lowest in (("link_gbps", 0.0), ("link_latency_us", -1.0), ("capacity_factor", 0.0)):
             v = getattr(self, name)  # (None, or a number: > 0, latency >= 0; NaN and strings refused)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not v > lowest
-                                  or (name != "link_gbps" and math.isinf(v)) or (lowest < 0 and v < 0)):
+            if v is not None and (
+                isinstance(v, bool)
+                or not isinstance(v, (int, float))
+                or not v > lowest
+                or (name != "link_gbps" and math.isinf(v))
+                or (lowest < 0 and v < 0)
+            ):
                 raise ValueError(f"{name} must be None or a number > 0{' or 0' if lowest < 0 else ''}, got {v!r}")
         if not isinstance(self.link_measured, bool):
             raise ValueError(f"link_measured must be a bool, got {self.link_measured!r}")
@@ -167,8 +173,10 @@ class CacheKey:
         if self.link_latency_us is not None:
             link += f"/{self.link_latency_us:g}us"
         cf = "dropless" if self.capacity_factor is None else f"{self.capacity_factor:g}"
-        return (f"{dev};ep={self.ep_world_size};link={link};{self.dtype};D={self.d_model};F={self.d_ffn};"
-                f"E={self.num_experts};K={self.top_k};cf={cf};tokens={self.tokens_bucket}")
+        return (
+            f"{dev};ep={self.ep_world_size};link={link};{self.dtype};D={self.d_model};F={self.d_ffn};"
+            f"E={self.num_experts};K={self.top_k};cf={cf};tokens={self.tokens_bucket}"
+        )
 
     def _match_fields(self, by: str) -> tuple:
         skip = {"tokens_bucket", "device_name" if by == "device" else "device"}
@@ -238,8 +246,15 @@ class TuneCache:
         """The valid entries on disk now (``{key string: {"key": ..., "value": ...}}``); warns on a bad file."""
         return _read_entries(self.path, what="autotune cache")
 
-    def lookup(self, key: CacheKey, *, nearest: bool = True, max_bucket_distance: Optional[float] = None,
-               max_gbps_distance: float = 1.0, use_defaults: bool = True) -> Optional[CacheHit]:
+    def lookup(
+        self,
+        key: CacheKey,
+        *,
+        nearest: bool = True,
+        max_bucket_distance: Optional[float] = None,
+        max_gbps_distance: float = 1.0,
+        use_defaults: bool = True,
+    ) -> Optional[CacheHit]:
         """The entry for ``key``: exact, else the nearest token bucket, else the shipped defaults.
 
         Args:
@@ -293,8 +308,9 @@ class TuneCache:
             value.setdefault("written_at", time.strftime("%Y-%m-%dT%H:%M:%S%z"))
             new[key.string(by)] = {"key": key.as_dict(), "value": value}
         if os.path.isdir(self.path):
-            raise IsADirectoryError(errno.EISDIR, f"the autotune cache path is a directory, not a file; {_WHERE}",
-                                    self.path)
+            raise IsADirectoryError(
+                errno.EISDIR, f"the autotune cache path is a directory, not a file; {_WHERE}", self.path
+            )
         # Through a symbolic link (a cache shared by several users or jobs) the TARGET is updated: its
         # lock, its temporary file beside it, renamed onto it. The link stays a link, and writers
         # through other links to the same file take the same lock and merge.
@@ -304,19 +320,28 @@ class TuneCache:
         while parent and not os.path.exists(parent):
             parent = os.path.dirname(parent)
         if parent and not os.path.isdir(parent):
-            raise NotADirectoryError(errno.ENOTDIR, f"the autotune cache's folder {parent} is a file; {_WHERE}",
-                                     self.path)
+            raise NotADirectoryError(
+                errno.ENOTDIR, f"the autotune cache's folder {parent} is a file; {_WHERE}", self.path
+            )
         if _not_regular(target):
-            warnings.warn(f"lancet-rt: the autotune cache {self.path} is not a regular file ({_not_regular(target)}); "
-                          f"not writing it (this run's entries are not cached)", RuntimeWarning, stacklevel=3)
+            warnings.warn(
+                f"lancet-rt: the autotune cache {self.path} is not a regular file ({_not_regular(target)}); "
+                f"not writing it (this run's entries are not cached)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
             return
         try:
             os.makedirs(directory, exist_ok=True)
             with _locked(target + ".lock"):
                 entries = _read_file(target, what="autotune cache", replacing=True)
                 if entries is None:  # unreadable, or no longer a regular file: never replaced
-                    warnings.warn(f"lancet-rt: not writing the autotune cache {self.path}: it cannot be read, and "
-                                  f"replacing it would drop its entries", RuntimeWarning, stacklevel=3)
+                    warnings.warn(
+                        f"lancet-rt: not writing the autotune cache {self.path}: it cannot be read, and "
+                        f"replacing it would drop its entries",
+                        RuntimeWarning,
+                        stacklevel=3,
+                    )
                     return
                 entries.update(new)
                 data = {"schema": SCHEMA, "version": VERSION, "entries": entries}
@@ -327,8 +352,9 @@ class TuneCache:
             if exc.errno is None:
                 raise
             # The same error type (callers catch OSError), named after the cache, not a side file.
-            raise type(exc)(exc.errno, f"cannot write the autotune cache ({exc.strerror}: "
-                                       f"{exc.filename}); {_WHERE}", self.path) from exc
+            raise type(exc)(
+                exc.errno, f"cannot write the autotune cache ({exc.strerror}: {exc.filename}); {_WHERE}", self.path
+            ) from exc
 
 
 def _check_value(value) -> None:
@@ -341,11 +367,12 @@ def _check_value(value) -> None:
         raise ValueError(f"value['defer_wgrad'] must be a bool, got {value['defer_wgrad']!r}")
 
 
-def _find(entries: dict, key: CacheKey, by: str, nearest: bool, max_distance, max_gbps_distance: float,
-          source: str, path: str):
+def _find(
+    entries: dict, key: CacheKey, by: str, nearest: bool, max_distance, max_gbps_distance: float, source: str, path: str
+):
     want = key._match_fields(by)
     best = None
-    for name, entry in entries.items():
+    for entry in entries.values():
         try:
             stored = CacheKey.from_dict(entry["key"])
         except (KeyError, TypeError, ValueError):
@@ -377,8 +404,13 @@ def _not_regular(path: str) -> Optional[str]:
         return None
     if stat.S_ISREG(mode):
         return None
-    kinds = ((stat.S_ISDIR, "a directory"), (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-             (stat.S_ISFIFO, "a FIFO"), (stat.S_ISSOCK, "a socket"))
+    kinds = (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+    )
     return next((name for test, name in kinds if test(mode)), "not a regular file")
 
 
@@ -403,8 +435,11 @@ def _read_file(path: str, *, what: str, replacing: bool = False) -> Optional[dic
         mode = os.fstat(fd).st_mode
         if not stat.S_ISREG(mode):  # (a character device, /dev/null, is a cache switched off: said on write)
             if not stat.S_ISCHR(mode):
-                warnings.warn(f"lancet-rt: cannot read the {what} {path} ({_not_regular(path)}, not a regular "
-                              f"file); ignoring it", RuntimeWarning, stacklevel=3)
+                warnings.warn(
+                    f"lancet-rt: cannot read the {what} {path} ({_not_regular(path)}, not a regular file); ignoring it",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
             return None
         with os.fdopen(fd, "rb", closefd=False) as f:
             raw = f.read()
@@ -417,22 +452,32 @@ def _read_file(path: str, *, what: str, replacing: bool = False) -> Optional[dic
     try:  # (decoded here: a file that is not UTF-8 is a corrupted cache, not an error in the step)
         data = json.loads(raw.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        warnings.warn(f"lancet-rt: the {what} {path} is corrupted ({exc}); ignoring it{then}",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"lancet-rt: the {what} {path} is corrupted ({exc}); ignoring it{then}", RuntimeWarning, stacklevel=3
+        )
         return {}
     if not isinstance(data, dict) or data.get("schema") != SCHEMA:
         schema = data.get("schema") if isinstance(data, dict) else type(data).__name__
-        warnings.warn(f"lancet-rt: the {what} {path} has schema {schema!r}, not {SCHEMA!r} (another tool's "
-                      f"file?); ignoring it{then}", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"lancet-rt: the {what} {path} has schema {schema!r}, not {SCHEMA!r} (another tool's "
+            f"file?); ignoring it{then}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return {}
     if data.get("version") != VERSION:
-        warnings.warn(f"lancet-rt: the {what} {path} has version {data.get('version')!r}, this lancet-rt "
-                      f"reads version {VERSION}; ignoring it{then}", RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"lancet-rt: the {what} {path} has version {data.get('version')!r}, this lancet-rt "
+            f"reads version {VERSION}; ignoring it{then}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return {}
     entries = data.get("entries")
     if not isinstance(entries, dict):
-        warnings.warn(f"lancet-rt: the {what} {path} has no 'entries' object; ignoring it{then}",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"lancet-rt: the {what} {path} has no 'entries' object; ignoring it{then}", RuntimeWarning, stacklevel=3
+        )
         return {}
     valid, bad = {}, 0
     for name, entry in entries.items():
@@ -446,8 +491,11 @@ def _read_file(path: str, *, what: str, replacing: bool = False) -> Optional[dic
             continue
         valid[name] = entry
     if bad:
-        warnings.warn(f"lancet-rt: skipped {bad} malformed entr{'y' if bad == 1 else 'ies'} in the {what} {path}",
-                      RuntimeWarning, stacklevel=3)
+        warnings.warn(
+            f"lancet-rt: skipped {bad} malformed entr{'y' if bad == 1 else 'ies'} in the {what} {path}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return valid
 
 

@@ -23,6 +23,7 @@ ranks in contiguous blocks, the layers' skews averaged). Not modelled: the data-
 all-reduce (with EP capped at E, Mixtral's 64 and 256 GPUs are 8-way EP times data parallelism),
 pipeline parallelism (every MoE layer is on the GPU), memory, NCCL's deviations from a linear link.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,9 +36,18 @@ from .simulate_model import SHAPES, build_profile, link_for, shadow_skew_for, sk
 SCHEDULES = ("sequential", "tutel", "overlapped")
 
 
-def simulate_step(model: str, gpus: int, ep: Optional[int] = None, link: Optional[str] = None, routing: str = "balanced",
-                  tokens: int = 8192, seq: int = 4096, chunks=(1, 2, 4, 8), deferred: bool = False,
-                  shadow: int = 0) -> dict:
+def simulate_step(
+    model: str,
+    gpus: int,
+    ep: Optional[int] = None,
+    link: Optional[str] = None,
+    routing: str = "balanced",
+    tokens: int = 8192,
+    seq: int = 4096,
+    chunks=(1, 2, 4, 8),
+    deferred: bool = False,
+    shadow: int = 0,
+) -> dict:
     """One row: the three schedules' predicted step at this scale and routing (module docstring); with
     ``shadow`` > 0 also Overlapped with ``MoE(shadow_experts=shadow)`` (``shadowed_ms``)."""
     from lancet_rt.routing.traces import parse_routing
@@ -58,9 +68,21 @@ def simulate_step(model: str, gpus: int, ep: Optional[int] = None, link: Optiona
     skew = skew_for(source, shape, ep)
     seq_pred = replay(profile, 1, skew=skew)
     comm = seq_pred.comm_ms + seq_pred.straggler_ms  # the collective time a rank sees when nothing overlaps
-    row = dict(model=model, gpus=gpus, ep=ep, dp=gpus // ep, link=link_name, link_gbps=gbps, routing=routing,
-               tokens=tokens, hot=skew.hot, port=skew.port, comm_ms=comm, link_busy_ms=seq_pred.comm_ms,
-               straggler_ms=seq_pred.straggler_ms)
+    row = dict(
+        model=model,
+        gpus=gpus,
+        ep=ep,
+        dp=gpus // ep,
+        link=link_name,
+        link_gbps=gbps,
+        routing=routing,
+        tokens=tokens,
+        hot=skew.hot,
+        port=skew.port,
+        comm_ms=comm,
+        link_busy_ms=seq_pred.comm_ms,
+        straggler_ms=seq_pred.straggler_ms,
+    )
     best = {"sequential": (seq_pred.step_ms, seq_pred.compute_ms, 1)}
     preds = [replay(profile, n, skew=skew) for n in chunks]
     q = min(preds, key=lambda p: p.step_ms)
@@ -68,25 +90,72 @@ def simulate_step(model: str, gpus: int, ep: Optional[int] = None, link: Optiona
     best["tutel"] = min((tutel_step(profile, n, skew) + (n,) for n in chunks), key=lambda t: t[0])
     for name, (step, compute, n) in best.items():
         exposed = max(step - compute, 0.0)
-        row.update({f"{name}_ms": step, f"{name}_compute_ms": compute, f"{name}_exposed_ms": exposed,
-                    f"{name}_hidden": 1 - exposed / comm if comm > 0 else 1.0, f"{name}_chunks": n})
+        row.update(
+            {
+                f"{name}_ms": step,
+                f"{name}_compute_ms": compute,
+                f"{name}_exposed_ms": exposed,
+                f"{name}_hidden": 1 - exposed / comm if comm > 0 else 1.0,
+                f"{name}_chunks": n,
+            }
+        )
     row["overlapped_vs_sequential"] = 1 - row["overlapped_ms"] / row["sequential_ms"]
     if shadow:  # Overlapped with hot-expert shadowing (MoE(shadow_experts=N)), the same profile
         sh_skew, k = shadow_skew_for(source, shape, ep, tokens, shadow)
         q = min((replay(profile, n, skew=sh_skew) for n in chunks), key=lambda p: p.step_ms)
-        row.update(shadowed_ms=q.step_ms, shadowed_chunks=q.chunks, shadowed_experts=k, shadowed_port=sh_skew.port,
-                   shadowed_hot=sh_skew.hot, shadowed_hidden=1 - max(q.step_ms - q.compute_ms, 0.0) / comm if comm > 0 else 1.0)
+        row.update(
+            shadowed_ms=q.step_ms,
+            shadowed_chunks=q.chunks,
+            shadowed_experts=k,
+            shadowed_port=sh_skew.port,
+            shadowed_hot=sh_skew.hot,
+            shadowed_hidden=1 - max(q.step_ms - q.compute_ms, 0.0) / comm if comm > 0 else 1.0,
+        )
     return row
 
 
 def _print(rows: list) -> None:
-    cols = ["model", "gpus", "ep", "link", "routing", "hot", "compute_ms", "comm_ms", "seq_ms", "tutel_ms",
-            "ovl_ms", "chunks", "exposed_ms", "hidden", "tutel_hid", "step_vs_seq", "shadowed_ms"]
-    cells = [[r["model"], r["gpus"], r["ep"], r["link"], r["routing"], f"{r['hot']:.2f}", f"{r['overlapped_compute_ms']:.1f}",
-              f"{r['comm_ms']:.1f}", f"{r['sequential_ms']:.1f}", f"{r['tutel_ms']:.1f}", f"{r['overlapped_ms']:.1f}",
-              r["overlapped_chunks"], f"{r['overlapped_exposed_ms']:.1f}", f"{r['overlapped_hidden']:.2f}",
-              f"{r['tutel_hidden']:.2f}", f"{-r['overlapped_vs_sequential']:+.1%}",
-              f"{r['shadowed_ms']:.1f} ({r['shadowed_experts']:.1f})" if "shadowed_ms" in r else "-"] for r in rows]
+    cols = [
+        "model",
+        "gpus",
+        "ep",
+        "link",
+        "routing",
+        "hot",
+        "compute_ms",
+        "comm_ms",
+        "seq_ms",
+        "tutel_ms",
+        "ovl_ms",
+        "chunks",
+        "exposed_ms",
+        "hidden",
+        "tutel_hid",
+        "step_vs_seq",
+        "shadowed_ms",
+    ]
+    cells = [
+        [
+            r["model"],
+            r["gpus"],
+            r["ep"],
+            r["link"],
+            r["routing"],
+            f"{r['hot']:.2f}",
+            f"{r['overlapped_compute_ms']:.1f}",
+            f"{r['comm_ms']:.1f}",
+            f"{r['sequential_ms']:.1f}",
+            f"{r['tutel_ms']:.1f}",
+            f"{r['overlapped_ms']:.1f}",
+            r["overlapped_chunks"],
+            f"{r['overlapped_exposed_ms']:.1f}",
+            f"{r['overlapped_hidden']:.2f}",
+            f"{r['tutel_hidden']:.2f}",
+            f"{-r['overlapped_vs_sequential']:+.1%}",
+            f"{r['shadowed_ms']:.1f} ({r['shadowed_experts']:.1f})" if "shadowed_ms" in r else "-",
+        ]
+        for r in rows
+    ]
     widths = [max(len(str(c)), *(len(str(row[i])) for row in cells)) for i, c in enumerate(cols)]
     print("MODEL, not a measurement: one H100's training step (ms), lancet_rt.autotune.simulate")
     print("  ".join(str(c).rjust(w) for c, w in zip(cols, widths)))
@@ -96,21 +165,32 @@ def _print(rows: list) -> None:
 
 def main(argv=None) -> list:
     """The command (module docstring); returns the rows."""
-    p = argparse.ArgumentParser(prog="python -m lancet_rt.autotune.simulate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m lancet_rt.autotune.simulate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--model", choices=sorted(SHAPES), default=None, help="required unless --table")
     p.add_argument("--gpus", type=int, default=None, help="GPUs in the job (required unless --table)")
     p.add_argument("--ep", type=int, default=None, help="expert-parallel size (default min(gpus, experts))")
-    p.add_argument("--link", choices=("nvlink", "ib"), default=None,
-                   help="default: NVLink within a node (ep <= 8), else IB for the inter-node bytes")
+    p.add_argument(
+        "--link",
+        choices=("nvlink", "ib"),
+        default=None,
+        help="default: NVLink within a node (ep <= 8), else IB for the inter-node bytes",
+    )
     p.add_argument("--routing", default="balanced,zipf", help="comma-separated: balanced, zipf, zipf:S, trace:FILE")
     p.add_argument("--tokens", type=int, default=8192, help="tokens per GPU per step (default 8192)")
     p.add_argument("--seq", type=int, default=4096, help="sequence length (default 4096)")
     p.add_argument("--chunks", default="1,2,4,8", help="candidate chunk counts (default 1,2,4,8)")
     p.add_argument("--defer-wgrad", action="store_true", help="Overlapped(defer_wgrad=True)")
     p.add_argument("--table", default=None, help="GPU counts: every model at each, balanced and skewed (e.g. 8,64,256)")
-    p.add_argument("--shadow-experts", type=int, default=0,
-                   help="also Overlapped with MoE(shadow_experts=N): hot-expert shadowing (shadowed_ms; experts per layer)")
+    p.add_argument(
+        "--shadow-experts",
+        type=int,
+        default=0,
+        help="also Overlapped with MoE(shadow_experts=N): hot-expert shadowing (shadowed_ms; experts per layer)",
+    )
     p.add_argument("--json", default=None, help="write the rows here")
     args = p.parse_args(argv)
     chunks = tuple(int(v) for v in args.chunks.split(","))
@@ -122,8 +202,11 @@ def main(argv=None) -> list:
     else:
         cases = [(args.model, args.gpus, args.ep)]
     try:
-        rows = [simulate_step(m, g, ep, args.link, r, args.tokens, args.seq, chunks, args.defer_wgrad, args.shadow_experts)
-                for m, g, ep in cases for r in routings]
+        rows = [
+            simulate_step(m, g, ep, args.link, r, args.tokens, args.seq, chunks, args.defer_wgrad, args.shadow_experts)
+            for m, g, ep in cases
+            for r in routings
+        ]
     except (OSError, ValueError) as exc:
         p.exit(2, f"simulate: {exc}\n")
     _print(rows)
@@ -131,4 +214,3 @@ def main(argv=None) -> list:
         with open(args.json, "w") as f:
             json.dump(dict(note="a model, not a measurement (lancet_rt.autotune.simulate)", rows=rows), f, indent=1)
     return rows
-

@@ -16,6 +16,7 @@ its forward time; each backward all-to-all is issued by its gradient's producer 
 backward, the experts' backward after its dX) and waited for by its own node, which drains deferred
 dW meanwhile (``min(dW queued, time left)``); what is left is flushed at the end.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -99,8 +100,8 @@ class _StepGraph:
     def __init__(self, comm: bool):
         self.tl = _Timeline()
         self.comm = comm
-        self.kinds: list = []      # per forward op: its kind
-        self.consumes: dict = {}   # forward compute op -> the forward all-to-all whose output it reads
+        self.kinds: list = []  # per forward op: its kind
+        self.consumes: dict = {}  # forward compute op -> the forward all-to-all whose output it reads
 
     def add(self, kind: str, name: str, stream: str, ms: float, deps=(), reads=None) -> int:
         i = self.tl.add(name, stream, ms, deps)
@@ -154,8 +155,9 @@ class CostModel:
             "own": they take the latency on a channel of their own (``TorchGroup(counts_group=)``).
     """
 
-    def __init__(self, profile: ComputeProfile, link: LinkModel, *, defer_wgrad: bool = False,
-                 counts_channel: str = "shared"):
+    def __init__(
+        self, profile: ComputeProfile, link: LinkModel, *, defer_wgrad: bool = False, counts_channel: str = "shared"
+    ):
         if not isinstance(profile, ComputeProfile):
             raise TypeError(f"profile must be a ComputeProfile, got {type(profile).__name__}")
         if not isinstance(link, LinkModel):
@@ -194,8 +196,15 @@ class CostModel:
         tl = g.tl
         end = tl.makespan
         comm_ms = sum(o.ms for o in tl.ops if o.stream == "comm")
-        return Prediction(chunks=n, step_ms=end, forward_ms=forward_end, backward_ms=end - forward_end,
-                          compute_ms=self.compute_ms(n), comm_ms=comm_ms, ops=tuple(tl.ops))
+        return Prediction(
+            chunks=n,
+            step_ms=end,
+            forward_ms=forward_end,
+            backward_ms=end - forward_end,
+            compute_ms=self.compute_ms(n),
+            comm_ms=comm_ms,
+            ops=tuple(tl.ops),
+        )
 
     def _phase_a(self, g: "_StepGraph", layer: int, c: int, after, share: float, scale: float) -> int:
         """Chunk c's pre-MoE compute, the blocking counts exchange, and the dispatch it issues."""
@@ -205,8 +214,9 @@ class CostModel:
             return g.add("issue", f"L{layer} c{c} issue", "compute", st.issue * scale * share)
         ex = g.add("exchange", f"L{layer} c{c} exchange", self.counts_stream, self.link.time_ms(0), (pre,))
         issue = g.add("issue", f"L{layer} c{c} issue", "compute", st.issue * scale * share, (ex,))
-        return g.add("dispatch", f"L{layer} c{c} dispatch", "comm",
-                     self.link.time_ms(st.dispatch_bytes * share), (issue,))
+        return g.add(
+            "dispatch", f"L{layer} c{c} dispatch", "comm", self.link.time_ms(st.dispatch_bytes * share), (issue,)
+        )
 
     def _forward(self, g: "_StepGraph", shares: list, scale: float) -> None:
         """The forward, in the round-robin scheduler's issue order: per layer, every chunk's pre +
@@ -221,13 +231,34 @@ class CostModel:
         for layer in range(L):
             st = p.layers[layer]
             for c in range(n):
-                e = g.add("experts", f"L{layer} c{c} experts", "compute", st.experts * scale * shares[c],
-                          (dispatch[c],), reads=dispatch[c])
-                combine[c] = (g.add("combine", f"L{layer} c{c} combine", "comm",
-                                    self.link.time_ms(st.combine_bytes * shares[c]), (e,)) if g.comm else e)
+                e = g.add(
+                    "experts",
+                    f"L{layer} c{c} experts",
+                    "compute",
+                    st.experts * scale * shares[c],
+                    (dispatch[c],),
+                    reads=dispatch[c],
+                )
+                combine[c] = (
+                    g.add(
+                        "combine",
+                        f"L{layer} c{c} combine",
+                        "comm",
+                        self.link.time_ms(st.combine_bytes * shares[c]),
+                        (e,),
+                    )
+                    if g.comm
+                    else e
+                )
             for c in range(n):
-                post = g.add("post", f"L{layer} c{c} post", "compute", st.post * scale * shares[c],
-                             (combine[c],), reads=combine[c])
+                post = g.add(
+                    "post",
+                    f"L{layer} c{c} post",
+                    "compute",
+                    st.post * scale * shares[c],
+                    (combine[c],),
+                    reads=combine[c],
+                )
                 if layer + 1 < L:
                     dispatch[c] = self._phase_a(g, layer + 1, c, post, shares[c], scale)
                 else:
@@ -245,8 +276,8 @@ class CostModel:
         ratio = (bwd_total - dw_total) / fwd_compute if fwd_compute > 0 else 0.0
         dw_weight = sum(o.ms for o, k in zip(fwd, kinds) if k in ("pre", "experts"))
         pool = 0.0
-        issued: dict = {}   # forward all-to-all -> its backward all-to-all
-        waits: list = []    # backward all-to-alls the next compute op waits for
+        issued: dict = {}  # forward all-to-all -> its backward all-to-all
+        waits: list = []  # backward all-to-alls the next compute op waits for
         for i in reversed(range(n_fwd)):
             o, kind = fwd[i], kinds[i]
             if kind in ("dispatch", "combine"):

@@ -6,6 +6,7 @@ and PCIe links; CUDA's own device properties fill in what NVML cannot give. With
 the CPU device, the identity is ``"cpu"`` with the CPU model and core count. Nothing here raises
 because NVML, a driver or a GPU is missing: every NVML call is guarded.
 """
+
 from __future__ import annotations
 
 import os
@@ -48,13 +49,23 @@ class DeviceIdentity:
         """The cache-key form: every field that changes performance, nothing that does not."""
         if self.kind == "cpu":
             return f"cpu|{self.cpu_model}|{self.sm_count} cores"
-        return (f"{self.name}|{self.memory_gib:.0f}GiB|{self.sm_count}SM|"
-                f"{self.max_sm_clock_mhz}/{self.max_mem_clock_mhz}MHz")
+        return (
+            f"{self.name}|{self.memory_gib:.0f}GiB|{self.sm_count}SM|"
+            f"{self.max_sm_clock_mhz}/{self.max_mem_clock_mhz}MHz"
+        )
 
     def as_dict(self) -> dict:
-        return dict(kind=self.kind, name=self.name, memory_gib=self.memory_gib, sm_count=self.sm_count,
-                    max_sm_clock_mhz=self.max_sm_clock_mhz, max_mem_clock_mhz=self.max_mem_clock_mhz,
-                    cpu_model=self.cpu_model, source=self.source, details=dict(self.details))
+        return dict(
+            kind=self.kind,
+            name=self.name,
+            memory_gib=self.memory_gib,
+            sm_count=self.sm_count,
+            max_sm_clock_mhz=self.max_sm_clock_mhz,
+            max_mem_clock_mhz=self.max_mem_clock_mhz,
+            cpu_model=self.cpu_model,
+            source=self.source,
+            details=dict(self.details),
+        )
 
 
 def cpu_model() -> str:
@@ -85,8 +96,14 @@ def _host_memory_gib() -> float:
 
 def cpu_identity() -> DeviceIdentity:
     """The identity of the CPU device: name ``"cpu"``, model and cores."""
-    return DeviceIdentity(kind="cpu", name="cpu", memory_gib=round(_host_memory_gib(), 1),
-                          sm_count=_cpu_cores(), cpu_model=cpu_model(), source="cpu")
+    return DeviceIdentity(
+        kind="cpu",
+        name="cpu",
+        memory_gib=round(_host_memory_gib(), 1),
+        sm_count=_cpu_cores(),
+        cpu_model=cpu_model(),
+        source="cpu",
+    )
 
 
 def nvml_info(device_index: int = 0) -> Optional[dict]:
@@ -107,7 +124,7 @@ def nvml_info(device_index: int = 0) -> Optional[dict]:
         return None
     try:
         pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
+    except Exception:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
         return None
     try:
         handle = _nvml_handle(pynvml, device_index)
@@ -131,7 +148,7 @@ def nvml_info(device_index: int = 0) -> Optional[dict]:
         if width is not None:
             info["pcie_width"] = width
         return info
-    except Exception:  # noqa: BLE001 - any NVML error means "no NVML facts", never a crash
+    except Exception:  # any NVML error means "no NVML facts", never a crash
         return None
     finally:
         _try(pynvml.nvmlShutdown, None)
@@ -170,7 +187,7 @@ def _nvlink_active(pynvml, handle) -> int:
         try:
             if pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED:
                 active += 1
-        except Exception:  # noqa: BLE001 - NotSupported on PCIe parts, past the last link
+        except Exception:  # NotSupported on PCIe parts, past the last link
             break
     return active
 
@@ -179,7 +196,7 @@ def _cuda_props(device_index: int):
     try:
         if torch.cuda.is_available():
             return torch.cuda.get_device_properties(device_index)
-    except Exception:  # noqa: BLE001
+    except Exception:
         pass
     return None
 
@@ -191,7 +208,7 @@ def _text(v) -> str:
 def _try(fn, default):
     try:
         return fn()
-    except Exception:  # noqa: BLE001
+    except Exception:
         return default
 
 
@@ -223,14 +240,30 @@ def device_identity(device=None) -> DeviceIdentity:
     sm = int(getattr(props, "multi_processor_count", 0) or 0) if props is not None else 0
     details = {}
     if nvml is not None:
-        details = {k: v for k, v in nvml.items()
-                   if k not in ("name", "memory_gib", "max_sm_clock_mhz", "max_mem_clock_mhz")}
-        return DeviceIdentity(kind="cuda", name=nvml["name"], memory_gib=nvml["memory_gib"], sm_count=sm,
-                              max_sm_clock_mhz=nvml["max_sm_clock_mhz"], max_mem_clock_mhz=nvml["max_mem_clock_mhz"],
-                              cpu_model=cpu_model(), source="nvml", details=details)
+        details = {
+            k: v for k, v in nvml.items() if k not in ("name", "memory_gib", "max_sm_clock_mhz", "max_mem_clock_mhz")
+        }
+        return DeviceIdentity(
+            kind="cuda",
+            name=nvml["name"],
+            memory_gib=nvml["memory_gib"],
+            sm_count=sm,
+            max_sm_clock_mhz=nvml["max_sm_clock_mhz"],
+            max_mem_clock_mhz=nvml["max_mem_clock_mhz"],
+            cpu_model=cpu_model(),
+            source="nvml",
+            details=details,
+        )
     if getattr(props, "major", None) is not None:
         details["compute_capability"] = f"{props.major}.{props.minor}"
     clock_khz = int(getattr(props, "clock_rate", 0) or 0)
-    return DeviceIdentity(kind="cuda", name=str(props.name), memory_gib=round(props.total_memory / 2**30, 1),
-                          sm_count=sm, max_sm_clock_mhz=clock_khz // 1000, cpu_model=cpu_model(),
-                          source="torch", details=details)
+    return DeviceIdentity(
+        kind="cuda",
+        name=str(props.name),
+        memory_gib=round(props.total_memory / 2**30, 1),
+        sm_count=sm,
+        max_sm_clock_mhz=clock_khz // 1000,
+        cpu_model=cpu_model(),
+        source="torch",
+        details=details,
+    )

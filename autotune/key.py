@@ -3,6 +3,7 @@
 The same function derives the key in the ``lancet-autotune`` command and in ``chunks="auto"``, so
 an entry the command writes is the one a training run finds.
 """
+
 from __future__ import annotations
 
 import math
@@ -50,7 +51,8 @@ def link_descriptor(group, device, *, measure: bool = True) -> LinkInfo:
         group: ``moe.group``: None (no expert parallelism), an :class:`lancet_rt.EmulatedGroup`
             (its configured bandwidth and latency), a :class:`lancet_rt.TorchGroup` (its backend and
             a measured bandwidth; measuring runs collectives, so every rank must call this
-            together), or another :class:`lancet_rt.ExpertParallelGroup` (its type name and its ``bandwidth_gbps``/``latency_us`` attributes if it has them).
+            together), or another :class:`lancet_rt.ExpertParallelGroup` (its type name and its
+            ``bandwidth_gbps``/``latency_us`` attributes if it has them).
         device: where the model runs (NCCL measures with CUDA buffers).
         measure: measure a real group's bandwidth (False: leave it None).
 
@@ -84,8 +86,9 @@ def measured_gbps(group, device) -> Optional[float]:
     """
     from .profiling import LinkModel
 
-    model = LinkModel.measure(group, device=device, nbytes=(1 << 20, 8 << 20), warmup=2, reps=5,
-                              agree=lambda xs: agree_max(group, xs))
+    model = LinkModel.measure(
+        group, device=device, nbytes=(1 << 20, 8 << 20), warmup=2, reps=5, agree=lambda xs: agree_max(group, xs)
+    )
     if math.isinf(model.gbps):
         return None
     if isinstance(group, lancet_rt.TorchGroup):
@@ -123,8 +126,9 @@ def count_tokens(args: tuple, kwargs: dict, d_model: int) -> int:
     raise ValueError("the model got no tensor argument with a dimension to count tokens in")
 
 
-def key_for_layers(layers: Sequence, tokens: int, *, identity: Optional[DeviceIdentity] = None,
-                   link: Optional[tuple] = None) -> CacheKey:
+def key_for_layers(
+    layers: Sequence, tokens: int, *, identity: Optional[DeviceIdentity] = None, link: Optional[tuple] = None
+) -> CacheKey:
     """The cache key of a model whose MoE layers are ``layers`` at ``tokens`` tokens per step.
 
     Args:
@@ -148,8 +152,19 @@ def key_for_layers(layers: Sequence, tokens: int, *, identity: Optional[DeviceId
         link = link_descriptor(m.group, device)
     if not isinstance(link, LinkInfo):
         raise TypeError(f"link must be a LinkInfo, got {type(link).__name__}")
-    return CacheKey(device=ident.key, device_name=ident.name, ep_world_size=m.ep_size, link_backend=link.backend,
-                    link_gbps=link.gbps, link_latency_us=link.latency_us, link_measured=link.measured,
-                    dtype=str(m.router.weight.dtype).replace("torch.", ""), d_model=m.d_model, d_ffn=m.d_ffn,
-                    num_experts=m.num_experts, top_k=m.top_k, capacity_factor=m.capacity_factor,
-                    tokens_bucket=token_bucket(tokens))
+    return CacheKey(
+        device=ident.key,
+        device_name=ident.name,
+        ep_world_size=m.ep_size,
+        link_backend=link.backend,
+        link_gbps=link.gbps,
+        link_latency_us=link.latency_us,
+        link_measured=link.measured,
+        dtype=str(m.router.weight.dtype).replace("torch.", ""),
+        d_model=m.d_model,
+        d_ffn=m.d_ffn,
+        num_experts=m.num_experts,
+        top_k=m.top_k,
+        capacity_factor=m.capacity_factor,
+        tokens_bucket=token_bucket(tokens),
+    )

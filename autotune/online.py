@@ -16,6 +16,7 @@ training itself. With a real process group every rank must use the same count (e
 would not match): the ranks agree on the token count, on the cache entry and on the timings (their
 maximum) with one small all-gather each, so they always decide alike.
 """
+
 from __future__ import annotations
 
 import logging
@@ -89,10 +90,17 @@ class AutoChunks:
         tuning_steps: steps run as part of an online search so far.
     """
 
-    def __init__(self, overlapped, *, cache: Optional[TuneCache] = None,
-                 candidates: Sequence[int] = DEFAULT_CANDIDATES,
-                 min_tokens_per_chunk: int = DEFAULT_MIN_TOKENS_PER_CHUNK, warmup_rounds: int = 1,
-                 timed_rounds: int = 2, max_bucket_distance: float = 1.0):
+    def __init__(
+        self,
+        overlapped,
+        *,
+        cache: Optional[TuneCache] = None,
+        candidates: Sequence[int] = DEFAULT_CANDIDATES,
+        min_tokens_per_chunk: int = DEFAULT_MIN_TOKENS_PER_CHUNK,
+        warmup_rounds: int = 1,
+        timed_rounds: int = 2,
+        max_bucket_distance: float = 1.0,
+    ):
         if not isinstance(overlapped, lancet_rt.Overlapped):
             raise TypeError(f"overlapped must be a lancet_rt.Overlapped, got {type(overlapped).__name__}")
         if cache is not None and not isinstance(cache, TuneCache):
@@ -174,8 +182,14 @@ class AutoChunks:
     def _agreed_shape(self, args, kwargs) -> tuple[int, int]:
         """Tokens and rows of this step; with a real group, the same on every rank (max tokens, min rows)."""
         tokens = count_tokens(args, kwargs, self.layers[0].d_model)
-        rows = next((int(v.shape[0]) for v in pytree.tree_leaves((args, kwargs))
-                     if isinstance(v, torch.Tensor) and v.dim() > 0), 1)
+        rows = next(
+            (
+                int(v.shape[0])
+                for v in pytree.tree_leaves((args, kwargs))
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            ),
+            1,
+        )
         if self._real_group():
             got = self._group.all_gather(torch.tensor([tokens, rows], dtype=torch.int64))
             tokens, rows = int(got[:, 0].max()), int(got[:, 1].min())
@@ -192,16 +206,24 @@ class AutoChunks:
             return state
         hit = self._lookup(key)
         kept, _ = candidate_chunks(tokens, max(rows, 1), self.candidates, self.min_tokens_per_chunk)
-        state = _Tuning(key=key, tokens=tokens, schedule=(kept * (self.warmup_rounds + self.timed_rounds)),
-                        warmup_steps=len(kept) * self.warmup_rounds)
+        state = _Tuning(
+            key=key,
+            tokens=tokens,
+            schedule=(kept * (self.warmup_rounds + self.timed_rounds)),
+            warmup_steps=len(kept) * self.warmup_rounds,
+        )
         if hit is not None:
             state.choice, state.source = hit.chunks, hit.source
             log.info("chunks='auto': %d chunks from the %s (%s)", hit.chunks, hit.source, hit.path)
         elif len(kept) == 1:
             state.choice, state.source = kept[0], "single"
         else:
-            log.info("chunks='auto': no cache entry for %s; tuning over the next %d steps (candidates %s)",
-                     name, len(state.schedule), kept)
+            log.info(
+                "chunks='auto': no cache entry for %s; tuning over the next %d steps (candidates %s)",
+                name,
+                len(state.schedule),
+                kept,
+            )
         self._states[name] = state
         return state
 
@@ -225,12 +247,26 @@ class AutoChunks:
         table = [dict(chunks=n, measured_ms=ms) for n, ms in zip(measured, fastest)]
         state.choice = min(zip(fastest, measured))[1]
         state.source = "tuned"
-        log.info("chunks='auto': tuned %s -> %d chunks (%s)", state.key.string(), state.choice,
-                 ", ".join(f"{r['chunks']}: {r['measured_ms']:.2f} ms" for r in table))
-        value = dict(chunks=state.choice, defer_wgrad=self.overlapped.defer_wgrad, source="online",
-                     tokens=state.tokens, statistic="fastest of timed steps", table=table)
+        log.info(
+            "chunks='auto': tuned %s -> %d chunks (%s)",
+            state.key.string(),
+            state.choice,
+            ", ".join(f"{r['chunks']}: {r['measured_ms']:.2f} ms" for r in table),
+        )
+        value = dict(
+            chunks=state.choice,
+            defer_wgrad=self.overlapped.defer_wgrad,
+            source="online",
+            tokens=state.tokens,
+            statistic="fastest of timed steps",
+            table=table,
+        )
         try:
             self.cache.store(state.key, value)
         except OSError as exc:
-            warnings.warn(f"lancet-rt: could not write the autotune cache {self.cache.path} ({exc}); "
-                          f"keeping {state.choice} chunks for this run only", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"lancet-rt: could not write the autotune cache {self.cache.path} ({exc}); "
+                f"keeping {state.choice} chunks for this run only",
+                RuntimeWarning,
+                stacklevel=2,
+            )

@@ -15,6 +15,7 @@ What is profiled (:class:`Profiler`, :meth:`LinkModel.measure`):
 - **The link**: all-to-alls of a few sizes timed on the real group, fitted as
   ``latency + bytes / bandwidth`` (least squares), as Lancet interpolates its a2a profile.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -72,9 +73,18 @@ class LinkModel:
         return cls(latency_ms=max(latency, 0.0), gbps=1e-6 / slope if slope > 0 else math.inf, samples=tuple(pts))
 
     @classmethod
-    def measure(cls, group, *, device, dtype=torch.float32, row_elems: int = 1024,
-                nbytes: Sequence[int] = (0, 1 << 20, 4 << 20), warmup: int = 1, reps: int = 5,
-                agree=None) -> "LinkModel":
+    def measure(
+        cls,
+        group,
+        *,
+        device,
+        dtype=torch.float32,
+        row_elems: int = 1024,
+        nbytes: Sequence[int] = (0, 1 << 20, 4 << 20),
+        warmup: int = 1,
+        reps: int = 5,
+        agree=None,
+    ) -> "LinkModel":
         """Time all-to-alls of a few sizes on ``group`` and fit the model.
 
         Every rank of a real group must call this at the same time with the same arguments (it runs
@@ -257,9 +267,14 @@ class Profiler:
             self.runner.zero_grad()
         stages, boundary = [], t0
         for c in clock.complete_calls:  # in forward order
-            st = LayerStages(pre=(c["dispatch0"] - boundary) * 1e3, issue=(c["dispatch1"] - c["dispatch0"]) * 1e3,
-                             experts=(c["combine1"] - c["dispatch1"]) * 1e3, post=(c["end"] - c["combine1"]) * 1e3,
-                             dispatch_bytes=c["bytes"], combine_bytes=c["bytes"])
+            st = LayerStages(
+                pre=(c["dispatch0"] - boundary) * 1e3,
+                issue=(c["dispatch1"] - c["dispatch0"]) * 1e3,
+                experts=(c["combine1"] - c["dispatch1"]) * 1e3,
+                post=(c["end"] - c["combine1"]) * 1e3,
+                dispatch_bytes=c["bytes"],
+                combine_bytes=c["bytes"],
+            )
             stages.append(st)
             boundary = c["end"]
         self._trace = dict(stages=stages, tail=(t1 - boundary) * 1e3, forward=(t1 - t0) * 1e3, step=(t2 - t0) * 1e3)
@@ -280,8 +295,10 @@ class Profiler:
             raise ValueError(f"statistic must be one of {sorted(STATISTICS)}, got {statistic!r}")
         counts = sorted(samples)
         if 1 not in counts or not all(samples[n] for n in counts):
-            raise ValueError(f"samples must hold timings at 1 chunk (and, to fit the per-chunk overhead, at "
-                             f"more counts), got {counts}")
+            raise ValueError(
+                f"samples must hold timings at 1 chunk (and, to fit the per-chunk overhead, at "
+                f"more counts), got {counts}"
+            )
         if self._trace is None:
             self.trace()
         stat = STATISTICS[statistic]
@@ -294,18 +311,38 @@ class Profiler:
         dw_ms = stat(dw) if dw else 0.0
         t = self._trace
         scale = c1 / max(t["step"], 1e-9)  # the traced step's shape, the probes' size
-        stages = tuple(LayerStages(s.pre * scale, s.issue * scale, s.experts * scale, s.post * scale,
-                                   s.dispatch_bytes, s.combine_bytes) for s in t["stages"])
+        stages = tuple(
+            LayerStages(
+                s.pre * scale, s.issue * scale, s.experts * scale, s.post * scale, s.dispatch_bytes, s.combine_bytes
+            )
+            for s in t["stages"]
+        )
         world = max([m.ep_size for m in self.layers] or [1])
-        return ComputeProfile(step1_ms=c1, overhead_per_chunk_ms=overhead, points=points,
-                              forward_ms=t["forward"] * scale, layers=stages, tail_ms=t["tail"] * scale,
-                              dw_ms=min(dw_ms, c1), world_size=world, statistic=statistic,
-                              raw=dict(traced_step_ms=t["step"], traced_forward_ms=t["forward"]))
+        return ComputeProfile(
+            step1_ms=c1,
+            overhead_per_chunk_ms=overhead,
+            points=points,
+            forward_ms=t["forward"] * scale,
+            layers=stages,
+            tail_ms=t["tail"] * scale,
+            dw_ms=min(dw_ms, c1),
+            world_size=world,
+            statistic=statistic,
+            raw=dict(traced_step_ms=t["step"], traced_forward_ms=t["forward"]),
+        )
 
 
-def profile_compute(runner, layers: Sequence[lancet_rt.MoE], *, chunk_counts: Sequence[int] = (1, 2, 4),
-                    warmup: int = 2, reps: int = 5, statistic: str = "median", wgrad_queue=None,
-                    progress: Optional[Callable[[int], None]] = None) -> ComputeProfile:
+def profile_compute(
+    runner,
+    layers: Sequence[lancet_rt.MoE],
+    *,
+    chunk_counts: Sequence[int] = (1, 2, 4),
+    warmup: int = 2,
+    reps: int = 5,
+    statistic: str = "median",
+    wgrad_queue=None,
+    progress: Optional[Callable[[int], None]] = None,
+) -> ComputeProfile:
     """Profile the computation of ``runner``'s step on a zero-cost link, on its own.
 
     Args:
@@ -325,8 +362,11 @@ def profile_compute(runner, layers: Sequence[lancet_rt.MoE], *, chunk_counts: Se
     if warmup < 0 or reps < 1:
         raise ValueError(f"warmup must be >= 0 and reps >= 1, got warmup={warmup}, reps={reps}")
     counts = sorted(set(chunk_counts))
-    if 1 not in counts or len(counts) < 2 or any(isinstance(n, bool) or not isinstance(n, int) or n < 1
-                                                 for n in counts):
+    if (
+        1 not in counts
+        or len(counts) < 2
+        or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in counts)
+    ):
         raise ValueError(f"chunk_counts must hold 1 and at least one more int >= 1, got {list(chunk_counts)!r}")
     tick = progress or (lambda k: None)
     prof = Profiler(runner, layers, wgrad_queue=wgrad_queue)

@@ -39,6 +39,7 @@ host-boundness (the host time of a CUDA trace is taken as the compute stream's t
 streams sharing the SMs, and NCCL's deviations from a linear link model. Traces on a real group carry
 no link transfers (no bytes), so only traces on the emulated link replay.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -52,12 +53,28 @@ from .replay_profile import ReplayProfile, build_profile
 from .replay_sim import EXPERTS_DW_SHARE, ReplayPrediction, replay
 from .replay_trace import STAGES, TracedStep, load_events, parse_trace
 
-__all__ = ["STAGES", "EXPERTS_DW_SHARE", "TracedStep", "ReplayProfile", "ReplayPrediction", "load_events",
-           "parse_trace", "build_profile", "replay", "replay_traces", "main"]
+__all__ = [
+    "STAGES",
+    "EXPERTS_DW_SHARE",
+    "TracedStep",
+    "ReplayProfile",
+    "ReplayPrediction",
+    "load_events",
+    "parse_trace",
+    "build_profile",
+    "replay",
+    "replay_traces",
+    "main",
+]
 
 
-def replay_traces(traces: Iterable, chunks: Sequence[int], bandwidths: Sequence[Optional[float]] = (None,),
-                  latency_ms: Optional[float] = None, counts_channel: str = "shared") -> list:
+def replay_traces(
+    traces: Iterable,
+    chunks: Sequence[int],
+    bandwidths: Sequence[Optional[float]] = (None,),
+    latency_ms: Optional[float] = None,
+    counts_channel: str = "shared",
+) -> list:
     """Parse ``traces`` (paths or Trace objects), fit the profile and replay every (chunks, bandwidth)."""
     profile = build_profile([parse_trace(t) for t in traces])
     return [replay(profile, n, b, latency_ms, counts_channel) for b in bandwidths for n in chunks]
@@ -72,16 +89,35 @@ def main(argv=None) -> list:
     Returns:
         The :class:`ReplayPrediction` of every (bandwidth, chunks), bandwidth-major.
     """
-    p = argparse.ArgumentParser(prog="python -m lancet_rt.autotune.replay", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("traces", nargs="+", help="trace JSON of one step each (lancet_rt.tracing(); two or more chunk "
-                                             "counts of the same batch also fit the per-chunk overhead)")
-    p.add_argument("--chunks", type=list_of(int_in(1, 64)), default=[1, 2, 4], help="chunk counts to predict (default 1,2,4)")
-    p.add_argument("--bandwidth-gbps", type=list_of(float_in(0, above=True)), default=None,
-                   help="link bandwidths to predict, GB/s (default: the traced link's)")
-    p.add_argument("--latency-us", type=float_in(0, 1e6), default=None, help="link latency (default: the traced link's)")
-    p.add_argument("--counts-channel", choices=("shared", "own"), default="shared",
-                   help="the counts exchanges in the link's FIFO (default) or on a channel of their own")
+    p = argparse.ArgumentParser(
+        prog="python -m lancet_rt.autotune.replay",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "traces",
+        nargs="+",
+        help="trace JSON of one step each (lancet_rt.tracing(); two or more chunk "
+        "counts of the same batch also fit the per-chunk overhead)",
+    )
+    p.add_argument(
+        "--chunks", type=list_of(int_in(1, 64)), default=[1, 2, 4], help="chunk counts to predict (default 1,2,4)"
+    )
+    p.add_argument(
+        "--bandwidth-gbps",
+        type=list_of(float_in(0, above=True)),
+        default=None,
+        help="link bandwidths to predict, GB/s (default: the traced link's)",
+    )
+    p.add_argument(
+        "--latency-us", type=float_in(0, 1e6), default=None, help="link latency (default: the traced link's)"
+    )
+    p.add_argument(
+        "--counts-channel",
+        choices=("shared", "own"),
+        default="shared",
+        help="the counts exchanges in the link's FIFO (default) or on a channel of their own",
+    )
     p.add_argument("--json", default=None, help="write the predictions here (a JSON list)")
     args = p.parse_args(argv)
     try:
@@ -89,14 +125,21 @@ def main(argv=None) -> list:
     except (OSError, ValueError) as exc:
         p.exit(2, f"replay: {exc}\n")
     lat = None if args.latency_us is None else args.latency_us * 1e-3
-    preds = [replay(profile, n, b, lat, args.counts_channel) for b in (args.bandwidth_gbps or [None]) for n in args.chunks]
-    print(f"replay of {len(args.traces)} trace(s): {len(profile.layers)} MoE layers, {profile.tokens} tokens, traced "
-          + ", ".join(f"{n} chunk(s) {ms:.2f} ms" for n, ms in sorted(profile.traced.items()))
-          + f"; link {profile.link.latency_ms * 1e3:.0f} us + bytes / {profile.link.gbps:.3g} GB/s"
-          + (", deferred dW" if profile.deferred else ""))
+    preds = [
+        replay(profile, n, b, lat, args.counts_channel) for b in (args.bandwidth_gbps or [None]) for n in args.chunks
+    ]
+    print(
+        f"replay of {len(args.traces)} trace(s): {len(profile.layers)} MoE layers, {profile.tokens} tokens, traced "
+        + ", ".join(f"{n} chunk(s) {ms:.2f} ms" for n, ms in sorted(profile.traced.items()))
+        + f"; link {profile.link.latency_ms * 1e3:.0f} us + bytes / {profile.link.gbps:.3g} GB/s"
+        + (", deferred dW" if profile.deferred else "")
+    )
     print(f"{'chunks':>6} {'GB/s':>9} {'step ms':>9} {'forward':>9} {'compute':>9} {'comm':>9}")
     for q in preds:
-        print(f"{q.chunks:>6} {q.gbps:>9.3g} {q.step_ms:>9.2f} {q.forward_ms:>9.2f} {q.compute_ms:>9.2f} {q.comm_ms:>9.2f}")
+        print(
+            f"{q.chunks:>6} {q.gbps:>9.3g} {q.step_ms:>9.2f} {q.forward_ms:>9.2f} {q.compute_ms:>9.2f} "
+            f"{q.comm_ms:>9.2f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump([q.__dict__ for q in preds], f, indent=1)

@@ -4,6 +4,7 @@ Step 2 of :mod:`lancet_rt.autotune.replay`: :func:`build_profile` turns the
 :class:`lancet_rt.autotune.replay_trace.TracedStep` of one or more traces into a :class:`ReplayProfile`,
 which interpolates each stage's time between the traced chunk counts.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -12,6 +13,7 @@ from typing import Sequence
 
 from .profiling import LinkModel
 from .replay_trace import TracedStep
+
 
 @dataclass
 class ReplayProfile:
@@ -86,8 +88,9 @@ def build_profile(steps: Sequence[TracedStep]) -> ReplayProfile:
     first = steps[0]
     for s in steps[1:]:
         if s.layers != first.layers or s.total_tokens != first.total_tokens or s.deferred != first.deferred:
-            raise ValueError("the traces must be steps of one model, batch and dW setting (layers, tokens, "
-                             "deferral differ)")
+            raise ValueError(
+                "the traces must be steps of one model, batch and dW setting (layers, tokens, deferral differ)"
+            )
     T = first.total_tokens
     steps = [_fastest(group) for group in _by_chunks(steps)]
     totals = {key: {s.chunks: sum(s.forward[key]) for s in steps} for key in first.forward}
@@ -103,9 +106,18 @@ def build_profile(steps: Sequence[TracedStep]) -> ReplayProfile:
     glue = sum(s.glue_ms for s in steps if s.segments) / segs if segs else 0.0
     bpt = {k: statistics.fmean(sum(s.bytes[k]) for s in steps) / T if T else 0.0 for k in first.bytes}
     link = LinkModel.fit([p for s in steps for p in s.link_samples])
-    return ReplayProfile(layers=list(first.layers), tokens=T, totals=totals, glue_per_segment_ms=glue,
-                         ratios=ratios, dw_ratio=dw_ratio, bytes_per_token=bpt, link=link, deferred=first.deferred,
-                         traced={s.chunks: s.step_ms for s in steps})
+    return ReplayProfile(
+        layers=list(first.layers),
+        tokens=T,
+        totals=totals,
+        glue_per_segment_ms=glue,
+        ratios=ratios,
+        dw_ratio=dw_ratio,
+        bytes_per_token=bpt,
+        link=link,
+        deferred=first.deferred,
+        traced={s.chunks: s.step_ms for s in steps},
+    )
 
 
 def _by_chunks(steps) -> list:
@@ -120,4 +132,3 @@ def _fastest(steps: Sequence[TracedStep]) -> TracedStep:
     step, so the fastest is the steadiest record (as the benchmarks take the fastest step). Whole
     steps, not the fastest record of each stage: those would add up to a step faster than any."""
     return min(steps, key=lambda s: s.step_ms)
-

@@ -4,6 +4,7 @@ Step 3 of :mod:`lancet_rt.autotune.replay` (its module docstring describes the r
 runs Overlapped's own scheduling rule over each chunk's stage program on the host and a FIFO link,
 the backward runs the forward's creation order in reverse and drains deferred dW by the queue's own rule.
 """
+
 from __future__ import annotations
 
 import math
@@ -73,9 +74,14 @@ class _Link:
         return self.free
 
 
-def replay(profile: ReplayProfile, chunks: int, gbps: Optional[float] = None,
-           latency_ms: Optional[float] = None, counts_channel: str = "shared",
-           skew: Optional[Skew] = None) -> ReplayPrediction:
+def replay(
+    profile: ReplayProfile,
+    chunks: int,
+    gbps: Optional[float] = None,
+    latency_ms: Optional[float] = None,
+    counts_channel: str = "shared",
+    skew: Optional[Skew] = None,
+) -> ReplayPrediction:
     """Replay one step at ``chunks`` on a link of ``gbps`` (default: the traced link's fit).
 
     Args:
@@ -102,16 +108,25 @@ def replay(profile: ReplayProfile, chunks: int, gbps: Optional[float] = None,
     segments = sim.forward()
     forward_ms = sim.host
     sim.backward()
-    return ReplayPrediction(chunks=chunks, gbps=gbps, latency_ms=latency_ms, step_ms=sim.host, forward_ms=forward_ms,
-                            compute_ms=sim.work, comm_ms=sim.link.busy, segments=segments,
-                            straggler_ms=sim.link.held)
+    return ReplayPrediction(
+        chunks=chunks,
+        gbps=gbps,
+        latency_ms=latency_ms,
+        step_ms=sim.host,
+        forward_ms=forward_ms,
+        compute_ms=sim.work,
+        comm_ms=sim.link.busy,
+        segments=segments,
+        straggler_ms=sim.link.held,
+    )
 
 
 class _Simulation:
     """One replayed step's state: the host clock, the links and the forward's autograd nodes."""
 
-    def __init__(self, profile: ReplayProfile, n: int, gbps: float, latency_ms: float, counts_channel: str,
-                 skew: Skew = Skew()):
+    def __init__(
+        self, profile: ReplayProfile, n: int, gbps: float, latency_ms: float, counts_channel: str, skew: Skew = Skew()
+    ):
         self.profile, self.n, self.skew = profile, n, skew
         self.out_end: dict = {}  # (l, c) -> end of the backward's outbound transfer a returning one answers
         self.hot_free = 0.0  # when the hot rank's expert work queued so far is done
@@ -231,8 +246,9 @@ class _Simulation:
                 l, c = entry[3]
                 dx = back if profile.deferred else back * (1 - EXPERTS_DW_SHARE)
                 self.compute(dx)
-                bwd[(l, c, "dispatch")] = self._issue_backward(l, c, "dispatch",
-                                                               self.hot_done(self.out_end.get((l, c), 0.0), dx))
+                bwd[(l, c, "dispatch")] = self._issue_backward(
+                    l, c, "dispatch", self.hot_done(self.out_end.get((l, c), 0.0), dx)
+                )
                 self.compute(back - dx)
             elif kind == "post":
                 l, c = entry[3]

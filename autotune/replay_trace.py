@@ -4,6 +4,7 @@ Step 1 of :mod:`lancet_rt.autotune.replay` (its module docstring describes what 
 where): :func:`parse_trace` reads one training step of :class:`lancet_rt.Overlapped` recorded with
 :func:`lancet_rt.tracing` on the emulated link into a :class:`TracedStep`.
 """
+
 from __future__ import annotations
 
 import os
@@ -82,8 +83,11 @@ def load_events(source) -> list:
         source = source.get("traceEvents")
     if not isinstance(source, list) or not all(isinstance(e, dict) for e in source):
         what = "a path, a lancet_rt.Trace, {'traceEvents': [...]} or a list of events (objects)"
-        raise ValueError(f"{path}: not a trace: expected {{'traceEvents': [...]}} or a list of events (objects)"
-                         if path is not None else f"trace must be {what}")
+        raise ValueError(
+            f"{path}: not a trace: expected {{'traceEvents': [...]}} or a list of events (objects)"
+            if path is not None
+            else f"trace must be {what}"
+        )
     return source
 
 
@@ -111,10 +115,18 @@ def parse_trace(source) -> TracedStep:
     path = _path_of(source)
     try:
         return _parse_events(load_events(source))
-    except (KeyError, TypeError, AttributeError, IndexError, ArithmeticError) as exc:  # an event without a field it needs
+    except (
+        KeyError,
+        TypeError,
+        AttributeError,
+        IndexError,
+        ArithmeticError,
+    ) as exc:  # an event without a field it needs
         where = f"{path}: " if path is not None else ""
-        raise ValueError(f"{where}not a lancet_rt.tracing() trace of one step (an event lacks a field or has one "
-                         f"of the wrong type: {type(exc).__name__} {exc})") from None
+        raise ValueError(
+            f"{where}not a lancet_rt.tracing() trace of one step (an event lacks a field or has one "
+            f"of the wrong type: {type(exc).__name__} {exc})"
+        ) from None
     except ValueError as exc:
         if path is None or str(exc).startswith(path):
             raise
@@ -143,10 +155,22 @@ def _parse_events(events: list) -> TracedStep:
     glue = max(0.0, (forward_end - t_start) - forward_waits - fwd_host)
     backward, backward_waits, deferred = _backward_parts(host, forward_end, t_end, waits)
     nbytes, samples = _link_bytes(events, fwd, layers, n, segments)
-    return TracedStep(chunks=n, layers=layers, tokens=tokens, forward=forward, glue_ms=glue,
-                      segments=len(chunk_spans), backward=backward, bytes=nbytes, link_samples=samples,
-                      step_ms=t_end - t_start, forward_ms=forward_end - t_start, forward_waits_ms=forward_waits,
-                      backward_waits_ms=backward_waits, deferred=deferred)
+    return TracedStep(
+        chunks=n,
+        layers=layers,
+        tokens=tokens,
+        forward=forward,
+        glue_ms=glue,
+        segments=len(chunk_spans),
+        backward=backward,
+        bytes=nbytes,
+        link_samples=samples,
+        step_ms=t_end - t_start,
+        forward_ms=forward_end - t_start,
+        forward_waits_ms=forward_waits,
+        backward_waits_ms=backward_waits,
+        deferred=deferred,
+    )
 
 
 def _layers_and_chunks(fwd: list, chunked: bool) -> tuple:
@@ -217,8 +241,12 @@ def _backward_parts(host: list, forward_end: float, t_end: float, waits: list) -
     part = {k: sum(_ms(e)[1] - _ms(e)[0] for e in bwd_events if e["name"] == name) for k, name in traced.items()}
     backward_waits = _overlap(forward_end, t_end, waits)
     busy = (t_end - forward_end) - backward_waits
-    backward = dict(post=part["post"], experts=part["experts"], dw=part["dw"] + part["flush"],
-                    rest=max(0.0, busy - part["post"] - part["experts"] - part["dw"] - part["flush"]))
+    backward = dict(
+        post=part["post"],
+        experts=part["experts"],
+        dw=part["dw"] + part["flush"],
+        rest=max(0.0, busy - part["post"] - part["experts"] - part["dw"] - part["flush"]),
+    )
     deferred = any(e["name"] == "dW" for e in bwd_events) or part["flush"] > 0
     return backward, backward_waits, deferred
 
@@ -233,8 +261,10 @@ def _link_bytes(events: list, fwd: list, layers: list, n: int, segments: list) -
     if not link:
         raise ValueError("trace holds no link transfers: record it on lancet_rt.EmulatedGroup")
     if len(a2a) < len(issues) or len(issues) != 2 * L * n:
-        raise ValueError(f"trace must hold a dispatch and a combine per layer and chunk ({2 * L * n}), and their "
-                         f"transfers; got {len(issues)} spans, {len(a2a)} transfers (MoE(pipeline_chunks > 1)?)")
+        raise ValueError(
+            f"trace must hold a dispatch and a combine per layer and chunk ({2 * L * n}), and their "
+            f"transfers; got {len(issues)} spans, {len(a2a)} transfers (MoE(pipeline_chunks > 1)?)"
+        )
     nbytes = {(l, k): [0] * n for l in range(L) for k in ("dispatch", "combine")}
     for e, tr in zip(issues, a2a):
         c = _chunk_at(segments, e["ts"] * 1e-3)

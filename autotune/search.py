@@ -6,6 +6,7 @@ timed in interleaved rounds (1, 2, 3, ..., 1, 2, 3, ...) after a warm-up of each
 a shared machine hits all of them alike; each gets the median (or the minimum) of its rounds.
 Measurement decides: the choice is the fastest.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -20,8 +21,12 @@ DEFAULT_CANDIDATES = (1, 2, 3, 4, 6, 8)
 DEFAULT_MIN_TOKENS_PER_CHUNK = 128
 
 
-def candidate_chunks(tokens: int, rows: int, candidates: Sequence[int] = DEFAULT_CANDIDATES,
-                     min_tokens_per_chunk: int = DEFAULT_MIN_TOKENS_PER_CHUNK) -> tuple[list[int], dict[int, str]]:
+def candidate_chunks(
+    tokens: int,
+    rows: int,
+    candidates: Sequence[int] = DEFAULT_CANDIDATES,
+    min_tokens_per_chunk: int = DEFAULT_MIN_TOKENS_PER_CHUNK,
+) -> tuple[list[int], dict[int, str]]:
     """The candidates worth measuring, and why the others are not.
 
     Args:
@@ -137,8 +142,14 @@ class Measurement:
     peak_mem_mb: Optional[float] = None
 
     def as_dict(self) -> dict:
-        return dict(chunks=self.chunks, status=self.status, measured_ms=self.ms, measured_q20_ms=self.ms_q20,
-                    measured_q80_ms=self.ms_q80, peak_mem_mb=self.peak_mem_mb)
+        return dict(
+            chunks=self.chunks,
+            status=self.status,
+            measured_ms=self.ms,
+            measured_q20_ms=self.ms_q20,
+            measured_q80_ms=self.ms_q80,
+            peak_mem_mb=self.peak_mem_mb,
+        )
 
 
 @dataclass
@@ -173,11 +184,19 @@ def _oom_errors() -> tuple:
 _STATISTICS = {"median": statistics.median, "min": min}
 
 
-def search(runner: StepRunner, *, candidates: Sequence[int] = DEFAULT_CANDIDATES, tokens: Optional[int] = None,
-           min_tokens_per_chunk: int = DEFAULT_MIN_TOKENS_PER_CHUNK, warmup: int = 2, reps: int = 5,
-           statistic: str = "median", probes: Optional[dict] = None,
-           progress: Optional[Callable[[int], None]] = None,
-           agree: Optional[Callable[[list], list]] = None) -> SearchResult:
+def search(
+    runner: StepRunner,
+    *,
+    candidates: Sequence[int] = DEFAULT_CANDIDATES,
+    tokens: Optional[int] = None,
+    min_tokens_per_chunk: int = DEFAULT_MIN_TOKENS_PER_CHUNK,
+    warmup: int = 2,
+    reps: int = 5,
+    statistic: str = "median",
+    probes: Optional[dict] = None,
+    progress: Optional[Callable[[int], None]] = None,
+    agree: Optional[Callable[[list], list]] = None,
+) -> SearchResult:
     """Measure every surviving candidate on ``runner``'s step and pick the fastest.
 
     Args:
@@ -203,8 +222,9 @@ def search(runner: StepRunner, *, candidates: Sequence[int] = DEFAULT_CANDIDATES
         raise ValueError(f"warmup must be >= 0 and reps >= 1, got warmup={warmup}, reps={reps}")
     if statistic not in _STATISTICS:
         raise ValueError(f"statistic must be one of {sorted(_STATISTICS)}, got {statistic!r}")
-    kept, pruned = candidate_chunks(tokens if tokens is not None else runner.rows, runner.rows, candidates,
-                                    min_tokens_per_chunk)
+    kept, pruned = candidate_chunks(
+        tokens if tokens is not None else runner.rows, runner.rows, candidates, min_tokens_per_chunk
+    )
     table = {n: Measurement(n) for n in kept}
     table.update({n: Measurement(n, status=f"pruned: {why}") for n, why in pruned.items()})
     rounds = _Rounds(runner, table, kept, probes or {}, progress or (lambda k: None))
@@ -216,8 +236,9 @@ def search(runner: StepRunner, *, candidates: Sequence[int] = DEFAULT_CANDIDATES
             rounds.run_probe(name, timed)
     ok = _summarise(table, kept, _STATISTICS[statistic], agree)
     choice = min(ok, key=lambda n: (table[n].ms, n))
-    return SearchResult(table=[table[n] for n in sorted(table)], choice=choice, statistic=statistic,
-                        probes=rounds.probe_samples)
+    return SearchResult(
+        table=[table[n] for n in sorted(table)], choice=choice, statistic=statistic, probes=rounds.probe_samples
+    )
 
 
 class _Rounds:

@@ -3,6 +3,7 @@
 Import :mod:`lancet_rt.autotune.cluster` rather than this module: importing it would rebind the package's
 ``simulate`` (the cost model's function) to this module.
 """
+
 import sys
 
 from lancet_rt.autotune.cluster import main

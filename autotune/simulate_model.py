@@ -6,9 +6,9 @@ Everything here is a model, not a measurement. The per-GPU step is the replay's
 built from FLOP and byte counts instead of a trace; the Tutel-style baseline (chunking inside each MoE
 layer, nothing across layers) runs on :func:`lancet_rt.autotune.cost_model.simulate`.
 """
+
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -56,9 +56,17 @@ SHAPES = {
     "qwen3_moe": Shape("qwen3_moe", 48, 2048, 768, 128, 8, 2048 * (4096 + 2 * 512) + 4096 * 2048, 32 * 128),
     # DeepSeek-V3: 58 MoE layers, D 7168, expert F 2048, 256 experts top-8 + 1 shared; MLA (128 heads,
     # q_lora 1536, kv_lora 512, qk 128+64, v 128).
-    "deepseek_v3": Shape("deepseek_v3", 58, 7168, 2048, 256, 8,
-                         7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168,
-                         128 * (192 + 128) // 2, shared_ffn=2048),
+    "deepseek_v3": Shape(
+        "deepseek_v3",
+        58,
+        7168,
+        2048,
+        256,
+        8,
+        7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168,
+        128 * (192 + 128) // 2,
+        shared_ffn=2048,
+    ),
 }
 
 
@@ -72,15 +80,26 @@ def link_for(ep: int, link: Optional[str]) -> tuple:
     return name, gbps, lat, share
 
 
-def build_profile(shape: Shape, tokens: int, seq: int, ep: int, gbps: float, latency_ms: float,
-                  byte_share: float = 1.0, deferred: bool = False) -> ReplayProfile:
+def build_profile(
+    shape: Shape,
+    tokens: int,
+    seq: int,
+    ep: int,
+    gbps: float,
+    latency_ms: float,
+    byte_share: float = 1.0,
+    deferred: bool = False,
+) -> ReplayProfile:
     """The replay's profile of one GPU's step from FLOP and byte counts (two chunk counts, so the replay
     interpolates the per-chunk overhead)."""
     T, D, K = tokens, shape.d_model, shape.top_k
-    gemm = lambda flops, tf: flops / (tf * 1e12) * 1e3  # noqa: E731  (ms)
-    mem = lambda nbytes: nbytes / (HBM_GBPS * 1e9) * 1e3  # noqa: E731
-    pre = (gemm(2 * T * shape.attn_proj_params, DENSE_TFLOPS)
-           + gemm(2 * 2 * T * seq * shape.attn_dim / 2, ATTENTION_TFLOPS) + mem(6 * T * D * 2))
+    gemm = lambda flops, tf: flops / (tf * 1e12) * 1e3
+    mem = lambda nbytes: nbytes / (HBM_GBPS * 1e9) * 1e3
+    pre = (
+        gemm(2 * T * shape.attn_proj_params, DENSE_TFLOPS)
+        + gemm(2 * 2 * T * seq * shape.attn_dim / 2, ATTENTION_TFLOPS)
+        + mem(6 * T * D * 2)
+    )
     stages = dict(
         pre=pre,
         route=gemm(2 * T * D * shape.experts, DENSE_TFLOPS) + mem(T * shape.experts * 4 * 3),
@@ -98,16 +117,24 @@ def build_profile(shape: Shape, tokens: int, seq: int, ep: int, gbps: float, lat
     off_rank = K * D * 2 * (ep - 1) / ep * byte_share  # bf16 rows, the share not addressed to this rank
     bpt = {(l, w): off_rank for l in range(shape.layers) for w in ("dispatch", "combine")}
     ratios = {k: {1: v} for k, v in BACKWARD.items()}
-    return ReplayProfile(layers=[f"L{l}" for l in range(shape.layers)], tokens=T, totals=totals,
-                         glue_per_segment_ms=0.005, ratios=ratios, dw_ratio={1: 1.0}, bytes_per_token=bpt,
-                         link=LinkModel(latency_ms, gbps), deferred=deferred)
+    return ReplayProfile(
+        layers=[f"L{l}" for l in range(shape.layers)],
+        tokens=T,
+        totals=totals,
+        glue_per_segment_ms=0.005,
+        ratios=ratios,
+        dw_ratio={1: 1.0},
+        bytes_per_token=bpt,
+        link=LinkModel(latency_ms, gbps),
+        deferred=deferred,
+    )
 
 
 def rank_shares(expert_shares, ep: int) -> list:
     """Each rank's share of the rows, experts placed in contiguous blocks of E / ep."""
     E = len(expert_shares)
     per = E // ep
-    return [sum(expert_shares[r * per:(r + 1) * per]) for r in range(ep)]
+    return [sum(expert_shares[r * per : (r + 1) * per]) for r in range(ep)]
 
 
 def skew_for(source, shape: Shape, ep: int) -> Skew:
@@ -155,9 +182,9 @@ def tutel_step(profile: ReplayProfile, chunks: int, skew: Skew) -> tuple:
     chunk's return waits for them, as in the replay's :class:`Skew`."""
     ops: list = []
     link = profile.link
-    nb = lambda l, w: profile.bytes_per_token[(l, w)] * profile.tokens / chunks * skew.port  # noqa: E731
-    ms = lambda l, st: profile.stage_ms((l, st), chunks, profile.tokens)  # noqa: E731  (all chunks)
-    add = lambda name, stream, t, deps=(): ops.append(SimOp(name, stream, t, tuple(deps))) or len(ops) - 1  # noqa: E731
+    nb = lambda l, w: profile.bytes_per_token[(l, w)] * profile.tokens / chunks * skew.port
+    ms = lambda l, st: profile.stage_ms((l, st), chunks, profile.tokens)
+    add = lambda name, stream, t, deps=(): ops.append(SimOp(name, stream, t, tuple(deps))) or len(ops) - 1
     hot = skew.hot if (skew.hot != 1.0 or skew.port != 1.0) else 0.0
     L = len(profile.layers)
     last = None

@@ -7,6 +7,7 @@ single steps) and the Megatron-style pairing: the same cross-microbatch interlea
 microbatches (chunks=1: the passes take turns layer by layer, as Megatron-Core's
 --overlap-moe-expert-parallel-comm pairs them, with no chunking inside a microbatch).
 """
+
 from __future__ import annotations
 
 import math
@@ -24,21 +25,44 @@ LINA_MODES = ("lina_fifo", "lina_priority")
 
 
 def add_accumulation_args(p) -> None:
-    p.add_argument("--microbatches", type=int_in(1), default=1,
-                   help="M > 1: also time a training step of M microbatches under the cross-microbatch "
-                        "schedule (Overlapped.accumulate) and the Megatron-style pairing")
-    p.add_argument("--accum-chunks", type=int_in(1, 64), default=None,
-                   help="chunks per microbatch in the cross-microbatch schedules (default: --chunks; the "
-                        "pass beside a forward already overlaps it, so fewer chunks may do)")
-    p.add_argument("--accum-steps", type=int_in(1), default=None,
-                   help="timed steps per cross-microbatch schedule (default: --steps, at most 5)")
-    p.add_argument("--dp-allreduce", action="store_true",
-                   help="also time the step with a data-parallel all-reduce of every gradient on the same link "
-                        "(lancet_rt.parallel.GradientSync): whole buckets in FIFO order vs Lina's pieces at low priority")
-    p.add_argument("--bucket-mb", type=float_in(0, 1e6, above=True), default=None,
-                   help="--dp-allreduce bucket size (default: a quarter of the gradients, so buckets start during backward)")
-    p.add_argument("--piece-mb", type=float_in(0, 1e6, above=True), default=None,
-                   help="--dp-allreduce piece size with priority (default: an eighth of a bucket)")
+    p.add_argument(
+        "--microbatches",
+        type=int_in(1),
+        default=1,
+        help="M > 1: also time a training step of M microbatches under the cross-microbatch "
+        "schedule (Overlapped.accumulate) and the Megatron-style pairing",
+    )
+    p.add_argument(
+        "--accum-chunks",
+        type=int_in(1, 64),
+        default=None,
+        help="chunks per microbatch in the cross-microbatch schedules (default: --chunks; the "
+        "pass beside a forward already overlaps it, so fewer chunks may do)",
+    )
+    p.add_argument(
+        "--accum-steps",
+        type=int_in(1),
+        default=None,
+        help="timed steps per cross-microbatch schedule (default: --steps, at most 5)",
+    )
+    p.add_argument(
+        "--dp-allreduce",
+        action="store_true",
+        help="also time the step with a data-parallel all-reduce of every gradient on the same link "
+        "(lancet_rt.parallel.GradientSync): whole buckets in FIFO order vs Lina's pieces at low priority",
+    )
+    p.add_argument(
+        "--bucket-mb",
+        type=float_in(0, 1e6, above=True),
+        default=None,
+        help="--dp-allreduce bucket size (default: a quarter of the gradients, so buckets start during backward)",
+    )
+    p.add_argument(
+        "--piece-mb",
+        type=float_in(0, 1e6, above=True),
+        default=None,
+        help="--dp-allreduce piece size with priority (default: an eighth of a bucket)",
+    )
 
 
 def add_accumulation(r: Runner, args) -> None:
@@ -95,10 +119,15 @@ def measure_accumulation(r: Runner, args, s: dict, link: tuple, single: dict) ->
     bound = max(fc, fm) + (M - 1) * max(fc + bc, fm + bm) + max(bc, bm)
     vs_overlapped = ms["accumulate_sequential"] / ms["accumulate"]
     out = dict(
-        microbatches=M, accum_chunks=args.accum_chunks or args.chunks, accum_steps=steps, accum_comm_ms=comm_ms,
+        microbatches=M,
+        accum_chunks=args.accum_chunks or args.chunks,
+        accum_steps=steps,
+        accum_comm_ms=comm_ms,
         accum_transfers_per_step=transfers,
-        **{f"{m}_ms": ms[m] for m in ACCUM_MODES}, **{f"{m}_compute_ms": compute[m] for m in ACCUM_MODES},
-        hidden_comm_fraction_accum=hidden["accumulate"], hidden_comm_fraction_accum_dw=hidden["accumulate_dw"],
+        **{f"{m}_ms": ms[m] for m in ACCUM_MODES},
+        **{f"{m}_compute_ms": compute[m] for m in ACCUM_MODES},
+        hidden_comm_fraction_accum=hidden["accumulate"],
+        hidden_comm_fraction_accum_dw=hidden["accumulate_dw"],
         hidden_comm_fraction_accum_megatron=hidden["accumulate_megatron"],
         hidden_comm_fraction_accum_sequential=hidden["accumulate_sequential"],
         accum_hidden_estimator="median over rounds of (link step - free-link step)",
@@ -112,18 +141,33 @@ def measure_accumulation(r: Runner, args, s: dict, link: tuple, single: dict) ->
         max_hidden_comm_fraction_accum=1 - (bound - M * single["compute_ms"]) / (M * single["comm_ms"]),
     )
     names = {"accumulate_sequential": f"{M} x overlapped, one after the other"}
-    table = [dict(schedule=names.get(m, m), step_ms=ms[m], compute_ms=compute[m], exposed_ms=exposed[m],
-                  hidden=hidden[m], hidden_fastest=hidden_fastest[m], speedup=ms["accumulate_sequential"] / ms[m])
-             for m in ACCUM_MODES]
-    print_table(table, ["schedule", "step_ms", "compute_ms", "exposed_ms", "hidden", "hidden_fastest", "speedup"],
-                title=f"a step of {M} microbatches: comm {comm_ms:.2f} ms = {comm_ms / compute['accumulate']:.2f} x compute")
-    print(f"hidden_comm_fraction_accum {out['hidden_comm_fraction_accum']:.3f} (paired; from the fastest steps "
-          f"{out['hidden_comm_fraction_accum_fastest']:.3f}) (with deferred dW "
-          f"{out['hidden_comm_fraction_accum_dw']:.3f}, Megatron-style {out['hidden_comm_fraction_accum_megatron']:.3f}, "
-          f"{M} x Overlapped {out['hidden_comm_fraction_accum_sequential']:.3f}; single-step pass-aware bound "
-          f"{single['max_hidden_comm_fraction']:.3f}, cross-microbatch bound {out['max_hidden_comm_fraction_accum']:.3f})  "
-          f"speedup vs {M} x Overlapped {vs_overlapped:.2f}x, vs {M} x MoE-internal chunking "
-          f"{out['speedup_accum_vs_moe_pipelined']:.2f}x, vs Megatron-style {out['speedup_accum_vs_megatron']:.2f}x")
+    table = [
+        dict(
+            schedule=names.get(m, m),
+            step_ms=ms[m],
+            compute_ms=compute[m],
+            exposed_ms=exposed[m],
+            hidden=hidden[m],
+            hidden_fastest=hidden_fastest[m],
+            speedup=ms["accumulate_sequential"] / ms[m],
+        )
+        for m in ACCUM_MODES
+    ]
+    print_table(
+        table,
+        ["schedule", "step_ms", "compute_ms", "exposed_ms", "hidden", "hidden_fastest", "speedup"],
+        title=f"a step of {M} microbatches: comm {comm_ms:.2f} ms = {comm_ms / compute['accumulate']:.2f} x compute",
+    )
+    print(
+        f"hidden_comm_fraction_accum {out['hidden_comm_fraction_accum']:.3f} (paired; from the fastest steps "
+        f"{out['hidden_comm_fraction_accum_fastest']:.3f}) (with deferred dW "
+        f"{out['hidden_comm_fraction_accum_dw']:.3f}, Megatron-style {out['hidden_comm_fraction_accum_megatron']:.3f}, "
+        f"{M} x Overlapped {out['hidden_comm_fraction_accum_sequential']:.3f}; single-step pass-aware bound "
+        f"{single['max_hidden_comm_fraction']:.3f}, cross-microbatch bound "
+        f"{out['max_hidden_comm_fraction_accum']:.3f})  "
+        f"speedup vs {M} x Overlapped {vs_overlapped:.2f}x, vs {M} x MoE-internal chunking "
+        f"{out['speedup_accum_vs_moe_pipelined']:.2f}x, vs Megatron-style {out['speedup_accum_vs_megatron']:.2f}x"
+    )
     return out
 
 
@@ -136,9 +180,11 @@ def check_accumulation(row: dict) -> bool:
     hidden, seq = row["hidden_comm_fraction_accum"], row["hidden_comm_fraction_accum_sequential"]
     ok = hidden >= 0.75 and hidden >= seq - 0.05
     target = hidden >= 0.9 and hidden > row["max_hidden_comm_fraction"]
-    print(f"check accumulate: {'PASS' if ok else 'FAIL'} (hidden {hidden:.3f} >= 0.75 and not below {seq:.3f}, "
-          f"{row['microbatches']} x Overlapped, by more than 0.05); issue target {'met' if target else 'missed'} "
-          f"(>= 0.9 and above the single-step pass-aware bound {row['max_hidden_comm_fraction']:.3f})")
+    print(
+        f"check accumulate: {'PASS' if ok else 'FAIL'} (hidden {hidden:.3f} >= 0.75 and not below {seq:.3f}, "
+        f"{row['microbatches']} x Overlapped, by more than 0.05); issue target {'met' if target else 'missed'} "
+        f"(>= 0.9 and above the single-step pass-aware bound {row['max_hidden_comm_fraction']:.3f})"
+    )
     return ok
 
 
@@ -153,17 +199,24 @@ def measure_lina(r: Runner, args, s: dict, link: tuple) -> dict:
     grad_bytes = sum(p.numel() * p.element_size() for p in r.model.parameters())
     bucket_mb = args.bucket_mb or grad_bytes / 4 / 1e6
     piece_mb = args.piece_mb or bucket_mb / 8
-    syncs = {"lina_fifo": GradientSync(r.model, r.link, params="all", bucket_mb=bucket_mb, low_priority=False),
-             "lina_priority": GradientSync(r.model, r.link, params="all", bucket_mb=bucket_mb, piece_mb=piece_mb,
-                                           low_priority=True)}
+    syncs = {
+        "lina_fifo": GradientSync(r.model, r.link, params="all", bucket_mb=bucket_mb, low_priority=False),
+        "lina_priority": GradientSync(
+            r.model, r.link, params="all", bucket_mb=bucket_mb, piece_mb=piece_mb, low_priority=True
+        ),
+    }
     for mode, sync in syncs.items():
         r.steps[mode] = lambda sync=sync: _accumulate_step(r, r.accumulate, sync)
     steps = args.accum_steps or min(s["steps"], 5)
     t = r.time_all(("accumulate",) + LINA_MODES, steps, {"link": link})
     r.set_link(*link)
     comm_ms, _, _ = r.per_step_link("accumulate")
-    out = dict(dp_bucket_mb=bucket_mb, dp_piece_mb=piece_mb, dp_grad_mb=grad_bytes / 1e6,
-               lina_no_allreduce_ms=t[("link", "accumulate")])
+    out = dict(
+        dp_bucket_mb=bucket_mb,
+        dp_piece_mb=piece_mb,
+        dp_grad_mb=grad_bytes / 1e6,
+        lina_no_allreduce_ms=t[("link", "accumulate")],
+    )
     for mode in LINA_MODES:
         total, _, _ = r.per_step_link(mode)
         out[f"{mode}_ms"] = t[("link", mode)]
@@ -173,10 +226,12 @@ def measure_lina(r: Runner, args, s: dict, link: tuple) -> dict:
     for sync in syncs.values():
         sync.remove()
     out["lina_speedup"] = out["lina_fifo_ms"] / out["lina_priority_ms"]
-    print(f"data-parallel all-reduce ({out['dp_grad_mb']:.2f} MB of gradients, {out['dp_allreduce_comm_ms']:.1f} ms "
-          f"on the link; the step without it {out['lina_no_allreduce_ms']:.1f} ms): "
-          f"{out['lina_fifo_ms']:.1f} ms with {out['lina_fifo_allreduces']} buckets in FIFO order "
-          f"(all-to-alls waited {out['lina_fifo_behind_allreduce_ms']:.1f} ms behind them), "
-          f"{out['lina_priority_ms']:.1f} ms with {out['lina_priority_allreduces']} pieces behind the all-to-alls "
-          f"(waited {out['lina_priority_behind_allreduce_ms']:.1f} ms): {out['lina_speedup']:.3f}x")
+    print(
+        f"data-parallel all-reduce ({out['dp_grad_mb']:.2f} MB of gradients, {out['dp_allreduce_comm_ms']:.1f} ms "
+        f"on the link; the step without it {out['lina_no_allreduce_ms']:.1f} ms): "
+        f"{out['lina_fifo_ms']:.1f} ms with {out['lina_fifo_allreduces']} buckets in FIFO order "
+        f"(all-to-alls waited {out['lina_fifo_behind_allreduce_ms']:.1f} ms behind them), "
+        f"{out['lina_priority_ms']:.1f} ms with {out['lina_priority_allreduces']} pieces behind the all-to-alls "
+        f"(waited {out['lina_priority_behind_allreduce_ms']:.1f} ms): {out['lina_speedup']:.3f}x"
+    )
     return out

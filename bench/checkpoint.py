@@ -18,6 +18,7 @@ here too) on each side. Times are medians; the machine's load average is in ever
     python -m bench.checkpoint                          # ~0.6 GB of parameters, 3 repeats
     python -m bench.checkpoint --layers 4 --repeats 5   # ~1.1 GB
 """
+
 from __future__ import annotations
 
 import argparse
@@ -108,8 +109,11 @@ def main(argv=None) -> list:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
-    ap.add_argument("--json", default="out/checkpoint_cpu.json",
-                    help="append the rows here (default out/, untracked; bench/results/ for the project's rows)")
+    ap.add_argument(
+        "--json",
+        default="out/checkpoint_cpu.json",
+        help="append the rows here (default out/, untracked; bench/results/ for the project's rows)",
+    )
     args = ap.parse_args(argv)
 
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // 2))
@@ -121,7 +125,7 @@ def main(argv=None) -> list:
     loads = []
     try:
         for i in range(args.repeats):  # interleaved: each repeat runs every variant once, in a rotated order
-            for v in variants[i % 3:] + variants[:i % 3]:
+            for v in variants[i % 3 :] + variants[: i % 3]:
                 s, ld = _variant(v, model, root)
                 times[v][0].append(s)
                 times[v][1].append(ld)
@@ -129,22 +133,44 @@ def main(argv=None) -> list:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med = {v: (statistics.median(times[v][0]), statistics.median(times[v][1])) for v in variants}
-    row = dict(run_metadata(torch.device("cpu")), bench="checkpoint", layers=args.layers, d_model=args.d_model,
-               d_ffn=args.d_ffn, experts=args.experts, repeats=args.repeats, gbytes=round(nbytes / 1e9, 3),
-               checksum_gbs=round(_checksum_gbs(), 2), loadavg_1m=round(statistics.median(loads), 2))
+    row = dict(
+        run_metadata(torch.device("cpu")),
+        bench="checkpoint",
+        layers=args.layers,
+        d_model=args.d_model,
+        d_ffn=args.d_ffn,
+        experts=args.experts,
+        repeats=args.repeats,
+        gbytes=round(nbytes / 1e9, 3),
+        checksum_gbs=round(_checksum_gbs(), 2),
+        loadavg_1m=round(statistics.median(loads), 2),
+    )
     for v in variants:
         row[f"{v}_save_s"], row[f"{v}_load_s"] = round(med[v][0], 4), round(med[v][1], 4)
     for side, i in (("save", 0), ("load", 1)):
         row[f"checksum_overhead_{side}"] = round(med["lancet"][i] / med["lancet_no_checksum"][i] - 1, 3)
         row[f"layer_overhead_{side}"] = round(med["lancet"][i] / med["dcp"][i] - 1, 3)
-    table = [dict(variant=v, save_s=med[v][0], load_s=med[v][1],
-                  save_gbs=nbytes / med[v][0] / 1e9, load_gbs=nbytes / med[v][1] / 1e9) for v in variants]
-    print_table(table, ["variant", "save_s", "load_s", "save_gbs", "load_gbs"],
-                f"checkpoint, {nbytes / 1e9:.2f} GB of parameters, medians of {args.repeats} "
-                f"(load average {row['loadavg_1m']}; XXH3-64 {row['checksum_gbs']} GB/s)")
-    print(f"checksums cost: save {row['checksum_overhead_save']:+.1%}, load {row['checksum_overhead_load']:+.1%}; "
-          f"the whole layer over plain DCP: save {row['layer_overhead_save']:+.1%}, "
-          f"load {row['layer_overhead_load']:+.1%}")
+    table = [
+        dict(
+            variant=v,
+            save_s=med[v][0],
+            load_s=med[v][1],
+            save_gbs=nbytes / med[v][0] / 1e9,
+            load_gbs=nbytes / med[v][1] / 1e9,
+        )
+        for v in variants
+    ]
+    print_table(
+        table,
+        ["variant", "save_s", "load_s", "save_gbs", "load_gbs"],
+        f"checkpoint, {nbytes / 1e9:.2f} GB of parameters, medians of {args.repeats} "
+        f"(load average {row['loadavg_1m']}; XXH3-64 {row['checksum_gbs']} GB/s)",
+    )
+    print(
+        f"checksums cost: save {row['checksum_overhead_save']:+.1%}, load {row['checksum_overhead_load']:+.1%}; "
+        f"the whole layer over plain DCP: save {row['layer_overhead_save']:+.1%}, "
+        f"load {row['layer_overhead_load']:+.1%}"
+    )
     log = RowLog(args.json)
     log.add(row)
     return log

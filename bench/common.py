@@ -4,6 +4,7 @@ are in bench.timing).
 Every benchmark row carries the device, commit, date, versions and the ceilings it was measured
 against, so a number is never separated from what it means (../shared/GPU.md).
 """
+
 from __future__ import annotations
 
 import datetime as _dt
@@ -23,8 +24,13 @@ from lancet_rt.jsonfile import read_json
 
 def git_commit() -> str:
     try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             cwd=Path(__file__).resolve().parent, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parent,
+            timeout=10,
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -149,8 +155,10 @@ def _read_rows(path: Path) -> list:
         return []
     rows = read_json(path)
     if not isinstance(rows, list):
-        raise ValueError(f"{path}: not a results file (a JSON list of rows), got a {type(rows).__name__}: move it "
-                         f"aside or pass another --json")
+        raise ValueError(
+            f"{path}: not a results file (a JSON list of rows), got a {type(rows).__name__}: move it "
+            f"aside or pass another --json"
+        )
     return rows
 
 

@@ -4,6 +4,7 @@ lancet_rt.kernels with representative arguments, its config space, and the varia
 ``jobs()`` lists one :class:`Job` per compile; the check compiles them and reports registers, spills and
 shared memory.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -18,12 +19,12 @@ ARCH, WARP_SIZE = 90, 32
 
 # Representative sizes: all multiples of 16 (how real shapes specialize), below 2^31 (int32 args).
 _T, _D, _F, _R, _E_LOCAL = 16384, 4096, 2048, 32768, 8
-_GATING_E = (64, 8, 256)      # DeepSeek-like first (the default), then Mixtral-like and a wide router
+_GATING_E = (64, 8, 256)  # DeepSeek-like first (the default), then Mixtral-like and a wide router
 _GATING_K = 8
 # Biased selection (E, n_group, topk_group): DeepSeek-V3 first (the default), Kimi-K2 (no groups),
 # and padded groups (E=160 in 8 groups of 20: 8 x 32 lanes).
 _GATING_BIASED = ((256, 8, 4), (384, 1, 1), (160, 8, 3))
-_PERMUTE_D = (4096, 128)      # model widths: the first covers every D >= 2048, the second small models
+_PERMUTE_D = (4096, 128)  # model widths: the first covers every D >= 2048, the second small models
 _SWIGLU_F = (2048, 512, 256)
 # Grouped GEMM (dtype, dot precision): fp32 is exact ("ieee", FMA units) unless allow_tf32 asks for tf32.
 _GEMM_CASES = (("bf16", "ieee"), ("fp16", "ieee"), ("fp32", "ieee"), ("fp32", "tf32"))
@@ -39,10 +40,18 @@ _GEMM_VARIANTS = {
     "dw": (("", {}),),
     "gate_up": (("", {}), ("gpt_oss", _GPT_OSS)),
 }
-_GEMM_EXTRA = {"gate_up": (("bias swiglu_oai", dict(HAS_BIAS=True, ACTIVATION="swiglu_oai")),
-                           ("interleaved", dict(INTERLEAVED=True)))}
-_SWIGLU_VARIANTS = (("", {}), ("gpt_oss", dict(INTERLEAVED=True, ACTIVATION="swiglu_oai")),
-                    ("swiglu_oai", dict(ACTIVATION="swiglu_oai")), ("interleaved", dict(INTERLEAVED=True)))
+_GEMM_EXTRA = {
+    "gate_up": (
+        ("bias swiglu_oai", dict(HAS_BIAS=True, ACTIVATION="swiglu_oai")),
+        ("interleaved", dict(INTERLEAVED=True)),
+    )
+}
+_SWIGLU_VARIANTS = (
+    ("", {}),
+    ("gpt_oss", dict(INTERLEAVED=True, ACTIVATION="swiglu_oai")),
+    ("swiglu_oai", dict(ACTIVATION="swiglu_oai")),
+    ("interleaved", dict(INTERLEAVED=True)),
+)
 # The cases the default check compiles beyond each kernel's first: every dtype of the lancet GEMMs, and
 # every branch of every expert constexpr once (the flags' code blocks compose: INTERLEAVED's main loop
 # and split epilogue, HAS_BIAS in both gate_up branches and in fwd, "swiglu_oai"), GPT-OSS's gate_up in
@@ -51,8 +60,16 @@ _SWIGLU_VARIANTS = (("", {}), ("gpt_oss", dict(INTERLEAVED=True, ACTIVATION="swi
 _DEFAULT_VARIANTS = {
     **{f"grouped_gemm.{op}": {"bf16", "fp16", "fp32", "fp32 tf32"} for op in _GEMM_OPS},
     "grouped_gemm.fwd": {"bf16", "fp16", "fp32", "fp32 tf32", "bf16 gpt_oss"},
-    "grouped_gemm.gate_up": {"bf16", "fp16", "fp32", "fp32 tf32", "bf16 gpt_oss", "fp32 gpt_oss",
-                             "fp32 tf32 gpt_oss", "bf16 bias swiglu_oai"},
+    "grouped_gemm.gate_up": {
+        "bf16",
+        "fp16",
+        "fp32",
+        "fp32 tf32",
+        "bf16 gpt_oss",
+        "fp32 gpt_oss",
+        "fp32 tf32 gpt_oss",
+        "bf16 bias swiglu_oai",
+    },
     "swiglu.fwd": {"F=2048 bf16", "F=2048 bf16 gpt_oss"},
     "swiglu.bwd": {"F=2048 bf16", "F=2048 bf16 gpt_oss"},
     "norm.fwd": {"D=4096 bf16 residual=False", "D=7168 fp32 residual=True"},
@@ -74,7 +91,6 @@ class Job:
         return ", ".join(f"{k}={v}" for k, v in self.meta)
 
 
-
 # ------------------------------------------------------------------------------------------------
 # The kernels, their representative arguments and their config spaces
 # ------------------------------------------------------------------------------------------------
@@ -89,12 +105,14 @@ def _modules():
     """
     if "lancet_rt.kernels" not in sys.modules:
         os.environ["TRITON_INTERPRET"] = "0"
+    from lancet_rt.kernels import gating, grouped_gemm, permute, swiglu
     from triton.runtime.jit import JITFunction
 
-    from lancet_rt.kernels import gating, grouped_gemm, permute, swiglu
     if not isinstance(swiglu._swiglu_fwd_kernel, JITFunction):
-        raise RuntimeError("kernels/ was imported with TRITON_INTERPRET=1, so its kernels are interpreter "
-                           "stand-ins; run `python -m bench.compile_check` in a fresh process")
+        raise RuntimeError(
+            "kernels/ was imported with TRITON_INTERPRET=1, so its kernels are interpreter "
+            "stand-ins; run `python -m bench.compile_check` in a fresh process"
+        )
     return gating, permute, grouped_gemm, swiglu
 
 
@@ -102,8 +120,16 @@ def _buf(dtype: str):
     """A small CPU tensor standing in for a device buffer: the JIT reads only its dtype and alignment."""
     import torch
 
-    return torch.empty(64, dtype={"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32,
-                                  "i32": torch.int32, "i64": torch.int64}[dtype])
+    return torch.empty(
+        64,
+        dtype={
+            "bf16": torch.bfloat16,
+            "fp16": torch.float16,
+            "fp32": torch.float32,
+            "i32": torch.int32,
+            "i64": torch.int64,
+        }[dtype],
+    )
 
 
 def _next_pow2(n: int) -> int:
@@ -119,27 +145,81 @@ def _cfg_meta(cfg) -> Dict[str, object]:
 def _gating_fwd(case):
     gating, *_ = _modules()
     E, n_group, topk_group, biased = case
-    args = (_buf("fp32"), _buf("fp32"), _buf("i32"), _buf("i32"), _buf("fp32"), _buf("i32"), _buf("i32"),
-            _buf("i32"), _buf("fp32"), _buf("fp32"),
-            _T, E, _GATING_K, 128, 2**31 - 1, n_group, E // n_group, topk_group, 2.5, 0.0, E, 1)
+    args = (
+        _buf("fp32"),
+        _buf("fp32"),
+        _buf("i32"),
+        _buf("i32"),
+        _buf("fp32"),
+        _buf("i32"),
+        _buf("i32"),
+        _buf("i32"),
+        _buf("fp32"),
+        _buf("fp32"),
+        _T,
+        E,
+        _GATING_K,
+        128,
+        2**31 - 1,
+        n_group,
+        E // n_group,
+        topk_group,
+        2.5,
+        0.0,
+        E,
+        1,
+    )
     # The multi-span path with normalized weights: the common case at real T. Plain routing is
     # softmax; biased routing is DeepSeek-V3's (sigmoid, expert bias, groups if any, scaled weights).
     grouped = n_group > 1
     block_g, block_gs = (_next_pow2(n_group), _next_pow2(E // n_group)) if grouped else (1, 1)
-    const = dict(SIGMOID=biased, NORMALIZE=True, SINGLE_PROGRAM=False, HAS_BIAS=biased, HAS_SCALE=biased,
-                 GROUPED=grouped, BLOCK_G=block_g, BLOCK_GS=block_gs,
-                 BLOCK_E=block_g * block_gs if grouped else _next_pow2(E))
+    const = dict(
+        SIGMOID=biased,
+        NORMALIZE=True,
+        SINGLE_PROGRAM=False,
+        HAS_BIAS=biased,
+        HAS_SCALE=biased,
+        GROUPED=grouped,
+        BLOCK_G=block_g,
+        BLOCK_GS=block_gs,
+        BLOCK_E=block_g * block_gs if grouped else _next_pow2(E),
+    )
     return gating._gating_fwd_kernel.fn, args, const
 
 
 def _gating_bwd(case):
     gating, *_ = _modules()
     (E,) = case
-    args = (_buf("fp32"), _buf("i32"), _buf("fp32"), _buf("fp32"), _buf("fp32"), _buf("fp32"),
-            _T, E, _GATING_K, 2.5, 0.0, E, 1, _GATING_K, 1, _GATING_K, 1, 1)
+    args = (
+        _buf("fp32"),
+        _buf("i32"),
+        _buf("fp32"),
+        _buf("fp32"),
+        _buf("fp32"),
+        _buf("fp32"),
+        _T,
+        E,
+        _GATING_K,
+        2.5,
+        0.0,
+        E,
+        1,
+        _GATING_K,
+        1,
+        _GATING_K,
+        1,
+        1,
+    )
     # Every incoming gradient present, scaled weights: the most live tile-sized values.
-    const = dict(SIGMOID=False, NORMALIZE=True, HAS_GRAD_W=True, HAS_GRAD_P=True, HAS_GRAD_Z=True,
-                 HAS_SCALE=True, BLOCK_E=_next_pow2(E))
+    const = dict(
+        SIGMOID=False,
+        NORMALIZE=True,
+        HAS_GRAD_W=True,
+        HAS_GRAD_P=True,
+        HAS_GRAD_Z=True,
+        HAS_SCALE=True,
+        BLOCK_E=_next_pow2(E),
+    )
     return gating._gating_bwd_kernel.fn, args, const
 
 
@@ -150,16 +230,29 @@ def _gating_tile_configs(env_var_name: str):
         # The expert lanes: next_pow2(E), or next_pow2(n_group) x next_pow2(E / n_group) when grouped.
         block_e = _next_pow2(n_group) * _next_pow2(E // n_group) if n_group > 1 else _next_pow2(E)
         prune = gating._token_tile_prune(getattr(gating, env_var_name))
-        return [_cfg_meta(c) for c in prune(gating._token_tile_configs(), {"E": E, "K": _GATING_K},
-                                            BLOCK_E=block_e, GROUPED=n_group > 1)]
+        return [
+            _cfg_meta(c)
+            for c in prune(gating._token_tile_configs(), {"E": E, "K": _GATING_K}, BLOCK_E=block_e, GROUPED=n_group > 1)
+        ]
+
     return configs
 
 
 def _gating_scan(case):
     gating, *_ = _modules()
     nb = 512
-    args = (_buf("i32"), _buf("fp32"), _buf("fp32"), _buf("i32"), _buf("i32"), _buf("i32"), _buf("fp32"),
-            _buf("fp32"), nb, 64)
+    args = (
+        _buf("i32"),
+        _buf("fp32"),
+        _buf("fp32"),
+        _buf("i32"),
+        _buf("i32"),
+        _buf("i32"),
+        _buf("fp32"),
+        _buf("fp32"),
+        nb,
+        64,
+    )
     return gating._gating_scan_kernel, args, dict(BLOCK_B=gating._SCAN_BLOCK_B, BLOCK_E=gating._SCAN_BLOCK_E)
 
 
@@ -191,16 +284,31 @@ def _permute_fwd(case):
 def _unpermute_fwd(case):
     _, permute, *_ = _modules()
     (D,) = case
-    args = (_buf("bf16"), _buf("i32"), _buf("fp32"), _buf("bf16"), _T, D, _GATING_K, _T * _GATING_K,
-            D, 1, _GATING_K, 1)
+    args = (_buf("bf16"), _buf("i32"), _buf("fp32"), _buf("bf16"), _T, D, _GATING_K, _T * _GATING_K, D, 1, _GATING_K, 1)
     return permute._unpermute_fwd_kernel.fn, args, dict(HAS_WEIGHT=True)
 
 
 def _unpermute_bwd(case):
     _, permute, *_ = _modules()
     (D,) = case
-    args = (_buf("bf16"), _buf("bf16"), _buf("i32"), _buf("fp32"), _buf("bf16"), _buf("fp32"),
-            _T, D, _GATING_K, _T * _GATING_K, D, 1, D, 1, _GATING_K, 1)
+    args = (
+        _buf("bf16"),
+        _buf("bf16"),
+        _buf("i32"),
+        _buf("fp32"),
+        _buf("bf16"),
+        _buf("fp32"),
+        _T,
+        D,
+        _GATING_K,
+        _T * _GATING_K,
+        D,
+        1,
+        D,
+        1,
+        _GATING_K,
+        1,
+    )
     return permute._unpermute_bwd_kernel.fn, args, {}
 
 
@@ -210,6 +318,7 @@ def _row_tile_configs(env_var_name: str):
         (D,) = case
         prune = permute._row_tile_prune(getattr(permute, env_var_name))
         return [_cfg_meta(c) for c in prune(permute._row_tile_configs(), {"D": D, "K": _GATING_K})]
+
     return configs
 
 
@@ -217,6 +326,7 @@ def _gemm(op: str):
     """Arguments of grouped GEMM ``op`` for case (dtype, dot precision, flags), laid out as its launcher
     lays them out; flags are the epilogue constexprs (HAS_BIAS, INTERLEAVED, ACTIVATION). The weights
     are views as the experts pass them: the lancet layout, or GPT-OSS's transposed parameters."""
+
     def build(case):
         *_, gg, _ = _modules()
         dtype, input_precision, flags = case
@@ -225,17 +335,39 @@ def _gemm(op: str):
         x, w, b, y, off = _buf(dtype), _buf(dtype), _buf(dtype), _buf(dtype), _buf("i32")
         precision = dict(INPUT_PRECISION=input_precision, DOT_FP32=False)
         block_e = max(16, _next_pow2(E))
-        if op == "fwd":   # down projection: y[R, D] = h[R, F] @ w[e].T, w [E, D, F] (GPT-OSS: [E, F, D] transposed)
+        if op == "fwd":  # down projection: y[R, D] = h[R, F] @ w[e].T, w [E, D, F] (GPT-OSS: [E, F, D] transposed)
             w_strides = (F * D, 1, D) if flags.get("HAS_BIAS") else (D * F, F, 1)
             args = (x, w, b, y, off, R, D, F, E, 4096, F, 1, *w_strides, D, 1, D, 1)
             return gg._grouped_gemm_fwd_kernel, args, dict(BLOCK_E=block_e, **precision, **flags), F
-        if op == "dx":    # dh[R, F] = dy[R, D] @ w[e] through the view w[e].T: [E, F, D], strides (D*F, 1, F)
+        if op == "dx":  # dh[R, F] = dy[R, D] @ w[e] through the view w[e].T: [E, F, D], strides (D*F, 1, F)
             args = (x, w, b, y, off, R, F, D, E, 4096, D, 1, D * F, 1, F, 0, 0, F, 1)
             return gg._grouped_gemm_fwd_kernel, args, dict(BLOCK_E=block_e, **precision), D
         if op == "gate_up":  # h, gu = act(x[R, D] @ w[e].T + b[e]), w [E, 2F, D] (GPT-OSS: [E, D, 2F] transposed)
             w_strides = (2 * F * D, 1, 2 * F) if flags.get("INTERLEAVED") else (2 * F * D, D, 1)
-            args = (x, w, b, y, _buf(dtype), off, R, F, D, E, 4096, 1.702, 7.0, D, 1, *w_strides, 2 * F, 1,
-                    F, 1, 2 * F, 1)
+            args = (
+                x,
+                w,
+                b,
+                y,
+                _buf(dtype),
+                off,
+                R,
+                F,
+                D,
+                E,
+                4096,
+                1.702,
+                7.0,
+                D,
+                1,
+                *w_strides,
+                2 * F,
+                1,
+                F,
+                1,
+                2 * F,
+                1,
+            )
             return gg._gate_up_swiglu_fwd_kernel, args, dict(BLOCK_E=block_e, **precision, **flags), D
         # dw[e] = dy_seg.T @ x_seg for the down projection: dy [R, D], x [R, F], dw [E, D, F]
         args = (x, w, y, off, R, D, F, E, 4096, D, 1, F, 1, D * F, F, 1)
@@ -261,13 +393,18 @@ def _gemm(op: str):
 
 def _gemm_cases(op: str) -> List[Tuple[str, tuple]]:
     """Every dtype case of each of ``op``'s variants, then the extra variants in bf16."""
+
     def label(dtype, precision, name):
         return " ".join(p for p in (dtype, "" if precision == "ieee" else precision, name) if p)
 
-    cases = [(label(dt, p, name), (dt, p, tuple(flags.items())))
-             for name, flags in _GEMM_VARIANTS[op] for dt, p in _GEMM_CASES]
-    return cases + [(label("bf16", "ieee", name), ("bf16", "ieee", tuple(flags.items())))
-                    for name, flags in _GEMM_EXTRA.get(op, ())]
+    cases = [
+        (label(dt, p, name), (dt, p, tuple(flags.items())))
+        for name, flags in _GEMM_VARIANTS[op]
+        for dt, p in _GEMM_CASES
+    ]
+    return cases + [
+        (label("bf16", "ieee", name), ("bf16", "ieee", tuple(flags.items()))) for name, flags in _GEMM_EXTRA.get(op, ())
+    ]
 
 
 def _segment_sum(case):
@@ -313,6 +450,7 @@ def _swiglu(direction: str):
 
 def _norm(direction: str):
     """The fused add + RMSNorm (kernels/norm.py): with the residual (the sum's gradient) and without."""
+
     def kernel(case):
         _modules()  # first: with the interpreter off
         from lancet_rt.kernels import norm
@@ -354,34 +492,68 @@ def _fixed(case):
 
 # name -> (kernel builder, config space, cases as (variant label, case))
 _SPECS: Dict[str, Tuple[Callable, Callable, List[Tuple[str, tuple]]]] = {
-    "gating.fwd": (_gating_fwd, _gating_tile_configs("_ENV_FWD_CONFIG"),
-                   [(f"E={e} fp32", (e, 1, 1, False)) for e in _GATING_E]),
-    "gating.fwd_biased": (_gating_fwd, _gating_tile_configs("_ENV_FWD_CONFIG"),
-                          [(f"E={e} n_group={g} topk_group={kg} fp32", (e, g, kg, True)) for e, g, kg in _GATING_BIASED]),
+    "gating.fwd": (
+        _gating_fwd,
+        _gating_tile_configs("_ENV_FWD_CONFIG"),
+        [(f"E={e} fp32", (e, 1, 1, False)) for e in _GATING_E],
+    ),
+    "gating.fwd_biased": (
+        _gating_fwd,
+        _gating_tile_configs("_ENV_FWD_CONFIG"),
+        [(f"E={e} n_group={g} topk_group={kg} fp32", (e, g, kg, True)) for e, g, kg in _GATING_BIASED],
+    ),
     "gating.bwd": (_gating_bwd, _gating_tile_configs("_ENV_BWD_CONFIG"), [(f"E={e} fp32", (e,)) for e in _GATING_E]),
     "gating.scan": (_gating_scan, _fixed, [("fp32", ())]),
     "gating.slot": (_gating_slot, _fixed, [("i32", ())]),
     "permute.dispatch_base": (_dispatch_base, _fixed, [("i32", ())]),
     "permute.dispatch_rows": (_dispatch_rows, _fixed, [("i32", ())]),
-    "permute.fwd": (_permute_fwd, _row_tile_configs("_ENV_PERMUTE_FWD_CONFIG"),
-                    [(f"D={d} bf16", (d,)) for d in _PERMUTE_D]),
-    "unpermute.fwd": (_unpermute_fwd, _row_tile_configs("_ENV_UNPERMUTE_FWD_CONFIG"),
-                      [(f"D={d} bf16", (d,)) for d in _PERMUTE_D]),
-    "unpermute.bwd": (_unpermute_bwd, _row_tile_configs("_ENV_UNPERMUTE_BWD_CONFIG"),
-                      [(f"D={d} bf16", (d,)) for d in _PERMUTE_D]),
+    "permute.fwd": (
+        _permute_fwd,
+        _row_tile_configs("_ENV_PERMUTE_FWD_CONFIG"),
+        [(f"D={d} bf16", (d,)) for d in _PERMUTE_D],
+    ),
+    "unpermute.fwd": (
+        _unpermute_fwd,
+        _row_tile_configs("_ENV_UNPERMUTE_FWD_CONFIG"),
+        [(f"D={d} bf16", (d,)) for d in _PERMUTE_D],
+    ),
+    "unpermute.bwd": (
+        _unpermute_bwd,
+        _row_tile_configs("_ENV_UNPERMUTE_BWD_CONFIG"),
+        [(f"D={d} bf16", (d,)) for d in _PERMUTE_D],
+    ),
     **{f"grouped_gemm.{op}": (*_gemm(op), _gemm_cases(op)) for op in _GEMM_OPS},
     # Bias gradients: the segment sums of dgu [R, 2F] (and of dy [R, D]: the same compile at D = 2F).
-    "segment_sum": (_segment_sum, _segment_sum_configs,
-                                 [(f"N={2 * _F} {dt}", (dt, 2 * _F)) for dt in ("bf16", "fp32")]),
-    **{f"swiglu.{d}": (*_swiglu(d), [(f"F={f} bf16 {name}".rstrip(), (f, tuple(flags.items())))
-                                     for f in _SWIGLU_F for name, flags in _SWIGLU_VARIANTS])
-       for d in ("fwd", "bwd")},
-    **{f"norm.{d}": (*_norm(d), [(f"D={D} {dt} {'residual' if d == 'fwd' else 'grad_s'}={flag}", (D, dt, flag))
-                                 for D in (_D, 7168) for dt in ("bf16", "fp32") for flag in (True, False)])
-       for d in ("fwd", "bwd")},
+    "segment_sum": (
+        _segment_sum,
+        _segment_sum_configs,
+        [(f"N={2 * _F} {dt}", (dt, 2 * _F)) for dt in ("bf16", "fp32")],
+    ),
+    **{
+        f"swiglu.{d}": (
+            *_swiglu(d),
+            [
+                (f"F={f} bf16 {name}".rstrip(), (f, tuple(flags.items())))
+                for f in _SWIGLU_F
+                for name, flags in _SWIGLU_VARIANTS
+            ],
+        )
+        for d in ("fwd", "bwd")
+    },
+    **{
+        f"norm.{d}": (
+            *_norm(d),
+            [
+                (f"D={D} {dt} {'residual' if d == 'fwd' else 'grad_s'}={flag}", (D, dt, flag))
+                for D in (_D, 7168)
+                for dt in ("bf16", "fp32")
+                for flag in (True, False)
+            ],
+        )
+        for d in ("fwd", "bwd")
+    },
     "linear_ce.ce_grad": (_ce_grad, _ce_grad_configs, [("V=151936 fp32", (151936,)), ("V=32000 fp32", (32000,))]),
 }
-
 
 
 def jobs(all_configs: bool = False, kernels: Optional[List[str]] = None) -> List[Job]:
@@ -396,7 +568,7 @@ def jobs(all_configs: bool = False, kernels: Optional[List[str]] = None) -> List
             cases = [c for i, c in enumerate(cases) if i == 0 or c[0] in _DEFAULT_VARIANTS.get(name, ())]
         for variant, case in cases:
             space = configs(case)
-            for meta in (space if all_configs else space[:1]):
+            for meta in space if all_configs else space[:1]:
                 fn, args, const = build(case)
                 key = (name, tuple(map(_arg_kind, args)), tuple(sorted({**const, **meta}.items())))
                 if key in seen:  # e.g. permute D=128 and D=4096 both keep BLOCK_D=512 tiles
@@ -414,5 +586,3 @@ def _arg_kind(arg) -> str:
     if isinstance(arg, int):
         return "1" if arg == 1 else "D" if arg % 16 == 0 else "i"
     return str(arg.dtype)
-
-

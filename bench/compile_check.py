@@ -25,6 +25,7 @@ The table has one row per compile: kernel, variant, config, registers per thread
 any. The exit status is 1 when a compile fails or a block needs more shared memory than Hopper has.
 ``--json PATH`` writes the rows with the Triton and torch versions and the date.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,6 +44,7 @@ from concurrent.futures import ProcessPoolExecutor
 from typing import Dict, List, Optional, Tuple
 
 from bench.compile_cases import _SPECS, ARCH, SMEM_LIMIT, WARP_SIZE, Job, _modules, jobs
+
 
 @dataclasses.dataclass
 class Row:
@@ -83,8 +85,10 @@ def _parse_ptxas(log: str, name: str) -> Tuple[Optional[int], Optional[int], Opt
     start = log.find(f"Compiling entry function '{name}'")
     part = log[start:] if start >= 0 else log
     regs, spills = _REGS.search(part), _SPILLS.search(part)
-    return (int(regs.group(1)) if regs else None,
-            *(tuple(int(g) for g in spills.groups()) if spills else (None, None, None)))
+    return (
+        int(regs.group(1)) if regs else None,
+        *(tuple(int(g) for g in spills.groups()) if spills else (None, None, None)),
+    )
 
 
 def _compile_job(job: Job) -> Row:
@@ -116,15 +120,16 @@ def _compile_job(job: Job) -> Row:
         log = io.StringIO()
         start = time.perf_counter()
         with contextlib.redirect_stdout(log):
-            kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target,
-                                    options=options.__dict__)
+            kernel = triton.compile(
+                ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__
+            )
         row.seconds = round(time.perf_counter() - start, 2)
         row.smem = kernel.metadata.shared
         row.num_warps = kernel.metadata.num_warps
         row.regs, row.stack, row.spill_stores, row.spill_loads = _parse_ptxas(log.getvalue(), kernel.metadata.name)
         if row.regs is None:
             row.error = "no ptxas report"
-    except Exception as e:  # noqa: BLE001: every failure is a finding, reported in the table
+    except Exception as e:  # every failure is a finding, reported in the table
         first = str(e).strip().splitlines()
         row.error = f"{type(e).__name__}: {first[0] if first else ''}"[:300]
     return row
@@ -135,8 +140,8 @@ def toolchain_missing() -> Optional[str]:
     try:
         from triton.backends.nvidia.compiler import get_ptxas
 
-        get_ptxas(ARCH).path
-    except Exception as e:  # noqa: BLE001: ImportError, RuntimeError("Cannot find ptxas"), ...
+        _ = get_ptxas(ARCH).path  # finds ptxas or raises
+    except Exception as e:  # ImportError, RuntimeError("Cannot find ptxas"), ...
         return f"Triton has no NVIDIA backend with ptxas: {type(e).__name__}: {e}"
     return None
 
@@ -156,14 +161,20 @@ def run(job_list: List[Job], n_jobs: int = 1) -> List[Row]:
         if n_jobs <= 1:
             import triton
 
-            saved = (triton.knobs.cache.dir, triton.knobs.nvidia.dump_ptxas_log,
-                     triton.knobs.compilation.always_compile)
+            saved = (
+                triton.knobs.cache.dir,
+                triton.knobs.nvidia.dump_ptxas_log,
+                triton.knobs.compilation.always_compile,
+            )
             try:
                 _init_worker(cache_dir)
                 return [_compile_job(j) for j in job_list]
             finally:
-                (triton.knobs.cache.dir, triton.knobs.nvidia.dump_ptxas_log,
-                 triton.knobs.compilation.always_compile) = saved
+                (
+                    triton.knobs.cache.dir,
+                    triton.knobs.nvidia.dump_ptxas_log,
+                    triton.knobs.compilation.always_compile,
+                ) = saved
         ctx = multiprocessing.get_context("fork")
         with ProcessPoolExecutor(n_jobs, mp_context=ctx, initializer=_init_worker, initargs=(cache_dir,)) as pool:
             return list(pool.map(_compile_job, job_list))
@@ -178,8 +189,16 @@ COLUMNS = ("kernel", "variant", "config", "regs", "spills", "smem", "secs", "err
 def _cells(row: Row) -> List[str]:
     spills = "" if row.spill_stores is None else f"{row.spill_stores}/{row.spill_loads}"
     smem = "" if row.smem is None else f"{row.smem}" + (" > 227 KiB!" if row.smem_over else "")
-    return [row.kernel, row.variant, row.config, "" if row.regs is None else str(row.regs), spills, smem,
-            "" if row.seconds is None else f"{row.seconds:.1f}", row.error]
+    return [
+        row.kernel,
+        row.variant,
+        row.config,
+        "" if row.regs is None else str(row.regs),
+        spills,
+        smem,
+        "" if row.seconds is None else f"{row.seconds:.1f}",
+        row.error,
+    ]
 
 
 def print_table(rows: List[Row]) -> None:
@@ -195,8 +214,10 @@ def summary(rows: List[Row]) -> str:
     failed = [r for r in rows if r.error]
     spilled = [r for r in rows if r.spills]
     over = [r for r in rows if r.smem_over]
-    lines = [f"{len(rows)} compiles for sm_{ARCH}: {len(failed)} failed, {len(spilled)} spill, "
-             f"{len(over)} over the {SMEM_LIMIT // 1024} KiB shared-memory limit"]
+    lines = [
+        f"{len(rows)} compiles for sm_{ARCH}: {len(failed)} failed, {len(spilled)} spill, "
+        f"{len(over)} over the {SMEM_LIMIT // 1024} KiB shared-memory limit"
+    ]
     for label, group in (("FAILED", failed), ("SPILLS", spilled), ("SMEM", over)):
         lines += [f"  {label}: {r.kernel} [{r.variant}] {r.config} {r.error or ''}".rstrip() for r in group]
     return "\n".join(lines)
@@ -215,18 +236,26 @@ def main(argv: Optional[List[str]] = None) -> int:
     import triton
 
     job_list = jobs(args.all_configs, args.kernel)
-    print(f"triton {triton.__version__}, torch {torch.__version__}: {len(job_list)} compiles for "
-          f"GPUTarget('cuda', {ARCH}, {WARP_SIZE}) on {args.jobs} processes", flush=True)
+    print(
+        f"triton {triton.__version__}, torch {torch.__version__}: {len(job_list)} compiles for "
+        f"GPUTarget('cuda', {ARCH}, {WARP_SIZE}) on {args.jobs} processes",
+        flush=True,
+    )
     start = time.perf_counter()
     rows = run(job_list, args.jobs)
     print_table(rows)
     print(summary(rows))
     print(f"wall {time.perf_counter() - start:.1f} s")
     if args.json:
-        report = dict(triton=triton.__version__, torch=torch.__version__, target=f"cuda:{ARCH}",
-                      smem_limit=SMEM_LIMIT, all_configs=args.all_configs,
-                      date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                      rows=[dataclasses.asdict(r) for r in rows])
+        report = dict(
+            triton=triton.__version__,
+            torch=torch.__version__,
+            target=f"cuda:{ARCH}",
+            smem_limit=SMEM_LIMIT,
+            all_configs=args.all_configs,
+            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            rows=[dataclasses.asdict(r) for r in rows],
+        )
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

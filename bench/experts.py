@@ -22,6 +22,7 @@ interleaved transposed weight, bias and "swiglu_oai"; down with bias through the
 dx and dW of gate_up through that layout (dW written as the [E, D, 2F] parameter); the bias gradients
 are memory-bound segment sums, not timed here.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,24 +71,54 @@ def _cases(E: int, D: int, F: int, counts: list, device: torch.device, dtype=tor
     wd_gu, wd_down = w_gu[0], w_down[0]  # the dense ceilings' weights: one expert's shape
 
     cases = [
-        ("fwd gate_up+swiglu", "gate_up", 2 * R * 2 * F * D,
-         lambda: gg.gate_up_swiglu(x, w_gu, off), lambda: ref.gate_up_swiglu_ref(x, w_gu, off),
-         lambda: x @ wd_gu.t()),
-        ("fwd down", "fwd", 2 * R * D * F,
-         lambda: gg.grouped_mm(h, w_down, off), lambda: ref.grouped_mm_ref(h, w_down, off),
-         lambda: h @ wd_down.t()),
-        ("bwd dx gate_up", "dx", 2 * R * 2 * F * D,
-         lambda: gg.grouped_mm_dx(dgu, w_gu, off), lambda: ref.grouped_mm_dx_ref(dgu, w_gu, off),
-         lambda: dgu @ wd_gu),
-        ("bwd dw gate_up", "dw", 2 * R * 2 * F * D,
-         lambda: gg.grouped_mm_dw(dgu, x, off), lambda: ref.grouped_mm_dw_ref(dgu, x, off),
-         lambda: dgu.t() @ x),
-        ("bwd dx down", "dx", 2 * R * D * F,
-         lambda: gg.grouped_mm_dx(dy, w_down, off), lambda: ref.grouped_mm_dx_ref(dy, w_down, off),
-         lambda: dy @ wd_down),
-        ("bwd dw down", "dw", 2 * R * D * F,
-         lambda: gg.grouped_mm_dw(dy, h, off), lambda: ref.grouped_mm_dw_ref(dy, h, off),
-         lambda: dy.t() @ h),
+        (
+            "fwd gate_up+swiglu",
+            "gate_up",
+            2 * R * 2 * F * D,
+            lambda: gg.gate_up_swiglu(x, w_gu, off),
+            lambda: ref.gate_up_swiglu_ref(x, w_gu, off),
+            lambda: x @ wd_gu.t(),
+        ),
+        (
+            "fwd down",
+            "fwd",
+            2 * R * D * F,
+            lambda: gg.grouped_mm(h, w_down, off),
+            lambda: ref.grouped_mm_ref(h, w_down, off),
+            lambda: h @ wd_down.t(),
+        ),
+        (
+            "bwd dx gate_up",
+            "dx",
+            2 * R * 2 * F * D,
+            lambda: gg.grouped_mm_dx(dgu, w_gu, off),
+            lambda: ref.grouped_mm_dx_ref(dgu, w_gu, off),
+            lambda: dgu @ wd_gu,
+        ),
+        (
+            "bwd dw gate_up",
+            "dw",
+            2 * R * 2 * F * D,
+            lambda: gg.grouped_mm_dw(dgu, x, off),
+            lambda: ref.grouped_mm_dw_ref(dgu, x, off),
+            lambda: dgu.t() @ x,
+        ),
+        (
+            "bwd dx down",
+            "dx",
+            2 * R * D * F,
+            lambda: gg.grouped_mm_dx(dy, w_down, off),
+            lambda: ref.grouped_mm_dx_ref(dy, w_down, off),
+            lambda: dy @ wd_down,
+        ),
+        (
+            "bwd dw down",
+            "dw",
+            2 * R * D * F,
+            lambda: gg.grouped_mm_dw(dy, h, off),
+            lambda: ref.grouped_mm_dw_ref(dy, h, off),
+            lambda: dy.t() @ h,
+        ),
     ]
     cases = [c + ("lancet",) for c in cases]
     if not gpt_oss:
@@ -97,20 +128,43 @@ def _cases(E: int, D: int, F: int, counts: list, device: torch.device, dtype=tor
     v_gu, v_down = p_gu.transpose(1, 2), p_down.transpose(1, 2)
     b_gu, b_down = randn(E, 2 * F), randn(E, D)
     act = dict(activation="swiglu_oai", interleaved=True)
-    return cases + [c + ("gpt_oss",) for c in [
-        ("fwd gate_up+swiglu_oai", "gate_up", 2 * R * 2 * F * D,
-         lambda: gg.gate_up_swiglu(x, v_gu, off, b_gu, **act),
-         lambda: ref.gate_up_swiglu_ref(x, v_gu, off, b_gu, **act), lambda: x @ p_gu[0]),
-        ("fwd down+bias", "fwd", 2 * R * D * F,
-         lambda: gg.grouped_mm(h, v_down, off, b_down), lambda: ref.grouped_mm_ref(h, v_down, off, b_down),
-         lambda: h @ p_down[0]),
-        ("bwd dx gate_up", "dx", 2 * R * 2 * F * D,
-         lambda: gg.grouped_mm_dx(dgu, v_gu, off), lambda: ref.grouped_mm_dx_ref(dgu, v_gu, off),
-         lambda: dgu @ p_gu[0].t()),
-        ("bwd dw gate_up", "dw", 2 * R * 2 * F * D,
-         lambda: gg.grouped_mm_dw(x, dgu, off), lambda: ref.grouped_mm_dw_ref(x, dgu, off),
-         lambda: x.t() @ dgu),
-    ]]
+    return cases + [
+        c + ("gpt_oss",)
+        for c in [
+            (
+                "fwd gate_up+swiglu_oai",
+                "gate_up",
+                2 * R * 2 * F * D,
+                lambda: gg.gate_up_swiglu(x, v_gu, off, b_gu, **act),
+                lambda: ref.gate_up_swiglu_ref(x, v_gu, off, b_gu, **act),
+                lambda: x @ p_gu[0],
+            ),
+            (
+                "fwd down+bias",
+                "fwd",
+                2 * R * D * F,
+                lambda: gg.grouped_mm(h, v_down, off, b_down),
+                lambda: ref.grouped_mm_ref(h, v_down, off, b_down),
+                lambda: h @ p_down[0],
+            ),
+            (
+                "bwd dx gate_up",
+                "dx",
+                2 * R * 2 * F * D,
+                lambda: gg.grouped_mm_dx(dgu, v_gu, off),
+                lambda: ref.grouped_mm_dx_ref(dgu, v_gu, off),
+                lambda: dgu @ p_gu[0].t(),
+            ),
+            (
+                "bwd dw gate_up",
+                "dw",
+                2 * R * 2 * F * D,
+                lambda: gg.grouped_mm_dw(x, dgu, off),
+                lambda: ref.grouped_mm_dw_ref(x, dgu, off),
+                lambda: x.t() @ dgu,
+            ),
+        ]
+    ]
 
 
 def _matches(got: torch.Tensor, want: torch.Tensor) -> bool:
@@ -143,31 +197,59 @@ def run(device: torch.device, quick: bool, *, json_path=None, max_seconds=None, 
             if budget.spent():
                 print(f"# --max-seconds {max_seconds} spent: F={F} {routing} not run", flush=True)
                 continue
-            for op, kernel, flops, triton_fn, loop_fn, dense_fn, layout in _cases(E, D, F, counts, device,
-                                                                                  gpt_oss=gpt_oss):
-                base = dict(meta, bench="experts", op=op, layout=layout, routing=routing, dtype="bfloat16", E=E,
-                            R=R, D=D, F=F, counts=counts, flops=flops)
+            for op, kernel, flops, triton_fn, loop_fn, dense_fn, layout in _cases(
+                E, D, F, counts, device, gpt_oss=gpt_oss
+            ):
+                base = dict(
+                    meta,
+                    bench="experts",
+                    op=op,
+                    layout=layout,
+                    routing=routing,
+                    dtype="bfloat16",
+                    E=E,
+                    R=R,
+                    D=D,
+                    F=F,
+                    counts=counts,
+                    flops=flops,
+                )
                 try:  # warm-up (autotuning and compilation) and the correctness check
                     check = "ok" if _matches(triton_fn(), loop_fn()) else "MISMATCH"
                     dense_fn()
-                    t = {name: bench_ms(fn, device, **timing)
-                         for name, fn in (("triton", triton_fn), ("loop", loop_fn), ("dense", dense_fn))}
-                except Exception as e:  # noqa: BLE001 - a kernel that fails to build or run is a result
+                    t = {
+                        name: bench_ms(fn, device, **timing)
+                        for name, fn in (("triton", triton_fn), ("loop", loop_fn), ("dense", dense_fn))
+                    }
+                except Exception as e:  # a kernel that fails to build or run is a result
                     rows.add(dict(base, check="error", error=f"{type(e).__name__}: {str(e).strip()[:160]}"))
                     print(f"# {op} {routing} F={F}: {rows[-1]['error']}", flush=True)
                     continue
                 tf = {name: flops / (v["ms"] * 1e-3) / 1e12 for name, v in t.items()}
-                rows.add(dict(
-                    base, check=check, config=gg.selected_config(kernel),
-                    triton_ms=t["triton"]["ms"], triton_ms_q20=t["triton"]["ms_q20"],
-                    triton_ms_q80=t["triton"]["ms_q80"], loop_ms=t["loop"]["ms"], dense_ms=t["dense"]["ms"],
-                    triton_tflops=tf["triton"], loop_tflops=tf["loop"], dense_tflops=tf["dense"],
-                    frac_dense=tf["triton"] / tf["dense"], frac_peak=tf["triton"] / peak,
-                    speedup_vs_loop=t["loop"]["ms"] / t["triton"]["ms"],
-                ))
-                print(f"# {op:22s} {layout:7s} {routing:8s} F={F}: {tf['triton']:.1f} TFLOP/s, "
-                      f"{rows[-1]['frac_dense']:.2f} of "
-                      f"dense, {rows[-1]['speedup_vs_loop']:.2f}x loop, check {check}", flush=True)
+                rows.add(
+                    dict(
+                        base,
+                        check=check,
+                        config=gg.selected_config(kernel),
+                        triton_ms=t["triton"]["ms"],
+                        triton_ms_q20=t["triton"]["ms_q20"],
+                        triton_ms_q80=t["triton"]["ms_q80"],
+                        loop_ms=t["loop"]["ms"],
+                        dense_ms=t["dense"]["ms"],
+                        triton_tflops=tf["triton"],
+                        loop_tflops=tf["loop"],
+                        dense_tflops=tf["dense"],
+                        frac_dense=tf["triton"] / tf["dense"],
+                        frac_peak=tf["triton"] / peak,
+                        speedup_vs_loop=t["loop"]["ms"] / t["triton"]["ms"],
+                    )
+                )
+                print(
+                    f"# {op:22s} {layout:7s} {routing:8s} F={F}: {tf['triton']:.1f} TFLOP/s, "
+                    f"{rows[-1]['frac_dense']:.2f} of "
+                    f"dense, {rows[-1]['speedup_vs_loop']:.2f}x loop, check {check}",
+                    flush=True,
+                )
     return rows
 
 
@@ -175,12 +257,15 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.experts", description=__doc__.split("\n")[0])
     parser.add_argument("--json", metavar="PATH", help="append the rows to this JSON list")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: check that the command works")
-    parser.add_argument("--max-seconds", type=float, default=None,
-                        help="start no new (F, routing) group after this many seconds")
-    parser.add_argument("--gpt-oss", action="store_true",
-                        help="add GPT-OSS's projections (interleaved transposed weights, biases, swiglu_oai)")
-    parser.add_argument("--device", choices=("cuda", "cpu"),
-                        default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--max-seconds", type=float, default=None, help="start no new (F, routing) group after this many seconds"
+    )
+    parser.add_argument(
+        "--gpt-oss",
+        action="store_true",
+        help="add GPT-OSS's projections (interleaved transposed weights, biases, swiglu_oai)",
+    )
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -196,9 +281,26 @@ def main(argv=None) -> int:
     rows = run(device, args.quick, json_path=args.json, max_seconds=args.max_seconds, gpt_oss=args.gpt_oss)
     if not rows:
         return 1
-    print_table(rows, ["op", "layout", "routing", "F", "config", "triton_ms", "loop_ms", "dense_ms", "triton_tflops",
-                       "dense_tflops", "frac_dense", "frac_peak", "speedup_vs_loop", "check"],
-                title=f"\nexpert GEMMs, bf16, E={rows[0]['E']} R={rows[0]['R']} D={rows[0]['D']}")
+    print_table(
+        rows,
+        [
+            "op",
+            "layout",
+            "routing",
+            "F",
+            "config",
+            "triton_ms",
+            "loop_ms",
+            "dense_ms",
+            "triton_tflops",
+            "dense_tflops",
+            "frac_dense",
+            "frac_peak",
+            "speedup_vs_loop",
+            "check",
+        ],
+        title=f"\nexpert GEMMs, bf16, E={rows[0]['E']} R={rows[0]['R']} D={rows[0]['D']}",
+    )
     if args.json:
         print(f"# appended {len(rows)} rows to {args.json}")
     return 0

@@ -16,6 +16,7 @@ and makes two copies of it with ``parallelize_hf(..., engine="fully_shard")``: u
    of each copy, rounds alternating the link between unshaped and the launcher's rate and the order of
    the copies; the slowest rank's step, medians. Rank 0 prints them and appends a JSON row.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,7 +76,7 @@ def _exactness(model, ref_grads: dict, ref_loss: float, loss, ep_rank: int) -> f
         ref = ref_grads[n]
         if id(p) in experts:
             k = g.shape[0]
-            ref = ref[ep_rank * k:(ep_rank + 1) * k]
+            ref = ref[ep_rank * k : (ep_rank + 1) * k]
         worst = max(worst, _rel_rms(g, ref))
     return worst
 
@@ -87,11 +88,11 @@ def _rounds(names: list, links: dict, timed, rounds: int, link, sync) -> dict:
     for n in names:
         timed(n)
     for rnd in range(rounds):
-        for lk in (list(links) if rnd % 2 == 0 else list(links)[::-1]):
+        for lk in list(links) if rnd % 2 == 0 else list(links)[::-1]:
             if link is not None:
                 link.set_rate(links[lk])
             dist.barrier(sync)
-            for n in (names if rnd % 2 == 0 else names[::-1]):
+            for n in names if rnd % 2 == 0 else names[::-1]:
                 times[(lk, n)].append(timed(n))
     return {k: statistics.median(v) for k, v in times.items()}
 
@@ -125,8 +126,10 @@ def main(argv=None) -> dict:
     ref(input_ids=ids, labels=labels).loss.backward()  # the global batch: the gradients a step must give
     ref_grads = {n: p.grad for n, p in ref.named_parameters()}
 
-    models = {"sequential": parallelize_hf(_build(args.model), mesh, engine="fully_shard"),
-              "overlapped": parallelize_hf(_build(args.model), mesh, engine="fully_shard", chunks=args.chunks)}
+    models = {
+        "sequential": parallelize_hf(_build(args.model), mesh, engine="fully_shard"),
+        "overlapped": parallelize_hf(_build(args.model), mesh, engine="fully_shard", chunks=args.chunks),
+    }
 
     def step(name):
         loss = models[name](input_ids=ids[mine], labels=labels[mine]).loss
@@ -149,24 +152,42 @@ def main(argv=None) -> dict:
     load_before = os.getloadavg()
     links = {"unshaped": None, "shaped": rate}
     med = _rounds(list(models), links, timed, args.rounds, link, sync)
-    row = dict(bench="fsdp_real", **run_metadata(torch.device("cpu")), model=args.model, mesh="dp=2,ep=2",
-               world_size=world, channels=args.channels, chunks=args.chunks, tokens_per_rank=args.rows * args.seq,
-               configured_mbit=None if rate is None else rate / 1e6, rounds=args.rounds, statistic="median",
-               load_avg_before=load_before, load_avg_after=os.getloadavg(),
-               max_rel_rms_sequential=errors["sequential"], max_rel_rms_overlapped=errors["overlapped"],
-               **{f"{n}_{lk}_ms": med[(lk, n)] for lk in links for n in models})
+    row = dict(
+        bench="fsdp_real",
+        **run_metadata(torch.device("cpu")),
+        model=args.model,
+        mesh="dp=2,ep=2",
+        world_size=world,
+        channels=args.channels,
+        chunks=args.chunks,
+        tokens_per_rank=args.rows * args.seq,
+        configured_mbit=None if rate is None else rate / 1e6,
+        rounds=args.rounds,
+        statistic="median",
+        load_avg_before=load_before,
+        load_avg_after=os.getloadavg(),
+        max_rel_rms_sequential=errors["sequential"],
+        max_rel_rms_overlapped=errors["overlapped"],
+        **{f"{n}_{lk}_ms": med[(lk, n)] for lk in links for n in models},
+    )
     row["speedup_shaped"] = med[("shaped", "sequential")] / med[("shaped", "overlapped")]
     ok = max(errors.values()) <= TOLERANCE
     if rank == 0:
-        print_table([dict(copy=n, shaped_ms=med[("shaped", n)], unshaped_ms=med[("unshaped", n)],
-                          max_rel_rms=errors[n]) for n in models],
-                    ["copy", "shaped_ms", "unshaped_ms", "max_rel_rms"],
-                    title=f"bench.fsdp_real: parallelize_hf(fully_shard) {args.model} on (dp=2, ep=2), 4 ranks, "
-                          f"{'unshaped' if rate is None else f'{rate / 1e6:.0f} Mbit/s'} ports, channels "
-                          f"{args.channels}; one step against one process on the global batch "
-                          f"({'exact' if ok else 'NOT exact'}: rel RMS <= {TOLERANCE:g}); medians of {args.rounds} rounds")
-        print(f"Overlapped(chunks={args.chunks}) vs unchunked on the shaped link: {row['speedup_shaped']:.2f}x; load "
-              f"average {' '.join(f'{v:.2f}' for v in load_before)} before")
+        print_table(
+            [
+                dict(copy=n, shaped_ms=med[("shaped", n)], unshaped_ms=med[("unshaped", n)], max_rel_rms=errors[n])
+                for n in models
+            ],
+            ["copy", "shaped_ms", "unshaped_ms", "max_rel_rms"],
+            title=f"bench.fsdp_real: parallelize_hf(fully_shard) {args.model} on (dp=2, ep=2), 4 ranks, "
+            f"{'unshaped' if rate is None else f'{rate / 1e6:.0f} Mbit/s'} ports, channels "
+            f"{args.channels}; one step against one process on the global batch "
+            f"({'exact' if ok else 'NOT exact'}: rel RMS <= {TOLERANCE:g}); medians of {args.rounds} rounds",
+        )
+        print(
+            f"Overlapped(chunks={args.chunks}) vs unchunked on the shaped link: {row['speedup_shaped']:.2f}x; load "
+            f"average {' '.join(f'{v:.2f}' for v in load_before)} before"
+        )
         RowLog(args.json).add(row)
     dist.destroy_process_group()
     if not ok:

@@ -54,6 +54,7 @@ allowance is interrupted (SIGINT: pytest still prints its failures), then killed
 ``--dry-run`` runs the same plan at toy sizes on the CPU (TRITON_INTERPRET=1): every step's command
 really runs, so each module parses its arguments (tests/bench/test_gpu_lane_dry_run.py, in CI).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -70,12 +71,12 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from bench import lane_files, preflight
-from bench.lane_files import collect  # noqa: F401 - (the lane's API: bench.gpu_lane.collect)
+from bench.lane_files import collect  # the lane's API: bench.gpu_lane.collect
 from bench.lane_steps import MIN_STEP_SECONDS, PLANS, SUMMARY_SECONDS, Context, allot, deadlines, pin_env
 
 REPO = Path(__file__).resolve().parent.parent
 INTERRUPT_SECONDS = 15  # at most, of a step's allowance: from its interrupt to its kill
-TAIL_CHARS = 700        # of each step's log printed (the reply keeps the last 12,000 characters of all)
+TAIL_CHARS = 700  # of each step's log printed (the reply keeps the last 12,000 characters of all)
 INSTALL_TIMEOUT_S = 60
 #: --dry-run: each step's allowance is its cap times this. The toy steps need a few CPU seconds each,
 #: but on a shared 2-core machine importing torch alone can take longer than a GPU machine's cap.
@@ -83,15 +84,52 @@ DRY_RUN_SLOWDOWN = 4
 
 # Issue targets: (label, JSON file, row filter, value, target (None: shown, not judged), higher is better).
 TARGETS = [
-    ("permute fwd, fraction of copy BW", "kernels.json", dict(op="permute_fwd", T=16384, D=4096), "frac_copy", 0.85, True),
-    ("unpermute fwd, fraction of copy BW", "kernels.json", dict(op="unpermute_fwd", T=16384, D=4096), "frac_copy", 0.85, True),
+    (
+        "permute fwd, fraction of copy BW",
+        "kernels.json",
+        dict(op="permute_fwd", T=16384, D=4096),
+        "frac_copy",
+        0.85,
+        True,
+    ),
+    (
+        "unpermute fwd, fraction of copy BW",
+        "kernels.json",
+        dict(op="unpermute_fwd", T=16384, D=4096),
+        "frac_copy",
+        0.85,
+        True,
+    ),
     # Per E: at E = 8 the forward moves under 1 MB, a few microseconds of launches whatever the kernel.
-    *[(f"gating fwd E={E}, fraction of copy BW", "kernels.json", dict(op="gating_fwd", T=16384, E=E), "frac_copy",
-       0.70, True) for E in (8, 64, 256)],
+    *[
+        (
+            f"gating fwd E={E}, fraction of copy BW",
+            "kernels.json",
+            dict(op="gating_fwd", T=16384, E=E),
+            "frac_copy",
+            0.70,
+            True,
+        )
+        for E in (8, 64, 256)
+    ],
     ("routing kernels, x eager (worst)", "kernels.json", dict(T=16384), "x_eager", 3.0, True),
     ("routing kernels, x torch.compile (worst)", "kernels.json", dict(T=16384), "x_compiled", 1.0, True),
-    ("grouped GEMM balanced F=14336, fraction of dense", "experts.json", dict(routing="balanced", F=14336), "frac_dense", 0.75, True),
-    ("grouped GEMM balanced F=2048, fraction of dense", "experts.json", dict(routing="balanced", F=2048), "frac_dense", 0.75, True),
+    (
+        "grouped GEMM balanced F=14336, fraction of dense",
+        "experts.json",
+        dict(routing="balanced", F=14336),
+        "frac_dense",
+        0.75,
+        True,
+    ),
+    (
+        "grouped GEMM balanced F=2048, fraction of dense",
+        "experts.json",
+        dict(routing="balanced", F=2048),
+        "frac_dense",
+        0.75,
+        True,
+    ),
     ("grouped GEMM skewed, x loop of matmuls", "experts.json", dict(routing="skewed"), "speedup_vs_loop", 1.5, True),
     ("Overlapped vs sequential", "overlap.json", {}, "speedup_vs_sequential", 1.5, True),
     ("Overlapped vs MoE-internal chunking", "overlap.json", {}, "speedup_vs_moe_pipelined", 1.15, True),
@@ -99,18 +137,39 @@ TARGETS = [
     ("hidden communication fraction", "overlap.json", {}, "hidden_comm_fraction", 0.80, True),
     ("hidden communication fraction, cross-microbatch", "overlap.json", {}, "hidden_comm_fraction_accum", 0.90, True),
     # The same single step with CUDA_DEVICE_MAX_CONNECTIONS=1 (P5), beside P1's (the driver's default).
-    ("Overlapped vs sequential, CUDA_DEVICE_MAX_CONNECTIONS=1", "overlap_conn1.json", {}, "speedup_vs_sequential",
-     None, True),
-    ("hidden communication fraction, CUDA_DEVICE_MAX_CONNECTIONS=1", "overlap_conn1.json", {}, "hidden_comm_fraction",
-     None, True),
+    (
+        "Overlapped vs sequential, CUDA_DEVICE_MAX_CONNECTIONS=1",
+        "overlap_conn1.json",
+        {},
+        "speedup_vs_sequential",
+        None,
+        True,
+    ),
+    (
+        "hidden communication fraction, CUDA_DEVICE_MAX_CONNECTIONS=1",
+        "overlap_conn1.json",
+        {},
+        "hidden_comm_fraction",
+        None,
+        True,
+    ),
     # Not issue targets: what a perfect schedule could reach in the same run (bench/overlap.py).
     ("Overlapped over the pass-aware bound", "overlap.json", {}, "over_pass_bound", None, False),
     ("most communication any schedule could hide", "overlap.json", {}, "max_hidden_comm_fraction", None, True),
     ("speedup of a schedule at the pass-aware bound", "overlap.json", {}, "pass_bound_speedup", None, True),
     ("chunking overhead over the lean eager layer's", "overlap.json", {}, "overhead_over_lean", None, False),
     # Host against GPU per layer-chunk at 4 chunks (bench.host on CUDA): near 1, the GPU waits for the host.
-    *[(f"host / GPU time per layer-chunk, {label}, 4 chunks", "host.json", dict(experts=E, top_k=K, chunks=4),
-       "host_over_gpu", None, False) for label, E, K in (("Qwen3-30B-A3B-like", 128, 8), ("Mixtral-like", 8, 2))],
+    *[
+        (
+            f"host / GPU time per layer-chunk, {label}, 4 chunks",
+            "host.json",
+            dict(experts=E, top_k=K, chunks=4),
+            "host_over_gpu",
+            None,
+            False,
+        )
+        for label, E, K in (("Qwen3-30B-A3B-like", 128, 8), ("Mixtral-like", 8, 2))
+    ],
 ]
 
 
@@ -136,8 +195,9 @@ def summary(out: Path) -> list:
             met = "info"
         else:
             met = "met" if (value >= target if higher else value <= target) else "NOT met"
-        results.append(dict(metric=label, value=round(value, 3), target=shown, met=met, rows=len(values),
-                            failed=failed))
+        results.append(
+            dict(metric=label, value=round(value, 3), target=shown, met=met, rows=len(values), failed=failed)
+        )
     return results
 
 
@@ -150,8 +210,10 @@ def install(repo: Path, site: str, log: Path) -> bool:
     pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", site]
     ok = True
     with open(log, "a") as f:
-        for what, cmd in (("carried wheels", [*pip, *wheels] if wheels else None),
-                          ("the checkout", [*pip, "--no-build-isolation", str(repo)])):
+        for what, cmd in (
+            ("carried wheels", [*pip, *wheels] if wheels else None),
+            ("the checkout", [*pip, "--no-build-isolation", str(repo)]),
+        ):
             if cmd is None:
                 f.write(f"no carried wheels in {repo / '.whl'}\n")
                 continue
@@ -205,11 +267,18 @@ def _signal(p: subprocess.Popen, sig) -> None:
 def _show(log: Path) -> None:
     """Print a step's failures (before its tail, which may have cut them off) and its tail."""
     text = log.read_text(errors="replace") if log.exists() else ""
-    failed = [line for line in text.splitlines() if line.startswith(("FAILED ", "ERROR ")) or
-              line.rstrip().endswith((" FAILED", " ERROR"))]
+    failed = [
+        line
+        for line in text.splitlines()
+        if line.startswith(("FAILED ", "ERROR ")) or line.rstrip().endswith((" FAILED", " ERROR"))
+    ]
     failed = list(dict.fromkeys(failed))
     if failed:  # (at most 20 lines: the reply keeps the last 12,000 characters of the whole call)
-        print("failures:\n  " + "\n  ".join(failed[:20]) + (f"\n  ... {len(failed) - 20} more" if len(failed) > 20 else ""))
+        print(
+            "failures:\n  "
+            + "\n  ".join(failed[:20])
+            + (f"\n  ... {len(failed) - 20} more" if len(failed) > 20 else "")
+        )
     print(text[-TAIL_CHARS:], flush=True)
 
 
@@ -230,9 +299,13 @@ class Lane:
 
     def __init__(self, args, plan: list, caps: list, out: Path, work: Path):
         self.out, self.work, self.plan, self.caps = out, work, plan, caps
-        self.head = dict(plan_name=args.plan, budget_s=args.budget, dry_run=args.dry_run, started=time.time(),
-                         plan=[dict(label=s.label, step=s.name, cap_s=round(c, 1), what=s.what)
-                               for s, c in zip(plan, caps)])
+        self.head = dict(
+            plan_name=args.plan,
+            budget_s=args.budget,
+            dry_run=args.dry_run,
+            started=time.time(),
+            plan=[dict(label=s.label, step=s.name, cap_s=round(c, 1), what=s.what) for s, c in zip(plan, caps)],
+        )
         self.steps: list = []
         self.left_out: list = []
 
@@ -242,33 +315,51 @@ class Lane:
         lane_files.write_summary(self.out, self.summary())
 
     def summary(self) -> dict:
-        return dict(self.head, steps=self.steps, targets=summary(self.work), left_out_of_archive=self.left_out,
-                    seconds=round(time.time() - self.head["started"], 1))
+        return dict(
+            self.head,
+            steps=self.steps,
+            targets=summary(self.work),
+            left_out_of_archive=self.left_out,
+            seconds=round(time.time() - self.head["started"], 1),
+        )
 
 
 def print_plan(plan: list, caps: list, budget: float) -> None:
     print(f"=== plan (--budget {budget:g} s; each step's cap, time left over flows down)")
     t = 0.0
     for step, cap in zip(plan, caps):
-        print(f"{step.label:3s} {step.name:13s} {cap:5.0f} s  (by {t + cap:4.0f} s)  {step.what}"
-              + (f"  [configs pinned: GEMM {step.pins}, routing]" if step.pins else "")
-              + "".join(f"  [{k}={'(unset)' if v is None else v}]" for k, v in step.env))
+        print(
+            f"{step.label:3s} {step.name:13s} {cap:5.0f} s  (by {t + cap:4.0f} s)  {step.what}"
+            + (f"  [configs pinned: GEMM {step.pins}, routing]" if step.pins else "")
+            + "".join(f"  [{k}={'(unset)' if v is None else v}]" for k, v in step.env)
+        )
         t += cap
     print(flush=True)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=os.environ.get("OUT", "gpu-lane-out"),
-                   help="where the archive and summary.json go (default: $OUT)")
+    p.add_argument(
+        "--out",
+        default=os.environ.get("OUT", "gpu-lane-out"),
+        help="where the archive and summary.json go (default: $OUT)",
+    )
     p.add_argument("--plan", choices=sorted(PLANS), default="priority")
     p.add_argument("--only", default=None, help="comma-separated steps of the plan to run (the pre-flight always runs)")
     p.add_argument("--skip", default="", help="comma-separated steps to leave out")
-    p.add_argument("--budget", type=float, default=480.0,
-                   help="wall-clock seconds for the whole call (run it with timeout_s 60 s more)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=480.0,
+        help="wall-clock seconds for the whole call (run it with timeout_s 60 s more)",
+    )
     p.add_argument("--dry-run", action="store_true", help="the same plan at toy sizes on the CPU (TRITON_INTERPRET=1)")
-    p.add_argument("--collect", metavar="ARCHIVE", default=None,
-                   help="instead of running: bring a call's lane.tar.gz (or $OUT directory) into bench/results/")
+    p.add_argument(
+        "--collect",
+        metavar="ARCHIVE",
+        default=None,
+        help="instead of running: bring a call's lane.tar.gz (or $OUT directory) into bench/results/",
+    )
     p.add_argument("--results", default=str(REPO / "bench" / "results"), help="--collect: where the rows go")
     args = p.parse_args(argv)
     if args.collect:
@@ -317,8 +408,11 @@ def run_plan(lane: Lane, dry: bool, site: Path, scratch: Path) -> int:
     last = start + (lane.head["budget_s"] - SUMMARY_SECONDS) * slow
     # The site ahead of the repository (which still provides bench/ and tests/); the steps run from a
     # scratch directory, not the repository root, whose lancet_rt would come first on sys.path.
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(site), str(REPO), os.environ.get("PYTHONPATH")])))
+    env = dict(
+        os.environ,
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(site), str(REPO), os.environ.get("PYTHONPATH")])),
+    )
     if dry:
         env.update(TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
     for step, cap, end in zip(lane.plan, lane.caps, deadlines(lane.caps)):
@@ -345,8 +439,11 @@ def run_plan(lane: Lane, dry: bool, site: Path, scratch: Path) -> int:
         _show(log)
         lane.refresh()
         if step.name == "preflight" and rc in (preflight.IMPORT_FAILED, preflight.NO_CUDA):
-            print(f"pre-flight failed (rc {rc}: {'an import' if rc == preflight.IMPORT_FAILED else 'no CUDA device'}):"
-                  " stopping here, before any step spends the call", flush=True)
+            print(
+                f"pre-flight failed (rc {rc}: {'an import' if rc == preflight.IMPORT_FAILED else 'no CUDA device'}):"
+                " stopping here, before any step spends the call",
+                flush=True,
+            )
             return rc
         if step.name == "preflight" and rc != 0:  # (a ceiling that failed or ran long: the steps still can run)
             print(f"pre-flight: rc {rc}, but its imports and device were fine: going on", flush=True)
@@ -371,14 +468,20 @@ def _report(s: dict) -> None:
         if r.get("tests"):
             t = r["tests"]
             extra += f"  tests {t['tests']}: {t['failures']} failed, {t['errors']} errors, {t['skipped']} skipped"
-        print(f"{r['label']:3s} {r['step']:13s} rc={r['rc']}  {r['seconds']} s of {r['allowance_s']}"
-              f" (CPU {r.get('cpu_s', 0)} s){extra}")
+        print(
+            f"{r['label']:3s} {r['step']:13s} rc={r['rc']}  {r['seconds']} s of {r['allowance_s']}"
+            f" (CPU {r.get('cpu_s', 0)} s){extra}"
+        )
     print("\n=== headline numbers vs targets")
     for r in s["targets"]:
-        print(f"{r['metric']:60s} {str(r['value']):>8s}  target {r['target']:>8}  {r['met']}"
-              + (f"  ({r['failed']} rows failed their check)" if r.get("failed") else ""))
-    print(f"\n{s['seconds']} s; --out holds {lane_files.ARCHIVE} and {lane_files.SUMMARY}"
-          + (f" (left out of the archive to fit: {s['left_out_of_archive']})" if s["left_out_of_archive"] else ""))
+        print(
+            f"{r['metric']:60s} {str(r['value']):>8s}  target {r['target']:>8}  {r['met']}"
+            + (f"  ({r['failed']} rows failed their check)" if r.get("failed") else "")
+        )
+    print(
+        f"\n{s['seconds']} s; --out holds {lane_files.ARCHIVE} and {lane_files.SUMMARY}"
+        + (f" (left out of the archive to fit: {s['left_out_of_archive']})" if s["left_out_of_archive"] else "")
+    )
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@
 weights drawn from one seed (routers and DeepSeek's selection bias included, so that no two experts
 tie), dropout off and the model's own load-balancing loss on (``output_router_logits``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,40 +24,87 @@ def config(family: str, size="tiny", **overrides):
     import transformers as tf
 
     s = SIZES[size] if isinstance(size, str) else size
-    common = dict(vocab_size=s["vocab"], hidden_size=s["hidden"], num_hidden_layers=s["layers"],
-                  num_attention_heads=s["heads"], num_key_value_heads=s["kv"], max_position_embeddings=256,
-                  output_router_logits=True, router_aux_loss_coef=0.02, num_experts_per_tok=s["top_k"],
-                  attention_dropout=0.0, use_cache=False, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=s["vocab"],
+        hidden_size=s["hidden"],
+        num_hidden_layers=s["layers"],
+        num_attention_heads=s["heads"],
+        num_key_value_heads=s["kv"],
+        max_position_embeddings=256,
+        output_router_logits=True,
+        router_aux_loss_coef=0.02,
+        num_experts_per_tok=s["top_k"],
+        attention_dropout=0.0,
+        use_cache=False,
+        tie_word_embeddings=False,
+    )
     if family == "mixtral":
-        cfg = tf.MixtralConfig(intermediate_size=s["ffn"], num_local_experts=s["experts"], router_jitter_noise=0.0,
-                               **common)
+        cfg = tf.MixtralConfig(
+            intermediate_size=s["ffn"], num_local_experts=s["experts"], router_jitter_noise=0.0, **common
+        )
     elif family == "qwen3_moe":
-        cfg = tf.Qwen3MoeConfig(intermediate_size=2 * s["ffn"], moe_intermediate_size=s["ffn"],
-                                num_experts=s["experts"], norm_topk_prob=True, head_dim=s["hidden"] // s["heads"],
-                                **common)
+        cfg = tf.Qwen3MoeConfig(
+            intermediate_size=2 * s["ffn"],
+            moe_intermediate_size=s["ffn"],
+            num_experts=s["experts"],
+            norm_topk_prob=True,
+            head_dim=s["hidden"] // s["heads"],
+            **common,
+        )
     elif family == "olmoe":
-        cfg = tf.OlmoeConfig(intermediate_size=s["ffn"], num_experts=s["experts"], norm_topk_prob=False,
-                             pad_token_id=1, eos_token_id=2, **common)
+        cfg = tf.OlmoeConfig(
+            intermediate_size=s["ffn"],
+            num_experts=s["experts"],
+            norm_topk_prob=False,
+            pad_token_id=1,
+            eos_token_id=2,
+            **common,
+        )
     elif family == "qwen2_moe":
-        cfg = tf.Qwen2MoeConfig(intermediate_size=2 * s["ffn"], moe_intermediate_size=s["ffn"],
-                                shared_expert_intermediate_size=2 * s["ffn"], num_experts=s["experts"],
-                                norm_topk_prob=False, **common)
+        cfg = tf.Qwen2MoeConfig(
+            intermediate_size=2 * s["ffn"],
+            moe_intermediate_size=s["ffn"],
+            shared_expert_intermediate_size=2 * s["ffn"],
+            num_experts=s["experts"],
+            norm_topk_prob=False,
+            **common,
+        )
     elif family in ("deepseek_v3", "glm4_moe"):
-        moe = dict(intermediate_size=2 * s["ffn"], moe_intermediate_size=s["ffn"], n_routed_experts=s["experts"],
-                   n_shared_experts=1, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
-                   first_k_dense_replace=1, **common)
+        moe = dict(
+            intermediate_size=2 * s["ffn"],
+            moe_intermediate_size=s["ffn"],
+            n_routed_experts=s["experts"],
+            n_shared_experts=1,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            norm_topk_prob=True,
+            first_k_dense_replace=1,
+            **common,
+        )
         moe["num_hidden_layers"] = s["layers"] + 1  # the first layer dense, as in the real models
         if family == "deepseek_v3":
             head = s["hidden"] // s["heads"]
             moe["num_key_value_heads"] = s["heads"]  # multi-head latent attention: as many as query heads
-            cfg = tf.DeepseekV3Config(q_lora_rank=None, kv_lora_rank=head, qk_rope_head_dim=head // 2,
-                                      qk_nope_head_dim=head // 2, v_head_dim=head, **moe)
+            cfg = tf.DeepseekV3Config(
+                q_lora_rank=None,
+                kv_lora_rank=head,
+                qk_rope_head_dim=head // 2,
+                qk_nope_head_dim=head // 2,
+                v_head_dim=head,
+                **moe,
+            )
         else:
             cfg = tf.Glm4MoeConfig(**moe)
     elif family == "gpt_oss":
-        cfg = tf.GptOssConfig(intermediate_size=s["ffn"], num_local_experts=s["experts"],
-                              head_dim=s["hidden"] // s["heads"], sliding_window=8,
-                              rope_parameters=dict(rope_type="default", rope_theta=10000.0), **common)
+        cfg = tf.GptOssConfig(
+            intermediate_size=s["ffn"],
+            num_local_experts=s["experts"],
+            head_dim=s["hidden"] // s["heads"],
+            sliding_window=8,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+            **common,
+        )
     else:
         raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
     for k, v in overrides.items():

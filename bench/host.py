@@ -34,6 +34,7 @@ is a flag: dropless or a capacity factor, autocast, deferred dW.
     python -m bench.host --autocast bf16 --defer-wgrad     # one configuration
     python -m bench.host --top 15                          # and the ops each extra chunk adds, by name
 """
+
 from __future__ import annotations
 
 import argparse
@@ -175,8 +176,14 @@ class Step:
 
     def __init__(self, args, device: torch.device):
         link = lancet_rt.EmulatedGroup(args.world_size, float("inf"), 0.0, device=device)
-        moe = dict(d_ffn=args.d_ffn, num_experts=args.experts, top_k=args.top_k, ep_group=link,
-                   capacity_factor=args.capacity_factor, aux_loss_coef=1e-2)
+        moe = dict(
+            d_ffn=args.d_ffn,
+            num_experts=args.experts,
+            top_k=args.top_k,
+            ep_group=link,
+            capacity_factor=args.capacity_factor,
+            aux_loss_coef=1e-2,
+        )
         torch.manual_seed(0)
         self.model = MoEBlocks(args.layers, args.d_model, args.heads, moe, device=device)
         self.device = device
@@ -257,11 +264,21 @@ class Step:
         finally:
             gc.enable()
         fwd, bwd = [p[0] for p in phases], [p[1] for p in phases]  # (host_us, gpu_us) of each step
-        out = dict(fwd_us=statistics.median(h for h, _ in fwd), bwd_us=statistics.median(h for h, _ in bwd),
-                   minflt=statistics.median(faults))
+        out = dict(
+            fwd_us=statistics.median(h for h, _ in fwd),
+            bwd_us=statistics.median(h for h, _ in bwd),
+            minflt=statistics.median(faults),
+        )
         if timer.cuda:
-            out.update(host_vs_gpu(out["fwd_us"], out["bwd_us"], statistics.median(g for _, g in fwd),
-                                   statistics.median(g for _, g in bwd), self.layers * n))
+            out.update(
+                host_vs_gpu(
+                    out["fwd_us"],
+                    out["bwd_us"],
+                    statistics.median(g for _, g in fwd),
+                    statistics.median(g for _, g in bwd),
+                    self.layers * n,
+                )
+            )
         return out
 
 
@@ -283,8 +300,15 @@ def host_vs_gpu(fwd_us: float, bwd_us: float, fwd_gpu_us: float, bwd_gpu_us: flo
         started late because the forward's had not finished).
     """
     host, gpu = (fwd_us + bwd_us) / layer_chunks, (fwd_gpu_us + bwd_gpu_us) / layer_chunks
-    return dict(fwd_gpu_us=fwd_gpu_us, bwd_gpu_us=bwd_gpu_us, host_us=host, gpu_us=gpu, host_over_gpu=host / gpu,
-                fwd_host_over_gpu=fwd_us / fwd_gpu_us, bwd_host_over_gpu=bwd_us / bwd_gpu_us)
+    return dict(
+        fwd_gpu_us=fwd_gpu_us,
+        bwd_gpu_us=bwd_gpu_us,
+        host_us=host,
+        gpu_us=gpu,
+        host_over_gpu=host / gpu,
+        fwd_host_over_gpu=fwd_us / fwd_gpu_us,
+        bwd_host_over_gpu=bwd_us / bwd_gpu_us,
+    )
 
 
 _PER_CHUNK = ("fwd_ops", "bwd_ops", "fwd_reads", "bwd_reads", "fwd_launches", "bwd_launches", "fwd_us", "bwd_us")
@@ -332,8 +356,12 @@ def configurations(args) -> list[dict]:
     """The configurations one run covers: the one given, or with ``--sweep`` the issue's set."""
     if not args.sweep:
         return [dict(capacity_factor=args.capacity_factor, autocast=args.autocast, defer_wgrad=args.defer_wgrad)]
-    return [dict(capacity_factor=cf, autocast=ac, defer_wgrad=dw)
-            for cf in (None, 1.25) for ac in ("none", "bf16") for dw in (False, True)]
+    return [
+        dict(capacity_factor=cf, autocast=ac, defer_wgrad=dw)
+        for cf in (None, 1.25)
+        for ac in ("none", "bf16")
+        for dw in (False, True)
+    ]
 
 
 def main(argv: Optional[list] = None) -> list[dict]:
@@ -352,8 +380,11 @@ def main(argv: Optional[list] = None) -> list[dict]:
     p.add_argument("--capacity-factor", type=float_in(0, above=True), default=None, help="None: dropless")
     p.add_argument("--autocast", choices=("none", "bf16", "fp16"), default="none")
     p.add_argument("--defer-wgrad", action="store_true")
-    p.add_argument("--sweep", action="store_true",
-                   help="every combination of dropless / capacity 1.25, autocast none / bf16, defer_wgrad off / on")
+    p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="every combination of dropless / capacity 1.25, autocast none / bf16, defer_wgrad off / on",
+    )
     p.add_argument("--reps", type=int_in(1), default=20, help="timed steps per chunk count (host time)")
     p.add_argument("--top", type=int_in(0), default=0, help="print the N op names each extra chunk adds most")
     p.add_argument("--threads", type=int_in(1, 1024), default=1)
@@ -376,25 +407,62 @@ def main(argv: Optional[list] = None) -> list[dict]:
 
 
 def _print(rows: list[dict], top: int) -> None:
-    cols = ["capacity_factor", "autocast", "defer_wgrad", "chunks", "ops_per_chunk", "reads_per_chunk",
-            "fwd_ops_per_chunk", "bwd_ops_per_chunk", "fwd_launches_per_chunk", "bwd_launches_per_chunk",
-            "fwd_us_per_chunk", "bwd_us_per_chunk", "plain_us_per_chunk", "saved_x", "peak_x", "minflt"]
+    cols = [
+        "capacity_factor",
+        "autocast",
+        "defer_wgrad",
+        "chunks",
+        "ops_per_chunk",
+        "reads_per_chunk",
+        "fwd_ops_per_chunk",
+        "bwd_ops_per_chunk",
+        "fwd_launches_per_chunk",
+        "bwd_launches_per_chunk",
+        "fwd_us_per_chunk",
+        "bwd_us_per_chunk",
+        "plain_us_per_chunk",
+        "saved_x",
+        "peak_x",
+        "minflt",
+    ]
     have = [c for c in cols if any(c in r for r in rows)]
-    print_table([r for r in rows if r["chunks"] > 1], have,
-                "per layer per extra chunk (fwd+bwd), and the step's saved bytes / peak memory against unchunked; "
-                "minflt: the step's minor page faults (median)")
-    print("minor page faults per step: " + ", ".join(
-        f"{r['autocast']} cf={r['capacity_factor']} dw={r['defer_wgrad']} chunks={r['chunks']}: {r['minflt']:.0f}"
-        for r in rows))
+    print_table(
+        [r for r in rows if r["chunks"] > 1],
+        have,
+        "per layer per extra chunk (fwd+bwd), and the step's saved bytes / peak memory against unchunked; "
+        "minflt: the step's minor page faults (median)",
+    )
+    print(
+        "minor page faults per step: "
+        + ", ".join(
+            f"{r['autocast']} cf={r['capacity_factor']} dw={r['defer_wgrad']} chunks={r['chunks']}: {r['minflt']:.0f}"
+            for r in rows
+        )
+    )
     if any("gpu_us" in r for r in rows):
-        print_table(rows, ["autocast", "defer_wgrad", "chunks", "fwd_us", "fwd_gpu_us", "bwd_us", "bwd_gpu_us",
-                           "host_us", "gpu_us", "host_over_gpu"],
-                    "\nhost against GPU (us; host_us and gpu_us per layer and chunk; host_over_gpu near 1: the GPU waits)")
+        print_table(
+            rows,
+            [
+                "autocast",
+                "defer_wgrad",
+                "chunks",
+                "fwd_us",
+                "fwd_gpu_us",
+                "bwd_us",
+                "bwd_gpu_us",
+                "host_us",
+                "gpu_us",
+                "host_over_gpu",
+            ],
+            "\nhost against GPU (us; host_us and gpu_us per layer and chunk; host_over_gpu near 1: the GPU waits)",
+        )
     if top:
         for r in rows:
             if r["chunks"] > 1:
-                print(f"\nchunks={r['chunks']} {r['autocast']} cf={r['capacity_factor']} dw={r['defer_wgrad']}: "
-                      + ", ".join(f"{k} {v:+.1f}" for k, v in r["top_added"]))
+                print(
+                    f"\nchunks={r['chunks']} {r['autocast']} cf={r['capacity_factor']} dw={r['defer_wgrad']}: "
+                    + ", ".join(f"{k} {v:+.1f}" for k, v in r["top_added"])
+                )
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ is dropless for the permute family (S = T * K, the most bytes); gating uses capa
 ``--quick`` runs tiny sizes (on CPU under TRITON_INTERPRET=1, a minute) to check the command;
 rows are printed, and written only where ``--json`` says (default path bench/results/kernels.json).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,9 +39,30 @@ OPS = ("gating_fwd", "gating_bwd", "permute_fwd", "permute_bwd", "unpermute_fwd"
 GATING_OPS = OPS[:2]
 CAPACITY_FACTOR = 1.25
 TARGET_T = 16384
-COLUMNS = ["op", "T", "E", "K", "D", "S", "MB", "triton_ms", "eager_ms", "compiled_ms", "triton_GBs",
-           "frac_copy", "x_eager", "x_compiled", "check", "compile_error", "error",
-           "V", "head_ms", "x_head", "peak_MB", "eager_peak_MB"]  # (the last: op=linear_ce rows)
+COLUMNS = [
+    "op",
+    "T",
+    "E",
+    "K",
+    "D",
+    "S",
+    "MB",
+    "triton_ms",
+    "eager_ms",
+    "compiled_ms",
+    "triton_GBs",
+    "frac_copy",
+    "x_eager",
+    "x_compiled",
+    "check",
+    "compile_error",
+    "error",
+    "V",
+    "head_ms",
+    "x_head",
+    "peak_MB",
+    "eager_peak_MB",
+]  # (the last: op=linear_ce rows)
 
 
 def cases(quick: bool, tokens: Optional[int] = None) -> List[dict]:
@@ -69,17 +91,17 @@ def op_bytes(op: str, T: int, E: int, K: int, D: Optional[int], S: int, elem: in
     O(E) (counters, statistics) are left out.
     """
     N = T * K
-    if op == "gating_fwd":      # logits in; expert, weight, slot out
+    if op == "gating_fwd":  # logits in; expert, weight, slot out
         return T * E * 4 + N * (4 + 4 + 4)
-    if op == "gating_bwd":      # logits in, grad logits out; expert and grad weight in
+    if op == "gating_bwd":  # logits in, grad logits out; expert and grad weight in
         return T * E * 4 * 2 + N * (4 + 4)
-    if op == "permute_fwd":     # x in (once), x_SD out, row in, src out
+    if op == "permute_fwd":  # x in (once), x_SD out, row in, src out
         return T * D * elem + S * D * elem + N * 4 + S * 4
-    if op == "permute_bwd":     # grad_x_SD in, grad_x_TD out, row in
+    if op == "permute_bwd":  # grad_x_SD in, grad_x_TD out, row in
         return S * D * elem + T * D * elem + N * 4
-    if op == "unpermute_fwd":   # y_SD in, y_TD out, row and weight in
+    if op == "unpermute_fwd":  # y_SD in, y_TD out, row and weight in
         return S * D * elem + T * D * elem + N * (4 + 4)
-    if op == "unpermute_bwd":   # grad_y_TD and y_SD in, grad_y_SD out; row, weight in, grad weight out
+    if op == "unpermute_bwd":  # grad_y_TD and y_SD in, grad_y_SD out; row, weight in, grad weight out
         return T * D * elem + 2 * S * D * elem + N * (4 + 4 + 4)
     raise ValueError(op)
 
@@ -114,7 +136,7 @@ def _inputs(case: dict, device: torch.device, dtype: torch.dtype, gen: torch.Gen
     from lancet_rt.kernels.reference import dispatch_rows_ref, gating_fwd_ref, permute_fwd_ref
 
     op, T, E, K, D = case["op"], case["T"], case["E"], case["K"], case["D"]
-    randn = lambda *s, dt=torch.float32: torch.randn(*s, generator=gen, device=device).to(dt)  # noqa: E731
+    randn = lambda *s, dt=torch.float32: torch.randn(*s, generator=gen, device=device).to(dt)
     logits = _logits(T, E, device, gen)
     if op == "gating_fwd":
         cap = math.ceil(CAPACITY_FACTOR * T * K / E)
@@ -141,20 +163,31 @@ def _short_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:160]}"
 
 
-def run(device: torch.device, quick: bool, dtype: torch.dtype = torch.bfloat16, *, json_path=None,
-        max_seconds: Optional[float] = None, tokens: Optional[int] = None, compiled: bool = True) -> List[dict]:
+def run(
+    device: torch.device,
+    quick: bool,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    json_path=None,
+    max_seconds: Optional[float] = None,
+    tokens: Optional[int] = None,
+    compiled: bool = True,
+) -> List[dict]:
     """Measure every case (``tokens``: those at T = tokens; ``compiled`` False: no torch.compile
     baselines, ``compiled_ms`` None); rows go to ``json_path`` as they are made; no case starts after
     ``max_seconds``."""
     from lancet_rt.kernels import gating, permute, reference
 
     triton_fns: Dict[str, Callable] = {
-        "gating_fwd": gating.gating_fwd, "gating_bwd": gating.gating_bwd,
-        "permute_fwd": permute.permute_fwd, "permute_bwd": permute.permute_bwd,
-        "unpermute_fwd": permute.unpermute_fwd, "unpermute_bwd": permute.unpermute_bwd,
+        "gating_fwd": gating.gating_fwd,
+        "gating_bwd": gating.gating_bwd,
+        "permute_fwd": permute.permute_fwd,
+        "permute_bwd": permute.permute_bwd,
+        "unpermute_fwd": permute.unpermute_fwd,
+        "unpermute_bwd": permute.unpermute_bwd,
     }
     ref_fns = {op: getattr(reference, f"{op}_ref") for op in OPS}
-    compiled_fns = {op: torch.compile(fn) for op, fn in ref_fns.items()}   # one cache per op, across shapes
+    compiled_fns = {op: torch.compile(fn) for op, fn in ref_fns.items()}  # one cache per op, across shapes
     timing = dict(warmup=1, rep=3) if quick and device.type == "cpu" else {}
 
     copy_gbs = copy_bandwidth_gbs(device)
@@ -164,21 +197,22 @@ def run(device: torch.device, quick: bool, dtype: torch.dtype = torch.bfloat16, 
     rows, budget, todo = RowLog(json_path), TimeBudget(max_seconds), cases(quick, tokens)
     for case in todo:
         if budget.spent():
-            print(f"  --max-seconds {max_seconds} spent: {len(todo) - len(rows)} of {len(todo)} cases not run",
-                  flush=True)
+            print(
+                f"  --max-seconds {max_seconds} spent: {len(todo) - len(rows)} of {len(todo)} cases not run", flush=True
+            )
             break
         op = case["op"]
         args, kwargs, S = _inputs(case, device, dtype, gen)
         nbytes = op_bytes(op, case["T"], case["E"], case["K"], case["D"], S, elem)
-        data_dtype = torch.float32 if op in GATING_OPS else dtype   # gating moves fp32 logits
+        data_dtype = torch.float32 if op in GATING_OPS else dtype  # gating moves fp32 logits
         row = dict(meta, **case, S=S, dtype=str(data_dtype).replace("torch.", ""), bytes=nbytes, MB=nbytes / 1e6)
 
-        tri = lambda: triton_fns[op](*args, **kwargs)   # noqa: E731
-        ref = lambda: ref_fns[op](*args, **kwargs)      # noqa: E731
+        tri = lambda: triton_fns[op](*args, **kwargs)
+        ref = lambda: ref_fns[op](*args, **kwargs)
         try:
-            row["check"] = "ok" if _matches(tri(), ref()) else "MISMATCH"   # also compiles / tunes
+            row["check"] = "ok" if _matches(tri(), ref()) else "MISMATCH"  # also compiles / tunes
             row["triton_ms"] = bench_ms(tri, device, **timing)["ms"]
-        except Exception as e:  # noqa: BLE001 - a kernel that fails to build or run is a result
+        except Exception as e:  # a kernel that fails to build or run is a result
             row.update(check="error", error=_short_error(e))
             rows.add(row)
             print(f"  {op:14s} T={case['T']:<6} E={case['E']:<4} K={case['K']:<2}: {row['error']}", flush=True)
@@ -187,10 +221,10 @@ def run(device: torch.device, quick: bool, dtype: torch.dtype = torch.bfloat16, 
         row["compiled_ms"] = None
         try:
             if compiled:
-                comp = lambda: compiled_fns[op](*args, **kwargs)   # noqa: E731
+                comp = lambda: compiled_fns[op](*args, **kwargs)
                 comp()
                 row["compiled_ms"] = bench_ms(comp, device, **timing)["ms"]
-        except Exception as e:  # noqa: BLE001 - any compile failure is a result, not a crash
+        except Exception as e:  # any compile failure is a result, not a crash
             row["compile_error"] = _short_error(e)
 
         row["triton_GBs"] = nbytes / (row["triton_ms"] * 1e-3) / 1e9
@@ -199,9 +233,12 @@ def run(device: torch.device, quick: bool, dtype: torch.dtype = torch.bfloat16, 
         row["x_eager"] = row["eager_ms"] / row["triton_ms"]
         row["x_compiled"] = None if row["compiled_ms"] is None else row["compiled_ms"] / row["triton_ms"]
         rows.add(row)
-        print(f"  {op:14s} T={case['T']:<6} E={case['E']:<4} K={case['K']:<2} D={case['D']}: "
-              f"{row['triton_ms']:.4g} ms, {row['x_eager']:.3g}x eager, check {row['check']}", flush=True)
-        del args, kwargs
+        print(
+            f"  {op:14s} T={case['T']:<6} E={case['E']:<4} K={case['K']:<2} D={case['D']}: "
+            f"{row['triton_ms']:.4g} ms, {row['x_eager']:.3g}x eager, check {row['check']}",
+            flush=True,
+        )
+        args = kwargs = None  # freed before the next case's inputs are made (the lambdas hold them)
         if device.type == "cuda":
             torch.cuda.empty_cache()
     from bench.kernels_dense import run_dense  # the dense kernels' rows (add + RMSNorm, linear CE)
@@ -212,17 +249,40 @@ def run(device: torch.device, quick: bool, dtype: torch.dtype = torch.bfloat16, 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.kernels", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--json", nargs="?", const=DEFAULT_JSON, default=None, metavar="PATH",
-                        help=f"append the rows to PATH (default {DEFAULT_JSON}); without it nothing is written")
+    parser.add_argument(
+        "--json",
+        nargs="?",
+        const=DEFAULT_JSON,
+        default=None,
+        metavar="PATH",
+        help=f"append the rows to PATH (default {DEFAULT_JSON}); without it nothing is written",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the command (CPU: a minute)")
-    parser.add_argument("--max-seconds", type=float, default=None,
-                        help="start no new case after this many seconds (the T=16384 targets run first)")
-    parser.add_argument("--tokens", type=int, default=None, metavar="T",
-                        help="only the cases at T tokens (one size; the targets are at 16384)")
-    parser.add_argument("--no-compile", dest="compiled", action="store_false",
-                        help="leave out the torch.compile baselines (compiled_ms None): the slowest part of a cold run")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default=None,
-                        help="default: cuda when available, else cpu (Triton interpreter)")
+    parser.add_argument(
+        "--max-seconds",
+        type=float,
+        default=None,
+        help="start no new case after this many seconds (the T=16384 targets run first)",
+    )
+    parser.add_argument(
+        "--tokens",
+        type=int,
+        default=None,
+        metavar="T",
+        help="only the cases at T tokens (one size; the targets are at 16384)",
+    )
+    parser.add_argument(
+        "--no-compile",
+        dest="compiled",
+        action="store_false",
+        help="leave out the torch.compile baselines (compiled_ms None): the slowest part of a cold run",
+    )
+    parser.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default=None,
+        help="default: cuda when available, else cpu (Triton interpreter)",
+    )
     args = parser.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -231,7 +291,7 @@ def main(argv=None) -> int:
     if device.type == "cpu":
         if "lancet_rt.kernels.gating" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
             parser.error("--device cpu needs TRITON_INTERPRET=1 before kernels/ is imported")
-        os.environ["TRITON_INTERPRET"] = "1"   # read by Triton when kernels/ is imported (in run)
+        os.environ["TRITON_INTERPRET"] = "1"  # read by Triton when kernels/ is imported (in run)
     try:
         import torch._dynamo as dynamo
 
@@ -243,13 +303,25 @@ def main(argv=None) -> int:
         pass
 
     if not cases(args.quick, args.tokens):
-        parser.error(f"--tokens {args.tokens}: no case at that size (T of {sorted({c['T'] for c in cases(args.quick)})})")
-    rows = run(device, args.quick, json_path=args.json, max_seconds=args.max_seconds, tokens=args.tokens,
-               compiled=args.compiled)
+        parser.error(
+            f"--tokens {args.tokens}: no case at that size (T of {sorted({c['T'] for c in cases(args.quick)})})"
+        )
+    rows = run(
+        device,
+        args.quick,
+        json_path=args.json,
+        max_seconds=args.max_seconds,
+        tokens=args.tokens,
+        compiled=args.compiled,
+    )
     if not rows:
         return 1
-    print_table(rows, COLUMNS, title=f"\nrouting kernels on {rows[0]['device']} "
-                f"(copy {rows[0]['copy_gbs']:.4g} GB/s; GB/s = bytes to move / time)")
+    print_table(
+        rows,
+        COLUMNS,
+        title=f"\nrouting kernels on {rows[0]['device']} "
+        f"(copy {rows[0]['copy_gbs']:.4g} GB/s; GB/s = bytes to move / time)",
+    )
     if args.json:
         print(f"appended {len(rows)} rows to {args.json}")
     return 0

@@ -11,6 +11,7 @@ Linear cross-entropy (``op=linear_ce``, D = 4096, V = 151936 by default): ``lanc
 transformers' head + float32 cross-entropy forward and backward (``x_eager`` = that time / ours); on
 CUDA the peak memory each allocates beyond its inputs (``peak_MB``, ``eager_peak_MB``).
 """
+
 from __future__ import annotations
 
 from typing import List, Optional
@@ -43,7 +44,8 @@ def _peak_mb(fn, device) -> Optional[float]:
 
 
 def _norm_row(case, device, dtype, gen, timing, elem, compiled=True):
-    from lancet_rt.kernels import norm, reference_dense as ref
+    from lancet_rt.kernels import norm
+    from lancet_rt.kernels import reference_dense as ref
 
     T, D = case["T"], case["D"]
     x, r, dy, dsn = (torch.randn(T, D, device=device, generator=gen).to(dtype) for _ in range(4))
@@ -51,24 +53,30 @@ def _norm_row(case, device, dtype, gen, timing, elem, compiled=True):
     if case["op"] == "add_rmsnorm_fwd":
         tri, eag = (lambda: norm.add_rmsnorm_fwd(x, r, w)), (lambda: ref.add_rmsnorm_fwd_ref(x, r, w))
         comp_fn = torch.compile(ref.add_rmsnorm_fwd_ref)
-        comp = lambda: comp_fn(x, r, w)  # noqa: E731
+        comp = lambda: comp_fn(x, r, w)
     else:
         _, s, rstd = ref.add_rmsnorm_fwd_ref(x, r, w)
-        tri = lambda: norm.add_rmsnorm_bwd(dy, dsn, s, rstd, w)  # noqa: E731
-        eag = lambda: ref.add_rmsnorm_bwd_ref(dy, dsn, s, rstd, w)  # noqa: E731
+        tri = lambda: norm.add_rmsnorm_bwd(dy, dsn, s, rstd, w)
+        eag = lambda: ref.add_rmsnorm_bwd_ref(dy, dsn, s, rstd, w)
         comp_fn = torch.compile(ref.add_rmsnorm_bwd_ref)
-        comp = lambda: comp_fn(dy, dsn, s, rstd, w)  # noqa: E731
+        comp = lambda: comp_fn(dy, dsn, s, rstd, w)
     got, want = tri()[0].float(), eag()[0].float()
     check = "ok" if (got - want).abs().max() <= 2e-2 * want.abs().max() else "MISMATCH"
     nbytes = 4 * T * D * elem
-    row = dict(case, bytes=nbytes, MB=nbytes / 1e6, check=check, triton_ms=bench_ms(tri, device, **timing)["ms"],
-               eager_ms=bench_ms(eag, device, **timing)["ms"])
+    row = dict(
+        case,
+        bytes=nbytes,
+        MB=nbytes / 1e6,
+        check=check,
+        triton_ms=bench_ms(tri, device, **timing)["ms"],
+        eager_ms=bench_ms(eag, device, **timing)["ms"],
+    )
     row["compiled_ms"] = None
     try:
         if compiled:
             comp()
             row["compiled_ms"] = bench_ms(comp, device, **timing)["ms"]
-    except Exception as e:  # noqa: BLE001 - a compile failure is a result
+    except Exception as e:  # a compile failure is a result
         row["compile_error"] = f"{type(e).__name__}"
     return row
 
@@ -95,16 +103,33 @@ def _ce_row(case, device, dtype, gen, timing, elem, compiled=True):
             return h @ w.t()
 
     a, b = ours().item(), transformers_way().item()
-    row = dict(case, check="ok" if abs(a - b) <= 2e-2 * abs(b) else "MISMATCH", MB=None,
-               triton_ms=bench_ms(ours, device, **timing)["ms"], eager_ms=bench_ms(transformers_way, device, **timing)["ms"],
-               head_ms=bench_ms(head_only, device, **timing)["ms"], peak_MB=_peak_mb(ours, device),
-               eager_peak_MB=_peak_mb(transformers_way, device), compiled_ms=None)
+    row = dict(
+        case,
+        check="ok" if abs(a - b) <= 2e-2 * abs(b) else "MISMATCH",
+        MB=None,
+        triton_ms=bench_ms(ours, device, **timing)["ms"],
+        eager_ms=bench_ms(transformers_way, device, **timing)["ms"],
+        head_ms=bench_ms(head_only, device, **timing)["ms"],
+        peak_MB=_peak_mb(ours, device),
+        eager_peak_MB=_peak_mb(transformers_way, device),
+        compiled_ms=None,
+    )
     row["x_head"] = row["triton_ms"] / row["head_ms"]
     return row
 
 
-def run_dense(device: torch.device, quick: bool, dtype: torch.dtype, meta: dict, copy_gbs: float, rows, budget,
-              timing: dict, tokens: Optional[int] = None, compiled: bool = True) -> None:
+def run_dense(
+    device: torch.device,
+    quick: bool,
+    dtype: torch.dtype,
+    meta: dict,
+    copy_gbs: float,
+    rows,
+    budget,
+    timing: dict,
+    tokens: Optional[int] = None,
+    compiled: bool = True,
+) -> None:
     """Add the dense kernels' rows to ``rows`` (a RowLog); no case starts once ``budget`` is spent
     (``tokens``, ``compiled``: as in bench.kernels.run)."""
     gen = torch.Generator(device=device).manual_seed(0)
@@ -114,9 +139,10 @@ def run_dense(device: torch.device, quick: bool, dtype: torch.dtype, meta: dict,
             break
         try:
             make = _ce_row if case["op"] == "linear_ce" else _norm_row
-            row = dict(meta, dtype=str(dtype).replace("torch.", ""),
-                       **make(case, device, dtype, gen, timing, elem, compiled))
-        except Exception as e:  # noqa: BLE001 - a kernel that fails to build or run is a result
+            row = dict(
+                meta, dtype=str(dtype).replace("torch.", ""), **make(case, device, dtype, gen, timing, elem, compiled)
+            )
+        except Exception as e:  # a kernel that fails to build or run is a result
             row = dict(meta, **case, check="error", error=f"{type(e).__name__}: {str(e)[:160]}")
             rows.add(row)
             print(f"  {case['op']:14s} T={case['T']}: {row['error']}", flush=True)
@@ -128,5 +154,8 @@ def run_dense(device: torch.device, quick: bool, dtype: torch.dtype, meta: dict,
         if row.get("compiled_ms"):
             row["x_compiled"] = row["compiled_ms"] / row["triton_ms"]
         rows.add(row)
-        print(f"  {case['op']:14s} T={case['T']:<6} D={case['D']}: {row['triton_ms']:.4g} ms, "
-              f"{row['x_eager']:.3g}x eager, check {row['check']}", flush=True)
+        print(
+            f"  {case['op']:14s} T={case['T']:<6} D={case['D']}: {row['triton_ms']:.4g} ms, "
+            f"{row['x_eager']:.3g}x eager, check {row['check']}",
+            flush=True,
+        )

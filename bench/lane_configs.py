@@ -13,6 +13,7 @@ choice beside the pin, in the variable's format, to pin it next time::
 
 Under ``TRITON_INTERPRET=1`` nothing is timed: the rows say so (``config`` None).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,9 +43,13 @@ def tuners() -> dict:
     from lancet_rt.kernels import _gating_kernels as g
     from lancet_rt.kernels import _permute_kernels as p
 
-    return {g._ENV_FWD_CONFIG: g._gating_fwd_kernel, g._ENV_BWD_CONFIG: g._gating_bwd_kernel,
-            p._ENV_PERMUTE_FWD_CONFIG: p._permute_fwd_kernel, p._ENV_UNPERMUTE_FWD_CONFIG: p._unpermute_fwd_kernel,
-            p._ENV_UNPERMUTE_BWD_CONFIG: p._unpermute_bwd_kernel}
+    return {
+        g._ENV_FWD_CONFIG: g._gating_fwd_kernel,
+        g._ENV_BWD_CONFIG: g._gating_bwd_kernel,
+        p._ENV_PERMUTE_FWD_CONFIG: p._permute_fwd_kernel,
+        p._ENV_UNPERMUTE_FWD_CONFIG: p._unpermute_fwd_kernel,
+        p._ENV_UNPERMUTE_BWD_CONFIG: p._unpermute_bwd_kernel,
+    }
 
 
 def config_string(config) -> str:
@@ -55,16 +60,21 @@ def config_string(config) -> str:
 def chosen(tokens: int, device: torch.device, shapes=ROUTING_SHAPES) -> list:
     """Launch every routing op at ``shapes`` (``tokens`` a chunk), then return one row per kernel and
     autotune key: the variable, the key, the config autotuning chose (None: not tuned) and the pin."""
-    from bench.kernels import _inputs
     from lancet_rt.kernels import gating, permute
-
     from lancet_rt.kernels._common import pinned_config
+
+    from bench.kernels import _inputs
 
     pinned = sorted(v for v in ROUTING_PINS if pinned_config(v) is not None)
     if pinned:
         raise SystemExit(f"bench.lane_configs: {pinned} set: unset them to see what autotuning chooses")
-    fns = dict(gating_fwd=gating.gating_fwd, gating_bwd=gating.gating_bwd, permute_fwd=permute.permute_fwd,
-               unpermute_fwd=permute.unpermute_fwd, unpermute_bwd=permute.unpermute_bwd)
+    fns = dict(
+        gating_fwd=gating.gating_fwd,
+        gating_bwd=gating.gating_bwd,
+        permute_fwd=permute.permute_fwd,
+        unpermute_fwd=permute.unpermute_fwd,
+        unpermute_bwd=permute.unpermute_bwd,
+    )
     gen = torch.Generator(device=device).manual_seed(0)
     for E, K, D in shapes:
         for op in _OPS:
@@ -76,12 +86,26 @@ def chosen(tokens: int, device: torch.device, shapes=ROUTING_SHAPES) -> list:
     for var, tuner in tuners().items():
         cache = dict(getattr(tuner, "cache", {}) or {})
         if not cache:
-            rows.append(dict(variable=var, key=None, config=None, pinned=ROUTING_PINS[var],
-                             note="not tuned (interpreter, or no launch)"))
+            rows.append(
+                dict(
+                    variable=var,
+                    key=None,
+                    config=None,
+                    pinned=ROUTING_PINS[var],
+                    note="not tuned (interpreter, or no launch)",
+                )
+            )
         for key, config in cache.items():
             text = config_string(config)
-            rows.append(dict(variable=var, key=str(key), config=text, pinned=ROUTING_PINS[var],
-                             same_as_pin=text == ROUTING_PINS[var]))
+            rows.append(
+                dict(
+                    variable=var,
+                    key=str(key),
+                    config=text,
+                    pinned=ROUTING_PINS[var],
+                    same_as_pin=text == ROUTING_PINS[var],
+                )
+            )
     return rows
 
 
@@ -100,7 +124,9 @@ def main(argv=None) -> int:
     log = RowLog(args.json)
     for row in chosen(args.tokens, device, shapes):
         log.add(dict(meta, **row))
-        print(f"{row['variable']:30s} {str(row['key']):40s} chose {row['config']}  (pinned {row['pinned']})", flush=True)
+        print(
+            f"{row['variable']:30s} {str(row['key']):40s} chose {row['config']}  (pinned {row['pinned']})", flush=True
+        )
     return 0
 
 

@@ -6,6 +6,7 @@ every :data:`REFRESH_SECONDS` while one runs) :func:`pack` packs it into ONE arc
 lent GPU's call brings back. :func:`collect` brings an archive (or an older call's ``$OUT`` directory)
 into ``bench/results/`` and ``autotune/defaults.json``.
 """
+
 from __future__ import annotations
 
 import json
@@ -108,8 +109,9 @@ def collect(src: Path, results: Path, defaults: Path) -> list:
     slug = "".join(ch if ch.isalnum() else "_" for ch in (device or "gpu")).strip("_").lower()
     if (src / SUMMARY).exists():
         preflight = _rows(src, "preflight.json")
-        summary_row = dict(json.loads((src / SUMMARY).read_text()), device=device,
-                           preflight=preflight[-1] if preflight else None)
+        summary_row = dict(
+            json.loads((src / SUMMARY).read_text()), device=device, preflight=preflight[-1] if preflight else None
+        )
         write_json(results / "gpu_lane.json", [summary_row])
         written.append(f"{results / 'gpu_lane.json'} (+1 row)")
     for name, dest in (("overlap.png", f"overlap_{slug}.png"), ("overlap-trace.json", f"overlap_{slug}_trace.json")):
@@ -125,7 +127,7 @@ def collect(src: Path, results: Path, defaults: Path) -> list:
     if exported.exists():
         new = json.loads(exported.read_text()).get("entries", {})
         shipped = json.loads(defaults.read_text())
-        shipped.setdefault("entries", {}).update(new)   # the other fields (schema, comment) stay
+        shipped.setdefault("entries", {}).update(new)  # the other fields (schema, comment) stay
         defaults.write_text(json.dumps(shipped, indent=1) + "\n")
         written.append(f"{defaults} (+{len(new)} entries)")
     return written

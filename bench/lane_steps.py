@@ -7,6 +7,7 @@ what the steps before it have not taken, so a short budget cuts the last steps f
 step may run until the sum of the caps up to it has passed since the lane started (:func:`deadlines`):
 time an earlier step leaves over flows down to the next.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,8 +26,13 @@ HOST_SYNC_TEST = "tests/comm/test_gpu_runtime.py::test_overlapped_cuda_steady_st
 #: accumulate and early-backward twins, the fused loss's host reads, chunked router logits, bench.host's
 #: CUDA row. Every file outside tests/kernels with
 #: a GPU test is here (tests/bench/test_gpu_lane.py checks).
-RUNTIME_TESTS = ("tests/comm/test_gpu_runtime.py", "tests/comm/test_gpu_twins.py", "tests/schedule/test_accumulate.py",
-                 "tests/distributed/test_mesh_nccl.py", "tests/bench/test_host_bench.py")
+RUNTIME_TESTS = (
+    "tests/comm/test_gpu_runtime.py",
+    "tests/comm/test_gpu_twins.py",
+    "tests/schedule/test_accumulate.py",
+    "tests/distributed/test_mesh_nccl.py",
+    "tests/bench/test_host_bench.py",
+)
 
 # ------------------------------------------------------------------------------------------------
 # Pinned grouped-GEMM configs (lancet_rt.kernels.grouped_gemm: LANCET_GEMM_CONFIG_<OP>)
@@ -65,10 +71,10 @@ def pin_env(dtype: Optional[str]) -> dict:
 class Context:
     """What a step's command is built from."""
 
-    py: str             # the Python that runs the steps
-    repo: Path          # the checkout (bench/ and tests/)
-    work: Path          # where the steps write rows, logs and pictures (packed into the archive)
-    dry: bool           # the CPU dry run: toy sizes, device cpu
+    py: str  # the Python that runs the steps
+    repo: Path  # the checkout (bench/ and tests/)
+    work: Path  # where the steps write rows, logs and pictures (packed into the archive)
+    dry: bool  # the CPU dry run: toy sizes, device cpu
     seconds: float = 0  # the step's allowance, less its stop margin (--max-seconds)
 
     @property
@@ -101,40 +107,137 @@ def _pytest(ctx: Context, name: str, targets, timeout: int, *extra) -> list:
     # in) ahead of the installed one. The per-test timeout fails a hung test instead of the step; by a
     # watchdog thread, which also ends a test blocked in C++ (a CUDA or NCCL wait), where the signal
     # method's handler would never run.
-    return [ctx.py, "-m", "pytest", *(str(ctx.repo / t) for t in targets), "-m", "gpu", "-v", "--tb=short", "-rfE",
-            "--durations=10", f"--timeout={timeout}", "--timeout-method=thread", "--import-mode=append",
-            "-p", "no:cacheprovider",
-            f"--junitxml={ctx.work / (name + '.xml')}", *extra]
+    return [
+        ctx.py,
+        "-m",
+        "pytest",
+        *(str(ctx.repo / t) for t in targets),
+        "-m",
+        "gpu",
+        "-v",
+        "--tb=short",
+        "-rfE",
+        "--durations=10",
+        f"--timeout={timeout}",
+        "--timeout-method=thread",
+        "--import-mode=append",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={ctx.work / (name + '.xml')}",
+        *extra,
+    ]
 
 
 def _preflight(ctx: Context) -> list:
-    return [ctx.py, "-m", "bench.preflight", "--device", ctx.device, *(["--quick"] if ctx.dry else []),
-            "--json", str(ctx.work / "preflight.json")]
+    return [
+        ctx.py,
+        "-m",
+        "bench.preflight",
+        "--device",
+        ctx.device,
+        *(["--quick"] if ctx.dry else []),
+        "--json",
+        str(ctx.work / "preflight.json"),
+    ]
 
 
 def _overlap(ctx: Context) -> list:
     w = ctx.work
-    sizes = (["--quick", "--layers", "1", "--d-model", "32", "--d-ffn", "64", "--experts", "8", "--batch", "4",
-              "--seq", "16", "--steps", "2", "--microbatches", "2", "--accum-steps", "1"] if ctx.dry else
-             ["--microbatches", "4"])  # CUDA sizes: 4 blocks, D=2048 F=4096 E=16 K=2 W=8, 16384 tokens, bf16
-    return [ctx.py, "-m", "bench.overlap", "--device", ctx.device, *sizes, "--json", str(w / "overlap.json"),
-            "--png", str(w / "overlap.png"), "--trace", str(w / "overlap-trace.json"),
-            "--max-seconds", f"{ctx.seconds:.0f}"]
+    sizes = (
+        [
+            "--quick",
+            "--layers",
+            "1",
+            "--d-model",
+            "32",
+            "--d-ffn",
+            "64",
+            "--experts",
+            "8",
+            "--batch",
+            "4",
+            "--seq",
+            "16",
+            "--steps",
+            "2",
+            "--microbatches",
+            "2",
+            "--accum-steps",
+            "1",
+        ]
+        if ctx.dry
+        else ["--microbatches", "4"]
+    )  # CUDA sizes: 4 blocks, D=2048 F=4096 E=16 K=2 W=8, 16384 tokens, bf16
+    return [
+        ctx.py,
+        "-m",
+        "bench.overlap",
+        "--device",
+        ctx.device,
+        *sizes,
+        "--json",
+        str(w / "overlap.json"),
+        "--png",
+        str(w / "overlap.png"),
+        "--trace",
+        str(w / "overlap-trace.json"),
+        "--max-seconds",
+        f"{ctx.seconds:.0f}",
+    ]
 
 
 def _overlap_one_queue(ctx: Context) -> list:
     """P1's single step again, its environment with CUDA_DEVICE_MAX_CONNECTIONS=1 (one hardware queue:
     the streams' kernels issue in one order, as Megatron-LM sets it), rows in their own file."""
-    sizes = (["--quick", "--layers", "1", "--d-model", "32", "--d-ffn", "64", "--experts", "8", "--batch", "4",
-              "--seq", "16", "--steps", "2"] if ctx.dry else [])
-    return [ctx.py, "-m", "bench.overlap", "--device", ctx.device, *sizes, "--microbatches", "1",
-            "--json", str(ctx.work / "overlap_conn1.json"), "--max-seconds", f"{ctx.seconds:.0f}"]
+    sizes = (
+        [
+            "--quick",
+            "--layers",
+            "1",
+            "--d-model",
+            "32",
+            "--d-ffn",
+            "64",
+            "--experts",
+            "8",
+            "--batch",
+            "4",
+            "--seq",
+            "16",
+            "--steps",
+            "2",
+        ]
+        if ctx.dry
+        else []
+    )
+    return [
+        ctx.py,
+        "-m",
+        "bench.overlap",
+        "--device",
+        ctx.device,
+        *sizes,
+        "--microbatches",
+        "1",
+        "--json",
+        str(ctx.work / "overlap_conn1.json"),
+        "--max-seconds",
+        f"{ctx.seconds:.0f}",
+    ]
 
 
 def _configs(ctx: Context) -> list:
     size = ["--quick", "--tokens", "40"] if ctx.dry else ["--tokens", "4096"]
-    return [ctx.py, "-m", "bench.lane_configs", "--device", ctx.device, *size,
-            "--json", str(ctx.work / "routing_configs.json")]
+    return [
+        ctx.py,
+        "-m",
+        "bench.lane_configs",
+        "--device",
+        ctx.device,
+        *size,
+        "--json",
+        str(ctx.work / "routing_configs.json"),
+    ]
 
 
 #: bench.host's two shapes (2 layers each, W=8 emulated ranks, 4096 tokens, bf16 autocast, dropless):
@@ -154,24 +257,62 @@ _HOST_TOY = {
 
 def _host(name: str) -> Callable[[Context], list]:
     def argv(ctx: Context) -> list:
-        shape = dict(_HOST_TOY[name], world_size=2, layers=1, batch=2, seq=8) if ctx.dry else \
-            dict(HOST_SHAPES[name], world_size=8, layers=2, batch=4, seq=1024)
+        shape = (
+            dict(_HOST_TOY[name], world_size=2, layers=1, batch=2, seq=8)
+            if ctx.dry
+            else dict(HOST_SHAPES[name], world_size=8, layers=2, batch=4, seq=1024)
+        )
         flags = [x for k, v in shape.items() for x in (f"--{k.replace('_', '-')}", str(v))]
-        return [ctx.py, "-m", "bench.host", "--device", ctx.device, "--autocast", "bf16", *flags,
-                "--chunks", "2" if ctx.dry else "2,4", "--reps", "2" if ctx.dry else "10",
-                "--json", str(ctx.work / "host.json")]
+        return [
+            ctx.py,
+            "-m",
+            "bench.host",
+            "--device",
+            ctx.device,
+            "--autocast",
+            "bf16",
+            *flags,
+            "--chunks",
+            "2" if ctx.dry else "2,4",
+            "--reps",
+            "2" if ctx.dry else "10",
+            "--json",
+            str(ctx.work / "host.json"),
+        ]
+
     return argv
 
 
 def _kernels(ctx: Context) -> list:
     size = ["--quick", "--tokens", "40"] if ctx.dry else ["--tokens", "16384"]  # (T=40: the gating rows alone)
-    return [ctx.py, "-m", "bench.kernels", "--device", ctx.device, *size, "--no-compile",
-            "--json", str(ctx.work / "kernels.json"), "--max-seconds", f"{ctx.seconds:.0f}"]
+    return [
+        ctx.py,
+        "-m",
+        "bench.kernels",
+        "--device",
+        ctx.device,
+        *size,
+        "--no-compile",
+        "--json",
+        str(ctx.work / "kernels.json"),
+        "--max-seconds",
+        f"{ctx.seconds:.0f}",
+    ]
 
 
 def _experts(ctx: Context) -> list:
-    return [ctx.py, "-m", "bench.experts", "--device", ctx.device, *(["--quick"] if ctx.dry else []),
-            "--json", str(ctx.work / "experts.json"), "--max-seconds", f"{ctx.seconds:.0f}"]
+    return [
+        ctx.py,
+        "-m",
+        "bench.experts",
+        "--device",
+        ctx.device,
+        *(["--quick"] if ctx.dry else []),
+        "--json",
+        str(ctx.work / "experts.json"),
+        "--max-seconds",
+        f"{ctx.seconds:.0f}",
+    ]
 
 
 def _autotune(ctx: Context) -> list:
@@ -180,50 +321,187 @@ def _autotune(ctx: Context) -> list:
     path = ctx.work / "overlap.json"
     rows = json.loads(path.read_text()) if path.exists() else []
     bw = rows[-1]["bandwidth_gbps"] if rows else 50.0
-    sizes = (["--d-model", "32", "--d-ffn", "64", "--experts", "8", "--tokens", "256", "--seq", "16", "--layers", "1",
-              "--heads", "2", "--candidates", "1,2", "--warmup", "1", "--reps", "1", "--dtype", "float32"] if ctx.dry else
-             ["--d-model", "2048", "--d-ffn", "4096", "--experts", "16", "--tokens", "16384", "--seq", "1024",
-              "--layers", "4", "--heads", "16", "--dtype", "bfloat16"])
-    return [ctx.py, "-m", "lancet_rt.autotune", "--device", ctx.device, "--link", "emulated", "--world-size", "8",
-            "--bandwidth-gbps", f"{bw:.6g}", "--latency-us", "20", "--top-k", "2", "--capacity-factor", "1.25",
-            *sizes, "--cache", str(ctx.work / "autotune-cache.json"),
-            "--export-defaults", str(ctx.work / "defaults.json"), "--no-progress"]
+    sizes = (
+        [
+            "--d-model",
+            "32",
+            "--d-ffn",
+            "64",
+            "--experts",
+            "8",
+            "--tokens",
+            "256",
+            "--seq",
+            "16",
+            "--layers",
+            "1",
+            "--heads",
+            "2",
+            "--candidates",
+            "1,2",
+            "--warmup",
+            "1",
+            "--reps",
+            "1",
+            "--dtype",
+            "float32",
+        ]
+        if ctx.dry
+        else [
+            "--d-model",
+            "2048",
+            "--d-ffn",
+            "4096",
+            "--experts",
+            "16",
+            "--tokens",
+            "16384",
+            "--seq",
+            "1024",
+            "--layers",
+            "4",
+            "--heads",
+            "16",
+            "--dtype",
+            "bfloat16",
+        ]
+    )
+    return [
+        ctx.py,
+        "-m",
+        "lancet_rt.autotune",
+        "--device",
+        ctx.device,
+        "--link",
+        "emulated",
+        "--world-size",
+        "8",
+        "--bandwidth-gbps",
+        f"{bw:.6g}",
+        "--latency-us",
+        "20",
+        "--top-k",
+        "2",
+        "--capacity-factor",
+        "1.25",
+        *sizes,
+        "--cache",
+        str(ctx.work / "autotune-cache.json"),
+        "--export-defaults",
+        str(ctx.work / "defaults.json"),
+        "--no-progress",
+    ]
 
 
-PREFLIGHT = Step("preflight", "P0", 40, "imports (greenlet too), device, copy and matmul ceilings (after the installs)",
-                 _preflight, rows="preflight.json")
+PREFLIGHT = Step(
+    "preflight",
+    "P0",
+    40,
+    "imports (greenlet too), device, copy and matmul ceilings (after the installs)",
+    _preflight,
+    rows="preflight.json",
+)
 #: The routing kernels tuned unpinned at the lane's shapes: which config each autotuner chose, beside the pin.
-CONFIGS = Step("configs", "P7", 40, "the routing kernels' autotuned configs at the lane's shapes, beside the pins",
-               _configs, rows="routing_configs.json")
+CONFIGS = Step(
+    "configs",
+    "P7",
+    40,
+    "the routing kernels' autotuned configs at the lane's shapes, beside the pins",
+    _configs,
+    rows="routing_configs.json",
+)
 #: CUDA_DEVICE_MAX_CONNECTIONS: the hardware queues CUDA gives the streams (the driver's default, 8,
 #: when unset; Megatron-LM sets 1 for its communication overlap).
 MAX_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
 #: The default plan: the headline first (../shared/GPU.md).
 PRIORITY = [
     PREFLIGHT,
-    Step("overlap", "P1", 150, "bench.overlap on CUDA: the single step, then 4 microbatches if they fit",
-         _overlap, rows="overlap.json", pins="bf16", stop_s=25, env=((MAX_CONNECTIONS, None),)),
-    Step("host_fine", "P2", 35, "bench.host, Qwen3-30B-A3B-like (E=128 F=768 top-8): host vs GPU us per layer-chunk",
-         _host("host_fine"), rows="host.json", pins="bf16"),
-    Step("host_mixtral", "P2", 35, "bench.host, Mixtral-like (E=8 F=14336 top-2): host vs GPU us per layer-chunk",
-         _host("host_mixtral"), rows="host.json", pins="bf16"),
-    Step("hostsync", "P3", 40, "the steady-state host-sync test, naming each sync's caller",
-         lambda ctx: _pytest(ctx, "hostsync", [HOST_SYNC_TEST], 60), pins="fp32"),
-    Step("runtime", "P4", 90, "the runtime's GPU tests (streams, events, NCCL one rank, twins), 90 s each",
-         lambda ctx: _pytest(ctx, "runtime", RUNTIME_TESTS, 90, "--deselect", HOST_SYNC_TEST), pins="fp32"),
-    Step("overlap_conn1", "P5", 60, "P1's single step with CUDA_DEVICE_MAX_CONNECTIONS=1 (overlap_conn1.json)",
-         _overlap_one_queue, rows="overlap_conn1.json", pins="bf16", stop_s=15, env=((MAX_CONNECTIONS, "1"),)),
-    Step("kernels", "P6", 45, "bench.kernels at T=16384, no torch.compile baselines", _kernels, rows="kernels.json",
-         stop_s=10),
+    Step(
+        "overlap",
+        "P1",
+        150,
+        "bench.overlap on CUDA: the single step, then 4 microbatches if they fit",
+        _overlap,
+        rows="overlap.json",
+        pins="bf16",
+        stop_s=25,
+        env=((MAX_CONNECTIONS, None),),
+    ),
+    Step(
+        "host_fine",
+        "P2",
+        35,
+        "bench.host, Qwen3-30B-A3B-like (E=128 F=768 top-8): host vs GPU us per layer-chunk",
+        _host("host_fine"),
+        rows="host.json",
+        pins="bf16",
+    ),
+    Step(
+        "host_mixtral",
+        "P2",
+        35,
+        "bench.host, Mixtral-like (E=8 F=14336 top-2): host vs GPU us per layer-chunk",
+        _host("host_mixtral"),
+        rows="host.json",
+        pins="bf16",
+    ),
+    Step(
+        "hostsync",
+        "P3",
+        40,
+        "the steady-state host-sync test, naming each sync's caller",
+        lambda ctx: _pytest(ctx, "hostsync", [HOST_SYNC_TEST], 60),
+        pins="fp32",
+    ),
+    Step(
+        "runtime",
+        "P4",
+        90,
+        "the runtime's GPU tests (streams, events, NCCL one rank, twins), 90 s each",
+        lambda ctx: _pytest(ctx, "runtime", RUNTIME_TESTS, 90, "--deselect", HOST_SYNC_TEST),
+        pins="fp32",
+    ),
+    Step(
+        "overlap_conn1",
+        "P5",
+        60,
+        "P1's single step with CUDA_DEVICE_MAX_CONNECTIONS=1 (overlap_conn1.json)",
+        _overlap_one_queue,
+        rows="overlap_conn1.json",
+        pins="bf16",
+        stop_s=15,
+        env=((MAX_CONNECTIONS, "1"),),
+    ),
+    Step(
+        "kernels",
+        "P6",
+        45,
+        "bench.kernels at T=16384, no torch.compile baselines",
+        _kernels,
+        rows="kernels.json",
+        stop_s=10,
+    ),
     CONFIGS,
-    Step("kernel_tests", "P8", None, "the kernel tests (autotuned), with what is left",
-         lambda ctx: _pytest(ctx, "kernel_tests", ["tests/kernels"], 90)),
+    Step(
+        "kernel_tests",
+        "P8",
+        None,
+        "the kernel tests (autotuned), with what is left",
+        lambda ctx: _pytest(ctx, "kernel_tests", ["tests/kernels"], 90),
+    ),
 ]
 #: The steps about tuning (autotuned grouped GEMM, the chunk-count autotuner), for a later call.
 TUNING = [
     PREFLIGHT,
-    Step("experts", "T1", 240, "bench.experts: the grouped GEMM autotuned, balanced and skewed", _experts,
-         rows="experts.json", stop_s=60),
+    Step(
+        "experts",
+        "T1",
+        240,
+        "bench.experts: the grouped GEMM autotuned, balanced and skewed",
+        _experts,
+        rows="experts.json",
+        stop_s=60,
+    ),
     dataclasses.replace(CONFIGS, label="T2"),
     Step("autotune", "T3", None, "lancet-autotune on bench.overlap's block (exported as defaults)", _autotune),
 ]

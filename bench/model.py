@@ -4,6 +4,7 @@ The blocks (:class:`MoEBlocks`) are defined once, in ``lancet_rt.models.blocks``
 (bench.train_lm), the overlap benchmark (bench.overlap) and the autotuner use the same block.
 The model is an ordinary eager PyTorch module: nothing in it knows about chunks or streams.
 """
+
 from __future__ import annotations
 
 import torch
@@ -17,8 +18,18 @@ __all__ = ["Block", "CausalSelfAttention", "MoEBlocks", "MoELanguageModel"]
 class MoELanguageModel(nn.Module):
     """Token + position embeddings, :class:`MoEBlocks`, final norm and LM head."""
 
-    def __init__(self, vocab: int, seq_len: int, n_layers: int, d_model: int, n_heads: int, moe_kwargs: dict,
-                 *, device=None, dtype=None):
+    def __init__(
+        self,
+        vocab: int,
+        seq_len: int,
+        n_layers: int,
+        d_model: int,
+        n_heads: int,
+        moe_kwargs: dict,
+        *,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.tok = nn.Embedding(vocab, d_model, device=device, dtype=dtype)
         self.pos = nn.Embedding(seq_len, d_model, device=device, dtype=dtype)

@@ -30,6 +30,7 @@ rate after the timing (bench.reallink_probe.probe), W, the load average before a
 and date. ``--trace PATH`` writes one overlapped step of every rank (one process per rank) as a
 Chrome trace, with each transfer's issue, start and end on the link tracks.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,25 +44,35 @@ import torch.distributed as dist
 
 from bench import reallink, reallink_probe
 from bench.common import RowLog, print_table, run_metadata
-from bench.real_runner import SCHEDULES, RealRunner, peer_schedules
+from bench.real_runner import RealRunner, peer_schedules
 from bench.timing import keep_freed_memory, wall_ms
 
 
 def add_args(p) -> None:
-    p.add_argument("--link", default="emulated",
-                   help="emulated (default: lancet_rt.EmulatedGroup in one process), real[:RATE] (root: W ranks over "
-                        "a rate-limited link, bench.reallink; RATE tc-style, e.g. 450mbit, else calibrated to "
-                        "--comm-ratio) or loopback (the same ranks over loopback, unshaped)")
+    p.add_argument(
+        "--link",
+        default="emulated",
+        help="emulated (default: lancet_rt.EmulatedGroup in one process), real[:RATE] (root: W ranks over "
+        "a rate-limited link, bench.reallink; RATE tc-style, e.g. 450mbit, else calibrated to "
+        "--comm-ratio) or loopback (the same ranks over loopback, unshaped)",
+    )
     p.add_argument("--delay-ms", type=float, default=0.0, help="--link real: netem delay on every port")
-    p.add_argument("--queue-ms", type=float, default=reallink.QUEUE_MS,
-                   help="--link real: the token bucket's queue, ms at the rate")
+    p.add_argument(
+        "--queue-ms",
+        type=float,
+        default=reallink.QUEUE_MS,
+        help="--link real: the token bucket's queue, ms at the rate",
+    )
     p.add_argument("--rounds", type=int, default=None, help="--link real: timed rounds (default 15; --quick 5)")
-    p.add_argument("--channels", default="split",
-                   help="--link real: the expert-parallel group's channels: split (counts and checks on a group of "
-                        "their own, each direction of the tokens on its own, TorchGroup.split), counts (only the counts "
-                        "on their own group), plain (one process group for everything); a comma-separated list times "
-                        "each schedule on each, interleaved (the first is the row's; the others' schedules are named "
-                        "schedule@channels)")
+    p.add_argument(
+        "--channels",
+        default="split",
+        help="--link real: the expert-parallel group's channels: split (counts and checks on a group of "
+        "their own, each direction of the tokens on its own, TorchGroup.split), counts (only the counts "
+        "on their own group), plain (one process group for everything); a comma-separated list times "
+        "each schedule on each, interleaved (the first is the row's; the others' schedules are named "
+        "schedule@channels)",
+    )
     p.add_argument("--schedules", default=None, help="--link real: comma-separated schedules (default: all)")
     p.add_argument("--link-timeout", type=float, default=3600.0, help="--link real: seconds the ranks may run")
     p.add_argument("--dump", default=None, help=argparse_suppress())
@@ -222,8 +233,7 @@ def _dump(runner: RealRunner, names: list, me: _Rank, path: str) -> None:
     dist.barrier(me.sync)
 
 
-def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: str, rate: Optional[int],
-             group) -> dict:
+def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: str, rate: Optional[int], group) -> dict:
     load_before = os.getloadavg()
     rounds = args.rounds or (5 if args.quick else 15)
     me.set_rate(None)
@@ -234,14 +244,17 @@ def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: st
     times = {(lk, n): [] for lk in links for n in names}
     start = time.perf_counter()
     for rnd in range(rounds):
-        for lk in (list(links) if rnd % 2 == 0 else list(links)[::-1]):
+        for lk in list(links) if rnd % 2 == 0 else list(links)[::-1]:
             me.set_rate(links[lk])
-            for n in (names if rnd % 2 == 0 else names[::-1]):
+            for n in names if rnd % 2 == 0 else names[::-1]:
                 times[(lk, n)].append(me.timed(runner, n))
         if me.rank == 0:  # a round takes tens of seconds on the link: say where the run is
             done = time.perf_counter() - start
-            print(f"round {rnd + 1}/{rounds} ({len(names)} schedules, on and off the link): {done:.0f} s, about "
-                  f"{done / (rnd + 1) * (rounds - rnd - 1):.0f} s to go", flush=True)
+            print(
+                f"round {rnd + 1}/{rounds} ({len(names)} schedules, on and off the link): {done:.0f} s, about "
+                f"{done / (rnd + 1) * (rounds - rnd - 1):.0f} s to go",
+                flush=True,
+            )
     me.set_rate(rate)
     step_tx = None
     if kind == "real":  # what the busiest port carries in one sequential step (wire bytes, the shaper's count)
@@ -256,13 +269,32 @@ def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: st
     med = {k: statistics.median(v) for k, v in times.items()}
     skew = _max_over_mean(runner, me)
     comm_ms = med[("shaped", "sequential")] - med[("unshaped", "sequential")]
-    row = dict(bench="overlap_real", **run_metadata(torch.device("cpu")), link=kind, world_size=me.world,
-               channels=args.channels, model=args.model, routing=args.routing, **s, chunks=args.chunks,
-               top_k=args.top_k, microbatches=runner.microbatches, comm_ratio=args.comm_ratio,
-               configured_mbit=None if rate is None else rate / 1e6, delay_ms=args.delay_ms, queue_ms=args.queue_ms,
-               rounds=rounds, statistic="median", load_avg_before=load_before, load_avg_after=os.getloadavg(),
-               threads=args.threads, max_over_mean=skew, comm_ms=comm_ms, measured_comm_ratio=comm_ms / med[("unshaped", "sequential")],
-               **{f"{k}": v for k, v in link_numbers.items()})
+    row = dict(
+        bench="overlap_real",
+        **run_metadata(torch.device("cpu")),
+        link=kind,
+        world_size=me.world,
+        channels=args.channels,
+        model=args.model,
+        routing=args.routing,
+        **s,
+        chunks=args.chunks,
+        top_k=args.top_k,
+        microbatches=runner.microbatches,
+        comm_ratio=args.comm_ratio,
+        configured_mbit=None if rate is None else rate / 1e6,
+        delay_ms=args.delay_ms,
+        queue_ms=args.queue_ms,
+        rounds=rounds,
+        statistic="median",
+        load_avg_before=load_before,
+        load_avg_after=os.getloadavg(),
+        threads=args.threads,
+        max_over_mean=skew,
+        comm_ms=comm_ms,
+        measured_comm_ratio=comm_ms / med[("unshaped", "sequential")],
+        **{f"{k}": v for k, v in link_numbers.items()},
+    )
     for n in names:
         row[f"{n}_ms"] = med[("shaped", n)]
         row[f"{n}_compute_ms"] = med[("unshaped", n)]
@@ -289,13 +321,21 @@ def link_bound(row: dict, step_tx_bytes: Optional[float]) -> dict:
     unshaped link's transfers take time too, inside the sequential step's computation.) None without a rate."""
     rate, ov = row.get("configured_mbit"), row.get("overlapped_compute_ms")
     if not step_tx_bytes or not rate or ov is None or "sequential_ms" not in row:
-        return dict(step_tx_mb=None if not step_tx_bytes else step_tx_bytes / 1e6, link_time_ms=None,
-                    bound_speedup=None, bound_hidden=None)
+        return dict(
+            step_tx_mb=None if not step_tx_bytes else step_tx_bytes / 1e6,
+            link_time_ms=None,
+            bound_speedup=None,
+            bound_hidden=None,
+        )
     link_ms = step_tx_bytes * 8 / (rate * 1e6) * 1e3
     best = max(link_ms, ov)
     comm = row["comm_ms"]
-    return dict(step_tx_mb=step_tx_bytes / 1e6, link_time_ms=link_ms, bound_speedup=row["sequential_ms"] / best,
-                bound_hidden=1 - (best - ov) / comm if comm > 0 else None)
+    return dict(
+        step_tx_mb=step_tx_bytes / 1e6,
+        link_time_ms=link_ms,
+        bound_speedup=row["sequential_ms"] / best,
+        bound_hidden=1 - (best - ov) / comm if comm > 0 else None,
+    )
 
 
 def _max_over_mean(runner: RealRunner, me: _Rank) -> float:
@@ -328,16 +368,22 @@ def _calibrate(runner: RealRunner, me: _Rank, ratio: float) -> int:
         compute = statistics.median(me.timed(runner, "sequential") for _ in range(2))
         got = (shaped - compute) / (ratio * compute)
         if me.rank == 0:
-            print(f"calibration: {rate / 1e6:.0f} Mbit/s: sequential {shaped:.0f} ms shaped, {compute:.0f} ms unshaped "
-                  f"(comm = {got * ratio:.2f} x compute)", flush=True)
+            print(
+                f"calibration: {rate / 1e6:.0f} Mbit/s: sequential {shaped:.0f} ms shaped, {compute:.0f} ms unshaped "
+                f"(comm = {got * ratio:.2f} x compute)",
+                flush=True,
+            )
         if abs(got - 1) <= 0.08:
             break
         tried.append((rate, got))
         rate = me.slowest(next_rate(tried))  # (every rank the same number)
     else:
         if me.rank == 0:
-            print(f"calibration: not within 8% in 6 tries; timing at {rate / 1e6:.0f} Mbit/s, the last one's "
-                  f"correction (the row's measured_comm_ratio says what it gave)", flush=True)
+            print(
+                f"calibration: not within 8% in 6 tries; timing at {rate / 1e6:.0f} Mbit/s, the last one's "
+                f"correction (the row's measured_comm_ratio says what it gave)",
+                flush=True,
+            )
     return int(rate)
 
 
@@ -385,33 +431,57 @@ def _trace(runner: RealRunner, me: _Rank, path: str) -> None:
 
 
 def _report(row: dict, names: list) -> None:
-    table = [dict(schedule=n, step_ms=row[f"{n}_ms"], compute_ms=row[f"{n}_compute_ms"], hidden=row[f"hidden_{n}"],
-                  speedup=row[f"speedup_{n}"]) for n in names]
+    table = [
+        dict(
+            schedule=n,
+            step_ms=row[f"{n}_ms"],
+            compute_ms=row[f"{n}_compute_ms"],
+            hidden=row[f"hidden_{n}"],
+            speedup=row[f"speedup_{n}"],
+        )
+        for n in names
+    ]
     rate = row["configured_mbit"]
-    print_table(table, ["schedule", "step_ms", "compute_ms", "hidden", "speedup"],
-                title=f"bench.overlap --link {row['link']} on {row['device']}: W={row['world_size']}, {row['layers']} "
-                      f"{row['model']} layers D={row['d_model']} F={row['d_ffn']} E={row['experts']} K={row['top_k']} "
-                      f"tokens/rank={row['batch'] * row['seq']} {row['dtype']}, chunks={row['chunks']}, channels "
-                      f"{row['channels']}, routing {row['routing'] or 'balanced'} (max/mean load "
-                      f"{row['max_over_mean']:.2f}); rate {'-' if rate is None else f'{rate:.0f} Mbit/s'}, comm {row['comm_ms']:.0f} ms "
-                      f"= {row['measured_comm_ratio']:.2f} x compute; medians of {row['rounds']} rounds, the slowest "
-                      f"rank's step; step_ms per microbatch")
-    print("hidden: 1 - (the schedule's step on the link - its step off it) / the sequential step's link time; "
-          "below 0, a schedule pays more link time than the sequential step (a peer's all-to-alls on a slower "
-          "transport, or none of its communication overlapped)")
+    print_table(
+        table,
+        ["schedule", "step_ms", "compute_ms", "hidden", "speedup"],
+        title=f"bench.overlap --link {row['link']} on {row['device']}: W={row['world_size']}, {row['layers']} "
+        f"{row['model']} layers D={row['d_model']} F={row['d_ffn']} E={row['experts']} K={row['top_k']} "
+        f"tokens/rank={row['batch'] * row['seq']} {row['dtype']}, chunks={row['chunks']}, channels "
+        f"{row['channels']}, routing {row['routing'] or 'balanced'} (max/mean load "
+        f"{row['max_over_mean']:.2f}); rate {'-' if rate is None else f'{rate:.0f} Mbit/s'}, comm "
+        f"{row['comm_ms']:.0f} ms "
+        f"= {row['measured_comm_ratio']:.2f} x compute; medians of {row['rounds']} rounds, the slowest "
+        f"rank's step; step_ms per microbatch",
+    )
+    print(
+        "hidden: 1 - (the schedule's step on the link - its step off it) / the sequential step's link time; "
+        "below 0, a schedule pays more link time than the sequential step (a peer's all-to-alls on a slower "
+        "transport, or none of its communication overlapped)"
+    )
     peers = [k for k in row if k.startswith("overlapped_over_peer_")]
     if peers:
-        print("Overlapped's step over the peers' (same link, same run): "
-              + ", ".join(f"{k[len('overlapped_over_peer_'):]} {row[k]:.2f}x" for k in peers))
+        print(
+            "Overlapped's step over the peers' (same link, same run): "
+            + ", ".join(f"{k[len('overlapped_over_peer_') :]} {row[k]:.2f}x" for k in peers)
+        )
     if "socket_mbit" in row:
-        print(f"link achieved per rank: {row['socket_mbit']:.0f} Mbit/s (sockets), {row['gloo_a2a_mbit']:.0f} Mbit/s "
-              f"(one gloo all-to-all)" + (f", {row['lanes_a2a_mbit']:.0f} Mbit/s (our lanes)" if "lanes_a2a_mbit" in row
-                                           else "") + f"; small all-to-all {row['a2a_latency_us']:.0f} us")
+        print(
+            f"link achieved per rank: {row['socket_mbit']:.0f} Mbit/s (sockets), {row['gloo_a2a_mbit']:.0f} Mbit/s "
+            f"(one gloo all-to-all)"
+            + (f", {row['lanes_a2a_mbit']:.0f} Mbit/s (our lanes)" if "lanes_a2a_mbit" in row else "")
+            + f"; small all-to-all {row['a2a_latency_us']:.0f} us"
+        )
     if row.get("link_time_ms") is not None:
-        print(f"link bound: the busiest port sends {row['step_tx_mb']:.1f} MB per sequential step, "
-              f"{row['link_time_ms']:.0f} ms at the configured rate; no step is shorter, so at Overlapped's own "
-              f"compute ({row['overlapped_compute_ms']:.0f} ms) the best is {row['bound_speedup']:.2f}x, hidden "
-              f"{row['bound_hidden']:.2f}", flush=True)
-    print(f"load average {' '.join(f'{v:.2f}' for v in row['load_avg_before'])} before, "
-          f"{' '.join(f'{v:.2f}' for v in row['load_avg_after'])} after", flush=True)
-
+        print(
+            f"link bound: the busiest port sends {row['step_tx_mb']:.1f} MB per sequential step, "
+            f"{row['link_time_ms']:.0f} ms at the configured rate; no step is shorter, so at Overlapped's own "
+            f"compute ({row['overlapped_compute_ms']:.0f} ms) the best is {row['bound_speedup']:.2f}x, hidden "
+            f"{row['bound_hidden']:.2f}",
+            flush=True,
+        )
+    print(
+        f"load average {' '.join(f'{v:.2f}' for v in row['load_avg_before'])} before, "
+        f"{' '.join(f'{v:.2f}' for v in row['load_avg_after'])} after",
+        flush=True,
+    )

@@ -39,6 +39,7 @@ within 1e-5 in float32 (the project's float32 tolerance, tests/helpers.py: both 
 at most max(D, F) terms in another order, ~1e-7 relative), 1e-2 where bfloat16 experts are involved.
 A misrouted token or a missing expert gives errors of order 1.
 """
+
 from __future__ import annotations
 
 import copy
@@ -66,7 +67,10 @@ if not torch.cuda.is_available():  # DeepSpeed's own choice, said once without i
 PEERS = ("torchtitan", "torchtitan_fp32", "deepspeed")
 #: Relative RMS error allowed by :func:`check_equal`: float32 experts on both sides, or bfloat16 ones.
 RTOL_FLOAT32, RTOL_BFLOAT16 = 1e-5, 1e-2
-INSTALL = "make peers (torchtitan==0.3.0, spmd_types, tyro, deepspeed into .venv/peers; see docs/benchmarks.md, 'The real peers')"
+INSTALL = (
+    "make peers (torchtitan==0.3.0, spmd_types, tyro, deepspeed into .venv/peers; "
+    "see docs/benchmarks.md, 'The real peers')"
+)
 
 
 def available(peer: str) -> bool:
@@ -92,13 +96,25 @@ def _check_layer(moe) -> None:
     if not isinstance(moe, lancet_rt.MoE):
         raise TypeError(f"moe must be a lancet_rt.MoE, got {type(moe).__name__}")
     e = moe.experts
-    plain = (moe.score_fn == "softmax" and moe.normalize_topk and moe.capacity_factor is None and moe.top_k == 2
-             and not moe.expert_bias and moe.n_group == 1 and moe.routed_scaling_factor == 1.0
-             and moe.router.bias is None and moe.shared_experts is None and e.layout == "lancet"
-             and e.activation == "swiglu" and e.gate_up_proj_bias is None)
+    plain = (
+        moe.score_fn == "softmax"
+        and moe.normalize_topk
+        and moe.capacity_factor is None
+        and moe.top_k == 2
+        and not moe.expert_bias
+        and moe.n_group == 1
+        and moe.routed_scaling_factor == 1.0
+        and moe.router.bias is None
+        and moe.shared_experts is None
+        and e.layout == "lancet"
+        and e.activation == "swiglu"
+        and e.gate_up_proj_bias is None
+    )
     if not plain:
-        raise ValueError("moe must be softmax top-2, normalised, dropless, without expert bias, groups, scaling, "
-                         "router bias, shared experts or expert biases, in the lancet layout: the peers' contract")
+        raise ValueError(
+            "moe must be softmax top-2, normalised, dropless, without expert bias, groups, scaling, "
+            "router bias, shared experts or expert biases, in the lancet layout: the peers' contract"
+        )
 
 
 def _group_size(group) -> int:
@@ -172,11 +188,12 @@ def peer_blocks(model, peer: str, group=None) -> nn.Module:
 
 def _torchtitan(moe: lancet_rt.MoE, peer: str, group, world: int) -> PeerMoE:
     # Its router's autocast(float32) is a no-op on CPU, and torch says so at every call.
-    warnings.filterwarnings("ignore", message="In CPU autocast, but the target dtype is not supported",
-                            category=UserWarning)
+    warnings.filterwarnings(
+        "ignore", message="In CPU autocast, but the target dtype is not supported", category=UserWarning
+    )
     from torchtitan.distributed import utils as tt_utils
     from torchtitan.models.common.linear import Linear
-    from torchtitan.models.common.moe import MoE, GroupedExperts, RoutedExperts, TokenChoiceTopKRouter
+    from torchtitan.models.common.moe import GroupedExperts, MoE, RoutedExperts, TokenChoiceTopKRouter
     from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
 
     E, K, D, Fh, E_local = moe.num_experts, moe.top_k, moe.d_model, moe.d_ffn, moe.num_local_experts
@@ -185,10 +202,18 @@ def _torchtitan(moe: lancet_rt.MoE, peer: str, group, world: int) -> PeerMoE:
         num_experts=E,
         routed_experts=RoutedExperts.Config(
             inner_experts=GroupedExperts.Config(dim=D, hidden_dim=Fh, num_experts=E_local),
-            token_dispatcher=dispatcher.Config(num_experts=E, top_k=K)),
-        router=TokenChoiceTopKRouter.Config(num_experts=E, gate=Linear.Config(in_features=D, out_features=E), top_k=K,
-                                            score_func="softmax", route_norm=True, route_scale=1.0),
-        load_balance_coeff=None)
+            token_dispatcher=dispatcher.Config(num_experts=E, top_k=K),
+        ),
+        router=TokenChoiceTopKRouter.Config(
+            num_experts=E,
+            gate=Linear.Config(in_features=D, out_features=E),
+            top_k=K,
+            score_func="softmax",
+            route_norm=True,
+            route_scale=1.0,
+        ),
+        load_balance_coeff=None,
+    )
     layer = cfg.build()
     inner = layer.routed_experts.inner_experts
     if peer == "torchtitan_fp32":
@@ -217,8 +242,11 @@ def _torchtitan(moe: lancet_rt.MoE, peer: str, group, world: int) -> PeerMoE:
     def grads():
         g = {n: _local(getattr(inner, n).grad) for n in ("w1_EFD", "w3_EFD", "w2_EDF")}
         gate_up = None if g["w1_EFD"] is None or g["w3_EFD"] is None else torch.cat([g["w1_EFD"], g["w3_EFD"]], 1)
-        return {"router.weight": layer.router.gate.weight.grad, "experts.gate_up_proj": gate_up,
-                "experts.down_proj": g["w2_EDF"]}
+        return {
+            "router.weight": layer.router.gate.weight.grad,
+            "experts.gate_up_proj": gate_up,
+            "experts.down_proj": g["w2_EDF"],
+        }
 
     return PeerMoE(peer, layer, grads)
 
@@ -267,9 +295,18 @@ def _deepspeed(moe: lancet_rt.MoE, peer: str, group, world: int) -> PeerMoE:
     from deepspeed.moe.layer import MoE
 
     gu, down = moe.experts.gate_up_proj, moe.experts.down_proj
-    layer = MoE(moe.d_model, _SwiGLUExpert(gu[0], down[0]), num_experts=moe.num_experts, ep_size=world,
-                k=moe.top_k, drop_tokens=False, noisy_gate_policy=None, use_rts=False, use_residual=False,
-                top2_2nd_expert_sampling=False)
+    layer = MoE(
+        moe.d_model,
+        _SwiGLUExpert(gu[0], down[0]),
+        num_experts=moe.num_experts,
+        ep_size=world,
+        k=moe.top_k,
+        drop_tokens=False,
+        noisy_gate_policy=None,
+        use_rts=False,
+        use_residual=False,
+        top2_2nd_expert_sampling=False,
+    )
     experts = layer.deepspeed_moe.experts.deepspeed_experts
     with torch.no_grad():
         layer.deepspeed_moe.gate.wg.weight.copy_(moe.router.weight)
@@ -296,8 +333,11 @@ def _deepspeed(moe: lancet_rt.MoE, peer: str, group, world: int) -> PeerMoE:
             gs = [getattr(x, name).grad for x in experts]
             return None if any(g is None for g in gs) else torch.stack(gs)
 
-        return {"router.weight": layer.deepspeed_moe.gate.wg.weight.grad, "experts.gate_up_proj": stacked("gate_up"),
-                "experts.down_proj": stacked("down")}
+        return {
+            "router.weight": layer.deepspeed_moe.gate.wg.weight.grad,
+            "experts.gate_up_proj": stacked("gate_up"),
+            "experts.down_proj": stacked("down"),
+        }
 
     return PeerMoE(peer, layer, grads)
 
@@ -319,8 +359,15 @@ def _rel_rms(a: torch.Tensor, b: torch.Tensor) -> tuple:
     return diff.abs().max().item(), diff.pow(2).mean().sqrt().item() / max(ref, 1e-12)
 
 
-def check_equal(ours: nn.Module, theirs: nn.Module, x: torch.Tensor, *, autocast: Optional[torch.dtype] = None,
-                rtol: Optional[float] = None, seed: int = 0) -> dict:
+def check_equal(
+    ours: nn.Module,
+    theirs: nn.Module,
+    x: torch.Tensor,
+    *,
+    autocast: Optional[torch.dtype] = None,
+    rtol: Optional[float] = None,
+    seed: int = 0,
+) -> dict:
     """Ours and a peer (a :class:`PeerMoE` or a model holding them) forward and backward on ``x``:
     outputs, ``x``'s gradient and every parameter's gradient compared (module docstring).
 

@@ -22,6 +22,7 @@ torchtitan (as shipped: bfloat16 experts).
 
 Unchunked and without a link, this is the layer's own cost: no overlap, nothing to hide.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -140,8 +141,10 @@ def measure(args, group=None, rank: int = 0) -> list:
                 variants[name] = theirs = _peer(ours, model, name, group)
                 report = peers.check_equal(ours, theirs, x, autocast=torch.bfloat16 if autocast else None)
                 if not report["ok"]:
-                    raise SystemExit(f"{name} {model} {mode} W={world}: not equal to ours "
-                                     f"({report['worst'][0]} rel RMS {report['worst'][1]:.2e} > {report['rtol']}); not timed")
+                    raise SystemExit(
+                        f"{name} {model} {mode} W={world}: not equal to ours "
+                        f"({report['worst'][0]} rel RMS {report['worst'][1]:.2e} > {report['rtol']}); not timed"
+                    )
                 checks[name] = report["worst"][1]
             steps = {name: (lambda m=m: _step(m, x, dy, autocast)) for name, m in variants.items()}
             for fn in steps.values():
@@ -152,23 +155,36 @@ def measure(args, group=None, rank: int = 0) -> list:
             load = [os.getloadavg()]
             with _ExpertsFaults() as counter:
                 for r in range(args.rounds):
-                    for name in names[r % len(names):] + names[:r % len(names)]:
+                    for name in names[r % len(names) :] + names[: r % len(names)]:
                         times[name].append(_timed(steps[name], group, counter))
             load.append(os.getloadavg())
             med = {name: statistics.median(t[0] for t in ts) for name, ts in times.items()}
             cpu = {name: statistics.median(t[4] for t in ts) for name, ts in times.items()}
             for name, ts in times.items():
-                rows.append(dict(model=model, mode=mode, world_size=world, variant=name, step_ms=med[name],
-                                 step_ms_min=min(t[0] for t in ts),
-                                 lancet_over=med["lancet"] / med[name] if name != "lancet" else None,
-                                 cpu_ms=cpu[name], lancet_over_cpu=cpu["lancet"] / cpu[name] if name != "lancet" else None,
-                                 minflt_per_step=statistics.median(t[1] for t in ts),
-                                 sys_ms_per_step=statistics.median(t[2] for t in ts),
-                                 experts_bwd_minflt=statistics.median(t[3] for t in ts) if name == "lancet" else None,
-                                 experts_bwd_minflt_mean=statistics.mean(t[3] for t in ts) if name == "lancet" else None,
-                                 check_rel_rms=checks.get(name), check_rtol=None if name == "lancet" else
-                                 (peers.RTOL_BFLOAT16 if autocast else peers.RTOL_FLOAT32),
-                                 loadavg_start=load[0][0], loadavg_end=load[1][0], rounds=args.rounds))
+                rows.append(
+                    dict(
+                        model=model,
+                        mode=mode,
+                        world_size=world,
+                        variant=name,
+                        step_ms=med[name],
+                        step_ms_min=min(t[0] for t in ts),
+                        lancet_over=med["lancet"] / med[name] if name != "lancet" else None,
+                        cpu_ms=cpu[name],
+                        lancet_over_cpu=cpu["lancet"] / cpu[name] if name != "lancet" else None,
+                        minflt_per_step=statistics.median(t[1] for t in ts),
+                        sys_ms_per_step=statistics.median(t[2] for t in ts),
+                        experts_bwd_minflt=statistics.median(t[3] for t in ts) if name == "lancet" else None,
+                        experts_bwd_minflt_mean=statistics.mean(t[3] for t in ts) if name == "lancet" else None,
+                        check_rel_rms=checks.get(name),
+                        check_rtol=None
+                        if name == "lancet"
+                        else (peers.RTOL_BFLOAT16 if autocast else peers.RTOL_FLOAT32),
+                        loadavg_start=load[0][0],
+                        loadavg_end=load[1][0],
+                        rounds=args.rounds,
+                    )
+                )
             del variants, steps
     return rows
 
@@ -182,7 +198,7 @@ def _rank_entry(rank: int, world: int, init_file: str, args, queue) -> None:
         rows = measure(args, dist.group.WORLD, rank)
         if rank == 0:
             queue.put(("ok", rows))
-    except BaseException as exc:  # noqa: BLE001 - the parent reports it
+    except BaseException as exc:  # the parent reports it
         queue.put(("error", f"rank {rank}: {type(exc).__name__}: {exc}"))
         raise
     finally:
@@ -244,7 +260,9 @@ def main(argv: Optional[list] = None) -> list:
     p.add_argument("--rounds", type=int_in(1), default=15)
     p.add_argument("--warmup", type=int_in(0), default=2)
     p.add_argument("--threads", type=int_in(1, 1024), default=1, help="torch threads per process")
-    p.add_argument("--timeout", type=float_in(0, 1e7, above=True), default=1800.0, help="seconds a multi-rank run may take")
+    p.add_argument(
+        "--timeout", type=float_in(0, 1e7, above=True), default=1800.0, help="seconds a multi-rank run may take"
+    )
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     for name, values, allowed in (("--models", args.models, MODELS), ("--modes", args.modes, MODES)):
@@ -258,19 +276,41 @@ def main(argv: Optional[list] = None) -> list:
     torch.set_num_threads(args.threads)
     log = RowLog(args.json)
     meta = dict(run_metadata(torch.device("cpu")), **_versions())
-    shape = dict(d_model=args.d_model, d_ffn=args.d_ffn, experts=args.experts, top_k=args.top_k,
-                 tokens_per_rank=args.batch * args.seq, layers=args.layers, threads=args.threads)
+    shape = dict(
+        d_model=args.d_model,
+        d_ffn=args.d_ffn,
+        experts=args.experts,
+        top_k=args.top_k,
+        tokens_per_rank=args.batch * args.seq,
+        layers=args.layers,
+        threads=args.threads,
+    )
     rows = []
     for world in args.world_sizes:
-        for r in (measure(args) if world == 1 else _run_ranks(args, world)):
+        for r in measure(args) if world == 1 else _run_ranks(args, world):
             row = dict(bench="peers", **r, **shape, **meta)
             rows.append(row)
             log.add(row)
-    print_table(rows, ["model", "mode", "world_size", "variant", "step_ms", "lancet_over", "cpu_ms", "lancet_over_cpu",
-                       "minflt_per_step",
-                       "experts_bwd_minflt", "experts_bwd_minflt_mean", "sys_ms_per_step", "check_rel_rms", "loadavg_start"],
-                f"bench.peers on {meta['device']} ({meta['date']}): unchunked, no link; D={args.d_model} "
-                f"F={args.d_ffn} E={args.experts} K={args.top_k}, {args.batch * args.seq} tokens per rank, dropless; "
-                f"median of {args.rounds} interleaved rounds; lancet_over = our step / the variant's")
+    print_table(
+        rows,
+        [
+            "model",
+            "mode",
+            "world_size",
+            "variant",
+            "step_ms",
+            "lancet_over",
+            "cpu_ms",
+            "lancet_over_cpu",
+            "minflt_per_step",
+            "experts_bwd_minflt",
+            "experts_bwd_minflt_mean",
+            "sys_ms_per_step",
+            "check_rel_rms",
+            "loadavg_start",
+        ],
+        f"bench.peers on {meta['device']} ({meta['date']}): unchunked, no link; D={args.d_model} "
+        f"F={args.d_ffn} E={args.experts} K={args.top_k}, {args.batch * args.seq} tokens per rank, dropless; "
+        f"median of {args.rounds} interleaved rounds; lancet_over = our step / the variant's",
+    )
     return rows
-

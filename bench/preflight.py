@@ -6,6 +6,7 @@ gpu-wheels``).
 
     python -m bench.preflight --device cuda --json preflight.json
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,8 +17,17 @@ import sys
 import time
 
 #: In import order: torch first, so that a broken torch is named as such.
-IMPORTS = ("torch", "triton", "greenlet", "xxhash", "lancet_rt", "lancet_rt.kernels", "lancet_rt.autotune", "pytest",
-           "pytest_timeout")
+IMPORTS = (
+    "torch",
+    "triton",
+    "greenlet",
+    "xxhash",
+    "lancet_rt",
+    "lancet_rt.kernels",
+    "lancet_rt.autotune",
+    "pytest",
+    "pytest_timeout",
+)
 IMPORT_FAILED = 3
 #: ``--device cuda`` and torch sees no CUDA device: the lane stops too.
 NO_CUDA = 4
@@ -30,7 +40,7 @@ def check_imports(names=IMPORTS) -> dict:
     for name in names:
         try:
             module = importlib.import_module(name)
-        except Exception as e:  # noqa: BLE001 - any failure to import stops the lane
+        except Exception as e:  # any failure to import stops the lane
             raise ImportError(f"import {name} failed: {type(e).__name__}: {e}") from e
         versions[name] = str(getattr(module, "__version__", ""))
     return versions
@@ -53,7 +63,9 @@ def main(argv=None) -> int:
     import lancet_rt
     from bench.common import RowLog, copy_bandwidth_gbs, matmul_tflops, run_metadata
 
-    print(f"python {platform.python_version()} | " + " | ".join(f"{k} {v}" for k, v in versions.items() if v), flush=True)
+    print(
+        f"python {platform.python_version()} | " + " | ".join(f"{k} {v}" for k, v in versions.items() if v), flush=True
+    )
     print(f"lancet_rt from {lancet_rt.__file__}", flush=True)
     device = torch.device(args.device)
     gpu = {}
@@ -66,15 +78,24 @@ def main(argv=None) -> int:
         except (OSError, subprocess.SubprocessError) as e:
             print(f"nvidia-smi -L: {e}")
         props = torch.cuda.get_device_properties(device)
-        gpu = dict(sm_count=props.multi_processor_count, memory_gb=round(props.total_memory / 1e9, 1),
-                   capability=f"{props.major}.{props.minor}")
+        gpu = dict(
+            sm_count=props.multi_processor_count,
+            memory_gb=round(props.total_memory / 1e9, 1),
+            capability=f"{props.major}.{props.minor}",
+        )
     if args.quick:
         copy_gbs, tflops = copy_bandwidth_gbs(device, nbytes=1 << 23), matmul_tflops(device, n=256)
     else:
         copy_gbs, tflops = copy_bandwidth_gbs(device), matmul_tflops(device)
-    row = dict(bench="preflight", **run_metadata(device, copy_gbs=copy_gbs, matmul_tflops=tflops), **gpu,
-               python=platform.python_version(), greenlet=versions.get("greenlet"), lancet_rt=lancet_rt.__file__,
-               seconds=round(time.monotonic() - t0, 1))
+    row = dict(
+        bench="preflight",
+        **run_metadata(device, copy_gbs=copy_gbs, matmul_tflops=tflops),
+        **gpu,
+        python=platform.python_version(),
+        greenlet=versions.get("greenlet"),
+        lancet_rt=lancet_rt.__file__,
+        seconds=round(time.monotonic() - t0, 1),
+    )
     RowLog(args.json).add(row)
     print(f"{row['device']}: copy {copy_gbs:.4g} GB/s (read + write), matmul {tflops:.4g} TFLOP/s", flush=True)
     return 0

@@ -6,6 +6,7 @@ systems plug in as extra schedules: :meth:`RealRunner.add_schedule` takes any ca
 training step of a model built from this runner's weights (``bench.peers.real_link_schedules``, if
 present, is asked for them, see :func:`peer_schedules`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,7 +38,7 @@ class RealRunner:
         self.hf = args.model != "blocks"
         self.steps: dict[str, Callable[[], None]] = {}
         self.per_step: dict[str, int] = {}  # microbatches per step of each schedule
-        self.extra_models: list = []        # the peers' models (their gradients dropped after each step)
+        self.extra_models: list = []  # the peers' models (their gradients dropped after each step)
         if self.hf:
             self._build_hf()
         else:
@@ -47,8 +48,14 @@ class RealRunner:
     def _build_blocks(self) -> None:
         s, args = self.s, self.args
         # Dropless and no load-balancing loss: the step the peers (bench.peers) compute too, checked equal.
-        moe_kwargs = dict(d_ffn=s["d_ffn"], num_experts=s["experts"], top_k=args.top_k, capacity_factor=None,
-                          ep_group=self.group, aux_loss_coef=0.0)
+        moe_kwargs = dict(
+            d_ffn=s["d_ffn"],
+            num_experts=s["experts"],
+            top_k=args.top_k,
+            capacity_factor=None,
+            ep_group=self.group,
+            aux_loss_coef=0.0,
+        )
         self.model = self.blocks(moe_kwargs)
         self.model_dw = copy.deepcopy(self.model)  # (the copy shares the group)
         self.models = [self.model, self.model_dw]
@@ -71,6 +78,7 @@ class RealRunner:
         def accumulate():
             inputs = [x.detach().requires_grad_(True) for x in xs]
             ov.accumulate(inputs, lambda out, i: (out * gs[i]).sum())
+
         self.add_schedule("accumulate", accumulate, per_step=M)
 
     def blocks(self, moe_kwargs: dict) -> MoEBlocks:
@@ -88,11 +96,21 @@ class RealRunner:
         from bench import hf_models
 
         s, args = self.s, self.args
-        size = dict(hidden=s["d_model"], heads=s["heads"], kv=max(1, s["heads"] // 2), layers=s["layers"],
-                    experts=s["experts"], top_k=args.top_k, ffn=s["d_ffn"], vocab=1024)
+        size = dict(
+            hidden=s["d_model"],
+            heads=s["heads"],
+            kv=max(1, s["heads"] // 2),
+            layers=s["layers"],
+            experts=s["experts"],
+            top_k=args.top_k,
+            ffn=s["d_ffn"],
+            vocab=1024,
+        )
         base = hf_models.build(args.model, size, seed=0).to(dtype=self.dtype)
-        fused = dict(fused_loss=bool(getattr(args, "fused_loss", True)),
-                     early_backward=not getattr(args, "no_early_backward", False))
+        fused = dict(
+            fused_loss=bool(getattr(args, "fused_loss", True)),
+            early_backward=not getattr(args, "no_early_backward", False),
+        )
         self.model = lancet_rt.from_hf(copy.deepcopy(base), self.group, **fused)
         overlapped = lancet_rt.from_hf(copy.deepcopy(base), self.group, chunks=self.chunks, **fused)
         self.model_dw = lancet_rt.from_hf(base, self.group, chunks=self.chunks, defer_wgrad=True, **fused)
@@ -105,6 +123,7 @@ class RealRunner:
         def step(model, pipeline=False):
             self._pipeline(pipeline)
             model(**batch).loss.backward()
+
         self.add_schedule("sequential", lambda: step(self.model))
         self.add_schedule("moe_pipelined", lambda: step(self.model, True))
         self.add_schedule("overlapped", lambda: step(overlapped))

@@ -28,6 +28,7 @@ achieved per-rank rate of plain TCP sockets and of gloo's all-to-all (every rank
 other at once, so both directions of each port are busy) and the all-to-all latency of small
 messages; it prints them and appends a JSON row (``--json``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,9 +62,13 @@ GSO_MAX = 16384
 #: segments, 1.4 ms, at the same achieved rate.)
 QUEUE_MS = 2.0
 #: The environment a rank process finds (read by :func:`rank_link`, and nowhere else).
-ENV_NS, ENV_BRIDGE, ENV_RATE, ENV_DELAY, ENV_SHAPE = ("LANCET_REALLINK_NS", "LANCET_REALLINK_BRIDGE",
-                                                      "LANCET_REALLINK_RATE_BPS", "LANCET_REALLINK_DELAY_MS",
-                                                      "LANCET_REALLINK_SHAPE")
+ENV_NS, ENV_BRIDGE, ENV_RATE, ENV_DELAY, ENV_SHAPE = (
+    "LANCET_REALLINK_NS",
+    "LANCET_REALLINK_BRIDGE",
+    "LANCET_REALLINK_RATE_BPS",
+    "LANCET_REALLINK_DELAY_MS",
+    "LANCET_REALLINK_SHAPE",
+)
 _NAME = re.compile(rf"^{PREFIX}(\d+)-(\d+)-(br|r\d+)$")
 
 
@@ -155,10 +160,11 @@ def _marked(pid: int, ns: str) -> bool:
 @dataclass
 class Shape:
     """A port's shaping: ``rate_bps`` (None: unshaped), the bucket, the queue and the delay."""
+
     rate_bps: Optional[int]
     delay_ms: float = 0.0
     burst_bytes: Optional[int] = None  # default: 2.5 ms at the rate, at least 32 KB (late timers on a busy host)
-    queue_ms: float = QUEUE_MS         # tbf's queue: this many ms at the rate (beyond it, drops)
+    queue_ms: float = QUEUE_MS  # tbf's queue: this many ms at the rate (beyond it, drops)
 
     def tbf(self) -> list:
         rate_Bps = self.rate_bps / 8
@@ -173,8 +179,23 @@ def shape_commands(dev: str, shape: Shape, ns: Optional[str] = None) -> list:
     tc = ["tc"] + (["-n", ns] if ns else [])
     cmds = [tc + ["qdisc", "del", "dev", dev, "root"]]  # (fails harmlessly when there is none)
     if shape.delay_ms > 0:
-        cmds.append(tc + ["qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay",
-                          f"{shape.delay_ms}ms", "limit", "100000"])
+        cmds.append(
+            tc
+            + [
+                "qdisc",
+                "add",
+                "dev",
+                dev,
+                "root",
+                "handle",
+                "1:",
+                "netem",
+                "delay",
+                f"{shape.delay_ms}ms",
+                "limit",
+                "100000",
+            ]
+        )
         if shape.rate_bps is not None:
             cmds.append(tc + ["qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:"] + shape.tbf())
     elif shape.rate_bps is not None:
@@ -188,17 +209,20 @@ def _apply(cmds: list) -> None:
             _run(*cmd, check=i > 0)
         except LinkError as exc:
             if "netem" in cmd and "unknown" in str(exc):
-                raise LinkError("--delay-ms needs the kernel's netem qdisc (sch_netem), which this kernel lacks") from None
+                raise LinkError(
+                    "--delay-ms needs the kernel's netem qdisc (sch_netem), which this kernel lacks"
+                ) from None
             raise
 
 
 @dataclass
 class RealLink:
     """W namespaces joined through a bridge, each rank's port shaped (:func:`create` makes one)."""
+
     world: int
     shape: Shape
-    owner: str                      # PREFIX + "<pid>-<start>-"
-    made: list = field(default_factory=list)   # namespaces made, in order
+    owner: str  # PREFIX + "<pid>-<start>-"
+    made: list = field(default_factory=list)  # namespaces made, in order
     procs: list = field(default_factory=list)  # rank processes started (Popen)
 
     @property
@@ -210,13 +234,22 @@ class RealLink:
 
     def env(self, rank: int) -> dict:
         """The environment rank ``rank``'s process gets on top of this one's."""
-        return {"RANK": str(rank), "WORLD_SIZE": str(self.world), "LOCAL_RANK": str(rank),
-                "LOCAL_WORLD_SIZE": str(self.world), "MASTER_ADDR": address(0), "MASTER_PORT": str(MASTER_PORT),
-                "GLOO_SOCKET_IFNAME": IFACE, ENV_NS: self.ns(rank), ENV_BRIDGE: self.bridge,
-                ENV_RATE: str(self.shape.rate_bps or 0), ENV_DELAY: str(self.shape.delay_ms),
-                ENV_SHAPE: json.dumps(dict(burst_bytes=self.shape.burst_bytes, queue_ms=self.shape.queue_ms)),
-                # c10d warns at every connection that a peer's address has no name (no DNS in a namespace)
-                "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+        return {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(self.world),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(self.world),
+            "MASTER_ADDR": address(0),
+            "MASTER_PORT": str(MASTER_PORT),
+            "GLOO_SOCKET_IFNAME": IFACE,
+            ENV_NS: self.ns(rank),
+            ENV_BRIDGE: self.bridge,
+            ENV_RATE: str(self.shape.rate_bps or 0),
+            ENV_DELAY: str(self.shape.delay_ms),
+            ENV_SHAPE: json.dumps(dict(burst_bytes=self.shape.burst_bytes, queue_ms=self.shape.queue_ms)),
+            # c10d warns at every connection that a peer's address has no name (no DNS in a namespace)
+            "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
+        }
 
     def set_rate(self, rate_bps: Optional[int], ranks: Optional[Sequence[int]] = None) -> None:
         """Shape the ports of ``ranks`` (default all) at ``rate_bps`` (None: unshaped), both ways."""
@@ -231,8 +264,11 @@ class RealLink:
         for r in range(self.world):
             env = {**os.environ, **(extra_env or {}), **self.env(r)}
             env.setdefault("OMP_NUM_THREADS", "1")
-            self.procs.append(subprocess.Popen([sys.executable, *argv], env=env, preexec_fn=_enter(self.ns(r)),
-                                               start_new_session=True))
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, *argv], env=env, preexec_fn=_enter(self.ns(r)), start_new_session=True
+                )
+            )
         try:
             return supervise(self.procs, timeout_s, grace_s)
         finally:
@@ -304,12 +340,21 @@ def launch_loopback(world: int, argv: Sequence[str], timeout_s: float, extra_env
     procs = []
     try:
         for r in range(world):
-            env = {**os.environ, **(extra_env or {}), "RANK": str(r), "WORLD_SIZE": str(world),
-                   "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                   "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": "lo"}
+            env = {
+                **os.environ,
+                **(extra_env or {}),
+                "RANK": str(r),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(r),
+                "LOCAL_WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "GLOO_SOCKET_IFNAME": "lo",
+            }
             env.setdefault("OMP_NUM_THREADS", "1")
-            procs.append(subprocess.Popen([sys.executable, *argv], env=env, start_new_session=True,
-                                          preexec_fn=_die_with_parent))
+            procs.append(
+                subprocess.Popen([sys.executable, *argv], env=env, start_new_session=True, preexec_fn=_die_with_parent)
+            )
         return supervise(procs, timeout_s)
     finally:
         stop(procs)
@@ -321,6 +366,7 @@ def _die_with_parent():
 
 def _enter(ns: str):
     """A preexec_fn: join namespace ``ns`` and die with the launcher (PR_SET_PDEATHSIG)."""
+
     def enter():
         libc = ctypes.CDLL(None, use_errno=True)
         fd = os.open(f"/var/run/netns/{ns}", os.O_RDONLY)
@@ -328,11 +374,13 @@ def _enter(ns: str):
             os._exit(126)
         os.close(fd)
         _die_with_parent()
+
     return enter
 
 
-def create(world: int, rate, delay_ms: float = 0.0, queue_ms: Optional[float] = None, burst_bytes: Optional[int] = None
-           ) -> RealLink:
+def create(
+    world: int, rate, delay_ms: float = 0.0, queue_ms: Optional[float] = None, burst_bytes: Optional[int] = None
+) -> RealLink:
     """Make the link: ``world`` rank namespaces and a bridge namespace, each port shaped at ``rate``
     (bits/s or tc text; None: unshaped) with a ``delay_ms`` netem delay. Removes stale namespaces of
     dead launchers first; on failure, removes what it made and raises :class:`LinkError`."""
@@ -385,6 +433,7 @@ def real_link(world: int, rate, delay_ms: float = 0.0, **kw):
 @dataclass
 class RankLink:
     """What a rank process knows of the link it runs on (:func:`rank_link`)."""
+
     rank: int
     world: int
     ns: str
@@ -406,9 +455,13 @@ def rank_link() -> Optional[RankLink]:
         return None
     rate = int(os.environ.get(ENV_RATE, "0")) or None
     extra = json.loads(os.environ.get(ENV_SHAPE, "{}"))
-    return RankLink(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), ns, os.environ[ENV_BRIDGE],
-                    Shape(rate, float(os.environ.get(ENV_DELAY, "0")), extra.get("burst_bytes"),
-                          extra.get("queue_ms", QUEUE_MS)))
+    return RankLink(
+        int(os.environ["RANK"]),
+        int(os.environ["WORLD_SIZE"]),
+        ns,
+        os.environ[ENV_BRIDGE],
+        Shape(rate, float(os.environ.get(ENV_DELAY, "0")), extra.get("burst_bytes"), extra.get("queue_ms", QUEUE_MS)),
+    )
 
 
 # ------------------------------------------------------------------------------ command line
@@ -417,21 +470,34 @@ def parse_args(argv=None):
     command = []
     if "--" in argv:
         i = argv.index("--")
-        argv, command = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(prog="python -m bench.reallink", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+        argv, command = argv[:i], argv[i + 1 :]
+    p = argparse.ArgumentParser(
+        prog="python -m bench.reallink", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--ranks", type=int_in(2, 64), default=2)
-    p.add_argument("--rate", type=or_word(checked(parse_rate), value="none"), default="450mbit",
-                   help="each rank's port rate, tc style (450mbit, 1gbit); 'none': unshaped")
+    p.add_argument(
+        "--rate",
+        type=or_word(checked(parse_rate), value="none"),
+        default="450mbit",
+        help="each rank's port rate, tc style (450mbit, 1gbit); 'none': unshaped",
+    )
     p.add_argument("--delay-ms", type=float_in(0, 1000), default=0.0, help="netem delay on each rank's egress")
-    p.add_argument("--queue-ms", type=float_in(0, 1000, above=True), default=QUEUE_MS,
-                   help="the token bucket's queue, in ms at the rate")
-    p.add_argument("--timeout", type=float_in(0, 1e7, above=True), default=3600.0,
-                   help="seconds the ranks may run (then ended)")
-    p.add_argument("--probe-mb", type=int_in(1, 4096), default=8, help="MiB each rank sends to each other in the rate probe")
+    p.add_argument(
+        "--queue-ms",
+        type=float_in(0, 1000, above=True),
+        default=QUEUE_MS,
+        help="the token bucket's queue, in ms at the rate",
+    )
+    p.add_argument(
+        "--timeout", type=float_in(0, 1e7, above=True), default=3600.0, help="seconds the ranks may run (then ended)"
+    )
+    p.add_argument(
+        "--probe-mb", type=int_in(1, 4096), default=8, help="MiB each rank sends to each other in the rate probe"
+    )
     p.add_argument("--no-probe", action="store_true", help="with a command: do not measure the link first")
-    p.add_argument("--json", default="out/reallink.json",
-                   help="append the probe's row here ('': no row; default out/, untracked)")
+    p.add_argument(
+        "--json", default="out/reallink.json", help="append the probe's row here ('': no row; default out/, untracked)"
+    )
     p.add_argument("--rank-probe", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -441,8 +507,10 @@ def parse_args(argv=None):
 
 def signals_raise() -> None:
     """SIGTERM and SIGHUP end the launcher as SIGINT does (the finally blocks tear down)."""
+
     def handler(signum, frame):
         raise SystemExit(128 + signum)
+
     for sig in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, handler)
 
@@ -456,7 +524,9 @@ def main(argv=None) -> int:
         return 0
     try:
         if args.command and args.command[0] != "-m":
-            raise ValueError(f"the command after -- must be '-m <module> ARGS' (a module of ours), got {args.command[:2]}")
+            raise ValueError(
+                f"the command after -- must be '-m <module> ARGS' (a module of ours), got {args.command[:2]}"
+            )
         rate = None if args.rate == "none" else parse_rate(args.rate)
         require_tools()
     except (LinkError, ValueError) as exc:
@@ -467,23 +537,37 @@ def main(argv=None) -> int:
 
     try:
         with real_link(args.ranks, rate, args.delay_ms, queue_ms=args.queue_ms) as link:
-            print(f"bench.reallink: {args.ranks} ranks in namespaces {link.ns(0)}.., bridge {link.bridge}; each port "
-                  f"{'unshaped' if rate is None else f'{rate / 1e6:g} Mbit/s'}"
-                  f"{f', delay {args.delay_ms:g} ms' if args.delay_ms else ''}; load average "
-                  f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}", flush=True)
+            print(
+                f"bench.reallink: {args.ranks} ranks in namespaces {link.ns(0)}.., bridge {link.bridge}; each port "
+                f"{'unshaped' if rate is None else f'{rate / 1e6:g} Mbit/s'}"
+                f"{f', delay {args.delay_ms:g} ms' if args.delay_ms else ''}; load average "
+                f"{' '.join(f'{v:.2f}' for v in os.getloadavg())}",
+                flush=True,
+            )
             if not args.no_probe or not args.command:
                 from bench.reallink_probe import measure
 
                 res = measure(link, args.probe_mb)
-                print(f"link: per-rank rate achieved {res['socket_mbit']:.0f} Mbit/s with plain sockets, "
-                      f"{res['gloo_a2a_mbit']:.0f} Mbit/s as one gloo all-to-all ({args.probe_mb} MiB to each peer, "
-                      f"all directions at once); small all-to-all latency {res['a2a_latency_us']:.0f} us", flush=True)
+                print(
+                    f"link: per-rank rate achieved {res['socket_mbit']:.0f} Mbit/s with plain sockets, "
+                    f"{res['gloo_a2a_mbit']:.0f} Mbit/s as one gloo all-to-all ({args.probe_mb} MiB to each peer, "
+                    f"all directions at once); small all-to-all latency {res['a2a_latency_us']:.0f} us",
+                    flush=True,
+                )
                 if args.json:
                     import torch
 
-                    RowLog(args.json).add(dict(bench="reallink", **run_metadata(torch.device("cpu")),
-                                               load_avg=os.getloadavg(), configured_mbit=(rate or 0) / 1e6,
-                                               delay_ms=args.delay_ms, queue_ms=args.queue_ms, **res))
+                    RowLog(args.json).add(
+                        dict(
+                            bench="reallink",
+                            **run_metadata(torch.device("cpu")),
+                            load_avg=os.getloadavg(),
+                            configured_mbit=(rate or 0) / 1e6,
+                            delay_ms=args.delay_ms,
+                            queue_ms=args.queue_ms,
+                            **res,
+                        )
+                    )
             if args.command:
                 return link.launch(args.command, args.timeout)
     except LinkError as exc:

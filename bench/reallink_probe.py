@@ -1,6 +1,7 @@
 """The link's own numbers, measured from inside the ranks of a :mod:`bench.reallink` link (or over
 loopback): the achieved per-rank rate with every direction busy (plain TCP sockets and one gloo
 all-to-all) and the latency of a small all-to-all. ``python -m bench.reallink`` prints them."""
+
 from __future__ import annotations
 
 import json
@@ -131,8 +132,7 @@ def measure(link: RealLink, probe_mb: int = 8, timeout_s: float = 300.0) -> dict
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "probe.json")
-        rc = link.launch(["-m", "bench.reallink", "--rank-probe", "--probe-mb", str(probe_mb), "--out", out],
-                         timeout_s)
+        rc = link.launch(["-m", "bench.reallink", "--rank-probe", "--probe-mb", str(probe_mb), "--out", out], timeout_s)
         if rc != 0 or not os.path.exists(out):
             raise LinkError(f"the link probe failed (exit status {rc})")
         with open(out) as f:

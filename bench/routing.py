@@ -28,6 +28,7 @@ unmitigated ``comm_ms``, so a mitigation that removes communication can pass 100
 is over the shadowed step's own link time and straggler wait); ``recovered_step`` /
 ``recovered_step_shadowed`` the shares of the step-time loss.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,11 +46,18 @@ MODES = ("sequential", "moe_pipelined", "overlapped", "overlapped_dw", "mitigate
 
 
 def add_routing_args(p) -> None:
-    p.add_argument("--routing", default=None,
-                   help="comma-separated routings run side by side on the asymmetric link: balanced, zipf (the preset, "
-                        "max/mean expert load ~3), zipf:S (Zipf exponent S), trace:FILE (a lancet_rt routing trace)")
-    p.add_argument("--shadow-experts", type=int_in(0), default=2,
-                   help="--routing: the 'shadowed' schedule's MoE(shadow_experts=N) (hot-expert shadowing; 0: leave it out)")
+    p.add_argument(
+        "--routing",
+        default=None,
+        help="comma-separated routings run side by side on the asymmetric link: balanced, zipf (the preset, "
+        "max/mean expert load ~3), zipf:S (Zipf exponent S), trace:FILE (a lancet_rt routing trace)",
+    )
+    p.add_argument(
+        "--shadow-experts",
+        type=int_in(0),
+        default=2,
+        help="--routing: the 'shadowed' schedule's MoE(shadow_experts=N) (hot-expert shadowing; 0: leave it out)",
+    )
 
 
 def expert_ms_per_row(r, s: dict, top_k: int, device) -> float:
@@ -110,13 +118,17 @@ def _measure_routing(r, args, s: dict, bw: float, modes) -> dict:
     r.step("sequential")
     link_ms, straggler_ms, skew_ms = r.link.modeled_ms, r.link.straggler_ms, r.link.skew_ms
     comm_ms = link_ms + straggler_ms
-    out = dict(max_over_mean=_loads(r), link_ms=link_ms, straggler_ms=straggler_ms, skew_link_ms=skew_ms,
-               comm_ms=comm_ms)
+    out = dict(
+        max_over_mean=_loads(r), link_ms=link_ms, straggler_ms=straggler_ms, skew_link_ms=skew_ms, comm_ms=comm_ms
+    )
     if "shadowed" in modes:  # the shadowed step's own link time (fewer bytes on the hot port, plus the fetches)
         r.link.reset()
         r.step("shadowed")
-        out.update(shadowed_link_ms=r.link.modeled_ms, shadowed_straggler_ms=r.link.straggler_ms,
-                   shadowed_experts=[list(m.shadowed) for m in r.models[-1].moe_layers()])
+        out.update(
+            shadowed_link_ms=r.link.modeled_ms,
+            shadowed_straggler_ms=r.link.straggler_ms,
+            shadowed_experts=[list(m.shadowed) for m in r.models[-1].moe_layers()],
+        )
     if "mitigated" in modes:  # the same computation as Overlapped (only the link's order differs): one estimate
         t[("free", "overlapped")] = t[("free", "mitigated")] = min(t[("free", "overlapped")], t[("free", "mitigated")])
     for m in modes:
@@ -137,10 +149,19 @@ def _add_shadowed(r, args, s: dict, device) -> None:
     import lancet_rt
     from bench.model import MoEBlocks
 
-    moe_kwargs = dict(d_ffn=s["d_ffn"], num_experts=s["experts"], top_k=args.top_k, capacity_factor=None,
-                      ep_group=r.link, aux_loss_coef=1e-2, shadow_experts=args.shadow_experts)
+    moe_kwargs = dict(
+        d_ffn=s["d_ffn"],
+        num_experts=s["experts"],
+        top_k=args.top_k,
+        capacity_factor=None,
+        ep_group=r.link,
+        aux_loss_coef=1e-2,
+        shadow_experts=args.shadow_experts,
+    )
     torch.manual_seed(0)  # as bench.runner.Runner builds its models
-    model = MoEBlocks(s["layers"], s["d_model"], s["heads"], moe_kwargs, device=device, dtype=getattr(torch, s["dtype"]))
+    model = MoEBlocks(
+        s["layers"], s["d_model"], s["heads"], moe_kwargs, device=device, dtype=getattr(torch, s["dtype"])
+    )
     r.models = tuple(r.models) + (model,)
     r.runners["shadowed"] = lancet_rt.Overlapped(model, chunks=args.chunks)
 
@@ -176,9 +197,21 @@ def run(args, s: dict, device) -> list:
                 _, nbytes, transfers = r.per_step_link("sequential")
                 bw = bandwidth_for_ratio(args.comm_ratio, calib, nbytes, transfers, s["latency_us"])
             m = _measure_routing(r, args, s, bw, modes)
-        row = dict(bench="overlap_routing", **run_metadata(device), **s, model=args.model, routing=src.name,
-                   world_size=args.world_size, chunks=args.chunks, top_k=args.top_k, comm_ratio=args.comm_ratio,
-                   bandwidth_gbps=bw, expert_ms_per_row=per_row, bias_strength=strength, **m)
+        row = dict(
+            bench="overlap_routing",
+            **run_metadata(device),
+            **s,
+            model=args.model,
+            routing=src.name,
+            world_size=args.world_size,
+            chunks=args.chunks,
+            top_k=args.top_k,
+            comm_ratio=args.comm_ratio,
+            bandwidth_gbps=bw,
+            expert_ms_per_row=per_row,
+            bias_strength=strength,
+            **m,
+        )
         rows.append(row)
     for row in rows[1:]:
         drop = rows[0]["hidden_overlapped"] - row["hidden_overlapped"]
@@ -196,23 +229,42 @@ def run(args, s: dict, device) -> list:
 
 
 def _report(rows, modes, s: dict, args) -> None:
-    table = [dict(routing=row["routing"], schedule=m, step_ms=row[f"{m}_ms"], compute_ms=row[f"{m}_compute_ms"],
-                  comm_ms=row["comm_ms"], hidden=row[f"hidden_{m}"], speedup=row[f"speedup_{m}"],
-                  max_over_mean=row["max_over_mean"]) for row in rows for m in modes]
-    print_table(table, ["routing", "schedule", "step_ms", "compute_ms", "comm_ms", "hidden", "speedup", "max_over_mean"],
-                title=f"bench.overlap --routing on {rows[0]['device']}: {s['layers']} layers D={s['d_model']} "
-                      f"E={s['experts']} K={args.top_k} W={args.world_size} chunks={args.chunks}, "
-                      f"{rows[0]['bandwidth_gbps']:.3g} GB/s (comm = {args.comm_ratio} x compute on {rows[0]['routing']})")
+    table = [
+        dict(
+            routing=row["routing"],
+            schedule=m,
+            step_ms=row[f"{m}_ms"],
+            compute_ms=row[f"{m}_compute_ms"],
+            comm_ms=row["comm_ms"],
+            hidden=row[f"hidden_{m}"],
+            speedup=row[f"speedup_{m}"],
+            max_over_mean=row["max_over_mean"],
+        )
+        for row in rows
+        for m in modes
+    ]
+    print_table(
+        table,
+        ["routing", "schedule", "step_ms", "compute_ms", "comm_ms", "hidden", "speedup", "max_over_mean"],
+        title=f"bench.overlap --routing on {rows[0]['device']}: {s['layers']} layers D={s['d_model']} "
+        f"E={s['experts']} K={args.top_k} W={args.world_size} chunks={args.chunks}, "
+        f"{rows[0]['bandwidth_gbps']:.3g} GB/s (comm = {args.comm_ratio} x compute on {rows[0]['routing']})",
+    )
     for row in rows:
         rec = row.get("recovered")
-        print(f"{row['routing']}: max/mean load {row['max_over_mean']:.2f}, hidden (Overlapped) "
-              f"{row['hidden_overlapped']:.3f}, mitigated {row['hidden_mitigated']:.3f}, straggler wait "
-              f"{row['straggler_ms']:.2f} ms of comm {row['comm_ms']:.2f} ms"
-              + ("" if rec is None else f", mitigation recovers {rec:.0%} of the hidden-fraction drop"))
+        print(
+            f"{row['routing']}: max/mean load {row['max_over_mean']:.2f}, hidden (Overlapped) "
+            f"{row['hidden_overlapped']:.3f}, mitigated {row['hidden_mitigated']:.3f}, straggler wait "
+            f"{row['straggler_ms']:.2f} ms of comm {row['comm_ms']:.2f} ms"
+            + ("" if rec is None else f", mitigation recovers {rec:.0%} of the hidden-fraction drop")
+        )
         if "hidden_shadowed" in row:
             rs, rt = row.get("recovered_shadowed"), row.get("recovered_step_shadowed")
-            print(f"  shadowed (shadow_experts={args.shadow_experts}): hidden {row['hidden_shadowed']:.3f}, step "
-                  f"{row['shadowed_ms']:.1f} ms (Overlapped {row['overlapped_ms']:.1f}), link {row['shadowed_link_ms']:.1f} ms "
-                  f"(sequential's {row['link_ms']:.1f}), shadowed experts per layer {row['shadowed_experts']}"
-                  + ("" if rs is None else f", recovers {rs:.0%} of the hidden-fraction drop")
-                  + ("" if rt is None else f" and {rt:.0%} of the step-time loss"))
+            print(
+                f"  shadowed (shadow_experts={args.shadow_experts}): hidden {row['hidden_shadowed']:.3f}, step "
+                f"{row['shadowed_ms']:.1f} ms (Overlapped {row['overlapped_ms']:.1f}), link "
+                f"{row['shadowed_link_ms']:.1f} ms "
+                f"(sequential's {row['link_ms']:.1f}), shadowed experts per layer {row['shadowed_experts']}"
+                + ("" if rs is None else f", recovers {rs:.0%} of the hidden-fraction drop")
+                + ("" if rt is None else f" and {rt:.0%} of the step-time loss")
+            )

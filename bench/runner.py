@@ -1,5 +1,6 @@
 """The model of bench.overlap and its schedules over one emulated link (:class:`Runner`), shared by
 bench.overlap and its cross-microbatch part (bench.accumulation)."""
+
 from __future__ import annotations
 
 import copy
@@ -12,7 +13,6 @@ import torch
 import lancet_rt
 from bench.model import MoEBlocks
 from bench.timing import link_per_step, step_ms, synchronize, time_interleaved
-
 
 _NO_MOE = torch.nn.Identity()  # a block's MoE layer, taken out (Runner._eager)
 
@@ -47,8 +47,14 @@ class Runner:
         group = lancet_rt.EmulatedGroup
         if getattr(args, "routing", None):  # --routing: the asymmetric link (bench.routing)
             from lancet_rt.comm.emulated_skew import SkewedGroup as group
-        self.link = group(args.world_size, math.inf, 0.0, device=device, counts_channel=args.counts_channel,
-                          handshake_us=handshake_us(args, s, device))
+        self.link = group(
+            args.world_size,
+            math.inf,
+            0.0,
+            device=device,
+            counts_channel=args.counts_channel,
+            handshake_us=handshake_us(args, s, device),
+        )
         self.chunks = args.chunks
         self.statistic = args.statistic
         self.steps: dict = {}  # mode -> a whole step of its own (the floor below, add_accumulation)
@@ -56,8 +62,14 @@ class Runner:
         if self.hf:
             self._build_hf(args, s, device, dtype)
             return
-        moe_kwargs = dict(d_ffn=s["d_ffn"], num_experts=s["experts"], top_k=args.top_k,
-                          capacity_factor=args.capacity_factor, ep_group=self.link, aux_loss_coef=1e-2)
+        moe_kwargs = dict(
+            d_ffn=s["d_ffn"],
+            num_experts=s["experts"],
+            top_k=args.top_k,
+            capacity_factor=args.capacity_factor,
+            ep_group=self.link,
+            aux_loss_coef=1e-2,
+        )
         torch.manual_seed(0)
         self.model = MoEBlocks(s["layers"], s["d_model"], s["heads"], moe_kwargs, device=device, dtype=dtype)
         self.model_dw = copy.deepcopy(self.model)  # the copy shares the link
@@ -86,18 +98,32 @@ class Runner:
         one copy unchunked (sequential, MoE-internal chunking), one chunked, one chunked deferring dW."""
         from bench import hf_models
 
-        size = dict(hidden=s["d_model"], heads=s["heads"], kv=max(1, s["heads"] // 2), layers=s["layers"],
-                    experts=s["experts"], top_k=args.top_k, ffn=s["d_ffn"], vocab=1024)
+        size = dict(
+            hidden=s["d_model"],
+            heads=s["heads"],
+            kv=max(1, s["heads"] // 2),
+            layers=s["layers"],
+            experts=s["experts"],
+            top_k=args.top_k,
+            ffn=s["d_ffn"],
+            vocab=1024,
+        )
         base = hf_models.build(args.model, size, seed=0).to(device=device, dtype=dtype)
-        fused = dict(fused_loss=bool(getattr(args, "fused_loss", False)),
-                     early_backward=not getattr(args, "no_early_backward", False))
+        fused = dict(
+            fused_loss=bool(getattr(args, "fused_loss", False)),
+            early_backward=not getattr(args, "no_early_backward", False),
+        )
         self.model = lancet_rt.from_hf(copy.deepcopy(base), self.link, **fused)
         overlapped = lancet_rt.from_hf(copy.deepcopy(base), self.link, chunks=args.chunks, **fused)
         self.model_dw = lancet_rt.from_hf(base, self.link, chunks=args.chunks, defer_wgrad=True, **fused)
         self.models = (self.model, overlapped, self.model_dw)
         self.moe_layers = lancet_rt.integrations.hf.moe_layers(self.model)
-        self.runners = {"sequential": self.model, "moe_pipelined": self.model, "overlapped": overlapped,
-                        "overlapped_dw": self.model_dw}
+        self.runners = {
+            "sequential": self.model,
+            "moe_pipelined": self.model,
+            "overlapped": overlapped,
+            "overlapped_dw": self.model_dw,
+        }
         ids, mask, labels = hf_models.batch(size["vocab"], s["batch"], s["seq"], seed=1, pad_rows=0)
         self.batch = dict(input_ids=ids.to(device), attention_mask=mask.to(device), labels=labels.to(device))
 
@@ -165,8 +191,9 @@ class Runner:
 
     def time_all(self, modes, steps: int, links: dict, raw: Optional[dict] = None) -> dict:
         """:func:`time_interleaved` of the schedules ``modes``. ``links``: name -> (bandwidth, latency)."""
-        return time_interleaved({m: (lambda m=m: self.step(m)) for m in modes}, self.link, links, steps,
-                                self.statistic, self.device, raw)
+        return time_interleaved(
+            {m: (lambda m=m: self.step(m)) for m in modes}, self.link, links, steps, self.statistic, self.device, raw
+        )
 
     def per_step_link(self, mode: str, forward_only: bool = False):
         run = self.forward if forward_only else self.step

@@ -9,6 +9,7 @@ timing method is bench.overlap's: the schedules run interleaved step by step on 
 computation) and on the calibrated one, each summarised by its fastest step (``--statistic``); the
 link's bandwidth is set so that one step's modeled communication is ``--comm-ratio`` x computation.
 """
+
 from __future__ import annotations
 
 import math
@@ -26,9 +27,17 @@ FREE = (math.inf, 0.0)
 
 def _blocks_on_link(cls, args, s: dict, device):
     """(a free emulated link of ``--world-size``, ``cls(layers, d_model, heads, moe_kwargs)`` on it)."""
-    link = lancet_rt.EmulatedGroup(args.world_size, math.inf, 0.0, device=device)  # counts in the FIFO: the replay models that
-    moe_kwargs = dict(d_ffn=s["d_ffn"], num_experts=s["experts"], top_k=args.top_k,
-                      capacity_factor=args.capacity_factor, ep_group=link, aux_loss_coef=1e-2)
+    link = lancet_rt.EmulatedGroup(
+        args.world_size, math.inf, 0.0, device=device
+    )  # counts in the FIFO: the replay models that
+    moe_kwargs = dict(
+        d_ffn=s["d_ffn"],
+        num_experts=s["experts"],
+        top_k=args.top_k,
+        capacity_factor=args.capacity_factor,
+        ep_group=link,
+        aux_loss_coef=1e-2,
+    )
     torch.manual_seed(0)
     return link, cls(s["layers"], s["d_model"], s["heads"], moe_kwargs, device=device, dtype=getattr(torch, s["dtype"]))
 
@@ -67,6 +76,7 @@ def balanced_chunks(args, s: dict, device: torch.device) -> list:
             runners[name](xx, cu_seqlens=cu).backward(g)
             for p in model.parameters():
                 p.grad = None
+
         return run
 
     steps = {name: step(name) for name in runners}
@@ -82,27 +92,51 @@ def balanced_chunks(args, s: dict, device: torch.device) -> list:
         return [sum(cuts["balanced"].costs(lengths[i:j])) for i, j in zip(bounds, bounds[1:])]
 
     spread = {name: _spread(chunk_costs(b)) for name, b in cuts.items()}
-    row = dict(bench="overlap.balanced_chunks", **run_metadata(device), **s, world_size=args.world_size,
-               chunks=args.chunks, top_k=args.top_k, capacity_factor=args.capacity_factor,
-               order=args.balance_order, sequences=len(lengths), tokens=T, max_len=max(lengths),
-               min_len=min(lengths), comm_ratio=args.comm_ratio, bandwidth_gbps=bw, comm_ms=comm_ms,
-               cost_weights=costs,
-               **{f"{n}_ms": t[("link", n)] for n in runners},
-               **{f"{n}_compute_ms": t[("free", n)] for n in runners},
-               **{f"{n}_chunk_cost_max_over_mean": spread[n] for n in cuts},
-               balanced_speedup_vs_equal_rows=t[("link", "equal_rows")] / t[("link", "balanced")],
-               balanced_compute_speedup_vs_equal_rows=t[("free", "equal_rows")] / t[("free", "balanced")])
-    table = [dict(schedule=n, step_ms=t[("link", n)], compute_ms=t[("free", n)],
-                  hidden=1 - (t[("link", n)] - t[("free", n)]) / comm_ms,
-                  cost_max_over_mean=spread.get(n, ""))
-             for n in runners]
-    print_table(table, ["schedule", "step_ms", "compute_ms", "hidden", "cost_max_over_mean"],
-                title=f"balanced chunks on {row['device']}: {s['layers']} varlen blocks D={s['d_model']} "
-                      f"F={s['d_ffn']} E={s['experts']} K={args.top_k} W={args.world_size}, {len(lengths)} "
-                      f"sequences ({args.balance_order}, {min(lengths)}..{max(lengths)} tokens, {T} in all), "
-                      f"chunks={args.chunks}, comm {comm_ms:.2f} ms = {args.comm_ratio} x compute ({bw:.3g} GB/s)")
-    print(f"balanced vs equal rows: step {row['balanced_speedup_vs_equal_rows']:.3f}x, computation alone "
-          f"{row['balanced_compute_speedup_vs_equal_rows']:.3f}x")
+    row = dict(
+        bench="overlap.balanced_chunks",
+        **run_metadata(device),
+        **s,
+        world_size=args.world_size,
+        chunks=args.chunks,
+        top_k=args.top_k,
+        capacity_factor=args.capacity_factor,
+        order=args.balance_order,
+        sequences=len(lengths),
+        tokens=T,
+        max_len=max(lengths),
+        min_len=min(lengths),
+        comm_ratio=args.comm_ratio,
+        bandwidth_gbps=bw,
+        comm_ms=comm_ms,
+        cost_weights=costs,
+        **{f"{n}_ms": t[("link", n)] for n in runners},
+        **{f"{n}_compute_ms": t[("free", n)] for n in runners},
+        **{f"{n}_chunk_cost_max_over_mean": spread[n] for n in cuts},
+        balanced_speedup_vs_equal_rows=t[("link", "equal_rows")] / t[("link", "balanced")],
+        balanced_compute_speedup_vs_equal_rows=t[("free", "equal_rows")] / t[("free", "balanced")],
+    )
+    table = [
+        dict(
+            schedule=n,
+            step_ms=t[("link", n)],
+            compute_ms=t[("free", n)],
+            hidden=1 - (t[("link", n)] - t[("free", n)]) / comm_ms,
+            cost_max_over_mean=spread.get(n, ""),
+        )
+        for n in runners
+    ]
+    print_table(
+        table,
+        ["schedule", "step_ms", "compute_ms", "hidden", "cost_max_over_mean"],
+        title=f"balanced chunks on {row['device']}: {s['layers']} varlen blocks D={s['d_model']} "
+        f"F={s['d_ffn']} E={s['experts']} K={args.top_k} W={args.world_size}, {len(lengths)} "
+        f"sequences ({args.balance_order}, {min(lengths)}..{max(lengths)} tokens, {T} in all), "
+        f"chunks={args.chunks}, comm {comm_ms:.2f} ms = {args.comm_ratio} x compute ({bw:.3g} GB/s)",
+    )
+    print(
+        f"balanced vs equal rows: step {row['balanced_speedup_vs_equal_rows']:.3f}x, computation alone "
+        f"{row['balanced_compute_speedup_vs_equal_rows']:.3f}x"
+    )
     return [row]
 
 
@@ -124,8 +158,9 @@ class MoEOnlyBlocks(torch.nn.Module):
     def __init__(self, layers: int, d_model: int, moe_kwargs: dict, *, device=None, dtype=None):
         super().__init__()
         self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(d_model, device=device, dtype=dtype) for _ in range(layers))
-        self.moes = torch.nn.ModuleList(lancet_rt.MoE(d_model, device=device, dtype=dtype, **moe_kwargs)
-                                        for _ in range(layers))
+        self.moes = torch.nn.ModuleList(
+            lancet_rt.MoE(d_model, device=device, dtype=dtype, **moe_kwargs) for _ in range(layers)
+        )
 
     def forward(self, x):
         for norm, moe in zip(self.norms, self.moes):
@@ -160,9 +195,21 @@ def dispatchers(args, s: dict, device: torch.device) -> list:
         models, xs = {}, {}
         for d, batch in (("alltoall", s["batch"]), ("allreduce", W * s["batch"])):
             torch.manual_seed(0)
-            models[d] = MoEOnlyBlocks(s["layers"], s["d_model"], dict(
-                d_ffn=s["d_ffn"], num_experts=E, top_k=K, capacity_factor=args.capacity_factor, ep_group=link,
-                aux_loss_coef=1e-2, dispatcher=d), device=device, dtype=dtype)
+            models[d] = MoEOnlyBlocks(
+                s["layers"],
+                s["d_model"],
+                dict(
+                    d_ffn=s["d_ffn"],
+                    num_experts=E,
+                    top_k=K,
+                    capacity_factor=args.capacity_factor,
+                    ep_group=link,
+                    aux_loss_coef=1e-2,
+                    dispatcher=d,
+                ),
+                device=device,
+                dtype=dtype,
+            )
             xs[d] = torch.randn(batch, s["seq"], s["d_model"], device=device, dtype=dtype)
         runners = {}
         for d, m in models.items():
@@ -177,41 +224,70 @@ def dispatchers(args, s: dict, device: torch.device) -> list:
                 runners[key](x).backward(torch.ones_like(x))
                 for p in models[d].parameters():
                     p.grad = None
+
             return run
 
         steps = {key: step(key) for key in runners}
-        calib = time_interleaved({0: steps[("alltoall", "overlapped")]}, link, {"free": FREE}, 3,
-                                 args.statistic, device)[("free", 0)]
+        calib = time_interleaved(
+            {0: steps[("alltoall", "overlapped")]}, link, {"free": FREE}, 3, args.statistic, device
+        )[("free", 0)]
         _, nbytes, transfers = link_per_step(link, steps[("alltoall", "sequential")])
         bw = bandwidth_for_ratio(args.comm_ratio, calib, nbytes, transfers, s["latency_us"])
-        t = time_interleaved(steps, link, {"free": FREE, "link": (bw, s["latency_us"])}, s["steps"],
-                             args.statistic, device)
+        t = time_interleaved(
+            steps, link, {"free": FREE, "link": (bw, s["latency_us"])}, s["steps"], args.statistic, device
+        )
         link.bandwidth_gbps, link.latency_us = bw, s["latency_us"]
         comm = {d: link_per_step(link, steps[(d, "sequential")]) for d in models}
         model_bytes = modeled_bytes(T, s["d_model"], K, W, torch.empty((), dtype=dtype).element_size())
-        model_bytes["allreduce"] = modeled_bytes(W * T, s["d_model"], K, W,
-                                                 torch.empty((), dtype=dtype).element_size())["allreduce"]
-        row = dict(bench="overlap.dispatchers", **run_metadata(device), **{**s, "experts": E}, world_size=W, top_k=K,
-                   chunks=args.chunks, capacity_factor=args.capacity_factor, comm_ratio=args.comm_ratio,
-                   bandwidth_gbps=bw, tokens_per_rank_alltoall=T, tokens_per_rank_allreduce=W * T,
-                   **{f"{d}_{sch}_ms": t[("link", (d, sch))] for d, sch in runners},
-                   **{f"{d}_{sch}_compute_ms": t[("free", (d, sch))] for d, sch in runners},
-                   **{f"{d}_comm_ms": comm[d][0] for d in models},
-                   **{f"{d}_off_rank_bytes": comm[d][1] for d in models},
-                   **{f"{d}_modeled_bytes_per_layer": model_bytes[d] for d in models},
-                   allreduce_over_alltoall_bytes=comm["allreduce"][1] / comm["alltoall"][1],
-                   allreduce_speedup_sequential=t[("link", ("alltoall", "sequential"))] / t[("link", ("allreduce", "sequential"))],
-                   allreduce_speedup_overlapped=t[("link", ("alltoall", "overlapped"))] / t[("link", ("allreduce", "overlapped"))])
+        model_bytes["allreduce"] = modeled_bytes(
+            W * T, s["d_model"], K, W, torch.empty((), dtype=dtype).element_size()
+        )["allreduce"]
+        row = dict(
+            bench="overlap.dispatchers",
+            **run_metadata(device),
+            **{**s, "experts": E},
+            world_size=W,
+            top_k=K,
+            chunks=args.chunks,
+            capacity_factor=args.capacity_factor,
+            comm_ratio=args.comm_ratio,
+            bandwidth_gbps=bw,
+            tokens_per_rank_alltoall=T,
+            tokens_per_rank_allreduce=W * T,
+            **{f"{d}_{sch}_ms": t[("link", (d, sch))] for d, sch in runners},
+            **{f"{d}_{sch}_compute_ms": t[("free", (d, sch))] for d, sch in runners},
+            **{f"{d}_comm_ms": comm[d][0] for d in models},
+            **{f"{d}_off_rank_bytes": comm[d][1] for d in models},
+            **{f"{d}_modeled_bytes_per_layer": model_bytes[d] for d in models},
+            allreduce_over_alltoall_bytes=comm["allreduce"][1] / comm["alltoall"][1],
+            allreduce_speedup_sequential=t[("link", ("alltoall", "sequential"))]
+            / t[("link", ("allreduce", "sequential"))],
+            allreduce_speedup_overlapped=t[("link", ("alltoall", "overlapped"))]
+            / t[("link", ("allreduce", "overlapped"))],
+        )
         rows.append(row)
-        print_table([dict(dispatcher=d, schedule=sch, step_ms=t[("link", (d, sch))], compute_ms=t[("free", (d, sch))],
-                          comm_ms=comm[d][0], off_rank_MB=comm[d][1] / 1e6) for d, sch in runners],
-                    ["dispatcher", "schedule", "step_ms", "compute_ms", "comm_ms", "off_rank_MB"],
-                    title=f"dispatchers on {row['device']}: W={W} K={K} E={E}, {s['layers']} x (norm + MoE) "
-                          f"D={s['d_model']} F={s['d_ffn']}, {T} tokens per rank (all-to-all) / {W * T} replicated "
-                          f"(all-reduce), {bw:.3g} GB/s ({args.comm_ratio} x the all-to-all path's compute)")
-        print(f"all-reduce / all-to-all bytes {row['allreduce_over_alltoall_bytes']:.2f} (W/K = {W / K:.2f}); "
-              f"all-reduce speedup: sequential {row['allreduce_speedup_sequential']:.2f}x, overlapped "
-              f"{row['allreduce_speedup_overlapped']:.2f}x\n")
+        print_table(
+            [
+                dict(
+                    dispatcher=d,
+                    schedule=sch,
+                    step_ms=t[("link", (d, sch))],
+                    compute_ms=t[("free", (d, sch))],
+                    comm_ms=comm[d][0],
+                    off_rank_MB=comm[d][1] / 1e6,
+                )
+                for d, sch in runners
+            ],
+            ["dispatcher", "schedule", "step_ms", "compute_ms", "comm_ms", "off_rank_MB"],
+            title=f"dispatchers on {row['device']}: W={W} K={K} E={E}, {s['layers']} x (norm + MoE) "
+            f"D={s['d_model']} F={s['d_ffn']}, {T} tokens per rank (all-to-all) / {W * T} replicated "
+            f"(all-reduce), {bw:.3g} GB/s ({args.comm_ratio} x the all-to-all path's compute)",
+        )
+        print(
+            f"all-reduce / all-to-all bytes {row['allreduce_over_alltoall_bytes']:.2f} (W/K = {W / K:.2f}); "
+            f"all-reduce speedup: sequential {row['allreduce_speedup_sequential']:.2f}x, overlapped "
+            f"{row['allreduce_speedup_overlapped']:.2f}x\n"
+        )
     return rows
 
 
@@ -226,8 +302,9 @@ def replay_check(args, s: dict, device: torch.device) -> list:
     ratios {0.5, 1, 2}, each cell measured (interleaved, fastest step). Two predictions per cell:
     from the first traced chunk count alone (no per-chunk overhead) and from all of them
     (interpolated between them)."""
-    from bench.model import MoEBlocks
     from lancet_rt.autotune.replay import build_profile, parse_trace, replay
+
+    from bench.model import MoEBlocks
 
     dtype = getattr(torch, s["dtype"])
     link, model = _blocks_on_link(MoEBlocks, args, s, device)
@@ -242,6 +319,7 @@ def replay_check(args, s: dict, device: torch.device) -> list:
             runners[n](x.detach().requires_grad_(True)).backward(g)
             for p in model.parameters():
                 p.grad = None
+
         return run
 
     steps = {n: step(n) for n in counts}
@@ -269,8 +347,10 @@ def replay_check(args, s: dict, device: torch.device) -> list:
                 traces[n].append(parse_trace(tr))
     reduce = min if args.statistic == "min" else statistics.median
     t = {k: reduce(v) for k, v in times.items()}
-    profiles = {"one_trace": build_profile(traces[traced_at[0]]),
-                "all_traces": build_profile([tr for n in traced_at for tr in traces[n]])}
+    profiles = {
+        "one_trace": build_profile(traces[traced_at[0]]),
+        "all_traces": build_profile([tr for n in traced_at for tr in traces[n]]),
+    }
     cells = []
     for r in REPLAY_RATIOS:
         for n in REPLAY_CHUNKS:
@@ -280,23 +360,41 @@ def replay_check(args, s: dict, device: torch.device) -> list:
                 cell[f"{name}_ms"] = q.step_ms
                 cell[f"{name}_error"] = q.step_ms / t[(r, n)] - 1
             cells.append(cell)
-    summary = {f"{name}_{k}": f(abs(c[f"{name}_error"]) for c in cells)
-               for name in profiles for k, f in (("max_abs_error", max), ("mean_abs_error", statistics.fmean))}
-    row = dict(bench="overlap.replay", **run_metadata(device), **s, world_size=args.world_size, top_k=args.top_k,
-               capacity_factor=args.capacity_factor, defer_wgrad=args.replay_defer_wgrad, traced_chunks=traced_at,
-               traces_per_count=args.replay_traces, traced_bandwidth_gbps=bws[1.0],
-               traced_step_ms={str(n): min(tr.step_ms for tr in traces[n]) for n in traced_at},
-               forward_compute_ms_at={str(n): sum(v[n] for v in profiles["all_traces"].totals.values())
-                                      for n in traced_at},
-               cells=cells, **summary)
-    print_table(cells, ["chunks", "comm_ratio", "measured_ms", "one_trace_ms", "one_trace_error", "all_traces_ms",
-                        "all_traces_error"],
-                title=f"replay on {row['device']}: {s['layers']} blocks D={s['d_model']} E={s['experts']} "
-                      f"K={args.top_k} W={args.world_size} tokens={s['batch'] * s['seq']}, traced at chunks "
-                      f"{traced_at} (comm ratio 1, {bws[1.0]:.3g} GB/s)" + (", deferred dW" if args.replay_defer_wgrad else ""))
-    print("prediction error |predicted / measured - 1|: " + ", ".join(
-        f"{name} max {summary[name + '_max_abs_error']:.1%} mean {summary[name + '_mean_abs_error']:.1%}"
-        for name in profiles))
+    summary = {
+        f"{name}_{k}": f(abs(c[f"{name}_error"]) for c in cells)
+        for name in profiles
+        for k, f in (("max_abs_error", max), ("mean_abs_error", statistics.fmean))
+    }
+    row = dict(
+        bench="overlap.replay",
+        **run_metadata(device),
+        **s,
+        world_size=args.world_size,
+        top_k=args.top_k,
+        capacity_factor=args.capacity_factor,
+        defer_wgrad=args.replay_defer_wgrad,
+        traced_chunks=traced_at,
+        traces_per_count=args.replay_traces,
+        traced_bandwidth_gbps=bws[1.0],
+        traced_step_ms={str(n): min(tr.step_ms for tr in traces[n]) for n in traced_at},
+        forward_compute_ms_at={str(n): sum(v[n] for v in profiles["all_traces"].totals.values()) for n in traced_at},
+        cells=cells,
+        **summary,
+    )
+    print_table(
+        cells,
+        ["chunks", "comm_ratio", "measured_ms", "one_trace_ms", "one_trace_error", "all_traces_ms", "all_traces_error"],
+        title=f"replay on {row['device']}: {s['layers']} blocks D={s['d_model']} E={s['experts']} "
+        f"K={args.top_k} W={args.world_size} tokens={s['batch'] * s['seq']}, traced at chunks "
+        f"{traced_at} (comm ratio 1, {bws[1.0]:.3g} GB/s)" + (", deferred dW" if args.replay_defer_wgrad else ""),
+    )
+    print(
+        "prediction error |predicted / measured - 1|: "
+        + ", ".join(
+            f"{name} max {summary[name + '_max_abs_error']:.1%} mean {summary[name + '_mean_abs_error']:.1%}"
+            for name in profiles
+        )
+    )
     return [row]
 
 

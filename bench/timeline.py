@@ -1,5 +1,6 @@
 """The timeline PNG of bench.overlap (``--png``): the link's transfers and the host's computation of
 one sequential and one overlapped step, and the cross-microbatch step when there is one."""
+
 from __future__ import annotations
 
 
@@ -42,23 +43,38 @@ def draw_timeline(traces: dict, path: str, row: dict) -> None:
         lanes += [f"{mode}\nlink", f"{mode}\ncompute"]
         for e in events:
             if e["tid"] == "link":
-                ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (y_link - 0.4, 0.8),
-                               facecolors="tab:red", edgecolor="white", linewidth=0.3)
-        ax.broken_barh([((a - t0) / 1e3, (b - a) / 1e3) for a, b in _busy_intervals(events, t0, t1)],
-                       (y_comp - 0.4, 0.8), facecolors="lightgray")
+                ax.broken_barh(
+                    [((e["ts"] - t0) / 1e3, e["dur"] / 1e3)],
+                    (y_link - 0.4, 0.8),
+                    facecolors="tab:red",
+                    edgecolor="white",
+                    linewidth=0.3,
+                )
+        ax.broken_barh(
+            [((a - t0) / 1e3, (b - a) / 1e3) for a, b in _busy_intervals(events, t0, t1)],
+            (y_comp - 0.4, 0.8),
+            facecolors="lightgray",
+        )
         for e in events:
             chunk = e["args"].get("chunk")
             if e["tid"] != "compute" or chunk is None:
                 continue
             if not (e["name"].startswith("chunk") or e["name"].endswith("bwd") or e["name"] == "dW"):
                 continue
-            ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (y_comp - 0.4, 0.8),
-                           facecolors=colors(chunk % 10), alpha=0.9 if e["name"].startswith("chunk") else 1.0)
+            ax.broken_barh(
+                [((e["ts"] - t0) / 1e3, e["dur"] / 1e3)],
+                (y_comp - 0.4, 0.8),
+                facecolors=colors(chunk % 10),
+                alpha=0.9 if e["name"].startswith("chunk") else 1.0,
+            )
     ax.set_yticks(range(len(lanes)), lanes, fontsize=8)
     ax.set_xlabel("ms (one forward + backward step)")
-    ax.set_title(f"{row['device']}: sequential {row['sequential_ms']:.1f} ms vs overlapped "
-                 f"{row['overlapped_ms']:.1f} ms (comm {row['comm_ms']:.1f} ms, compute {row['compute_ms']:.1f} ms); "
-                 f"grey: busy, colours: chunks", fontsize=9)
+    ax.set_title(
+        f"{row['device']}: sequential {row['sequential_ms']:.1f} ms vs overlapped "
+        f"{row['overlapped_ms']:.1f} ms (comm {row['comm_ms']:.1f} ms, compute {row['compute_ms']:.1f} ms); "
+        f"grey: busy, colours: chunks",
+        fontsize=9,
+    )
     if accum is not None:
         draw_accumulate_lanes(accum_ax, accum, row)
     fig.tight_layout()
@@ -80,20 +96,34 @@ def draw_accumulate_lanes(ax, tr, row: dict) -> None:
     kind = {"all_reduce": "tab:blue", "exchange": "dimgray"}
     for e in events:
         if e["tid"] == "link":
-            ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (1.6, 0.8),
-                           facecolors=kind.get(e["name"], "tab:red"), edgecolor="white", linewidth=0.3)
+            ax.broken_barh(
+                [((e["ts"] - t0) / 1e3, e["dur"] / 1e3)],
+                (1.6, 0.8),
+                facecolors=kind.get(e["name"], "tab:red"),
+                edgecolor="white",
+                linewidth=0.3,
+            )
     for name, alpha, hatch in (("forward", 0.35, None), ("backward", 0.95, "///")):
         for e in events:
             if e["tid"] == "compute" and e["name"].startswith(name + " "):
                 i = e["args"]["microbatch"]
-                ax.broken_barh([((e["ts"] - t0) / 1e3, e["dur"] / 1e3)], (0.6, 0.8), facecolors=colors(i % 10),
-                               alpha=alpha, hatch=hatch, edgecolor="white" if hatch else None, linewidth=0)
+                ax.broken_barh(
+                    [((e["ts"] - t0) / 1e3, e["dur"] / 1e3)],
+                    (0.6, 0.8),
+                    facecolors=colors(i % 10),
+                    alpha=alpha,
+                    hatch=hatch,
+                    edgecolor="white" if hatch else None,
+                    linewidth=0,
+                )
     busy = _busy_intervals(events, t0, t1)
     idle = [(a, b) for (_, a), (b, _) in zip(busy, busy[1:])]
     ax.broken_barh([((a - t0) / 1e3, (b - a) / 1e3) for a, b in idle], (0.6, 0.8), facecolors="white")
     ax.set_yticks([1, 2], ["accumulate\nhost", "accumulate\nlink"], fontsize=8)
     ax.set_xlabel(f"ms (one step of {row['microbatches']} microbatches)")
-    ax.set_title(f"Overlapped.accumulate: {row['accumulate_ms']:.1f} ms vs {row['microbatches']} x overlapped "
-                 f"{row['accumulate_sequential_ms']:.1f} ms (comm {row['accum_comm_ms']:.1f} ms, hides "
-                 f"{row['hidden_comm_fraction_accum']:.2f}); light: forward i, dark: backward i beside forward i+1",
-                 fontsize=9)
+    ax.set_title(
+        f"Overlapped.accumulate: {row['accumulate_ms']:.1f} ms vs {row['microbatches']} x overlapped "
+        f"{row['accumulate_sequential_ms']:.1f} ms (comm {row['accum_comm_ms']:.1f} ms, hides "
+        f"{row['hidden_comm_fraction_accum']:.2f}); light: forward i, dark: backward i beside forward i+1",
+        fontsize=9,
+    )

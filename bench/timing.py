@@ -4,6 +4,7 @@ calibrate a bandwidth to a comm/compute ratio.
 
 The timers never import another bench module, so every benchmark can import them without a cycle.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -134,8 +135,9 @@ class PhaseTimer:
         return list(zip(host, gpu))
 
 
-def time_interleaved(steps: dict, link, links: dict, reps: int, statistic: str = "min", device=None,
-                     raw: Optional[dict] = None) -> dict:
+def time_interleaved(
+    steps: dict, link, links: dict, reps: int, statistic: str = "min", device=None, raw: Optional[dict] = None
+) -> dict:
     """``{(link name, step name): ms}``: every step on every link, interleaved step by step after one
     warm-up each, so that a slow period of a shared machine weighs on all of them alike; each
     summarised by ``statistic`` (min or median).
@@ -154,7 +156,7 @@ def time_interleaved(steps: dict, link, links: dict, reps: int, statistic: str =
     for rep in range(reps):
         for s, fn in steps.items():
             # The links' order alternates: the first run after another step pays for the switch.
-            for lk, (bw, lat) in (list(links.items()) if rep % 2 == 0 else list(links.items())[::-1]):
+            for lk, (bw, lat) in list(links.items()) if rep % 2 == 0 else list(links.items())[::-1]:
                 link.bandwidth_gbps, link.latency_us = bw, lat
                 times[(lk, s)].append(step_ms(fn, device))
     if raw is not None:

@@ -9,6 +9,7 @@ generated here (each pair of tokens has three possible successors with probabili
 0.05, see MarkovLanguage), so the loss has a known floor: its entropy. The model runs under ``lancet_rt.Overlapped``;
 at the end the same training step is timed sequentially and overlapped.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -75,16 +76,27 @@ def parse_args(argv=None):
     p.add_argument("--aux-loss-coef", type=float_in(0), default=0.01)
     p.add_argument("--lr", type=float_in(0, above=True), default=3e-3)
     p.add_argument("--chunks", type=int_in(1, 64), default=2, help="Overlapped chunk count (1: sequential)")
-    p.add_argument("--autocast", choices=("none", "bf16"), default="none",
-                   help="run every step, and the warm-up before the first, under torch.autocast in bfloat16")
+    p.add_argument(
+        "--autocast",
+        choices=("none", "bf16"),
+        default="none",
+        help="run every step, and the warm-up before the first, under torch.autocast in bfloat16",
+    )
     p.add_argument("--timing-steps", type=int_in(0), default=8, help="steps timed each way at the end")
-    p.add_argument("--channels", choices=("plain", "split"), default="plain",
-                   help="gloo: the expert-parallel group as it is (plain) or split (lancet_rt.TorchGroup.split: the "
-                        "counts and checks on a group of their own, each direction of the tokens on its own; what a "
-                        "real link wants, make train-link)")
+    p.add_argument(
+        "--channels",
+        choices=("plain", "split"),
+        default="plain",
+        help="gloo: the expert-parallel group as it is (plain) or split (lancet_rt.TorchGroup.split: the "
+        "counts and checks on a group of their own, each direction of the tokens on its own; what a "
+        "real link wants, make train-link)",
+    )
     p.add_argument("--json", default=None, help="write the summary as JSON here")
-    p.add_argument("--routing-trace", default=None,
-                   help="record every step's per-layer expert loads (rank 0's) as a lancet_rt routing trace JSON here")
+    p.add_argument(
+        "--routing-trace",
+        default=None,
+        help="record every step's per-layer expert loads (rank 0's) as a lancet_rt routing trace JSON here",
+    )
     return p.parse_args(argv)
 
 
@@ -107,8 +119,12 @@ def _save_routing_trace(args, loads: list, world: int) -> None:
     """--routing-trace: rank 0's per-step, per-layer expert loads as a lancet_rt routing trace."""
     from lancet_rt.routing.traces import RoutingTrace
 
-    meta = dict(source="bench.train_lm (make train)", world_size=world, rank=0,
-                **{k: v for k, v in vars(args).items() if k != "routing_trace"})
+    meta = dict(
+        source="bench.train_lm (make train)",
+        world_size=world,
+        rank=0,
+        **{k: v for k, v in vars(args).items() if k != "routing_trace"},
+    )
     RoutingTrace(loads, meta).save(args.routing_trace)
 
 
@@ -146,9 +162,11 @@ def main(argv=None) -> dict:
         return loss.detach()
 
     if main_rank:
-        print(f"lancet-rt main job: {world} rank(s) on {device.type}, {args.layers} MoE layers, "
-              f"E={args.experts} K={args.top_k} cf={args.capacity_factor}, D={args.d_model}, "
-              f"chunks={args.chunks}; loss floor (entropy) {data.entropy:.3f} nats")
+        print(
+            f"lancet-rt main job: {world} rank(s) on {device.type}, {args.layers} MoE layers, "
+            f"E={args.experts} K={args.top_k} cf={args.capacity_factor}, D={args.d_model}, "
+            f"chunks={args.chunks}; loss floor (entropy) {data.entropy:.3f} nats"
+        )
     _warm_up(args, (overlapped, model), data.batch(args.batch, args.seq, torch.Generator())[0].to(device), device)
     history, losses, loads = [], [], []
     moes = [m for m in model.modules() if isinstance(m, lancet_rt.MoE)]
@@ -161,9 +179,11 @@ def main(argv=None) -> dict:
             row, now = _progress_row(model, losses, world, it, tokens_per_step * len(losses), t_int)
             history.append(row)
             if main_rank:
-                print(f"step {it:4d}  loss {row['loss']:.3f}  {row['tokens_per_s']:8.0f} tok/s  expert load "
-                      f"{' '.join(f'{v:.2f}' for v in row['load'])}  dropped {row['dropped_fraction']:.1%}",
-                      flush=True)
+                print(
+                    f"step {it:4d}  loss {row['loss']:.3f}  {row['tokens_per_s']:8.0f} tok/s  expert load "
+                    f"{' '.join(f'{v:.2f}' for v in row['load'])}  dropped {row['dropped_fraction']:.1%}",
+                    flush=True,
+                )
             losses, t_int = [], now
     train_s = time.perf_counter() - t0
     if args.routing_trace and main_rank:
@@ -180,11 +200,22 @@ def main(argv=None) -> dict:
 
     seq_ms = timed(model) if args.timing_steps else math.nan
     ovl_ms = timed(overlapped) if args.timing_steps else math.nan
-    summary = dict(world=world, device=device.type, steps=args.steps, chunks=args.chunks,
-                   first_loss=history[0]["loss"], final_loss=history[-1]["loss"], entropy=data.entropy,
-                   train_s=train_s, sequential_step_ms=seq_ms, overlapped_step_ms=ovl_ms, channels=args.channels,
-                   sequential_tokens_per_s=tokens_per_step / seq_ms * 1e3,
-                   overlapped_tokens_per_s=tokens_per_step / ovl_ms * 1e3, history=history)
+    summary = dict(
+        world=world,
+        device=device.type,
+        steps=args.steps,
+        chunks=args.chunks,
+        first_loss=history[0]["loss"],
+        final_loss=history[-1]["loss"],
+        entropy=data.entropy,
+        train_s=train_s,
+        sequential_step_ms=seq_ms,
+        overlapped_step_ms=ovl_ms,
+        channels=args.channels,
+        sequential_tokens_per_s=tokens_per_step / seq_ms * 1e3,
+        overlapped_tokens_per_s=tokens_per_step / ovl_ms * 1e3,
+        history=history,
+    )
     if main_rank:
         _report(summary, args)
     if world > 1:
@@ -203,11 +234,13 @@ def _clock(device: torch.device) -> float:
 def _report(summary: dict, args) -> None:
     """Print the summary line (and write ``--json``)."""
     seq_ms, ovl_ms = summary["sequential_step_ms"], summary["overlapped_step_ms"]
-    print(f"summary: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} "
-          f"(floor {summary['entropy']:.3f}) in {args.steps} steps, {summary['train_s']:.1f} s; step time "
-          f"sequential {seq_ms:.1f} ms, overlapped ({args.chunks} chunks) {ovl_ms:.1f} ms "
-          f"({seq_ms / ovl_ms:.2f}x); tokens/s sequential {summary['sequential_tokens_per_s']:.0f}, overlapped "
-          f"{summary['overlapped_tokens_per_s']:.0f}")
+    print(
+        f"summary: loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f} "
+        f"(floor {summary['entropy']:.3f}) in {args.steps} steps, {summary['train_s']:.1f} s; step time "
+        f"sequential {seq_ms:.1f} ms, overlapped ({args.chunks} chunks) {ovl_ms:.1f} ms "
+        f"({seq_ms / ovl_ms:.2f}x); tokens/s sequential {summary['sequential_tokens_per_s']:.0f}, overlapped "
+        f"{summary['overlapped_tokens_per_s']:.0f}"
+    )
     print(_link_note(summary, args))
     if args.json:
         with open(args.json, "w") as f:
@@ -219,14 +252,18 @@ def _link_note(summary: dict, args) -> str:
     process) the all-to-alls cost almost nothing, so the ratio is chunking's own cost, not a result."""
     rate = os.environ.get("LANCET_REALLINK_RATE_BPS")
     if rate:
-        return (f"link: the real link of bench.reallink, {float(rate) / 1e6:.0f} Mbit/s per port: the overlapped "
-                f"step hides what it can of that link's all-to-alls")
+        return (
+            f"link: the real link of bench.reallink, {float(rate) / 1e6:.0f} Mbit/s per port: the overlapped "
+            f"step hides what it can of that link's all-to-alls"
+        )
     if summary["device"] == "cuda" and summary["world"] > 1:
         return "link: NCCL between this node's GPUs (the overlap hides what of it the step's computation covers)"
     where = "one process: no all-to-all" if summary["world"] == 1 else "gloo ranks on loopback"
-    return (f"link: {where}, so there is (almost) nothing to hide and the ratio above is what chunking costs "
-            f"(about 1x, either way by noise). To see the overlap: `make train-link` (root: a real link limited "
-            f"per port) or `python -m bench.overlap --device cpu --quick` (an emulated link); docs/benchmarks.md")
+    return (
+        f"link: {where}, so there is (almost) nothing to hide and the ratio above is what chunking costs "
+        f"(about 1x, either way by noise). To see the overlap: `make train-link` (root: a real link limited "
+        f"per port) or `python -m bench.overlap --device cpu --quick` (an emulated link); docs/benchmarks.md"
+    )
 
 
 def _build_model(args, device, group, rank: int, world: int) -> MoELanguageModel:
@@ -235,9 +272,14 @@ def _build_model(args, device, group, rank: int, world: int) -> MoELanguageModel
     if group is not None and args.channels == "split" and device.type == "cpu":
         lancet_rt.TorchGroup.split(group)
     torch.manual_seed(0)
-    moe_kwargs = dict(d_ffn=args.d_ffn, num_experts=args.experts, top_k=args.top_k,
-                      capacity_factor=args.capacity_factor if args.capacity_factor > 0 else None,
-                      aux_loss_coef=args.aux_loss_coef, ep_group=group)
+    moe_kwargs = dict(
+        d_ffn=args.d_ffn,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        capacity_factor=args.capacity_factor if args.capacity_factor > 0 else None,
+        aux_loss_coef=args.aux_loss_coef,
+        ep_group=group,
+    )
     model = MoELanguageModel(args.vocab, args.seq, args.layers, args.d_model, args.heads, moe_kwargs, device=device)
     torch.manual_seed(1000 + rank)  # each rank's experts get their own initialisation
     for moe in model.moe_layers():
@@ -263,8 +305,13 @@ def _progress_row(model, losses: list, world: int, it: int, tokens: int, t_int: 
         dist.all_reduce(stats)
         load, dropped, routed = stats[:-1], float(stats[-1]), float(stats[:-1].sum())
     now = time.perf_counter()
-    return dict(step=it, loss=float(loss), tokens_per_s=tokens / (now - t_int),
-                load=[round(float(v) / max(routed, 1), 3) for v in load], dropped_fraction=dropped / max(routed, 1)), now
+    return dict(
+        step=it,
+        loss=float(loss),
+        tokens_per_s=tokens / (now - t_int),
+        load=[round(float(v) / max(routed, 1), 3) for v in load],
+        dropped_fraction=dropped / max(routed, 1),
+    ), now
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ cost is the sum of the squared lengths), the MoE routes every token. Row t's out
 its own sequence, so it is separable at sequence boundaries, where
 :class:`lancet_rt.BalancedChunks` cuts.
 """
+
 from __future__ import annotations
 
 import torch
@@ -67,9 +68,15 @@ class VarlenBlocks(nn.Module):
     def __init__(self, layers: int, d_model: int, heads: int, moe_kwargs: dict, *, device=None, dtype=None):
         super().__init__()
         self.blocks = nn.ModuleList(
-            VarlenBlock(d_model, heads, lancet_rt.MoE(d_model, device=device, dtype=dtype, **moe_kwargs),
-                        device=device, dtype=dtype)
-            for _ in range(layers))
+            VarlenBlock(
+                d_model,
+                heads,
+                lancet_rt.MoE(d_model, device=device, dtype=dtype, **moe_kwargs),
+                device=device,
+                dtype=dtype,
+            )
+            for _ in range(layers)
+        )
 
     def forward(self, x_TD: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:

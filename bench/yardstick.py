@@ -37,10 +37,12 @@ step, the most favourable reading).
 Reported per extra chunk, forward and backward together, for both layers: the ATen ops and host
 reads (:class:`bench.host.OpCounter`), and the microseconds of the fastest of ``--reps`` steps
 (:func:`bench.timing.time_interleaved`: every step in turn each round; the wall clock on CPU).
-Each is the step at N chunks minus the unchunked step, over N - 1. ``lancet_rt.MoE`` runs on a free emulated link, its chunks one batch
+Each is the step at N chunks minus the unchunked step, over N - 1. ``lancet_rt.MoE`` runs on a free emulated
+link, its chunks one batch
 as under ``Overlapped`` but with no scheduler (:func:`lancet_step`), so the schedule's cost is not
 in its row.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -51,10 +53,10 @@ import torch
 import torch.nn.functional as F
 
 import lancet_rt
-from lancet_rt.schedule import scope as _scope
 from bench.common import RowLog, print_table, run_metadata
 from bench.host import OpCounter
 from bench.timing import keep_freed_memory, time_interleaved
+from lancet_rt.schedule import scope as _scope
 
 
 class _Copy(torch.autograd.Function):
@@ -86,8 +88,12 @@ class LeanMoE:
         E, K, cf = self.E, self.K, self.moe.capacity_factor
         capacity = math.inf if cf is None else math.ceil(cf * tokens * K / E)
         dev = self.moe.router.weight.device
-        return dict(tokens=tokens, capacity=capacity, used=torch.zeros(E, dtype=torch.long, device=dev),
-                    score_sum=torch.zeros(E, dtype=self.moe.router.weight.dtype, device=dev))
+        return dict(
+            tokens=tokens,
+            capacity=capacity,
+            used=torch.zeros(E, dtype=torch.long, device=dev),
+            score_sum=torch.zeros(E, dtype=self.moe.router.weight.dtype, device=dev),
+        )
 
     def __call__(self, x_TD: torch.Tensor, state: dict) -> torch.Tensor:
         m, K = self.moe, self.K
@@ -205,10 +211,20 @@ def measure_blocks(args, device: torch.device) -> list:
 
     link = lancet_rt.EmulatedGroup(args.world_size, math.inf, 0.0, device=device)
     torch.manual_seed(0)
-    model = MoEBlocks(args.layers, args.d_model, args.heads,
-                      dict(d_ffn=args.d_ffn, num_experts=args.experts, top_k=args.top_k,
-                           capacity_factor=args.capacity_factor, aux_loss_coef=1e-2, ep_group=link),
-                      device=device)
+    model = MoEBlocks(
+        args.layers,
+        args.d_model,
+        args.heads,
+        dict(
+            d_ffn=args.d_ffn,
+            num_experts=args.experts,
+            top_k=args.top_k,
+            capacity_factor=args.capacity_factor,
+            aux_loss_coef=1e-2,
+            ep_group=link,
+        ),
+        device=device,
+    )
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.batch, args.seq, args.d_model, generator=g).to(device)
     grad = torch.randn(args.batch, args.seq, args.d_model, generator=g).to(device)
@@ -222,11 +238,21 @@ def measure_blocks(args, device: torch.device) -> list:
     rows, extra = [], (args.chunks - 1) * args.layers
     for layer in BLOCK_LAYERS:
         one, n = ms[layer, 1], ms[layer, args.chunks]
-        rows.append(dict(layer=layer, chunks=args.chunks, layers=args.layers, tokens=args.batch * args.seq,
-                         step_ms_unchunked=one, step_ms_chunked=n, chunking_overhead=n / one,
-                         dense_part=(dense_n - dense1) / one, moe_part=(n - one - (dense_n - dense1)) / one,
-                         overhead_with_lean_chunks=(ours1 + n - one) / ours1 if layer == "lean eager MoE" else None,
-                         ops_per_layer_per_extra_chunk=(counted[layer, args.chunks][0] - counted[layer, 1][0]) / extra))
+        rows.append(
+            dict(
+                layer=layer,
+                chunks=args.chunks,
+                layers=args.layers,
+                tokens=args.batch * args.seq,
+                step_ms_unchunked=one,
+                step_ms_chunked=n,
+                chunking_overhead=n / one,
+                dense_part=(dense_n - dense1) / one,
+                moe_part=(n - one - (dense_n - dense1)) / one,
+                overhead_with_lean_chunks=(ours1 + n - one) / ours1 if layer == "lean eager MoE" else None,
+                ops_per_layer_per_extra_chunk=(counted[layer, args.chunks][0] - counted[layer, 1][0]) / extra,
+            )
+        )
     return rows
 
 
@@ -248,8 +274,16 @@ def _count_and_time(step, layers, link, args, device) -> tuple:
 def build(args, device: torch.device) -> lancet_rt.MoE:
     link = lancet_rt.EmulatedGroup(args.world_size, math.inf, 0.0, device=device)
     torch.manual_seed(0)
-    return lancet_rt.MoE(args.d_model, d_ffn=args.d_ffn, num_experts=args.experts, top_k=args.top_k,
-                         capacity_factor=args.capacity_factor, aux_loss_coef=1e-2, ep_group=link, device=device)
+    return lancet_rt.MoE(
+        args.d_model,
+        d_ffn=args.d_ffn,
+        num_experts=args.experts,
+        top_k=args.top_k,
+        capacity_factor=args.capacity_factor,
+        aux_loss_coef=1e-2,
+        ep_group=link,
+        device=device,
+    )
 
 
 def measure(args, device: torch.device) -> list:
@@ -258,8 +292,10 @@ def measure(args, device: torch.device) -> list:
     g = torch.Generator().manual_seed(1)
     x = torch.randn(args.tokens, args.d_model, generator=g).to(device)
     grad = torch.randn(args.tokens, args.d_model, generator=g).to(device)
-    layers = {"lean eager MoE": lambda n: lean_step(lean, x, grad, n),
-              "lancet_rt.MoE": lambda n: lancet_step(moe, x, grad, n)}
+    layers = {
+        "lean eager MoE": lambda n: lean_step(lean, x, grad, n),
+        "lancet_rt.MoE": lambda n: lancet_step(moe, x, grad, n),
+    }
 
     def step(layer, n):
         layers[layer](n)
@@ -270,9 +306,17 @@ def measure(args, device: torch.device) -> list:
     for layer in layers:
         (ops1, reads1), (opsn, readsn) = counted[layer, 1], counted[layer, args.chunks]
         us1, usn = (ms[layer, n] * 1e3 for n in (1, args.chunks))
-        rows.append(dict(layer=layer, chunks=args.chunks, tokens=args.tokens, step_us_unchunked=us1,
-                         ops_per_extra_chunk=(opsn - ops1) / extra, reads_per_extra_chunk=(readsn - reads1) / extra,
-                         us_per_extra_chunk=(usn - us1) / extra))
+        rows.append(
+            dict(
+                layer=layer,
+                chunks=args.chunks,
+                tokens=args.tokens,
+                step_us_unchunked=us1,
+                ops_per_extra_chunk=(opsn - ops1) / extra,
+                reads_per_extra_chunk=(readsn - reads1) / extra,
+                us_per_extra_chunk=(usn - us1) / extra,
+            )
+        )
     return rows
 
 
@@ -290,8 +334,11 @@ def main(argv: Optional[list] = None) -> list:
     p.add_argument("--reps", type=int, default=60)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
-    p.add_argument("--blocks", action="store_true",
-                   help="the whole blocks model of bench.overlap --quick, with each layer (module docstring)")
+    p.add_argument(
+        "--blocks",
+        action="store_true",
+        help="the whole blocks model of bench.overlap --quick, with each layer (module docstring)",
+    )
     p.add_argument("--layers", type=int, default=2, help="--blocks: blocks")
     p.add_argument("--heads", type=int, default=4, help="--blocks: attention heads")
     p.add_argument("--batch", type=int, default=16, help="--blocks: sequences (cut into the chunks)")
@@ -313,30 +360,76 @@ def main(argv: Optional[list] = None) -> list:
         return _blocks_report(measure_blocks(args, device), args, log, meta)
     rows = measure(args, device)
     for r in rows:
-        log.add(dict(bench="yardstick", **r, d_model=args.d_model, d_ffn=args.d_ffn, experts=args.experts,
-                     top_k=args.top_k, capacity_factor=args.capacity_factor, **meta))
-    print_table(rows, ["layer", "chunks", "tokens", "step_us_unchunked", "ops_per_extra_chunk", "reads_per_extra_chunk",
-                       "us_per_extra_chunk"],
-                f"bench.yardstick on {meta['device']}: per extra chunk, forward and backward (D={args.d_model}, "
-                f"F={args.d_ffn}, E={args.experts}, K={args.top_k}, capacity factor {args.capacity_factor})")
+        log.add(
+            dict(
+                bench="yardstick",
+                **r,
+                d_model=args.d_model,
+                d_ffn=args.d_ffn,
+                experts=args.experts,
+                top_k=args.top_k,
+                capacity_factor=args.capacity_factor,
+                **meta,
+            )
+        )
+    print_table(
+        rows,
+        [
+            "layer",
+            "chunks",
+            "tokens",
+            "step_us_unchunked",
+            "ops_per_extra_chunk",
+            "reads_per_extra_chunk",
+            "us_per_extra_chunk",
+        ],
+        f"bench.yardstick on {meta['device']}: per extra chunk, forward and backward (D={args.d_model}, "
+        f"F={args.d_ffn}, E={args.experts}, K={args.top_k}, capacity factor {args.capacity_factor})",
+    )
     ratio = rows[1]["us_per_extra_chunk"] / rows[0]["us_per_extra_chunk"]
-    print(f"lancet_rt.MoE costs {ratio:.2f}x the lean layer per extra chunk "
-          f"({rows[1]['ops_per_extra_chunk']:.0f} vs {rows[0]['ops_per_extra_chunk']:.0f} ATen ops)")
+    print(
+        f"lancet_rt.MoE costs {ratio:.2f}x the lean layer per extra chunk "
+        f"({rows[1]['ops_per_extra_chunk']:.0f} vs {rows[0]['ops_per_extra_chunk']:.0f} ATen ops)"
+    )
     return rows
 
 
 def _blocks_report(rows: list, args, log: RowLog, meta: dict) -> list:
     for r in rows:
-        log.add(dict(bench="yardstick_blocks", **r, d_model=args.d_model, d_ffn=args.d_ffn, experts=args.experts,
-                     top_k=args.top_k, capacity_factor=args.capacity_factor, **meta))
-    print_table(rows, ["layer", "chunks", "step_ms_unchunked", "step_ms_chunked", "chunking_overhead", "dense_part",
-                       "moe_part", "ops_per_layer_per_extra_chunk"],
-                f"bench.yardstick --blocks on {meta['device']}: {args.layers} blocks D={args.d_model} F={args.d_ffn} "
-                f"E={args.experts} K={args.top_k} tokens={args.batch * args.seq}, {args.chunks} chunks one after "
-                f"another (one batch, no schedule); parts in units of the unchunked step")
+        log.add(
+            dict(
+                bench="yardstick_blocks",
+                **r,
+                d_model=args.d_model,
+                d_ffn=args.d_ffn,
+                experts=args.experts,
+                top_k=args.top_k,
+                capacity_factor=args.capacity_factor,
+                **meta,
+            )
+        )
+    print_table(
+        rows,
+        [
+            "layer",
+            "chunks",
+            "step_ms_unchunked",
+            "step_ms_chunked",
+            "chunking_overhead",
+            "dense_part",
+            "moe_part",
+            "ops_per_layer_per_extra_chunk",
+        ],
+        f"bench.yardstick --blocks on {meta['device']}: {args.layers} blocks D={args.d_model} F={args.d_ffn} "
+        f"E={args.experts} K={args.top_k} tokens={args.batch * args.seq}, {args.chunks} chunks one after "
+        f"another (one batch, no schedule); parts in units of the unchunked step",
+    )
     lean = rows[1]
-    print(f"with the lean layer the chunking overhead is {lean['chunking_overhead']:.3f} "
-          f"({lean['overhead_with_lean_chunks']:.3f} on our unchunked step); lancet_rt.MoE: {rows[0]['chunking_overhead']:.3f}")
+    print(
+        f"with the lean layer the chunking overhead is {lean['chunking_overhead']:.3f} "
+        f"({lean['overhead_with_lean_chunks']:.3f} on our unchunked step); lancet_rt.MoE: "
+        f"{rows[0]['chunking_overhead']:.3f}"
+    )
     return rows
 
 

@@ -6,6 +6,7 @@ signature and semantics as its reference in :mod:`lancet_rt.kernels.reference`.
 Imported under any other name than ``lancet_rt.kernels`` (the checkout's folder found first as the
 top-level ``kernels``, which is Hugging Face's), it loads that package instead (``_aside.py``).
 """
+
 if __name__ != "lancet_rt.kernels":
     import os as _os
     import runpy as _runpy

@@ -15,6 +15,7 @@ is what libraries probing for the name expect of a stray folder: transformers (5
 This file is executed by path (``runpy.run_path``), never imported: under either top-level name it
 would itself be a module of the package it stands aside for.
 """
+
 from __future__ import annotations
 
 import importlib.machinery

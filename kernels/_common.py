@@ -1,6 +1,7 @@
 """Helpers shared by the kernel launchers: the interpreter switch, the kernel-config variables (every one,
 and their one parser), argument checks, and the device every launch runs on (its input tensors', not
 whichever GPU happens to be current)."""
+
 from __future__ import annotations
 
 import functools
@@ -10,7 +11,6 @@ from typing import Optional, Tuple
 
 import torch
 import triton
-
 
 #: TRITON_INTERPRET's values as Triton reads them (any case): on, and off ("" or unset: off).
 _ON, _OFF = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
@@ -25,8 +25,9 @@ def interpreting() -> bool:
         return True
     if text.lower() in _OFF:
         return False
-    raise ValueError(f"TRITON_INTERPRET must be one of {', '.join(_ON)} (on) or {', '.join(_OFF[1:])} or unset "
-                     f"(off), got {text!r}")
+    raise ValueError(
+        f"TRITON_INTERPRET must be one of {', '.join(_ON)} (on) or {', '.join(_OFF[1:])} or unset (off), got {text!r}"
+    )
 
 
 @dataclass(frozen=True)
@@ -35,6 +36,7 @@ class ConfigVar:
     in [``min_tile``, 2^20], as ``tl.arange`` needs), ``num_warps`` and ``num_stages``. ``positional``:
     the values in order ("t1,...,num_warps,num_stages", all five required) instead of NAME=int items
     (every tile required, num_warps and num_stages optional)."""
+
     tiles: Tuple[str, ...]
     example: str
     positional: bool = False
@@ -74,9 +76,15 @@ def parse_config(env_var: str) -> Optional[Tuple[dict, Optional[int], Optional[i
     if not text:
         return None
     names = spec.tiles + ("num_warps", "num_stages")
-    form = ",".join(names) if spec.positional else ",".join(f"{n}=int" for n in spec.tiles) + "[,num_warps=int][,num_stages=int]"
-    allowed = (f"expected '{form}' (e.g. '{spec.example}'): tiles powers of two in [{spec.min_tile}, 2^20], "
-               f"num_warps in {_WARPS}, num_stages >= 1")
+    form = (
+        ",".join(names)
+        if spec.positional
+        else ",".join(f"{n}=int" for n in spec.tiles) + "[,num_warps=int][,num_stages=int]"
+    )
+    allowed = (
+        f"expected '{form}' (e.g. '{spec.example}'): tiles powers of two in [{spec.min_tile}, 2^20], "
+        f"num_warps in {_WARPS}, num_stages >= 1"
+    )
 
     def bad(why: str) -> ValueError:
         return ValueError(f"{env_var}={text!r}: {why}; {allowed}")
@@ -145,6 +153,7 @@ def on_tensor_device(launcher):
     Returns:
         The wrapped launcher (``on_tensor_device`` attribute True).
     """
+
     @functools.wraps(launcher)
     def launch(*args, **kwargs):
         t = next((a for a in args if isinstance(a, torch.Tensor)), None)

@@ -1,5 +1,6 @@
 """Argument checks of the expert launchers (lancet_rt.kernels.grouped_gemm, .segment_sum, .swiglu): each
 raises a TypeError or ValueError that names the argument and what was expected."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -30,8 +31,10 @@ def _check_device(name: str, t: torch.Tensor, device: torch.device) -> None:
     if t.device != device:
         raise ValueError(f"{name} must be on {device} like the other inputs, got {t.device}")
     if device.type != "cuda" and not _INTERPRET:
-        raise ValueError(f"{name} is on {device}: the Triton kernels need CUDA tensors "
-                         f"(or TRITON_INTERPRET=1 set before kernels are imported)")
+        raise ValueError(
+            f"{name} is on {device}: the Triton kernels need CUDA tensors "
+            f"(or TRITON_INTERPRET=1 set before kernels are imported)"
+        )
 
 
 def _check_same_dtype(name: str, t: torch.Tensor, dtype: torch.dtype, other: str) -> None:
@@ -57,8 +60,10 @@ def _check_out(out, shape: tuple, dtype: torch.dtype, device: torch.device, name
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(out).__name__}")
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype or out.device != device:
-        raise ValueError(f"{name} must be a {dtype} tensor of shape {list(shape)} on {device}, "
-                         f"got {out.dtype} {list(out.shape)} on {out.device}")
+        raise ValueError(
+            f"{name} must be a {dtype} tensor of shape {list(shape)} on {device}, "
+            f"got {out.dtype} {list(out.shape)} on {out.device}"
+        )
     return out
 
 

@@ -14,7 +14,8 @@ tiles of ``BLOCK_T`` tokens x ``BLOCK_E = next_pow2(E)`` experts held in registe
    A NaN score (a NaN logit; under softmax also a +inf logit or an all -inf row) ranks first,
    as in ``torch.sort``, and makes the token's normalised weights NaN, as in the reference.
    Normalising divides by the chosen scores' sum + 1e-20 (the contract's ``NORM_EPS``), so a token
-   whose sigmoid scores all underflow to 0 gets weights 0. The round in which expert e was taken is kept in a ``[BLOCK_T, BLOCK_E]`` matrix ``kidx``;
+   whose sigmoid scores all underflow to 0 gets weights 0. The round in which expert e was taken is kept in a
+   ``[BLOCK_T, BLOCK_E]`` matrix ``kidx``;
 3. expert, weight and slot are scattered to ``t * K + kidx`` in one masked store each (every
    ``(t, k)`` has exactly one writer, and a tile's K-wide rows are contiguous, so stores coalesce);
 4. slot ranks: a token takes K *distinct* experts, so an assignment's rank among this call's
@@ -80,6 +81,7 @@ Configs
 ``LANCET_GATING_FWD_CONFIG`` / ``LANCET_GATING_BWD_CONFIG`` pin one, e.g.
 ``"BLOCK_T=16,num_warps=4"``. Under ``TRITON_INTERPRET=1`` the largest tile is used, untimed.
 """
+
 from __future__ import annotations
 
 import triton
@@ -104,11 +106,7 @@ _ENV_BWD_CONFIG = "LANCET_GATING_BWD_CONFIG"
 
 def _token_tile_configs():
     """Every BLOCK_T x num_warps candidate; the prune keeps those that fit the expert width."""
-    return [
-        triton.Config({"BLOCK_T": bt}, num_warps=nw)
-        for bt in (4, 8, 16, 32)
-        for nw in (1, 2, 4, 8)
-    ]
+    return [triton.Config({"BLOCK_T": bt}, num_warps=nw) for bt in (4, 8, 16, 32) for nw in (1, 2, 4, 8)]
 
 
 def _token_tile_keep(config: triton.Config, block_e: int, grouped: bool = False) -> bool:
@@ -123,6 +121,7 @@ def _token_tile_keep(config: triton.Config, block_e: int, grouped: bool = False)
 def _token_tile_prune(env_var):
     """The early prune of a token-tile config space: the pinned config (``env_var``) if any, else the
     tiles that fit ``_token_tile_keep``, one of them under the interpreter."""
+
     def prune(configs, named_args, **kwargs):
         pinned = pinned_config(env_var)
         if pinned is not None:
@@ -146,30 +145,33 @@ def _token_tile_prune(env_var):
     key=["E", "K", "SINGLE_PROGRAM", "BLOCK_E", "BLOCK_G"],
     prune_configs_by={"early_config_prune": _token_tile_prune(_ENV_FWD_CONFIG)},
 )
-@triton.jit(do_not_specialize=['T', 'span', 'capacity'])  # row counts: one compiled variant for any chunk
+@triton.jit(do_not_specialize=["T", "span", "capacity"])  # row counts: one compiled variant for any chunk
 def _gating_fwd_kernel(
     # Pointers
-    logits_ptr,      # [T, E] float32 | float64 router logits (strided)
-    bias_ptr,        # [E] float expert bias, selection only (unused unless HAS_BIAS)
-    used_ptr,        # [E] int32 slots claimed by earlier chunks
-    expert_ptr,      # [T, K] int32 out: chosen experts, best first
-    weight_ptr,      # [T, K] out, logits dtype: combine weights
-    slot_ptr,        # [T, K] int32 out: final slot (SINGLE_PROGRAM) or rank within the span
-    count_ptr,       # SINGLE_PROGRAM: [E] int32 counts_E; else [NB, E] int32 span counts
-    used_out_ptr,    # [E] int32 out: used_E + counts_E (SINGLE_PROGRAM only)
-    score_ptr,       # SINGLE_PROGRAM: [E] score_sum_E; else [NB, E] span partial sums
-    zsq_ptr,         # SINGLE_PROGRAM: [] zsq_sum; else [NB] span partial sums
+    logits_ptr,  # [T, E] float32 | float64 router logits (strided)
+    bias_ptr,  # [E] float expert bias, selection only (unused unless HAS_BIAS)
+    used_ptr,  # [E] int32 slots claimed by earlier chunks
+    expert_ptr,  # [T, K] int32 out: chosen experts, best first
+    weight_ptr,  # [T, K] out, logits dtype: combine weights
+    slot_ptr,  # [T, K] int32 out: final slot (SINGLE_PROGRAM) or rank within the span
+    count_ptr,  # SINGLE_PROGRAM: [E] int32 counts_E; else [NB, E] int32 span counts
+    used_out_ptr,  # [E] int32 out: used_E + counts_E (SINGLE_PROGRAM only)
+    score_ptr,  # SINGLE_PROGRAM: [E] score_sum_E; else [NB, E] span partial sums
+    zsq_ptr,  # SINGLE_PROGRAM: [] zsq_sum; else [NB] span partial sums
     # Sizes
-    T, E, K,
-    span,            # tokens per program
-    capacity,        # slots per expert (INT32_MAX when dropless)
-    n_group,         # expert groups (1 unless GROUPED)
-    group_size,      # E / n_group
-    topk_group,      # groups kept per token
-    scale_hi,        # scaling = scale_hi + scale_lo (two float32 halves; used if HAS_SCALE)
+    T,
+    E,
+    K,
+    span,  # tokens per program
+    capacity,  # slots per expert (INT32_MAX when dropless)
+    n_group,  # expert groups (1 unless GROUPED)
+    group_size,  # E / n_group
+    topk_group,  # groups kept per token
+    scale_hi,  # scaling = scale_hi + scale_lo (two float32 halves; used if HAS_SCALE)
     scale_lo,
     # Strides
-    stride_lt, stride_le,
+    stride_lt,
+    stride_le,
     # Meta-parameters
     SIGMOID: tl.constexpr,
     NORMALIZE: tl.constexpr,
@@ -177,9 +179,9 @@ def _gating_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     GROUPED: tl.constexpr,
-    BLOCK_G: tl.constexpr,     # next_pow2(n_group) (1 unless GROUPED)
-    BLOCK_GS: tl.constexpr,    # next_pow2(group_size) (unused unless GROUPED)
-    BLOCK_E: tl.constexpr,     # expert lanes: next_pow2(E), or BLOCK_G * BLOCK_GS if GROUPED
+    BLOCK_G: tl.constexpr,  # next_pow2(n_group) (1 unless GROUPED)
+    BLOCK_GS: tl.constexpr,  # next_pow2(group_size) (unused unless GROUPED)
+    BLOCK_E: tl.constexpr,  # expert lanes: next_pow2(E), or BLOCK_G * BLOCK_GS if GROUPED
     BLOCK_T: tl.constexpr,
 ):
     # -- phase 1: the program's span of tokens and its expert lanes --
@@ -204,9 +206,9 @@ def _gating_fwd_kernel(
 
     # -- phase 2: per-span accumulators (carried capacity, running counts, aux sums) --
     b_used = tl.load(used_ptr + offs_e, mask=mask_e, other=0)
-    b_run = tl.zeros([BLOCK_E], dtype=tl.int32)          # assignments per expert so far in the span
-    b_score_acc = tl.zeros([BLOCK_E], dtype=acc_dtype)   # sum of normalised scores
-    b_zsq_acc = tl.zeros([BLOCK_T], dtype=acc_dtype)     # sum of lse^2, per tile row
+    b_run = tl.zeros([BLOCK_E], dtype=tl.int32)  # assignments per expert so far in the span
+    b_score_acc = tl.zeros([BLOCK_E], dtype=acc_dtype)  # sum of normalised scores
+    b_zsq_acc = tl.zeros([BLOCK_T], dtype=acc_dtype)  # sum of lse^2, per tile row
 
     for t0 in range(t_start, t_end, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
@@ -218,7 +220,8 @@ def _gating_fwd_kernel(
         # padded token rows read 0 (finite) and are masked out of every store and sum.
         b_l = tl.load(
             logits_ptr + offs_t64[:, None] * stride_lt + offs_e[None, :] * stride_le,
-            mask=mask_t[:, None] & mask_e[None, :], other=0.0,
+            mask=mask_t[:, None] & mask_e[None, :],
+            other=0.0,
         )
         b_l = tl.where(mask_e[None, :], b_l, float("-inf"))
         b_max = tl.max(b_l, axis=1)
@@ -242,8 +245,7 @@ def _gating_fwd_kernel(
                 b_sel = b_s + b_bias[None, :]
             b_allowed = tl.broadcast_to(mask_e[None, :], [BLOCK_T, BLOCK_E])
             if GROUPED:
-                b_allowed = b_allowed & kept_groups(b_sel, mask_e, n_group, topk_group,
-                                                     BLOCK_T, BLOCK_G, BLOCK_GS)
+                b_allowed = b_allowed & kept_groups(b_sel, mask_e, n_group, topk_group, BLOCK_T, BLOCK_G, BLOCK_GS)
             b_kidx = select_topk(b_sel, b_allowed, K, BLOCK_T, BLOCK_E)
             b_topsum = tl.sum(tl.where(b_kidx >= 0, b_s, 0.0), axis=1)
         else:
@@ -254,7 +256,7 @@ def _gating_fwd_kernel(
             b_cand = tl.where(b_s == b_s, b_s, float("inf"))
             b_cand = tl.where(mask_e[None, :], b_cand, float("-inf"))
             b_kidx = tl.full([BLOCK_T, BLOCK_E], -1, dtype=tl.int32)
-            b_topsum = tl.zeros([BLOCK_T], dtype=acc_dtype)   # sum of chosen scores, in k order
+            b_topsum = tl.zeros([BLOCK_T], dtype=acc_dtype)  # sum of chosen scores, in k order
             for k in range(K):
                 b_best = tl.max(b_cand, axis=1)
                 b_arg = tl.min(tl.where(b_cand == b_best[:, None], offs_e[None, :], BLOCK_E), axis=1)
@@ -269,7 +271,7 @@ def _gating_fwd_kernel(
         mask_tk = (b_kidx >= 0) & mask_t[:, None]
         offs_tk = offs_t[:, None] * K + b_kidx
         if NORMALIZE:
-            b_w = b_s / (b_topsum + b_eps)[:, None]   # (+ eps: all-zero scores give 0, not NaN)
+            b_w = b_s / (b_topsum + b_eps)[:, None]  # (+ eps: all-zero scores give 0, not NaN)
         else:
             b_w = b_s
         if HAS_SCALE:
@@ -312,14 +314,15 @@ def _gating_scan_kernel(
     # Pointers
     span_count_ptr,  # [NB, E] int32 in: span counts; out: first slot of each span (exclusive scan + used)
     span_score_ptr,  # [NB, E] span partial score sums
-    span_zsq_ptr,    # [NB] span partial lse^2 sums
-    used_ptr,        # [E] int32 carried used capacity
-    count_ptr,       # [E] int32 out: counts_E
-    used_out_ptr,    # [E] int32 out: used_E + counts_E
-    score_ptr,       # [E] out: score_sum_E
-    zsq_ptr,         # [] out: zsq_sum
+    span_zsq_ptr,  # [NB] span partial lse^2 sums
+    used_ptr,  # [E] int32 carried used capacity
+    count_ptr,  # [E] int32 out: counts_E
+    used_out_ptr,  # [E] int32 out: used_E + counts_E
+    score_ptr,  # [E] out: score_sum_E
+    zsq_ptr,  # [] out: zsq_sum
     # Sizes
-    NB, E,
+    NB,
+    E,
     # Meta-parameters
     BLOCK_B: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -353,21 +356,22 @@ def _gating_scan_kernel(
         tl.store(zsq_ptr, tl.sum(b_zsq, axis=0))
 
 
-@triton.jit(do_not_specialize=['N'])  # row counts: one compiled variant for any chunk
+@triton.jit(do_not_specialize=["N"])  # row counts: one compiled variant for any chunk
 def _gating_slot_kernel(
     # Pointers
-    expert_ptr,      # [T * K] int32
-    slot_ptr,        # [T * K] int32 in: rank within the span; out: slot, -1 when dropped
+    expert_ptr,  # [T * K] int32
+    slot_ptr,  # [T * K] int32 in: rank within the span; out: slot, -1 when dropped
     span_start_ptr,  # [NB, E] int32 first slot of each span
     # Sizes
-    N, E,
-    span_k,          # assignments per span: span * K
+    N,
+    E,
+    span_k,  # assignments per span: span * K
     capacity,
     # Meta-parameters
     BLOCK: tl.constexpr,
 ):
     # -- single phase: slot = first slot of the span + rank within it, -1 past capacity --
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)   # int32: N = T * K < 2^31
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # int32: N = T * K < 2^31
     mask = offs < N
     b_e = tl.load(expert_ptr + offs, mask=mask, other=0)
     b_rank = tl.load(slot_ptr + offs, mask=mask, other=0)
@@ -381,23 +385,28 @@ def _gating_slot_kernel(
     key=["E", "K"],
     prune_configs_by={"early_config_prune": _token_tile_prune(_ENV_BWD_CONFIG)},
 )
-@triton.jit(do_not_specialize=['T'])  # row counts: one compiled variant for any chunk
+@triton.jit(do_not_specialize=["T"])  # row counts: one compiled variant for any chunk
 def _gating_bwd_kernel(
     # Pointers
-    logits_ptr,       # [T, E] float32 | float64 (strided)
-    expert_ptr,       # [T, K] int32 chosen experts (strided)
-    grad_w_ptr,       # [T, K] grad of weight_TK (strided; unused unless HAS_GRAD_W)
-    grad_p_ptr,       # [E] grad of score_sum_E (strided; unused unless HAS_GRAD_P)
-    grad_z_ptr,       # [] grad of zsq_sum (unused unless HAS_GRAD_Z)
+    logits_ptr,  # [T, E] float32 | float64 (strided)
+    expert_ptr,  # [T, K] int32 chosen experts (strided)
+    grad_w_ptr,  # [T, K] grad of weight_TK (strided; unused unless HAS_GRAD_W)
+    grad_p_ptr,  # [E] grad of score_sum_E (strided; unused unless HAS_GRAD_P)
+    grad_z_ptr,  # [] grad of zsq_sum (unused unless HAS_GRAD_Z)
     grad_logits_ptr,  # [T, E] out, contiguous, logits dtype
     # Sizes
-    T, E, K,
-    scale_hi,         # the weights' scaling = scale_hi + scale_lo (float32 halves; used if HAS_SCALE)
+    T,
+    E,
+    K,
+    scale_hi,  # the weights' scaling = scale_hi + scale_lo (float32 halves; used if HAS_SCALE)
     scale_lo,
     # Strides
-    stride_lt, stride_le,
-    stride_et, stride_ek,
-    stride_gt, stride_gk,
+    stride_lt,
+    stride_le,
+    stride_et,
+    stride_ek,
+    stride_gt,
+    stride_gk,
     stride_pe,
     # Meta-parameters
     SIGMOID: tl.constexpr,
@@ -421,20 +430,21 @@ def _gating_bwd_kernel(
 
     b_l = tl.load(
         logits_ptr + offs_t64[:, None] * stride_lt + offs_e[None, :] * stride_le,
-        mask=mask_t[:, None] & mask_e[None, :], other=0.0,
+        mask=mask_t[:, None] & mask_e[None, :],
+        other=0.0,
     )
     b_l = tl.where(mask_e[None, :], b_l, float("-inf"))
     b_max = tl.max(b_l, axis=1)
     b_exp = tl.exp(b_l - b_max[:, None])
     b_den = tl.sum(b_exp, axis=1)
-    b_p = b_exp / b_den[:, None]                      # softmax, 0 on padded lanes
+    b_p = b_exp / b_den[:, None]  # softmax, 0 on padded lanes
     if SIGMOID:
         b_s = tl.where(mask_e[None, :], tl.sigmoid(b_l), 0.0)
     else:
         b_s = b_p
 
     # -- phase 2: gradient on the scores from the weights' and aux statistics' gradients --
-    b_gs = tl.zeros([BLOCK_T, BLOCK_E], dtype=acc_dtype)   # gradient on the scores
+    b_gs = tl.zeros([BLOCK_T, BLOCK_E], dtype=acc_dtype)  # gradient on the scores
     if HAS_GRAD_W:
         # Spread the K weight gradients onto their experts' columns.
         b_gw = tl.zeros([BLOCK_T, BLOCK_E], dtype=acc_dtype)
@@ -450,8 +460,8 @@ def _gating_bwd_kernel(
         if HAS_SCALE:
             b_scale = tl.cast(scale_hi, acc_dtype) + tl.cast(scale_lo, acc_dtype)
         if NORMALIZE:
-            b_topsum = tl.sum(tl.where(b_sel, b_s, 0.0), axis=1) + b_eps   # (padded rows: 0 / eps)
-            b_dot = tl.sum(tl.where(b_sel, b_gw * b_s, 0.0), axis=1) / b_topsum   # sum_k g_w * w
+            b_topsum = tl.sum(tl.where(b_sel, b_s, 0.0), axis=1) + b_eps  # (padded rows: 0 / eps)
+            b_dot = tl.sum(tl.where(b_sel, b_gw * b_s, 0.0), axis=1) / b_topsum  # sum_k g_w * w
             if HAS_SCALE:
                 b_gs += tl.where(b_sel, (b_gw - b_dot[:, None]) * (b_scale / b_topsum)[:, None], 0.0)
             else:

@@ -4,6 +4,7 @@ predicate the autotuner applies per problem and dtype, and the configs pinned by
 Pure Python over ``triton.Config``: ``python -m bench.compile_check --all-configs`` builds every
 survivor for sm_90, and the tests check the predicate without a GPU.
 """
+
 from __future__ import annotations
 
 import functools
@@ -119,8 +120,9 @@ def _prune_configs(op: str):
         x = args["x_ptr"]
         smem = _smem_bytes(x.device)
         interleaved = op == "gate_up" and bool(args.get("INTERLEAVED", False))
-        fp32_in_regs = x.element_size() == 4 and (op == "dw" or args.get("INPUT_PRECISION", "ieee") == "ieee"
-                                                   or interleaved)
+        fp32_in_regs = x.element_size() == 4 and (
+            op == "dw" or args.get("INPUT_PRECISION", "ieee") == "ieee" or interleaved
+        )
 
         def max_acc(cfg) -> int:
             return _FP32_ACC_REGS if fp32_in_regs or (interleaved and cfg.num_warps < 8) else 128
@@ -134,9 +136,12 @@ def _prune_configs(op: str):
         max_rows = max(64, triton.next_power_of_2(out_rows))
         max_cols = max(64, triton.next_power_of_2(out_cols))
         kept = [
-            cfg for cfg in configs
-            if _config_fits(op, cfg, elt_bytes=x.element_size(), smem_bytes=smem) and _acc_regs(op, cfg) <= max_acc(cfg)
-            and _tile_of(op, cfg)[0] <= max_rows and _tile_of(op, cfg)[1] <= max_cols
+            cfg
+            for cfg in configs
+            if _config_fits(op, cfg, elt_bytes=x.element_size(), smem_bytes=smem)
+            and _acc_regs(op, cfg) <= max_acc(cfg)
+            and _tile_of(op, cfg)[0] <= max_rows
+            and _tile_of(op, cfg)[1] <= max_cols
         ]
         # Never return nothing: the smallest tile with the right reduction step always compiles.
         if not kept:

@@ -58,6 +58,7 @@ heuristic switches them to int64: always in int64, they cost the fp32 TF32 dx ke
 --all-configs``). Masks stay int32.
 
 """
+
 import triton
 import triton.language as tl
 
@@ -86,8 +87,20 @@ def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _k_loop(acc, x_ptrs, w_ptrs, x_step, w_step, mask_m, offs_k, K,
-            BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
+def _k_loop(
+    acc,
+    x_ptrs,
+    w_ptrs,
+    x_step,
+    w_step,
+    mask_m,
+    offs_k,
+    K,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
     """acc + x_tile @ w_tile over the reduction: [BM, BK] x tiles and [BK, BN] w tiles, BLOCK_K per step
     (rows of x past mask_m and, unless EVEN_K, reduction steps past K read as zeros)."""
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -133,7 +146,7 @@ def _segment_tile(offsets_ptr, pid_m, R, E, BLOCK_M: tl.constexpr, BLOCK_E: tl.c
     return expert, row_start, row_end, num_tiles
 
 
-@triton.jit(do_not_specialize=['R'])  # row counts: one compiled variant for any chunk
+@triton.jit(do_not_specialize=["R"])  # row counts: one compiled variant for any chunk
 def _grouped_gemm_fwd_kernel(
     # pointers
     x_ptr,  # [R, K] rows grouped by expert
@@ -142,15 +155,26 @@ def _grouped_gemm_fwd_kernel(
     y_ptr,  # [R, N] output, x's dtype
     offsets_ptr,  # [E + 1] int32/int64 segment bounds
     # sizes
-    R, N, K, E,
+    R,
+    N,
+    K,
+    E,
     M_BUCKET,  # autotune key only: power-of-two bucket of the mean rows per expert
     # strides
-    stride_xm, stride_xk,
-    stride_we, stride_wn, stride_wk,
-    stride_be, stride_bn,
-    stride_ym, stride_yn,
+    stride_xm,
+    stride_xk,
+    stride_we,
+    stride_wn,
+    stride_wk,
+    stride_be,
+    stride_bn,
+    stride_ym,
+    stride_yn,
     # meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     BLOCK_E: tl.constexpr,  # next power of two >= E
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no K masks in the main loop
     INPUT_PRECISION: tl.constexpr,  # "ieee" or "tf32" (fp32 inputs only)
@@ -179,15 +203,18 @@ def _grouped_gemm_fwd_kernel(
     # Index x stride products in int64; those bounded by BLOCK_K x a stride where needed (module docstring).
     offs_kk = offs_k.to(tl.int64) if TILE_I64 else offs_k
     x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_kk[None, :] * stride_xk  # [BM, BK]
-    w_ptrs = (w_ptr + expert.to(tl.int64) * stride_we
-              + offs_kk[:, None] * stride_wk + offs_wn.to(tl.int64)[None, :] * stride_wn)  # [BK, BN]
+    w_ptrs = (
+        w_ptr
+        + expert.to(tl.int64) * stride_we
+        + offs_kk[:, None] * stride_wk
+        + offs_wn.to(tl.int64)[None, :] * stride_wn
+    )  # [BK, BN]
     x_step = (tl.cast(stride_xk, tl.int64) if TILE_I64 else stride_xk) * BLOCK_K
     w_step = (tl.cast(stride_wk, tl.int64) if TILE_I64 else stride_wk) * BLOCK_K
 
     # -- phase 3: main loop over the reduction --
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc = _k_loop(acc, x_ptrs, w_ptrs, x_step, w_step, mask_m, offs_k, K,
-                  BLOCK_K, EVEN_K, INPUT_PRECISION, DOT_FP32)
+    acc = _k_loop(acc, x_ptrs, w_ptrs, x_step, w_step, mask_m, offs_k, K, BLOCK_K, EVEN_K, INPUT_PRECISION, DOT_FP32)
 
     # -- phase 4: epilogue: bias, one rounding, masked store --
     if HAS_BIAS:
@@ -204,15 +231,16 @@ def _glu(g, u, alpha, limit, ACTIVATION: tl.constexpr):
     propagate NaN, as torch.clamp does."""
     if ACTIVATION == "swiglu_oai":
         gc = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
-        uc = tl.maximum(tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL), -limit,
-                        propagate_nan=tl.PropagateNan.ALL)
+        uc = tl.maximum(
+            tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL), -limit, propagate_nan=tl.PropagateNan.ALL
+        )
         h = (uc + 1.0) * (gc / (1.0 + tl.exp(-alpha * gc)))
     else:
         h = g / (1.0 + tl.exp(-g)) * u
     return h
 
 
-@triton.jit(do_not_specialize=['R'])  # row counts: one compiled variant for any chunk
+@triton.jit(do_not_specialize=["R"])  # row counts: one compiled variant for any chunk
 def _gate_up_swiglu_fwd_kernel(
     # pointers
     x_ptr,  # [R, D] rows grouped by expert
@@ -222,18 +250,31 @@ def _gate_up_swiglu_fwd_kernel(
     gu_ptr,  # [R, 2F] output: the pre-activation in w's row order, kept for backward
     offsets_ptr,  # [E + 1] int32/int64 segment bounds
     # sizes
-    R, F, D, E,
+    R,
+    F,
+    D,
+    E,
     M_BUCKET,  # autotune key only
     # activation constants ("swiglu_oai" only)
-    alpha, limit,
+    alpha,
+    limit,
     # strides
-    stride_xm, stride_xd,
-    stride_we, stride_wf, stride_wd,
-    stride_be, stride_bf,
-    stride_hm, stride_hf,
-    stride_gm, stride_gf,
+    stride_xm,
+    stride_xd,
+    stride_we,
+    stride_wf,
+    stride_wd,
+    stride_be,
+    stride_bf,
+    stride_hm,
+    stride_hf,
+    stride_gm,
+    stride_gf,
     # meta-parameters (BLOCK_N tiles F, BLOCK_K tiles D)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
     EVEN_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -275,15 +316,17 @@ def _gate_up_swiglu_fwd_kernel(
         offs_wc = offs_c % (2 * F)
         wc_ptrs = w_ptrs + offs_wc.to(tl.int64)[None, :] * stride_wf  # [BK, 2 BN]
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        acc = _k_loop(acc, x_ptrs, wc_ptrs, x_step, w_step, mask_m, offs_k, D,
-                      BLOCK_K, EVEN_K, INPUT_PRECISION, DOT_FP32)
+        acc = _k_loop(
+            acc, x_ptrs, wc_ptrs, x_step, w_step, mask_m, offs_k, D, BLOCK_K, EVEN_K, INPUT_PRECISION, DOT_FP32
+        )
         if HAS_BIAS:
             b_b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_wc.to(tl.int64) * stride_bf)
             acc += b_b.to(tl.float32)[None, :]
         b_gu = acc.to(out_ty)
         gu_rows = gu_ptr + offs_m.to(tl.int64)[:, None] * stride_gm
-        tl.store(gu_rows + offs_c.to(tl.int64)[None, :] * stride_gf, b_gu,
-                 mask=mask_m[:, None] & (offs_c[None, :] < 2 * F))
+        tl.store(
+            gu_rows + offs_c.to(tl.int64)[None, :] * stride_gf, b_gu, mask=mask_m[:, None] & (offs_c[None, :] < 2 * F)
+        )
         g, u = tl.split(tl.reshape(b_gu.to(tl.float32), (BLOCK_M, BLOCK_N, 2)))
     else:
         # A program owns columns j of h: the gate tile (weight rows j) and the up tile (rows F + j),
@@ -330,7 +373,7 @@ def _gate_up_swiglu_fwd_kernel(
     tl.store(h_ptrs, b_h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n[None, :] < F))
 
 
-@triton.jit(do_not_specialize=['R'])  # row counts: one compiled variant for any chunk
+@triton.jit(do_not_specialize=["R"])  # row counts: one compiled variant for any chunk
 def _grouped_gemm_dw_kernel(
     # pointers
     dy_ptr,  # [R, N] output gradient, rows grouped by expert
@@ -338,14 +381,24 @@ def _grouped_gemm_dw_kernel(
     dw_ptr,  # [E, N, K] output: dw[e] = dy_seg.T @ x_seg, x's dtype
     offsets_ptr,  # [E + 1] int32/int64 segment bounds
     # sizes
-    R, N, K, E,
+    R,
+    N,
+    K,
+    E,
     M_BUCKET,  # autotune key only
     # strides
-    stride_dym, stride_dyn,
-    stride_xm, stride_xk,
-    stride_dwe, stride_dwn, stride_dwk,
+    stride_dym,
+    stride_dyn,
+    stride_xm,
+    stride_xk,
+    stride_dwe,
+    stride_dwn,
+    stride_dwk,
     # meta-parameters: the output tile is BLOCK_N x BLOCK_K; BLOCK_M rows are reduced per step
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     TILE_I64: tl.constexpr = False,  # BLOCK_M x a row stride reaches 2^31: row steps in int64
@@ -388,7 +441,11 @@ def _grouped_gemm_dw_kernel(
         x_ptrs += x_step
 
     # -- phase 4: masked store of the [BN, BK] tile (zeros for an empty segment) --
-    dw_ptrs = (dw_ptr + expert.to(tl.int64) * stride_dwe
-               + offs_n.to(tl.int64)[:, None] * stride_dwn + offs_k.to(tl.int64)[None, :] * stride_dwk)
+    dw_ptrs = (
+        dw_ptr
+        + expert.to(tl.int64) * stride_dwe
+        + offs_n.to(tl.int64)[:, None] * stride_dwn
+        + offs_k.to(tl.int64)[None, :] * stride_dwk
+    )
     mask_out = (offs_n[:, None] < N) & (offs_k[None, :] < K)
     tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=mask_out)

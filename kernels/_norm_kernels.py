@@ -5,6 +5,7 @@ whole row, and D <= 16384 for the models served. Statistics in float32. The row 
 specialised on (Triton specialises an int argument divisible by 16 or equal to 1), so a chunk of a new
 length runs the kernel already compiled instead of compiling another mid-step.
 """
+
 from __future__ import annotations
 
 import triton
@@ -21,11 +22,18 @@ def _add_rmsnorm_fwd_kernel(
     s_ptr,  # [R, D] output: x + residual (unused without HAS_RESIDUAL)
     rstd_ptr,  # [R] float32 output: 1 / rms(s)
     # sizes
-    R, D, eps,
+    R,
+    D,
+    eps,
     # strides
-    stride_xr, stride_rr, stride_yr, stride_sr,
+    stride_xr,
+    stride_rr,
+    stride_yr,
+    stride_sr,
     # meta-parameters
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     """s = x + r rounded to s's dtype (as the model adds), y = s * rstd * w in float32."""
     pid_r = tl.program_id(0)
@@ -57,11 +65,17 @@ def _add_rmsnorm_bwd_kernel(
     ds_ptr,  # [R, D] output: gradient of x (and of the residual)
     dw_ptr,  # [P, D] float32 output: one partial dweight per program
     # sizes
-    R, D,
+    R,
+    D,
     # strides
-    stride_dyr, stride_dsnr, stride_sr, stride_dsr,
+    stride_dyr,
+    stride_dsnr,
+    stride_sr,
+    stride_dsr,
     # meta-parameters
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, HAS_DS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    HAS_DS: tl.constexpr,
 ):
     """ds = rstd * (dy w - n mean(dy w n)) + dsn with n = s rstd; dw partial = sum over the program's
     rows of dy n. Grid-stride over row tiles, so the partials are [programs, D], not [R, D]."""
@@ -75,17 +89,16 @@ def _add_rmsnorm_bwd_kernel(
         mask_r = offs_r < R
         mask = mask_r[:, None] & mask_d[None, :]
         b_s = tl.load(s_ptr + offs_r[:, None] * stride_sr + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-        b_dy = tl.load(dy_ptr + offs_r[:, None] * stride_dyr + offs_d[None, :], mask=mask,
-                       other=0.0).to(tl.float32)
+        b_dy = tl.load(dy_ptr + offs_r[:, None] * stride_dyr + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(rstd_ptr + offs_r, mask=mask_r, other=0.0)
         b_n = b_s * rstd[:, None]
         b_dn = b_dy * b_w[None, :]
         mean = tl.sum(b_dn * b_n, axis=1) / D
         b_ds = rstd[:, None] * (b_dn - b_n * mean[:, None])
         if HAS_DS:
-            b_ds += tl.load(dsn_ptr + offs_r[:, None] * stride_dsnr + offs_d[None, :], mask=mask,
-                            other=0.0).to(tl.float32)
-        tl.store(ds_ptr + offs_r[:, None] * stride_dsr + offs_d[None, :], b_ds.to(ds_ptr.dtype.element_ty),
-                 mask=mask)
+            b_ds += tl.load(dsn_ptr + offs_r[:, None] * stride_dsnr + offs_d[None, :], mask=mask, other=0.0).to(
+                tl.float32
+            )
+        tl.store(ds_ptr + offs_r[:, None] * stride_dsr + offs_d[None, :], b_ds.to(ds_ptr.dtype.element_ty), mask=mask)
         b_dw += tl.sum(b_dy * b_n, axis=0)
     tl.store(dw_ptr + pid_r * D + offs_d, b_dw, mask=mask_d)

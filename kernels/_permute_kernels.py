@@ -3,6 +3,7 @@
 What each kernel computes, the bytes it moves and how its configs are pruned and pinned is in
 :mod:`lancet_rt.kernels.permute`, whose launchers are the only callers.
 """
+
 from __future__ import annotations
 
 import triton
@@ -42,6 +43,7 @@ def _row_tile_keep(config: triton.Config, D: int) -> bool:
 def _row_tile_prune(env_var):
     """The early prune of the row-tile config space: the pinned config (``env_var``) if any, else the
     tiles that fit ``_row_tile_keep``, one of them under the interpreter."""
+
     def prune(configs, named_args, **kwargs):
         pinned = pinned_config(env_var)
         if pinned is not None:
@@ -63,17 +65,21 @@ def _row_tile_prune(env_var):
     key=["D", "K"],
     prune_configs_by={"early_config_prune": _row_tile_prune(_ENV_PERMUTE_FWD_CONFIG)},
 )
-@triton.jit(do_not_specialize=['T', 'S'])  # row counts: one compiled variant for any chunk
+@triton.jit(do_not_specialize=["T", "S"])  # row counts: one compiled variant for any chunk
 def _permute_fwd_kernel(
     # Pointers
-    x_ptr,       # [T, D] tokens (strided)
-    row_ptr,     # [T, K] int32 dispatch row of each assignment, -1 when dropped (contiguous)
-    x_out_ptr,   # [S, D] out: rows in dispatch order (contiguous)
-    src_ptr,     # [S] int32 out: flat assignment t * K + k of each row
+    x_ptr,  # [T, D] tokens (strided)
+    row_ptr,  # [T, K] int32 dispatch row of each assignment, -1 when dropped (contiguous)
+    x_out_ptr,  # [S, D] out: rows in dispatch order (contiguous)
+    src_ptr,  # [S] int32 out: flat assignment t * K + k of each row
     # Sizes
-    T, D, K, S,
+    T,
+    D,
+    K,
+    S,
     # Strides
-    stride_xt, stride_xd,
+    stride_xt,
+    stride_xd,
     # Meta-parameters
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -87,15 +93,17 @@ def _permute_fwd_kernel(
     mask_d = offs_d < D
     offs_t64 = offs_t.to(tl.int64)
 
-    b_x = tl.load(x_ptr + offs_t64[:, None] * stride_xt + offs_d[None, :] * stride_xd,
-                  mask=mask_t[:, None] & mask_d[None, :])
+    b_x = tl.load(
+        x_ptr + offs_t64[:, None] * stride_xt + offs_d[None, :] * stride_xd, mask=mask_t[:, None] & mask_d[None, :]
+    )
     # -- phase 2: scatter the tile to each kept assignment's row (one writer per row), and src_S --
-    mask_src = (tl.zeros([BLOCK_T], dtype=tl.int32) + pid_d) == 0   # src_S: written by the first D tile
+    mask_src = (tl.zeros([BLOCK_T], dtype=tl.int32) + pid_d) == 0  # src_S: written by the first D tile
     for k in range(K):
         b_row = tl.load(row_ptr + offs_t64 * K + k, mask=mask_t, other=-1)
         mask_r = (b_row >= 0) & (b_row < S)
-        tl.store(x_out_ptr + b_row.to(tl.int64)[:, None] * D + offs_d[None, :], b_x,
-                 mask=mask_r[:, None] & mask_d[None, :])
+        tl.store(
+            x_out_ptr + b_row.to(tl.int64)[:, None] * D + offs_d[None, :], b_x, mask=mask_r[:, None] & mask_d[None, :]
+        )
         tl.store(src_ptr + b_row, offs_t * K + k, mask=mask_r & mask_src)
 
 
@@ -104,20 +112,25 @@ def _permute_fwd_kernel(
     key=["D", "K"],
     prune_configs_by={"early_config_prune": _row_tile_prune(_ENV_UNPERMUTE_FWD_CONFIG)},
 )
-@triton.jit(do_not_specialize=['T', 'S'])  # row counts: one compiled variant for any chunk
+@triton.jit(do_not_specialize=["T", "S"])  # row counts: one compiled variant for any chunk
 def _unpermute_fwd_kernel(
     # Pointers
-    y_ptr,       # [S, D] rows in dispatch order (strided)
-    row_ptr,     # [T, K] int32 dispatch row of each assignment, -1 when dropped (contiguous)
+    y_ptr,  # [S, D] rows in dispatch order (strided)
+    row_ptr,  # [T, K] int32 dispatch row of each assignment, -1 when dropped (contiguous)
     weight_ptr,  # [T, K] combine weights (strided; read only when HAS_WEIGHT)
-    out_ptr,     # [T, D] out: sum over kept k of weight * row (contiguous)
+    out_ptr,  # [T, D] out: sum over kept k of weight * row (contiguous)
     # Sizes
-    T, D, K, S,
+    T,
+    D,
+    K,
+    S,
     # Strides
-    stride_ys, stride_yd,
-    stride_wt, stride_wk,
+    stride_ys,
+    stride_yd,
+    stride_wt,
+    stride_wk,
     # Meta-parameters
-    HAS_WEIGHT: tl.constexpr,   # False: permute_bwd (unit weights)
+    HAS_WEIGHT: tl.constexpr,  # False: permute_bwd (unit weights)
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
@@ -135,16 +148,22 @@ def _unpermute_fwd_kernel(
     for k in range(K):
         b_row = tl.load(row_ptr + offs_t64 * K + k, mask=mask_t, other=-1)
         mask_r = (b_row >= 0) & (b_row < S)
-        b_y = tl.load(y_ptr + b_row.to(tl.int64)[:, None] * stride_ys + offs_d[None, :] * stride_yd,
-                      mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+        b_y = tl.load(
+            y_ptr + b_row.to(tl.int64)[:, None] * stride_ys + offs_d[None, :] * stride_yd,
+            mask=mask_r[:, None] & mask_d[None, :],
+            other=0.0,
+        ).to(tl.float32)
         if HAS_WEIGHT:
             b_w = tl.load(weight_ptr + offs_t64 * stride_wt + k * stride_wk, mask=mask_r, other=0.0)
             acc += b_w.to(tl.float32)[:, None] * b_y
         else:
             acc += b_y
     # -- phase 3: one store in the output dtype --
-    tl.store(out_ptr + offs_t64[:, None] * D + offs_d[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=mask_t[:, None] & mask_d[None, :])
+    tl.store(
+        out_ptr + offs_t64[:, None] * D + offs_d[None, :],
+        acc.to(out_ptr.dtype.element_ty),
+        mask=mask_t[:, None] & mask_d[None, :],
+    )
 
 
 @triton.autotune(
@@ -152,21 +171,27 @@ def _unpermute_fwd_kernel(
     key=["D", "K"],
     prune_configs_by={"early_config_prune": _row_tile_prune(_ENV_UNPERMUTE_BWD_CONFIG)},
 )
-@triton.jit(do_not_specialize=['T', 'S'])  # row counts: one compiled variant for any chunk
+@triton.jit(do_not_specialize=["T", "S"])  # row counts: one compiled variant for any chunk
 def _unpermute_bwd_kernel(
     # Pointers
-    grad_y_ptr,       # [T, D] gradient of the combined output (strided)
-    y_ptr,            # [S, D] expert outputs in dispatch order (strided)
-    row_ptr,          # [T, K] int32 dispatch row of each assignment, -1 when dropped (contiguous)
-    weight_ptr,       # [T, K] combine weights (strided)
-    grad_y_out_ptr,   # [S, D] out: weight * grad_y, in y's dtype (contiguous)
-    grad_w_out_ptr,   # [T, K] float32 out: <y row, grad_y>, 0 when dropped (contiguous)
+    grad_y_ptr,  # [T, D] gradient of the combined output (strided)
+    y_ptr,  # [S, D] expert outputs in dispatch order (strided)
+    row_ptr,  # [T, K] int32 dispatch row of each assignment, -1 when dropped (contiguous)
+    weight_ptr,  # [T, K] combine weights (strided)
+    grad_y_out_ptr,  # [S, D] out: weight * grad_y, in y's dtype (contiguous)
+    grad_w_out_ptr,  # [T, K] float32 out: <y row, grad_y>, 0 when dropped (contiguous)
     # Sizes
-    T, D, K, S,
+    T,
+    D,
+    K,
+    S,
     # Strides
-    stride_gt, stride_gd,
-    stride_ys, stride_yd,
-    stride_wt, stride_wk,
+    stride_gt,
+    stride_gd,
+    stride_ys,
+    stride_yd,
+    stride_wt,
+    stride_wk,
     # Meta-parameters
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -188,23 +213,31 @@ def _unpermute_bwd_kernel(
         for d0 in range(0, D, BLOCK_D):
             offs_d = d0 + tl.arange(0, BLOCK_D)
             mask_d = offs_d < D
-            b_g = tl.load(grad_y_ptr + offs_t64[:, None] * stride_gt + offs_d[None, :] * stride_gd,
-                          mask=mask_t[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
-            b_y = tl.load(y_ptr + offs_r64[:, None] * stride_ys + offs_d[None, :] * stride_yd,
-                          mask=mask_r[:, None] & mask_d[None, :], other=0.0).to(tl.float32)
+            b_g = tl.load(
+                grad_y_ptr + offs_t64[:, None] * stride_gt + offs_d[None, :] * stride_gd,
+                mask=mask_t[:, None] & mask_d[None, :],
+                other=0.0,
+            ).to(tl.float32)
+            b_y = tl.load(
+                y_ptr + offs_r64[:, None] * stride_ys + offs_d[None, :] * stride_yd,
+                mask=mask_r[:, None] & mask_d[None, :],
+                other=0.0,
+            ).to(tl.float32)
             b_dot += tl.sum(b_y * b_g, axis=1)
-            tl.store(grad_y_out_ptr + offs_r64[:, None] * D + offs_d[None, :],
-                     (b_w[:, None] * b_g).to(grad_y_out_ptr.dtype.element_ty),
-                     mask=mask_r[:, None] & mask_d[None, :])
+            tl.store(
+                grad_y_out_ptr + offs_r64[:, None] * D + offs_d[None, :],
+                (b_w[:, None] * b_g).to(grad_y_out_ptr.dtype.element_ty),
+                mask=mask_r[:, None] & mask_d[None, :],
+            )
         tl.store(grad_w_out_ptr + offs_t64 * K + k, tl.where(mask_r, b_dot, 0.0), mask=mask_t)
 
 
 @triton.jit
 def _dispatch_base_kernel(
     # Pointers
-    kept_ptr,   # [E] int kept assignments per expert in this chunk
-    used_ptr,   # [E] int carried used capacity before this chunk
-    base_ptr,   # [E] int32 out: first row of expert e minus used_E[e]
+    kept_ptr,  # [E] int kept assignments per expert in this chunk
+    used_ptr,  # [E] int carried used capacity before this chunk
+    base_ptr,  # [E] int32 out: first row of expert e minus used_E[e]
     # Sizes
     E,
     # Meta-parameters
@@ -218,20 +251,20 @@ def _dispatch_base_kernel(
     tl.store(base_ptr + offs_e, tl.cumsum(b_kept, axis=0) - b_kept - b_used, mask=mask_e)
 
 
-@triton.jit(do_not_specialize=['N'])  # row counts: one compiled variant for any chunk
+@triton.jit(do_not_specialize=["N"])  # row counts: one compiled variant for any chunk
 def _dispatch_rows_kernel(
     # Pointers
     expert_ptr,  # [T * K] int32
-    slot_ptr,    # [T * K] int32 slot, -1 when dropped
-    base_ptr,    # [E] int32 first row of expert e minus used_E[e]
-    row_ptr,     # [T * K] int32 out: dispatch row, -1 when dropped
+    slot_ptr,  # [T * K] int32 slot, -1 when dropped
+    base_ptr,  # [E] int32 first row of expert e minus used_E[e]
+    row_ptr,  # [T * K] int32 out: dispatch row, -1 when dropped
     # Sizes
     N,
     # Meta-parameters
     BLOCK: tl.constexpr,
 ):
     # -- single phase: row = base[e] + slot for kept assignments, -1 for dropped ones --
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)   # int32: N = T * K < 2^31
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # int32: N = T * K < 2^31
     mask = offs < N
     b_slot = tl.load(slot_ptr + offs, mask=mask, other=-1)
     b_e = tl.load(expert_ptr + offs, mask=mask & (b_slot >= 0), other=0)

@@ -9,6 +9,7 @@ score, NaN first, ties to the lower index, with the experts of non-kept groups a
 A biased selection score can be +-inf, so unlike the plain path no value can stand for "taken":
 a per-lane integer code orders equal keys instead (see :func:`select_topk`).
 """
+
 from __future__ import annotations
 
 import triton
@@ -40,8 +41,9 @@ def select_topk(b_sel, b_allowed, K, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexp
 
 
 @triton.jit
-def kept_groups(b_sel, mask_e, n_group, topk_group,
-                 BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr):
+def kept_groups(
+    b_sel, mask_e, n_group, topk_group, BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_GS: tl.constexpr
+):
     """[BLOCK_T, BLOCK_G * BLOCK_GS] bool: the lanes whose group is among the token's
     ``topk_group`` best, for a tile in the group-major lane layout of the forward kernel.
 
@@ -57,10 +59,10 @@ def kept_groups(b_sel, mask_e, n_group, topk_group,
     """
     b_sel3 = tl.reshape(b_sel, [BLOCK_T, BLOCK_G, BLOCK_GS])
     mask3 = tl.reshape(mask_e, [BLOCK_G, BLOCK_GS])[None, :, :]
-    b_nan = tl.sum(tl.where(b_sel3 == b_sel3, 0.0, b_sel3), axis=2)    # NaN if the group holds one, else 0
+    b_nan = tl.sum(tl.where(b_sel3 == b_sel3, 0.0, b_sel3), axis=2)  # NaN if the group holds one, else 0
     b_key3 = tl.where(mask3, tl.where(b_sel3 == b_sel3, b_sel3, float("inf")), float("-inf"))
     b_m1 = tl.max(b_key3, axis=2)
-    if BLOCK_GS == 1:       # one expert per group: its own score
+    if BLOCK_GS == 1:  # one expert per group: its own score
         b_score = b_m1 + b_nan
     else:
         b_is1 = b_key3 == b_m1[:, :, None]

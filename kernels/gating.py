@@ -12,6 +12,7 @@ no atomics, no host synchronisation). The backward is one pass over token tiles.
 ``LANCET_GATING_FWD_CONFIG`` / ``LANCET_GATING_BWD_CONFIG`` pin a config, e.g.
 ``"BLOCK_T=16,num_warps=4"``.
 """
+
 from __future__ import annotations
 
 import functools
@@ -21,19 +22,27 @@ from typing import Optional
 import torch
 import triton
 
-from ._common import check_out as _check_out, check_tensor as _check_tensor, on_tensor_device, run_autotuned
-from ._gating_kernels import (_ENV_BWD_CONFIG, _ENV_FWD_CONFIG, _gating_bwd_kernel, _gating_fwd_kernel,
-                              _gating_scan_kernel, _gating_slot_kernel, _token_tile_configs, _token_tile_prune)
+from ._common import check_out as _check_out
+from ._common import check_tensor as _check_tensor
+from ._common import on_tensor_device, run_autotuned
+from ._gating_kernels import (
+    _ENV_BWD_CONFIG,
+    _ENV_FWD_CONFIG,
+    _gating_bwd_kernel,
+    _gating_fwd_kernel,
+    _gating_scan_kernel,
+    _gating_slot_kernel,
+)
 from .reference import GatingOutput, check_router_args, check_scaling
 
 __all__ = ["gating_fwd", "gating_bwd", "GatingOutput"]
 
 _INT32_MAX = 2**31 - 1
 _FLOAT32_MAX = 3.4028234663852886e38
-_MAX_EXPERTS = 1024          # BLOCK_E lives in registers; 1024 still leaves a 4-token tile
-_SCAN_BLOCK_E = 32           # expert columns per scan program
-_SCAN_BLOCK_B = 64           # spans per scan step
-_FLAT_BLOCK = 1024           # assignments per program of the flat [T * K] kernels
+_MAX_EXPERTS = 1024  # BLOCK_E lives in registers; 1024 still leaves a 4-token tile
+_SCAN_BLOCK_E = 32  # expert columns per scan program
+_SCAN_BLOCK_B = 64  # spans per scan step
+_FLAT_BLOCK = 1024  # assignments per program of the flat [T * K] kernels
 _SPAN_MIN, _SPAN_MAX = 32, 512
 _PROGRAMS_PER_SM = 4
 # A call this small runs as one program with the scan fused (one launch): up to this many
@@ -81,8 +90,9 @@ def _fwd_lanes(E: int, n_group: int):
     block_g, block_gs = triton.next_power_of_2(n_group), triton.next_power_of_2(E // n_group)
     block_e = block_g * block_gs
     if block_e > _MAX_EXPERTS:
-        raise ValueError(f"n_group={n_group} with E={E} needs {block_g} x {block_gs} expert lanes, "
-                         f"more than {_MAX_EXPERTS}")
+        raise ValueError(
+            f"n_group={n_group} with E={E} needs {block_g} x {block_gs} expert lanes, more than {_MAX_EXPERTS}"
+        )
     return block_g, block_gs, block_e
 
 
@@ -102,13 +112,13 @@ def _check_fwd_args(logits_TE, top_k, score_fn, capacity) -> None:
         raise ValueError(f"T * top_k must fit int32, got {T} * {top_k}")
 
 
-def _fwd_outputs(logits_TE: torch.Tensor, K: int, used_E: torch.Tensor,
-                 out: Optional[GatingOutput]) -> GatingOutput:
+def _fwd_outputs(logits_TE: torch.Tensor, K: int, used_E: torch.Tensor, out: Optional[GatingOutput]) -> GatingOutput:
     """The forward's outputs: fresh, or ``out`` checked (shapes, dtypes, device, no aliasing)."""
     (T, E), dev = logits_TE.shape, logits_TE.device
     shapes = GatingOutput((T, K), (T, K), (T, K), (E,), (E,), (E,), ())
-    dtypes = GatingOutput(torch.int32, logits_TE.dtype, torch.int32, torch.int32, torch.int32,
-                          logits_TE.dtype, logits_TE.dtype)
+    dtypes = GatingOutput(
+        torch.int32, logits_TE.dtype, torch.int32, torch.int32, torch.int32, logits_TE.dtype, logits_TE.dtype
+    )
     if out is None:
         return GatingOutput(*(torch.empty(s, dtype=d, device=dev) for s, d in zip(shapes, dtypes)))
     if not isinstance(out, GatingOutput):
@@ -125,25 +135,60 @@ def _launch_fwd(logits_TE, bias, used_E, out: GatingOutput, K: int, span: int, s
     (T, E), dev = logits_TE.shape, logits_TE.device
     n_spans = triton.cdiv(T, span)
     if n_spans == 1:
-        args = (logits_TE, bias, used_E, out.expert_TK, out.weight_TK, out.slot_TK,
-                out.counts_E, out.used_E, out.score_sum_E, out.zsq_sum, *sizes)
+        args = (
+            logits_TE,
+            bias,
+            used_E,
+            out.expert_TK,
+            out.weight_TK,
+            out.slot_TK,
+            out.counts_E,
+            out.used_E,
+            out.score_sum_E,
+            out.zsq_sum,
+            *sizes,
+        )
         run_autotuned(_gating_fwd_kernel, (1,), args, dict(SINGLE_PROGRAM=True, **meta), _ENV_FWD_CONFIG)
         return
     span_count = torch.empty(n_spans, E, dtype=torch.int32, device=dev)
     span_score = torch.empty(n_spans, E, dtype=logits_TE.dtype, device=dev)
     span_zsq = torch.empty(n_spans, dtype=logits_TE.dtype, device=dev)
-    args = (logits_TE, bias, used_E, out.expert_TK, out.weight_TK, out.slot_TK,
-            span_count, out.used_E, span_score, span_zsq, *sizes)
+    args = (
+        logits_TE,
+        bias,
+        used_E,
+        out.expert_TK,
+        out.weight_TK,
+        out.slot_TK,
+        span_count,
+        out.used_E,
+        span_score,
+        span_zsq,
+        *sizes,
+    )
     run_autotuned(_gating_fwd_kernel, (n_spans,), args, dict(SINGLE_PROGRAM=False, **meta), _ENV_FWD_CONFIG)
     _gating_scan_kernel[(triton.cdiv(E, _SCAN_BLOCK_E),)](
-        span_count, span_score, span_zsq, used_E,
-        out.counts_E, out.used_E, out.score_sum_E, out.zsq_sum,
-        n_spans, E,
-        BLOCK_B=_SCAN_BLOCK_B, BLOCK_E=_SCAN_BLOCK_E,
+        span_count,
+        span_score,
+        span_zsq,
+        used_E,
+        out.counts_E,
+        out.used_E,
+        out.score_sum_E,
+        out.zsq_sum,
+        n_spans,
+        E,
+        BLOCK_B=_SCAN_BLOCK_B,
+        BLOCK_E=_SCAN_BLOCK_E,
     )
     _gating_slot_kernel[(triton.cdiv(T * K, _FLAT_BLOCK),)](
-        out.expert_TK, out.slot_TK, span_count,
-        T * K, E, span * K, sizes[4],   # sizes[4]: the capacity
+        out.expert_TK,
+        out.slot_TK,
+        span_count,
+        T * K,
+        E,
+        span * K,
+        sizes[4],  # sizes[4]: the capacity
         BLOCK=_FLAT_BLOCK,
     )
 
@@ -195,7 +240,7 @@ def gating_fwd(
     scale_hi, scale_lo = _split_scaling(scaling)
     K = top_k
     block_g, block_gs, block_e = _fwd_lanes(E, n_group)
-    bias = logits_TE if expert_bias is None else expert_bias.contiguous()   # logits: never read
+    bias = logits_TE if expert_bias is None else expert_bias.contiguous()  # logits: never read
     if used_E is None:
         used_E = torch.zeros(E, dtype=torch.int32, device=dev)
     else:
@@ -212,12 +257,19 @@ def gating_fwd(
         return out
 
     span = _plan_span(T, block_e, dev)
-    meta = dict(SIGMOID=score_fn == "sigmoid", NORMALIZE=bool(normalize_topk), HAS_BIAS=expert_bias is not None,
-                HAS_SCALE=scaling != 1.0, GROUPED=n_group > 1, BLOCK_G=block_g, BLOCK_GS=block_gs, BLOCK_E=block_e)
+    meta = dict(
+        SIGMOID=score_fn == "sigmoid",
+        NORMALIZE=bool(normalize_topk),
+        HAS_BIAS=expert_bias is not None,
+        HAS_SCALE=scaling != 1.0,
+        GROUPED=n_group > 1,
+        BLOCK_G=block_g,
+        BLOCK_GS=block_gs,
+        BLOCK_E=block_e,
+    )
     sizes = (T, E, K, span, cap, n_group, E // n_group, topk_group, scale_hi, scale_lo, *logits_TE.stride())
     _launch_fwd(logits_TE, bias, used_E, out, K, span, sizes, meta)
     return out
-
 
 
 @on_tensor_device
@@ -289,12 +341,33 @@ def gating_bwd(
     grad_z = dummy if grad_zsq_sum is None else grad_zsq_sum
     stride_gt, stride_gk = (0, 0) if grad_weight_TK is None else grad_weight_TK.stride()
     stride_pe = 0 if grad_score_sum_E is None else grad_score_sum_E.stride(0)
-    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_T"]),)  # noqa: E731
-    args = (logits_TE, expert_TK, grad_w, grad_p, grad_z, out,
-            T, E, K, scale_hi, scale_lo,
-            *logits_TE.stride(), *expert_TK.stride(), stride_gt, stride_gk, stride_pe)
-    meta = dict(SIGMOID=score_fn == "sigmoid", NORMALIZE=bool(normalize_topk),
-                HAS_GRAD_W=grad_weight_TK is not None, HAS_GRAD_P=grad_score_sum_E is not None,
-                HAS_GRAD_Z=grad_zsq_sum is not None, HAS_SCALE=scaling != 1.0, BLOCK_E=triton.next_power_of_2(E))
+    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_T"]),)
+    args = (
+        logits_TE,
+        expert_TK,
+        grad_w,
+        grad_p,
+        grad_z,
+        out,
+        T,
+        E,
+        K,
+        scale_hi,
+        scale_lo,
+        *logits_TE.stride(),
+        *expert_TK.stride(),
+        stride_gt,
+        stride_gk,
+        stride_pe,
+    )
+    meta = dict(
+        SIGMOID=score_fn == "sigmoid",
+        NORMALIZE=bool(normalize_topk),
+        HAS_GRAD_W=grad_weight_TK is not None,
+        HAS_GRAD_P=grad_score_sum_E is not None,
+        HAS_GRAD_Z=grad_zsq_sum is not None,
+        HAS_SCALE=scaling != 1.0,
+        BLOCK_E=triton.next_power_of_2(E),
+    )
     run_autotuned(_gating_bwd_kernel, grid, args, meta, _ENV_BWD_CONFIG)
     return out

@@ -53,6 +53,7 @@ Limits
   need a host sync); they are clamped to [0, R] in the kernels so bad offsets cannot fault. Rows
   outside every segment are not written, as in the reference.
 """
+
 from __future__ import annotations
 
 import functools
@@ -63,9 +64,18 @@ import torch
 import triton
 
 from ._common import check_config_vars, on_tensor_device
-from ._expert_checks import (_INTERPRET, _check_activation, _check_bias, _check_device, _check_float, _check_ndim,
-                             _check_offsets, _check_out, _check_same_dtype)
-from ._gemm_space import CONFIG_ENV, _TILE_NAMES, _gemm_configs, _make_config, _pinned_config, _prune_configs, _tile_of
+from ._expert_checks import (
+    _INTERPRET,
+    _check_activation,
+    _check_bias,
+    _check_device,
+    _check_float,
+    _check_ndim,
+    _check_offsets,
+    _check_out,
+    _check_same_dtype,
+)
+from ._gemm_space import _TILE_NAMES, CONFIG_ENV, _gemm_configs, _make_config, _pinned_config, _prune_configs, _tile_of
 from ._grouped_gemm_kernels import _gate_up_swiglu_fwd_kernel, _grouped_gemm_dw_kernel, _grouped_gemm_fwd_kernel
 from .segment_sum import segment_sum  # the bias gradients: in the grouped_gemm op family (lancet_rt.ops)
 
@@ -91,15 +101,19 @@ _INT32_LIMIT = 2**31
 def _tile_i64(block: str, *strides: str):
     """The TILE_I64 heuristic: whether ``block`` times one of ``strides`` (the bound of the in-tile
     offset and per-step pointer products) reaches 2^31."""
+
     def needs_int64(args) -> bool:
         return max(args[s] for s in strides) * args[block] >= _INT32_LIMIT
+
     return needs_int64
 
 
 _FWD = triton.heuristics({"EVEN_K": _even_k, "TILE_I64": _tile_i64("BLOCK_K", "stride_xk", "stride_wk")})(
-    _grouped_gemm_fwd_kernel)
+    _grouped_gemm_fwd_kernel
+)
 _GATE_UP = triton.heuristics({"EVEN_K": _even_k, "TILE_I64": _tile_i64("BLOCK_K", "stride_xd", "stride_wd")})(
-    _gate_up_swiglu_fwd_kernel)
+    _gate_up_swiglu_fwd_kernel
+)
 _DW = triton.heuristics({"TILE_I64": _tile_i64("BLOCK_M", "stride_dym", "stride_xm")})(_grouped_gemm_dw_kernel)
 
 
@@ -111,8 +125,9 @@ def _autotuned(op: str):
     # Keep tuned choices on disk across processes where this Triton supports it (3.2+).
     extra = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
     # One autotuner per op (fwd and dx share a kernel but not a cache: their strides differ).
-    return triton.autotune(configs=_gemm_configs(op), key=keys,
-                           prune_configs_by={"early_config_prune": _prune_configs(op)}, **extra)(kernel)
+    return triton.autotune(
+        configs=_gemm_configs(op), key=keys, prune_configs_by={"early_config_prune": _prune_configs(op)}, **extra
+    )(kernel)
 
 
 _LAST_CONFIG: dict = {}  # op -> the config of its latest launch, for selected_config()
@@ -152,15 +167,24 @@ def _m_bucket(R: int, E: int) -> int:
 
 def _dot_meta(dtype: torch.dtype, allow_tf32: bool) -> dict:
     """The dot constexprs: TF32 only when asked for fp32 inputs; fp32 operands for bf16 when interpreted."""
-    return dict(INPUT_PRECISION="tf32" if (allow_tf32 and dtype == torch.float32) else "ieee",
-                DOT_FP32=_INTERPRET and dtype == torch.bfloat16)
+    return dict(
+        INPUT_PRECISION="tf32" if (allow_tf32 and dtype == torch.float32) else "ieee",
+        DOT_FP32=_INTERPRET and dtype == torch.bfloat16,
+    )
 
 
 # ================================================================================================
 # Launchers
 # ================================================================================================
-def _grouped_mm(op: str, x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor,
-                out: Optional[torch.Tensor], allow_tf32: bool, bias_EN: Optional[torch.Tensor] = None) -> torch.Tensor:
+def _grouped_mm(
+    op: str,
+    x_RK: torch.Tensor,
+    w_ENK: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    out: Optional[torch.Tensor],
+    allow_tf32: bool,
+    bias_EN: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """y[r] = x[r] @ w[e].T (+ bias[e]) over segments; w is any [E, N, K] view (dx passes w[e].T)."""
     R, K = x_RK.shape
     E, N, _ = w_ENK.shape
@@ -169,22 +193,50 @@ def _grouped_mm(op: str, x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: to
         return y
     if K == 0 and bias_EN is None:
         return y.zero_()
-    grid = lambda META: ((triton.cdiv(R, META["BLOCK_M"]) + E - 1) * triton.cdiv(N, META["BLOCK_N"]),)  # noqa: E731
+    grid = lambda META: ((triton.cdiv(R, META["BLOCK_M"]) + E - 1) * triton.cdiv(N, META["BLOCK_N"]),)
     b, b_strides = (w_ENK, (0, 0)) if bias_EN is None else (bias_EN, bias_EN.stride())  # unread without bias
-    args = (x_RK, w_ENK, b, y, offsets_E1, R, N, K, E, _m_bucket(R, E),
-            x_RK.stride(0), x_RK.stride(1),
-            w_ENK.stride(0), w_ENK.stride(1), w_ENK.stride(2),
-            *b_strides,
-            y.stride(0), y.stride(1))
-    _launch_gemm(op, grid, args, x_RK.device, BLOCK_E=max(16, triton.next_power_of_2(E)),
-                 HAS_BIAS=bias_EN is not None, **_dot_meta(x_RK.dtype, allow_tf32))
+    args = (
+        x_RK,
+        w_ENK,
+        b,
+        y,
+        offsets_E1,
+        R,
+        N,
+        K,
+        E,
+        _m_bucket(R, E),
+        x_RK.stride(0),
+        x_RK.stride(1),
+        w_ENK.stride(0),
+        w_ENK.stride(1),
+        w_ENK.stride(2),
+        *b_strides,
+        y.stride(0),
+        y.stride(1),
+    )
+    _launch_gemm(
+        op,
+        grid,
+        args,
+        x_RK.device,
+        BLOCK_E=max(16, triton.next_power_of_2(E)),
+        HAS_BIAS=bias_EN is not None,
+        **_dot_meta(x_RK.dtype, allow_tf32),
+    )
     return y
 
 
 @on_tensor_device
-def grouped_mm(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor,
-               bias_EN: Optional[torch.Tensor] = None, *,
-               out: Optional[torch.Tensor] = None, allow_tf32: bool = False) -> torch.Tensor:
+def grouped_mm(
+    x_RK: torch.Tensor,
+    w_ENK: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    bias_EN: Optional[torch.Tensor] = None,
+    *,
+    out: Optional[torch.Tensor] = None,
+    allow_tf32: bool = False,
+) -> torch.Tensor:
     """y[r] = x[r] @ w[e].T (+ bias[e]) for the rows r of segment e = offsets[e]:offsets[e+1]; one launch.
 
     Args:
@@ -209,16 +261,23 @@ def grouped_mm(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor
     _check_device("x_RK", x_RK, x_RK.device)
     _check_device("w_ENK", w_ENK, x_RK.device)
     if w_ENK.shape[2] != x_RK.shape[1]:
-        raise ValueError(f"w_ENK must be [E, N, K] with K = x_RK.shape[1] = {x_RK.shape[1]}, "
-                         f"got shape {tuple(w_ENK.shape)}")
+        raise ValueError(
+            f"w_ENK must be [E, N, K] with K = x_RK.shape[1] = {x_RK.shape[1]}, got shape {tuple(w_ENK.shape)}"
+        )
     _check_offsets(offsets_E1, w_ENK.shape[0], x_RK.shape[0], x_RK.device)
     _check_bias("bias_EN", bias_EN, w_ENK.shape[:2], x_RK.dtype, x_RK.device, "x_RK")
     return _grouped_mm("fwd", x_RK, w_ENK, offsets_E1, out, allow_tf32, bias_EN)
 
 
 @on_tensor_device
-def grouped_mm_dx(dy_RN: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor, *,
-                  out: Optional[torch.Tensor] = None, allow_tf32: bool = False) -> torch.Tensor:
+def grouped_mm_dx(
+    dy_RN: torch.Tensor,
+    w_ENK: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    *,
+    out: Optional[torch.Tensor] = None,
+    allow_tf32: bool = False,
+) -> torch.Tensor:
     """dx[r] = dy[r] @ w[e] for the rows of segment e: the input gradient of :func:`grouped_mm`.
 
     Args:
@@ -239,16 +298,23 @@ def grouped_mm_dx(dy_RN: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Te
     _check_device("dy_RN", dy_RN, dy_RN.device)
     _check_device("w_ENK", w_ENK, dy_RN.device)
     if w_ENK.shape[1] != dy_RN.shape[1]:
-        raise ValueError(f"w_ENK must be [E, N, K] with N = dy_RN.shape[1] = {dy_RN.shape[1]}, "
-                         f"got shape {tuple(w_ENK.shape)}")
+        raise ValueError(
+            f"w_ENK must be [E, N, K] with N = dy_RN.shape[1] = {dy_RN.shape[1]}, got shape {tuple(w_ENK.shape)}"
+        )
     _check_offsets(offsets_E1, w_ENK.shape[0], dy_RN.shape[0], dy_RN.device)
     # dx = dy @ w[e] is the forward kernel on the [E, K, N] view w[e].T: only the strides change.
     return _grouped_mm("dx", dy_RN, w_ENK.transpose(1, 2), offsets_E1, out, allow_tf32)
 
 
 @on_tensor_device
-def grouped_mm_dw(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets_E1: torch.Tensor, *,
-                  out: Optional[torch.Tensor] = None, allow_tf32: bool = False) -> torch.Tensor:
+def grouped_mm_dw(
+    dy_RN: torch.Tensor,
+    x_RK: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    *,
+    out: Optional[torch.Tensor] = None,
+    allow_tf32: bool = False,
+) -> torch.Tensor:
     """dw[e] = dy_seg.T @ x_seg over segment e, zeros for an empty segment: the weight gradient.
 
     Args:
@@ -279,21 +345,43 @@ def grouped_mm_dw(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets_E1: torch.Ten
     dw = _check_out(out, (E, N, K), x_RK.dtype, x_RK.device)
     if E == 0 or N == 0 or K == 0:
         return dw
-    grid = lambda META: (E * triton.cdiv(N, META["BLOCK_N"]) * triton.cdiv(K, META["BLOCK_K"]),)  # noqa: E731
-    args = (dy_RN, x_RK, dw, offsets_E1, R, N, K, E, _m_bucket(R, E),
-            dy_RN.stride(0), dy_RN.stride(1),
-            x_RK.stride(0), x_RK.stride(1),
-            dw.stride(0), dw.stride(1), dw.stride(2))
+    grid = lambda META: (E * triton.cdiv(N, META["BLOCK_N"]) * triton.cdiv(K, META["BLOCK_K"]),)
+    args = (
+        dy_RN,
+        x_RK,
+        dw,
+        offsets_E1,
+        R,
+        N,
+        K,
+        E,
+        _m_bucket(R, E),
+        dy_RN.stride(0),
+        dy_RN.stride(1),
+        x_RK.stride(0),
+        x_RK.stride(1),
+        dw.stride(0),
+        dw.stride(1),
+        dw.stride(2),
+    )
     _launch_gemm("dw", grid, args, x_RK.device, **_dot_meta(x_RK.dtype, allow_tf32))
     return dw
 
 
 @on_tensor_device
-def gate_up_swiglu(x_RD: torch.Tensor, w_E2FD: torch.Tensor, offsets_E1: torch.Tensor,
-                   bias_E2F: Optional[torch.Tensor] = None, *, activation: str = "swiglu",
-                   interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0,
-                   out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-                   allow_tf32: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+def gate_up_swiglu(
+    x_RD: torch.Tensor,
+    w_E2FD: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    bias_E2F: Optional[torch.Tensor] = None,
+    *,
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+    allow_tf32: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """The expert input projection with its activation fused into the epilogue.
 
     Args:
@@ -325,8 +413,10 @@ def gate_up_swiglu(x_RD: torch.Tensor, w_E2FD: torch.Tensor, offsets_E1: torch.T
     E, F2, D = w_E2FD.shape
     R = x_RD.shape[0]
     if D != x_RD.shape[1] or F2 % 2:
-        raise ValueError(f"w_E2FD must be [E, 2F, D] with D = x_RD.shape[1] = {x_RD.shape[1]} and an even "
-                         f"second dim, got shape {tuple(w_E2FD.shape)}")
+        raise ValueError(
+            f"w_E2FD must be [E, 2F, D] with D = x_RD.shape[1] = {x_RD.shape[1]} and an even "
+            f"second dim, got shape {tuple(w_E2FD.shape)}"
+        )
     _check_offsets(offsets_E1, E, R, x_RD.device)
     _check_bias("bias_E2F", bias_E2F, (E, F2), x_RD.dtype, x_RD.device, "x_RD")
     F = F2 // 2
@@ -340,19 +430,53 @@ def gate_up_swiglu(x_RD: torch.Tensor, w_E2FD: torch.Tensor, offsets_E1: torch.T
         return h, gu
     if D == 0 and bias_E2F is None:  # gu = 0, and both activations map (0, 0) to 0
         return h.zero_(), gu.zero_()
-    grid = lambda META: ((triton.cdiv(R, META["BLOCK_M"]) + E - 1) * triton.cdiv(F, META["BLOCK_N"]),)  # noqa: E731
+    grid = lambda META: ((triton.cdiv(R, META["BLOCK_M"]) + E - 1) * triton.cdiv(F, META["BLOCK_N"]),)
     b, b_strides = (w_E2FD, (0, 0)) if bias_E2F is None else (bias_E2F, bias_E2F.stride())  # unread without bias
-    args = (x_RD, w_E2FD, b, h, gu, offsets_E1, R, F, D, E, _m_bucket(R, E), float(alpha), float(limit),
-            x_RD.stride(0), x_RD.stride(1),
-            w_E2FD.stride(0), w_E2FD.stride(1), w_E2FD.stride(2),
-            *b_strides,
-            h.stride(0), h.stride(1),
-            gu.stride(0), gu.stride(1))
-    _launch_gemm("gate_up", grid, args, x_RD.device, BLOCK_E=max(16, triton.next_power_of_2(E)),
-                 HAS_BIAS=bias_E2F is not None, INTERLEAVED=bool(interleaved), ACTIVATION=activation,
-                 **_dot_meta(x_RD.dtype, allow_tf32))
+    args = (
+        x_RD,
+        w_E2FD,
+        b,
+        h,
+        gu,
+        offsets_E1,
+        R,
+        F,
+        D,
+        E,
+        _m_bucket(R, E),
+        float(alpha),
+        float(limit),
+        x_RD.stride(0),
+        x_RD.stride(1),
+        w_E2FD.stride(0),
+        w_E2FD.stride(1),
+        w_E2FD.stride(2),
+        *b_strides,
+        h.stride(0),
+        h.stride(1),
+        gu.stride(0),
+        gu.stride(1),
+    )
+    _launch_gemm(
+        "gate_up",
+        grid,
+        args,
+        x_RD.device,
+        BLOCK_E=max(16, triton.next_power_of_2(E)),
+        HAS_BIAS=bias_E2F is not None,
+        INTERLEAVED=bool(interleaved),
+        ACTIVATION=activation,
+        **_dot_meta(x_RD.dtype, allow_tf32),
+    )
     return h, gu
 
 
-__all__ = ["grouped_mm", "grouped_mm_dx", "grouped_mm_dw", "gate_up_swiglu", "segment_sum", "selected_config",
-           "CONFIG_ENV"]
+__all__ = [
+    "grouped_mm",
+    "grouped_mm_dx",
+    "grouped_mm_dw",
+    "gate_up_swiglu",
+    "segment_sum",
+    "selected_config",
+    "CONFIG_ENV",
+]

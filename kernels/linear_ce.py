@@ -11,6 +11,7 @@ new chunk length does not compile the kernel again. It replaces PyTorch's log_so
 backward (which read and write [C, V] five times) with two reads and one write.
 Reference: :func:`lancet_rt.kernels.reference_dense.ce_grad_fwd_ref`.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -30,7 +31,10 @@ def _ce_grad_fwd_kernel(
     labels_ptr,  # [C] int64 targets
     loss_ptr,  # [C] float32 output
     # sizes
-    C, V, scale, ignore_index,
+    C,
+    V,
+    scale,
+    ignore_index,
     # strides
     stride_lc,
     # meta-parameters
@@ -63,9 +67,15 @@ def _ce_grad_fwd_kernel(
         tl.store(row + offs_v, b_g * g_scale, mask=mask_v)
 
 
-def ce_grad_fwd(logits_CV: torch.Tensor, labels_C: torch.Tensor, scale: float,
-                ignore_index: int = -100, *, out: Optional[torch.Tensor] = None,
-                check_labels: bool = True) -> torch.Tensor:
+def ce_grad_fwd(
+    logits_CV: torch.Tensor,
+    labels_C: torch.Tensor,
+    scale: float,
+    ignore_index: int = -100,
+    *,
+    out: Optional[torch.Tensor] = None,
+    check_labels: bool = True,
+) -> torch.Tensor:
     """Cross-entropy per row and its gradient over the logits, in place.
 
     Args:
@@ -95,8 +105,16 @@ def ce_grad_fwd(logits_CV: torch.Tensor, labels_C: torch.Tensor, scale: float,
         _check_labels("labels_C", labels_C, V, ignore_index)
     block_v = min(64 if interpreting() or logits_CV.device.type != "cuda" else 4096, triton.next_power_of_2(V))
     _ce_grad_fwd_kernel[(C,)](
-        logits_CV, labels_C.contiguous(), loss, C, V, float(scale), int(ignore_index), logits_CV.stride(0),
-        BLOCK_V=block_v, num_warps=4 if block_v <= 1024 else 8,
+        logits_CV,
+        labels_C.contiguous(),
+        loss,
+        C,
+        V,
+        float(scale),
+        int(ignore_index),
+        logits_CV.stride(0),
+        BLOCK_V=block_v,
+        num_warps=4 if block_v <= 1024 else 8,
     )
     return loss
 

@@ -4,6 +4,7 @@ One read of x and the residual, one write of y and s (the next layer's residual)
 for bf16/fp16 rows. Memory-bound: forward moves 4 R D elements (3 without a residual), backward 4 (3).
 References: :func:`lancet_rt.kernels.reference_dense.add_rmsnorm_fwd_ref` / ``add_rmsnorm_bwd_ref``.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -32,9 +33,15 @@ def _check_rows(name: str, t, like: torch.Tensor) -> None:
 
 
 @on_tensor_device
-def add_rmsnorm_fwd(x_RD: torch.Tensor, residual_RD: Optional[torch.Tensor], weight_D: torch.Tensor,
-                    eps: float = 1e-6, *, out: Optional[torch.Tensor] = None,
-                    out_sum: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def add_rmsnorm_fwd(
+    x_RD: torch.Tensor,
+    residual_RD: Optional[torch.Tensor],
+    weight_D: torch.Tensor,
+    eps: float = 1e-6,
+    *,
+    out: Optional[torch.Tensor] = None,
+    out_sum: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Fused ``s = x + residual``; ``y = s * rsqrt(mean(s^2) + eps) * weight``.
 
     Args:
@@ -70,16 +77,35 @@ def add_rmsnorm_fwd(x_RD: torch.Tensor, residual_RD: Optional[torch.Tensor], wei
     block_r, block_d, num_warps = _rows(D, x_RD.device)
     r = residual_RD if residual_RD is not None else x_RD
     _add_rmsnorm_fwd_kernel[(triton.cdiv(R, block_r),)](
-        x_RD, r, weight_D.contiguous(), y, s, rstd, R, D, float(eps),
-        x_RD.stride(0), r.stride(0), y.stride(0), s.stride(0),
-        BLOCK_R=block_r, BLOCK_D=block_d, HAS_RESIDUAL=residual_RD is not None, num_warps=num_warps,
+        x_RD,
+        r,
+        weight_D.contiguous(),
+        y,
+        s,
+        rstd,
+        R,
+        D,
+        float(eps),
+        x_RD.stride(0),
+        r.stride(0),
+        y.stride(0),
+        s.stride(0),
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        HAS_RESIDUAL=residual_RD is not None,
+        num_warps=num_warps,
     )
     return y, s, rstd
 
 
 @on_tensor_device
-def add_rmsnorm_bwd(grad_y_RD: torch.Tensor, grad_s_RD: Optional[torch.Tensor], s_RD: torch.Tensor,
-                    rstd_R: torch.Tensor, weight_D: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm_bwd(
+    grad_y_RD: torch.Tensor,
+    grad_s_RD: Optional[torch.Tensor],
+    s_RD: torch.Tensor,
+    rstd_R: torch.Tensor,
+    weight_D: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`add_rmsnorm_fwd`.
 
     Args:
@@ -110,9 +136,23 @@ def add_rmsnorm_bwd(grad_y_RD: torch.Tensor, grad_s_RD: Optional[torch.Tensor], 
     dw = torch.empty(programs, D, device=s_RD.device, dtype=torch.float32)
     g = grad_s_RD if grad_s_RD is not None else grad_y_RD
     _add_rmsnorm_bwd_kernel[(programs,)](
-        grad_y_RD, g, s_RD, rstd_R, weight_D.contiguous(), ds, dw, R, D,
-        grad_y_RD.stride(0), g.stride(0), s_RD.stride(0), ds.stride(0),
-        BLOCK_R=block_r, BLOCK_D=block_d, HAS_DS=grad_s_RD is not None, num_warps=num_warps,
+        grad_y_RD,
+        g,
+        s_RD,
+        rstd_R,
+        weight_D.contiguous(),
+        ds,
+        dw,
+        R,
+        D,
+        grad_y_RD.stride(0),
+        g.stride(0),
+        s_RD.stride(0),
+        ds.stride(0),
+        BLOCK_R=block_r,
+        BLOCK_D=block_d,
+        HAS_DS=grad_s_RD is not None,
+        num_warps=num_warps,
     )
     return ds, dw.sum(0).to(weight_D.dtype)
 

@@ -40,6 +40,7 @@ autotuned on CUDA keyed on (D, K) and the dtypes, and pinned by ``LANCET_PERMUTE
 e.g. ``"BLOCK_T=2,BLOCK_D=1024,num_warps=4"``. Under ``TRITON_INTERPRET=1`` the largest tile
 is used, untimed.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -47,10 +48,19 @@ from typing import Optional, Tuple
 import torch
 import triton
 
-from ._common import check_out as _check_out, check_tensor as _check_tensor, on_tensor_device, run_autotuned
-from ._permute_kernels import (_ENV_PERMUTE_FWD_CONFIG, _ENV_UNPERMUTE_BWD_CONFIG, _ENV_UNPERMUTE_FWD_CONFIG,
-                               _dispatch_base_kernel, _dispatch_rows_kernel, _permute_fwd_kernel, _row_tile_configs,
-                               _row_tile_prune, _unpermute_bwd_kernel, _unpermute_fwd_kernel)
+from ._common import check_out as _check_out
+from ._common import check_tensor as _check_tensor
+from ._common import on_tensor_device, run_autotuned
+from ._permute_kernels import (
+    _ENV_PERMUTE_FWD_CONFIG,
+    _ENV_UNPERMUTE_BWD_CONFIG,
+    _ENV_UNPERMUTE_FWD_CONFIG,
+    _dispatch_base_kernel,
+    _dispatch_rows_kernel,
+    _permute_fwd_kernel,
+    _unpermute_bwd_kernel,
+    _unpermute_fwd_kernel,
+)
 
 __all__ = ["dispatch_rows", "permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd"]
 
@@ -120,8 +130,13 @@ def permute_fwd(
         _check_out("out[1] (src_S)", src_S, (S,), torch.int32, dev)
     if S == 0:
         return x_SD, src_S
-    run_autotuned(_permute_fwd_kernel, _row_grid(T, D), (x_TD, row_TK, x_SD, src_S, T, D, K, S, *x_TD.stride()),
-                  {}, _ENV_PERMUTE_FWD_CONFIG)
+    run_autotuned(
+        _permute_fwd_kernel,
+        _row_grid(T, D),
+        (x_TD, row_TK, x_SD, src_S, T, D, K, S, *x_TD.stride()),
+        {},
+        _ENV_PERMUTE_FWD_CONFIG,
+    )
     return x_SD, src_S
 
 
@@ -138,11 +153,19 @@ def _gather_reduce(y_SD, row_TK, weight_TK, out, out_name):
     if T * D == 0:
         return out
     has_weight = weight_TK is not None
-    args = (y_SD, row_TK, weight_TK if has_weight else y_SD, out,
-            T, D, K, S,
-            *y_SD.stride(), *(weight_TK.stride() if has_weight else (0, 0)))
-    run_autotuned(_unpermute_fwd_kernel, _row_grid(T, D), args, dict(HAS_WEIGHT=has_weight),
-                  _ENV_UNPERMUTE_FWD_CONFIG)
+    args = (
+        y_SD,
+        row_TK,
+        weight_TK if has_weight else y_SD,
+        out,
+        T,
+        D,
+        K,
+        S,
+        *y_SD.stride(),
+        *(weight_TK.stride() if has_weight else (0, 0)),
+    )
+    run_autotuned(_unpermute_fwd_kernel, _row_grid(T, D), args, dict(HAS_WEIGHT=has_weight), _ENV_UNPERMUTE_FWD_CONFIG)
     return out
 
 
@@ -237,11 +260,24 @@ def unpermute_bwd(
         _check_out("out[1] (grad_weight_TK)", grad_w_TK, (T, K), torch.float32, dev)
     if T * K == 0:
         return grad_y_SD, grad_w_TK
-    args = (grad_y_TD, y_SD, row_TK, weight_TK, grad_y_SD, grad_w_TK,
-            T, D, K, S,
-            *grad_y_TD.stride(), *y_SD.stride(), *weight_TK.stride())
-    run_autotuned(_unpermute_bwd_kernel, lambda meta: (triton.cdiv(T, meta["BLOCK_T"]),), args, {},
-                  _ENV_UNPERMUTE_BWD_CONFIG)
+    args = (
+        grad_y_TD,
+        y_SD,
+        row_TK,
+        weight_TK,
+        grad_y_SD,
+        grad_w_TK,
+        T,
+        D,
+        K,
+        S,
+        *grad_y_TD.stride(),
+        *y_SD.stride(),
+        *weight_TK.stride(),
+    )
+    run_autotuned(
+        _unpermute_bwd_kernel, lambda meta: (triton.cdiv(T, meta["BLOCK_T"]),), args, {}, _ENV_UNPERMUTE_BWD_CONFIG
+    )
     return grad_y_SD, grad_w_TK
 
 
@@ -287,9 +323,15 @@ def dispatch_rows(
     slot_TK = slot_TK.to(torch.int32).contiguous()
     base_E = torch.empty(E, dtype=torch.int32, device=dev)
     if E > 0:
-        _dispatch_base_kernel[(1,)](kept_E.contiguous(), used_E.contiguous(), base_E, E,
-                                    BLOCK_E=triton.next_power_of_2(E))
+        _dispatch_base_kernel[(1,)](
+            kept_E.contiguous(), used_E.contiguous(), base_E, E, BLOCK_E=triton.next_power_of_2(E)
+        )
     _dispatch_rows_kernel[(triton.cdiv(T * K, _FLAT_BLOCK),)](
-        expert_TK, slot_TK, base_E, out, T * K, BLOCK=_FLAT_BLOCK,
+        expert_TK,
+        slot_TK,
+        base_E,
+        out,
+        T * K,
+        BLOCK=_FLAT_BLOCK,
     )
     return out

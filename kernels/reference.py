@@ -7,6 +7,7 @@ from here so the baseline cannot drift.
 Shape letters: T tokens, E experts, K top-k, D model, F expert hidden, S dispatch rows
 (kept assignments), R rows received by local experts, N/M GEMM output/input features.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,8 +16,17 @@ from typing import NamedTuple, Optional
 import torch
 
 from .reference_experts import (  # noqa: F401 - the experts' references, re-exported (one namespace of _ref)
-    ACTIVATIONS, _acc, _bounds, _check_activation, gate_up_swiglu_ref, grouped_mm_dw_ref, grouped_mm_dx_ref,
-    grouped_mm_ref, segment_sum_ref, swiglu_bwd_ref, swiglu_fwd_ref,
+    ACTIVATIONS,
+    _acc,
+    _bounds,
+    _check_activation,
+    gate_up_swiglu_ref,
+    grouped_mm_dw_ref,
+    grouped_mm_dx_ref,
+    grouped_mm_ref,
+    segment_sum_ref,
+    swiglu_bwd_ref,
+    swiglu_fwd_ref,
 )
 
 
@@ -75,10 +85,13 @@ def check_router_args(E: int, top_k: int, expert_bias, n_group, topk_group, scal
         if not isinstance(expert_bias, torch.Tensor):
             raise TypeError(f"expert_bias must be None or a torch.Tensor, got {type(expert_bias).__name__}")
         if expert_bias.dtype not in _BIAS_DTYPES:
-            raise TypeError(f"expert_bias must have a float dtype {[str(d) for d in _BIAS_DTYPES]}, "
-                            f"got {expert_bias.dtype}")
+            raise TypeError(
+                f"expert_bias must have a float dtype {[str(d) for d in _BIAS_DTYPES]}, got {expert_bias.dtype}"
+            )
         if tuple(expert_bias.shape) != (E,):
-            raise ValueError(f"expert_bias must have shape ({E},) (one entry per expert), got {tuple(expert_bias.shape)}")
+            raise ValueError(
+                f"expert_bias must have shape ({E},) (one entry per expert), got {tuple(expert_bias.shape)}"
+            )
         if expert_bias.device != device:
             raise ValueError(f"expert_bias must be on {device} (the logits' device), got {expert_bias.device}")
     if isinstance(n_group, bool) or not isinstance(n_group, int) or n_group < 1 or E % n_group:
@@ -88,8 +101,10 @@ def check_router_args(E: int, top_k: int, expert_bias, n_group, topk_group, scal
     if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
         raise ValueError(f"topk_group must be None or an int in [1, n_group={n_group}], got {topk_group!r}")
     if top_k > topk_group * (E // n_group):
-        raise ValueError(f"top_k={top_k} must be <= topk_group * E / n_group = {topk_group} * {E // n_group}: "
-                         "the kept groups hold too few experts")
+        raise ValueError(
+            f"top_k={top_k} must be <= topk_group * E / n_group = {topk_group} * {E // n_group}: "
+            "the kept groups hold too few experts"
+        )
     check_scaling(scaling)
     return topk_group
 
@@ -191,8 +206,9 @@ def gating_fwd_ref(
     score_sum_E = norm_TE.sum(dim=0)
     lse_T = torch.logsumexp(logits_TE, dim=-1)
     zsq_sum = torch.dot(lse_T, lse_T)
-    return GatingOutput(chosen_TK.to(torch.int32), weight_TK, slot_TK, counts_E, used_E + counts_E, score_sum_E,
-                        zsq_sum)
+    return GatingOutput(
+        chosen_TK.to(torch.int32), weight_TK, slot_TK, counts_E, used_E + counts_E, score_sum_E, zsq_sum
+    )
 
 
 #: Above this many [T * K, E] cells the slots come from a sort, not a one-hot running count.

@@ -7,6 +7,7 @@ Like :mod:`lancet_rt.kernels.reference`, these define the semantics the Triton l
 
 Shape letters: R rows, D features, C rows of a loss chunk, V vocabulary.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -18,8 +19,9 @@ def _acc(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def add_rmsnorm_fwd_ref(x_RD: torch.Tensor, residual_RD: Optional[torch.Tensor], weight_D: torch.Tensor,
-                        eps: float = 1e-6) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def add_rmsnorm_fwd_ref(
+    x_RD: torch.Tensor, residual_RD: Optional[torch.Tensor], weight_D: torch.Tensor, eps: float = 1e-6
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``s = x + residual`` (in x's dtype, as transformers adds), ``y = s / rms(s) * weight``.
 
     Args:
@@ -39,8 +41,13 @@ def add_rmsnorm_fwd_ref(x_RD: torch.Tensor, residual_RD: Optional[torch.Tensor],
     return y.to(x_RD.dtype), s, rstd.view(-1)
 
 
-def add_rmsnorm_bwd_ref(grad_y_RD: torch.Tensor, grad_s_RD: Optional[torch.Tensor], s_RD: torch.Tensor,
-                        rstd_R: torch.Tensor, weight_D: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+def add_rmsnorm_bwd_ref(
+    grad_y_RD: torch.Tensor,
+    grad_s_RD: Optional[torch.Tensor],
+    s_RD: torch.Tensor,
+    rstd_R: torch.Tensor,
+    weight_D: torch.Tensor,
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`add_rmsnorm_fwd_ref`: with n = s * rstd,
     ds = rstd * (dy * w - n * mean(dy * w * n)) + grad_s, dweight = sum_r dy * n.
 
@@ -90,12 +97,20 @@ def _check_labels(name: str, labels: torch.Tensor, V: int, ignore_index: int) ->
         values = labels[bad]
         shown = sorted(set(values.tolist()))
         more = f" (and {len(shown) - 8} more distinct)" if len(shown) > 8 else ""
-        raise ValueError(f"{name} must be in [0, V={V}) or the ignore index {ignore_index}; got "
-                         f"{values.numel()} outside: {shown[:8]}{more}")
+        raise ValueError(
+            f"{name} must be in [0, V={V}) or the ignore index {ignore_index}; got "
+            f"{values.numel()} outside: {shown[:8]}{more}"
+        )
 
 
-def ce_grad_fwd_ref(logits_CV: torch.Tensor, labels_C: torch.Tensor, scale: float,
-                    ignore_index: int = -100, *, check_labels: bool = True) -> torch.Tensor:
+def ce_grad_fwd_ref(
+    logits_CV: torch.Tensor,
+    labels_C: torch.Tensor,
+    scale: float,
+    ignore_index: int = -100,
+    *,
+    check_labels: bool = True,
+) -> torch.Tensor:
     """Cross-entropy of each row and its gradient, the gradient written over the logits.
 
     Args:

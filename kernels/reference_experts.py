@@ -1,5 +1,6 @@
 """References of the experts' kernels (grouped GEMMs, SwiGLU, segment sums): plain PyTorch, also the
 layer's CPU path. Split out of :mod:`lancet_rt.kernels.reference`, which re-exports every name."""
+
 from __future__ import annotations
 
 import functools
@@ -157,11 +158,12 @@ def _along(w_ENK: torch.Tensor, dim: int, work: Optional[torch.Tensor] = None) -
     t = w_ENK.transpose(dim, other)
     if work is None:
         return t.contiguous().transpose(dim, other)
-    return work[:t.numel()].view(t.shape).copy_(t).transpose(dim, other)
+    return work[: t.numel()].view(t.shape).copy_(t).transpose(dim, other)
 
 
-def grouped_mm_ref(x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor,
-                   bias_EN: Optional[torch.Tensor] = None) -> torch.Tensor:
+def grouped_mm_ref(
+    x_RK: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor, bias_EN: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """y[r] = x[r] @ w[e].T (+ bias[e]) for the rows r of segment e = offsets[e]:offsets[e+1].
 
     One matmul per expert on views of the segments, written into the output (this is also the CPU
@@ -207,8 +209,14 @@ def _differentiable(*tensors) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
-def grouped_mm_dx_ref(dy_RN: torch.Tensor, w_ENK: torch.Tensor, offsets_E1: torch.Tensor, *,
-                      out: Optional[torch.Tensor] = None, work: Optional[torch.Tensor] = None) -> torch.Tensor:
+def grouped_mm_dx_ref(
+    dy_RN: torch.Tensor,
+    w_ENK: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    *,
+    out: Optional[torch.Tensor] = None,
+    work: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """dx[r] = dy[r] @ w[e] for the rows of segment e: the input gradient of :func:`grouped_mm_ref`.
 
     ``out``: an optional [R, K] buffer in dy's dtype, written row segment by row segment with the
@@ -249,8 +257,9 @@ def grouped_mm_dw_ref(dy_RN: Union[torch.Tensor, GateUp], x_RK: torch.Tensor, of
         return dw
     dy_NR = dy_RN.t()
     if _differentiable(dy_RN, x_RK):
-        return torch.stack([torch.mm(dy, x) for dy, x in zip(_segments(dy_NR, offsets_E1, dim=1),
-                                                            _segments(x_RK, offsets_E1))])
+        return torch.stack(
+            [torch.mm(dy, x) for dy, x in zip(_segments(dy_NR, offsets_E1, dim=1), _segments(x_RK, offsets_E1))]
+        )
     if len(offsets_E1) == 2:  # one segment: one GEMM (no host read: a length)
         return torch.mm(dy_NR, x_RK).unsqueeze(0)
     if _one_launch(dy_NR, x_RK):
@@ -277,8 +286,14 @@ def segment_sum_ref(g_RN: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tenso
     return torch.stack([seg.sum(dim=0) for seg in _segments(g, offsets_E1)]).to(g_RN.dtype)
 
 
-def swiglu_fwd_ref(gu_R2F: Union[torch.Tensor, GateUp], *, activation: str = "swiglu", interleaved: bool = False,
-                   alpha: float = 1.702, limit: float = 7.0) -> torch.Tensor:
+def swiglu_fwd_ref(
+    gu_R2F: Union[torch.Tensor, GateUp],
+    *,
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+) -> torch.Tensor:
     """The experts' activation of the pre-activation gu, computed in float32.
 
     Args:
@@ -308,10 +323,18 @@ def _dtype(gu) -> torch.dtype:
     return gu.gate.dtype if isinstance(gu, GateUp) else gu.dtype
 
 
-def swiglu_bwd_ref(gu_R2F: Union[torch.Tensor, GateUp], grad_h_RF: torch.Tensor, *, activation: str = "swiglu",
-                   interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0,
-                   out: Union[torch.Tensor, GateUp, None] = None, halves: bool = False,
-                   work: Union[torch.Tensor, GateUp, None] = None):
+def swiglu_bwd_ref(
+    gu_R2F: Union[torch.Tensor, GateUp],
+    grad_h_RF: torch.Tensor,
+    *,
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    out: Union[torch.Tensor, GateUp, None] = None,
+    halves: bool = False,
+    work: Union[torch.Tensor, GateUp, None] = None,
+):
     """Gradient of :func:`swiglu_fwd_ref` with respect to gu (a [R, 2F] tensor, or its halves as a
     :class:`GateUp`), in gu's dtype and column order: one [R, 2F] tensor, or with ``halves`` (gate
     rows first only) a :class:`GateUp` of two contiguous [R, F] tensors, the same values.
@@ -334,8 +357,13 @@ def swiglu_bwd_ref(gu_R2F: Union[torch.Tensor, GateUp], grad_h_RF: torch.Tensor,
     dh = grad_h_RF.to(g.dtype)
     halves = halves and not interleaved
     if fast:
-        dgu = out if out is not None else GateUp(*torch.empty((2,) + g.shape, dtype=dtype, device=g.device)) \
-            if halves else torch.empty(gu_R2F.shape, dtype=dtype, device=g.device)
+        dgu = (
+            out
+            if out is not None
+            else GateUp(*torch.empty((2,) + g.shape, dtype=dtype, device=g.device))
+            if halves
+            else torch.empty(gu_R2F.shape, dtype=dtype, device=g.device)
+        )
         dg, du = dgu if halves else _split_gu(dgu, interleaved)
         # d silu(g) = sig (1 + g (1 - sig)): ATen's silu_backward, of dh * u; a product is
         # symmetric bit for bit, so each op below is the written-out formula's.
@@ -363,10 +391,18 @@ def swiglu_bwd_ref(gu_R2F: Union[torch.Tensor, GateUp], grad_h_RF: torch.Tensor,
     return dgu if out is None else out.copy_(dgu)
 
 
-def gate_up_swiglu_ref(x_RD: torch.Tensor, w_E2FD: torch.Tensor, offsets_E1: torch.Tensor,
-                       bias_E2F: Optional[torch.Tensor] = None, *, activation: str = "swiglu",
-                       interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0,
-                       halves: bool = False):
+def gate_up_swiglu_ref(
+    x_RD: torch.Tensor,
+    w_E2FD: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    bias_E2F: Optional[torch.Tensor] = None,
+    *,
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    halves: bool = False,
+):
     """The expert input projection with its activation: gu = grouped_mm(x, w, bias), h = act(gu).
 
     Args:
@@ -388,11 +424,18 @@ def gate_up_swiglu_ref(x_RD: torch.Tensor, w_E2FD: torch.Tensor, offsets_E1: tor
     """
     act = dict(activation=activation, interleaved=interleaved, alpha=alpha, limit=limit)
     half = w_E2FD.shape[1] // 2
-    if (halves and not interleaved and x_RD.dtype in _GROUPED_DTYPES and half % _VECTOR_STEP == 0
-            and not _differentiable(x_RD, w_E2FD, bias_E2F)):
+    if (
+        halves
+        and not interleaved
+        and x_RD.dtype in _GROUPED_DTYPES
+        and half % _VECTOR_STEP == 0
+        and not _differentiable(x_RD, w_E2FD, bias_E2F)
+    ):
         b = (None, None) if bias_E2F is None else (bias_E2F[:, :half], bias_E2F[:, half:])
-        gu = GateUp(grouped_mm_ref(x_RD, w_E2FD[:, :half], offsets_E1, b[0]),
-                    grouped_mm_ref(x_RD, w_E2FD[:, half:], offsets_E1, b[1]))
+        gu = GateUp(
+            grouped_mm_ref(x_RD, w_E2FD[:, :half], offsets_E1, b[0]),
+            grouped_mm_ref(x_RD, w_E2FD[:, half:], offsets_E1, b[1]),
+        )
     else:
         gu = grouped_mm_ref(x_RD, w_E2FD, offsets_E1, bias_E2F)
     return swiglu_fwd_ref(gu, **act), gu

@@ -14,6 +14,7 @@ measured; one dW of the four GEMMs of the experts' backward).
 Reference: ``lancet_rt.kernels.reference.segment_sum_ref``. In the kernel selection (lancet_rt.ops) it belongs
 to the grouped GEMM family, which re-exports it.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -26,19 +27,23 @@ from ._common import on_tensor_device
 from ._expert_checks import _INTERPRET, _check_device, _check_float, _check_ndim, _check_offsets, _check_out
 
 
-@triton.jit(do_not_specialize=['R'])  # row counts: one compiled variant for any chunk
+@triton.jit(do_not_specialize=["R"])  # row counts: one compiled variant for any chunk
 def _segment_sum_kernel(
     # pointers
     g_ptr,  # [R, N] rows grouped by expert
     s_ptr,  # [E, N] output: s[e] = sum of segment e's rows, g's dtype
     offsets_ptr,  # [E + 1] int32/int64 segment bounds
     # sizes
-    R, N,
+    R,
+    N,
     # strides
-    stride_gm, stride_gn,
-    stride_se, stride_sn,
+    stride_gm,
+    stride_gn,
+    stride_se,
+    stride_sn,
     # meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """s[e, n] = sum over rows r of segment e of g[r, n], in fp32; zeros for an empty segment.
 
@@ -79,8 +84,7 @@ def _segment_sum_blocks(N: int, E: int, device: torch.device) -> Tuple[int, int,
 
 
 @on_tensor_device
-def segment_sum(g_RN: torch.Tensor, offsets_E1: torch.Tensor, *,
-                out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def segment_sum(g_RN: torch.Tensor, offsets_E1: torch.Tensor, *, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """s[e] = the sum of rows offsets[e]:offsets[e+1] of g (zeros for an empty segment): the
     gradient of a per-expert bias (``bias_EN`` of :func:`lancet_rt.kernels.grouped_gemm.grouped_mm`, ``bias_E2F``
     of ``gate_up_swiglu``) from the gradient of its output. One launch, fp32 accumulation, no atomics: the
@@ -107,9 +111,18 @@ def segment_sum(g_RN: torch.Tensor, offsets_E1: torch.Tensor, *,
         return s
     block_m, block_n, num_warps = _segment_sum_blocks(N, E, g_RN.device)
     _segment_sum_kernel[(E, triton.cdiv(N, block_n))](
-        g_RN, s, offsets_E1, R, N,
-        g_RN.stride(0), g_RN.stride(1), s.stride(0), s.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
+        g_RN,
+        s,
+        offsets_E1,
+        R,
+        N,
+        g_RN.stride(0),
+        g_RN.stride(1),
+        s.stride(0),
+        s.stride(1),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        num_warps=num_warps,
     )
     return s
 

@@ -10,6 +10,7 @@ GPT-OSS's clamped variant; and two column orders: gate columns first, or
 writes F values per row, backward reads 3F and writes 2F; computed in fp32 and stored in gu's dtype.
 References: ``lancet_rt.kernels.reference.swiglu_fwd_ref`` / ``swiglu_bwd_ref``.
 """
+
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -19,14 +20,31 @@ import triton
 import triton.language as tl
 
 from ._common import on_tensor_device
-from ._expert_checks import (_INTERPRET, _check_activation, _check_device, _check_float, _check_ndim, _check_out,
-                             _check_same_dtype)
+from ._expert_checks import (
+    _INTERPRET,
+    _check_activation,
+    _check_device,
+    _check_float,
+    _check_ndim,
+    _check_out,
+    _check_same_dtype,
+)
 from ._grouped_gemm_kernels import _glu
 
 
 @triton.jit
-def _load_gu(gu_ptr, offs_r, offs_f, R, F, stride_gm, stride_gf,
-             BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr, INTERLEAVED: tl.constexpr):
+def _load_gu(
+    gu_ptr,
+    offs_r,
+    offs_f,
+    R,
+    F,
+    stride_gm,
+    stride_gf,
+    BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+):
     """(gate, up) of rows offs_r and columns offs_f of a [R, 2F] pre-activation, in fp32."""
     gu_rows = gu_ptr + offs_r[:, None] * stride_gm
     if INTERLEAVED:
@@ -42,20 +60,25 @@ def _load_gu(gu_ptr, offs_r, offs_f, R, F, stride_gm, stride_gf,
     return g, u
 
 
-@triton.jit(do_not_specialize=['R'])  # row counts: one compiled variant for any chunk
+@triton.jit(do_not_specialize=["R"])  # row counts: one compiled variant for any chunk
 def _swiglu_fwd_kernel(
     # pointers
     gu_ptr,  # [R, 2F] gate columns [0, F), up columns [F, 2F); INTERLEAVED: gate 2j, up 2j + 1
     h_ptr,  # [R, F] output
     # sizes
-    R, F,
+    R,
+    F,
     # activation constants ("swiglu_oai" only)
-    alpha, limit,
+    alpha,
+    limit,
     # strides
-    stride_gm, stride_gf,
-    stride_hm, stride_hf,
+    stride_gm,
+    stride_gf,
+    stride_hm,
+    stride_hf,
     # meta-parameters
-    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
     INTERLEAVED: tl.constexpr = False,
     ACTIVATION: tl.constexpr = "swiglu",
 ):
@@ -71,26 +94,32 @@ def _swiglu_fwd_kernel(
     tl.store(h_ptrs, b_h.to(h_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=['R'])  # row counts: one compiled variant for any chunk
+@triton.jit(do_not_specialize=["R"])  # row counts: one compiled variant for any chunk
 def _swiglu_bwd_kernel(
     # pointers
     gu_ptr,  # [R, 2F] forward pre-activation
     dh_ptr,  # [R, F] gradient of h
     dgu_ptr,  # [R, 2F] output: gradient of gu, in gu's column order
     # sizes
-    R, F,
+    R,
+    F,
     # activation constants ("swiglu_oai" only)
-    alpha, limit,
+    alpha,
+    limit,
     # strides
-    stride_gm, stride_gf,
-    stride_dhm, stride_dhf,
-    stride_dgm, stride_dgf,
+    stride_gm,
+    stride_gf,
+    stride_dhm,
+    stride_dhf,
+    stride_dgm,
+    stride_dgf,
     # meta-parameters
-    BLOCK_R: tl.constexpr, BLOCK_F: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_F: tl.constexpr,
     INTERLEAVED: tl.constexpr = False,
     ACTIVATION: tl.constexpr = "swiglu",
 ):
-    """"swiglu": dgate = dh * u * s * (1 + g * (1 - s)), dup = dh * g * s with s = sigmoid(g).
+    """ "swiglu": dgate = dh * u * s * (1 + g * (1 - s)), dup = dh * g * s with s = sigmoid(g).
     "swiglu_oai", with gc = min(g, limit), uc = clamp(u, -limit, limit), s = sigmoid(alpha * gc):
     dgate = dh * (uc + 1) * s * (1 + alpha * gc * (1 - s)) where g <= limit, else 0;
     dup = dh * gc * s where -limit <= u <= limit, else 0 (torch.clamp's gradient). In fp32."""
@@ -101,12 +130,14 @@ def _swiglu_bwd_kernel(
     mask = (offs_r[:, None] < R) & (offs_f[None, :] < F)
     offs_f64 = offs_f.to(tl.int64)
     g, u = _load_gu(gu_ptr, offs_r, offs_f, R, F, stride_gm, stride_gf, BLOCK_R, BLOCK_F, INTERLEAVED)
-    dh = tl.load(dh_ptr + offs_r[:, None] * stride_dhm + offs_f64[None, :] * stride_dhf,
-                 mask=mask, other=0.0).to(tl.float32)
+    dh = tl.load(dh_ptr + offs_r[:, None] * stride_dhm + offs_f64[None, :] * stride_dhf, mask=mask, other=0.0).to(
+        tl.float32
+    )
     if ACTIVATION == "swiglu_oai":
         gc = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
-        uc = tl.maximum(tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL), -limit,
-                        propagate_nan=tl.PropagateNan.ALL)
+        uc = tl.maximum(
+            tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL), -limit, propagate_nan=tl.PropagateNan.ALL
+        )
         s = 1.0 / (1.0 + tl.exp(-alpha * gc))
         dg = tl.where(g <= limit, dh * (uc + 1.0) * s * (1.0 + alpha * gc * (1.0 - s)), 0.0)
         du = tl.where((u >= -limit) & (u <= limit), dh * gc * s, 0.0)
@@ -119,8 +150,11 @@ def _swiglu_bwd_kernel(
     if INTERLEAVED:
         offs_c = pid_f * (2 * BLOCK_F) + tl.arange(0, 2 * BLOCK_F)
         b_dgu = tl.reshape(tl.join(dg, du), (BLOCK_R, 2 * BLOCK_F))
-        tl.store(dgu_rows + offs_c.to(tl.int64)[None, :] * stride_dgf, b_dgu.to(out_ty),
-                 mask=(offs_r[:, None] < R) & (offs_c[None, :] < 2 * F))
+        tl.store(
+            dgu_rows + offs_c.to(tl.int64)[None, :] * stride_dgf,
+            b_dgu.to(out_ty),
+            mask=(offs_r[:, None] < R) & (offs_c[None, :] < 2 * F),
+        )
     else:
         tl.store(dgu_rows + offs_f64[None, :] * stride_dgf, dg.to(out_ty), mask=mask)
         tl.store(dgu_rows + (offs_f64 + F)[None, :] * stride_dgf, du.to(out_ty), mask=mask)
@@ -144,8 +178,15 @@ def _check_gu(gu_R2F: torch.Tensor) -> None:
 
 
 @on_tensor_device
-def swiglu_fwd(gu_R2F: torch.Tensor, *, activation: str = "swiglu", interleaved: bool = False,
-               alpha: float = 1.702, limit: float = 7.0, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def swiglu_fwd(
+    gu_R2F: torch.Tensor,
+    *,
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """h = act(gate, up) of a pre-activation, computed in fp32.
 
     Args:
@@ -169,18 +210,36 @@ def swiglu_fwd(gu_R2F: torch.Tensor, *, activation: str = "swiglu", interleaved:
     block_r, block_f, num_warps = _swiglu_blocks(F, gu_R2F.device)
     grid = (triton.cdiv(R, block_r), triton.cdiv(F, block_f))
     _swiglu_fwd_kernel[grid](
-        gu_R2F, h, R, F, float(alpha), float(limit),
-        gu_R2F.stride(0), gu_R2F.stride(1), h.stride(0), h.stride(1),
-        BLOCK_R=block_r, BLOCK_F=block_f, INTERLEAVED=bool(interleaved), ACTIVATION=activation,
+        gu_R2F,
+        h,
+        R,
+        F,
+        float(alpha),
+        float(limit),
+        gu_R2F.stride(0),
+        gu_R2F.stride(1),
+        h.stride(0),
+        h.stride(1),
+        BLOCK_R=block_r,
+        BLOCK_F=block_f,
+        INTERLEAVED=bool(interleaved),
+        ACTIVATION=activation,
         num_warps=num_warps,
     )
     return h
 
 
 @on_tensor_device
-def swiglu_bwd(gu_R2F: torch.Tensor, grad_h_RF: torch.Tensor, *, activation: str = "swiglu",
-               interleaved: bool = False, alpha: float = 1.702, limit: float = 7.0,
-               out: Optional[torch.Tensor] = None) -> torch.Tensor:
+def swiglu_bwd(
+    gu_R2F: torch.Tensor,
+    grad_h_RF: torch.Tensor,
+    *,
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Gradient of :func:`swiglu_fwd` with respect to gu, computed in fp32.
 
     For "swiglu_oai" the clamps pass the gradient where torch.clamp's does (gate <= limit,
@@ -210,11 +269,23 @@ def swiglu_bwd(gu_R2F: torch.Tensor, grad_h_RF: torch.Tensor, *, activation: str
     block_r, block_f, num_warps = _swiglu_blocks(F, gu_R2F.device)
     grid = (triton.cdiv(R, block_r), triton.cdiv(F, block_f))
     _swiglu_bwd_kernel[grid](
-        gu_R2F, grad_h_RF, dgu, R, F, float(alpha), float(limit),
-        gu_R2F.stride(0), gu_R2F.stride(1),
-        grad_h_RF.stride(0), grad_h_RF.stride(1),
-        dgu.stride(0), dgu.stride(1),
-        BLOCK_R=block_r, BLOCK_F=block_f, INTERLEAVED=bool(interleaved), ACTIVATION=activation,
+        gu_R2F,
+        grad_h_RF,
+        dgu,
+        R,
+        F,
+        float(alpha),
+        float(limit),
+        gu_R2F.stride(0),
+        gu_R2F.stride(1),
+        grad_h_RF.stride(0),
+        grad_h_RF.stride(1),
+        dgu.stride(0),
+        dgu.stride(1),
+        BLOCK_R=block_r,
+        BLOCK_F=block_f,
+        INTERLEAVED=bool(interleaved),
+        ACTIVATION=activation,
         num_warps=num_warps,
     )
     return dgu

@@ -3,6 +3,7 @@ of one argument into a value in its allowed range or refuses it, so argparse pri
 the argument, the value and what is allowed (``error: argument --ranks: must be an int in [2, 64],
 got '1'``) and exits with status 2 before the command does any work. NaN and infinities are never a
 number here."""
+
 from __future__ import annotations
 
 import argparse
@@ -52,7 +53,11 @@ def float_in(lo: Optional[float] = None, hi: Optional[float] = None, *, above: b
             value = float(text)
         except ValueError:
             value = math.nan
-        ok = math.isfinite(value) and (lo is None or (value > lo if above else value >= lo)) and (hi is None or value <= hi)
+        ok = (
+            math.isfinite(value)
+            and (lo is None or (value > lo if above else value >= lo))
+            and (hi is None or value <= hi)
+        )
         if not ok:
             raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
         return value
@@ -67,6 +72,7 @@ def list_of(item: Callable[[str], object], *, unique: bool = False) -> Callable[
     Returns:
         The callable argparse calls with the argument's text.
     """
+
     def parse(text: str) -> list:
         parts = [p.strip() for p in text.split(",")]
         values = []
@@ -109,6 +115,7 @@ def checked(parse: Callable[[str], object]) -> Callable[[str], object]:
     Returns:
         The callable argparse calls with the argument's text.
     """
+
     def parse_checked(text: str):
         try:
             return parse(text)

@@ -11,6 +11,7 @@ scheme): at most one chunk's [C, V] float32 logits exist at a time, and the back
 the saved gradients by the incoming one. The mean is over the valid labels of the whole input (or
 ``num_items_in_batch``), as transformers' ``ForCausalLMLoss`` computes.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -24,8 +25,9 @@ from lancet_rt.kernels.reference_dense import _bad_labels, _check_labels
 
 # ------------------------------------------------------------------------------------- add + RMSNorm
 @torch.library.custom_op("lancet::add_rmsnorm", mutates_args=())
-def _add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _ops.get_ops(x.device, x.dtype).add_rmsnorm_fwd(x, residual, weight, eps)
 
 
@@ -36,8 +38,9 @@ def _rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.T
 
 
 @torch.library.custom_op("lancet::add_rmsnorm_bwd", mutates_args=())
-def _add_rmsnorm_bwd(grad_y: torch.Tensor, grad_s: Optional[torch.Tensor], s: torch.Tensor, rstd: torch.Tensor,
-                     weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _add_rmsnorm_bwd(
+    grad_y: torch.Tensor, grad_s: Optional[torch.Tensor], s: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _ops.get_ops(s.device, s.dtype).add_rmsnorm_bwd(grad_y, grad_s, s, rstd, weight)
 
 
@@ -135,7 +138,8 @@ class _AddRMSNormFn(torch.autograd.Function):
         if grad_y is None:  # (only the sum is used downstream)
             grad_y = torch.zeros_like(s)
         ds, dw = _ops.get_ops(s.device, s.dtype).add_rmsnorm_bwd(
-            grad_y.contiguous(), None if grad_s is None else grad_s.contiguous(), s, rstd, weight)
+            grad_y.contiguous(), None if grad_s is None else grad_s.contiguous(), s, rstd, weight
+        )
         return ds, ds if ctx.residual else None, dw, None
 
 
@@ -156,15 +160,21 @@ class RMSNorm(nn.Module):
 
 # ------------------------------------------------------------------------------------- linear CE
 @torch.library.custom_op("lancet::linear_ce", mutates_args=())
-def _linear_ce(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, divisor: torch.Tensor,
-               ignore_index: int, chunk: int, need_grad_h: bool,
-               need_grad_w: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _linear_ce(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    divisor: torch.Tensor,
+    ignore_index: int,
+    chunk: int,
+    need_grad_h: bool,
+    need_grad_w: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     with torch.autocast(hidden.device.type, enabled=False):  # the inputs' dtype, as the op's contract says
         return _linear_ce_chunks(hidden, weight, labels, divisor, ignore_index, chunk, need_grad_h, need_grad_w)
 
 
-def _linear_ce_chunks(hidden, weight, labels, divisor, ignore_index, chunk, need_grad_h, need_grad_w,
-                      grad_w_acc=None):
+def _linear_ce_chunks(hidden, weight, labels, divisor, ignore_index, chunk, need_grad_h, need_grad_w, grad_w_acc=None):
     """The chunk loop; with ``grad_w_acc`` (float32 [V, D]) the head's gradient accumulates there.
     ``divisor``: a tensor (read here) or its value already read (a float: no host read)."""
     ops = _ops.get_ops(hidden.device, hidden.dtype)
@@ -173,16 +183,21 @@ def _linear_ce_chunks(hidden, weight, labels, divisor, ignore_index, chunk, need
     scale = 1.0 / d if d else float("inf")  # (no valid label: loss 0 / 0 = NaN, as transformers')
     total = torch.zeros((), device=hidden.device, dtype=acc)
     grad_h = torch.empty_like(hidden) if need_grad_h else hidden.new_empty(0)
-    grad_w = grad_w_acc if grad_w_acc is not None else \
-        torch.zeros(weight.shape, device=weight.device, dtype=acc) if need_grad_w else weight.new_empty(0)
+    grad_w = (
+        grad_w_acc
+        if grad_w_acc is not None
+        else torch.zeros(weight.shape, device=weight.device, dtype=acc)
+        if need_grad_w
+        else weight.new_empty(0)
+    )
     if d != d:  # a NaN divisor: perhaps flagged by _flag_bad_labels (raises if so)
         _check_labels("labels", labels, weight.shape[0], ignore_index)
     for c0 in range(0, hidden.shape[0], chunk):
-        h_CD = hidden[c0:c0 + chunk]
+        h_CD = hidden[c0 : c0 + chunk]
         logits_CV = (h_CD @ weight.t()).to(acc)  # the head in the model's dtype, the loss in float32
-        total += ops.ce_grad_fwd(logits_CV, labels[c0:c0 + chunk], scale, ignore_index, check_labels=False).sum()
+        total += ops.ce_grad_fwd(logits_CV, labels[c0 : c0 + chunk], scale, ignore_index, check_labels=False).sum()
         if need_grad_h:  # logits_CV now holds d loss / d logits
-            torch.mm(logits_CV.to(weight.dtype), weight, out=grad_h[c0:c0 + chunk])
+            torch.mm(logits_CV.to(weight.dtype), weight, out=grad_h[c0 : c0 + chunk])
         if need_grad_w or grad_w_acc is not None:
             grad_w.addmm_(logits_CV.t(), h_CD.to(acc))
     return total / d, grad_h, grad_w if grad_w_acc is not None else grad_w.to(weight.dtype)
@@ -191,8 +206,11 @@ def _linear_ce_chunks(hidden, weight, labels, divisor, ignore_index, chunk, need
 @_linear_ce.register_fake
 def _(hidden, weight, labels, divisor, ignore_index, chunk, need_grad_h, need_grad_w):
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    return (hidden.new_empty((), dtype=acc), torch.empty_like(hidden) if need_grad_h else hidden.new_empty(0),
-            torch.empty_like(weight) if need_grad_w else weight.new_empty(0))
+    return (
+        hidden.new_empty((), dtype=acc),
+        torch.empty_like(hidden) if need_grad_h else hidden.new_empty(0),
+        torch.empty_like(weight) if need_grad_w else weight.new_empty(0),
+    )
 
 
 def _linear_ce_setup(ctx, inputs, output):
@@ -226,9 +244,16 @@ def _default_chunk(T: int, D: int, V: int) -> int:
     return 1 << (per - 1).bit_length()
 
 
-def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
-                         ignore_index: int = -100, shift_labels: bool = True, num_items_in_batch=None,
-                         chunk_size: Optional[int] = None) -> torch.Tensor:
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    shift_labels: bool = True,
+    num_items_in_batch=None,
+    chunk_size: Optional[int] = None,
+) -> torch.Tensor:
     """``cross_entropy(hidden @ weight.T, labels)`` without holding the [T, V] logits.
 
     The logits are computed in hidden's dtype and upcast to float32, the loss is summed over the
@@ -257,9 +282,15 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         raise ValueError(f"weight must be [V, D={D}], got {getattr(weight, 'shape', type(weight).__name__)}")
     if weight.dtype != hidden.dtype:
         raise TypeError(f"weight must have hidden's dtype {hidden.dtype}, got {weight.dtype}")
-    if not isinstance(labels, torch.Tensor) or labels.is_floating_point() or tuple(labels.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"labels must be an integer tensor of shape {tuple(hidden.shape[:-1])}, "
-                         f"got {getattr(labels, 'shape', type(labels).__name__)}")
+    if (
+        not isinstance(labels, torch.Tensor)
+        or labels.is_floating_point()
+        or tuple(labels.shape) != tuple(hidden.shape[:-1])
+    ):
+        raise ValueError(
+            f"labels must be an integer tensor of shape {tuple(hidden.shape[:-1])}, "
+            f"got {getattr(labels, 'shape', type(labels).__name__)}"
+        )
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be an int >= 1 or None, got {chunk_size!r}")
     if shift_labels and labels.dim() > 0:
@@ -273,8 +304,16 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     chunk = chunk_size or _default_chunk(h_TD.shape[0], D, weight.shape[0])
     grad = torch.is_grad_enabled()
     divisor = _flag_bad_labels(labels_T, weight.shape[0], int(ignore_index), divisor)
-    loss, _, _ = _linear_ce(h_TD, weight, labels_T, divisor, int(ignore_index), int(chunk),
-                            grad and hidden.requires_grad, grad and weight.requires_grad)
+    loss, _, _ = _linear_ce(
+        h_TD,
+        weight,
+        labels_T,
+        divisor,
+        int(ignore_index),
+        int(chunk),
+        grad and hidden.requires_grad,
+        grad and weight.requires_grad,
+    )
     return loss
 
 
@@ -287,8 +326,9 @@ class LinearCrossEntropy(nn.Module):
         ignore_index, shift_labels, chunk_size: as in :func:`linear_cross_entropy`.
     """
 
-    def __init__(self, head: nn.Linear, *, ignore_index: int = -100, shift_labels: bool = True,
-                 chunk_size: Optional[int] = None):
+    def __init__(
+        self, head: nn.Linear, *, ignore_index: int = -100, shift_labels: bool = True, chunk_size: Optional[int] = None
+    ):
         super().__init__()
         if not isinstance(head, nn.Linear) or head.bias is not None:
             raise ValueError("head must be an nn.Linear without bias")
@@ -296,9 +336,15 @@ class LinearCrossEntropy(nn.Module):
         self.ignore_index, self.shift_labels, self.chunk_size = ignore_index, shift_labels, chunk_size
 
     def forward(self, hidden: torch.Tensor, labels: torch.Tensor, num_items_in_batch=None) -> torch.Tensor:
-        return linear_cross_entropy(hidden, self.head.weight, labels, ignore_index=self.ignore_index,
-                                    shift_labels=self.shift_labels, num_items_in_batch=num_items_in_batch,
-                                    chunk_size=self.chunk_size)
+        return linear_cross_entropy(
+            hidden,
+            self.head.weight,
+            labels,
+            ignore_index=self.ignore_index,
+            shift_labels=self.shift_labels,
+            num_items_in_batch=num_items_in_batch,
+            chunk_size=self.chunk_size,
+        )
 
 
 class _ChunkTerm(torch.autograd.Function):
@@ -307,8 +353,9 @@ class _ChunkTerm(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, divisor, ignore_index, grad_w_acc, chunk, scale):
-        loss, grad_h, _ = _linear_ce_chunks(hidden, weight, labels, divisor, ignore_index, chunk,
-                                            ctx.needs_input_grad[0], False, grad_w_acc)
+        loss, grad_h, _ = _linear_ce_chunks(
+            hidden, weight, labels, divisor, ignore_index, chunk, ctx.needs_input_grad[0], False, grad_w_acc
+        )
         ctx.save_for_backward(grad_h)
         ctx.scale = scale
         if scale is not None and ctx.needs_input_grad[0]:
@@ -354,8 +401,14 @@ class SharedHeadGrad:
     host read (a ValueError naming them if one is outside ``[0, V)`` and not ``ignore_index``); None:
     each piece's are checked in :meth:`term`, a host read each."""
 
-    def __init__(self, weight: torch.Tensor, divisor: torch.Tensor, ignore_index: int = -100,
-                 rows: Optional[int] = None, labels: Optional[torch.Tensor] = None):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        divisor: torch.Tensor,
+        ignore_index: int = -100,
+        rows: Optional[int] = None,
+        labels: Optional[torch.Tensor] = None,
+    ):
         self.weight, self.divisor, self.ignore_index = weight, divisor.to(torch.float64), ignore_index
         self.labels_checked = labels is not None
         if self.labels_checked:  # the whole batch's labels, flagged into the divisor: no read of their own
@@ -379,8 +432,9 @@ class SharedHeadGrad:
             _check_labels("labels", labels_T, self.weight.shape[0], self.ignore_index)
         # (a frozen head, or no grad: acc is None and the term hands the hidden state its gradient alone)
         h_TD = h_TD if torch.is_grad_enabled() else h_TD.detach()
-        return _ChunkTerm.apply(h_TD, self.weight.detach(), labels_T, self.divisor_value, self.ignore_index,
-                                self.acc, chunk, scale)
+        return _ChunkTerm.apply(
+            h_TD, self.weight.detach(), labels_T, self.divisor_value, self.ignore_index, self.acc, chunk, scale
+        )
 
     def attach(self, loss: torch.Tensor) -> torch.Tensor:
         return loss if self.acc is None else _AttachHeadGrad.apply(loss, self.weight, self.acc)

@@ -1,6 +1,7 @@
 """Every environment variable lancet-rt reads, in one place (listed in the README), but the kernel-config
 variables (``LANCET_*_CONFIG``), which ``kernels/`` reads itself: ``lancet_rt.kernels._common.CONFIG_VARS``
 lists them, with one parser."""
+
 from __future__ import annotations
 
 import math
@@ -88,6 +89,7 @@ def cuda_device_max_connections() -> int | None:
     if not text:
         return None
     if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"{CUDA_DEVICE_MAX_CONNECTIONS} must be an integer >= 1 (or unset: CUDA's default, 8), "
-                         f"got {text!r}")
+        raise ValueError(
+            f"{CUDA_DEVICE_MAX_CONNECTIONS} must be an integer >= 1 (or unset: CUDA's default, 8), got {text!r}"
+        )
     return int(text)

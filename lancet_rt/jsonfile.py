@@ -1,6 +1,7 @@
 """Reading a JSON file a user hands us (a routing trace, a step's trace, a benchmark's rows): every way
 the file can be wrong is a ValueError that starts with its path and says what is wrong, never a bare
 RecursionError (deep nesting) or Python's integer digit limit without the file's name."""
+
 from __future__ import annotations
 
 import json
@@ -34,7 +35,9 @@ def read_json(path) -> object:
     except json.JSONDecodeError as exc:
         raise ValueError(f"{name}: not valid JSON ({exc.msg} at line {exc.lineno}, column {exc.colno})") from None
     except RecursionError:
-        raise ValueError(f"{name}: nested too deeply (arrays or objects more than about "
-                         f"{sys.getrecursionlimit()} levels deep; Python's JSON reader cannot follow it)") from None
+        raise ValueError(
+            f"{name}: nested too deeply (arrays or objects more than about "
+            f"{sys.getrecursionlimit()} levels deep; Python's JSON reader cannot follow it)"
+        ) from None
     except ValueError as exc:  # int("9" * 5000): Python's limit on the digits of an integer
         raise ValueError(f"{name}: a number in the file is out of range ({str(exc).splitlines()[0][:200]})") from None

@@ -6,6 +6,7 @@ do not serve the layer's dtype runs its references inside the Triton namespace: 
 gradient checks) get float64 arithmetic from the references, as the permute kernels accumulate in
 float32 and the grouped GEMM and SwiGLU take 16- and 32-bit floats only.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -46,16 +47,26 @@ def _reference_ops() -> SimpleNamespace:
     # host_offsets: the grouped GEMMs take segment bounds as host ints (the references loop over
     # segments on the host; the kernels read device offsets). gate_up_halves: gate_up_swiglu takes
     # ``halves=True`` and swiglu_bwd the GateUp it then gives (kernels.reference_experts.GateUp)
-    return SimpleNamespace(name="torch", host_offsets=True, gate_up_halves=True,
-                           **_reference([n for group in _OP_NAMES.values() for n in group]))
+    return SimpleNamespace(
+        name="torch",
+        host_offsets=True,
+        gate_up_halves=True,
+        **_reference([n for group in _OP_NAMES.values() for n in group]),
+    )
 
 
 def _triton_families() -> dict:
     """The Triton kernel modules by family (imported on first use: triton is a Linux-only dependency)."""
     from lancet_rt.kernels import gating, grouped_gemm, linear_ce, norm, permute, swiglu
 
-    return {"gating": gating, "permute": permute, "grouped_gemm": grouped_gemm, "swiglu": swiglu,
-            "norm": norm, "linear_ce": linear_ce}
+    return {
+        "gating": gating,
+        "permute": permute,
+        "grouped_gemm": grouped_gemm,
+        "swiglu": swiglu,
+        "norm": norm,
+        "linear_ce": linear_ce,
+    }
 
 
 def _triton_ops(dtype) -> SimpleNamespace:
@@ -70,9 +81,13 @@ def _triton_ops(dtype) -> SimpleNamespace:
         ops.update({n: getattr(families[module], n) for n in names})
     if dtype in (None, torch.float32) and "grouped_gemm" not in fallback:
         ops.update({n: _honouring_tf32(ops[n]) for n in _TF32_OPS})
-    return SimpleNamespace(name="triton", reference_families=tuple(fallback),
-                           host_offsets="grouped_gemm" in fallback,
-                           gate_up_halves={"grouped_gemm", "swiglu"} <= set(fallback), **ops)
+    return SimpleNamespace(
+        name="triton",
+        reference_families=tuple(fallback),
+        host_offsets="grouped_gemm" in fallback,
+        gate_up_halves={"grouped_gemm", "swiglu"} <= set(fallback),
+        **ops,
+    )
 
 
 #: The grouped GEMMs, whose float32 products may use TF32 tensor cores (``allow_tf32``).
@@ -93,6 +108,7 @@ def tf32_enabled() -> bool:
 def _honouring_tf32(fn):
     """``fn`` with ``allow_tf32`` read from torch's switch at each call, so float32 experts run on
     TF32 tensor cores exactly when ``nn.Linear`` does (a caller's explicit ``allow_tf32`` wins)."""
+
     def call(*args, **kwargs):
         kwargs.setdefault("allow_tf32", tf32_enabled())
         return fn(*args, **kwargs)
@@ -105,9 +121,7 @@ def implementation(device: torch.device) -> str:
     forced = env.kernels_override()
     if forced is not None:
         if forced == "triton" and device.type != "cuda" and not env.triton_interpret():
-            raise ValueError(
-                f"{env.KERNELS}=triton on device {device} needs CUDA or {env.TRITON_INTERPRET}=1"
-            )
+            raise ValueError(f"{env.KERNELS}=triton on device {device} needs CUDA or {env.TRITON_INTERPRET}=1")
         return forced
     return "triton" if device.type == "cuda" else "torch"
 

@@ -7,6 +7,7 @@
 On CPU spans use the wall clock; on CUDA they are pairs of events on the stream that runs them,
 resolved when the trace is saved. When no trace is active every hook here is a cheap no-op.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -86,8 +87,15 @@ class Trace:
         return sorted(out, key=lambda e: e["ts"])
 
     def _event(self, name, track, t0, t1, args):
-        return dict(name=name, ph="X", pid=0, tid=track, ts=(t0 - self.origin) * 1e6,
-                    dur=max(t1 - t0, 0.0) * 1e6, args={k: v for k, v in args.items() if v is not None})
+        return dict(
+            name=name,
+            ph="X",
+            pid=0,
+            tid=track,
+            ts=(t0 - self.origin) * 1e6,
+            dur=max(t1 - t0, 0.0) * 1e6,
+            args={k: v for k, v in args.items() if v is not None},
+        )
 
     def save(self, path: str) -> None:
         """Write a Chrome/Perfetto trace JSON."""

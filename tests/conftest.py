@@ -23,11 +23,20 @@ import pytest  # noqa: E402
 
 from tests.cuda_semantics import execution  # noqa: E402,F401 - the fixture: plain and CUDA-semantics runs
 
-
 #: The distributions whose versions decide what the suite exercises, printed in its header: ours, the
 #: peers it compares against (bench.peers) and Hugging Face's kernels, which transformers imports.
-REPORTED = ("torch", "triton", "transformers", "accelerate", "safetensors", "xxhash", "greenlet", "kernels",
-            "torchtitan", "deepspeed")
+REPORTED = (
+    "torch",
+    "triton",
+    "transformers",
+    "accelerate",
+    "safetensors",
+    "xxhash",
+    "greenlet",
+    "kernels",
+    "torchtitan",
+    "deepspeed",
+)
 
 
 def pytest_report_header(config):
@@ -39,6 +48,7 @@ def pytest_report_header(config):
     def version(name):
         dist = next(iter(importlib.metadata.distributions(name=name, path=path)), None)
         return "-" if dist is None else dist.version
+
     return ["versions: python " + platform.python_version() + ", " + ", ".join(f"{n} {version(n)}" for n in REPORTED)]
 
 

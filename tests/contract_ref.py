@@ -4,6 +4,7 @@ Deliberately naive (Python loops for top-k, groups and capacity) and sharing no 
 kernels/ or lancet_rt/, so the layer is checked against the contract, not against itself.
 Finite logits only: NaN ordering is the vectorised reference's business.
 """
+
 from __future__ import annotations
 
 import math
@@ -11,8 +12,18 @@ import math
 import torch
 
 
-def route_contract_ref(logits_TE, *, top_k, capacity=None, score_fn="softmax", normalize_topk=True,
-                       expert_bias=None, n_group=1, topk_group=None, scaling=1.0):
+def route_contract_ref(
+    logits_TE,
+    *,
+    top_k,
+    capacity=None,
+    score_fn="softmax",
+    normalize_topk=True,
+    expert_bias=None,
+    n_group=1,
+    topk_group=None,
+    scaling=1.0,
+):
     """The routing of one whole batch, token by token.
 
     Selection: experts ranked by score + expert_bias (ties to the lower index); with n_group > 1
@@ -57,17 +68,37 @@ def route_contract_ref(logits_TE, *, top_k, capacity=None, score_fn="softmax", n
     return scores, chosen, weights, slots, used
 
 
-def moe_contract_ref(x_TD, router_w_ED, gate_up_E2FD, down_EDF, *, top_k, capacity_factor=None,
-                     score_fn="softmax", normalize_topk=True, expert_bias=None, n_group=1, topk_group=None,
-                     scaling=1.0):
+def moe_contract_ref(
+    x_TD,
+    router_w_ED,
+    gate_up_E2FD,
+    down_EDF,
+    *,
+    top_k,
+    capacity_factor=None,
+    score_fn="softmax",
+    normalize_topk=True,
+    expert_bias=None,
+    n_group=1,
+    topk_group=None,
+    scaling=1.0,
+):
     """Returns (y_TD, aux_loss, z_loss, counts_E, dropped), differentiable in every tensor input."""
     T, D = x_TD.shape
     E = router_w_ED.shape[0]
     logits = x_TD @ router_w_ED.t()
     C = None if capacity_factor is None else math.ceil(capacity_factor * T * top_k / E)
     scores, chosen, weights, slots, used = route_contract_ref(
-        logits, top_k=top_k, capacity=C, score_fn=score_fn, normalize_topk=normalize_topk,
-        expert_bias=expert_bias, n_group=n_group, topk_group=topk_group, scaling=scaling)
+        logits,
+        top_k=top_k,
+        capacity=C,
+        score_fn=score_fn,
+        normalize_topk=normalize_topk,
+        expert_bias=expert_bias,
+        n_group=n_group,
+        topk_group=topk_group,
+        scaling=scaling,
+    )
     kept = [(t, k, e) for t in range(T) for k, e in enumerate(chosen[t]) if slots[t][k] >= 0]
     y = torch.zeros_like(x_TD)
     F = gate_up_E2FD.shape[1] // 2

@@ -24,6 +24,7 @@ call. The ``execution`` fixture sets both variables for one test; gloo ranks sta
 :func:`tests.dist.run_ranks` take the test's environment, and a rank's function lives in a test
 module that imports this one, so the ranks run in the same mode.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -67,7 +68,7 @@ class _DeviceThread:
         def job():
             try:
                 box["result"] = ctx.run(fn, *args, **kwargs)
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller, which raises it
+            except BaseException as exc:  # handed to the caller, which raises it
                 box["error"] = exc
             finally:
                 done.set()
@@ -123,7 +124,7 @@ def bounded(fn, timeout_s: float, what: str):
     def host():
         try:
             box["result"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - raised on the test's thread
+        except BaseException as exc:  # raised on the test's thread
             box["error"] = exc
 
     t = threading.Thread(target=host, name="cuda-semantics-host", daemon=True)

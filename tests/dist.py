@@ -1,4 +1,5 @@
 """Run a function in W real processes with a gloo group; a hang fails within a timeout."""
+
 from __future__ import annotations
 
 import contextlib
@@ -26,13 +27,13 @@ def _entry(fn, rank, world, init_file, queue, args, environ):
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
         result = fn(rank, world, *args)
         queue.put((rank, "ok", result))
-    except BaseException as exc:  # noqa: BLE001 - report everything to the parent
+    except BaseException as exc:  # report everything to the parent
         queue.put((rank, "error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
+            except Exception:
                 pass
 
 
@@ -70,9 +71,10 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, may_die=()) -> dict
     queue = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "init")
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, init_file, queue, args, dict(os.environ)),
-                             daemon=True)
-                 for r in range(world)]
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world, init_file, queue, args, dict(os.environ)), daemon=True)
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         results = {}
@@ -84,9 +86,11 @@ def run_ranks(fn, world: int, *args, timeout: float = 120.0, may_die=()) -> dict
             except queue_mod.Empty:
                 if all(not p.is_alive() for p in procs) and queue.empty():
                     break
-            except Exception as exc:  # noqa: BLE001 - e.g. a tensor result whose shared memory died with its rank
-                raise AssertionError(f"a rank's result could not be received ({type(exc).__name__}: {exc}); "
-                                     f"return plain Python values, not tensors") from exc
+            except Exception as exc:  # e.g. a tensor result whose shared memory died with its rank
+                raise AssertionError(
+                    f"a rank's result could not be received ({type(exc).__name__}: {exc}); "
+                    f"return plain Python values, not tensors"
+                ) from exc
         hung = [r for r, p in enumerate(procs) if r not in results and p.is_alive()]
         for p in procs:
             p.join(timeout=5)
@@ -138,7 +142,7 @@ def outcome(fn) -> list:
     ended with, picklable for :func:`run_ranks` (KeyboardInterrupt included: it is one of the faults)."""
     try:
         return ["ok", fn(), None]
-    except BaseException as exc:  # noqa: BLE001 - what escapes, whatever it is, is the outcome
+    except BaseException as exc:  # what escapes, whatever it is, is the outcome
         return [type(exc).__name__, str(exc), getattr(exc, "ranks", None)]
 
 
@@ -160,8 +164,13 @@ def nccl_one_rank():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
-                            device_id=torch.device("cuda", torch.cuda.current_device()))
+    dist.init_process_group(
+        "nccl",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+        device_id=torch.device("cuda", torch.cuda.current_device()),
+    )
     try:
         yield
     finally:

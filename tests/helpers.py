@@ -1,4 +1,5 @@
 """Shared test utilities: one comparison helper and one tolerance table."""
+
 from __future__ import annotations
 
 import os

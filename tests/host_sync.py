@@ -9,6 +9,7 @@ there. One limit: a warning issued inside ``backward()`` on autograd's own devic
 Python only when the backward returns (the engine replays it), so its stack ends at that
 ``backward()`` call; :attr:`SyncSite.in_backward` says so.
 """
+
 from __future__ import annotations
 
 import collections
@@ -23,8 +24,10 @@ import torch
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 # The warnings machinery's own frames (Python 3.14 moved it to _py_warnings.py), left out of the stacks.
-_WARNINGS_FILES = {os.path.join(os.path.dirname(os.path.abspath(warnings.__file__)), name)
-                   for name in ("warnings.py", "_py_warnings.py")}
+_WARNINGS_FILES = {
+    os.path.join(os.path.dirname(os.path.abspath(warnings.__file__)), name)
+    for name in ("warnings.py", "_py_warnings.py")
+}
 #: torch's synchronizing-call warning says "called a synchronizing CUDA operation".
 SYNC_MESSAGE = "synchronizing"
 
@@ -66,8 +69,9 @@ class SyncSite:
 
 
 @contextlib.contextmanager
-def record_syncs(match: str = SYNC_MESSAGE, library: Callable[[traceback.FrameSummary], bool] = in_torch
-                 ) -> Iterator[List[SyncSite]]:
+def record_syncs(
+    match: str = SYNC_MESSAGE, library: Callable[[traceback.FrameSummary], bool] = in_torch
+) -> Iterator[List[SyncSite]]:
     """Record every warning whose message contains ``match`` while active, each time it is issued
     (the "always" filter), with its stack; other warnings are shown as usual. Yields the list of
     :class:`SyncSite`, filled in issue order."""
@@ -79,8 +83,7 @@ def record_syncs(match: str = SYNC_MESSAGE, library: Callable[[traceback.FrameSu
         def showwarning(message, category, filename, lineno, file=None, line=None):
             if match not in str(message):
                 return show(message, category, filename, lineno, file, line)
-            stack = [f for f in traceback.extract_stack()[:-1]
-                     if os.path.abspath(f.filename) not in _WARNINGS_FILES]
+            stack = [f for f in traceback.extract_stack()[:-1] if os.path.abspath(f.filename) not in _WARNINGS_FILES]
             sites.append(SyncSite(str(message), stack, library))
 
         warnings.showwarning = showwarning

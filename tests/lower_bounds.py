@@ -4,6 +4,7 @@ Every runtime and test dependency is declared ``name>=X`` (a marker allowed); th
 ``name==X`` line per dependency, so the oldest supported set is the one the suite has run with.
 ``python -m tests.lower_bounds [pyproject.toml]``.
 """
+
 from __future__ import annotations
 
 import re
@@ -15,7 +16,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-#: the extras whose dependencies the oldest run installs (the suite, and bench: its plots are drawn by the GPU lane dry run)
+#: the extras whose dependencies the oldest run installs (the suite, and bench: its plots are drawn by the GPU
+# lane dry run)
 EXTRAS = ("test", "bench")
 _SPEC = re.compile(r"^\s*([A-Za-z0-9_.\-]+)\s*>=\s*([0-9][^,;\s]*)\s*(;.*)?$")
 

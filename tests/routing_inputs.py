@@ -3,13 +3,14 @@ test_kernels_permute.py: dispatch_rows, permute, unpermute; the seeded ``gen`` f
 conftest.py): well-separated
 logits, poisoned output buffers, realistic row maps from the reference gating, and the GPU lane's
 real sizes."""
+
 from __future__ import annotations
 
 import math
 
 import torch
-
 from lancet_rt.kernels.reference import GatingOutput, dispatch_rows_ref, gating_fwd_ref
+
 from tests.helpers import assert_close, nan_like
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -21,7 +22,7 @@ _FLOAT_POISON = -7777.0
 
 def _logits(gen, T, E, *, dtype=torch.float32):
     """Random logits whose values in a row are >= 0.6 * step apart: no near-ties (module docstring)."""
-    step = 0.05 * min(1.0, 64 / E)   # keeps |logits| moderate, so sigmoid scores stay apart in fp32
+    step = 0.05 * min(1.0, 64 / E)  # keeps |logits| moderate, so sigmoid scores stay apart in fp32
     ranks = torch.argsort(torch.rand(T, E, generator=gen), dim=1).float()
     jitter = torch.rand(T, E, generator=gen) * 0.4
     shift = torch.randn(T, 1, generator=gen)
@@ -54,10 +55,12 @@ def _assert_close_nonfinite(name, got: torch.Tensor, want: torch.Tensor, dtype=N
     assert got.shape == want.shape, f"{name}: shape {tuple(got.shape)} != {tuple(want.shape)}"
     nan_got, nan_want = torch.isnan(got), torch.isnan(want)
     assert torch.equal(nan_got, nan_want), (
-        f"{name}: NaN at {nan_got.nonzero().tolist()}, reference at {nan_want.nonzero().tolist()}")
+        f"{name}: NaN at {nan_got.nonzero().tolist()}, reference at {nan_want.nonzero().tolist()}"
+    )
     inf_want = torch.isinf(want)
     assert torch.equal(torch.isinf(got), inf_want) and torch.equal(got[inf_want], want[inf_want]), (
-        f"{name}: infinities {got[torch.isinf(got)].tolist()} != reference's {want[inf_want].tolist()}")
+        f"{name}: infinities {got[torch.isinf(got)].tolist()} != reference's {want[inf_want].tolist()}"
+    )
     finite = ~(nan_want | inf_want)
     assert_close(name, got[finite], want[finite], dtype or got.dtype)
 

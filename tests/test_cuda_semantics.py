@@ -2,6 +2,7 @@
 thread: hooks, nodes and engine callbacks run on one long-lived thread other than the caller's, a
 backward from a node runs inline there, errors reach the caller; in gloo ranks too, with the
 monitors' header check off. With the mode off, everything runs on the caller's thread (CPU's engine)."""
+
 from __future__ import annotations
 
 import os
@@ -45,7 +46,9 @@ def _threads_of_one_backward(reentrant: bool) -> list:
     def hook(g):
         seen.append(("hook", threading.get_ident()))
         torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: seen.append(("callback", threading.get_ident())))
+            lambda: seen.append(("callback", threading.get_ident()))
+        )
+
     y.register_hook(hook)
     y.sum().backward()
     return seen
@@ -98,9 +101,11 @@ def _rank_threads(rank, world):
 
     seen = _threads_of_one_backward(False)
     device = cuda_semantics.device_thread().thread.ident if cuda_semantics.active() else None
-    return {"on the caller": {t for _, t in seen} == {threading.get_ident()},
-            "on the device thread": {t for _, t in seen} == {device},
-            "header check": _mesh.monitor(dist.group.WORLD).check_headers}
+    return {
+        "on the caller": {t for _, t in seen} == {threading.get_ident()},
+        "on the device thread": {t for _, t in seen} == {device},
+        "header check": _mesh.monitor(dist.group.WORLD).check_headers,
+    }
 
 
 @pytest.mark.parametrize("mode", cuda_semantics.MODES)

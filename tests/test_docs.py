@@ -14,6 +14,7 @@ The README's reference table (first header cell ``page``) lists every public nam
 page that defines it. Links between the pages resolve, anchors included. Reference pages start with
 an example and end with their limits. The examples themselves run in tests/test_readme.py.
 """
+
 from __future__ import annotations
 
 import ast
@@ -39,8 +40,14 @@ EXTRA_PUBLIC = {
     "lancet_rt.dense": ("RMSNorm", "add_rmsnorm", "linear_cross_entropy", "LinearCrossEntropy"),
     "lancet_rt.models.blocks": ("MoEBlocks", "Block", "CausalSelfAttention"),
     "lancet_rt.schedule.balance": ("transformer_costs", "balanced_bounds"),
-    "lancet_rt.routing.traces": ("RoutingTrace", "RoutingSource", "parse_routing", "bias_routers", "zipf_shares",
-                                 "zipf_exponent"),
+    "lancet_rt.routing.traces": (
+        "RoutingTrace",
+        "RoutingSource",
+        "parse_routing",
+        "bias_routers",
+        "zipf_shares",
+        "zipf_exponent",
+    ),
 }
 KINDS = ("name", "command", "variable")
 ENV_PATTERN = re.compile(r"\b((?:LANCET|TRITON)_[A-Z0-9_]*[A-Z0-9])\b")
@@ -159,6 +166,7 @@ def public_names() -> list[str]:
 
 def _main_modules() -> list[str]:
     """Installed and bench modules that run as ``python -m``."""
+
     def runs(path: Path) -> bool:
         return re.search(r"^if __name__ == .__main__.:", path.read_text(), re.M) is not None
 
@@ -171,13 +179,17 @@ def commands() -> list[str]:
     """Every command: the Makefile's targets, the ``python -m`` modules, the installed scripts."""
     phony = re.search(r"^\.PHONY:(.*)$", (ROOT / "Makefile").read_text(), re.M).group(1).split()
     scripts = re.search(r"^\[project\.scripts\]\n((?:[\w-]+ = .*\n)+)", (ROOT / "pyproject.toml").read_text(), re.M)
-    return ([f"make {t}" for t in phony] + [f"python -m {m}" for m in _main_modules()]
-            + [line.split(" = ")[0] for line in scripts.group(1).splitlines()])
+    return (
+        [f"make {t}" for t in phony]
+        + [f"python -m {m}" for m in _main_modules()]
+        + [line.split(" = ")[0] for line in scripts.group(1).splitlines()]
+    )
 
 
 def _sources() -> str:
-    return "\n".join(p.read_text() for folder in ("lancet_rt", "kernels", "autotune")
-                     for p in sorted((ROOT / folder).rglob("*.py")))
+    return "\n".join(
+        p.read_text() for folder in ("lancet_rt", "kernels", "autotune") for p in sorted((ROOT / folder).rglob("*.py"))
+    )
 
 
 # ------------------------------------------------------------------------------------------ the checks
@@ -207,8 +219,9 @@ def test_every_public_name_is_defined_in_exactly_one_page():
             unresolved.append(f"{name} ({exc})")
     assert not unresolved, f"documented names that do not exist: {unresolved}"
     by_object = _by_identity(defined)
-    twice = {n: sorted(by_object[identity(n, resolve(n))]) for n in defined
-             if len(by_object[identity(n, resolve(n))]) > 1}
+    twice = {
+        n: sorted(by_object[identity(n, resolve(n))]) for n in defined if len(by_object[identity(n, resolve(n))]) > 1
+    }
     assert not twice, f"one object defined in several pages: {twice}"
     missing = [n for n in public_names() if identity(n, resolve(n)) not in by_object]
     assert not missing, f"public names in no reference page's table: {missing}"
@@ -217,13 +230,12 @@ def test_every_public_name_is_defined_in_exactly_one_page():
 def test_readme_lists_every_public_name_in_its_page_row():
     defined = _by_identity(definitions("name"))
     listed: dict[object, set[str]] = {}
-    (header, rows), = [t for t in tables(README.read_text()) if t[0][0] == "page"]
+    ((header, rows),) = [t for t in tables(README.read_text()) if t[0][0] == "page"]
     for row in rows:
         page = re.search(r"\]\(docs/([\w-]+\.md)", row[0]).group(1)
         for name in cell_names(row[2]):
             listed.setdefault(identity(name, resolve(name)), set()).add(page)
-    wrong = [n for n in public_names()
-             if listed.get(identity(n, resolve(n))) != defined.get(identity(n, resolve(n)))]
+    wrong = [n for n in public_names() if listed.get(identity(n, resolve(n))) != defined.get(identity(n, resolve(n)))]
     assert not wrong, f"public names not in the README row of the page that defines them: {wrong}"
     stray = [k for k, v in listed.items() if v != defined.get(k)]
     assert not stray, f"README rows naming what their page does not define: {len(stray)}"
@@ -233,8 +245,7 @@ def test_every_command_is_defined_in_exactly_one_page():
     defined = definitions("command")
     _once(commands(), defined, "commands")
     benches = [c for c in commands() if c.startswith("python -m bench.")]
-    assert benches and all(defined[c] == {"benchmarks.md"} for c in benches), \
-        {c: sorted(defined[c]) for c in benches}
+    assert benches and all(defined[c] == {"benchmarks.md"} for c in benches), {c: sorted(defined[c]) for c in benches}
 
 
 def test_every_environment_variable_is_defined_in_exactly_one_page():
@@ -260,16 +271,19 @@ def _env_names() -> set[str]:
 def test_the_parsers_see_what_they_must():
     # The checks above must be able to fail: a definition table, an alias, a continued short name,
     # a command under torchrun, a family of variables, and a table of another kind that defines nothing.
-    text = ("| name | what |\n|---|---|\n| `lancet_rt.MoE(d)` (also `lancet_rt.moe.MoE`), `Experts` | x |\n\n"
-            "| command | what |\n|---|---|\n| `torchrun --nproc-per-node 2 -m bench.train_lm`, `make test` | x |\n\n"
-            "| variable | effect |\n|---|---|\n| `LANCET_GEMM_CONFIG_<FWD\\|DX>` | x |\n\n"
-            "| folder | what |\n|---|---|\n| `lancet_rt.Overlapped` | x |\n")
+    text = (
+        "| name | what |\n|---|---|\n| `lancet_rt.MoE(d)` (also `lancet_rt.moe.MoE`), `Experts` | x |\n\n"
+        "| command | what |\n|---|---|\n| `torchrun --nproc-per-node 2 -m bench.train_lm`, `make test` | x |\n\n"
+        "| variable | effect |\n|---|---|\n| `LANCET_GEMM_CONFIG_<FWD\\|DX>` | x |\n\n"
+        "| folder | what |\n|---|---|\n| `lancet_rt.Overlapped` | x |\n"
+    )
     import tempfile
 
     page = Path(tempfile.mkdtemp()) / "page.md"
     page.write_text(text)
-    assert definitions("name", [page]) == {n: {"page.md"} for n in
-                                           ("lancet_rt.MoE", "lancet_rt.moe.MoE", "lancet_rt.moe.Experts")}
+    assert definitions("name", [page]) == {
+        n: {"page.md"} for n in ("lancet_rt.MoE", "lancet_rt.moe.MoE", "lancet_rt.moe.Experts")
+    }
     assert len(_by_identity(definitions("name", [page]))) == 2  # MoE and its alias are one object
     assert set(definitions("command", [page])) == {"python -m bench.train_lm", "make test"}
     assert set(definitions("variable", [page])) == {"LANCET_GEMM_CONFIG_"}

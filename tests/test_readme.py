@@ -11,6 +11,7 @@ so the blocks after it see what the ranks wrote (a checkpoint saved at EP=2 and 
 process, say). Other fences (```bash: commands, GPU and multi-node runs) do not run, but for the CPU
 ``lancet-autotune`` command of docs/autotuning.md, run as written in a fresh directory.
 """
+
 from __future__ import annotations
 
 import json
@@ -54,8 +55,15 @@ def _script(rank, world, source, name, directory):
     port = [store.port if store else None]
     dist.broadcast_object_list(port, src=0)
     dist.destroy_process_group()
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port[0]), TORCHELASTIC_USE_AGENT_STORE="True")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port[0]),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
     os.chdir(directory)
     exec(compile(source, name, "exec"), {"__name__": "__main__"})
     return rank
@@ -92,8 +100,12 @@ def test_autotune_cpu_command_runs_as_written(tmp_path):
     """The CPU ``lancet-autotune`` command of docs/autotuning.md tunes, prints its choice and caches it,
     in a fresh directory (its ``--cache`` relative to it; ``LANCET_AUTOTUNE_CACHE`` points there too)."""
     page = (ROOT / "docs" / "autotuning.md").read_text()
-    commands = [c for b in re.findall(r"```bash\n(.*?)```", page, re.S)
-                for c in b.replace("\\\n", " ").splitlines() if c.startswith("lancet-autotune --device cpu")]
+    commands = [
+        c
+        for b in re.findall(r"```bash\n(.*?)```", page, re.S)
+        for c in b.replace("\\\n", " ").splitlines()
+        if c.startswith("lancet-autotune --device cpu")
+    ]
     assert len(commands) == 1, "autotuning.md has one CPU lancet-autotune command"
     argv = shlex.split(commands[0].split("#")[0])
     script = Path(sys.executable).with_name("lancet-autotune")

@@ -10,6 +10,7 @@ directory, with the real ``kernels`` installed and with stand-ins behind the roo
 bench/ and tests/ are the checkout's commands and suite (``python -m bench.<command>``, pytest): they
 are importable from the root by design and installed nowhere (``test_packaging.py``).
 """
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -87,7 +88,8 @@ def test_the_checkouts_top_level_packages_are_listed():
 @pytest.mark.parametrize("where,how", [("root", "c"), ("root", "script"), ("elsewhere", "c")])
 def test_hugging_faces_kernels_and_a_transformers_model(where, how, tmp_path):
     cwd = ROOT if where == "root" else tmp_path
-    out = _run(f"""
+    out = _run(
+        f"""
         import importlib.metadata, sys
         import kernels
         assert hasattr(kernels, "get_kernel") and "site-packages" in kernels.__file__, kernels.__file__
@@ -97,7 +99,10 @@ def test_hugging_faces_kernels_and_a_transformers_model(where, how, tmp_path):
         assert sys.modules["kernels"] is kernels
         assert lancet_rt.kernels.__file__.startswith({str(ROOT / "kernels")!r}), lancet_rt.kernels.__file__
         print("hub", importlib.metadata.version("kernels"))
-    """, cwd, how)
+    """,
+        cwd,
+        how,
+    )
     assert out.startswith("hub ")
 
 
@@ -105,7 +110,8 @@ def test_hugging_faces_kernels_and_a_transformers_model(where, how, tmp_path):
 def test_another_distributions_names_are_theirs(where, how, tmp_path):
     cwd = ROOT if where == "root" else tmp_path
     site = _standins(tmp_path)
-    _run(f"""
+    _run(
+        f"""
         import sys
         for name in {LIBRARY_FOLDERS!r}:
             module = __import__(name)
@@ -117,14 +123,19 @@ def test_another_distributions_names_are_theirs(where, how, tmp_path):
         moe(torch.randn(3, 8)).sum().backward()
         assert sys.modules["kernels"].STANDIN == "kernels" and sys.modules["autotune"].STANDIN == "autotune"
         assert lancet_rt.autotune.AutoChunks.__module__ == "lancet_rt.autotune.online"
-    """, cwd, how, [site])
+    """,
+        cwd,
+        how,
+        [site],
+    )
 
 
 @pytest.mark.parametrize("how", ["c", "script"])
 def test_a_name_no_distribution_owns_is_an_empty_namespace(how):
     """With nothing else of that name installed, the folder is what Python makes of one without
     ``__init__.py``: an empty namespace package, which probing libraries report as absent."""
-    _run("""
+    _run(
+        """
         import importlib.metadata
         try:
             importlib.metadata.version("autotune")
@@ -143,13 +154,17 @@ def test_a_name_no_distribution_owns_is_an_empty_namespace(how):
         import sys
         import lancet_rt.autotune
         assert lancet_rt.autotune.AutoChunks and "lancet_rt.autotune.search" in sys.modules
-    """, ROOT, how)
+    """,
+        ROOT,
+        how,
+    )
 
 
 def test_transformers_probing_an_absent_name_finds_nothing():
     """transformers' probe (find_spec, then the distribution's version, then an import) on a name whose
     only candidate is this checkout's folder: reported absent, from the root."""
-    _run("""
+    _run(
+        """
         import importlib.metadata
         try:
             importlib.metadata.version("autotune")
@@ -158,4 +173,7 @@ def test_transformers_probing_an_absent_name_finds_nothing():
             pass
         from transformers.utils.import_utils import _is_package_available
         assert _is_package_available("autotune", return_version=True) == (False, "N/A")
-    """, ROOT, "c")
+    """,
+        ROOT,
+        "c",
+    )

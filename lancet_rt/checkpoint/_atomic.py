@@ -17,6 +17,7 @@ taker checks that the file it locked is still the one at the path). A path that 
 is written at its target, the link kept; a dangling link or a loop is refused before anything is
 written (:func:`target`). The marker records a SHA-256 of the DCP ``.metadata`` (checked by loads).
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -36,8 +37,10 @@ except ImportError:  # pragma: no cover - Windows
 
 MARKER = ".lancet-complete"
 # What the two formats write: never carried over from the old directory.
-_OWN = re.compile(r"(\.metadata|.*\.distcp|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
-                  r"|\.lancet-complete|lancet-manifest\.json|.*\.tmp)")
+_OWN = re.compile(
+    r"(\.metadata|.*\.distcp|model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
+    r"|\.lancet-complete|lancet-manifest\.json|.*\.tmp)"
+)
 
 
 def target(path: str, argument: str) -> str:
@@ -49,12 +52,15 @@ def target(path: str, argument: str) -> str:
         return os.path.realpath(path, strict=True)
     except FileNotFoundError:
         if os.path.islink(path):
-            raise ValueError(f"{argument}: {path!r} is a dangling symbolic link (to {os.readlink(path)!r}); "
-                             f"point it at a directory or pass the directory itself") from None
+            raise ValueError(
+                f"{argument}: {path!r} is a dangling symbolic link (to {os.readlink(path)!r}); "
+                f"point it at a directory or pass the directory itself"
+            ) from None
         return os.path.realpath(path)  # a new directory (parents that are links followed)
     except OSError as exc:
-        raise ValueError(f"{argument}: {path!r} cannot be resolved ({exc.strerror}: a symbolic link loop?); "
-                         f"pass a directory") from None
+        raise ValueError(
+            f"{argument}: {path!r} cannot be resolved ({exc.strerror}: a symbolic link loop?); pass a directory"
+        ) from None
 
 
 def lock_path(path: str) -> str:
@@ -78,8 +84,10 @@ class SaveLock:
                 os.close(fd)
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
                     raise
-                raise busy(f"path: another save to {path!r} is in progress (it holds {self.file!r}); this save "
-                           f"wrote nothing, the checkpoint there is the other save's or the previous one") from None
+                raise busy(
+                    f"path: another save to {path!r} is in progress (it holds {self.file!r}); this save "
+                    f"wrote nothing, the checkpoint there is the other save's or the previous one"
+                ) from None
             try:
                 same = os.path.samestat(os.fstat(fd), os.stat(self.file))
             except FileNotFoundError:
@@ -182,11 +190,15 @@ def resolve(path: str) -> str:
     """The directory to load for ``path``: itself, or its previous version if a save died mid-swap; a
     ValueError for a staging directory (a save that never finished)."""
     if re.fullmatch(r"\..+\.lancet-saving", os.path.basename(os.path.normpath(path))):
-        raise ValueError(f"path: {path!r} is the staging directory of a save that did not finish; load the "
-                         f"checkpoint beside it")
+        raise ValueError(
+            f"path: {path!r} is the staging directory of a save that did not finish; load the checkpoint beside it"
+        )
     if not os.path.exists(path) and os.path.isfile(os.path.join(previous(path), MARKER)):
-        warnings.warn(f"lancet_rt: {path!r} is missing and {previous(path)!r} holds the previous complete "
-                      f"checkpoint (a save was interrupted while swapping it in); loading that one")
+        warnings.warn(
+            f"lancet_rt: {path!r} is missing and {previous(path)!r} holds the previous complete "
+            f"checkpoint (a save was interrupted while swapping it in); loading that one",
+            stacklevel=3,
+        )
         return previous(path)
     return path
 

@@ -1,6 +1,7 @@
 """The safety layer every checkpoint path shares (``save_checkpoint``, ``save_sharded``, ``save_hf``
 and their loads): expert shards, cross-rank agreement through the group's monitor, and the save
 protocol (:func:`guarded_save`): agree, write into a staging directory, agree, swap it in, agree."""
+
 from __future__ import annotations
 
 import errno
@@ -22,11 +23,11 @@ from lancet_rt.moe.layer import MoE
 class _Shard:
     """This rank's rows [offset, offset + rows) of one expert parameter, a [E, ...] tensor."""
 
-    layer: str                               # the MoE's module name, for messages
+    layer: str  # the MoE's module name, for messages
     num_experts: int
     offset: int
     rows: int
-    group: Optional[dist.ProcessGroup]       # None: every expert is local
+    group: Optional[dist.ProcessGroup]  # None: every expert is local
 
     def global_shape(self, local: torch.Tensor) -> tuple:
         return (self.num_experts,) + tuple(local.shape[1:])
@@ -52,16 +53,21 @@ def _expert_shards(model: nn.Module, pg=None) -> dict:
                 raise TypeError(
                     f"model: MoE layer {layer!r} has ep_group of type {type(moe.group).__name__}; checkpoints need "
                     f"None or a torch.distributed ProcessGroup (an EmulatedGroup has no ranks holding the other "
-                    f"experts)")
+                    f"experts)"
+                )
             group = moe.group.group
             if pg is not None and not set(dist.get_process_group_ranks(group)) <= set(dist.get_process_group_ranks(pg)):
-                raise ValueError(f"process_group: must hold every rank of MoE layer {layer!r}'s ep_group "
-                                 f"(ranks {dist.get_process_group_ranks(group)})")
+                raise ValueError(
+                    f"process_group: must hold every rank of MoE layer {layer!r}'s ep_group "
+                    f"(ranks {dist.get_process_group_ranks(group)})"
+                )
         L = moe.num_local_experts
         for pname, p in moe.experts.named_parameters():
             if p.dim() == 0 or p.shape[0] != L:
-                raise ValueError(f"model: {layer}.experts.{pname} must have dim 0 = num_local_experts ({L}), "
-                                 f"got shape {tuple(p.shape)}")
+                raise ValueError(
+                    f"model: {layer}.experts.{pname} must have dim 0 = num_local_experts ({L}), "
+                    f"got shape {tuple(p.shape)}"
+                )
             shards[_tensor_id(p)] = _Shard(layer, moe.num_experts, moe.ep_rank * L, L, group)
     return shards
 
@@ -70,8 +76,9 @@ def _process_group(process_group):
     """(group, distributed?): the given group, else the default one when torch.distributed is up."""
     if process_group is not None:
         if not isinstance(process_group, dist.ProcessGroup):
-            raise TypeError(f"process_group must be None or a torch.distributed ProcessGroup, "
-                            f"got {type(process_group).__name__}")
+            raise TypeError(
+                f"process_group must be None or a torch.distributed ProcessGroup, got {type(process_group).__name__}"
+            )
         return process_group, True
     if dist.is_available() and dist.is_initialized():
         return dist.group.WORLD, True
@@ -86,8 +93,15 @@ class CheckpointError(RuntimeError):
 _ERROR_TYPES = {"TypeError": TypeError, "ValueError": ValueError, "CheckpointError": CheckpointError}
 
 
-def _agree(error: Optional[Exception], pg, use_dist: bool, digest: Optional[str] = None, *,
-           same: Optional[tuple] = None, what: str = "checkpoint agreement") -> None:
+def _agree(
+    error: Optional[Exception],
+    pg,
+    use_dist: bool,
+    digest: Optional[str] = None,
+    *,
+    same: Optional[tuple] = None,
+    what: str = "checkpoint agreement",
+) -> None:
     """Every rank raises if any rank failed (or, with ``digest``, if the ranks' structures differ; with
     ``same`` = (argument, value), if the ranks passed different values; with ``same`` = (argument,
     (path, identity)), if they name different checkpoints). One object all-gather through the
@@ -117,24 +131,33 @@ def _agree(error: Optional[Exception], pg, use_dist: bool, digest: Optional[str]
         values = [v for _, _, v in rows]
         if isinstance(same[1], tuple):
             raise ValueError(_different_checkpoints(same[0], values, name))
-        raise ValueError(f"{same[0]}: the ranks passed different values, and a checkpoint must be one directory: "
-                         + ", ".join(f"{name(r)}: {v!r}" for r, v in enumerate(values)))
+        raise ValueError(
+            f"{same[0]}: the ranks passed different values, and a checkpoint must be one directory: "
+            + ", ".join(f"{name(r)}: {v!r}" for r, v in enumerate(values))
+        )
     if len({d for _, d, _ in rows}) > 1:
         groups: dict = {}
         for r, (_, d, _) in enumerate(rows):
             groups.setdefault(d, []).append(group.monitor.global_ranks[r])
-        raise ValueError("model: the ranks hold differently structured models or optimizers (state-dict keys, "
-                         f"shapes or dtypes differ); (global) ranks agreeing with each other: {list(groups.values())}")
+        raise ValueError(
+            "model: the ranks hold differently structured models or optimizers (state-dict keys, "
+            f"shapes or dtypes differ); (global) ranks agreeing with each other: {list(groups.values())}"
+        )
 
 
 def _different_checkpoints(argument: str, values: list, name) -> str:
     """The message of a load whose ranks name different checkpoints: (path, identity) per rank."""
     paths = {p for p, _ in values}
-    what = ("different directories" if len(paths) > 1 else
-            "one directory whose contents changed between the ranks' reads (a save landed while they read it?)")
+    what = (
+        "different directories"
+        if len(paths) > 1
+        else "one directory whose contents changed between the ranks' reads (a save landed while they read it?)"
+    )
     ranks = ", ".join(f"{name(r)}: {p!r} (identity {i[:12]})" for r, (p, i) in enumerate(values))
-    return (f"{argument}: the ranks load different checkpoints ({what}): {ranks}; every rank must load the same "
-            f"one (resolve a 'latest' link once, on one rank, and pass its target to all); nothing was loaded")
+    return (
+        f"{argument}: the ranks load different checkpoints ({what}): {ranks}; every rank must load the same "
+        f"one (resolve a 'latest' link once, on one rank, and pass its target to all); nothing was loaded"
+    )
 
 
 def path_argument(value, name: str) -> str:
@@ -149,8 +172,17 @@ def path_argument(value, name: str) -> str:
     return text
 
 
-def guarded_save(prepare: Callable[[str], tuple], write: Callable, path, pg, use_dist: bool, *, fmt: str,
-                 argument: str = "path", finish: Optional[Callable] = None) -> None:
+def guarded_save(
+    prepare: Callable[[str], tuple],
+    write: Callable,
+    path,
+    pg,
+    use_dist: bool,
+    *,
+    fmt: str,
+    argument: str = "path",
+    finish: Optional[Callable] = None,
+) -> None:
     """The save protocol of every checkpoint format, on every rank of ``pg``:
 
     1. the path checked (a symbolic link followed to its target, a dangling one or a loop refused);
@@ -176,7 +208,7 @@ def guarded_save(prepare: Callable[[str], tuple], write: Callable, path, pg, use
         if rank == 0:
             held = _atomic.SaveLock(path, CheckpointError)
             _atomic.prepare(path)
-    except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
+    except Exception as exc:  # every rank must learn of it, or the others would hang
         error = exc if isinstance(exc, CheckpointError) else _bad_argument(exc, argument)
     try:
         _agree(error, pg, use_dist, digest, same=(argument, path))
@@ -188,7 +220,7 @@ def guarded_save(prepare: Callable[[str], tuple], write: Callable, path, pg, use
                 if finish is not None:
                     finish(state, stage)
                 _atomic.commit(path, fmt, dist.get_world_size(pg) if use_dist else 1)
-            except Exception as exc:  # noqa: BLE001 - the peers wait in the agreement below
+            except Exception as exc:  # the peers wait in the agreement below
                 error = write_failure(exc, path, stage, "swapping the new checkpoint in", argument)
         _agree(error, pg, use_dist)
     except BaseException:
@@ -200,17 +232,22 @@ def guarded_save(prepare: Callable[[str], tuple], write: Callable, path, pg, use
             held.release()
 
 
-def write_failure(exc: BaseException, path: str, stage: str, doing: str, argument: str = "path",
-                  rank: int = 0) -> Exception:
+def write_failure(
+    exc: BaseException, path: str, stage: str, doing: str, argument: str = "path", rank: int = 0
+) -> Exception:
     """A failed write as the error every rank raises: an OSError(ENOSPC) naming ``path`` when the
     staging directory's file system is full (torch's writers lose the errno: "unexpected pos"), else
     a CheckpointError; the previous checkpoint is untouched either way."""
     free = _free_bytes(stage)
     if _is_no_space(exc) or (free is not None and free < _FULL_BYTES):
-        err: Exception = OSError(errno.ENOSPC, f"{argument}: no space left on the device {doing} at {path!r} on "
-                                               f"rank {rank} ({free} bytes free beside it; "
-                                               f"{type(exc).__name__}: {str(exc).strip()[:200]}); the previous "
-                                               f"checkpoint there is unchanged", path)
+        err: Exception = OSError(
+            errno.ENOSPC,
+            f"{argument}: no space left on the device {doing} at {path!r} on "
+            f"rank {rank} ({free} bytes free beside it; "
+            f"{type(exc).__name__}: {str(exc).strip()[:200]}); the previous "
+            f"checkpoint there is unchanged",
+            path,
+        )
     else:
         err = CheckpointError(f"{argument}: {doing} at {path!r} failed on rank {rank}: {exc}")
     err.__cause__ = exc

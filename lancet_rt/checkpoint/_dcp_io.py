@@ -17,6 +17,7 @@ it; any failure names the file, the key and the global rank), and copied in only
 read all of its part. DCP's own ``CheckpointException`` (a BaseException) never escapes: it becomes
 a ValueError (bad data on every failing rank) or a :class:`~lancet_rt.checkpoint._common.CheckpointError`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -27,12 +28,22 @@ from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+import xxhash
 
 from lancet_rt.checkpoint import _atomic
-from lancet_rt.checkpoint._common import (_FULL_BYTES, _agree, _bad_argument, _dcp_failure, _digest, _free_bytes,
-                                         _is_no_space, _listing, guarded_save, path_argument, write_failure)
-
-import xxhash
+from lancet_rt.checkpoint._common import (
+    _FULL_BYTES,
+    _agree,
+    _bad_argument,
+    _dcp_failure,
+    _digest,
+    _free_bytes,
+    _is_no_space,
+    _listing,
+    guarded_save,
+    path_argument,
+    write_failure,
+)
 
 _BLOCK = 1 << 24  # a checksum read back from a file goes in 16 MiB blocks
 #: The attribute of an item's storage info that holds its checksum, and the algorithm's name in messages.
@@ -73,6 +84,7 @@ class State:
 def save(build: Callable[[], State], path, pg, use_dist: bool, what: str = "checkpoint save (DCP)") -> None:
     """Save the :class:`State` ``build()`` gives at ``path`` on every rank of ``pg`` (the protocol of
     :func:`~lancet_rt.checkpoint._common.guarded_save`; ``build`` runs inside its validation)."""
+
     def prepare(_path):
         state = build()
         return state, _digest(state.signature())
@@ -82,13 +94,19 @@ def save(build: Callable[[], State], path, pg, use_dist: bool, what: str = "chec
 
         try:
             with _single_process_quiet(), _bounded(pg, use_dist, what):
-                dcp.save(state.flat, storage_writer=_checksum_writer(stage), planner=state.planner(),
-                         process_group=pg, no_dist=not use_dist)
+                dcp.save(
+                    state.flat,
+                    storage_writer=_checksum_writer(stage),
+                    planner=state.planner(),
+                    process_group=pg,
+                    no_dist=not use_dist,
+                )
         except _checkpoint_exception() as exc:  # every rank has it (DCP gathers the failures)
             free = _free_bytes(stage)
             if _is_no_space(exc) or (free is not None and free < _FULL_BYTES):
-                return write_failure(exc, target, stage, "writing the checkpoint", "path",
-                                     dist.get_rank(pg) if use_dist else 0)
+                return write_failure(
+                    exc, target, stage, "writing the checkpoint", "path", dist.get_rank(pg) if use_dist else 0
+                )
             return _dcp_failure(exc, target, "writing", pg)
         return None
 
@@ -102,7 +120,7 @@ def _file_digest(file, offset: int, length: int) -> int:
     h, left = xxhash.xxh3_64(), length
     block = memoryview(bytearray(min(_BLOCK, max(length, 1))))
     while left > 0:
-        n = file.readinto(block[:min(len(block), left)])
+        n = file.readinto(block[: min(len(block), left)])
         if not n:
             break
         h.update(block[:n])
@@ -156,6 +174,7 @@ def _checksum_writer(stage: str):
                         yield raw
                     else:
                         yield _DigestStream(raw, self.segments.setdefault(os.path.basename(os.fspath(path)), {}))
+
             self.fs.create_stream = create_stream
 
         def write_data(self, plan, planner):
@@ -188,7 +207,7 @@ def load(build: Callable[[], State], path, pg, use_dist: bool) -> State:
         same = ("path", (os.path.realpath(path), identity))
         state = build()
         _check_dcp(state, path, metadata)
-    except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
+    except Exception as exc:  # every rank must learn of it, or the others would hang
         error = _bad_argument(exc, "path")
     _agree(error, pg, use_dist, same=same)  # every rank reads one checkpoint: the same path and metadata
     who = _rank_name(pg, use_dist)
@@ -198,9 +217,13 @@ def load(build: Callable[[], State], path, pg, use_dist: bool) -> State:
 
         try:
             with _single_process_quiet(), _bounded(pg, use_dist, "checkpoint load (DCP)"):
-                dcp.load(entries, storage_reader=_reader(path, who, metadata),
-                         planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-                         process_group=pg, no_dist=not use_dist)
+                dcp.load(
+                    entries,
+                    storage_reader=_reader(path, who, metadata),
+                    planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                    process_group=pg,
+                    no_dist=not use_dist,
+                )
         except _checkpoint_exception() as exc:  # every rank has it (DCP gathers the failures)
             return _dcp_failure(exc, path, "reading", pg)
         return None
@@ -246,14 +269,17 @@ def _read_metadata(path: str) -> tuple:
             raw = f.read()
         metadata = pickle.loads(raw)
         _ = metadata.state_dict_metadata
-    except Exception as exc:  # noqa: BLE001 - any unreadable checkpoint is a bad argument
-        raise ValueError(f"path: no readable torch.distributed.checkpoint at {path!r} "
-                         f"({type(exc).__name__}: {exc})") from exc
+    except Exception as exc:  # any unreadable checkpoint is a bad argument
+        raise ValueError(
+            f"path: no readable torch.distributed.checkpoint at {path!r} ({type(exc).__name__}: {exc})"
+        ) from exc
     identity = hashlib.sha256(raw).hexdigest()
     want = _atomic.marker(path).get("metadata_sha256")
     if want is not None and want != identity:
-        raise ValueError(f"path: file '.metadata' of {path!r} changed since the save (SHA-256 {identity[:16]}..., "
-                         f"{str(want)[:16]}... when saved): the checkpoint is damaged; nothing was read")
+        raise ValueError(
+            f"path: file '.metadata' of {path!r} changed since the save (SHA-256 {identity[:16]}..., "
+            f"{str(want)[:16]}... when saved): the checkpoint is damaged; nothing was read"
+        )
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     _check_chunks(metadata, path)
@@ -275,16 +301,21 @@ def _check_chunks(metadata, path: str) -> None:
         size, boxes, bad = tuple(md.size), [], None
         for c in md.chunks:
             off, n = tuple(c.offsets), tuple(c.sizes)
-            if len(off) != len(size) or len(n) != len(size) or any(
-                    o < 0 or k < 0 or o + k > d for o, k, d in zip(off, n, size)):
+            if (
+                len(off) != len(size)
+                or len(n) != len(size)
+                or any(o < 0 or k < 0 or o + k > d for o, k, d in zip(off, n, size))
+            ):
                 bad = f"{fqn}: a chunk at offsets {list(off)} of sizes {list(n)} lies outside its shape {list(size)}"
             elif MetadataIndex(fqn, off) not in storage:
                 bad = f"{fqn}: the chunk at offsets {list(off)} has no data in the checkpoint"
             boxes.append((off, n))
         covered = sum(math.prod(n) for _, n in boxes)
         if bad is None and (covered != math.prod(size) or _overlap(boxes)):
-            bad = (f"{fqn}: its {len(boxes)} chunks cover {covered} elements of its {math.prod(size)} "
-                   f"(shape {list(size)}){' and overlap' if covered == math.prod(size) else ''}")
+            bad = (
+                f"{fqn}: its {len(boxes)} chunks cover {covered} elements of its {math.prod(size)} "
+                f"(shape {list(size)}){' and overlap' if covered == math.prod(size) else ''}"
+            )
         if bad:
             problems.append(bad)
     if problems:
@@ -295,7 +326,7 @@ def _overlap(boxes: list) -> bool:
     """Whether two of the boxes (offsets, sizes) share an element (a sweep along dim 0)."""
     boxes = sorted(b for b in boxes if all(b[1]))  # an empty chunk holds nothing
     for i, (a, n) in enumerate(boxes):
-        for b, m in boxes[i + 1:]:
+        for b, m in boxes[i + 1 :]:
             if a and b[0] >= a[0] + n[0]:
                 break
             if all(y < x + k and x < y + j for x, k, y, j in zip(a, n, b, m)):
@@ -310,8 +341,10 @@ def _check_dcp(state: State, path: str, metadata) -> None:
     saved = metadata.state_dict_metadata
     _check_files(metadata.storage_data or {}, path)
     if state.has_optim and not any(k.startswith("optim.") for k in saved):
-        raise ValueError(f"path: the checkpoint at {path!r} holds no optimizer state (saved without optimizer=); "
-                         f"load it with optimizer=None")
+        raise ValueError(
+            f"path: the checkpoint at {path!r} holds no optimizer state (saved without optimizer=); "
+            f"load it with optimizer=None"
+        )
     missing = [k for k in state.flat if k not in saved]
     compared = ("model.", "optim.") if state.has_optim else ("model.",)  # saved optimizer state may go unread
     unexpected = [k for k in saved if k.startswith(compared) and k not in state.flat]
@@ -326,8 +359,10 @@ def _check_dcp(state: State, path: str, metadata) -> None:
             problems.append(f"{key} is not a tensor in the checkpoint")
         elif tuple(md.size) != want:
             if shard and len(md.size) == len(want) and tuple(md.size[1:]) == want[1:]:
-                problems.append(f"{key}: the checkpoint has E={md.size[0]} experts, the model's layer "
-                                f"{shard.layer!r} has E={shard.num_experts}")
+                problems.append(
+                    f"{key}: the checkpoint has E={md.size[0]} experts, the model's layer "
+                    f"{shard.layer!r} has E={shard.num_experts}"
+                )
             else:
                 problems.append(f"{key}: shape {tuple(md.size)} in the checkpoint, {want} in the model")
     if missing:
@@ -351,8 +386,9 @@ def _check_files(storage_data: dict, path: str) -> None:
         if not os.path.isfile(file):
             problems.append(f"file {rel!r} (holding {fqn}) is missing")
         elif os.path.getsize(file) < end:
-            problems.append(f"file {rel!r} is truncated: {os.path.getsize(file)} bytes, its data for key {fqn} ends "
-                            f"at byte {end}")
+            problems.append(
+                f"file {rel!r} is truncated: {os.path.getsize(file)} bytes, its data for key {fqn} ends at byte {end}"
+            )
     if problems:
         raise ValueError(f"path: the checkpoint at {path!r} is damaged: " + "; ".join(problems[:4]))
 
@@ -365,7 +401,8 @@ def _param_groups_error(saved: list, current: list) -> Optional[ValueError]:
             return ValueError(
                 f"optimizer: param group {i} differs from the checkpoint's: only in the checkpoint: "
                 f"[{_listing(sorted(set(a['params']) - set(b['params'])))}], only here: "
-                f"[{_listing(sorted(set(b['params']) - set(a['params'])))}]")
+                f"[{_listing(sorted(set(b['params']) - set(a['params'])))}]"
+            )
     return None
 
 
@@ -382,8 +419,9 @@ def _fresh(v):
         return torch.empty_like(v)
     from torch.distributed.tensor import DTensor
 
-    return DTensor.from_local(torch.empty_like(v.to_local()), v.device_mesh, v.placements, run_check=False,
-                              shape=v.shape, stride=v.stride())
+    return DTensor.from_local(
+        torch.empty_like(v.to_local()), v.device_mesh, v.placements, run_check=False, shape=v.shape, stride=v.stride()
+    )
 
 
 def _reader(path: str, who: str, metadata):
@@ -411,21 +449,25 @@ def _reader(path: str, who: str, metadata):
             got = _file_digest(file, sinfo.offset, sinfo.length)
             if got != want:
                 short = " (the file ends before it)" if got == -1 else ""
-                raise ValueError(f"checksum mismatch: {ALGORITHM} of its {sinfo.length} bytes at offset "
-                                 f"{sinfo.offset}{short} is {got & (2**64 - 1):016x}, {want:016x} when saved "
-                                 f"(the file changed after the save)")
+                raise ValueError(
+                    f"checksum mismatch: {ALGORITHM} of its {sinfo.length} bytes at offset "
+                    f"{sinfo.offset}{short} is {got & (2**64 - 1):016x}, {want:016x} when saved "
+                    f"(the file changed after the save)"
+                )
             return super()._slice_file(file, sinfo)
 
         def read_data(self, plan, planner):
             self.current = None
             try:
                 return super().read_data(plan, planner)
-            except Exception as exc:  # noqa: BLE001 - DCP gathers it into every rank's CheckpointException
+            except Exception as exc:  # DCP gathers it into every rank's CheckpointException
                 s = self.current
                 keys = [i.fqn for i, info in self.storage_data.items() if info is s] if s is not None else []
                 where = f"file {s.relative_path!r}, key {keys[0] if keys else '?'}" if s is not None else "a file"
-                raise ValueError(f"{where} of {self.path!s} could not be read on {who} "
-                                 f"({type(exc).__name__}: {str(exc).strip()[:300]})") from exc
+                raise ValueError(
+                    f"{where} of {self.path!s} could not be read on {who} "
+                    f"({type(exc).__name__}: {str(exc).strip()[:300]})"
+                ) from exc
 
     return Reader()
 

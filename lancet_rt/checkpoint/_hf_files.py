@@ -7,6 +7,7 @@ file's header with it (a header edited after the save, one tensor's F32 made I32
 and the tensor) and every tensor's dtype with the model's (a float parameter from an integer tensor
 is refused, with or without a manifest: a plain ``save_pretrained`` directory has none). The
 checkpoint's identity, which the ranks of a load agree on, is the SHA-256 of the index and headers."""
+
 from __future__ import annotations
 
 import copy
@@ -49,8 +50,7 @@ def _finish_hf_dir(model, directory: str, names: list, every: list) -> None:
         weight_map = {key: names[i] for i, entries in enumerate(files) for key, _ in entries}
         total = sum(nbytes for entries in files for _, nbytes in entries)
         with open(index + ".tmp", "w") as fh:
-            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, fh,
-                      indent=2)
+            json.dump({"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, fh, indent=2)
         os.replace(index + ".tmp", index)
     _write_manifest(directory, names)
     if _is_hf(model):
@@ -72,8 +72,9 @@ def _weight_map(directory: str) -> dict:
             with open(index) as fh:
                 return dict(json.load(fh)["weight_map"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"directory: file {_INDEX!r} of {directory!r} is not a readable index "
-                             f"({type(exc).__name__}: {exc})") from exc
+            raise ValueError(
+                f"directory: file {_INDEX!r} of {directory!r} is not a readable index ({type(exc).__name__}: {exc})"
+            ) from exc
     raise ValueError(f"directory: neither {_SINGLE} nor {_INDEX} in {directory!r}")
 
 
@@ -89,14 +90,17 @@ def _header(directory: str, name: str) -> tuple:
         if not isinstance(parsed, dict):
             raise ValueError("the header is not a JSON object")
     except (OSError, ValueError) as exc:
-        raise ValueError(f"directory: file {name!r} of {directory!r} is missing or damaged "
-                         f"({type(exc).__name__}: {str(exc).strip()[:300]})") from exc
+        raise ValueError(
+            f"directory: file {name!r} of {directory!r} is missing or damaged "
+            f"({type(exc).__name__}: {str(exc).strip()[:300]})"
+        ) from exc
     return raw, parsed
 
 
 def _tensors(header: dict) -> dict:
-    return {k: [v.get("dtype"), v.get("shape")] for k, v in header.items() if k != "__metadata__" and
-            isinstance(v, dict)}
+    return {
+        k: [v.get("dtype"), v.get("shape")] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)
+    }
 
 
 def _write_manifest(directory: str, names: list) -> None:
@@ -140,17 +144,21 @@ class _Headers:
         for name, got in self.headers.items():
             want = files.get(name) if isinstance(files, dict) else None
             if not isinstance(want, dict):
-                raise ValueError(f"directory: file {name!r} of {self.directory!r} is not in its {MANIFEST} (written "
-                                 f"after the save?)")
+                raise ValueError(
+                    f"directory: file {name!r} of {self.directory!r} is not in its {MANIFEST} (written after the save?)"
+                )
             for key in sorted(set(got) | set(want.get("tensors", {}))):
                 a, b = got.get(key), want.get("tensors", {}).get(key)
                 if a != b:
                     raise ValueError(
                         f"directory: file {name!r} of {self.directory!r}, tensor {key!r}: dtype/shape {a} in the "
-                        f"file, {b} when saved ({MANIFEST}): the file changed after the save; nothing was loaded")
+                        f"file, {b} when saved ({MANIFEST}): the file changed after the save; nothing was loaded"
+                    )
             if self.sha256[name] != want.get("header_sha256"):
-                raise ValueError(f"directory: file {name!r} of {self.directory!r}: its header changed after the "
-                                 f"save (its SHA-256 differs from {MANIFEST}'s); nothing was loaded")
+                raise ValueError(
+                    f"directory: file {name!r} of {self.directory!r}: its header changed after the "
+                    f"save (its SHA-256 differs from {MANIFEST}'s); nothing was loaded"
+                )
 
     def file(self, key: str):
         name = self.weight_map[key]
@@ -164,14 +172,23 @@ class _Headers:
     def dtype_error(self, key: str, dtype) -> "str | None":
         """Why the tensor ``key`` cannot load into a parameter of ``dtype`` (a cast across kinds), or None."""
         got = (self.headers.get(self.weight_map.get(key), {}).get(key) or [None])[0]
-        kind = "float" if dtype.is_floating_point else "complex" if dtype.is_complex else "bool" if (
-            str(dtype) == "torch.bool") else "int"
+        kind = (
+            "float"
+            if dtype.is_floating_point
+            else "complex"
+            if dtype.is_complex
+            else "bool"
+            if (str(dtype) == "torch.bool")
+            else "int"
+        )
         disk = {"F": "float", "B": "float", "C": "complex", "I": "int", "U": "int"}.get(str(got)[:1], "?")
         disk = "bool" if got == "BOOL" else disk
         if got is None or disk == kind:
             return None
-        return (f"file {self.weight_map.get(key)!r}, tensor {key!r}: dtype {got} in the checkpoint, {dtype} in the "
-                f"model (a {disk} tensor does not load into a {kind} parameter)")
+        return (
+            f"file {self.weight_map.get(key)!r}, tensor {key!r}: dtype {got} in the checkpoint, {dtype} in the "
+            f"model (a {disk} tensor does not load into a {kind} parameter)"
+        )
 
 
 def _safe_open(directory: str, name: str):
@@ -181,15 +198,19 @@ def _safe_open(directory: str, name: str):
 
     try:
         return safe_open(os.path.join(directory, name), framework="pt")
-    except Exception as exc:  # noqa: BLE001 - SafetensorError, OSError: the file is bad either way
-        raise ValueError(f"directory: file {name!r} of {directory!r} is missing or damaged "
-                         f"({type(exc).__name__}: {str(exc).strip()[:300]})") from exc
+    except Exception as exc:  # SafetensorError, OSError: the file is bad either way
+        raise ValueError(
+            f"directory: file {name!r} of {directory!r} is missing or damaged "
+            f"({type(exc).__name__}: {str(exc).strip()[:300]})"
+        ) from exc
 
 
 def _read(headers: "_Headers", key: str, rank: int, get):
     """``get(file, key)``; a ValueError naming the file, the key and the rank if the data cannot be read."""
     try:
         return get(headers.file(key), key)
-    except Exception as exc:  # noqa: BLE001 - safetensors' errors name neither file nor rank
-        raise ValueError(f"directory: file {headers.weight_map.get(key)!r} of {headers.directory!r}, key {key!r}, "
-                         f"could not be read on rank {rank} ({type(exc).__name__}: {str(exc).strip()[:300]})") from exc
+    except Exception as exc:  # safetensors' errors name neither file nor rank
+        raise ValueError(
+            f"directory: file {headers.weight_map.get(key)!r} of {headers.directory!r}, key {key!r}, "
+            f"could not be read on rank {rank} ({type(exc).__name__}: {str(exc).strip()[:300]})"
+        ) from exc

@@ -9,7 +9,8 @@ expert); everything else is replicated. Two formats:
   so the checkpoint records their global [E, ...] shape, and DCP reshards on load. The save planner
   writes each expert row as its own chunk: DCP reads whole chunks, so at any later EP size a rank
   reads exactly the experts it holds. Replicated tensors are written once (DCP's deduplication).
-- :func:`~lancet_rt.checkpoint.hf.save_hf` / :func:`~lancet_rt.checkpoint.hf.load_hf` (in :mod:`lancet_rt.checkpoint.hf`): the
+- :func:`~lancet_rt.checkpoint.hf.save_hf` / :func:`~lancet_rt.checkpoint.hf.load_hf` (in
+  :mod:`lancet_rt.checkpoint.hf`): the
   Hugging Face ``save_pretrained`` layout, in the on-disk format transformers itself writes; each
   rank writes the safetensors files of its own experts and reads only its experts' tensors.
 
@@ -25,6 +26,7 @@ of every item, checked on load. The agreements and DCP's collectives go through 
 (bounded by ``LANCET_TIMEOUT_S``, a lost peer named). The protocol and the DCP reading and writing
 are shared with :func:`lancet_rt.parallel.save_sharded` (:mod:`lancet_rt.checkpoint._dcp_io`).
 """
+
 from __future__ import annotations
 
 import math
@@ -55,7 +57,7 @@ def _as_global(local: torch.Tensor, shard: Optional[_Shard]):
     if key not in _meshes:
         _meshes[key] = DeviceMesh.from_group(shard.group, local.device.type)
     shape = shard.global_shape(local)
-    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
     return DTensor.from_local(local, _meshes[key], [Shard(0)], run_check=False, shape=shape, stride=stride)
 
 
@@ -65,9 +67,11 @@ def refuse_fully_shard(model, call: str, instead: str) -> None:
     from torch.distributed.tensor import DTensor
 
     if isinstance(model, nn.Module) and any(isinstance(p, DTensor) for p in model.parameters()):
-        raise ValueError(f"model: is sharded by lancet_rt.parallel.fully_shard (FSDP2: its parameters are DTensors), "
-                         f"which {call} does not take; use lancet_rt.parallel.{instead}(model, mesh, path, optimizer) "
-                         f"(the same layout: either load reads the other's checkpoints)")
+        raise ValueError(
+            f"model: is sharded by lancet_rt.parallel.fully_shard (FSDP2: its parameters are DTensors), "
+            f"which {call} does not take; use lancet_rt.parallel.{instead}(model, mesh, path, optimizer) "
+            f"(the same layout: either load reads the other's checkpoints)"
+        )
 
 
 def _dcp_state(model: nn.Module, optimizer, pg, call: str) -> _dcp_io.State:
@@ -132,9 +136,14 @@ def _row_planner(state: _dcp_io.State):
                 for i in range(chunk.sizes[0]):
                     offsets = torch.Size((chunk.offsets[0] + i,) + tuple(chunk.offsets[1:]))
                     row = ChunkStorageMetadata(offsets=offsets, sizes=torch.Size((1,) + tuple(chunk.sizes[1:])))
-                    items.append(dataclasses.replace(item, type=WriteItemType.SHARD,
-                                                     index=MetadataIndex(item.index.fqn, offsets),
-                                                     tensor_data=dataclasses.replace(item.tensor_data, chunk=row)))
+                    items.append(
+                        dataclasses.replace(
+                            item,
+                            type=WriteItemType.SHARD,
+                            index=MetadataIndex(item.index.fqn, offsets),
+                            tensor_data=dataclasses.replace(item.tensor_data, chunk=row),
+                        )
+                    )
             self.plan = dataclasses.replace(plan, items=items)
             return self.plan
 
@@ -143,13 +152,18 @@ def _row_planner(state: _dcp_io.State):
                 return super().lookup_object(index)
             v = self.state_dict[index.fqn]
             i = index.offset[0] - state.shards[index.fqn].offset
-            return (v.to_local() if hasattr(v, "to_local") else v)[i:i + 1]
+            return (v.to_local() if hasattr(v, "to_local") else v)[i : i + 1]
 
     return _ExpertRowSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False)
 
 
-def save_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Optimizer] = None, *,
-                    process_group: Optional[dist.ProcessGroup] = None) -> None:
+def save_checkpoint(
+    model: nn.Module,
+    path,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    process_group: Optional[dist.ProcessGroup] = None,
+) -> None:
     """Save ``model`` (and ``optimizer``) with ``torch.distributed.checkpoint``, loadable at any EP size.
 
     Call on every rank of ``process_group`` (a collective). Expert parameters (and their optimizer
@@ -186,8 +200,13 @@ def save_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Opti
     _dcp_io.save(lambda: _dcp_state(model, optimizer, pg, "save_checkpoint"), path, pg, use_dist)
 
 
-def load_checkpoint(model: nn.Module, path, optimizer: Optional[torch.optim.Optimizer] = None, *,
-                    process_group: Optional[dist.ProcessGroup] = None) -> None:
+def load_checkpoint(
+    model: nn.Module,
+    path,
+    optimizer: Optional[torch.optim.Optimizer] = None,
+    *,
+    process_group: Optional[dist.ProcessGroup] = None,
+) -> None:
     """Load a checkpoint written by :func:`save_checkpoint` at any EP size into ``model`` (in place).
 
     Call on every rank of ``process_group``; with torch.distributed uninitialized it loads in a

@@ -11,6 +11,7 @@ transformers' own save-side conversion (``revert_weight_conversion``) on an inde
 expert row, which gives, for every on-disk tensor, the flat positions of the row it holds. Saving
 gathers through those positions and loading scatters through them, so the two are exact inverses.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,9 +25,19 @@ import torch.distributed as dist
 from torch import nn
 
 from lancet_rt.checkpoint import _atomic
-from lancet_rt.checkpoint._common import (_agree, _bad_argument, _digest, _expert_shards, _listing,
-                                         _process_group, _Shard, _tensor_id, guarded_save, path_argument,
-                                         write_failure)
+from lancet_rt.checkpoint._common import (
+    _agree,
+    _bad_argument,
+    _digest,
+    _expert_shards,
+    _listing,
+    _process_group,
+    _Shard,
+    _tensor_id,
+    guarded_save,
+    path_argument,
+    write_failure,
+)
 from lancet_rt.checkpoint._hf_files import _SINGLE, _finish_hf_dir, _Headers, _is_hf, _read, _weight_map, _write_atomic
 from lancet_rt.comm.faults import GroupError
 from lancet_rt.comm.group import as_group
@@ -34,8 +45,6 @@ from lancet_rt.comm.group import as_group
 __all__ = ["save_hf", "load_hf"]
 
 _DEFAULT_SHARD_BYTES = 5 * 2**30
-
-
 
 
 def _revert(model, tensors: dict) -> dict:
@@ -69,14 +78,14 @@ class _Part:
 
     def take(self, rows: torch.Tensor) -> torch.Tensor:
         """rows [R, n] (R experts' flat rows) -> their disk tensors [R, *shape]."""
-        picked = rows[:, self.span[0]:self.span[1]] if self.span else rows[:, self.idx.to(rows.device)]
+        picked = rows[:, self.span[0] : self.span[1]] if self.span else rows[:, self.idx.to(rows.device)]
         return picked.reshape((rows.shape[0],) + self.shape)
 
     def put(self, rows: torch.Tensor, values: torch.Tensor) -> None:
         """The inverse of :meth:`take`: write disk tensors [R, *shape] into rows [R, n] in place."""
         values = values.reshape(rows.shape[0], -1).to(rows.device, rows.dtype)
         if self.span:
-            rows[:, self.span[0]:self.span[1]] = values
+            rows[:, self.span[0] : self.span[1]] = values
         else:
             rows[:, self.idx.to(rows.device)] = values
 
@@ -96,7 +105,7 @@ def _expert_templates(keys, E: int) -> dict:
         fields = key.split(".")
         for pos, f in enumerate(fields):
             if f.isdigit():
-                seen.setdefault((tuple(fields[:pos]), tuple(fields[pos + 1:])), set()).add(int(f))
+                seen.setdefault((tuple(fields[:pos]), tuple(fields[pos + 1 :])), set()).add(int(f))
     return {k: ".".join(k[0] + ("{}",) + k[1]) for k, found in seen.items() if found == set(range(E)) and E > 1}
 
 
@@ -146,27 +155,30 @@ def _expert_parts(model, fqn: str, local: torch.Tensor, shard: _Shard, probes: d
         fields = key.split(".")
         name = None
         for pos, f in enumerate(fields):
-            t = templates.get((tuple(fields[:pos]), tuple(fields[pos + 1:])))
+            t = templates.get((tuple(fields[:pos]), tuple(fields[pos + 1 :])))
             if f == "0" and t is not None:
                 name = t
         if name is None and E == 1 and key in full:
             name = key.replace("{", "{{").replace("}", "}}")
         if name is None or tuple(full[name.format(0)].shape) != shape:
-            raise ValueError(f"model: cannot map expert parameter {fqn} to the layout transformers saves "
-                             f"(on-disk key {key!r} is neither fused [E, ...] nor numbered by expert)")
+            raise ValueError(
+                f"model: cannot map expert parameter {fqn} to the layout transformers saves "
+                f"(on-disk key {key!r} is neither fused [E, ...] nor numbered by expert)"
+            )
         parts.append(_Part(name, False, shape, idx, span))
     return parts
 
 
 @dataclass
 class _HFLayout:
-    dense: list               # (model key, disk key, tensor)
-    experts: list             # _ExpertParam
+    dense: list  # (model key, disk key, tensor)
+    experts: list  # _ExpertParam
 
     def signature(self) -> list:
-        return ([(d, tuple(t.shape), str(t.dtype)) for _, d, t in self.dense]
-                + [(p.fqn, [(q.name, q.disk_shape(p.shard.num_experts)) for q in p.parts], str(p.param.dtype))
-                   for p in self.experts])
+        return [(d, tuple(t.shape), str(t.dtype)) for _, d, t in self.dense] + [
+            (p.fqn, [(q.name, q.disk_shape(p.shard.num_experts)) for q in p.parts], str(p.param.dtype))
+            for p in self.experts
+        ]
 
 
 def _hf_layout(model: nn.Module, pg) -> _HFLayout:
@@ -191,9 +203,11 @@ def _hf_layout(model: nn.Module, pg) -> _HFLayout:
     renamed = {}
     for disk, v in _revert(model, meta).items():
         if id(v) not in names:
-            raise ValueError(f"model: transformers converts dense tensor {disk!r} on save (not a renaming); "
-                             f"save_hf/load_hf support renamed dense tensors only (a model without lancet MoE "
-                             f"layers saves with its own save_pretrained)")
+            raise ValueError(
+                f"model: transformers converts dense tensor {disk!r} on save (not a renaming); "
+                f"save_hf/load_hf support renamed dense tensors only (a model without lancet MoE "
+                f"layers saves with its own save_pretrained)"
+            )
         renamed[names[id(v)]] = disk
     layout = _HFLayout([(k, renamed[k], v) for k, v in dense.items()], [])
     probes: dict = {}
@@ -237,7 +251,7 @@ def _hf_tensors(layout: _HFLayout, rank: int, root: int, materialize: bool) -> I
                     yield part.key(0), part.disk_shape(E), p.param.dtype, local
             else:
                 for i in range(s.rows):
-                    t = part.take(rows[i:i + 1])[0] if materialize else None
+                    t = part.take(rows[i : i + 1])[0] if materialize else None
                     yield part.key(s.offset + i), part.disk_shape(E), p.param.dtype, t
 
 
@@ -246,8 +260,11 @@ def _gather(local: torch.Tensor, bufs, group, owner: int) -> None:
     g = as_group(group)
     n, me = local.numel(), g.rank
     header = (local.dtype, [n if q == owner else 0 for q in range(g.size)], [n if me == owner else 0] * g.size)
-    g.monitor.issue("checkpoint expert gather", lambda: dist.gather(local, bufs, group=group, group_dst=owner,
-                                                                    async_op=True), header).wait()
+    g.monitor.issue(
+        "checkpoint expert gather",
+        lambda: dist.gather(local, bufs, group=group, group_dst=owner, async_op=True),
+        header,
+    ).wait()
 
 
 def _pack(entries, max_bytes: int) -> list:
@@ -263,8 +280,13 @@ def _pack(entries, max_bytes: int) -> list:
     return files
 
 
-def save_hf(model: nn.Module, directory, *, max_shard_bytes: int = _DEFAULT_SHARD_BYTES,
-            process_group: Optional[dist.ProcessGroup] = None) -> None:
+def save_hf(
+    model: nn.Module,
+    directory,
+    *,
+    max_shard_bytes: int = _DEFAULT_SHARD_BYTES,
+    process_group: Optional[dist.ProcessGroup] = None,
+) -> None:
     """Write ``model`` as the full, unsharded model in the Hugging Face ``save_pretrained`` layout.
 
     Call on every rank. Rank r writes the safetensors files of the experts it holds (per-expert
@@ -326,12 +348,20 @@ def save_hf(model: nn.Module, directory, *, max_shard_bytes: int = _DEFAULT_SHAR
                     buffer = {}
         except GroupError:  # a collective failed: there is nothing to agree on
             raise
-        except Exception as exc:  # noqa: BLE001 - OSError, safetensors' SafetensorError (a full disk: ENOSPC)
+        except Exception as exc:  # OSError, safetensors' SafetensorError (a full disk: ENOSPC)
             return write_failure(exc, target, stage, "writing the checkpoint", "directory", rank)
         return None
 
-    guarded_save(prepare, write, directory, pg, use_dist, fmt="hf", argument="directory",
-                 finish=lambda layout, stage: _finish_hf_dir(model, stage, files["names"], files["every"]))
+    guarded_save(
+        prepare,
+        write,
+        directory,
+        pg,
+        use_dist,
+        fmt="hf",
+        argument="directory",
+        finish=lambda layout, stage: _finish_hf_dir(model, stage, files["names"], files["every"]),
+    )
 
 
 def _plan_hf_load(layout: _HFLayout, headers: _Headers) -> tuple:
@@ -357,20 +387,25 @@ def _plan_hf_load(layout: _HFLayout, headers: _Headers) -> tuple:
         for q in parts:
             present = [e for e in range(E) if q.key(e) in wm]
             if 0 < len(present) < E and present == list(range(len(present))):
-                problems.append(f"{p.fqn}: the checkpoint has E={len(present)} experts, the model's layer "
-                                f"{p.shard.layer!r} has E={E}")
+                problems.append(
+                    f"{p.fqn}: the checkpoint has E={len(present)} experts, the model's layer "
+                    f"{p.shard.layer!r} has E={E}"
+                )
                 continue
             if len(present) < E:
                 missing.extend(q.key(e) for e in range(E) if e not in present)
                 continue
             if not q.fused:
                 prefix, suffix = q.name.split("{}")
-                numbers = (k[len(prefix):len(k) - len(suffix)] for k in wm
-                           if k.startswith(prefix) and k.endswith(suffix))
+                numbers = (
+                    k[len(prefix) : len(k) - len(suffix)] for k in wm if k.startswith(prefix) and k.endswith(suffix)
+                )
                 extra = [q.key(int(i)) for i in numbers if i.isdigit() and int(i) >= E]
                 if extra:
-                    problems.append(f"{p.fqn}: the checkpoint has E={E + len(extra)} experts ({_listing(extra, 2)} "
-                                    f"beyond), the model's layer {p.shard.layer!r} has E={E}")
+                    problems.append(
+                        f"{p.fqn}: the checkpoint has E={E + len(extra)} experts ({_listing(extra, 2)} "
+                        f"beyond), the model's layer {p.shard.layer!r} has E={E}"
+                    )
                     continue
             for e in range(1 if q.fused else E):
                 got, want = headers.shape(q.key(e)), q.disk_shape(E)
@@ -387,8 +422,9 @@ def _plan_hf_load(layout: _HFLayout, headers: _Headers) -> tuple:
     if missing:
         problems.append(f"missing from the checkpoint: {_listing(missing)}")
     if problems:
-        raise ValueError(f"directory: the checkpoint at {headers.directory!r} does not fit the model: "
-                         + "; ".join(problems))
+        raise ValueError(
+            f"directory: the checkpoint at {headers.directory!r} does not fit the model: " + "; ".join(problems)
+        )
     return dense, experts
 
 
@@ -424,7 +460,7 @@ def load_hf(model: nn.Module, directory, *, process_group: Optional[dist.Process
         headers = _Headers(directory, _weight_map(directory))
         same = ("directory", (os.path.realpath(directory), headers.identity))
         plan = _plan_hf_load(layout, headers)
-    except Exception as exc:  # noqa: BLE001 - every rank must learn of it, or the others would hang
+    except Exception as exc:  # every rank must learn of it, or the others would hang
         error = _bad_argument(exc, "directory")
     _agree(error, pg, use_dist, same=same)  # every rank reads one checkpoint: the same path and headers
     # Everything is read into new tensors first; the parameters change only once every rank read all of it.
@@ -439,11 +475,11 @@ def load_hf(model: nn.Module, directory, *, process_group: Optional[dist.Process
             new = rows.clone()
             for q in parts:
                 if q.fused:
-                    q.put(new, _read(headers, q.name, rank, lambda f, k: f.get_slice(k)[s.offset:s.offset + s.rows]))
+                    q.put(new, _read(headers, q.name, rank, lambda f, k: f.get_slice(k)[s.offset : s.offset + s.rows]))
                 else:
                     for i in range(s.rows):
                         key = q.key(s.offset + i)
-                        q.put(new[i:i + 1], _read(headers, key, rank, lambda f, k: f.get_tensor(k)))
+                        q.put(new[i : i + 1], _read(headers, key, rank, lambda f, k: f.get_tensor(k)))
             updates.append((rows, new))
     except ValueError as exc:
         error = exc

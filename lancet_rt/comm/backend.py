@@ -1,6 +1,7 @@
 """What :class:`lancet_rt.comm.monitor.GroupMonitor` asks of a process group beyond collectives, through
 torch.distributed's private API where there is no public one (each answer degrades to "unknown"): its
 global ranks, its store, its gloo backend (the operation timeout), and aborting its communicator."""
+
 from __future__ import annotations
 
 import logging
@@ -14,14 +15,14 @@ log = logging.getLogger("lancet_rt")
 def global_ranks(group, size: int) -> list:
     try:
         return list(dist.get_process_group_ranks(group))
-    except Exception:  # noqa: BLE001 - a group torch.distributed does not know (a test double): group numbering
+    except Exception:  # a group torch.distributed does not know (a test double): group numbering
         return list(range(size))
 
 
 def group_store(group) -> "Store":
     try:
         return Store(dist.distributed_c10d._get_process_group_store(group))
-    except Exception:  # noqa: BLE001 - a private API: without it, failures are found by timeout only
+    except Exception:  # a private API: without it, failures are found by timeout only
         return Store(None)
 
 
@@ -36,13 +37,13 @@ class Store:
         try:
             if self.store is not None:
                 self.store.set(f"lancet_rt/{key}", value)
-        except Exception:  # noqa: BLE001
+        except Exception:
             pass
 
     def add(self, key: str, n: int):
         try:
             return None if self.store is None else self.store.add(f"lancet_rt/{key}", n)
-        except Exception:  # noqa: BLE001
+        except Exception:
             return None
 
     def get(self, key: str):
@@ -50,7 +51,7 @@ class Store:
             if self.store is None or not self.store.check([f"lancet_rt/{key}"]):
                 return None
             return self.store.get(f"lancet_rt/{key}").decode()
-        except Exception:  # noqa: BLE001
+        except Exception:
             return None
 
 
@@ -59,13 +60,15 @@ def gloo_backend(group):
         backend = group._get_backend(torch.device("cpu"))
         backend.options._timeout  # noqa: B018 - the API the operation timeout needs
         return backend
-    except Exception:  # noqa: BLE001
+    except Exception:
         return None
 
 
 def abort(group) -> None:
     try:
         dist.distributed_c10d._abort_process_group(group)
-    except Exception as exc:  # noqa: BLE001
-        log.error("lancet-rt: could not abort the communicator (%s); the process waits for the process group's "
-                  "own timeout", exc)
+    except Exception as exc:
+        log.error(
+            "lancet-rt: could not abort the communicator (%s); the process waits for the process group's own timeout",
+            exc,
+        )

@@ -19,6 +19,7 @@ each checked collective's header all-gather and then launches it, in issue order
 collective and goes on; a mismatch is still found before any payload reaches gloo, and is raised by
 the collective's ``wait()`` (or the next issue) on every rank.
 """
+
 from __future__ import annotations
 
 import collections
@@ -34,6 +35,7 @@ import torch.distributed as dist
 @dataclass
 class Channels:
     """The process groups of a split expert-parallel group (module docstring)."""
+
     control: dist.ProcessGroup
     up: dist.ProcessGroup
     down: dist.ProcessGroup
@@ -58,8 +60,13 @@ def make_channels(group: dist.ProcessGroup, timeout_s: float) -> Channels:
         made = [dist.new_group(ranks, backend="gloo", timeout=td, use_local_synchronization=True) for _ in range(4)]
     except RuntimeError as exc:  # a peer that checked in and then stopped (died, or left the call)
         me = dist.get_rank(group)
-        raise _split_timeout(me, ranks, [q for q in range(len(ranks)) if q != me], timeout_s,
-                             f"; backend error: {str(exc).strip()[:200]}") from None
+        raise _split_timeout(
+            me,
+            ranks,
+            [q for q in range(len(ranks)) if q != me],
+            timeout_s,
+            f"; backend error: {str(exc).strip()[:200]}",
+        ) from None
     return Channels(*made)
 
 
@@ -96,7 +103,10 @@ def _split_timeout(me: int, ranks: list, missing: list, timeout_s: float, cause:
     return PeerTimeout(
         f"TorchGroup.split on rank {ranks[me]}: rank(s) {names} of the group (ranks {ranks}) did not join "
         f"within {timeout_s:g} s (timeout_s, or {env.TIMEOUT}){cause}. TorchGroup.split is a collective "
-        f"call: call it on every rank of the group, in the same order", missing, global_ranks=names)
+        f"call: call it on every rank of the group, in the same order",
+        missing,
+        global_ranks=names,
+    )
 
 
 class Both:
@@ -119,19 +129,37 @@ class Both:
         return torch.futures.collect_all([w.get_future() for w in self.works])
 
 
-def lane_all_to_all(ch: Channels, rank: int, output: torch.Tensor, input: torch.Tensor,
-                    output_splits: Sequence[int], input_splits: Sequence[int]) -> Both:
+def lane_all_to_all(
+    ch: Channels,
+    rank: int,
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_splits: Sequence[int],
+    input_splits: Sequence[int],
+) -> Both:
     """All-to-all of rows as two gloo all-to-alls: rows to higher ranks (and our own) on ``ch.up``,
     rows to lower ranks on ``ch.down``. The rows from ranks <= ``rank`` are a prefix of ``output``
     and those to ranks >= ``rank`` a suffix of ``input``, so each lane moves contiguous views."""
     W = len(input_splits)
-    below_in = sum(input_splits[:rank])         # rows to lower ranks
-    upto_out = sum(output_splits[:rank + 1])    # rows from ranks <= rank
+    below_in = sum(input_splits[:rank])  # rows to lower ranks
+    upto_out = sum(output_splits[: rank + 1])  # rows from ranks <= rank
     zeros_lo, zeros_hi = [0] * rank, [0] * (W - rank - 1)
-    up = dist.all_to_all_single(output[:upto_out], input[below_in:], list(output_splits[:rank + 1]) + zeros_hi,
-                                zeros_lo + list(input_splits[rank:]), group=ch.up, async_op=True)
-    down = dist.all_to_all_single(output[upto_out:], input[:below_in], zeros_lo + [0] + list(output_splits[rank + 1:]),
-                                  list(input_splits[:rank]) + [0] + zeros_hi, group=ch.down, async_op=True)
+    up = dist.all_to_all_single(
+        output[:upto_out],
+        input[below_in:],
+        list(output_splits[: rank + 1]) + zeros_hi,
+        zeros_lo + list(input_splits[rank:]),
+        group=ch.up,
+        async_op=True,
+    )
+    down = dist.all_to_all_single(
+        output[upto_out:],
+        input[:below_in],
+        zeros_lo + [0] + list(output_splits[rank + 1 :]),
+        list(input_splits[:rank]) + [0] + zeros_hi,
+        group=ch.down,
+        async_op=True,
+    )
     return Both(up, down)
 
 
@@ -213,8 +241,9 @@ class Issuer:
         self._busy = False
         self._thread: Optional[threading.Thread] = None
 
-    def submit(self, seq: int, what: str, fn: Optional[Callable], header, transfer: Optional[Transfer] = None
-               ) -> Deferred:
+    def submit(
+        self, seq: int, what: str, fn: Optional[Callable], header, transfer: Optional[Transfer] = None
+    ) -> Deferred:
         """Queue collective ``seq`` (``fn()`` launches it; None: a header check alone)."""
         d = Deferred(transfer)
         with self._cv:
@@ -251,7 +280,7 @@ class Issuer:
                     d.work = self._launch(fn, seq, what)
                     if d.transfer is not None:
                         d.transfer.started(d.work)
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+            except BaseException as exc:  # handed to the waiting thread
                 exc._lancet_found_here = True  # the host has not seen it yet (GroupMonitor raises it once)
                 d.error = exc
             finally:

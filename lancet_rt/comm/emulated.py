@@ -19,6 +19,7 @@ All-reduces (:meth:`EmulatedGroup.all_reduce`) share the link. A low-priority tr
 queue of its own and starts only when the link is free and no normal transfer waits for it (Lina,
 ATC'23): a later all-to-all overtakes it; one already on the link is not preempted.
 """
+
 from __future__ import annotations
 
 import collections
@@ -174,8 +175,13 @@ def _reduce_op_names() -> dict:
         from torch.distributed import ReduceOp
     except ImportError:  # pragma: no cover - torch built without distributed
         return {}
-    return {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MAX: "max", ReduceOp.MIN: "min",
-            ReduceOp.PRODUCT: "product"}
+    return {
+        ReduceOp.SUM: "sum",
+        ReduceOp.AVG: "avg",
+        ReduceOp.MAX: "max",
+        ReduceOp.MIN: "min",
+        ReduceOp.PRODUCT: "product",
+    }
 
 
 _REDUCE_OPS = _reduce_op_names()
@@ -216,11 +222,23 @@ class EmulatedGroup:
         off_rank_bytes: bytes sent off rank so far.
     """
 
-    def __init__(self, world_size: int, bandwidth_gbps: float = math.inf, latency_us: float = 0.0,
-                 device="cpu", *, counts_channel: str = "shared", handshake_us: float = 0.0):
+    def __init__(
+        self,
+        world_size: int,
+        bandwidth_gbps: float = math.inf,
+        latency_us: float = 0.0,
+        device="cpu",
+        *,
+        counts_channel: str = "shared",
+        handshake_us: float = 0.0,
+    ):
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
-        if isinstance(handshake_us, bool) or not isinstance(handshake_us, (int, float)) or not 0 <= handshake_us < math.inf:
+        if (
+            isinstance(handshake_us, bool)
+            or not isinstance(handshake_us, (int, float))
+            or not 0 <= handshake_us < math.inf
+        ):
             raise ValueError(f"handshake_us must be a finite number >= 0, got {handshake_us!r}")
         if handshake_us and torch.device(device).type != "cpu":
             raise ValueError("handshake_us is modelled on the CPU link only (device='cpu')")
@@ -300,8 +318,7 @@ class EmulatedGroup:
             self._stream = link_stream(self.device)
         return self._stream
 
-    def _submit(self, off_rank_bytes: int, copy=None, tensors=(), kind: str = "all_to_all",
-                low_priority: bool = False):
+    def _submit(self, off_rank_bytes: int, copy=None, tensors=(), kind: str = "all_to_all", low_priority: bool = False):
         """Hold the link for ``off_rank_bytes``; ``copy()`` moves the data (when submitted on CPU;
         on the communication stream when the transfer starts on CUDA, ``tensors`` kept alive there)."""
         ms = self.hold_ms(off_rank_bytes)
@@ -354,8 +371,9 @@ class EmulatedGroup:
             if upto is None or work is upto:
                 return
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
-                   output_splits: Sequence[int], input_splits: Sequence[int]):
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int]
+    ):
         """Rows to self stay; the rest cross the link. Symmetry: output equals input."""
         if list(output_splits) != list(input_splits):
             raise ValueError("EmulatedGroup: a symmetric world sends and receives the same splits")
@@ -394,14 +412,16 @@ class EmulatedGroup:
             raise ValueError(f"tensor must be on this group's device type {self.device.type}, got {tensor.device}")
         name = op if isinstance(op, str) else _REDUCE_OPS.get(op) if _hashable(op) else None
         if name not in ("sum", "avg", "max", "min", "product"):
-            raise ValueError(f"op must be 'sum', 'avg', 'max', 'min' or 'product' (or a torch.distributed "
-                             f"ReduceOp of those), got {op!r}")
+            raise ValueError(
+                f"op must be 'sum', 'avg', 'max', 'min' or 'product' (or a torch.distributed "
+                f"ReduceOp of those), got {op!r}"
+            )
         W = self._size
         data = tensor.detach()
         if name == "sum" and W > 1 and data.numel():
-            copy = lambda: data.mul_(W)  # noqa: E731
+            copy = lambda: data.mul_(W)
         elif name == "product" and W > 1 and data.numel():
-            copy = lambda: data.pow_(W)  # noqa: E731
+            copy = lambda: data.pow_(W)
         else:
             copy = None
         nbytes = 2 * (W - 1) * data.numel() * data.element_size() // W
@@ -422,7 +442,7 @@ class EmulatedGroup:
         if op not in ("sum", "avg"):
             raise ValueError(f"op must be 'sum' or 'avg', got {op!r}")
         W, data = self._size, tensor.detach()
-        copy = (lambda: data.mul_(W)) if op == "sum" and W > 1 and data.numel() else None  # noqa: E731
+        copy = (lambda: data.mul_(W)) if op == "sum" and W > 1 and data.numel() else None
         return self._submit(data.numel() * data.element_size(), copy, (data,), "all_reduce")
 
     def exchange(self, send_WN: torch.Tensor):
@@ -450,9 +470,11 @@ class EmulatedGroup:
         return vec_N.to(torch.int64).cpu().unsqueeze(0).expand(self._size, -1).clone()
 
     def __repr__(self) -> str:
-        return (f"EmulatedGroup(world_size={self._size}, bandwidth_gbps={self.bandwidth_gbps}, "
-                f"latency_us={self.latency_us}, device={self.device}, counts_channel={self.counts_channel!r}, "
-                f"handshake_us={self.handshake_us})")
+        return (
+            f"EmulatedGroup(world_size={self._size}, bandwidth_gbps={self.bandwidth_gbps}, "
+            f"latency_us={self.latency_us}, device={self.device}, counts_channel={self.counts_channel!r}, "
+            f"handshake_us={self.handshake_us})"
+        )
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ streams of default priority (unless its ``is_high_priority_stream`` option is se
 link stream would start each transfer on the next free SM slot, ahead of the compute stream's queued
 blocks, where NCCL's kernel waits its turn: the emulated benchmark would flatter the overlap.
 """
+
 from __future__ import annotations
 
 import torch

@@ -18,7 +18,8 @@ What it models, per all-to-all:
   ``W * max(splits)`` rows. The hot rank is one device: it runs the chunks' expert work one after
   another, each starting when its outbound transfer has ended and the previous one is done, for
   ``W * max(splits) * expert_ms_per_row`` (times ``backward_factor`` inside a backward pass: 1 by
-  default, the experts' dX, after which the runtime issues the gradient's return; dW comes later). The outbound transfer is the previous unanswered one with the same splits in the same pass
+  default, the experts' dX, after which the runtime issues the gradient's return; dW comes later). The outbound
+  transfer is the previous unanswered one with the same splits in the same pass
   (forward or backward); the pairing is FIFO. On a free link (infinite bandwidth, no latency: the
   benchmarks' compute-only timing) nothing is held back.
 
@@ -46,6 +47,7 @@ Attributes (besides :class:`EmulatedGroup`'s): ``straggler_ms``, the time transf
 for the hot rank's experts since :meth:`reset`; ``skew_ms``, the link time added by the busiest
 port over the balanced hold.
 """
+
 from __future__ import annotations
 
 import collections
@@ -121,9 +123,19 @@ class SkewedGroup(EmulatedGroup):
             (the mitigation: a transfer held back for the hot rank lets later ready ones use the gap).
     """
 
-    def __init__(self, world_size: int, bandwidth_gbps: float = math.inf, latency_us: float = 0.0, device="cpu",
-                 *, counts_channel: str = "shared", expert_ms_per_row: float = 0.0, backward_factor: float = 1.0,
-                 order: str = "fifo", handshake_us: float = 0.0):
+    def __init__(
+        self,
+        world_size: int,
+        bandwidth_gbps: float = math.inf,
+        latency_us: float = 0.0,
+        device="cpu",
+        *,
+        counts_channel: str = "shared",
+        expert_ms_per_row: float = 0.0,
+        backward_factor: float = 1.0,
+        order: str = "fifo",
+        handshake_us: float = 0.0,
+    ):
         if torch.device(device).type != "cpu":
             raise ValueError(f"device must be 'cpu' (SkewedGroup models a CPU link), got {device!r}")
         for name, v in (("expert_ms_per_row", expert_ms_per_row), ("backward_factor", backward_factor)):
@@ -150,8 +162,9 @@ class SkewedGroup(EmulatedGroup):
         self._outbound.clear()
         self._hot_free = 0.0
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
-                   output_splits: Sequence[int], input_splits: Sequence[int]):
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int]
+    ):
         """Move the rows as :class:`EmulatedGroup` does; hold the link for the busiest port, and start
         a returning transfer only when the hot rank's experts are done (module docstring)."""
         if list(output_splits) != list(input_splits):
@@ -187,6 +200,8 @@ class SkewedGroup(EmulatedGroup):
         return work
 
     def __repr__(self) -> str:
-        return (f"SkewedGroup(world_size={self._size}, bandwidth_gbps={self.bandwidth_gbps}, latency_us={self.latency_us}, "
-                f"counts_channel={self.counts_channel!r}, expert_ms_per_row={self.expert_ms_per_row}, "
-                f"backward_factor={self.backward_factor}, order={self.order!r})")
+        return (
+            f"SkewedGroup(world_size={self._size}, bandwidth_gbps={self.bandwidth_gbps}, latency_us={self.latency_us}, "
+            f"counts_channel={self.counts_channel!r}, expert_ms_per_row={self.expert_ms_per_row}, "
+            f"backward_factor={self.backward_factor}, order={self.order!r})"
+        )

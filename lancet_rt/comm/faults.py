@@ -40,6 +40,7 @@ each ends fast, on every rank, with an error that names the rank at fault (READM
 How a wait is bounded on gloo and on NCCL: :mod:`lancet_rt.comm.monitor`. On NCCL no host sync and
 no collective is added per chunk.
 """
+
 from __future__ import annotations
 
 import functools
@@ -50,8 +51,10 @@ import torch
 
 from lancet_rt.schedule import scope as _scope
 
-ADVICE = ("This expert-parallel group is out of step and cannot be used again: end the process "
-          "(torchrun restarts the job), or destroy the process group and build the model on a new one")
+ADVICE = (
+    "This expert-parallel group is out of step and cannot be used again: end the process "
+    "(torchrun restarts the job), or destroy the process group and build the model on a new one"
+)
 
 
 class GroupError(RuntimeError):
@@ -98,14 +101,17 @@ def check_schedule(overlapped) -> None:
         diff = []
         for j, name in enumerate(("chunks", "defer_wgrad", "check")):
             if len({row[j] for row in rows}) > 1:
-                shown = [("'auto'" if v == 0 else str(v)) if name == "chunks" else str(bool(v))
-                         for v in (row[j] for row in rows)]
+                shown = [
+                    ("'auto'" if v == 0 else str(v)) if name == "chunks" else str(bool(v))
+                    for v in (row[j] for row in rows)
+                ]
                 who = getattr(getattr(group, "monitor", None), "name", lambda q: f"rank {q}")  # global ranks
                 diff.append(f"{name}: " + ", ".join(f"{who(r)}={v}" for r, v in enumerate(shown)))
         if diff:
             raise ValueError(
                 f"Overlapped schedule differs across expert-parallel ranks ({'; '.join(diff)}); every rank "
-                f"must use the same chunks, defer_wgrad and check, or the ranks issue different collectives")
+                f"must use the same chunks, defer_wgrad and check, or the ranks issue different collectives"
+            )
     overlapped._agreed_schedule = mine
 
 
@@ -136,7 +142,8 @@ def check_output_rows(outputs: list, rows: list) -> None:
                 raise ValueError(
                     f"Overlapped: output {j} of chunk {c} has {leaf.shape[0]} rows along dim 0 for the chunk's "
                     f"{n} input rows{'' if ratio is None else f' (other chunks: {ratio:g} per row)'}; the model "
-                    f"must keep dim 0 (row i of the output from row i of the inputs)")
+                    f"must keep dim 0 (row i of the output from row i of the inputs)"
+                )
 
 
 def status_code(error: Optional[BaseException]) -> int:
@@ -160,12 +167,17 @@ def raise_on_bad_status(status_W, local_error: Optional[BaseException], group=No
     if local_error is not None:
         error = local_error
     elif all(codes[r] == 1 for r in bad):
-        error = ValueError(f"MoE input rejected on expert-parallel {who} (see the error raised there); "
-                           f"every rank stops instead of waiting in the all-to-all")
+        error = ValueError(
+            f"MoE input rejected on expert-parallel {who} (see the error raised there); "
+            f"every rank stops instead of waiting in the all-to-all"
+        )
     else:
-        error = PeerError(f"expert-parallel {who} failed in this step before its collectives started "
-                          f"(see the error raised there); every rank stops, and the group stays usable", bad,
-                          global_ranks=monitor.to_global(bad) if monitor is not None else None)
+        error = PeerError(
+            f"expert-parallel {who} failed in this step before its collectives started "
+            f"(see the error raised there); every rank stops, and the group stays usable",
+            bad,
+            global_ranks=monitor.to_global(bad) if monitor is not None else None,
+        )
     raise agreed(error)
 
 
@@ -195,8 +207,8 @@ class _State:
 
     def __init__(self):
         self.backward_open = False
-        self.links = 0   # forward all-to-alls with grad since the last backward ended
-        self.duals = 0   # backward all-to-alls issued since the backward opened
+        self.links = 0  # forward all-to-alls with grad since the last backward ended
+        self.duals = 0  # backward all-to-alls issued since the backward opened
 
     def close(self):
         self.backward_open = False
@@ -255,9 +267,15 @@ class StepGuard:
             _cancel_link(g)
             monitor = getattr(g, "monitor", None)
             if monitor is not None and g.size > 1 and not complete and monitor.broken is None:
-                raise monitor.break_(monitor.error(GroupError,
-                    f"expert-parallel {monitor.name(g.rank)}: the last backward raised after issuing {duals} of its "
-                    f"{links} backward all-to-alls, so its peers are still waiting in the others. {ADVICE}", [g.rank]))
+                raise monitor.break_(
+                    monitor.error(
+                        GroupError,
+                        f"expert-parallel {monitor.name(g.rank)}: the last backward raised after issuing "
+                        f"{duals} of its "
+                        f"{links} backward all-to-alls, so its peers are still waiting in the others. {ADVICE}",
+                        [g.rank],
+                    )
+                )
         self.marks = {g: g.monitor.exchanges for g in self.groups if getattr(g, "monitor", None) is not None}
         return self
 
@@ -277,22 +295,29 @@ class StepGuard:
                 exc._lancet_status = 2
                 layer = next(m for m in self.overlapped.moe_layers() if m.group is g)
                 layer.fail_peers(exc)  # raises on every rank
-            monitor.break_(monitor.error(GroupError, f"expert-parallel {monitor.name(g.rank)} raised "
-                                         f"{type(exc).__name__}: {exc}", [g.rank]))
+            monitor.break_(
+                monitor.error(
+                    GroupError, f"expert-parallel {monitor.name(g.rank)} raised {type(exc).__name__}: {exc}", [g.rank]
+                )
+            )
             if hasattr(exc, "add_note"):
-                exc.add_note(f"lancet-rt: this happened after the step's collectives had started, so the peers were "
-                             f"told and the expert-parallel group is unusable now. {ADVICE}.")
+                exc.add_note(
+                    f"lancet-rt: this happened after the step's collectives had started, so the peers were "
+                    f"told and the expert-parallel group is unusable now. {ADVICE}."
+                )
         return False
 
 
 def guarded_step(forward):
     """Decorates :meth:`lancet_rt.Overlapped.forward`: :func:`check_schedule`, then the step under a
     :class:`StepGuard`."""
+
     @functools.wraps(forward)
     def step(overlapped, *args, **kwargs):
         check_schedule(overlapped)
         with StepGuard(overlapped):
             return forward(overlapped, *args, **kwargs)
+
     return step
 
 

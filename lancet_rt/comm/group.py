@@ -5,6 +5,7 @@ Collectives here are asynchronous: they return a handle, and the consumer waits 
 producer. The backward of an all-to-all gives the weight-gradient queue (``wgrad``) the time the
 collective is in flight.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,11 +16,11 @@ import torch
 import torch.distributed as dist
 
 from lancet_rt import env
-from lancet_rt.comm import faults
-from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
-from lancet_rt.schedule import wgrad
+from lancet_rt.comm import faults
 from lancet_rt.comm.monitor import GroupMonitor
+from lancet_rt.schedule import scope as _scope
+from lancet_rt.schedule import wgrad
 
 
 @runtime_checkable
@@ -48,8 +49,9 @@ class ExpertParallelGroup(Protocol):
     @property
     def rank(self) -> int: ...
 
-    def all_to_all(self, output: torch.Tensor, input: torch.Tensor,
-                   output_splits: Sequence[int], input_splits: Sequence[int]) -> Work:
+    def all_to_all(
+        self, output: torch.Tensor, input: torch.Tensor, output_splits: Sequence[int], input_splits: Sequence[int]
+    ) -> Work:
         """Start an all-to-all of rows; ``output`` is valid after ``wait()``."""
 
     def exchange(self, send_WN: torch.Tensor) -> "Exchange":
@@ -108,9 +110,16 @@ class TorchGroup:
             first exchange).
     """
 
-    def __init__(self, group: dist.ProcessGroup, *, bandwidth_gbps: Optional[float] = None,
-                 latency_us: float = 0.0, timeout_s: Optional[float] = None,
-                 counts_group: Optional[dist.ProcessGroup] = None, _channels=None):
+    def __init__(
+        self,
+        group: dist.ProcessGroup,
+        *,
+        bandwidth_gbps: Optional[float] = None,
+        latency_us: float = 0.0,
+        timeout_s: Optional[float] = None,
+        counts_group: Optional[dist.ProcessGroup] = None,
+        _channels=None,
+    ):
         self.group = group
         self._size = dist.get_world_size(group)
         self._rank = dist.get_rank(group)
@@ -124,10 +133,16 @@ class TorchGroup:
         self.latency_us = 0.0
         if bandwidth_gbps is not None:
             self.set_link(bandwidth_gbps, latency_us)
-        self.monitor = GroupMonitor(group, self._rank, self._size, self.backend,
-                                    env.timeout_s() if timeout_s is None else timeout_s,
-                                    counts_group=self.counts_group, header_device=self._small_device(),
-                                    channels=_channels)
+        self.monitor = GroupMonitor(
+            group,
+            self._rank,
+            self._size,
+            self.backend,
+            env.timeout_s() if timeout_s is None else timeout_s,
+            counts_group=self.counts_group,
+            header_device=self._small_device(),
+            channels=_channels,
+        )
 
     @classmethod
     def split(cls, group: dist.ProcessGroup, **kwargs) -> "TorchGroup":
@@ -145,8 +160,10 @@ class TorchGroup:
         if "counts_group" in kwargs:
             raise ValueError("counts_group: a split group makes its own (its control group)")
         if "gloo" not in str(dist.get_backend(group)).lower():
-            raise ValueError(f"group must be a gloo process group to split (NCCL's all-to-all is full duplex), got "
-                             f"{dist.get_backend(group)}")
+            raise ValueError(
+                f"group must be a gloo process group to split (NCCL's all-to-all is full duplex), got "
+                f"{dist.get_backend(group)}"
+            )
         if group in _torch_groups:
             raise ValueError("group already has a TorchGroup (as_group made one): split it before any layer uses it")
         from lancet_rt.comm.channels import make_channels
@@ -158,7 +175,7 @@ class TorchGroup:
 
     @property
     def counts_channel(self) -> str:
-        """"own" with a counts group of its own, else "shared" (as :class:`lancet_rt.EmulatedGroup`'s)."""
+        """ "own" with a counts group of its own, else "shared" (as :class:`lancet_rt.EmulatedGroup`'s)."""
         return "shared" if self.counts_group is self.group else "own"
 
     @property
@@ -203,25 +220,35 @@ class TorchGroup:
         if self.channels is not None:  # each direction on its own lane
             from lancet_rt.comm.channels import lane_all_to_all
 
-            return self.monitor.issue("all-to-all", lambda: lane_all_to_all(
-                self.channels, self._rank, output, input, output_splits, input_splits), header)
-        return self.monitor.issue("all-to-all", lambda: dist.all_to_all_single(
-            output, input, list(output_splits), list(input_splits), group=self.group, async_op=True), header)
+            return self.monitor.issue(
+                "all-to-all",
+                lambda: lane_all_to_all(self.channels, self._rank, output, input, output_splits, input_splits),
+                header,
+            )
+        return self.monitor.issue(
+            "all-to-all",
+            lambda: dist.all_to_all_single(
+                output, input, list(output_splits), list(input_splits), group=self.group, async_op=True
+            ),
+            header,
+        )
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum", what: str = "all-reduce") -> Work:
         """Start a sum all-reduce of ``tensor`` in place (async); ``tensor`` is valid after ``wait()``."""
         if op != "sum":
             raise ValueError(f"op must be 'sum', got {op!r}")
         header = (tensor.dtype, [tensor.numel()] * self._size, [tensor.numel()] * self._size)
-        return self.monitor.issue(what, lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM,
-                                                                group=self._bulk, async_op=True), header)
+        return self.monitor.issue(
+            what, lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._bulk, async_op=True), header
+        )
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str = "broadcast") -> Work:
         """Start a broadcast of ``tensor`` in place from group rank ``src`` (async; valid after ``wait()``)."""
         header = (tensor.dtype, [tensor.numel()] * self._size, [tensor.numel()] * self._size)
         root = dist.get_global_rank(self.group, src)
-        return self.monitor.issue(what, lambda: dist.broadcast(tensor, src=root, group=self._bulk, async_op=True),
-                                  header)
+        return self.monitor.issue(
+            what, lambda: dist.broadcast(tensor, src=root, group=self._bulk, async_op=True), header
+        )
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: str = "sum", what: str = "reduce") -> Work:
         """Start a sum of ``tensor`` over the ranks into group rank ``dst``'s ``tensor`` (async; the others'
@@ -230,15 +257,19 @@ class TorchGroup:
             raise ValueError(f"op must be 'sum', got {op!r}")
         header = (tensor.dtype, [tensor.numel()] * self._size, [tensor.numel()] * self._size)
         root = dist.get_global_rank(self.group, dst)
-        return self.monitor.issue(what, lambda: dist.reduce(tensor, dst=root, op=dist.ReduceOp.SUM, group=self._bulk,
-                                                            async_op=True), header)
+        return self.monitor.issue(
+            what, lambda: dist.reduce(tensor, dst=root, op=dist.ReduceOp.SUM, group=self._bulk, async_op=True), header
+        )
 
     def exchange(self, send_WN: torch.Tensor) -> "Exchange":
         send = send_WN.to(self._small_device(), torch.int64).contiguous()
         recv = torch.empty_like(send)
         n = send.numel() // max(self._size, 1)
-        work = self.monitor.issue("counts exchange", lambda: dist.all_to_all_single(
-            recv, send, group=self.counts_group, async_op=True), (send.dtype, [n] * self._size, [n] * self._size))
+        work = self.monitor.issue(
+            "counts exchange",
+            lambda: dist.all_to_all_single(recv, send, group=self.counts_group, async_op=True),
+            (send.dtype, [n] * self._size, [n] * self._size),
+        )
         if not recv.is_cuda:
             return Exchange(recv, work, send)
         # NCCL: the counts (received and sent) come to pinned host memory on a side stream once the
@@ -269,7 +300,7 @@ class TorchGroup:
         data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
         sizes = self.all_gather(torch.tensor([data.numel()]), f"{what} (sizes)")[:, 0].tolist()
         buf = torch.zeros(max(sizes), dtype=torch.uint8, device=self._small_device())
-        buf[:data.numel()] = data.to(buf.device)
+        buf[: data.numel()] = data.to(buf.device)
         out = [torch.empty_like(buf) for _ in range(self._size)]
         header = (buf.dtype, [buf.numel()] * self._size, [buf.numel()] * self._size)
         self.monitor.issue(what, lambda: dist.all_gather(out, buf, group=self._bulk, async_op=True), header).wait()
@@ -282,13 +313,17 @@ def _counts_group(group: dist.ProcessGroup, counts_group: Optional[dist.ProcessG
     if counts_group is None:
         return group
     if not isinstance(counts_group, dist.ProcessGroup):
-        raise TypeError(f"counts_group must be None or a torch.distributed ProcessGroup, got {type(counts_group).__name__}")
+        raise TypeError(
+            f"counts_group must be None or a torch.distributed ProcessGroup, got {type(counts_group).__name__}"
+        )
     ranks, theirs = dist.get_process_group_ranks(group), dist.get_process_group_ranks(counts_group)
     if theirs != ranks:
         raise ValueError(f"counts_group must have the ranks of group, {ranks}, got {theirs}")
     if str(dist.get_backend(counts_group)) != str(dist.get_backend(group)):
-        raise ValueError(f"counts_group must have the backend of group, {dist.get_backend(group)}, got "
-                         f"{dist.get_backend(counts_group)}")
+        raise ValueError(
+            f"counts_group must have the backend of group, {dist.get_backend(group)}, got "
+            f"{dist.get_backend(counts_group)}"
+        )
     return counts_group
 
 
@@ -448,8 +483,9 @@ class Pending:
         return self._out
 
 
-def all_to_all(x: torch.Tensor, group: ExpertParallelGroup, output_splits: Sequence[int],
-               input_splits: Sequence[int]) -> Pending:
+def all_to_all(
+    x: torch.Tensor, group: ExpertParallelGroup, output_splits: Sequence[int], input_splits: Sequence[int]
+) -> Pending:
     """Start an autograd-aware all-to-all of the rows of ``x``; returns a :class:`Pending`."""
     link = BackwardLink(group, output_splits, input_splits)
     if torch.is_grad_enabled() and x.requires_grad:

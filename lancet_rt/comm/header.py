@@ -8,6 +8,7 @@ The counts exchange carries a tag of its own in the row it sends anyway (:data:`
 :mod:`lancet_rt.moe.dispatch.common`), checked on receipt without a header: :func:`code` and
 :func:`odd_ones` serve both.
 """
+
 from __future__ import annotations
 
 import struct
@@ -65,12 +66,16 @@ def _name(words: list) -> str:
 
 
 def mismatch(rows: list, W: int, name=lambda r: f"rank {r}") -> tuple[str, list]:
-    """("" or what differs, the ranks at fault) from the all-gathered headers [seq, kind, dtype, name, send[W], recv[W]];
+    """("" or what differs, the ranks at fault) from the all-gathered headers [seq, kind, dtype, name, send[W],
+    recv[W]];
     ``name(r)`` words group rank r in the message."""
+
     def show(r):
         seq, _, dtype = rows[r][:3]
-        return (f"{name(r)} issued #{seq} {_name(rows[r][3:_H])} ({_names.get(dtype, 'another dtype')}, sends "
-                f"{rows[r][_H:_H + W]} elements, expects {rows[r][_H + W:]})")
+        return (
+            f"{name(r)} issued #{seq} {_name(rows[r][3:_H])} ({_names.get(dtype, 'another dtype')}, sends "
+            f"{rows[r][_H : _H + W]} elements, expects {rows[r][_H + W :]})"
+        )
 
     at_fault = odd_ones([tuple(rows[r][:_H]) for r in range(W)])
     if at_fault:
@@ -78,8 +83,10 @@ def mismatch(rows: list, W: int, name=lambda r: f"rank {r}") -> tuple[str, list]
     pairs = [(r, q) for r in range(W) for q in range(W) if rows[r][_H + q] != rows[q][_H + W + r]]
     if pairs:
         ranks = sorted({r for pair in pairs for r in pair})
-        sizes = ", ".join(f"{name(r)} sends {rows[r][_H + q]} elements to {name(q)}, which expects {rows[q][_H + W + r]}"
-                          for r, q in pairs[:4])
+        sizes = ", ".join(
+            f"{name(r)} sends {rows[r][_H + q]} elements to {name(q)}, which expects {rows[q][_H + W + r]}"
+            for r, q in pairs[:4]
+        )
         return f"{sizes} ({'; '.join(show(r) for r in ranks)})", ranks
     return "", []
 

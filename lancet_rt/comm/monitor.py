@@ -15,6 +15,7 @@ a watchdog thread follows the collectives in flight and, on a failure record or 
 logs the diagnosis and aborts the communicator, which ends the stuck kernels and wakes a host
 blocked on the counts; the main thread then raises.
 """
+
 from __future__ import annotations
 
 import collections
@@ -31,11 +32,13 @@ import torch.distributed as dist
 
 from lancet_rt import env
 from lancet_rt.comm import processes as _processes
-from lancet_rt.comm.backend import abort as _abort, gloo_backend as _gloo_backend
-from lancet_rt.comm.backend import global_ranks as _global_ranks, group_store as _group_store
+from lancet_rt.comm.backend import abort as _abort
+from lancet_rt.comm.backend import global_ranks as _global_ranks
+from lancet_rt.comm.backend import gloo_backend as _gloo_backend
+from lancet_rt.comm.backend import group_store as _group_store
+from lancet_rt.comm.channels import Issuer, traced_transfer
 from lancet_rt.comm.faults import ADVICE, CollectiveMismatch, GroupError, PeerError, PeerTimeout
 from lancet_rt.comm.header import blocked_apart, header_row, mismatch
-from lancet_rt.comm.channels import Issuer, traced_transfer
 
 log = logging.getLogger("lancet_rt")
 
@@ -70,8 +73,18 @@ class GroupMonitor:
             that only :mod:`lancet_rt.parallel` uses, :func:`lancet_rt.parallel.mesh.monitor`).
     """
 
-    def __init__(self, group, rank: int, size: int, backend: str, timeout_s: float, counts_group=None,
-                 check_headers: Optional[bool] = None, header_device=None, channels=None):
+    def __init__(
+        self,
+        group,
+        rank: int,
+        size: int,
+        backend: str,
+        timeout_s: float,
+        counts_group=None,
+        check_headers: Optional[bool] = None,
+        header_device=None,
+        channels=None,
+    ):
         self.group, self.rank, self.size = group, rank, size
         self.channels = channels
         self.global_ranks = _global_ranks(group, size)  # group rank -> global rank, for messages
@@ -81,8 +94,8 @@ class GroupMonitor:
         self.header_device = torch.device("cpu") if header_device is None else header_device
         self.counts_group = group if counts_group is None else counts_group
         self.header_group = group if channels is None else channels.control
-        self.issued = 0       # collectives issued on this group, in order (the same on every rank)
-        self.exchanges = 0    # of which counts exchanges
+        self.issued = 0  # collectives issued on this group, in order (the same on every rank)
+        self.exchanges = 0  # of which counts exchanges
         self.broken: Optional[GroupError] = None
         self.set_timeout(timeout_s)
         self._store = _group_store(group)
@@ -98,8 +111,9 @@ class GroupMonitor:
         if channels is not None:
             # each channel's gloo backend keeps the group's timeout as its operation timeout (set_timeout)
             self._gloo = self._counts_gloo = None
-            self._issuer = Issuer(self._check_header, lambda fn, seq, what: self._launch(None, fn, seq, what),
-                                  lambda: self.broken)
+            self._issuer = Issuer(
+                self._check_header, lambda fn, seq, what: self._launch(None, fn, seq, what), lambda: self.broken
+            )
         self._thread: Optional[threading.Thread] = None
         self._events_seen = 0
         self._published_at, self._published_what = -1, ""
@@ -213,15 +227,21 @@ class GroupMonitor:
         mine = torch.tensor(header_row(seq, what, dtype, send, recv), dtype=torch.int64, device=self.header_device)
         rows = [torch.empty_like(mine) for _ in range(self.size)]
         # always on ``group`` (a counts exchange's header too): ranks issuing different kinds must still meet
-        work = self._launch(self._gloo, lambda: dist.all_gather(rows, mine, group=self.header_group, async_op=True),
-                            seq, what)
+        work = self._launch(
+            self._gloo, lambda: dist.all_gather(rows, mine, group=self.header_group, async_op=True), seq, what
+        )
         self.wait(work, seq, what)  # (the header is part of the collective: same number, same name)
         problem, ranks = mismatch(torch.stack(rows).cpu().tolist(), self.size, self.name)
         if problem:
-            raise self.break_(self.error(CollectiveMismatch,
-                f"collective #{seq} does not match across {self.label} ranks (seen on {self.name(self.rank)}): "
-                f"{problem}. The ranks ran different steps (a skipped backward, an extra forward or step, other "
-                f"shapes); nothing was sent. {self._advice()}", ranks))
+            raise self.break_(
+                self.error(
+                    CollectiveMismatch,
+                    f"collective #{seq} does not match across {self.label} ranks (seen on {self.name(self.rank)}): "
+                    f"{problem}. The ranks ran different steps (a skipped backward, an extra forward or step, other "
+                    f"shapes); nothing was sent. {self._advice()}",
+                    ranks,
+                )
+            )
 
     @contextlib.contextmanager
     def bounded(self, what: str):
@@ -230,8 +250,9 @@ class GroupMonitor:
         :class:`PeerError`/:class:`PeerTimeout` naming the lost ranks (NCCL: the process group's own
         timeout applies)."""
         if self.broken is not None:
-            raise self.error(GroupError, f"process group unusable since an earlier failure: {self.broken}",
-                             self.broken.ranks)
+            raise self.error(
+                GroupError, f"process group unusable since an earlier failure: {self.broken}", self.broken.ranks
+            )
         self.flush()  # (the collectives queued before these are on the backend first, on every rank)
         self.issued += 1
         seq = self.issued
@@ -265,14 +286,14 @@ class GroupMonitor:
                 work.wait(timeout=self._slice_td)
                 return
             except GroupError as exc:  # a split group's header check or launch failed (already broken)
-                raise self._raised(exc)
+                raise self._raised(exc) from exc
             except RuntimeError as exc:
                 if work.is_completed():  # finished after the slice ended, or failed
                     try:
                         work.wait()
                         return
                     except GroupError as failed:
-                        raise self._raised(failed)
+                        raise self._raised(failed) from failed
                     except RuntimeError as real:
                         raise self.break_(self._lost(seq, what, real)) from real
                 now = time.monotonic()
@@ -321,8 +342,10 @@ class GroupMonitor:
             if self._issuer is None or not self._issuer.on_thread():
                 self._told = True  # (the host raises it, or its own exception, now)
         if first:
-            self._store.put(f"fail/{self.rank}", json.dumps({"ranks": error.ranks, "msg": str(error)[:2000],
-                                                       "kind": type(error).__name__}))
+            self._store.put(
+                f"fail/{self.rank}",
+                json.dumps({"ranks": error.ranks, "msg": str(error)[:2000], "kind": type(error).__name__}),
+            )
             self._store.add("events", 1)
         return error
 
@@ -342,26 +365,41 @@ class GroupMonitor:
             return None
         at_fault = sorted({r for rec in records.values() for r in rec["ranks"]})
         origin = {q: rec for q, rec in records.items() if q in rec["ranks"]}  # not ranks that gave up on others
-        told = "; ".join(f"{self.name(q)}: {rec['msg'].splitlines()[0][:600]}"
-                         for q, rec in sorted((origin or records).items()))
+        told = "; ".join(
+            f"{self.name(q)}: {rec['msg'].splitlines()[0][:600]}" for q, rec in sorted((origin or records).items())
+        )
         if at_fault == [self.rank]:
-            return self.error(PeerError, f"{self.label} {self.name(self.rank)} was reported as not answering while "
-                              f"it waited in collective #{seq} ({what}) (by {told}){cause}. {self._advice()}", at_fault)
+            return self.error(
+                PeerError,
+                f"{self.label} {self.name(self.rank)} was reported as not answering while "
+                f"it waited in collective #{seq} ({what}) (by {told}){cause}. {self._advice()}",
+                at_fault,
+            )
         timeout = all(rec.get("kind") == "PeerTimeout" for rec in records.values())
-        return self.error(PeerTimeout if timeout else PeerError,
+        return self.error(
+            PeerTimeout if timeout else PeerError,
             f"{self.label} {self.names(at_fault)} failed or stopped answering in the middle of a step; "
             f"{self.name(self.rank)} was waiting in collective #{seq} ({what}) ({told}){cause}. {self._advice()}",
-            at_fault)
+            at_fault,
+        )
 
     def _blocked_apart(self, seq: int, what: str) -> Optional[GroupError]:
         """Header check off: a :class:`CollectiveMismatch` if a peer is blocked in collective ``seq`` of another
         kind (their ``at`` records: W - 1 store reads, in a wait that lasted :data:`LOOK_S`)."""
-        problem, ranks = blocked_apart(self.rank, seq, what, [self._store.get(f"at/{q}") for q in range(self.size)],
-                                       self.name)
-        return None if not problem else self.error(CollectiveMismatch,
-            f"collective #{seq} does not match across {self.label} ranks (seen on {self.name(self.rank)}, header "
-            f"check off): {problem}. The ranks ran different steps (a skipped backward, an extra forward or step), "
-            f"so each waits for a collective the other never issues. {self._advice()}", ranks)
+        problem, ranks = blocked_apart(
+            self.rank, seq, what, [self._store.get(f"at/{q}") for q in range(self.size)], self.name
+        )
+        return (
+            None
+            if not problem
+            else self.error(
+                CollectiveMismatch,
+                f"collective #{seq} does not match across {self.label} ranks (seen on {self.name(self.rank)}, header "
+                f"check off): {problem}. The ranks ran different steps (a skipped backward, an extra forward or step), "
+                f"so each waits for a collective the other never issues. {self._advice()}",
+                ranks,
+            )
+        )
 
     def _mismatch_only(self) -> bool:
         records = self._records()
@@ -384,9 +422,13 @@ class GroupMonitor:
             return known
         ranks, notes = self._roll_call(seq)
         who = f"{self.names(ranks)} stopped answering ({'; '.join(notes)})" if ranks else _unnamed(notes)
-        return self.error(PeerTimeout, f"{self.label} {self.name(self.rank)} waited {waited:.1f} s (timeout "
-                          f"{self.timeout_s:g} s, {env.TIMEOUT}) in collective #{seq} ({what}): {who}. "
-                          f"{self._advice()}", ranks)
+        return self.error(
+            PeerTimeout,
+            f"{self.label} {self.name(self.rank)} waited {waited:.1f} s (timeout "
+            f"{self.timeout_s:g} s, {env.TIMEOUT}) in collective #{seq} ({what}): {who}. "
+            f"{self._advice()}",
+            ranks,
+        )
 
     def _lost(self, seq: int, what: str, exc: BaseException) -> GroupError:
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -396,11 +438,19 @@ class GroupMonitor:
         ranks, notes = self._roll_call(seq)
         who = f"{self.names(ranks)} stopped answering ({'; '.join(notes)})" if ranks else _unnamed(notes)
         if any(w in cause.lower() for w in ("timed out", "timeout")):  # gloo's operation timeout (set to the group's)
-            return self.error(PeerTimeout, f"collective #{seq} ({what}) timed out on {self.label} "
-                              f"{self.name(self.rank)} (timeout {self.timeout_s:g} s, {env.TIMEOUT}): {who}. Backend "
-                              f"error: {cause}. {self._advice()}", ranks)
-        return self.error(PeerError, f"collective #{seq} ({what}) failed on {self.label} {self.name(self.rank)}: "
-                          f"{who}. Backend error: {cause}. {self._advice()}", ranks)
+            return self.error(
+                PeerTimeout,
+                f"collective #{seq} ({what}) timed out on {self.label} "
+                f"{self.name(self.rank)} (timeout {self.timeout_s:g} s, {env.TIMEOUT}): {who}. Backend "
+                f"error: {cause}. {self._advice()}",
+                ranks,
+            )
+        return self.error(
+            PeerError,
+            f"collective #{seq} ({what}) failed on {self.label} {self.name(self.rank)}: "
+            f"{who}. Backend error: {cause}. {self._advice()}",
+            ranks,
+        )
 
     def _roll_call(self, seq: int) -> tuple[list, list]:
         """Which peers have not reached collective ``seq``, and why (exited, alive, failed)."""
@@ -460,8 +510,12 @@ class GroupMonitor:
                 continue
             self._publish_at(seq, what=what)
             err = self._peer_failure(seq, what)
-            if err is None and not self.check_headers and age >= LOOK_S and (age < LOOK_S + POLL_S
-                                                                              or int(age) > int(age - POLL_S)):
+            if (
+                err is None
+                and not self.check_headers
+                and age >= LOOK_S
+                and (age < LOOK_S + POLL_S or int(age) > int(age - POLL_S))
+            ):
                 err = self._blocked_apart(seq, what)  # (after LOOK_S, then about once a second: W - 1 reads)
             if err is None and age >= self.timeout_s:
                 err = self._timed_out(seq, what, age)

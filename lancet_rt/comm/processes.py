@@ -1,6 +1,7 @@
 """Which process a rank is, and whether it still runs: what a lost peer's message says ("its process
 has exited", "its process is alive"), for ranks on this machine and PID namespace
 (:mod:`lancet_rt.comm.monitor` publishes each rank's identity in the process group's store)."""
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,7 @@ def identity() -> str:
 
 
 def state(identity: Optional[str]) -> Optional[str]:
-    """"exited" or "alive" for a process on this machine, None when that cannot be told."""
+    """ "exited" or "alive" for a process on this machine, None when that cannot be told."""
     if not identity:
         return None
     who = json.loads(identity)

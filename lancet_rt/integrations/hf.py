@@ -25,6 +25,7 @@ renormalisation), Qwen2-MoE (plus a sigmoid-gated shared expert), DeepSeek-V3 an
 scores, selection bias, group-limited top-k, routed scaling factor, shared experts), GPT-OSS
 (router bias, softmax over the chosen logits, expert biases and the clamped SwiGLU).
 """
+
 from __future__ import annotations
 
 from typing import Callable, Optional
@@ -35,12 +36,12 @@ from torch.utils import _pytree as pytree
 
 from lancet_rt.comm import group as comm
 from lancet_rt.integrations import hf_dense as _dense
-from lancet_rt.schedule import policy as _policy
-from lancet_rt.schedule import recompute as _recompute
-from lancet_rt.schedule import scope as _scope
 from lancet_rt.moe.experts import Experts
 from lancet_rt.moe.layer import MoE
 from lancet_rt.routing.router import router_logits
+from lancet_rt.schedule import policy as _policy
+from lancet_rt.schedule import recompute as _recompute
+from lancet_rt.schedule import scope as _scope
 from lancet_rt.schedule.overlap import Overlapped
 
 
@@ -98,10 +99,14 @@ def _lancet_router(router: nn.Module, router_dtype: str) -> nn.Module:
     cls = type(router)
     if cls not in _router_classes.values():
         if cls not in _router_classes:
-            _router_classes[cls] = type(f"Lancet{cls.__name__}", (cls,), {
-                "forward": _router_forward,
-                "__doc__": f"{cls.__name__} whose forward returns the float32 router logits [T, E] (lancet-rt).",
-            })
+            _router_classes[cls] = type(
+                f"Lancet{cls.__name__}",
+                (cls,),
+                {
+                    "forward": _router_forward,
+                    "__doc__": f"{cls.__name__} whose forward returns the float32 router logits [T, E] (lancet-rt).",
+                },
+            )
         router.__class__ = _router_classes[cls]
     router.lancet_router_dtype = router_dtype
     return router
@@ -121,7 +126,7 @@ def _local_experts(hf_experts: nn.Module, group, d_model: int, d_ffn: int, **lay
     for name, _ in experts.named_parameters():
         p = getattr(hf_experts, name)
         if W > 1:
-            p = nn.Parameter(p.detach()[r * L:(r + 1) * L].clone(), requires_grad=p.requires_grad)
+            p = nn.Parameter(p.detach()[r * L : (r + 1) * L].clone(), requires_grad=p.requires_grad)
         setattr(experts, name, p)
     return experts
 
@@ -129,36 +134,62 @@ def _local_experts(hf_experts: nn.Module, group, d_model: int, d_ffn: int, **lay
 def _check_silu(block: nn.Module, config) -> None:
     act = getattr(config, "hidden_act", "silu")
     if act not in ("silu", "swish"):
-        raise ValueError(f"{type(block).__name__}: lancet-rt's experts compute SwiGLU (silu); the model's "
-                         f"hidden_act is {act!r}")
+        raise ValueError(
+            f"{type(block).__name__}: lancet-rt's experts compute SwiGLU (silu); the model's hidden_act is {act!r}"
+        )
 
 
 # ------------------------------------------------------------------------------------------ blocks
 def _softmax_block(block, config, group, capacity_factor, **extra) -> HFMoE:
     """Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE: softmax over the logits, top-k, optional renormalisation."""
     if getattr(block, "jitter_noise", 0) and block.jitter_noise > 0:
-        raise ValueError(f"{type(block).__name__}: router_jitter_noise={block.jitter_noise} draws random "
-                         f"noise on the tokens in training, which lancet-rt does not reproduce; set it to 0")
+        raise ValueError(
+            f"{type(block).__name__}: router_jitter_noise={block.jitter_noise} draws random "
+            f"noise on the tokens in training, which lancet-rt does not reproduce; set it to 0"
+        )
     _check_silu(block, config)
     gate = block.gate
-    return _build(block, gate, group, capacity_factor, score_fn="softmax",
-                  normalize_topk=bool(getattr(gate, "norm_topk_prob", True)), **extra)
+    return _build(
+        block,
+        gate,
+        group,
+        capacity_factor,
+        score_fn="softmax",
+        normalize_topk=bool(getattr(gate, "norm_topk_prob", True)),
+        **extra,
+    )
 
 
 def _qwen2_block(block, config, group, capacity_factor) -> HFMoE:
-    return _softmax_block(block, config, group, capacity_factor, shared_experts=block.shared_expert,
-                          shared_expert_gate=block.shared_expert_gate,
-                          names=dict(router="gate", shared_experts="shared_expert"))
+    return _softmax_block(
+        block,
+        config,
+        group,
+        capacity_factor,
+        shared_experts=block.shared_expert,
+        shared_expert_gate=block.shared_expert_gate,
+        names=dict(router="gate", shared_experts="shared_expert"),
+    )
 
 
 def _deepseek_block(block, config, group, capacity_factor) -> HFMoE:
     """DeepSeek-V3, GLM-4.5: sigmoid scores, selection bias, group-limited top-k, scaling, shared experts."""
     _check_silu(block, config)
     gate = block.gate
-    return _build(block, gate, group, capacity_factor, score_fn="sigmoid",
-                  normalize_topk=bool(gate.norm_topk_prob), expert_bias=True, n_group=int(gate.num_group),
-                  topk_group=int(gate.topk_group), routed_scaling_factor=float(gate.routed_scaling_factor),
-                  shared_experts=block.shared_experts, names=dict(router="gate"))
+    return _build(
+        block,
+        gate,
+        group,
+        capacity_factor,
+        score_fn="sigmoid",
+        normalize_topk=bool(gate.norm_topk_prob),
+        expert_bias=True,
+        n_group=int(gate.num_group),
+        topk_group=int(gate.topk_group),
+        routed_scaling_factor=float(gate.routed_scaling_factor),
+        shared_experts=block.shared_experts,
+        names=dict(router="gate"),
+    )
 
 
 def _gpt_oss_block(block, config, group, capacity_factor) -> HFMoE:
@@ -166,10 +197,19 @@ def _gpt_oss_block(block, config, group, capacity_factor) -> HFMoE:
     contract's softmax with renormalisation: the same choice and weights), experts with biases and
     the clamped SwiGLU in transformers' own interleaved layout; the block returns a tuple."""
     hf = block.experts
-    experts = _local_experts(hf, group, hf.hidden_size, hf.intermediate_size, layout="gpt_oss",
-                             alpha=float(hf.alpha), limit=float(hf.limit))
-    moe = _build(block, block.router, group, capacity_factor, experts=experts, score_fn="softmax",
-                 normalize_topk=True, names=dict(router="router"))
+    experts = _local_experts(
+        hf, group, hf.hidden_size, hf.intermediate_size, layout="gpt_oss", alpha=float(hf.alpha), limit=float(hf.limit)
+    )
+    moe = _build(
+        block,
+        block.router,
+        group,
+        capacity_factor,
+        experts=experts,
+        score_fn="softmax",
+        normalize_topk=True,
+        names=dict(router="router"),
+    )
     moe.tuple_output = True
     return moe
 
@@ -179,8 +219,18 @@ def _build(block, gate, group, capacity_factor, *, names=None, experts=None, **k
         _, twoF, D = block.experts.gate_up_proj.shape
         experts = _local_experts(block.experts, group, D, twoF // 2)
     E = block.experts.gate_up_proj.shape[0]
-    moe = HFMoE(experts.d_model, experts.d_ffn, E, int(gate.top_k), capacity_factor=capacity_factor, ep_group=group,
-                router=_lancet_router(gate, "float32"), experts=experts, names=names or dict(router="gate"), **kwargs)
+    moe = HFMoE(
+        experts.d_model,
+        experts.d_ffn,
+        E,
+        int(gate.top_k),
+        capacity_factor=capacity_factor,
+        ep_group=group,
+        router=_lancet_router(gate, "float32"),
+        experts=experts,
+        names=names or dict(router="gate"),
+        **kwargs,
+    )
     moe.hf_block_class = type(block).__name__
     # The block's own child order, so that parameters() lists them as the model did (optimizer
     # state and checkpoints that go by position stay valid).
@@ -204,8 +254,11 @@ SUPPORTED: dict[str, Callable] = {
 def _is_moe_block(module: nn.Module) -> bool:
     """A block holding fused experts (transformers 5's MoE layout) that is not ours."""
     experts = getattr(module, "experts", None)
-    return (not isinstance(module, MoE) and isinstance(experts, nn.Module)
-            and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor))
+    return (
+        not isinstance(module, MoE)
+        and isinstance(experts, nn.Module)
+        and isinstance(getattr(experts, "gate_up_proj", None), torch.Tensor)
+    )
 
 
 # ------------------------------------------------------------------------------------------ runner
@@ -223,8 +276,9 @@ class _BaseModelRunner:
         self.base = base
         self.inner = type(base).forward
         self.__wrapped__ = self.inner.__get__(base)  # inspect.signature(base.forward): the model's own
-        self.overlapped = Overlapped(base, chunks=chunks, defer_wgrad=defer_wgrad) \
-            if chunks != 1 or defer_wgrad else None
+        self.overlapped = (
+            Overlapped(base, chunks=chunks, defer_wgrad=defer_wgrad) if chunks != 1 or defer_wgrad else None
+        )
         self.active = False
         self.head = head if self.overlapped is not None else None  # (unchunked, the model runs as written)
         self.head_wanted = False
@@ -288,8 +342,9 @@ def _stand_in(args: tuple, kwargs: dict) -> tuple:
     """The first row of the batch's inputs: what an empty chunk runs (its output is dropped)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
     rows = max((v.shape[0] for v in leaves if isinstance(v, torch.Tensor) and v.dim()), default=0)
-    return pytree.tree_unflatten([v[:1] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows
-                                  else v for v in leaves], spec)
+    return pytree.tree_unflatten(
+        [v[:1] if isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows else v for v in leaves], spec
+    )
 
 
 class _CausalLMForward:
@@ -304,9 +359,13 @@ class _CausalLMForward:
 
     def __call__(self, *args, **kwargs):
         keep = kwargs.get("logits_to_keep", 0)
-        mode, kwargs = _dense.loss_mode_for(self.model, self.model.get_output_embeddings(), args, kwargs,
-                                            self.runner.early_backward) \
-            if self.runner.fused_loss else (None, kwargs)
+        mode, kwargs = (
+            _dense.loss_mode_for(
+                self.model, self.model.get_output_embeddings(), args, kwargs, self.runner.early_backward
+            )
+            if self.runner.fused_loss
+            else (None, kwargs)
+        )
         self.runner.loss_mode = mode
         self.runner.head_wanted = mode is None and len(args) <= 1 and isinstance(keep, int) and keep == 0
         try:
@@ -342,8 +401,13 @@ def _same_view(t: torch.Tensor, whole: torch.Tensor) -> bool:
     """Whether ``t`` is ``whole`` or a view of all of it (same shape, strides and offset)."""
     if t is whole:
         return True
-    return (isinstance(t, torch.Tensor) and t._base is whole and t.shape == whole.shape
-            and t.stride() == whole.stride() and t.storage_offset() == whole.storage_offset())
+    return (
+        isinstance(t, torch.Tensor)
+        and t._base is whole
+        and t.shape == whole.shape
+        and t.stride() == whole.stride()
+        and t.storage_offset() == whole.storage_offset()
+    )
 
 
 class _ReplayingCheckpoint:
@@ -352,12 +416,16 @@ class _ReplayingCheckpoint:
     def __init__(self, fn):
         keywords = getattr(fn, "keywords", {}) or {}
         if keywords.get("use_reentrant", False):
-            raise ValueError("activation checkpointing around lancet MoE layers needs use_reentrant=False: "
-                             "model.activation_checkpointing_enable(activation_checkpointing_kwargs="
-                             "{'use_reentrant': False}) (the reentrant checkpoint cannot replay their routing)")
+            raise ValueError(
+                "activation checkpointing around lancet MoE layers needs use_reentrant=False: "
+                "model.activation_checkpointing_enable(activation_checkpointing_kwargs="
+                "{'use_reentrant': False}) (the reentrant checkpoint cannot replay their routing)"
+            )
         if "context_fn" in keywords:
-            raise ValueError("activation checkpointing around lancet MoE layers sets its own context_fn "
-                             "(lancet_rt.checkpoint_context); the model's checkpoint kwargs already have one")
+            raise ValueError(
+                "activation checkpointing around lancet MoE layers sets its own context_fn "
+                "(lancet_rt.checkpoint_context); the model's checkpoint kwargs already have one"
+            )
         self.fn = fn
 
     def __call__(self, function, *args, **kwargs):
@@ -372,9 +440,17 @@ def _replay_checkpoints(base: nn.Module) -> None:
 
 
 # ------------------------------------------------------------------------------------------ entry
-def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = False,
-            capacity_factor: Optional[float] = None, router_dtype: str = "float32",
-            fused_loss: bool = False, early_backward: bool = True) -> nn.Module:
+def from_hf(
+    model: nn.Module,
+    ep_group=None,
+    *,
+    chunks=1,
+    defer_wgrad: bool = False,
+    capacity_factor: Optional[float] = None,
+    router_dtype: str = "float32",
+    fused_loss: bool = False,
+    early_backward: bool = True,
+) -> nn.Module:
     """Make a transformers MoE model a lancet-rt model, in place.
 
     Args:
@@ -420,8 +496,9 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
     converted = _convert_blocks(model, group, capacity_factor)
     layers = [m for m in model.modules() if isinstance(m, HFMoE)]
     if not layers:
-        raise ValueError(f"from_hf: {type(model).__name__} holds no MoE block lancet-rt supports "
-                         f"({', '.join(SUPPORTED)})")
+        raise ValueError(
+            f"from_hf: {type(model).__name__} holds no MoE block lancet-rt supports ({', '.join(SUPPORTED)})"
+        )
     if not converted and (group is not None or capacity_factor is not None):
         raise ValueError("from_hf: the model is converted already; only chunks and defer_wgrad can change")
     for name, m in model.named_modules():
@@ -430,7 +507,12 @@ def from_hf(model: nn.Module, ep_group=None, *, chunks=1, defer_wgrad: bool = Fa
             m.router.lancet_router_dtype = router_dtype
     base = getattr(model, "base_model", model)
     old = base.__dict__.get("forward")
-    if isinstance(old, _BaseModelRunner) and old.overlapped is not None and old.overlapped.defer_wgrad and not defer_wgrad:
+    if (
+        isinstance(old, _BaseModelRunner)
+        and old.overlapped is not None
+        and old.overlapped.defer_wgrad
+        and not defer_wgrad
+    ):
         raise ValueError("from_hf: defer_wgrad cannot be turned off once on (the linears were made deferring)")
     head = model.get_output_embeddings() if base is not model and hasattr(model, "get_output_embeddings") else None
     head = head if isinstance(head, nn.Linear) else None
@@ -475,15 +557,18 @@ def _convert_blocks(model: nn.Module, group, capacity_factor) -> int:
                 setattr(parent, name, builder(child, config, group, capacity_factor))
                 converted += 1
             elif _is_moe_block(child):
-                raise ValueError(f"from_hf: the MoE block {type(child).__name__} is not supported; supported: "
-                                 f"{', '.join(SUPPORTED)}")
+                raise ValueError(
+                    f"from_hf: the MoE block {type(child).__name__} is not supported; supported: {', '.join(SUPPORTED)}"
+                )
     return converted
 
 
 def _save_pretrained_refused(*args, **kwargs):
-    raise ValueError("save_pretrained on an expert-parallel lancet model would write each rank's slice of "
-                     "the experts as the whole; call lancet_rt.save_hf(model, directory) on every rank instead "
-                     "(it writes the layout save_pretrained writes, loadable with from_pretrained)")
+    raise ValueError(
+        "save_pretrained on an expert-parallel lancet model would write each rank's slice of "
+        "the experts as the whole; call lancet_rt.save_hf(model, directory) on every rank instead "
+        "(it writes the layout save_pretrained writes, loadable with from_pretrained)"
+    )
 
 
 def moe_layers(model: nn.Module) -> list[HFMoE]:

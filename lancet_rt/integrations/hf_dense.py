@@ -15,6 +15,7 @@
   as transformers adds it. Anything else (evaluation, generation, ``logits_to_keep != 0``, no labels,
   ``return_dict=False``, explicit ``shift_labels``) runs transformers' own code.
 """
+
 from __future__ import annotations
 
 import ast
@@ -35,8 +36,12 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 def _is_rmsnorm(m: nn.Module) -> bool:
     w = getattr(m, "weight", None)
-    return (type(m).__name__.endswith("RMSNorm") and isinstance(w, nn.Parameter) and w.dim() == 1
-            and isinstance(getattr(m, "variance_epsilon", None), float))
+    return (
+        type(m).__name__.endswith("RMSNorm")
+        and isinstance(w, nn.Parameter)
+        and w.dim() == 1
+        and isinstance(getattr(m, "variance_epsilon", None), float)
+    )
 
 
 def _rmsnorm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -55,9 +60,14 @@ def fuse_rmsnorms(model: nn.Module) -> int:
             n += 1
         elif _is_rmsnorm(m):
             if cls not in _norm_classes:
-                _norm_classes[cls] = type(f"Lancet{cls.__name__}", (cls,), {
-                    "forward": _rmsnorm_forward,
-                    "__doc__": f"{cls.__name__} computing with lancet_rt.dense.add_rmsnorm (lancet-rt)."})
+                _norm_classes[cls] = type(
+                    f"Lancet{cls.__name__}",
+                    (cls,),
+                    {
+                        "forward": _rmsnorm_forward,
+                        "__doc__": f"{cls.__name__} computing with lancet_rt.dense.add_rmsnorm (lancet-rt).",
+                    },
+                )
             m.__class__ = _norm_classes[cls]
             n += 1
     return n
@@ -66,10 +76,17 @@ def fuse_rmsnorms(model: nn.Module) -> int:
 _layer_classes: dict = {}
 # The statements of the pre-norm decoder layer's forward (ast.unparse), the attention call and the MLP
 # checked apart: the attention takes every parameter of the forward by name, the MLP may return a tuple.
-_LAYER_BODY = ("residual = hidden_states", "hidden_states = self.input_layernorm(hidden_states)", None,
-               "hidden_states = residual + hidden_states", "residual = hidden_states",
-               "hidden_states = self.post_attention_layernorm(hidden_states)", None,
-               "hidden_states = residual + hidden_states", "return hidden_states")
+_LAYER_BODY = (
+    "residual = hidden_states",
+    "hidden_states = self.input_layernorm(hidden_states)",
+    None,
+    "hidden_states = residual + hidden_states",
+    "residual = hidden_states",
+    "hidden_states = self.post_attention_layernorm(hidden_states)",
+    None,
+    "hidden_states = residual + hidden_states",
+    "return hidden_states",
+)
 _MLP = {"hidden_states = self.mlp(hidden_states)": False, "hidden_states, _ = self.mlp(hidden_states)": True}
 
 
@@ -77,10 +94,17 @@ def _passes_every_parameter(stmt: ast.stmt, sig: inspect.Signature) -> bool:
     """Whether ``stmt`` is ``hidden_states, _ = self.self_attn(name=name, ..., **kwargs)`` over every
     parameter of the forward (so the fused forward may pass them all the same way)."""
     call = getattr(stmt, "value", None)
-    if not (isinstance(stmt, ast.Assign) and ast.unparse(stmt.targets[0]) == "(hidden_states, _)"
-            and isinstance(call, ast.Call) and ast.unparse(call.func) == "self.self_attn" and not call.args):
+    if not (
+        isinstance(stmt, ast.Assign)
+        and ast.unparse(stmt.targets[0]) == "(hidden_states, _)"
+        and isinstance(call, ast.Call)
+        and ast.unparse(call.func) == "self.self_attn"
+        and not call.args
+    ):
         return False
-    named = {k.arg for k in call.keywords if k.arg is not None and isinstance(k.value, ast.Name) and k.value.id == k.arg}
+    named = {
+        k.arg for k in call.keywords if k.arg is not None and isinstance(k.value, ast.Name) and k.value.id == k.arg
+    }
     var_kw = [p.name for p in sig.parameters.values() if p.kind is p.VAR_KEYWORD]
     star = [k.value.id for k in call.keywords if k.arg is None and isinstance(k.value, ast.Name)]
     params = {p.name for p in sig.parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD} - {"self"}
@@ -137,13 +161,20 @@ def fuse_residual_adds(model: nn.Module) -> int:
             if tuple_mlp is None:
                 _layer_classes[cls] = None
                 continue
-            params = [p for p in inspect.signature(cls.forward).parameters.values()
-                      if p.kind is p.POSITIONAL_OR_KEYWORD][2:]  # after self, hidden_states
-            _layer_classes[cls] = type(f"Lancet{cls.__name__}", (cls,), {
-                "forward": _layer_forward, "_lancet_tuple_mlp": tuple_mlp,
-                "_lancet_positional": tuple(p.name for p in params),
-                "_lancet_defaults": tuple((p.name, p.default) for p in params if p.default is not p.empty),
-                "__doc__": f"{cls.__name__} with its residual add fused into the post-attention norm (lancet-rt)."})
+            params = [
+                p for p in inspect.signature(cls.forward).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD
+            ][2:]  # after self, hidden_states
+            _layer_classes[cls] = type(
+                f"Lancet{cls.__name__}",
+                (cls,),
+                {
+                    "forward": _layer_forward,
+                    "_lancet_tuple_mlp": tuple_mlp,
+                    "_lancet_positional": tuple(p.name for p in params),
+                    "_lancet_defaults": tuple((p.name, p.default) for p in params if p.default is not p.empty),
+                    "__doc__": f"{cls.__name__} with its residual add fused into the post-attention norm (lancet-rt).",
+                },
+            )
         if _layer_classes[cls] is not None:
             m.__class__ = _layer_classes[cls]
             n += 1
@@ -155,8 +186,14 @@ class LossMode:
     gradient shared by the chunks) and the loss term of each chunk; ``early``: each chunk issues its
     last combine's backward all-to-all from the forward (:mod:`lancet_rt.schedule.early_backward`)."""
 
-    def __init__(self, labels_BS: torch.Tensor, divisor: torch.Tensor, weight: torch.Tensor, ignore_index: int,
-                 early: bool = False):
+    def __init__(
+        self,
+        labels_BS: torch.Tensor,
+        divisor: torch.Tensor,
+        weight: torch.Tensor,
+        ignore_index: int,
+        early: bool = False,
+    ):
         self.labels_BS = labels_BS
         self.loss = SharedHeadGrad(weight, divisor, ignore_index, rows=labels_BS.numel(), labels=labels_BS)
         self.parts: dict[int, torch.Tensor] = {}
@@ -170,8 +207,10 @@ def _backward_hooks_are_plain(model: nn.Module) -> bool:
     reduce). Other consumers of the last hidden state are found by the backward itself
     (:mod:`lancet_rt.schedule.early_backward`)."""
     fsdp = getattr(getattr(torch.distributed, "fsdp", None), "FSDPModule", None)
-    return not any(getattr(m, "gradient_checkpointing", False) is True or (fsdp is not None and isinstance(m, fsdp))
-                   for m in model.modules())
+    return not any(
+        getattr(m, "gradient_checkpointing", False) is True or (fsdp is not None and isinstance(m, fsdp))
+        for m in model.modules()
+    )
 
 
 def loss_mode_for(model: nn.Module, head: Optional[nn.Module], args: tuple, kwargs: dict, early: bool = False):
@@ -180,10 +219,18 @@ def loss_mode_for(model: nn.Module, head: Optional[nn.Module], args: tuple, kwar
     labels = kwargs.get("labels")
     keep = kwargs.get("logits_to_keep", 0)
     config = getattr(model, "config", None)
-    if (not model.training or not isinstance(labels, torch.Tensor) or labels.dim() != 2 or len(args) > 1
-            or not isinstance(head, nn.Linear) or head.bias is not None or not (isinstance(keep, int) and keep == 0)
-            or kwargs.get("return_dict") is False or kwargs.get("shift_labels") is not None
-            or getattr(config, "final_logit_softcapping", None) is not None):
+    if (
+        not model.training
+        or not isinstance(labels, torch.Tensor)
+        or labels.dim() != 2
+        or len(args) > 1
+        or not isinstance(head, nn.Linear)
+        or head.bias is not None
+        or not (isinstance(keep, int) and keep == 0)
+        or kwargs.get("return_dict") is False
+        or kwargs.get("shift_labels") is not None
+        or getattr(config, "final_logit_softcapping", None) is not None
+    ):
         return None, kwargs
     ignore = -100
     shifted = nn.functional.pad(labels, (0, 1), value=ignore)[..., 1:]
@@ -202,9 +249,12 @@ def chunk_loss(mode: LossMode, out) -> None:
     scope = _scope.current()
     c = scope.chunk if scope is not None else 0
     r0 = sum(scope.rows[:c]) if scope is not None else 0
-    labels = mode.labels_BS[r0:r0 + hidden.shape[0]] if hidden.shape[0] != mode.labels_BS.shape[0] or r0 else mode.labels_BS
-    early = (mode.early and scope is not None and torch.is_grad_enabled()
-             and not _scope.beside_active())
+    labels = (
+        mode.labels_BS[r0 : r0 + hidden.shape[0]]
+        if hidden.shape[0] != mode.labels_BS.shape[0] or r0
+        else mode.labels_BS
+    )
+    early = mode.early and scope is not None and torch.is_grad_enabled() and not _scope.beside_active()
     scale = _early.GradScale() if early else None
     mode.parts[c] = mode.loss.term(hidden, labels, scale)
     if early:

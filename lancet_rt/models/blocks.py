@@ -5,6 +5,7 @@ add (:func:`lancet_rt.dense.add_rmsnorm`, Triton on CUDA). The one definition of
 and the main job (bench.model) import it from here, so the autotuner tunes exactly the block the
 benchmark measures. It is an ordinary eager module: nothing in it knows about chunks.
 """
+
 from __future__ import annotations
 
 import torch
@@ -68,9 +69,15 @@ class MoEBlocks(nn.Module):
         if d_model % heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by heads ({heads})")
         self.blocks = nn.ModuleList(
-            Block(d_model, heads, lancet_rt.MoE(d_model, device=device, dtype=dtype, **moe_kwargs),
-                   device=device, dtype=dtype)
-            for _ in range(layers))
+            Block(
+                d_model,
+                heads,
+                lancet_rt.MoE(d_model, device=device, dtype=dtype, **moe_kwargs),
+                device=device,
+                dtype=dtype,
+            )
+            for _ in range(layers)
+        )
 
     def forward(self, x_BSD: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:

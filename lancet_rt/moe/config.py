@@ -1,5 +1,6 @@
 """The MoE layer's options: their validation (:class:`MoEConfig`) and the cross-rank configuration
 vector that every expert-parallel rank compares on first use (:data:`WIRE_FIELDS`)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -106,11 +107,15 @@ class MoEConfig:
         if not 0 <= n <= self.num_experts:
             raise ValueError(f"shadow_experts must be in [0, num_experts={self.num_experts}], got {n}")
         if n and self.dispatcher != "alltoall":
-            raise ValueError(f"shadow_experts must be 0 with dispatcher={self.dispatcher!r} (it shadows "
-                             f"experts of the all-to-all dispatch), got {n}")
+            raise ValueError(
+                f"shadow_experts must be 0 with dispatcher={self.dispatcher!r} (it shadows "
+                f"experts of the all-to-all dispatch), got {n}"
+            )
         if n and self.pipeline_chunks > 1:
-            raise ValueError(f"shadow_experts must be 0 with pipeline_chunks={self.pipeline_chunks} (the Tutel-style "
-                             f"pipelined dispatch does not shadow experts), got {n}")
+            raise ValueError(
+                f"shadow_experts must be 0 with pipeline_chunks={self.pipeline_chunks} (the Tutel-style "
+                f"pipelined dispatch does not shadow experts), got {n}"
+            )
 
     def _check_groups(self) -> None:
         """Group-limited top-k: n_group divides E, topk_group in [1, n_group], and K experts reachable."""
@@ -122,8 +127,10 @@ class MoEConfig:
         if isinstance(topk_group, bool) or not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
             raise ValueError(f"topk_group must be an int in [1, n_group={n_group}], got {topk_group!r}")
         if self.top_k > topk_group * (E // n_group):
-            raise ValueError(f"top_k ({self.top_k}) must be at most topk_group * num_experts / n_group "
-                             f"= {topk_group * (E // n_group)}")
+            raise ValueError(
+                f"top_k ({self.top_k}) must be at most topk_group * num_experts / n_group "
+                f"= {topk_group * (E // n_group)}"
+            )
 
     def check_world(self, world: int) -> None:
         """A ValueError unless the experts split evenly over ``world`` expert-parallel ranks."""
@@ -163,6 +170,7 @@ def _option(name: str) -> Callable[[nn.Module], int]:
             return _wire(_LIVE[name](m))
         # the layer's attribute where it has one (pipeline_chunks may change after construction)
         return _wire(getattr(m, name) if name in m.__dict__ else getattr(m.config, name))
+
     return value
 
 
@@ -199,8 +207,11 @@ def config_names() -> list[str]:
 
 def check_modules(shared_experts, shared_expert_gate, router, experts) -> None:
     """The prebuilt or added submodules' types (MoE's Args)."""
-    for name, value in (("shared_experts", shared_experts), ("shared_expert_gate", shared_expert_gate),
-                        ("router", router)):
+    for name, value in (
+        ("shared_experts", shared_experts),
+        ("shared_expert_gate", shared_expert_gate),
+        ("router", router),
+    ):
         if value is not None and not isinstance(value, nn.Module):
             raise TypeError(f"{name} must be None or an nn.Module, got {type(value).__name__}")
     if shared_expert_gate is not None and shared_experts is None:
@@ -232,17 +243,24 @@ def role_names(names: Optional[dict], roles: tuple, taken: set) -> dict:
     return {role: names.get(role, role) for role in roles}
 
 
-def check_prebuilt(router: nn.Module, experts: Experts, d_model: int, num_experts: int, local: int,
-                   expert_bias: bool) -> None:
+def check_prebuilt(
+    router: nn.Module, experts: Experts, d_model: int, num_experts: int, local: int, expert_bias: bool
+) -> None:
     """A ValueError unless the router and experts have the layer's shapes."""
     weight = getattr(router, "weight", None)
     if not isinstance(weight, torch.Tensor) or tuple(weight.shape) != (num_experts, d_model):
-        raise ValueError(f"router must have a weight of shape [num_experts={num_experts}, d_model={d_model}], "
-                         f"got {None if weight is None else tuple(weight.shape)}")
+        raise ValueError(
+            f"router must have a weight of shape [num_experts={num_experts}, d_model={d_model}], "
+            f"got {None if weight is None else tuple(weight.shape)}"
+        )
     bias = getattr(router, "e_score_correction_bias", None)
     if expert_bias and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (num_experts,)):
-        raise ValueError(f"expert_bias=True needs router.e_score_correction_bias of shape [{num_experts}], got "
-                         f"{None if bias is None else tuple(bias.shape)}")
+        raise ValueError(
+            f"expert_bias=True needs router.e_score_correction_bias of shape [{num_experts}], got "
+            f"{None if bias is None else tuple(bias.shape)}"
+        )
     if (experts.num_local_experts, experts.d_model) != (local, d_model):
-        raise ValueError(f"experts must hold num_experts / ep_size = {local} experts of d_model={d_model}, got "
-                         f"{experts.num_local_experts} of d_model={experts.d_model}")
+        raise ValueError(
+            f"experts must hold num_experts / ep_size = {local} experts of d_model={d_model}, got "
+            f"{experts.num_local_experts} of d_model={experts.d_model}"
+        )

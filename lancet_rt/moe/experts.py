@@ -18,6 +18,7 @@ all local experts' variable-size row segments; the weight and bias gradients (gr
 per-expert segment sums) are separate launches the overlap runtime may defer into the backward
 all-to-alls.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,12 +28,11 @@ from typing import NamedTuple, Optional
 import torch
 from torch import nn
 
-from lancet_rt.schedule import casts
-from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
-from lancet_rt.schedule import wgrad
 from lancet_rt.kernels.reference import ACTIVATIONS
 from lancet_rt.kernels.reference_experts import GateUp
+from lancet_rt.schedule import casts, wgrad
+from lancet_rt.schedule import scope as _scope
 
 #: Parameter layouts (module docstring).
 LAYOUTS = ("lancet", "gpt_oss")
@@ -92,8 +92,24 @@ class _ExpertsFn(torch.autograd.Function):
     """Rows in the received (rank-major) order in and out; expert-major inside for the GEMMs."""
 
     @staticmethod
-    def forward(ctx, x_in, gate_up, down, gate_up_bias, down_bias, weights, offsets_E1, bounds, ops, spec, to_expert,
-                to_rank, link, probe, params):
+    def forward(
+        ctx,
+        x_in,
+        gate_up,
+        down,
+        gate_up_bias,
+        down_bias,
+        weights,
+        offsets_E1,
+        bounds,
+        ops,
+        spec,
+        to_expert,
+        to_rank,
+        link,
+        probe,
+        params,
+    ):
         # gate_up .. down_bias: what autograd differentiates (the Parameters; None when deferring);
         # ``weights``: the same four in the rows' dtype, detached, for the GEMMs (under autocast one
         # copy per chunked forward, shared by the chunks: lancet_rt.schedule.casts).
@@ -110,8 +126,9 @@ class _ExpertsFn(torch.autograd.Function):
         h_RF, gu_R2F = ops.gate_up_swiglu(x_RD, w_E2FD, segments, b_gate_up, **spec.act(), **halves)
         y_RD = ops.grouped_mm(h_RF, w_EDF, segments, b_down)
         ctx.perms, ctx.link, ctx.spec = (to_expert, to_rank), link, spec
-        ctx.save_for_backward(x_RD, h_RF, w_gate_up, w_down, offsets_E1,
-                              *(gu_R2F if isinstance(gu_R2F, GateUp) else (gu_R2F,)))
+        ctx.save_for_backward(
+            x_RD, h_RF, w_gate_up, w_down, offsets_E1, *(gu_R2F if isinstance(gu_R2F, GateUp) else (gu_R2F,))
+        )
         ctx.has_bias = (b_gate_up is not None, b_down is not None)
         # The gradients' dtypes: the parameters' (float32 under autocast), as a differentiable cast gives.
         ctx.grad_dtypes = tuple(None if w is None else w.dtype for w in (gate_up, down, gate_up_bias, down_bias))
@@ -147,8 +164,11 @@ class _ExpertsFn(torch.autograd.Function):
             deferring = any(needs_all) and wgrad.accumulating(ctx.probe)
         # The reference path's temporaries in reused memory (_Scratch); a deferred dW holds dgu.
         R, F2 = gu_R2F.shape
-        scratch = (getattr(ops, "host_offsets", False) and dy_out.device.type == "cpu"
-                   and R * F2 * h_RF.element_size() >= _Scratch.MIN_BYTES)
+        scratch = (
+            getattr(ops, "host_offsets", False)
+            and dy_out.device.type == "cpu"
+            and R * F2 * h_RF.element_size() >= _Scratch.MIN_BYTES
+        )
         out = (lambda role, shape: dict(out=_scratch.take(role, shape, h_RF))) if scratch else (lambda *_: {})
         if to_expert is None:
             dy_RD = dy_out.contiguous()
@@ -164,8 +184,9 @@ class _ExpertsFn(torch.autograd.Function):
         if halves:
             dgu_out = dict(halves=True, **{k: GateUp(*v) for k, v in dgu_out.items()})
         if low:  # (the float32 copy of gu)
-            work = _scratch.take("gu32", (2, R, F2 // 2) if isinstance(gu_R2F, GateUp) else (R, F2), h_RF,
-                                 torch.float32)
+            work = _scratch.take(
+                "gu32", (2, R, F2 // 2) if isinstance(gu_R2F, GateUp) else (R, F2), h_RF, torch.float32
+            )
             dgu_out["work"] = GateUp(*work) if isinstance(gu_R2F, GateUp) else work
         dgu_R2F = ops.swiglu_bwd(gu_R2F, dh_RF, **spec.act(), **dgu_out)
         del dh_RF
@@ -173,8 +194,13 @@ class _ExpertsFn(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             # (else the rows came from tokens that need no gradient, e.g. a first layer's input: no
             # dX GEMM and no dual all-to-all, whose forward then recorded no backward to wait for it)
-            dx_RD = ops.grouped_mm_dx(dgu_R2F, w_E2FD, offsets_E1, **along("along_dx", w_E2FD),
-                                      **({} if to_rank is None else out("dx", (R, x_RD.shape[1]))))
+            dx_RD = ops.grouped_mm_dx(
+                dgu_R2F,
+                w_E2FD,
+                offsets_E1,
+                **along("along_dx", w_E2FD),
+                **({} if to_rank is None else out("dx", (R, x_RD.shape[1]))),
+            )
             dx_in = dx_RD if to_rank is None else dx_RD.index_select(0, to_rank)
             if ctx.link is not None:
                 ctx.link.issue(dx_in)  # the dispatch's backward all-to-all starts now
@@ -203,8 +229,14 @@ class _ExpertsFn(torch.autograd.Function):
                     return tuple(g for g, has in zip(grads, present) if has)
 
                 needs = tuple(n for n, has in zip(needs_all, present) if has)
-                ctx.wgrad.push(ctx.params, needs, weight_grads, flops,
-                               wgrad.held_bytes(x_RD, *GateUp.tensors(dgu_R2F), h_RF, dy_RD), x_RD.dtype)
+                ctx.wgrad.push(
+                    ctx.params,
+                    needs,
+                    weight_grads,
+                    flops,
+                    wgrad.held_bytes(x_RD, *GateUp.tensors(dgu_R2F), h_RF, dy_RD),
+                    x_RD.dtype,
+                )
             return (dx_in, None, None, None, None) + none
         needs = ctx.needs_input_grad[1:5]
         grads = tuple(None if g is None else g.to(dtype) for g, dtype in zip(param_grads(needs), ctx.grad_dtypes))
@@ -234,9 +266,21 @@ class Experts(nn.Module):
         down_proj_bias: [E_local, D], or None without bias.
     """
 
-    def __init__(self, num_local_experts: int, d_model: int, d_ffn: int, *, activation: Optional[str] = None,
-                 bias: Optional[bool] = None, alpha: float = 1.702, limit: float = 7.0, layout: str = "lancet",
-                 init_std: float = 0.02, device=None, dtype=None):
+    def __init__(
+        self,
+        num_local_experts: int,
+        d_model: int,
+        d_ffn: int,
+        *,
+        activation: Optional[str] = None,
+        bias: Optional[bool] = None,
+        alpha: float = 1.702,
+        limit: float = 7.0,
+        layout: str = "lancet",
+        init_std: float = 0.02,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         for name, value in (("num_local_experts", num_local_experts), ("d_model", d_model), ("d_ffn", d_ffn)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -268,15 +312,23 @@ class Experts(nn.Module):
         self.reset_parameters()
 
     @classmethod
-    def from_gpt_oss_config(cls, config, *, num_local_experts: Optional[int] = None, device=None,
-                            dtype=None) -> "Experts":
+    def from_gpt_oss_config(
+        cls, config, *, num_local_experts: Optional[int] = None, device=None, dtype=None
+    ) -> "Experts":
         """GPT-OSS's experts from a ``transformers`` ``GptOssConfig`` (read: ``hidden_size``,
         ``intermediate_size``, ``num_local_experts``, ``swiglu_alpha``, ``swiglu_limit``,
         ``initializer_range``); ``num_local_experts`` overrides the config's (expert parallelism)."""
-        return cls(config.num_local_experts if num_local_experts is None else num_local_experts,
-                   config.hidden_size, config.intermediate_size, layout="gpt_oss",
-                   alpha=config.swiglu_alpha, limit=config.swiglu_limit,
-                   init_std=getattr(config, "initializer_range", 0.02), device=device, dtype=dtype)
+        return cls(
+            config.num_local_experts if num_local_experts is None else num_local_experts,
+            config.hidden_size,
+            config.intermediate_size,
+            layout="gpt_oss",
+            alpha=config.swiglu_alpha,
+            limit=config.swiglu_limit,
+            init_std=getattr(config, "initializer_range", 0.02),
+            device=device,
+            dtype=dtype,
+        )
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.gate_up_proj, std=self.init_std)
@@ -287,11 +339,13 @@ class Experts(nn.Module):
 
     def _params(self) -> tuple:
         """The Parameters in the order the autograd Function returns their gradients."""
-        return tuple(p for p in (self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias)
-                     if p is not None)
+        return tuple(
+            p for p in (self.gate_up_proj, self.down_proj, self.gate_up_proj_bias, self.down_proj_bias) if p is not None
+        )
 
-    def forward(self, x_RD: torch.Tensor, offsets_E1: torch.Tensor, ops, *, to_expert=None, to_rank=None,
-                link=None, bounds=None) -> torch.Tensor:
+    def forward(
+        self, x_RD: torch.Tensor, offsets_E1: torch.Tensor, ops, *, to_expert=None, to_rank=None, link=None, bounds=None
+    ) -> torch.Tensor:
         """Apply expert e to rows offsets[e]:offsets[e+1] of ``x_RD`` [R, D]; returns y_RD.
 
         Args:
@@ -311,15 +365,33 @@ class Experts(nn.Module):
         weights = tuple(None if t is None else casts.compute_copy(t, x_RD.dtype) for t in tensors)
         q = wgrad.current()
         if q is not None and torch.is_grad_enabled():
-            return _ExpertsFn.apply(x_RD, None, None, None, None, weights, offsets_E1, bounds, ops, self._spec,
-                                    to_expert, to_rank, link, q.probe, self._params())
-        return _ExpertsFn.apply(x_RD, *tensors, weights, offsets_E1, bounds, ops, self._spec, to_expert, to_rank, link,
-                                None, None)
+            return _ExpertsFn.apply(
+                x_RD,
+                None,
+                None,
+                None,
+                None,
+                weights,
+                offsets_E1,
+                bounds,
+                ops,
+                self._spec,
+                to_expert,
+                to_rank,
+                link,
+                q.probe,
+                self._params(),
+            )
+        return _ExpertsFn.apply(
+            x_RD, *tensors, weights, offsets_E1, bounds, ops, self._spec, to_expert, to_rank, link, None, None
+        )
 
     def extra_repr(self) -> str:
         text = f"num_local_experts={self.num_local_experts}, d_model={self.d_model}, d_ffn={self.d_ffn}"
         if self.layout != "lancet" or self.activation != "swiglu" or self.gate_up_proj_bias is not None:
-            text += f", layout={self.layout!r}, activation={self.activation!r}, bias={self.gate_up_proj_bias is not None}"
+            text += (
+                f", layout={self.layout!r}, activation={self.activation!r}, bias={self.gate_up_proj_bias is not None}"
+            )
             if self.activation == "swiglu_oai":
                 text += f", alpha={self.alpha}, limit={self.limit}"
         return text

@@ -13,6 +13,7 @@ Between the two all-to-alls the layer yields to the overlap scheduler (:mod:`lan
 without one the yields are no-ops. The options are validated by :class:`lancet_rt.moe.config.MoEConfig`;
 the dispatch, experts and combine are scheduled by a dispatcher (:mod:`lancet_rt.moe.dispatch`).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -24,12 +25,11 @@ from lancet_rt import ops as _ops
 from lancet_rt import trace as _trace
 from lancet_rt.comm import faults
 from lancet_rt.comm import group as comm
-from lancet_rt.moe.config import (MoEConfig, check_modules, check_prebuilt, config_names, config_vector,
-                                  role_names)
+from lancet_rt.moe import library as _library
+from lancet_rt.moe.config import MoEConfig, check_modules, check_prebuilt, config_names, config_vector, role_names
 from lancet_rt.moe.dispatch import allreduce as _allreduce
 from lancet_rt.moe.dispatch import alltoall, pipelined, shadow
 from lancet_rt.moe.dispatch.common import Counts, Dispatched, Route, exchange_counts, number_layer
-from lancet_rt.moe import library as _library
 from lancet_rt.moe.experts import Experts
 from lancet_rt.routing.functions import BatchRouting, gate, permute, unpermute
 from lancet_rt.routing.router import Router
@@ -108,21 +108,56 @@ class MoE(nn.Module):
     #: first-forward warm-up here (the layer imports nothing of the scheduler).
     before_collectives = None
 
-    def __init__(self, d_model: int, d_ffn: int, num_experts: int, top_k: int, *,
-                 capacity_factor: Optional[float] = None, score_fn: str = "softmax",
-                 normalize_topk: bool = True, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
-                 ep_group=None, pipeline_chunks: int = 1, dispatcher: str = "alltoall", router_bias: bool = False,
-                 expert_bias: bool = False, n_group: int = 1, topk_group: Optional[int] = None,
-                 routed_scaling_factor: float = 1.0, shared_experts: Optional[nn.Module] = None,
-                 shared_expert_gate: Optional[nn.Module] = None, router: Optional[nn.Module] = None,
-                 experts: Optional[Experts] = None, names: Optional[dict] = None, shadow_experts: int = 0,
-                 device=None, dtype=None):
+    def __init__(
+        self,
+        d_model: int,
+        d_ffn: int,
+        num_experts: int,
+        top_k: int,
+        *,
+        capacity_factor: Optional[float] = None,
+        score_fn: str = "softmax",
+        normalize_topk: bool = True,
+        aux_loss_coef: float = 0.0,
+        z_loss_coef: float = 0.0,
+        ep_group=None,
+        pipeline_chunks: int = 1,
+        dispatcher: str = "alltoall",
+        router_bias: bool = False,
+        expert_bias: bool = False,
+        n_group: int = 1,
+        topk_group: Optional[int] = None,
+        routed_scaling_factor: float = 1.0,
+        shared_experts: Optional[nn.Module] = None,
+        shared_expert_gate: Optional[nn.Module] = None,
+        router: Optional[nn.Module] = None,
+        experts: Optional[Experts] = None,
+        names: Optional[dict] = None,
+        shadow_experts: int = 0,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
-        cfg = MoEConfig(d_model, d_ffn, num_experts, top_k, capacity_factor=capacity_factor, score_fn=score_fn,
-                        normalize_topk=normalize_topk, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
-                        pipeline_chunks=pipeline_chunks, dispatcher=dispatcher, expert_bias=expert_bias,
-                        n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor,
-                        dtype=dtype, router_bias=router_bias, shadow_experts=shadow_experts)
+        cfg = MoEConfig(
+            d_model,
+            d_ffn,
+            num_experts,
+            top_k,
+            capacity_factor=capacity_factor,
+            score_fn=score_fn,
+            normalize_topk=normalize_topk,
+            aux_loss_coef=aux_loss_coef,
+            z_loss_coef=z_loss_coef,
+            pipeline_chunks=pipeline_chunks,
+            dispatcher=dispatcher,
+            expert_bias=expert_bias,
+            n_group=n_group,
+            topk_group=topk_group,
+            routed_scaling_factor=routed_scaling_factor,
+            dtype=dtype,
+            router_bias=router_bias,
+            shadow_experts=shadow_experts,
+        )
         check_modules(shared_experts, shared_expert_gate, router, experts)
         names = role_names(names, self._ROLES, set(dir(type(self))) - set(self._ROLES))
         self.group = comm.as_group(ep_group)
@@ -151,8 +186,12 @@ class MoE(nn.Module):
         if experts is None:
             experts = Experts(self.num_local_experts, d_model, d_ffn, device=device, dtype=dtype)
         check_prebuilt(router, experts, d_model, num_experts, self.num_local_experts, expert_bias)
-        for role, module in (("router", router), ("experts", experts), ("shared_experts", shared_experts),
-                             ("shared_expert_gate", shared_expert_gate)):
+        for role, module in (
+            ("router", router),
+            ("experts", experts),
+            ("shared_experts", shared_experts),
+            ("shared_expert_gate", shared_expert_gate),
+        ):
             if module is not None:
                 # (not add_module: its "attribute exists" check would trip over the role properties)
                 self._modules[self._names[role]] = module
@@ -213,9 +252,12 @@ class MoE(nn.Module):
             extra += f", n_group={self.n_group}, topk_group={self.topk_group}"
         if self.routed_scaling_factor != 1.0:
             extra += f", routed_scaling_factor={self.routed_scaling_factor}"
-        return (f"d_model={self.d_model}, d_ffn={self.d_ffn}, num_experts={self.num_experts}, "
-                f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, score_fn={self.score_fn!r}, "
-                f"ep_size={self.ep_size}{extra}" + (f", dispatcher={self.dispatcher!r}" if self.dispatcher != "alltoall" else ""))
+        return (
+            f"d_model={self.d_model}, d_ffn={self.d_ffn}, num_experts={self.num_experts}, "
+            f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, score_fn={self.score_fn!r}, "
+            f"ep_size={self.ep_size}{extra}"
+            + (f", dispatcher={self.dispatcher!r}" if self.dispatcher != "alltoall" else "")
+        )
 
     # ---------------------------------------------------------------- validation
     def _input_error(self, x) -> Optional[Exception]:
@@ -228,15 +270,18 @@ class MoE(nn.Module):
             return ValueError(
                 f"{type(self).__name__} layer {self.trace_name!r}: a forward on the meta device computes nothing "
                 f"(x on {x.device}, parameters on {p.device}); materialise the model first, e.g. "
-                f"model.to_empty(device=...) and initialise its parameters, as after FSDP2's meta-device init")
+                f"model.to_empty(device=...) and initialise its parameters, as after FSDP2's meta-device init"
+            )
         if x.device != p.device:
             return ValueError(f"x must be on the parameters' device {p.device}, got {x.device}")
         allowed = {p.dtype}
         if torch.is_autocast_enabled(x.device.type):
             allowed.add(torch.get_autocast_dtype(x.device.type))
         if x.dtype not in allowed:
-            return TypeError(f"x must have the parameters' dtype {p.dtype} (or the autocast dtype under "
-                             f"torch.autocast), got {x.dtype}")
+            return TypeError(
+                f"x must have the parameters' dtype {p.dtype} (or the autocast dtype under "
+                f"torch.autocast), got {x.dtype}"
+            )
         if x.dim() == 0 or x.shape[-1] != self.d_model:
             return ValueError(f"x must have shape [..., d_model={self.d_model}], got {tuple(x.shape)}")
         return None
@@ -256,10 +301,12 @@ class MoE(nn.Module):
         for r in range(rows.shape[0]):  # compared before the status, so a rejected input cannot skip it
             diff = [n for n, a, b in zip(names, rows[r, 1:].tolist(), rows[self.ep_rank, 1:].tolist()) if a != b]
             if diff:
-                raise faults.agreed(ValueError(
-                    f"MoE configuration differs across expert-parallel ranks: {name(r)} and "
-                    f"{name(self.ep_rank)} differ in {', '.join(diff)}"
-                ))
+                raise faults.agreed(
+                    ValueError(
+                        f"MoE configuration differs across expert-parallel ranks: {name(r)} and "
+                        f"{name(self.ep_rank)} differ in {', '.join(diff)}"
+                    )
+                )
         self._config_checked = True
         faults.raise_on_bad_status(rows[:, 0], error, self.group)
 
@@ -275,8 +322,15 @@ class MoE(nn.Module):
         if self.routed_scaling_factor != 1.0:
             options["scaling"] = self.routed_scaling_factor
         weight_TK, _expert_TK, row_TK, kept_E = gate(
-            logits_TE, state, ops, score_fn=self.score_fn, normalize_topk=self.normalize_topk,
-            aux_coef=self.aux_loss_coef, z_coef=self.z_loss_coef, **options)
+            logits_TE,
+            state,
+            ops,
+            score_fn=self.score_fn,
+            normalize_topk=self.normalize_topk,
+            aux_coef=self.aux_loss_coef,
+            z_coef=self.z_loss_coef,
+            **options,
+        )
         return Route(weight_TK, row_TK, kept_E)
 
     def exchange_counts(self, kept_PE: torch.Tensor, error: Optional[Exception] = None) -> Counts:
@@ -304,8 +358,9 @@ class MoE(nn.Module):
             self.exchange_counts(z, error).wait()  # raises error
         raise error
 
-    def dispatch(self, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL: Optional[list],
-                 sent_WL: Optional[list]) -> Dispatched:
+    def dispatch(
+        self, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL: Optional[list], sent_WL: Optional[list]
+    ) -> Dispatched:
         """Send each kept row to its expert's rank (async; :func:`lancet_rt.moe.dispatch.alltoall.dispatch`).
 
         Args:
@@ -320,8 +375,15 @@ class MoE(nn.Module):
     def compute_experts(self, x_recv: torch.Tensor, d: Dispatched, ops, link=None) -> torch.Tensor:
         """Grouped SwiGLU experts over the received rows (rank-major in, rank-major out)."""
         with _trace.span("experts", cuda=x_recv.is_cuda, layer=self.trace_name, rows=x_recv.shape[0]):
-            return self.experts(x_recv, d.segment_offsets(ops, x_recv.device), ops, to_expert=d.to_expert_major,
-                                to_rank=d.to_rank_major, link=link, bounds=d.bounds_L1)
+            return self.experts(
+                x_recv,
+                d.segment_offsets(ops, x_recv.device),
+                ops,
+                to_expert=d.to_expert_major,
+                to_rank=d.to_rank_major,
+                link=link,
+                bounds=d.bounds_L1,
+            )
 
     def combine(self, y_recv: torch.Tensor, d: Dispatched) -> comm.Pending:
         """Send expert outputs back to the tokens' ranks (async)."""
@@ -419,8 +481,9 @@ class MoE(nn.Module):
             return state, True
         state = self._live_routing_state(T, device)
         if _recompute.recording():
-            _recompute.record(_recompute.Snapshot(state.total_tokens, state.routed_tokens, state.used_E.clone(),
-                                                  state.kept_E.clone()))
+            _recompute.record(
+                _recompute.Snapshot(state.total_tokens, state.routed_tokens, state.used_E.clone(), state.kept_E.clone())
+            )
         return state, False
 
     def _live_routing_state(self, T: int, device) -> BatchRouting:

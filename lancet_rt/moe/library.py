@@ -19,6 +19,7 @@ The data-dependent size, the S kept rows, stays inside the operators: their [S, 
 buffers of T*K rows (every assignment kept: exactly S when dropless), the rows past S zero. With a
 capacity factor the operators read S on the host (as eager MoE.forward reads it once per chunk).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -43,32 +44,78 @@ def _pad(t: Tensor, rows: int, value: float = 0) -> Tensor:
 
 # ------------------------------------------------------------------------------------- gating
 @torch.library.custom_op("lancet::moe_gate", mutates_args=())
-def _moe_gate(logits_TE: Tensor, expert_bias: Optional[Tensor], top_k: int, capacity_factor: Optional[float],
-              score_fn: str, normalize_topk: bool, n_group: int, topk_group: Optional[int], scaling: float,
-              aux_coef: float, z_coef: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _moe_gate(
+    logits_TE: Tensor,
+    expert_bias: Optional[Tensor],
+    top_k: int,
+    capacity_factor: Optional[float],
+    score_fn: str,
+    normalize_topk: bool,
+    n_group: int,
+    topk_group: Optional[int],
+    scaling: float,
+    aux_coef: float,
+    z_coef: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     T, E = logits_TE.shape
     state = BatchRouting(E, top_k, T, capacity_factor, logits_TE.device)
     ops = _ops.get_ops(logits_TE.device, logits_TE.dtype)
     weight_TK, expert_TK, row_TK, kept_E = gate(
-        logits_TE, state, ops, score_fn=score_fn, normalize_topk=normalize_topk, aux_coef=aux_coef,
-        z_coef=z_coef, expert_bias=expert_bias, n_group=n_group, topk_group=topk_group, scaling=scaling)
+        logits_TE,
+        state,
+        ops,
+        score_fn=score_fn,
+        normalize_topk=normalize_topk,
+        aux_coef=aux_coef,
+        z_coef=z_coef,
+        expert_bias=expert_bias,
+        n_group=n_group,
+        topk_group=topk_group,
+        scaling=scaling,
+    )
     # (the layer's kept_E is int32; the operator keeps its int64 signature)
     return weight_TK, expert_TK, row_TK, kept_E.long(), state.used_E, state.score_sum_E, state.zsq_sum
 
 
 @_moe_gate.register_fake
-def _(logits_TE, expert_bias, top_k, capacity_factor, score_fn, normalize_topk, n_group, topk_group, scaling,
-      aux_coef, z_coef):
+def _(
+    logits_TE,
+    expert_bias,
+    top_k,
+    capacity_factor,
+    score_fn,
+    normalize_topk,
+    n_group,
+    topk_group,
+    scaling,
+    aux_coef,
+    z_coef,
+):
     T, E = logits_TE.shape
     i32 = dict(dtype=torch.int32)
-    return (logits_TE.new_empty(T, top_k), logits_TE.new_empty(T, top_k, **i32), logits_TE.new_empty(T, top_k, **i32),
-            logits_TE.new_empty(E, dtype=torch.int64), logits_TE.new_empty(E, **i32), logits_TE.new_empty(E),
-            logits_TE.new_empty(()))
+    return (
+        logits_TE.new_empty(T, top_k),
+        logits_TE.new_empty(T, top_k, **i32),
+        logits_TE.new_empty(T, top_k, **i32),
+        logits_TE.new_empty(E, dtype=torch.int64),
+        logits_TE.new_empty(E, **i32),
+        logits_TE.new_empty(E),
+        logits_TE.new_empty(()),
+    )
 
 
 @torch.library.custom_op("lancet::moe_gate_bwd", mutates_args=())
-def _moe_gate_bwd(logits_TE: Tensor, expert_TK: Tensor, grad_weight_TK: Optional[Tensor], used_E: Tensor,
-                  aux_coef: float, z_coef: float, score_fn: str, normalize_topk: bool, scaling: float) -> Tensor:
+def _moe_gate_bwd(
+    logits_TE: Tensor,
+    expert_TK: Tensor,
+    grad_weight_TK: Optional[Tensor],
+    used_E: Tensor,
+    aux_coef: float,
+    z_coef: float,
+    score_fn: str,
+    normalize_topk: bool,
+    scaling: float,
+) -> Tensor:
     # _Gate.backward's formula for one unchunked batch (T = the logits' rows)
     T, E = logits_TE.shape
     K = expert_TK.shape[1]
@@ -78,8 +125,16 @@ def _moe_gate_bwd(logits_TE: Tensor, expert_TK: Tensor, grad_weight_TK: Optional
     if z_coef > 0:
         grad_zsq = torch.full((), z_coef / max(T, 1), dtype=logits_TE.dtype, device=logits_TE.device)
     ops = _ops.get_ops(logits_TE.device, logits_TE.dtype)
-    grad = ops.gating_bwd(logits_TE, expert_TK, grad_weight_TK, grad_score_sum, grad_zsq,
-                          score_fn=score_fn, normalize_topk=normalize_topk, scaling=scaling)
+    grad = ops.gating_bwd(
+        logits_TE,
+        expert_TK,
+        grad_weight_TK,
+        grad_score_sum,
+        grad_zsq,
+        score_fn=score_fn,
+        normalize_topk=normalize_topk,
+        scaling=scaling,
+    )
     return grad
 
 
@@ -158,8 +213,9 @@ def _(y_SD, row_TK, weight_TK, src_S, padded):
 
 
 @torch.library.custom_op("lancet::moe_unpermute_bwd", mutates_args=())
-def _moe_unpermute_bwd(grad_y_TD: Tensor, y_SD: Tensor, row_TK: Tensor, weight_TK: Tensor,
-                       src_S: Tensor, padded: bool) -> tuple[Tensor, Tensor]:
+def _moe_unpermute_bwd(
+    grad_y_TD: Tensor, y_SD: Tensor, row_TK: Tensor, weight_TK: Tensor, src_S: Tensor, padded: bool
+) -> tuple[Tensor, Tensor]:
     R = y_SD.shape[0]
     S = int((src_S >= 0).sum()) if padded else R  # the kept rows (src -1 marks the padding)
     ops = _ops.get_ops(y_SD.device, y_SD.dtype)
@@ -201,12 +257,23 @@ def _expert_args(x_RD, offsets_E1, w_gate_up, w_down, padded, gpt_oss):
 
 
 @torch.library.custom_op("lancet::moe_experts", mutates_args=())
-def _moe_experts(x_RD: Tensor, offsets_E1: Tensor, w_gate_up: Tensor, w_down: Tensor, b_gate_up: Optional[Tensor],
-                 b_down: Optional[Tensor], activation: str, alpha: float, limit: float, gpt_oss: bool,
-                 padded: bool) -> tuple[Tensor, Tensor, Tensor]:
+def _moe_experts(
+    x_RD: Tensor,
+    offsets_E1: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    b_gate_up: Optional[Tensor],
+    b_down: Optional[Tensor],
+    activation: str,
+    alpha: float,
+    limit: float,
+    gpt_oss: bool,
+    padded: bool,
+) -> tuple[Tensor, Tensor, Tensor]:
     ops, S, segments, w_E2FD, w_EDF = _expert_args(x_RD, offsets_E1, w_gate_up, w_down, padded, gpt_oss)
-    h_RF, gu_R2F = ops.gate_up_swiglu(x_RD[:S], w_E2FD, segments, b_gate_up, activation=activation,
-                                      interleaved=gpt_oss, alpha=alpha, limit=limit)
+    h_RF, gu_R2F = ops.gate_up_swiglu(
+        x_RD[:S], w_E2FD, segments, b_gate_up, activation=activation, interleaved=gpt_oss, alpha=alpha, limit=limit
+    )
     y_RD = ops.grouped_mm(h_RF, w_EDF, segments, b_down)
     R = x_RD.shape[0]
     return _pad(y_RD, R), _pad(gu_R2F, R), _pad(h_RF, R)
@@ -220,9 +287,21 @@ def _(x_RD, offsets_E1, w_gate_up, w_down, b_gate_up, b_down, activation, alpha,
 
 
 @torch.library.custom_op("lancet::moe_experts_bwd", mutates_args=())
-def _moe_experts_bwd(dy_RD: Tensor, x_RD: Tensor, gu_R2F: Tensor, h_RF: Tensor, offsets_E1: Tensor, w_gate_up: Tensor,
-                     w_down: Tensor, activation: str, alpha: float, limit: float, gpt_oss: bool, padded: bool,
-                     needs: list[bool]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+def _moe_experts_bwd(
+    dy_RD: Tensor,
+    x_RD: Tensor,
+    gu_R2F: Tensor,
+    h_RF: Tensor,
+    offsets_E1: Tensor,
+    w_gate_up: Tensor,
+    w_down: Tensor,
+    activation: str,
+    alpha: float,
+    limit: float,
+    gpt_oss: bool,
+    padded: bool,
+    needs: list[bool],
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     # _ExpertsFn._backward's formulas; a gradient not needed is an empty tensor
     ops, S, seg, w_E2FD, w_EDF = _expert_args(x_RD, offsets_E1, w_gate_up, w_down, padded, gpt_oss)
     R = x_RD.shape[0]
@@ -285,8 +364,18 @@ def forward(moe, x: Tensor) -> Tensor:
     expert_bias = router.e_score_correction_bias if moe.expert_bias else None
     topk_group = moe.topk_group if moe.n_group > 1 else None
     weight_TK, _expert_TK, row_TK, kept_E, used_E, score_sum_E, zsq_sum = _moe_gate(
-        router(x_TD), expert_bias, moe.top_k, moe.capacity_factor, moe.score_fn, moe.normalize_topk, moe.n_group,
-        topk_group, moe.routed_scaling_factor, moe.aux_loss_coef, moe.z_loss_coef)
+        router(x_TD),
+        expert_bias,
+        moe.top_k,
+        moe.capacity_factor,
+        moe.score_fn,
+        moe.normalize_topk,
+        moe.n_group,
+        topk_group,
+        moe.routed_scaling_factor,
+        moe.aux_loss_coef,
+        moe.z_loss_coef,
+    )
     _record_stats(moe, x_TD.shape[0], used_E, kept_E, score_sum_E, zsq_sum)
     padded = moe.capacity_factor is not None
     x_SD, src_S = _moe_permute(x_TD.to(dtype), row_TK, kept_E, padded)
@@ -294,8 +383,7 @@ def forward(moe, x: Tensor) -> Tensor:
     experts, spec = moe.experts, moe.experts._spec
     weights = (experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias, experts.down_proj_bias)
     weights = tuple(None if w is None else w.to(dtype) for w in weights)  # (as nn.Linear under autocast)
-    y_SD, _, _ = _moe_experts(x_SD, offsets_E1, *weights, spec.activation, spec.alpha, spec.limit, spec.gpt_oss,
-                              padded)
+    y_SD, _, _ = _moe_experts(x_SD, offsets_E1, *weights, spec.activation, spec.alpha, spec.limit, spec.gpt_oss, padded)
     y_TD = _moe_unpermute(y_SD, row_TK, weight_TK, src_S, padded).to(x.dtype)
     if moe.shared_experts is not None:
         shared = moe.shared_experts(x_TD)

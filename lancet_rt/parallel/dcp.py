@@ -16,6 +16,7 @@ groups checked against the mesh and the path agreed before anything is written, 
 swapped in once every rank wrote, XXH3-64 checksums in the metadata, files validated and read into
 new tensors before any parameter changes, every collective bounded and a lost peer named.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -35,7 +36,7 @@ def _global_expert(v: torch.Tensor, mesh) -> torch.Tensor:
     ep = mesh.size(mesh.ndim - 1)
     local = v.to_local() if isinstance(v, DTensor) else v
     shape = (v.shape[0] * ep,) + tuple(v.shape[1:])
-    stride = tuple(int(torch.Size(shape[i + 1:]).numel()) for i in range(len(shape)))
+    stride = tuple(int(torch.Size(shape[i + 1 :]).numel()) for i in range(len(shape)))
     if mesh.ndim == 2:
         target, placements = _mesh.derived_mesh(mesh, (1, 0), ("ep", "dp")), [Shard(0), Shard(0)]
     else:
@@ -93,8 +94,9 @@ def save_sharded(model: nn.Module, mesh, path, optimizer: Optional[torch.optim.O
         PeerError, PeerTimeout: a rank died, or did not call, or stopped answering (named).
     """
     _mesh.check_mesh(mesh)
-    _dcp_io.save(lambda: _state(model, optimizer, mesh)[0], path, _mesh.flat_group(mesh), True,
-                 "sharded checkpoint save (DCP)")
+    _dcp_io.save(
+        lambda: _state(model, optimizer, mesh)[0], path, _mesh.flat_group(mesh), True, "sharded checkpoint save (DCP)"
+    )
 
 
 def load_sharded(model: nn.Module, mesh, path, optimizer: Optional[torch.optim.Optimizer] = None) -> None:

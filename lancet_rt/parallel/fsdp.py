@@ -9,6 +9,7 @@ The divide: on NCCL FSDP2 runs it inside the reduce-scatter (``PREMUL_SUM``, or 
 neither, so on gloo the units reduce with ``SUM`` and divide after
 (``set_force_sum_reduction_for_comms``).
 """
+
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -165,5 +166,6 @@ def fully_shard(model: nn.Module, mesh, *, blocks: Optional[Sequence[nn.Module]]
     # microbatch's forward (on another thread) uses it.
     model.lancet_interleave_refused = (
         "lancet_rt.parallel.fully_shard (FSDP2) cannot run one microbatch's forward beside the previous one's "
-        "backward; use accumulate(..., interleave=False), or replicate / GradientSync")
+        "backward; use accumulate(..., interleave=False), or replicate / GradientSync"
+    )
     return model

@@ -30,6 +30,7 @@ in an FSDP2 collective raises PeerError naming it within :data:`lancet_rt.comm.m
 instead of at the timeout. The groups are unusable afterwards (their next collective raises
 GroupError at once), as after any failure in the middle of a step.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -75,9 +76,11 @@ class MonitoredAllGather(_AllGather):
     def __call__(self, output_tensor, input_tensor, group, async_op: bool = False):
         mon = _mesh.monitor(group)
         n = input_tensor.numel()
-        watched = mon.issue(self.what, lambda: dist.all_gather_single(output_tensor, input_tensor, group=group,
-                                                                      async_op=True),
-                            (input_tensor.dtype, [n] * mon.size, [n] * mon.size))
+        watched = mon.issue(
+            self.what,
+            lambda: dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=True),
+            (input_tensor.dtype, [n] * mon.size, [n] * mon.size),
+        )
         if async_op:
             return _Work(watched)
         watched.wait()
@@ -96,9 +99,13 @@ class MonitoredReduceScatter(_ReduceScatter):
     def __call__(self, output_tensor, input_tensor, group, op, async_op: bool = False):
         mon = _mesh.monitor(group)
         n = output_tensor.numel()
-        watched = mon.issue(self.what, lambda: dist.reduce_scatter_single(output=output_tensor, input=input_tensor,
-                                                                          op=op, group=group, async_op=True),
-                            (input_tensor.dtype, [n] * mon.size, [n] * mon.size))
+        watched = mon.issue(
+            self.what,
+            lambda: dist.reduce_scatter_single(
+                output=output_tensor, input=input_tensor, op=op, group=group, async_op=True
+            ),
+            (input_tensor.dtype, [n] * mon.size, [n] * mon.size),
+        )
         if async_op:
             return _Work(watched)
         watched.wait()
@@ -130,13 +137,14 @@ def _gloo(group):
     try:
         backend = group._get_backend(torch.device("cpu"))
         return backend if hasattr(backend, "_set_default_timeout") else None
-    except Exception:  # noqa: BLE001 - not a gloo group
+    except Exception:  # not a gloo group
         return None
 
 
 def break_on_forward_error(groups: list):
     """A forward hook (register with ``always_call=True``) that, when the forward raised, marks each
     of ``groups``' monitors broken with a failure record naming this rank and quoting the error."""
+
     def hook(module, args, output):
         exc = sys.exc_info()[1]
         if exc is None or output is not None:  # a forward that returned (called from inside an except block)
@@ -145,11 +153,19 @@ def break_on_forward_error(groups: list):
         for g in groups:
             mon = _mesh.monitor(g)
             if mon.size > 1 and mon.broken is None:
-                mon.break_(mon.error(PeerError, f"{mon.label} {mon.name(mon.rank)} raised in the forward of a "
-                                     f"fully_shard model, after FSDP2's collectives of the step started ({cause})",
-                                     [mon.rank]))
+                mon.break_(
+                    mon.error(
+                        PeerError,
+                        f"{mon.label} {mon.name(mon.rank)} raised in the forward of a "
+                        f"fully_shard model, after FSDP2's collectives of the step started ({cause})",
+                        [mon.rank],
+                    )
+                )
         if hasattr(exc, "add_note"):
-            exc.add_note("lancet-rt: the model's FSDP2 groups were told (their peers raise PeerError naming this "
-                         "rank) and are unusable now")
+            exc.add_note(
+                "lancet-rt: the model's FSDP2 groups were told (their peers raise PeerError naming this "
+                "rank) and are unusable now"
+            )
         return None
+
     return hook

@@ -1,4 +1,5 @@
 """A transformers MoE model onto a ``("dp", "ep")`` mesh in one call: from_hf, then an engine."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -17,8 +18,16 @@ def _decoder_layers(model: nn.Module) -> list:
     return list(layers) if isinstance(layers, nn.ModuleList) else []
 
 
-def parallelize_hf(model: nn.Module, mesh, *, engine: Optional[str] = "fully_shard", chunks=1,
-                   defer_wgrad: bool = False, capacity_factor: Optional[float] = None, **engine_kwargs) -> nn.Module:
+def parallelize_hf(
+    model: nn.Module,
+    mesh,
+    *,
+    engine: Optional[str] = "fully_shard",
+    chunks=1,
+    defer_wgrad: bool = False,
+    capacity_factor: Optional[float] = None,
+    **engine_kwargs,
+) -> nn.Module:
     """:func:`lancet_rt.from_hf` with experts over ``mesh["ep"]``, then data parallelism over the mesh.
 
     Every rank passes the full transformers model (the same weights); it keeps its ep rank's experts.

@@ -11,6 +11,7 @@ Both are then the gradients of the mean loss over the global batch (equal local 
 group is the case dp = 1. The divide runs in the collective where the backend can
 (NCCL: ``PREMUL_SUM``, :func:`reduce_op`), else after a ``SUM`` (gloo).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -59,8 +60,10 @@ def check_mesh(mesh, argument: str = "mesh") -> None:
     if not is_mesh(mesh):
         raise TypeError(f"{argument} must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
     if mesh.mesh_dim_names not in (MESH_DIMS, HSDP_DIMS):
-        raise ValueError(f"{argument} must have the dimensions {MESH_DIMS} (init_device_mesh(..., "
-                         f"mesh_dim_names=('dp', 'ep'))) or {HSDP_DIMS}, got {mesh.mesh_dim_names}")
+        raise ValueError(
+            f"{argument} must have the dimensions {MESH_DIMS} (init_device_mesh(..., "
+            f"mesh_dim_names=('dp', 'ep'))) or {HSDP_DIMS}, got {mesh.mesh_dim_names}"
+        )
 
 
 def derived_mesh(mesh, order, names: tuple):
@@ -72,7 +75,7 @@ def derived_mesh(mesh, order, names: tuple):
     from torch.distributed.device_mesh import DeviceMesh
 
     ranks = mesh.mesh.permute(*order)
-    ranks = ranks.reshape(tuple(ranks.shape[:len(names) - 1]) + (-1,)).contiguous()
+    ranks = ranks.reshape(tuple(ranks.shape[: len(names) - 1]) + (-1,)).contiguous()
     key = (mesh.device_type, tuple(ranks.flatten().tolist()), tuple(ranks.shape), names)
     if key not in _meshes:
         groups = []
@@ -154,8 +157,10 @@ def layout(group_or_mesh) -> Layout:
     if isinstance(group_or_mesh, EmulatedGroup):
         return Layout(group_or_mesh, None, group_or_mesh.size, group_or_mesh.size, emulated=True)
     if group_or_mesh is not None and not isinstance(group_or_mesh, dist.ProcessGroup):
-        raise TypeError("group must be None, a ProcessGroup, a lancet_rt.EmulatedGroup or a ('dp', 'ep') "
-                        f"DeviceMesh, got {type(group_or_mesh).__name__}")
+        raise TypeError(
+            "group must be None, a ProcessGroup, a lancet_rt.EmulatedGroup or a ('dp', 'ep') "
+            f"DeviceMesh, got {type(group_or_mesh).__name__}"
+        )
     world = dist.get_world_size(group_or_mesh)
     return Layout(group_or_mesh, None, world, world)
 
@@ -192,16 +197,22 @@ def check_expert_groups(model, mesh, argument: str = "mesh") -> None:
         elif isinstance(m.group, TorchGroup):
             have = dist.get_process_group_ranks(m.group.group)
         else:
-            raise ValueError(f"{argument}: MoE layer {layer} has an ep_group of type {type(m.group).__name__}; on a "
-                             f"mesh it must be the mesh's 'ep' group: build the model with "
-                             f"ep_group=mesh['ep'].get_group()")
+            raise ValueError(
+                f"{argument}: MoE layer {layer} has an ep_group of type {type(m.group).__name__}; on a "
+                f"mesh it must be the mesh's 'ep' group: build the model with "
+                f"ep_group=mesh['ep'].get_group()"
+            )
         if have != want:
-            size = ("as many as the mesh's 'ep' dimension but not its ranks (is it another dimension's group?)"
-                    if len(have) == len(want) else f"the mesh's 'ep' dimension has {len(want)}")
+            size = (
+                "as many as the mesh's 'ep' dimension but not its ranks (is it another dimension's group?)"
+                if len(have) == len(want)
+                else f"the mesh's 'ep' dimension has {len(want)}"
+            )
             raise ValueError(
                 f"{argument}: MoE layer {layer} is expert-parallel over {len(have)} rank(s), {size}: build the model "
                 f"with ep_group=mesh['ep'].get_group() (the layer's group is over ranks {have}, the mesh's 'ep' "
-                f"group over ranks {want}, global ranks, on rank {dist.get_rank()})")
+                f"group over ranks {want}, global ranks, on rank {dist.get_rank()})"
+            )
 
 
 def check_one_group(model, group, argument: str = "group") -> None:
@@ -219,10 +230,12 @@ def check_one_group(model, group, argument: str = "group") -> None:
             continue
         mine = [dist.get_rank()] if m.group is None else dist.get_process_group_ranks(m.group.group)
         if sorted(mine) != sorted(ranks):
-            raise ValueError(f"{argument}: MoE layer {name or '<root>'} is expert-parallel over ranks {sorted(mine)}, "
-                             f"the group holds ranks {sorted(ranks)}: one group means data and expert parallelism "
-                             "over the same ranks; for data parallelism beside expert parallelism pass the "
-                             "('dp', 'ep') DeviceMesh (init_device_mesh(..., mesh_dim_names=('dp', 'ep')))")
+            raise ValueError(
+                f"{argument}: MoE layer {name or '<root>'} is expert-parallel over ranks {sorted(mine)}, "
+                f"the group holds ranks {sorted(ranks)}: one group means data and expert parallelism "
+                "over the same ranks; for data parallelism beside expert parallelism pass the "
+                "('dp', 'ep') DeviceMesh (init_device_mesh(..., mesh_dim_names=('dp', 'ep')))"
+            )
 
 
 def monitor(group):

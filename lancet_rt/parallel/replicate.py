@@ -7,6 +7,7 @@ the right group per parameter: dense parameters broadcast and averaged over dp x
 only (never across ep ranks), each expert gradient scaled by 1 / ep as it arrives so that the
 result is the gradient of the global mean loss, accumulation across backwards included.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -97,8 +98,9 @@ def _broadcast(model: nn.Module, lay: _mesh.Layout) -> None:
     """Dense parameters and buffers from the first rank of dp x ep, experts from the first of dp."""
     from lancet_rt.moe.experts import Experts
 
-    expert_tensors = {id(t) for m in model.modules() if isinstance(m, Experts)
-                      for t in list(m.parameters()) + list(m.buffers())}
+    expert_tensors = {
+        id(t) for m in model.modules() if isinstance(m, Experts) for t in list(m.parameters()) + list(m.buffers())
+    }
     for t in list(model.parameters()) + list(model.buffers()):
         expert = id(t) in expert_tensors
         group = lay.expert_group if expert else lay.dense_group
@@ -107,8 +109,11 @@ def _broadcast(model: nn.Module, lay: _mesh.Layout) -> None:
         # Through the group's monitor: bounded, a lost peer named; on gloo a header all-gather before
         # each broadcast (once, in replicate) turns a model that differs across ranks into CollectiveMismatch.
         mon, n = _mesh.monitor(group), t.numel()
-        mon.issue(f"replicate broadcast ({'experts' if expert else 'dense'})", lambda: dist.broadcast(
-            t.data, group=group, group_src=0, async_op=True), (t.dtype, [n] * mon.size, [n] * mon.size)).wait()
+        mon.issue(
+            f"replicate broadcast ({'experts' if expert else 'dense'})",
+            lambda: dist.broadcast(t.data, group=group, group_src=0, async_op=True),
+            (t.dtype, [n] * mon.size, [n] * mon.size),
+        ).wait()
 
 
 def replicate(model: nn.Module, mesh, *, bucket_mb: float = 25.0) -> nn.Module:

@@ -11,6 +11,7 @@ model, so every rank refuses the same model the same way, before any collective:
 - ``shadow_experts`` with ``fully_shard``: a fetch broadcasts an expert's whole weights from its
   owner, and FSDP2 holds a dp shard of them (a DTensor).
 """
+
 from __future__ import annotations
 
 from torch import nn
@@ -36,9 +37,11 @@ def check_layers(model: nn.Module, engine: str, *, shards: bool = False) -> None
                 f"{where} has dispatcher='allreduce', which {engine} does not support: the {m.ep_size} ranks of "
                 f"its ep_group hold the same tokens, so their expert gradients are already whole and the "
                 f"engine's divide by dp x ep would leave them {m.ep_size}x too small; use dispatcher='alltoall' "
-                f"(or average the gradients over the data-parallel replicas yourself)")
+                f"(or average the gradients over the data-parallel replicas yourself)"
+            )
         if shards and m.shadow_experts:
             raise ValueError(
                 f"{where} has shadow_experts={m.shadow_experts}, which {engine} does not support: shadowing "
                 f"broadcasts an expert's whole weights from its owner and FSDP2 holds a shard of them; use "
-                f"shadow_experts=0, or lancet_rt.parallel.replicate / GradientSync")
+                f"shadow_experts=0, or lancet_rt.parallel.replicate / GradientSync"
+            )

@@ -12,6 +12,7 @@ backward's all-to-alls by more than one piece. Buckets are issued in index order
 whatever order their gradients arrive in (deferred dW arrives in an order that follows each rank's
 own timing): a bucket that completes early waits for the ones before it, as in DDP's reducer.
 """
+
 from __future__ import annotations
 
 import zlib
@@ -56,7 +57,7 @@ def _all_reduce_flat(params: list, group, divisor: int, what: str) -> None:
     offset = 0
     for p in params:
         if p.grad is not None:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p.grad))
+            p.grad.copy_(flat[offset : offset + p.numel()].view_as(p.grad))
         offset += p.numel()
 
 
@@ -79,8 +80,10 @@ def sync_gradients(model: nn.Module, group=None) -> None:
         _mesh.check_expert_groups(model, group, "group")
     lay = _mesh.layout(group)
     if lay.emulated:
-        raise TypeError("group: sync_gradients needs a ProcessGroup, None or a DeviceMesh; on a "
-                        "lancet_rt.EmulatedGroup use GradientSync")
+        raise TypeError(
+            "group: sync_gradients needs a ProcessGroup, None or a DeviceMesh; on a "
+            "lancet_rt.EmulatedGroup use GradientSync"
+        )
     if not _mesh.is_mesh(group):
         _mesh.check_one_group(model, group)
     if lay.divisor == 1:
@@ -141,8 +144,16 @@ class GradientSync:
         order: the bucket indices in the order the last ``with`` issued them.
     """
 
-    def __init__(self, model: nn.Module, group=None, *, params: str = "dense", bucket_mb: float = 25.0,
-                 piece_mb: Optional[float] = None, low_priority: bool = True):
+    def __init__(
+        self,
+        model: nn.Module,
+        group=None,
+        *,
+        params: str = "dense",
+        bucket_mb: float = 25.0,
+        piece_mb: Optional[float] = None,
+        low_priority: bool = True,
+    ):
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if params not in ("dense", "all"):
@@ -214,12 +225,15 @@ class GradientSync:
             mon = _mesh.monitor(group)
             if not (mon.check_headers and mon.size > 1):
                 continue  # (NCCL: no host sync; one rank: nothing to compare)
-            plan = [(b.index, len(b.params), sum(p.numel() for p in b.params), str(b.params[0].dtype))
-                    for b in q.buckets]
+            plan = [
+                (b.index, len(b.params), sum(p.numel() for p in b.params), str(b.params[0].dtype)) for b in q.buckets
+            ]
             total = sum(n for _, _, n, _ in plan)
             crc = zlib.crc32(repr((plan, self.piece_bytes, self.params)).encode())
-            mon.check(f"gradient sync plan {crc:08x}, {len(plan)} buckets", (q.buckets[0].params[0].dtype,
-                      [total] * mon.size, [total] * mon.size))
+            mon.check(
+                f"gradient sync plan {crc:08x}, {len(plan)} buckets",
+                (q.buckets[0].params[0].dtype, [total] * mon.size, [total] * mon.size),
+            )
 
     def _start(self) -> None:
         for b in self._buckets:
@@ -252,7 +266,7 @@ class GradientSync:
             for p in b.params:
                 n = p.numel()
                 if p.grad is not None:
-                    p.grad.copy_(b.flat[offset:offset + n].view_as(p.grad))
+                    p.grad.copy_(b.flat[offset : offset + n].view_as(p.grad))
                 offset += n
         for p in self._scaled:
             if p.grad is not None:
@@ -292,8 +306,9 @@ class GradientSync:
             # in different orders on different ranks (deferred dW); the plan was checked at the start.
             mon, what = _mesh.monitor(b.group), f"gradient bucket {b.index} ({len(pieces)} pieces)"
             for piece in pieces:
-                b.works.append(mon.issue(what, lambda piece=piece: dist.all_reduce(
-                    piece, op=op, group=b.group, async_op=True)))
+                b.works.append(
+                    mon.issue(what, lambda piece=piece: dist.all_reduce(piece, op=op, group=b.group, async_op=True))
+                )
         self.issued += len(pieces)
 
 
@@ -307,9 +322,14 @@ def _abort_step(buckets: list, exc: BaseException) -> None:
         if isinstance(group, dist.ProcessGroup) or group is None:
             mon = _mesh.monitor(group)  # (one that broke already, with this error say, keeps its record)
             if mon.size > 1:
-                mon.break_(mon.error(PeerError, f"{mon.label} {mon.name(mon.rank)} raised in backward inside its "
-                                     f"gradient sync ({cause[:300]}); the step's gradient all-reduces are incomplete",
-                                     [mon.rank]))
+                mon.break_(
+                    mon.error(
+                        PeerError,
+                        f"{mon.label} {mon.name(mon.rank)} raised in backward inside its "
+                        f"gradient sync ({cause[:300]}); the step's gradient all-reduces are incomplete",
+                        [mon.rank],
+                    )
+                )
     _drain(buckets)
 
 

@@ -5,6 +5,7 @@ expert's used capacity from chunk to chunk and sums the aux/z statistics over th
 batch, so chunking changes no slot and no drop; the losses and gradients only by float32 rounding
 (sums taken chunk by chunk; docs/design.md, idea 3).
 """
+
 from __future__ import annotations
 
 import math
@@ -13,8 +14,8 @@ from typing import Optional
 
 import torch
 
-from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
+from lancet_rt.schedule import scope as _scope
 
 
 @dataclass
@@ -98,12 +99,33 @@ class _Gate(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits_TE, state: BatchRouting, ops, score_fn, normalize_topk, aux_coef, z_coef,
-                expert_bias, n_group, topk_group, scaling):
+    def forward(
+        ctx,
+        logits_TE,
+        state: BatchRouting,
+        ops,
+        score_fn,
+        normalize_topk,
+        aux_coef,
+        z_coef,
+        expert_bias,
+        n_group,
+        topk_group,
+        scaling,
+    ):
         used_in = state.used_E
-        out = ops.gating_fwd(logits_TE, state.top_k, used_in, capacity=state.capacity,
-                             score_fn=score_fn, normalize_topk=normalize_topk, expert_bias=expert_bias,
-                             n_group=n_group, topk_group=topk_group, scaling=scaling)
+        out = ops.gating_fwd(
+            logits_TE,
+            state.top_k,
+            used_in,
+            capacity=state.capacity,
+            score_fn=score_fn,
+            normalize_topk=normalize_topk,
+            expert_bias=expert_bias,
+            n_group=n_group,
+            topk_group=topk_group,
+            scaling=scaling,
+        )
         C = state.capacity
         # Rows this chunk keeps per expert (int32): its counts, up to the room the capacity leaves after
         # the earlier chunks (min(used_in + counts, C) - min(used_in, C), in three ops).
@@ -127,13 +149,33 @@ class _Gate(torch.autograd.Function):
     def backward(ctx, grad_weight_TK, _g_expert, _g_row, _g_kept):
         logits_TE, expert_TK = ctx.saved_tensors
         grad_score_sum, grad_zsq = ctx.state.loss_grads(logits_TE.dtype, ctx.aux_coef, ctx.z_coef)
-        grad_logits = ctx.ops.gating_bwd(logits_TE, expert_TK, grad_weight_TK, grad_score_sum, grad_zsq,
-                                         score_fn=ctx.score_fn, normalize_topk=ctx.normalize, scaling=ctx.scaling)
+        grad_logits = ctx.ops.gating_bwd(
+            logits_TE,
+            expert_TK,
+            grad_weight_TK,
+            grad_score_sum,
+            grad_zsq,
+            score_fn=ctx.score_fn,
+            normalize_topk=ctx.normalize,
+            scaling=ctx.scaling,
+        )
         return grad_logits, None, None, None, None, None, None, None, None, None, None
 
 
-def gate(logits_TE, state, ops, *, score_fn, normalize_topk, aux_coef, z_coef, expert_bias=None, n_group=1,
-         topk_group=None, scaling=1.0):
+def gate(
+    logits_TE,
+    state,
+    ops,
+    *,
+    score_fn,
+    normalize_topk,
+    aux_coef,
+    z_coef,
+    expert_bias=None,
+    n_group=1,
+    topk_group=None,
+    scaling=1.0,
+):
     """Run the gating stage for one chunk, carrying ``state`` (capacity, aux/z statistics).
 
     Args:
@@ -151,8 +193,9 @@ def gate(logits_TE, state, ops, *, score_fn, normalize_topk, aux_coef, z_coef, e
         (weight_TK, expert_TK, row_TK, kept_E): the weights (differentiable), the chosen experts,
         each assignment's dispatch row (-1 when dropped), and the rows kept per expert.
     """
-    return _Gate.apply(logits_TE, state, ops, score_fn, normalize_topk, aux_coef, z_coef, expert_bias, n_group,
-                       topk_group, scaling)
+    return _Gate.apply(
+        logits_TE, state, ops, score_fn, normalize_topk, aux_coef, z_coef, expert_bias, n_group, topk_group, scaling
+    )
 
 
 class _Permute(torch.autograd.Function):

@@ -1,5 +1,6 @@
 """The router of a lancet MoE layer: float32 logits whatever autocast says, an optional learned
 logit bias (GPT-OSS) and a selection-only bias with its aux-loss-free update (DeepSeek-V3)."""
+
 from __future__ import annotations
 
 import math
@@ -25,15 +26,25 @@ class Router(nn.Module):
         weight: [E, D]. bias: [E] or None. e_score_correction_bias: [E] float32 (with expert_bias).
     """
 
-    def __init__(self, d_model: int, num_experts: int, *, bias: bool = False, expert_bias: bool = False,
-                 init_std: float = 0.02, device=None, dtype=None):
+    def __init__(
+        self,
+        d_model: int,
+        num_experts: int,
+        *,
+        bias: bool = False,
+        expert_bias: bool = False,
+        init_std: float = 0.02,
+        device=None,
+        dtype=None,
+    ):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(num_experts, d_model, device=device, dtype=dtype))
         nn.init.normal_(self.weight, std=init_std)
         self.bias = nn.Parameter(torch.zeros(num_experts, device=device, dtype=dtype)) if bias else None
         if expert_bias:
-            self.register_buffer("e_score_correction_bias",
-                                 torch.zeros(num_experts, device=device, dtype=torch.float32))
+            self.register_buffer(
+                "e_score_correction_bias", torch.zeros(num_experts, device=device, dtype=torch.float32)
+            )
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return router_logits(x_TD, self.weight, self.bias)
@@ -73,16 +84,22 @@ def update_expert_bias(model: nn.Module, rate: float = 1e-3, group=None) -> None
     layers = [m for m in model.modules() if _balances_experts(m)]
     if not layers:
         return
-    loads = torch.stack([m.expert_load if m.expert_load is not None else
-                         torch.zeros(m.num_experts, dtype=torch.long, device=m.router.weight.device)
-                         for m in layers])
+    loads = torch.stack(
+        [
+            m.expert_load
+            if m.expert_load is not None
+            else torch.zeros(m.num_experts, dtype=torch.long, device=m.router.weight.device)
+            for m in layers
+        ]
+    )
     if group is not None:
         from lancet_rt.comm.group import TorchGroup, as_group
 
         tg = as_group(group)
         if not isinstance(tg, TorchGroup):
-            raise TypeError(f"group must be None, a torch.distributed ProcessGroup or a TorchGroup, "
-                            f"got {type(group).__name__}")
+            raise TypeError(
+                f"group must be None, a torch.distributed ProcessGroup or a TorchGroup, got {type(group).__name__}"
+            )
         # Through the group's monitor: numbered, bounded by LANCET_TIMEOUT_S, a lost peer named. gloo
         # reduces CPU tensors, NCCL CUDA ones: the loads live where the router does.
         tg.all_reduce(loads, what="expert-bias all-reduce").wait()
@@ -94,5 +111,9 @@ def update_expert_bias(model: nn.Module, rate: float = 1e-3, group=None) -> None
 
 def _balances_experts(m: nn.Module) -> bool:
     """Whether ``m`` is a layer with a selection bias to update (duck-typed: routing does not import the layer)."""
-    return (getattr(m, "expert_bias", False) is True and hasattr(m, "expert_load")
-            and hasattr(m, "num_experts") and hasattr(m, "router"))
+    return (
+        getattr(m, "expert_bias", False) is True
+        and hasattr(m, "expert_load")
+        and hasattr(m, "num_experts")
+        and hasattr(m, "router")
+    )

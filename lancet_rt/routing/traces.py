@@ -16,6 +16,7 @@ The ``zipf`` preset: expert e (in a seeded random order) gets a share proportion
 ``1 / rank(e) ** S``, with S solved so that the max/mean expert load is :data:`ZIPF_PRESET_MAX_OVER_MEAN`
 (3.0) for the layer's expert count; ``zipf:S`` fixes the exponent.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -75,8 +76,15 @@ class RoutingTrace:
         return sum(vals) / len(vals) if vals else 1.0
 
     def to_dict(self) -> dict:
-        return dict(format=FORMAT, steps=self.steps, layers=self.layers, experts=self.experts,
-                    max_over_mean=self.max_over_mean(), meta=self.meta, loads=self.loads)
+        return dict(
+            format=FORMAT,
+            steps=self.steps,
+            layers=self.layers,
+            experts=self.experts,
+            max_over_mean=self.max_over_mean(),
+            meta=self.meta,
+            loads=self.loads,
+        )
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -146,10 +154,12 @@ def _checked_loads(loads) -> list:
         rows = []
         for l, layer in enumerate(step):
             if not isinstance(layer, list):
-                raise ValueError(f"loads[{s}][{l}] (step {s}, layer {l}) must be a list of expert loads, "
-                                 f"got {type(layer).__name__}")
-            rows.append([_load_value(v, f"loads[{s}][{l}][{e}] (step {s}, layer {l}, expert {e})")
-                         for e, v in enumerate(layer)])
+                raise ValueError(
+                    f"loads[{s}][{l}] (step {s}, layer {l}) must be a list of expert loads, got {type(layer).__name__}"
+                )
+            rows.append(
+                [_load_value(v, f"loads[{s}][{l}][{e}] (step {s}, layer {l}, expert {e})") for e, v in enumerate(layer)]
+            )
         out.append(rows)
     shape = (len(out[0]), len(out[0][0]) if out[0] else 0)
     if shape[0] < 1 or shape[1] < 1:
@@ -240,8 +250,11 @@ def bias_routers(moe_layers: Sequence, source: RoutingSource, strength: float = 
             if source.kind == "balanced":
                 continue
             bias = torch.tensor([strength * math.log(max(p, 1e-12)) for p in source.shares(i, moe.num_experts)])
-            handles.append(moe.router.register_forward_hook(
-                lambda m, args, out, b=bias: out + b.to(device=out.device, dtype=out.dtype)))
+            handles.append(
+                moe.router.register_forward_hook(
+                    lambda m, args, out, b=bias: out + b.to(device=out.device, dtype=out.dtype)
+                )
+            )
         yield
     finally:
         for h in handles:

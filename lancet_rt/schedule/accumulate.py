@@ -38,6 +38,7 @@ and z losses: those of the microbatch, as in M sequential steps), and its backwa
 ``backward()`` of its loss that accumulates into ``.grad``. Backward i ends before backward i+1
 starts, so gradients accumulate in the order of the M sequential steps.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -49,10 +50,10 @@ from typing import Any, Callable, Iterable, Optional
 
 import torch
 
-from lancet_rt.comm import faults as _faults
-from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
+from lancet_rt.comm import faults as _faults
 from lancet_rt.parallel.sync import GradientSync
+from lancet_rt.schedule import scope as _scope
 
 
 class _Aborted(RuntimeError):
@@ -77,7 +78,7 @@ class _Backward:
         self._task: Optional[int] = None  # the engine's id of this backward's graph task, once it runs
         self._host = threading.current_thread()
         self._cuda = loss.is_cuda
-        self._go = threading.Semaphore(0)    # the backward may run
+        self._go = threading.Semaphore(0)  # the backward may run
         self._back = threading.Semaphore(0)  # the host may run
         _worker().submit(lambda: self._main(loss))
 
@@ -95,7 +96,7 @@ class _Backward:
                 finally:
                     if handle is not None:
                         handle.remove()
-        except BaseException as e:  # noqa: BLE001 - handed to the host, which raises it
+        except BaseException as e:  # handed to the host, which raises it
             self.error = e
         finally:
             self.done = True
@@ -261,22 +262,32 @@ def _as_call(microbatch, i: int) -> tuple[tuple, dict]:
         return tuple(microbatch), {}
     if isinstance(microbatch, dict):
         return (), dict(microbatch)
-    raise TypeError(f"microbatches[{i}] must be a tensor, a tuple/list of positional arguments or a dict of "
-                    f"keyword arguments, got {type(microbatch).__name__}")
+    raise TypeError(
+        f"microbatches[{i}] must be a tensor, a tuple/list of positional arguments or a dict of "
+        f"keyword arguments, got {type(microbatch).__name__}"
+    )
 
 
 def _check_loss(loss, i: int) -> torch.Tensor:
     if not isinstance(loss, torch.Tensor):
         raise TypeError(f"loss_fn must return a tensor, got {type(loss).__name__} for microbatch {i}")
     if loss.numel() != 1 or not loss.dtype.is_floating_point or not loss.requires_grad:
-        raise ValueError(f"loss_fn must return a one-element floating-point tensor that requires grad, got "
-                         f"shape {tuple(loss.shape)} dtype {loss.dtype} requires_grad={loss.requires_grad} "
-                         f"for microbatch {i}")
+        raise ValueError(
+            f"loss_fn must return a one-element floating-point tensor that requires grad, got "
+            f"shape {tuple(loss.shape)} dtype {loss.dtype} requires_grad={loss.requires_grad} "
+            f"for microbatch {i}"
+        )
     return loss
 
 
-def accumulate(overlapped, microbatches: Iterable, loss_fn: Callable[[Any, int], torch.Tensor], *,
-               interleave: bool = True, grad_sync=None) -> torch.Tensor:
+def accumulate(
+    overlapped,
+    microbatches: Iterable,
+    loss_fn: Callable[[Any, int], torch.Tensor],
+    *,
+    interleave: bool = True,
+    grad_sync=None,
+) -> torch.Tensor:
     """Forward and backward of M microbatches, gradients accumulated into ``.grad``: one training step.
 
     With ``interleave=True`` the backward of microbatch i runs interleaved with the forward of
@@ -343,6 +354,7 @@ def _finishing_live_backward(fn):
     autograd call from the forward or the loss (a gradient penalty, say) would wait for that thread
     forever; run at the same point of the step on every rank, finishing it first keeps the
     collectives in the same order everywhere."""
+
     def call(*args, **kwargs):
         for b in list(_live):
             if not b.done and threading.current_thread() is b._host:
@@ -385,8 +397,17 @@ def _steps(overlapped, calls: list, loss_fn, interleave: bool, grad_sync) -> tor
     return torch.stack(losses)
 
 
-def _microbatch(overlapped, n: int, i: int, args: tuple, kwargs: dict, loss_fn, pending: Optional[torch.Tensor],
-                interleave: bool, one_core: _OneCore) -> torch.Tensor:
+def _microbatch(
+    overlapped,
+    n: int,
+    i: int,
+    args: tuple,
+    kwargs: dict,
+    loss_fn,
+    pending: Optional[torch.Tensor],
+    interleave: bool,
+    one_core: _OneCore,
+) -> torch.Tensor:
     """Forward of microbatch i (and its loss), with the backward of ``pending`` (i - 1) beside it."""
     beside = None
     if pending is not None:

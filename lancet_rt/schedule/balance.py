@@ -28,6 +28,7 @@ is the same everywhere (every chunk joins every collective, an empty one include
 need not be. Reading the lengths is one host
 synchronisation per forward (boundaries are host integers).
 """
+
 from __future__ import annotations
 
 import bisect
@@ -61,14 +62,23 @@ class BalancedChunks:
         y_TD = ov(x_TD, cu_seqlens=cu_B1)
     """
 
-    def __init__(self, *, mask: Optional[ArgRef] = None, cu_seqlens: Optional[ArgRef] = None,
-                 per_token: float = 1.0, per_token_pair: float = 0.0, per_sequence: float = 0.0):
+    def __init__(
+        self,
+        *,
+        mask: Optional[ArgRef] = None,
+        cu_seqlens: Optional[ArgRef] = None,
+        per_token: float = 1.0,
+        per_token_pair: float = 0.0,
+        per_sequence: float = 0.0,
+    ):
         if (mask is None) == (cu_seqlens is None):
             raise ValueError("BalancedChunks needs exactly one of mask= and cu_seqlens= (an argument name or index)")
         for name, ref in (("mask", mask), ("cu_seqlens", cu_seqlens)):
             if ref is not None and (isinstance(ref, bool) or not isinstance(ref, (str, int))):
-                raise TypeError(f"{name} must be a keyword argument's name (str) or a positional index (int), "
-                                f"got {type(ref).__name__}")
+                raise TypeError(
+                    f"{name} must be a keyword argument's name (str) or a positional index (int), "
+                    f"got {type(ref).__name__}"
+                )
         for name, v in (("per_token", per_token), ("per_token_pair", per_token_pair), ("per_sequence", per_sequence)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (v >= 0 and math.isfinite(v)):
                 raise ValueError(f"{name} must be a finite number >= 0, got {v!r}")
@@ -84,8 +94,10 @@ class BalancedChunks:
 
     def __repr__(self) -> str:
         where = f"cu_seqlens={self.cu_seqlens!r}" if self.packed else f"mask={self.mask!r}"
-        return (f"BalancedChunks({where}, per_token={self.per_token}, per_token_pair={self.per_token_pair}, "
-                f"per_sequence={self.per_sequence})")
+        return (
+            f"BalancedChunks({where}, per_token={self.per_token}, per_token_pair={self.per_token_pair}, "
+            f"per_sequence={self.per_sequence})"
+        )
 
     def costs(self, lengths: Sequence[int]) -> list:
         """The estimated cost of each sequence: ``per_sequence + per_token * L + per_token_pair * L**2``."""
@@ -97,13 +109,16 @@ class BalancedChunks:
         name = "cu_seqlens" if self.packed else "mask"
         if isinstance(ref, str):
             if ref not in kwargs:
-                raise ValueError(f"BalancedChunks: {name}={ref!r} names a keyword argument the model was not "
-                                 f"called with (got {sorted(kwargs)})")
+                raise ValueError(
+                    f"BalancedChunks: {name}={ref!r} names a keyword argument the model was not "
+                    f"called with (got {sorted(kwargs)})"
+                )
             t = kwargs[ref]
         else:
             if not -len(args) <= ref < len(args):
-                raise ValueError(f"BalancedChunks: {name}={ref} is not a positional argument index "
-                                 f"(the model got {len(args)})")
+                raise ValueError(
+                    f"BalancedChunks: {name}={ref} is not a positional argument index (the model got {len(args)})"
+                )
             t = args[ref]
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"BalancedChunks: the {name} argument must be a tensor, got {type(t).__name__}")
@@ -126,24 +141,30 @@ class BalancedChunks:
         rows = leaves[cut[0]].shape[0]
         if self.packed:
             if t.dim() != 1 or t.dtype.is_floating_point or t.dtype == torch.bool or t.numel() < 1:
-                raise ValueError(f"BalancedChunks: cu_seqlens must be a 1-D integer tensor [B + 1], got "
-                                 f"{t.dtype} of shape {tuple(t.shape)}")
+                raise ValueError(
+                    f"BalancedChunks: cu_seqlens must be a 1-D integer tensor [B + 1], got "
+                    f"{t.dtype} of shape {tuple(t.shape)}"
+                )
             cu = t.tolist()  # host sync: the boundaries are host integers
             if cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] != rows:
-                raise ValueError(f"BalancedChunks: cu_seqlens must start at 0, never decrease and end at the "
-                                 f"tokens along dim 0 of the other tensor arguments ({rows}); got "
-                                 f"{cu[:4]}{'...' if len(cu) > 4 else ''} ending at {cu[-1]}")
+                raise ValueError(
+                    f"BalancedChunks: cu_seqlens must start at 0, never decrease and end at the "
+                    f"tokens along dim 0 of the other tensor arguments ({rows}); got "
+                    f"{cu[:4]}{'...' if len(cu) > 4 else ''} ending at {cu[-1]}"
+                )
             lengths = [b - a for a, b in zip(cu, cu[1:])]
             seq_bounds = balanced_bounds(self.costs(lengths), n, nonempty_first=lengths)
             token_bounds = [cu[b] for b in seq_bounds]
             pieces = {i: leaves[i].tensor_split(token_bounds[1:-1]) for i in cut}
             base = t.new_tensor(token_bounds)
             ci = next(i for i, v in enumerate(leaves) if v is t)
-            pieces[ci] = tuple(t[a:b + 1] - base[c] for c, (a, b) in enumerate(zip(seq_bounds, seq_bounds[1:])))
+            pieces[ci] = tuple(t[a : b + 1] - base[c] for c, (a, b) in enumerate(zip(seq_bounds, seq_bounds[1:])))
             return pieces
         if t.dim() < 2 or t.shape[0] != rows:
-            raise ValueError(f"BalancedChunks: mask must be [B, S, ...] with B = {rows} rows (dim 0 of the "
-                             f"tensor arguments), got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"BalancedChunks: mask must be [B, S, ...] with B = {rows} rows (dim 0 of the "
+                f"tensor arguments), got shape {tuple(t.shape)}"
+            )
         lengths = (t != 0).reshape(rows, -1).sum(1).tolist()  # host sync
         bounds = balanced_bounds(self.costs(lengths), n)
         return {i: leaves[i].tensor_split(bounds[1:-1]) for i in cut}
@@ -201,5 +222,7 @@ def transformer_costs(d_model: int, d_ffn: int, top_k: int, *, causal: bool = Tr
     for name, v in (("d_model", d_model), ("d_ffn", d_ffn), ("top_k", top_k)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"{name} must be an int >= 1, got {v!r}")
-    return dict(per_token=float(8 * d_model * d_model + 6 * top_k * d_model * d_ffn),
-                per_token_pair=float(4 * d_model) * (0.5 if causal else 1.0))
+    return dict(
+        per_token=float(8 * d_model * d_model + 6 * top_k * d_model * d_ffn),
+        per_token_pair=float(4 * d_model) * (0.5 if causal else 1.0),
+    )

@@ -14,6 +14,7 @@ The copies are detached: the layers take the parameters as the tensors they diff
 and return float32 gradients, so each chunk's weight gradient is summed in the parameter's dtype,
 as before (a shared differentiable cast would sum the chunks' gradients in bfloat16 first).
 """
+
 from __future__ import annotations
 
 import torch

@@ -34,6 +34,7 @@ that exists on some ranks only, a rank-dependent branch in the user's loss, woul
 collectives differ). A path where one tensor feeds two of the path's nodes cannot be checked this way
 (the engine adds the two path gradients): the chunk then does not issue its dual from the forward.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -57,9 +58,11 @@ class GradScale:
 
     def factor(self) -> torch.Tensor:
         if self.received is None:
-            raise RuntimeError("lancet-rt: a combine's backward all-to-all was issued from the forward, but the "
-                               "chunk's loss term got no gradient in the backward (from_hf(..., "
-                               "early_backward=False) turns this off)")
+            raise RuntimeError(
+                "lancet-rt: a combine's backward all-to-all was issued from the forward, but the "
+                "chunk's loss term got no gradient in the backward (from_hf(..., "
+                "early_backward=False) turns this off)"
+            )
         return self.received
 
 
@@ -147,6 +150,7 @@ class PathWatch:
             for k, key in edges:
                 if key[0] >= 0:
                     self._produced[key] = grad_inputs[k]
+
         return post
 
     def _pre_hook(self, i: int, slots: set, last: bool):
@@ -162,6 +166,7 @@ class PathWatch:
             if last:
                 self._decide()
             return None
+
         return pre
 
     def _decide(self) -> None:
@@ -204,8 +209,7 @@ def issue_from_forward(hidden: torch.Tensor, term: torch.Tensor, scale: GradScal
         return False
     link.from_forward = scale
     try:
-        torch.autograd.grad(hidden, y_SD, scale.grad_hidden.view(hidden.shape), retain_graph=True,
-                            allow_unused=True)
+        torch.autograd.grad(hidden, y_SD, scale.grad_hidden.view(hidden.shape), retain_graph=True, allow_unused=True)
     finally:
         link.from_forward = None
     if link.scaled_by is not scale:

@@ -14,6 +14,7 @@ output depends only on row i of the inputs), which holds for transformer blocks 
 inputs without batch-coupling ops (batch norm, in-batch losses). ``check=True`` verifies it once
 against the unchunked forward.
 """
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -23,15 +24,15 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from lancet_rt import ops as _ops
+from lancet_rt import trace as _trace
 from lancet_rt.comm import faults as _faults
+from lancet_rt.moe.layer import MoE
 from lancet_rt.schedule import policy as _policy
 from lancet_rt.schedule import scope as _scope
-from lancet_rt import trace as _trace
 from lancet_rt.schedule import warmup as _warmup
 from lancet_rt.schedule import wgrad as _wgrad
 from lancet_rt.schedule.accumulate import accumulate as _accumulate
 from lancet_rt.schedule.balance import BalancedChunks
-from lancet_rt.moe.layer import MoE
 
 try:  # greenlet is a dependency; imported lazily so `import lancet_rt` never fails without it
     import greenlet as _greenlet
@@ -74,8 +75,16 @@ class Overlapped(nn.Module):
     first collective (:func:`lancet_rt.schedule.warmup.before_step`).
     """
 
-    def __init__(self, model: nn.Module, chunks=2, *, defer_wgrad: bool = False, check: bool = False,
-                 balance: Optional[BalancedChunks] = None, max_deferred_bytes: Optional[float] = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        chunks=2,
+        *,
+        defer_wgrad: bool = False,
+        check: bool = False,
+        balance: Optional[BalancedChunks] = None,
+        max_deferred_bytes: Optional[float] = None,
+    ):
         super().__init__()
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -215,7 +224,7 @@ class Overlapped(nn.Module):
                     modes[c].restore()  # (their context managers unwind in their own state)
                     try:
                         g.throw(_greenlet.GreenletExit)
-                    except Exception:  # noqa: BLE001 - the error in flight is the one to report
+                    except Exception:  # the error in flight is the one to report
                         pass
             outer.restore()
             _scope.set_current(prev)
@@ -252,10 +261,13 @@ class Overlapped(nn.Module):
                 err = (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
                 scale = a.double().abs().max().item() if a.numel() else 0.0
                 if not err <= 1e-4 * max(scale, 1e-6):
-                    self._fail(ValueError(
-                        f"Overlapped(check=True): the chunked output differs from the unchunked one "
-                        f"(max abs err {err:.3e}, scale {scale:.3e}); the model must be separable along "
-                        f"dim 0 outside lancet MoE layers, with a deterministic forward"))
+                    self._fail(
+                        ValueError(
+                            f"Overlapped(check=True): the chunked output differs from the unchunked one "
+                            f"(max abs err {err:.3e}, scale {scale:.3e}); the model must be separable along "
+                            f"dim 0 outside lancet MoE layers, with a deterministic forward"
+                        )
+                    )
         self._checked = True
 
 
@@ -266,8 +278,10 @@ def _input_device(args, kwargs) -> Optional[torch.device]:
 
 def _batch_rows(args, kwargs) -> Optional[int]:
     """The batch's rows: the largest dim 0 among the tensor arguments (None without any)."""
-    return max((v.shape[0] for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor) and v.dim() > 0),
-               default=None)
+    return max(
+        (v.shape[0] for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor) and v.dim() > 0),
+        default=None,
+    )
 
 
 def _batch_leaves(leaves: list):
@@ -283,8 +297,10 @@ def _batch_leaves(leaves: list):
     B = max(leaves[i].shape[0] for i in tensors)
     odd = sorted({leaves[i].shape[0] for i in tensors} - {B, 1})
     if odd:
-        return ValueError(f"Overlapped: tensor arguments are cut along dim 0, so they must have the batch's "
-                          f"{B} rows (or 1 row, given whole to every chunk); got sizes {odd}")
+        return ValueError(
+            f"Overlapped: tensor arguments are cut along dim 0, so they must have the batch's "
+            f"{B} rows (or 1 row, given whole to every chunk); got sizes {odd}"
+        )
     return [i for i in tensors if leaves[i].shape[0] == B]
 
 
@@ -315,8 +331,11 @@ class _TorchModes:
         # (no hooks, the usual case: nothing to pop and push back)
         hooks = [] if _top_saved_tensor_hooks() is None else _pop_saved_tensor_hooks()
         _push_saved_tensor_hooks(hooks)
-        return cls(torch.is_grad_enabled(),
-                   tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in cls._DEVICES), hooks)
+        return cls(
+            torch.is_grad_enabled(),
+            tuple((torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in cls._DEVICES),
+            hooks,
+        )
 
     def restore(self) -> None:
         torch.set_grad_enabled(self.grad)
@@ -385,8 +404,10 @@ def _concat(outputs: list):
     for j, v in enumerate(leaves0):
         if isinstance(v, torch.Tensor):
             if v.dim() == 0:
-                raise ValueError("Overlapped: a model output is a 0-dim tensor, which cannot be "
-                                 "concatenated along dim 0; return per-row outputs and reduce outside")
+                raise ValueError(
+                    "Overlapped: a model output is a 0-dim tensor, which cannot be "
+                    "concatenated along dim 0; return per-row outputs and reduce outside"
+                )
             merged.append(torch.cat([leaves[j] for leaves in per_chunk], dim=0))
         else:
             merged.append(v)

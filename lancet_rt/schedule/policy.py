@@ -5,12 +5,20 @@
 registry that other packages fill: ``import lancet_rt.autotune`` registers its ``AutoChunks`` under
 ``"auto"``, so the runtime itself never imports the autotuner.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Protocol, runtime_checkable
 
-__all__ = ["ChunkPolicy", "register_chunk_policy", "registered_chunk_policies", "check_chunks",
-           "check_chunk_count", "resolve_chunk_policy", "MAX_CHUNKS"]
+__all__ = [
+    "ChunkPolicy",
+    "register_chunk_policy",
+    "registered_chunk_policies",
+    "check_chunks",
+    "check_chunk_count",
+    "resolve_chunk_policy",
+    "MAX_CHUNKS",
+]
 
 #: The largest chunk count accepted (from an argument, a policy or the autotune cache). Overlap pays
 #: off at a few chunks (2-8); a count in the thousands only runs the model that many times.

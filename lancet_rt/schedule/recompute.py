@@ -13,6 +13,7 @@ the same regions in the autograd engine's deterministic order; it records no sta
 A MoE layer recomputed without this context (the reentrant checkpoint, or ``context_fn`` left out)
 raises a RuntimeError that says what to pass, instead of routing differently.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -86,8 +87,9 @@ def checkpoint(function, *args, **kwargs):
     for name in ("use_reentrant", "context_fn"):
         if name in kwargs:
             raise TypeError(f"lancet_rt.checkpoint sets {name} itself")
-    return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False,
-                                             context_fn=checkpoint_context, **kwargs)
+    return torch.utils.checkpoint.checkpoint(
+        function, *args, use_reentrant=False, context_fn=checkpoint_context, **kwargs
+    )
 
 
 def recording() -> bool:
@@ -110,8 +112,10 @@ def replayed() -> Optional[Snapshot]:
     pending = _replaying.get()
     if pending is not None:
         if not pending:
-            raise RuntimeError("lancet_rt: a checkpointed region called more MoE layers when recomputed "
-                               "than in its forward; the region must be deterministic")
+            raise RuntimeError(
+                "lancet_rt: a checkpointed region called more MoE layers when recomputed "
+                "than in its forward; the region must be deterministic"
+            )
         return pending.popleft()
     if torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1:
         raise RuntimeError(
@@ -120,5 +124,6 @@ def replayed() -> Optional[Snapshot]:
             "torch.utils.checkpoint.checkpoint(fn, ..., use_reentrant=False, "
             "context_fn=lancet_rt.checkpoint_context), or lancet_rt.checkpoint(fn, ...); with Hugging Face "
             "models, lancet_rt.from_hf does this for activation_checkpointing_enable() (use_reentrant=False). "
-            "The reentrant checkpoint is not supported around MoE layers.")
+            "The reentrant checkpoint is not supported around MoE layers."
+        )
     return None

@@ -3,6 +3,7 @@
 :class:`lancet_rt.Overlapped` runs the model once per chunk, each run a coroutine. A MoE layer asks
 :func:`current` for the scope; with none active it runs as one chunk and :func:`switch` is a no-op.
 """
+
 from __future__ import annotations
 
 import threading

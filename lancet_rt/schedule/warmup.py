@@ -29,6 +29,7 @@ at the same point of the same step, so peers wait only for the spread of one war
 rank's compiles. It is logged on the ``lancet_rt`` logger. An explicit :func:`warmup` marks what it
 warmed, and the first step then warms nothing.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -50,10 +51,18 @@ from lancet_rt.moe.layer import MoE
 log = logging.getLogger("lancet_rt")
 
 #: Layer attributes a step changes and warm-up restores.
-_LAYER_STATE = ("group", "_config_checked", "aux_loss", "z_loss", "tokens_per_expert", "_dropped", "expert_load",
-                "shadowed")
+_LAYER_STATE = (
+    "group",
+    "_config_checked",
+    "aux_loss",
+    "z_loss",
+    "tokens_per_expert",
+    "_dropped",
+    "expert_load",
+    "shadowed",
+)
 #: The grouped GEMMs' autotune buckets of mean rows per expert (kernels.grouped_gemm._m_bucket).
-_BUCKETS = tuple(2 ** b for b in range(4, 13))
+_BUCKETS = tuple(2**b for b in range(4, 13))
 #: Per layer, the (compute dtype, grad mode) pairs whose kernels a warm-up compiled and tuned.
 _warm: "weakref.WeakKeyDictionary[MoE, set]" = weakref.WeakKeyDictionary()
 
@@ -110,8 +119,15 @@ def before_step(overlapped, args: tuple, kwargs: dict) -> None:
     if not cold:
         return
     chunks = overlapped.chunks if isinstance(overlapped.chunks, int) else 1
-    _warm_first_step(_runner(overlapped, overlapped.model, chunks), overlapped, overlapped.model, device,
-                     args, kwargs, f"Overlapped at {chunks} chunk(s)")
+    _warm_first_step(
+        _runner(overlapped, overlapped.model, chunks),
+        overlapped,
+        overlapped.model,
+        device,
+        args,
+        kwargs,
+        f"Overlapped at {chunks} chunk(s)",
+    )
 
 
 def before_collectives(layer: MoE, x: torch.Tensor) -> Optional[Exception]:
@@ -126,13 +142,16 @@ def before_collectives(layer: MoE, x: torch.Tensor) -> Optional[Exception]:
     Returns:
         None, or the exception the warm-up raised (the layer raises it on every rank, as a rejected input).
     """
-    if not _has_peers(layer) or _ops.implementation(x.device) != "triton" or _key(layer, x.device) in \
-            _warm.get(layer, ()):
+    if (
+        not _has_peers(layer)
+        or _ops.implementation(x.device) != "triton"
+        or _key(layer, x.device) in _warm.get(layer, ())
+    ):
         return None
     copy = x.detach().requires_grad_(x.requires_grad)
     try:
         _warm_first_step(layer.forward_eager, layer, layer, x.device, (copy,), {}, f"layer {layer.trace_name!r}")
-    except Exception as exc:  # noqa: BLE001 - handed to the layer, which raises it on every rank
+    except Exception as exc:  # handed to the layer, which raises it on every rank
         return exc
     return None
 
@@ -156,7 +175,9 @@ def check_connections(device: torch.device) -> None:
             f"each wait of a side stream (the counts' copy, a collective) blocks all compute launched after it and "
             f"Overlapped hides no communication. Unset {_env.CUDA_DEVICE_MAX_CONNECTIONS} (CUDA's default, 8) for "
             f"lancet-rt ranks; Megatron sets it to 1 for its tensor-parallel overlap, which lancet-rt does not use.",
-            RuntimeWarning, stacklevel=3)
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 MoE.before_collectives = before_collectives
@@ -164,8 +185,9 @@ MoE.before_collectives = before_collectives
 
 def _is_overlapped(obj) -> bool:
     # Overlapped by its interface: schedule.overlap imports this module, not the other way.
-    return all(callable(getattr(obj, name, None)) for name in ("forward_chunked", "moe_layers")) and \
-        isinstance(getattr(obj, "model", None), nn.Module)
+    return all(callable(getattr(obj, name, None)) for name in ("forward_chunked", "moe_layers")) and isinstance(
+        getattr(obj, "model", None), nn.Module
+    )
 
 
 def _runner(model, inner, chunks: int) -> Callable:
@@ -183,8 +205,11 @@ def _has_peers(m: MoE) -> bool:
 def _key(m: MoE, device: torch.device) -> tuple:
     """What a warm-up of ``m`` depends on beyond its shapes: the compute dtype (autocast's, else the
     experts') and whether the step runs a backward."""
-    dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) \
+    dtype = (
+        torch.get_autocast_dtype(device.type)
+        if torch.is_autocast_enabled(device.type)
         else m.experts.gate_up_proj.dtype
+    )
     return dtype, torch.is_grad_enabled()
 
 
@@ -203,9 +228,16 @@ def _warm_first_step(run: Callable, runner, inner: nn.Module, device, args, kwar
     for m, key in zip(layers, keys):
         _warm.setdefault(m, set()).add(key)
     dtype, grad = keys[0]
-    log.info("lancet_rt: first-step warm-up of %s: %d MoE layer(s), %s%s, %d bucket launch(es), %.1f s "
-             "(lancet_rt.warmup before the first step does it ahead)", what, len(layers), dtype,
-             " with backward" if grad else " forward only", len(buckets), time.perf_counter() - t0)
+    log.info(
+        "lancet_rt: first-step warm-up of %s: %d MoE layer(s), %s%s, %d bucket launch(es), %.1f s "
+        "(lancet_rt.warmup before the first step does it ahead)",
+        what,
+        len(layers),
+        dtype,
+        " with backward" if grad else " forward only",
+        len(buckets),
+        time.perf_counter() - t0,
+    )
 
 
 def _warm_step(run: Callable, runner, inner: nn.Module, layers: list, args, kwargs) -> None:

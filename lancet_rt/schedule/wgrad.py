@@ -16,6 +16,7 @@ deferral. Whether the running backward accumulates at all is read from a probe l
 deferring Function takes: under ``torch.autograd.grad``, or ``backward(inputs=...)`` naming other
 tensors, dW is skipped (take weight gradients with ``backward()`` when deferring).
 """
+
 from __future__ import annotations
 
 import time
@@ -49,8 +50,8 @@ class _Item:
     needs: Sequence[bool]
     compute: Callable[[], Sequence[torch.Tensor]]
     flops: int
-    nbytes: int = 0                        # what the closure holds (its GEMMs' operands) until it runs
-    dtype: Optional[torch.dtype] = None    # the dtype its GEMMs run in (priced at that rate)
+    nbytes: int = 0  # what the closure holds (its GEMMs' operands) until it runs
+    dtype: Optional[torch.dtype] = None  # the dtype its GEMMs run in (priced at that rate)
 
 
 def held_bytes(*tensors) -> int:
@@ -138,11 +139,15 @@ class WGradQueue:
     """
 
     def __init__(self, max_deferred_bytes: Optional[float] = None):
-        if max_deferred_bytes is not None and (isinstance(max_deferred_bytes, bool)
-                                               or not isinstance(max_deferred_bytes, (int, float))
-                                               or not max_deferred_bytes >= 0):
-            raise ValueError(f"max_deferred_bytes must be None or a number of bytes >= 0 (math.inf: no bound), "
-                             f"got {max_deferred_bytes!r}")
+        if max_deferred_bytes is not None and (
+            isinstance(max_deferred_bytes, bool)
+            or not isinstance(max_deferred_bytes, (int, float))
+            or not max_deferred_bytes >= 0
+        ):
+            raise ValueError(
+                f"max_deferred_bytes must be None or a number of bytes >= 0 (math.inf: no bound), "
+                f"got {max_deferred_bytes!r}"
+            )
         self.max_deferred_bytes = max_deferred_bytes
         self.held_bytes = self.peak_held_bytes = 0
         self.forced = 0
@@ -317,11 +322,16 @@ class _LinearFn(torch.autograd.Function):
             dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
 
             def weight_grads():
-                return (dy2.t() @ x2 if needs[0] else None,
-                        dy2.sum(0) if len(needs) > 1 and needs[1] else None)
+                return (dy2.t() @ x2 if needs[0] else None, dy2.sum(0) if len(needs) > 1 and needs[1] else None)
 
-            ctx.queue.push(ctx.params, needs, weight_grads, 2 * x2.shape[0] * x2.shape[1] * dy2.shape[1],
-                           held_bytes(x2, dy2), x2.dtype)
+            ctx.queue.push(
+                ctx.params,
+                needs,
+                weight_grads,
+                2 * x2.shape[0] * x2.shape[1] * dy2.shape[1],
+                held_bytes(x2, dy2),
+                x2.dtype,
+            )
         return dx, None, None, None, None, None
 
 

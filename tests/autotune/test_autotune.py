@@ -1,6 +1,7 @@
 """The autotuner: the command and its cache, chunks="auto" (cached and online), cache robustness
 (corrupted, foreign, old-version files; concurrent writers), nearest-bucket lookup, the cost model's
 simulation, and the device identity without NVML. CPU, emulated link, small blocks."""
+
 from __future__ import annotations
 
 import copy
@@ -13,15 +14,27 @@ import types
 
 import pytest
 import torch
-
-import lancet_rt
-from lancet_rt.autotune import (AutoChunks, CacheKey, ComputeProfile, CostModel, LinkModel, SimOp, TuneCache,
-                      TuningBlocks, candidate_chunks, device_identity, simulate, token_bucket)
+from lancet_rt.autotune import (
+    AutoChunks,
+    CacheKey,
+    ComputeProfile,
+    CostModel,
+    LinkModel,
+    SimOp,
+    TuneCache,
+    TuningBlocks,
+    candidate_chunks,
+    device_identity,
+    profiling,
+    simulate,
+    token_bucket,
+)
 from lancet_rt.autotune import __main__ as cli
 from lancet_rt.autotune import cache as cache_mod
 from lancet_rt.autotune import gpu as gpu_mod
-from lancet_rt.autotune import profiling
 from lancet_rt.autotune.profiling import LayerStages
+
+import lancet_rt
 from tests.dist import assert_all_ok, run_ranks
 from tests.helpers import assert_close
 
@@ -31,10 +44,43 @@ D, F, E, K, W, CF = 64, 128, 8, 2, 4, 1.25
 BW_GBPS, LAT_US = 0.05, 20.0
 SEQ, ROWS = 128, 4
 TOKENS = SEQ * ROWS
-ARGS = ["--device", "cpu", "--link", "emulated", "--world-size", str(W), "--bandwidth-gbps", str(BW_GBPS),
-        "--latency-us", str(LAT_US), "--d-model", str(D), "--d-ffn", str(F), "--experts", str(E),
-        "--top-k", str(K), "--capacity-factor", str(CF), "--tokens", str(TOKENS), "--seq", str(SEQ),
-        "--layers", "1", "--heads", "4", "--dtype", "float32", "--warmup", "1", "--reps", "3", "--no-progress"]
+ARGS = [
+    "--device",
+    "cpu",
+    "--link",
+    "emulated",
+    "--world-size",
+    str(W),
+    "--bandwidth-gbps",
+    str(BW_GBPS),
+    "--latency-us",
+    str(LAT_US),
+    "--d-model",
+    str(D),
+    "--d-ffn",
+    str(F),
+    "--experts",
+    str(E),
+    "--top-k",
+    str(K),
+    "--capacity-factor",
+    str(CF),
+    "--tokens",
+    str(TOKENS),
+    "--seq",
+    str(SEQ),
+    "--layers",
+    "1",
+    "--heads",
+    "4",
+    "--dtype",
+    "float32",
+    "--warmup",
+    "1",
+    "--reps",
+    "3",
+    "--no-progress",
+]
 
 
 def make_model(seed=0, bandwidth=BW_GBPS):
@@ -54,9 +100,21 @@ def train_step(runner, model, x, g):
 
 
 def a_key(tokens_bucket=1024, **over) -> CacheKey:
-    fields = dict(device="cpu|test|2 cores", device_name="cpu", ep_world_size=W, link_backend="emulated",
-                  link_gbps=BW_GBPS, link_latency_us=LAT_US, dtype="float32", d_model=D, d_ffn=F,
-                  num_experts=E, top_k=K, capacity_factor=CF, tokens_bucket=tokens_bucket)
+    fields = dict(
+        device="cpu|test|2 cores",
+        device_name="cpu",
+        ep_world_size=W,
+        link_backend="emulated",
+        link_gbps=BW_GBPS,
+        link_latency_us=LAT_US,
+        dtype="float32",
+        d_model=D,
+        d_ffn=F,
+        num_experts=E,
+        top_k=K,
+        capacity_factor=CF,
+        tokens_bucket=tokens_bucket,
+    )
     fields.update(over)
     return CacheKey(**fields)
 
@@ -94,8 +152,10 @@ def test_command_creates_an_entry_and_reports_choice_and_prediction(tuned):
     assert all(r["predicted_ms"] > 0 for r in result["table"] if r["status"] == "ok")
     assert "predicted ms" in printed and "measured ms" in printed
     assert f"choice: {result['chunks']} chunk" in printed and "prediction error" in printed
-    print(f"\nautotune on this CPU: choice {result['chunks']} chunks, measured {result['chosen_measured_ms']:.1f} ms, "
-          f"predicted {result['predicted_ms']:.1f} ms ({result['prediction_error']:+.1%})")
+    print(
+        f"\nautotune on this CPU: choice {result['chunks']} chunks, measured {result['chosen_measured_ms']:.1f} ms, "
+        f"predicted {result['predicted_ms']:.1f} ms ({result['prediction_error']:+.1%})"
+    )
 
 
 def test_second_command_run_reuses_the_entry(tuned, monkeypatch, capsys):
@@ -198,11 +258,14 @@ def test_corrupted_cache_warns_and_training_goes_on(tmp_path):
     assert data["schema"] == cache_mod.SCHEMA and len(data["entries"]) == 1
 
 
-@pytest.mark.parametrize("content, match", [
-    ({"schema": "someone-else/v3", "entries": {"x": 1}}, "another tool"),
-    ({"schema": cache_mod.SCHEMA, "version": 0, "entries": {}}, "version 0"),
-    ([1, 2, 3], "another tool"),
-])
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        ({"schema": "someone-else/v3", "entries": {"x": 1}}, "another tool"),
+        ({"schema": cache_mod.SCHEMA, "version": 0, "entries": {}}, "version 0"),
+        ([1, 2, 3], "another tool"),
+    ],
+)
 def test_foreign_or_old_cache_is_ignored_with_a_warning(tmp_path, content, match):
     path = tmp_path / "cache.json"
     path.write_text(json.dumps(content))
@@ -285,8 +348,9 @@ def test_measured_bandwidth_is_compared_unrounded(tmp_path):
 
 def test_shipped_defaults_are_keyed_by_gpu_name(tmp_path):
     defaults = tmp_path / "defaults.json"
-    TuneCache(str(defaults), defaults_path=None).store(a_key(1024, device="cpu|other machine|64 cores"),
-                                                       {"chunks": 4}, by="device_name")
+    TuneCache(str(defaults), defaults_path=None).store(
+        a_key(1024, device="cpu|other machine|64 cores"), {"chunks": 4}, by="device_name"
+    )
     cache = TuneCache(str(tmp_path / "user.json"), defaults_path=str(defaults))
     hit = cache.lookup(a_key(1024))
     assert hit.chunks == 4 and hit.source == "defaults"
@@ -318,8 +382,13 @@ def test_gpu_identity_is_cpu_without_nvml(monkeypatch):
 
 # ---------------------------------------------------------------------------------- cost model
 def test_two_stream_simulation():
-    ops = [SimOp("a", "compute", 2.0), SimOp("x", "comm", 3.0, (0,)), SimOp("b", "compute", 1.0),
-           SimOp("c", "compute", 1.0, (1,)), SimOp("y", "comm", 1.0, (2,))]
+    ops = [
+        SimOp("a", "compute", 2.0),
+        SimOp("x", "comm", 3.0, (0,)),
+        SimOp("b", "compute", 1.0),
+        SimOp("c", "compute", 1.0, (1,)),
+        SimOp("y", "comm", 1.0, (2,)),
+    ]
     assert simulate(ops) == 6.0
     assert [(o.start, o.end) for o in ops] == [(0, 2), (2, 5), (2, 3), (5, 6), (5, 6)]
     with pytest.raises(ValueError, match="stream"):
@@ -329,8 +398,16 @@ def test_two_stream_simulation():
 def _profile(pre=2.0, experts=2.0, post=1.0, backward=10.0, overhead=0.5, nbytes=3_000_000, world=W):
     stage = LayerStages(pre=pre, issue=0.0, experts=experts, post=post, dispatch_bytes=nbytes, combine_bytes=nbytes)
     forward = pre + experts + post
-    return ComputeProfile(step1_ms=forward + backward, overhead_per_chunk_ms=overhead, points={},
-                          forward_ms=forward, layers=(stage,), tail_ms=0.0, dw_ms=0.0, world_size=world)
+    return ComputeProfile(
+        step1_ms=forward + backward,
+        overhead_per_chunk_ms=overhead,
+        points={},
+        forward_ms=forward,
+        layers=(stage,),
+        tail_ms=0.0,
+        dw_ms=0.0,
+        world_size=world,
+    )
 
 
 def test_cost_model_predictions():
@@ -363,7 +440,6 @@ def test_link_model_fit():
     assert model.time_ms(4e6) == pytest.approx(4.5)
 
 
-
 class _InjectedLink:
     """A link whose all-to-alls take ``latency + off-rank bytes / bandwidth`` of an injected clock
     (plus ``noise`` ms on every other call), so the fit is checked without wall-clock timings."""
@@ -392,19 +468,25 @@ def test_link_model_measure_fits_the_timings(monkeypatch):
 
 
 # ---------------------------------------------------------------------------------- validation
-@pytest.mark.parametrize("extra, match", [
-    (["--tokens", "500"], "--tokens"),
-    (["--experts", "6"], "--experts"),
-])
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--tokens", "500"], "--tokens"),
+        (["--experts", "6"], "--experts"),
+    ],
+)
 def test_command_rejects_bad_arguments(tmp_path, extra, match):
     with pytest.raises(ValueError, match=match):
         cli.run(ARGS + ["--cache", str(tmp_path / "c.json")] + extra)
 
 
-@pytest.mark.parametrize("extra, match", [
-    (["--capacity-factor", "-1"], "argument --capacity-factor: must be a finite number > 0"),
-    (["--candidates", "0,2"], "argument --candidates: item '0'"),
-])
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--capacity-factor", "-1"], "argument --capacity-factor: must be a finite number > 0"),
+        (["--candidates", "0,2"], "argument --candidates: item '0'"),
+    ],
+)
 def test_command_refuses_an_out_of_range_argument_in_argparse(tmp_path, extra, match, capsys):
     with pytest.raises(SystemExit) as info:
         cli.run(ARGS + ["--cache", str(tmp_path / "c.json")] + extra)
@@ -436,9 +518,37 @@ def _tune_on_gloo(rank, world, path):
     import io
 
     torch.set_num_threads(1)
-    argv = ["--device", "cpu", "--link", "torch", "--d-model", "32", "--d-ffn", "64", "--experts", "4",
-            "--top-k", "2", "--tokens", "256", "--seq", "64", "--layers", "1", "--heads", "2",
-            "--candidates", "1,2", "--warmup", "1", "--reps", "2", "--no-progress", "--cache", path]
+    argv = [
+        "--device",
+        "cpu",
+        "--link",
+        "torch",
+        "--d-model",
+        "32",
+        "--d-ffn",
+        "64",
+        "--experts",
+        "4",
+        "--top-k",
+        "2",
+        "--tokens",
+        "256",
+        "--seq",
+        "64",
+        "--layers",
+        "1",
+        "--heads",
+        "2",
+        "--candidates",
+        "1,2",
+        "--warmup",
+        "1",
+        "--reps",
+        "2",
+        "--no-progress",
+        "--cache",
+        path,
+    ]
     with contextlib.redirect_stdout(io.StringIO()):
         first = cli.run(argv)
         second = cli.run(argv)

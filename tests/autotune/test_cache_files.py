@@ -1,6 +1,7 @@
 """The autotune cache reached through symbolic links (a cache shared by users or jobs): every write
 updates the link's target in place, atomically (its lock and temporary file beside it, renamed onto
 it), so the links stay links, the shared file does not fork, and writers through two links merge."""
+
 from __future__ import annotations
 
 import json
@@ -10,9 +11,9 @@ import stat
 import sys
 
 import pytest
-
 from lancet_rt.autotune import TuneCache
 from lancet_rt.autotune import cache as cache_mod
+
 from tests.autotune.test_autotune import _write_many, a_key
 
 

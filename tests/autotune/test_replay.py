@@ -1,4 +1,5 @@
 """dPRO-style trace replay (lancet_rt.autotune.replay): parsing a trace by stage and replaying a recorded step."""
+
 from __future__ import annotations
 
 import copy
@@ -10,7 +11,6 @@ import torch
 
 import lancet_rt
 from bench.model import MoEBlocks
-
 
 D = 16
 
@@ -56,8 +56,18 @@ def _synthetic_trace():
     span("experts bwd", "compute", 23, 26, chunk=1)
     span("wait", "wait", 26, 28, chunk=0)
     span("experts bwd", "compute", 28, 31, chunk=0)
-    for t0, nbytes in [(3, 0), (5, 0), (7.5, 1200), (9.5, 800), (13, 1200), (14, 800),
-                       (21, 800), (23, 1200), (26, 800), (31, 1200)]:
+    for t0, nbytes in [
+        (3, 0),
+        (5, 0),
+        (7.5, 1200),
+        (9.5, 800),
+        (13, 1200),
+        (14, 800),
+        (21, 800),
+        (23, 1200),
+        (26, 800),
+        (31, 1200),
+    ]:
         span("all_to_all" if nbytes else "exchange", "link", t0, t0 + 0.02 + nbytes / 1e3, bytes=nbytes)
     return ev
 
@@ -69,9 +79,9 @@ def test_replay_parses_a_trace_by_stage():
     assert (s.chunks, s.layers, s.tokens) == (2, ["moe"], [6, 4])
     f = {k: [round(v, 6) for v in vals] for k, vals in s.forward.items()}
     assert f[(0, "pre")] == [2.0, 0.4] and f[(0, "route")] == [1.0, 1.0]
-    assert f[(0, "permute")] == [1.5, 0.9]         # 3-3.5 and 6-7 (the 5-6 wait is not work); 7.6-8.5
+    assert f[(0, "permute")] == [1.5, 0.9]  # 3-3.5 and 6-7 (the 5-6 wait is not work); 7.6-8.5
     assert f[(0, "issue")] == [0.5, 1.0]
-    assert f[(0, "experts")] == [2.1, 1.0]         # 7.5-7.6, 11-13; 9.5-9.6, 13.1-14
+    assert f[(0, "experts")] == [2.1, 1.0]  # 7.5-7.6, 11-13; 9.5-9.6, 13.1-14
     assert f[(0, "post")] == [1.1, 0.5] and f[(-1, "tail")] == [1.0, 0.5]
     assert math.isclose(s.forward_ms, 18.0) and math.isclose(s.forward_waits_ms, 3.0)
     assert math.isclose(s.glue_ms, 18.0 - 3.0 - sum(map(sum, s.forward.values())))
@@ -82,6 +92,7 @@ def test_replay_parses_a_trace_by_stage():
         parse_trace(_synthetic_trace() + [e for e in _synthetic_trace() if e["name"] == "route"])
     # Between traced chunk counts stage totals are interpolated, beyond them extended (ratios held).
     from lancet_rt.autotune.replay_profile import _interp
+
     assert [_interp({2: 10.0, 8: 22.0}, n, extend=True) for n in (1, 2, 4, 8, 10)] == [8.0, 10.0, 14.0, 22.0, 26.0]
     assert [_interp({2: 10.0, 8: 22.0}, n) for n in (1, 5, 10)] == [10.0, 16.0, 22.0]
     assert _interp({4: 3.0}, 1, extend=True) == 3.0
@@ -151,8 +162,11 @@ def test_replay_of_a_recorded_step(tmp_path):
     sd = parse_trace(_record(link, copy.deepcopy(model), 2, x, g, defer=True))
     pd = build_profile([sd])
     assert sd.deferred and sd.backward["dw"] > 0 and pd.dw(2) > 0
-    assert math.isclose(replay(pd, 2, 0.05, 0.5).compute_ms,
-                        sum(map(sum, sd.forward.values())) + sd.glue_ms + sum(sd.backward.values()), rel_tol=1e-9)
+    assert math.isclose(
+        replay(pd, 2, 0.05, 0.5).compute_ms,
+        sum(map(sum, sd.forward.values())) + sd.glue_ms + sum(sd.backward.values()),
+        rel_tol=1e-9,
+    )
     path = tmp_path / "t.json"
     tr.save(str(path))
     preds = main([str(path), "--chunks", "1,2", "--bandwidth-gbps", "0.05,1", "--json", str(tmp_path / "p.json")])

@@ -1,9 +1,10 @@
 """The cluster simulator: built on the replay (the same prediction where the replay covers the case), skew, CLI."""
+
 import json
 
 import pytest
-
-from lancet_rt.autotune import cluster as simulate, simulate_model
+from lancet_rt.autotune import cluster as simulate
+from lancet_rt.autotune import simulate_model
 from lancet_rt.autotune.replay_sim import Skew, replay
 
 
@@ -75,6 +76,7 @@ def test_shadowing_in_the_simulator():
     # By hand, one layer of 8 experts on 8 ranks with the hot expert shadowed: port and hot rows from the
     # remaining shares, plus the fetch's bytes over the pass's all-to-all bytes.
     from lancet_rt.routing.traces import parse_routing
+
     shape = simulate_model.SHAPES["mixtral"]
     src = parse_routing("zipf")
     sk, k = simulate_model.shadow_skew_for(src, shape, 8, 8192, 1)

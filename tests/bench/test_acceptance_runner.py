@@ -1,5 +1,6 @@
 """make bench-link's runner (bench.reallink_acceptance) without a link: a run that fails does not hide
 the others' table, the rows go under out/ by default, and the main job says what its link was."""
+
 from __future__ import annotations
 
 import json
@@ -8,9 +9,19 @@ import subprocess
 import bench.reallink_acceptance as acceptance
 from bench.train_lm import _link_note
 
-ROW = dict(configured_mbit=160.0, socket_mbit=150.0, measured_comm_ratio=1.0, sequential_ms=1400.0,
-           overlapped_ms=1000.0, speedup_vs_sequential=1.4, hidden_comm_fraction=0.7, device="cpu",
-           date="2026-12-06", commit="x", load_avg_before=[0.1, 0.1, 0.1])
+ROW = dict(
+    configured_mbit=160.0,
+    socket_mbit=150.0,
+    measured_comm_ratio=1.0,
+    sequential_ms=1400.0,
+    overlapped_ms=1000.0,
+    speedup_vs_sequential=1.4,
+    hidden_comm_fraction=0.7,
+    device="cpu",
+    date="2026-12-06",
+    commit="x",
+    load_avg_before=[0.1, 0.1, 0.1],
+)
 
 
 def test_a_failed_run_leaves_the_others_table(tmp_path, monkeypatch, capsys):

@@ -1,4 +1,5 @@
 """The GPU lane's summary reads benchmark rows and judges the worst one against each target."""
+
 from __future__ import annotations
 
 import json
@@ -7,10 +8,18 @@ from bench.gpu_lane import summary
 
 
 def test_summary_judges_worst_row_and_reports_missing(tmp_path):
-    (tmp_path / "overlap.json").write_text(json.dumps([
-        dict(speedup_vs_sequential=1.7, speedup_vs_moe_pipelined=1.1, over_bound=0.12, hidden_comm_fraction=0.85),
-        dict(speedup_vs_sequential=1.4, speedup_vs_moe_pipelined=1.2, over_bound=0.20, hidden_comm_fraction=0.90),
-    ]))
+    (tmp_path / "overlap.json").write_text(
+        json.dumps(
+            [
+                dict(
+                    speedup_vs_sequential=1.7, speedup_vs_moe_pipelined=1.1, over_bound=0.12, hidden_comm_fraction=0.85
+                ),
+                dict(
+                    speedup_vs_sequential=1.4, speedup_vs_moe_pipelined=1.2, over_bound=0.20, hidden_comm_fraction=0.90
+                ),
+            ]
+        )
+    )
     rows = {r["metric"]: r for r in summary(tmp_path)}
     assert rows["Overlapped vs sequential"]["value"] == 1.4 and rows["Overlapped vs sequential"]["met"] == "NOT met"
     assert rows["Overlapped over bound_ms"]["value"] == 0.2 and rows["Overlapped over bound_ms"]["met"] == "NOT met"
@@ -20,11 +29,15 @@ def test_summary_judges_worst_row_and_reports_missing(tmp_path):
 
 def test_summary_ignores_rows_that_failed_their_check(tmp_path):
     base = dict(op="permute_fwd", T=16384, D=4096)
-    (tmp_path / "kernels.json").write_text(json.dumps([
-        dict(base, frac_copy=0.90, check="ok"),
-        dict(base, frac_copy=5.0, check="MISMATCH"),   # fast and wrong: must not count
-        dict(base, check="error", error="CompilationError: ..."),
-    ]))
+    (tmp_path / "kernels.json").write_text(
+        json.dumps(
+            [
+                dict(base, frac_copy=0.90, check="ok"),
+                dict(base, frac_copy=5.0, check="MISMATCH"),  # fast and wrong: must not count
+                dict(base, check="error", error="CompilationError: ..."),
+            ]
+        )
+    )
     row = {r["metric"]: r for r in summary(tmp_path)}["permute fwd, fraction of copy BW"]
     assert row["value"] == 0.9 and row["rows"] == 1 and row["failed"] == 2 and row["met"] == "met"
 

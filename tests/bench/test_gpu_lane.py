@@ -1,5 +1,6 @@
 """The GPU lane's parts on the CPU: the plan's caps, the pinned GEMM configs, the steps' test lists,
 the archive and --collect (the whole lane runs in tests/bench/test_gpu_lane_dry_run.py)."""
+
 from __future__ import annotations
 
 import json
@@ -45,14 +46,13 @@ def test_routing_pins_are_in_the_spaces_and_kept_at_the_lanes_shapes(var):
     """Each pinned routing config is one of its kernel's candidates and survives the kernel's own
     prune at every (E, K, D) the lane's pinned steps run; the variables are the kernels'."""
     import triton
-
     from lancet_rt.kernels import _gating_kernels, _permute_kernels
 
     tuner = lane_configs.tuners()[var]
     text = lane_configs.ROUTING_PINS[var]
     assert text in {lane_configs.config_string(c) for c in tuner.configs}
     config = next(c for c in tuner.configs if lane_configs.config_string(c) == text)
-    for E, K, D in lane_configs.ROUTING_SHAPES:
+    for E, _K, D in lane_configs.ROUTING_SHAPES:
         if "GATING" in var:
             assert _gating_kernels._token_tile_keep(config, triton.next_power_of_2(E)), (var, E)
         else:
@@ -125,8 +125,14 @@ def test_failed_import_or_no_cuda_ends_the_call(monkeypatch, tmp_path, rc):
 
 def _h100_winners() -> dict:
     """op -> the configs bench.experts' autotuning chose on the H100 on 2026-11-24."""
-    op_of = {"fwd gate_up+swiglu": "gate_up", "fwd down": "fwd", "bwd dx gate_up": "dx", "bwd dx down": "dx",
-             "bwd dw gate_up": "dw", "bwd dw down": "dw"}
+    op_of = {
+        "fwd gate_up+swiglu": "gate_up",
+        "fwd down": "fwd",
+        "bwd dx gate_up": "dx",
+        "bwd dx down": "dx",
+        "bwd dw gate_up": "dw",
+        "bwd dw down": "dw",
+    }
     rows = json.loads((REPO / "bench" / "results" / "experts.json").read_text())
     out: dict = {}
     for r in rows:
@@ -138,7 +144,6 @@ def _h100_winners() -> dict:
 def _survivors(op: str, dtype, **problem) -> list:
     """The configs the CUDA autotuner would try for ``op`` (its space after pruning), as pin strings."""
     import torch
-
     from lancet_rt.kernels._gemm_space import _gemm_configs, _prune_configs, _tile_of
 
     args = dict(x_ptr=torch.empty(1, dtype=dtype), INPUT_PRECISION="ieee", INTERLEAVED=False, **problem)
@@ -149,7 +154,6 @@ def _survivors(op: str, dtype, **problem) -> list:
 @pytest.mark.parametrize("op", ["fwd", "dx", "gate_up", "dw"])
 def test_pinned_configs_are_the_h100_winners_and_the_largest_fp32_survivors(op):
     import torch
-
     from lancet_rt.kernels._gemm_space import CONFIG_ENV
 
     assert lane_steps.CONFIG_ENV == CONFIG_ENV
@@ -174,8 +178,11 @@ def test_pinned_config_is_what_the_kernel_launches(monkeypatch):
 def test_every_gpu_test_outside_the_kernels_is_in_the_runtime_step():
     """P4 lists its files (collecting the whole suite would cost the call time): a GPU test added
     elsewhere must join the list, or it would silently never run on a GPU."""
-    marked = {str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
-              if re.search(r"pytest\.mark\.gpu\b", p.read_text()) and p.parts[len(REPO.parts) + 1] != "kernels"}
+    marked = {
+        str(p.relative_to(REPO))
+        for p in (REPO / "tests").rglob("test_*.py")
+        if re.search(r"pytest\.mark\.gpu\b", p.read_text()) and p.parts[len(REPO.parts) + 1] != "kernels"
+    }
     assert marked == set(lane_steps.RUNTIME_TESTS), marked ^ set(lane_steps.RUNTIME_TESTS)
     assert lane_steps.HOST_SYNC_TEST.split("::")[0] in lane_steps.RUNTIME_TESTS
 
@@ -186,7 +193,7 @@ def test_archive_stays_under_its_limit_leaving_out_the_largest_non_rows(tmp_path
     work, out = tmp_path / "work", tmp_path / "out"
     work.mkdir(), out.mkdir()
     (work / "overlap.json").write_text(json.dumps([dict(hidden_comm_fraction=0.8)]))
-    (work / "overlap.png").write_bytes(os.urandom(60_000))           # incompressible
+    (work / "overlap.png").write_bytes(os.urandom(60_000))  # incompressible
     (work / "overlap-trace.json").write_bytes(os.urandom(30_000))
     (work / "runtime.log").write_text("PASSED\n" * 100)
     (work / "kernels.json.tmp").write_text("half-written")

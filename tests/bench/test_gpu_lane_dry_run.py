@@ -1,12 +1,12 @@
 """The GPU lane's acceptance on the CPU (issue 36): ``bench.gpu_lane --dry-run`` runs the priority plan
 at toy sizes, every step's command for real (so every module parses its arguments), and leaves an
 archive that ``--collect`` brings home."""
+
 from __future__ import annotations
 
 import json
 import tarfile
 import time
-from pathlib import Path
 
 from bench import gpu_lane, lane_configs, lane_files
 from bench.lane_steps import HOST_SYNC_TEST, PRIORITY
@@ -26,7 +26,7 @@ def test_dry_run_runs_the_plan_and_brings_its_rows_home(tmp_path, capsys):
 
     # The plan, each step with its cap, comes first; with --budget 700 all but the last have their whole
     # caps; P1-P5 with their pinned configs, P1 without CUDA_DEVICE_MAX_CONNECTIONS, P5 with it at 1.
-    plan = printed[:printed.index("=== P0")]
+    plan = printed[: printed.index("=== P0")]
     for step in PRIORITY[:-1]:
         assert f"{step.label:3s} {step.name:13s} {step.cap:5.0f} s" in plan, step.name
     lines = {line.split()[1]: line for line in plan.splitlines() if line[:1] == "P"}
@@ -70,4 +70,3 @@ def test_dry_run_runs_the_plan_and_brings_its_rows_home(tmp_path, capsys):
     lane_row = json.loads((results / "gpu_lane.json").read_text())[-1]
     assert lane_row["preflight"]["copy_gbs"] > 0 and lane_row["targets"] == summary["targets"]
     assert len(list(results.glob("gpu_lane_*_tests.log"))) == 1
-

@@ -1,5 +1,6 @@
 """bench.host's counts, which do not depend on the machine: issue 20's acceptance as a regression
 test (host reads and saved bytes per extra chunk; ATen ops on the CPU path)."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,8 +35,24 @@ def test_host_vs_gpu_fields_per_layer_chunk():
 def test_cpu_rows_carry_the_shape_and_no_gpu_fields(tmp_path):
     threads = torch.get_num_threads()
     try:
-        rows = host.main(["--device", "cpu", "--chunks", "2", "--reps", "1", "--layers", "1", "--seq", "8",
-                          "--experts", "8", "--top-k", "4"])
+        rows = host.main(
+            [
+                "--device",
+                "cpu",
+                "--chunks",
+                "2",
+                "--reps",
+                "1",
+                "--layers",
+                "1",
+                "--seq",
+                "8",
+                "--experts",
+                "8",
+                "--top-k",
+                "4",
+            ]
+        )
     finally:
         torch.set_num_threads(threads)
     for r in rows:

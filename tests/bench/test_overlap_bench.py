@@ -1,4 +1,5 @@
 """bench.overlap: the eager floors of chunking (tiny sizes; no timing asserted)."""
+
 import math
 
 import torch
@@ -8,8 +9,26 @@ from bench.runner import Runner
 
 
 def _tiny(*extra):
-    return overlap.parse_args(["--device", "cpu", "--quick", "--layers", "1", "--d-model", "32", "--d-ffn", "32",
-                               "--batch", "6", "--seq", "8", "--steps", "1", *extra])
+    return overlap.parse_args(
+        [
+            "--device",
+            "cpu",
+            "--quick",
+            "--layers",
+            "1",
+            "--d-model",
+            "32",
+            "--d-ffn",
+            "32",
+            "--batch",
+            "6",
+            "--seq",
+            "8",
+            "--steps",
+            "1",
+            *extra,
+        ]
+    )
 
 
 def test_plain_chunks_runs_the_unchunked_model_once_per_chunk_then_one_backward():
@@ -81,8 +100,27 @@ def test_lean_floor_runs_the_lean_layer_in_every_block_then_puts_ours_back():
 
 
 def test_row_carries_the_floor_and_the_overhead(tmp_path):
-    row = overlap.main(["--device", "cpu", "--quick", "--layers", "1", "--d-model", "32", "--d-ffn", "32",
-                        "--batch", "4", "--seq", "16", "--steps", "1", "--json", str(tmp_path / "rows.json")])
+    row = overlap.main(
+        [
+            "--device",
+            "cpu",
+            "--quick",
+            "--layers",
+            "1",
+            "--d-model",
+            "32",
+            "--d-ffn",
+            "32",
+            "--batch",
+            "4",
+            "--seq",
+            "16",
+            "--steps",
+            "1",
+            "--json",
+            str(tmp_path / "rows.json"),
+        ]
+    )
     assert row["chunking_overhead"] == row["compute_ms"] / row["sequential_compute_ms"]
     assert row["sequential_excess"] == row["sequential_ms"] / (row["sequential_compute_ms"] + row["comm_ms"]) - 1
     assert row["plain_chunks_compute_ms"] > 0
@@ -91,17 +129,27 @@ def test_row_carries_the_floor_and_the_overhead(tmp_path):
     parts = row["overhead_dense"] + row["overhead_moe"] + row["overhead_schedule"]
     assert math.isclose(1 + parts, row["overhead_over_floor"] * row["plain_chunks_overhead"], rel_tol=1e-9)
     floor_sequential_ms = row["plain_chunks_compute_ms"] / row["plain_chunks_overhead"]
-    assert math.isclose(row["overhead_dense"],
-                        (row["dense_chunks_compute_ms"] - row["dense_compute_ms"]) / floor_sequential_ms, rel_tol=1e-9)
+    assert math.isclose(
+        row["overhead_dense"],
+        (row["dense_chunks_compute_ms"] - row["dense_compute_ms"]) / floor_sequential_ms,
+        rel_tol=1e-9,
+    )
     assert row["dense_compute_ms"] > 0 and row["dense_chunks_compute_ms"] > 0
     assert set(overlap._floor_fields(None).values()) == {None}  # a transformers model: no floor row
     # the lean floor, in the same timing: our unchunked step plus the lean layer's increment
     assert row["lean_compute_ms"] > 0 and row["lean_chunks_compute_ms"] > 0
-    assert math.isclose(row["lean_overhead"], 1 + (row["lean_chunks_compute_ms"] - row["lean_compute_ms"])
-                        / floor_sequential_ms, rel_tol=1e-9)
+    assert math.isclose(
+        row["lean_overhead"],
+        1 + (row["lean_chunks_compute_ms"] - row["lean_compute_ms"]) / floor_sequential_ms,
+        rel_tol=1e-9,
+    )
     overlapped_floor_ms = row["overhead_over_floor"] * row["plain_chunks_compute_ms"]
-    assert math.isclose(row["overhead_over_lean"], overlapped_floor_ms / floor_sequential_ms - row["lean_overhead"],
-                        rel_tol=1e-9, abs_tol=1e-12)
+    assert math.isclose(
+        row["overhead_over_lean"],
+        overlapped_floor_ms / floor_sequential_ms - row["lean_overhead"],
+        rel_tol=1e-9,
+        abs_tol=1e-12,
+    )
     # what the speedup can reach: at this overhead, a schedule at the pass-aware bound
     assert row["pass_bound_speedup"] == row["sequential_ms"] / row["pass_bound_ms"]
     assert row["pass_bound_speedup_no_overhead"] >= row["pass_bound_speedup"] or row["chunking_overhead"] < 1
@@ -135,8 +183,30 @@ def test_row_is_on_disk_after_the_link_passes_and_survives_sigint(tmp_path):
     import time
 
     path = tmp_path / "rows.json"
-    cmd = [sys.executable, "-m", "bench.overlap", "--device", "cpu", "--quick", "--layers", "1", "--d-model", "32",
-           "--d-ffn", "32", "--batch", "4", "--seq", "16", "--steps", "3", "--microbatches", "4", "--json", str(path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "bench.overlap",
+        "--device",
+        "cpu",
+        "--quick",
+        "--layers",
+        "1",
+        "--d-model",
+        "32",
+        "--d-ffn",
+        "32",
+        "--batch",
+        "4",
+        "--seq",
+        "16",
+        "--steps",
+        "3",
+        "--microbatches",
+        "4",
+        "--json",
+        str(path),
+    ]
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     p = subprocess.Popen(cmd, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -171,8 +241,30 @@ def test_cross_microbatch_part_runs_only_if_its_projected_time_fits(tmp_path, mo
     assert overlap._extras_seconds(row, overlap.parse_args(["--quick"]), {}) == 0.0
     monkeypatch.setattr(overlap, "_extras_seconds", lambda *a: 1e9)
     path = tmp_path / "rows.json"
-    out = overlap.main(["--device", "cpu", "--quick", "--layers", "1", "--d-model", "32", "--d-ffn", "32", "--batch",
-                        "4", "--seq", "16", "--steps", "1", "--microbatches", "2", "--max-seconds", "3600",
-                        "--json", str(path)])
+    out = overlap.main(
+        [
+            "--device",
+            "cpu",
+            "--quick",
+            "--layers",
+            "1",
+            "--d-model",
+            "32",
+            "--d-ffn",
+            "32",
+            "--batch",
+            "4",
+            "--seq",
+            "16",
+            "--steps",
+            "1",
+            "--microbatches",
+            "2",
+            "--max-seconds",
+            "3600",
+            "--json",
+            str(path),
+        ]
+    )
     (saved,) = json.loads(path.read_text())
     assert saved == out and out["complete"] and "hidden_comm_fraction_accum" not in out

@@ -1,5 +1,6 @@
 """bench.peers: torchtitan's and DeepSpeed's MoE layers on our weights compute our outputs and gradients
 (float32, dropless), alone and in the blocks model, in one process and on 2 gloo ranks (expert-parallel)."""
+
 from __future__ import annotations
 
 import pytest

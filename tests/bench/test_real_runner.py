@@ -1,6 +1,7 @@
 """bench.real_runner (one process, no link): the real-link benchmark's schedules leave no gradient
 behind, and the peers plug in as schedules through bench.peers' interface (a stand-in module here:
 the peers themselves come with their own branch), checked equal before they are timed."""
+
 from __future__ import annotations
 
 import copy
@@ -16,8 +17,25 @@ from bench.real_runner import SCHEDULES, RealRunner, peer_schedules
 
 
 def _runner():
-    args = overlap.parse_args(["--quick", "--layers", "1", "--d-model", "32", "--d-ffn", "32", "--experts", "4",
-                               "--batch", "2", "--seq", "8", "--chunks", "2"])
+    args = overlap.parse_args(
+        [
+            "--quick",
+            "--layers",
+            "1",
+            "--d-model",
+            "32",
+            "--d-ffn",
+            "32",
+            "--experts",
+            "4",
+            "--batch",
+            "2",
+            "--seq",
+            "8",
+            "--chunks",
+            "2",
+        ]
+    )
     return RealRunner(args, overlap.sizes(args), None, rank=0)
 
 
@@ -47,6 +65,7 @@ def _stub_peers(monkeypatch, ok: bool, calls: list):
     def check_equal(ours, theirs, x):
         calls.append(("check", tuple(x.shape)))
         return dict(ok=ok, worst=("output", 0.0 if ok else 0.5))
+
     stub.peer_blocks, stub.check_equal = peer_blocks, check_equal
     monkeypatch.setitem(sys.modules, "bench.peers", stub)
     monkeypatch.setattr(bench, "peers", stub, raising=False)  # (if the real one was imported before)

@@ -4,6 +4,7 @@ leftovers), its refusals, and a benchmark's results over the real link equal to 
 The link needs root and iproute2 (CI runs as root); without them the tests that build one skip,
 saying so. The refusals run everywhere.
 """
+
 from __future__ import annotations
 
 import os
@@ -37,8 +38,12 @@ def _have_netem() -> bool:
     name = f"{reallink.PREFIX}netemprobe{os.getpid()}"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
-        return subprocess.run(["tc", "-n", name, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
-                              capture_output=True).returncode == 0
+        return (
+            subprocess.run(
+                ["tc", "-n", name, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"], capture_output=True
+            ).returncode
+            == 0
+        )
     finally:
         subprocess.run(["ip", "netns", "del", name], check=True)
 
@@ -51,27 +56,34 @@ def test_link_is_built_inside_its_namespaces_and_torn_down():
         names = _ours(link.owner)
         assert sorted(names) == sorted([link.bridge, link.ns(0), link.ns(1)])
         for r in range(2):
-            addr = subprocess.run(["ip", "-n", link.ns(r), "-o", "-4", "addr", "show", "dev", reallink.IFACE],
-                                  capture_output=True, text=True).stdout
+            addr = subprocess.run(
+                ["ip", "-n", link.ns(r), "-o", "-4", "addr", "show", "dev", reallink.IFACE],
+                capture_output=True,
+                text=True,
+            ).stdout
             assert f"inet 198.18.0.{r + 1}/24" in addr
             routes = subprocess.run(["ip", "-n", link.ns(r), "route", "show"], capture_output=True, text=True).stdout
             assert routes.strip() == f"198.18.0.0/24 dev {reallink.IFACE} proto kernel scope link src 198.18.0.{r + 1}"
-            qdiscs = subprocess.run(["tc", "-n", link.ns(r), "qdisc", "show", "dev", reallink.IFACE],
-                                    capture_output=True, text=True).stdout
+            qdiscs = subprocess.run(
+                ["tc", "-n", link.ns(r), "qdisc", "show", "dev", reallink.IFACE], capture_output=True, text=True
+            ).stdout
             assert "tbf" in qdiscs and "rate 200Mbit" in qdiscs
             assert ("netem" in qdiscs and "delay 1ms" in qdiscs) == bool(delay)
-            bridge_port = subprocess.run(["tc", "-n", link.bridge, "qdisc", "show", "dev", f"p{r}"],
-                                         capture_output=True, text=True).stdout
+            bridge_port = subprocess.run(
+                ["tc", "-n", link.bridge, "qdisc", "show", "dev", f"p{r}"], capture_output=True, text=True
+            ).stdout
             assert "rate 200Mbit" in bridge_port  # the port towards the rank: its ingress
             for ns, dev in ((link.ns(r), reallink.IFACE), (link.bridge, f"p{r}")):  # packets a short queue holds
-                details = subprocess.run(["ip", "-n", ns, "-d", "link", "show", dev], capture_output=True,
-                                         text=True).stdout
+                details = subprocess.run(
+                    ["ip", "-n", ns, "-d", "link", "show", dev], capture_output=True, text=True
+                ).stdout
                 assert f"gso_max_size {reallink.GSO_MAX} " in details
         host = subprocess.run(["ip", "-o", "link", "show"], capture_output=True, text=True).stdout
         assert reallink.IFACE not in host and "p0@" not in host  # nothing of ours on the host
         link.set_rate(None)  # unshaped: the delay stays, the bucket goes
-        qdiscs = subprocess.run(["tc", "-n", link.ns(0), "qdisc", "show", "dev", reallink.IFACE],
-                                capture_output=True, text=True).stdout
+        qdiscs = subprocess.run(
+            ["tc", "-n", link.ns(0), "qdisc", "show", "dev", reallink.IFACE], capture_output=True, text=True
+        ).stdout
         assert "tbf" not in qdiscs and ("netem" in qdiscs) == bool(delay)
         owner = link.owner
     assert _ours(owner) == []
@@ -87,9 +99,11 @@ def test_ranks_get_their_environment_and_reach_each_other(tmp_path):
         "t = torch.tensor([float(dist.get_rank() + 1)])\n"
         "dist.all_reduce(t)\n"
         f"open(os.path.join({str(tmp_path)!r}, 'r' + os.environ['RANK']), 'w').write(\n"
-        "    ' '.join([os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', 'GLOO_SOCKET_IFNAME')]"
+        "    ' '.join([os.environ[k] for k in ('RANK', 'WORLD_SIZE', 'LOCAL_RANK', 'MASTER_ADDR', "
+        "'GLOO_SOCKET_IFNAME')]"
         " + [str(int(t))]))\n"
-        "dist.destroy_process_group()\n")
+        "dist.destroy_process_group()\n"
+    )
     with reallink.real_link(2, "500mbit") as link:
         rc = link.launch(["-c", f"import runpy; runpy.run_path({str(script)!r})"], timeout_s=120)
     assert rc == 0
@@ -99,10 +113,33 @@ def test_ranks_get_their_environment_and_reach_each_other(tmp_path):
 
 def _launcher(*args: str) -> subprocess.Popen:
     """The launcher holding its link while its ranks sleep (a command that never ends by itself)."""
-    return subprocess.Popen([sys.executable, "-m", "bench.reallink", "--ranks", "2", "--rate", "100mbit",
-                             "--no-probe", "--timeout", "120", *args, "--", "-m", "timeit", "-n", "1", "-r", "1",
-                             "import time; time.sleep(120)"], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bench.reallink",
+            "--ranks",
+            "2",
+            "--rate",
+            "100mbit",
+            "--no-probe",
+            "--timeout",
+            "120",
+            *args,
+            "--",
+            "-m",
+            "timeit",
+            "-n",
+            "1",
+            "-r",
+            "1",
+            "import time; time.sleep(120)",
+        ],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def _wait_for_namespaces(proc: subprocess.Popen, n: int) -> list:
@@ -185,20 +222,27 @@ def test_stale_cleanup_leaves_live_launchers_and_foreign_namespaces_alone():
 def test_refused_without_root():
     if shutil.which("unshare") is None:
         pytest.skip("unshare (util-linux) is needed to run the launcher without root")
-    out = subprocess.run(["unshare", "--user", sys.executable, "-m", "bench.reallink", "--ranks", "2"], cwd=REPO,
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        ["unshare", "--user", sys.executable, "-m", "bench.reallink", "--ranks", "2"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     if "unshare failed" in out.stderr or "Operation not permitted" in out.stderr:
         pytest.skip(f"unprivileged user namespaces are off here: {out.stderr.strip()}")
     assert out.returncode == 2
-    assert out.stderr.strip().splitlines() == ["bench.reallink: needs root (it makes network namespaces, veth links "
-                                               "and tc qdiscs): run it as root"]
+    assert out.stderr.strip().splitlines() == [
+        "bench.reallink: needs root (it makes network namespaces, veth links and tc qdiscs): run it as root"
+    ]
     assert out.stdout == ""
 
 
 def test_refused_without_ip_and_tc():
     env = dict(os.environ, PATH="/nonexistent")
-    out = subprocess.run([sys.executable, "-m", "bench.reallink"], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.reallink"], cwd=REPO, env=env, capture_output=True, text=True, timeout=60
+    )
     if os.geteuid() != 0:
         assert "needs root" in out.stderr
     else:
@@ -206,8 +250,9 @@ def test_refused_without_ip_and_tc():
     assert out.returncode == 2
 
 
-@pytest.mark.parametrize("text, bps", [("450mbit", 450_000_000), ("1gbit", 1_000_000_000), ("800kbit", 800_000),
-                                       (2e8, 200_000_000)])
+@pytest.mark.parametrize(
+    "text, bps", [("450mbit", 450_000_000), ("1gbit", 1_000_000_000), ("800kbit", 800_000), (2e8, 200_000_000)]
+)
 def test_rates_parse(text, bps):
     assert reallink.parse_rate(text) == bps
 
@@ -232,17 +277,51 @@ def test_bad_world_is_refused_before_anything_is_made():
         reallink.create(1, "100mbit")
 
 
-TINY = ["--quick", "--layers", "1", "--d-model", "32", "--d-ffn", "32", "--experts", "4", "--batch", "4", "--seq", "8",
-        "--chunks", "2", "--world-size", "2"]
+TINY = [
+    "--quick",
+    "--layers",
+    "1",
+    "--d-model",
+    "32",
+    "--d-ffn",
+    "32",
+    "--experts",
+    "4",
+    "--batch",
+    "4",
+    "--seq",
+    "8",
+    "--chunks",
+    "2",
+    "--world-size",
+    "2",
+]
 
 
 def _dump(tmp_path, link: str, channels: str) -> dict:
     import torch
 
     path = tmp_path / f"{link.split(':')[0]}-{channels}"
-    out = subprocess.run([sys.executable, "-m", "bench.overlap", "--link", link, "--channels", channels,
-                          "--schedules", ",".join(SCHEDULES), "--dump", str(path), *TINY], cwd=REPO,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.overlap",
+            "--link",
+            link,
+            "--channels",
+            channels,
+            "--schedules",
+            ",".join(SCHEDULES),
+            "--dump",
+            str(path),
+            *TINY,
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return {r: torch.load(f"{path}.rank{r}") for r in range(2)}
 

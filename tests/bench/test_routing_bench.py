@@ -1,5 +1,4 @@
 """bench.overlap --routing: the rows a run writes (tiny sizes; no timing asserted)."""
-import json
 
 import pytest
 
@@ -8,9 +7,29 @@ from bench import overlap
 
 def test_routing_rows(tmp_path):
     out = tmp_path / "rows.json"
-    rows = overlap.main(["--device", "cpu", "--quick", "--layers", "1", "--d-model", "32", "--d-ffn", "32",
-                         "--batch", "2", "--seq", "32", "--steps", "1", "--routing", "balanced,zipf",
-                         "--json", str(out)])
+    rows = overlap.main(
+        [
+            "--device",
+            "cpu",
+            "--quick",
+            "--layers",
+            "1",
+            "--d-model",
+            "32",
+            "--d-ffn",
+            "32",
+            "--batch",
+            "2",
+            "--seq",
+            "32",
+            "--steps",
+            "1",
+            "--routing",
+            "balanced,zipf",
+            "--json",
+            str(out),
+        ]
+    )
     assert [r["routing"] for r in rows] == ["balanced", "zipf"]
     assert rows[1]["max_over_mean"] == pytest.approx(3.0, abs=0.35)  # the preset, calibrated on the model
     assert rows[0]["max_over_mean"] < rows[1]["max_over_mean"]

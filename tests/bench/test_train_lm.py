@@ -1,4 +1,5 @@
 """The main job runs end to end on 2 gloo ranks under torchrun and its loss falls."""
+
 from __future__ import annotations
 
 import json
@@ -8,9 +9,24 @@ import sys
 
 def test_main_job_two_ranks(tmp_path):
     out = tmp_path / "summary.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "bench.train_lm", "--steps", "40", "--log-every", "20", "--timing-steps", "1",
-           "--json", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "bench.train_lm",
+        "--steps",
+        "40",
+        "--log-every",
+        "20",
+        "--timing-steps",
+        "1",
+        "--json",
+        str(out),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     summary = json.loads(out.read_text())
@@ -35,6 +51,26 @@ def test_step_timing_waits_for_the_device(monkeypatch):
     real = train_lm._clock
     monkeypatch.setattr(train_lm, "_clock", lambda device: clocks.append(device.type) or real(device))
     monkeypatch.setattr(train_lm, "sync_gradients", lambda model, group: None)  # (one rank, no process group)
-    summary = train_lm.main(["--steps", "2", "--log-every", "1", "--timing-steps", "1", "--batch", "2",
-                             "--seq", "8", "--layers", "1", "--d-model", "16", "--d-ffn", "16", "--heads", "2"])
+    summary = train_lm.main(
+        [
+            "--steps",
+            "2",
+            "--log-every",
+            "1",
+            "--timing-steps",
+            "1",
+            "--batch",
+            "2",
+            "--seq",
+            "8",
+            "--layers",
+            "1",
+            "--d-model",
+            "16",
+            "--d-ffn",
+            "16",
+            "--heads",
+            "2",
+        ]
+    )
     assert clocks == [summary["device"]] * 4 and summary["sequential_step_ms"] > 0

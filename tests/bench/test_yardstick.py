@@ -1,5 +1,6 @@
 """bench.yardstick: the lean eager layer computes lancet_rt.MoE's outputs and gradients (float64), so
 the per-chunk costs it reports compare the same computation (no timing asserted)."""
+
 import math
 
 import pytest
@@ -12,8 +13,16 @@ from bench import yardstick
 def _layer(capacity_factor):
     link = lancet_rt.EmulatedGroup(8, math.inf, 0.0, device=torch.device("cpu"))
     torch.manual_seed(0)
-    return lancet_rt.MoE(16, d_ffn=24, num_experts=8, top_k=2, capacity_factor=capacity_factor,
-                         aux_loss_coef=1e-2, ep_group=link, dtype=torch.float64)
+    return lancet_rt.MoE(
+        16,
+        d_ffn=24,
+        num_experts=8,
+        top_k=2,
+        capacity_factor=capacity_factor,
+        aux_loss_coef=1e-2,
+        ep_group=link,
+        dtype=torch.float64,
+    )
 
 
 @pytest.mark.parametrize("capacity_factor", [None, 1.25, 0.75])
@@ -76,8 +85,9 @@ def test_lancet_step_runs_the_chunks_as_one_batch(capacity_factor):
 
 
 def test_rows(tmp_path):
-    rows = yardstick.main(["--tokens", "64", "--d-model", "32", "--d-ffn", "32", "--reps", "1",
-                           "--json", str(tmp_path / "rows.json")])
+    rows = yardstick.main(
+        ["--tokens", "64", "--d-model", "32", "--d-ffn", "32", "--reps", "1", "--json", str(tmp_path / "rows.json")]
+    )
     assert [r["layer"] for r in rows] == ["lean eager MoE", "lancet_rt.MoE"]
     for r in rows:
         assert r["chunks"] == 4 and r["step_us_unchunked"] > 0
@@ -94,8 +104,13 @@ def test_blocks_with_the_lean_layer_equal_the_blocks_with_lancet_moe(capacity_fa
 
     link = lancet_rt.EmulatedGroup(8, math.inf, 0.0, device=torch.device("cpu"))
     torch.manual_seed(0)
-    model = MoEBlocks(2, 16, 2, dict(d_ffn=24, num_experts=8, top_k=2, capacity_factor=capacity_factor,
-                                     aux_loss_coef=1e-2, ep_group=link), dtype=torch.float64)
+    model = MoEBlocks(
+        2,
+        16,
+        2,
+        dict(d_ffn=24, num_experts=8, top_k=2, capacity_factor=capacity_factor, aux_loss_coef=1e-2, ep_group=link),
+        dtype=torch.float64,
+    )
     layers = list(model.moe_layers())
     g = torch.Generator().manual_seed(4)
     x = torch.randn(7, 5, 16, generator=g, dtype=torch.float64)  # 7 rows: chunks of 3, 2, 2
@@ -122,8 +137,25 @@ def test_blocks_with_the_lean_layer_equal_the_blocks_with_lancet_moe(capacity_fa
 
 
 def test_blocks_rows(tmp_path):
-    rows = yardstick.main(["--blocks", "--layers", "1", "--batch", "4", "--seq", "8", "--d-model", "32",
-                           "--d-ffn", "32", "--reps", "1", "--json", str(tmp_path / "rows.json")])
+    rows = yardstick.main(
+        [
+            "--blocks",
+            "--layers",
+            "1",
+            "--batch",
+            "4",
+            "--seq",
+            "8",
+            "--d-model",
+            "32",
+            "--d-ffn",
+            "32",
+            "--reps",
+            "1",
+            "--json",
+            str(tmp_path / "rows.json"),
+        ]
+    )
     assert [r["layer"] for r in rows] == list(yardstick.BLOCK_LAYERS)
     by = {r["layer"]: r for r in rows}
     for r in rows:
@@ -131,6 +163,8 @@ def test_blocks_rows(tmp_path):
         assert r["ops_per_layer_per_extra_chunk"] > 0  # every chunk runs the model's ops again
     assert by["none"]["moe_part"] == 0  # (the dense layers' own increment is the dense part)
     ours, lean = by["lancet_rt.MoE"], by["lean eager MoE"]
-    assert lean["overhead_with_lean_chunks"] == (ours["step_ms_unchunked"] + lean["step_ms_chunked"]
-                                                 - lean["step_ms_unchunked"]) / ours["step_ms_unchunked"]
+    assert (
+        lean["overhead_with_lean_chunks"]
+        == (ours["step_ms_unchunked"] + lean["step_ms_chunked"] - lean["step_ms_unchunked"]) / ours["step_ms_unchunked"]
+    )
     assert ours["ops_per_layer_per_extra_chunk"] > by["none"]["ops_per_layer_per_extra_chunk"]

@@ -6,6 +6,7 @@ blocks and for a transformers Mixtral under ``lancet_rt.from_hf``; then all four
 the directory transformers' own ``save_pretrained`` wrote), and try checkpoints that do not fit. The
 EP=1 loads, and ``AutoModelForCausalLM.from_pretrained`` of what EP=2 wrote, run in this process.
 """
+
 from __future__ import annotations
 
 import os
@@ -38,7 +39,7 @@ def _blocks(ep_group=None, *, num_experts=E, seed=0):
     weights = full.state_dict()
     with torch.no_grad():
         for k, v in model.state_dict().items():
-            v.copy_(weights[k][r * L:(r + 1) * L] if ".experts." in k else weights[k])
+            v.copy_(weights[k][r * L : (r + 1) * L] if ".experts." in k else weights[k])
     return model
 
 
@@ -166,8 +167,9 @@ def _across_ep_sizes(rank, world, root):
         model = _blocks(ep2)
         opt = _train_one_step(model, ep2, rank)
         # Ranks disagreeing on what they save (one passes the optimizer): both raise, nothing written.
-        out["disagree"] = _error(lambda: save_checkpoint(model, f"{root}/bad", opt if rank else None,
-                                                         process_group=ep2))
+        out["disagree"] = _error(
+            lambda: save_checkpoint(model, f"{root}/bad", opt if rank else None, process_group=ep2)
+        )
         out["bad_written"] = os.path.exists(f"{root}/bad/.metadata")
         save_checkpoint(model, f"{root}/dcp", opt, process_group=ep2)
         save_hf(model, f"{root}/hf", max_shard_bytes=1500, process_group=ep2)  # several files per rank
@@ -196,8 +198,9 @@ def _across_ep_sizes(rank, world, root):
     if rank < 2:  # a saving group that does not hold the model's EP group
         out["group_too_small"] = _error(lambda: save_checkpoint(model, f"{root}/never", process_group=ep2))
     # One rank's bad path: every rank raises, the others naming that rank.
-    out["one_bad_path"] = _error(lambda: load_checkpoint(_blocks(world_group), f"{root}/dcp" if rank != 3 else
-                                                          f"{root}/nowhere"))
+    out["one_bad_path"] = _error(
+        lambda: load_checkpoint(_blocks(world_group), f"{root}/dcp" if rank != 3 else f"{root}/nowhere")
+    )
     # Data parallel replicas saving together over the world: of EP=2 (ranks 0-1 and 2-3), and of the
     # unsharded model on every rank. One copy of each tensor is written.
     replicated = _blocks(ep2 if rank < 2 else replica_ep2, seed=10)
@@ -226,7 +229,7 @@ def test_dcp_saved_at_ep2_loads_at_ep4(across):
     for r in range(4):
         assert_close(f"EP=4 rank {r} logits (DCP)", torch.from_numpy(out[r]["ep4_dcp"]), ep2)
         # The optimizer: rank r holds expert r's Adam moment, the saved step and learning rate.
-        assert torch.equal(torch.from_numpy(out[r]["ep4_exp_avg"]), full_exp_avg[r:r + 1])
+        assert torch.equal(torch.from_numpy(out[r]["ep4_exp_avg"]), full_exp_avg[r : r + 1])
         assert out[r]["ep4_lr_step"] == (1e-2, 1.0)
 
 
@@ -300,8 +303,11 @@ def test_data_parallel_replicas_write_one_copy(across):
 def test_checkpoint_that_does_not_fit_raises_on_every_rank(across):
     root, out, _ = across
     for r in range(4):
-        assert out[r]["wrong_E_dcp"].startswith("ValueError") and "E=4" in out[r]["wrong_E_dcp"] \
-            and "E=8" in out[r]["wrong_E_dcp"], out[r]["wrong_E_dcp"]
+        assert (
+            out[r]["wrong_E_dcp"].startswith("ValueError")
+            and "E=4" in out[r]["wrong_E_dcp"]
+            and "E=8" in out[r]["wrong_E_dcp"]
+        ), out[r]["wrong_E_dcp"]
         assert out[r]["wrong_E_hf"].startswith("ValueError") and "E=8" in out[r]["wrong_E_hf"], out[r]["wrong_E_hf"]
         assert out[r]["wrong_untouched"]
         assert out[r]["one_bad_path"].startswith("ValueError")
@@ -353,11 +359,15 @@ def test_mixtral_save_pretrained_round_trip(across):
     # Eager attention as bench.hf_models builds it (sdpa differs on the fully masked rows of padding).
     full = AutoModelForCausalLM.from_pretrained(root / "mixtral_hf", attn_implementation="eager")
     assert type(full).__name__ == "MixtralForCausalLM" and full.config.num_local_experts == 8
-    assert_close("from_pretrained of the EP=2 save", torch.from_numpy(_lm_logits(full)),
-                 torch.from_numpy(out[0]["mixtral_ep2"]))
+    assert_close(
+        "from_pretrained of the EP=2 save", torch.from_numpy(_lm_logits(full)), torch.from_numpy(out[0]["mixtral_ep2"])
+    )
     for r in range(4):
-        assert_close(f"transformers' save loaded at EP=4, rank {r}", torch.from_numpy(out[r]["transformers_saved_ep4"]),
-                     torch.from_numpy(transformers_logits))
+        assert_close(
+            f"transformers' save loaded at EP=4, rank {r}",
+            torch.from_numpy(out[r]["transformers_saved_ep4"]),
+            torch.from_numpy(transformers_logits),
+        )
     # Per-expert keys and a model with another E: the error says how many experts each has.
     import lancet_rt
     from bench.hf_models import build
@@ -461,8 +471,12 @@ def test_hf_layout_that_is_no_slice_goes_through_indices(tmp_path, monkeypatch):
 
     def transposing(model, tensors):
         out = identity(model, tensors)
-        return {k + ".T" if k.endswith("down_proj") else k: v.transpose(-1, -2).contiguous()
-                if k.endswith("down_proj") else v for k, v in out.items()}
+        return {
+            k + ".T" if k.endswith("down_proj") else k: v.transpose(-1, -2).contiguous()
+            if k.endswith("down_proj")
+            else v
+            for k, v in out.items()
+        }
 
     monkeypatch.setattr(ep_checkpoint_hf, "_revert", transposing)
     model = _blocks()
@@ -470,8 +484,10 @@ def test_hf_layout_that_is_no_slice_goes_through_indices(tmp_path, monkeypatch):
     assert parts[0].name == "blocks.0.moe.experts.down_proj.T" and parts[0].span is None
     save_hf(model, tmp_path / "hf")
     with safe_open(str(tmp_path / "hf" / "model.safetensors"), framework="pt") as f:
-        assert torch.equal(f.get_tensor("blocks.1.moe.experts.down_proj.T"),
-                           model.blocks[1].moe.experts.down_proj.detach().transpose(-1, -2))
+        assert torch.equal(
+            f.get_tensor("blocks.1.moe.experts.down_proj.T"),
+            model.blocks[1].moe.experts.down_proj.detach().transpose(-1, -2),
+        )
     fresh = _blocks(seed=9)
     load_hf(fresh, tmp_path / "hf")
     for (k, a), b in zip(model.state_dict().items(), fresh.state_dict().values()):

@@ -3,6 +3,7 @@ save_sharded: tests/distributed/test_mesh_dcp_faults.py), checked on load before
 One bit flipped inside a tensor's bytes is a ValueError naming the key, the file and the rank, with
 the model and the optimizer unchanged; checkpoints without checksums (plain DCP) still load, and
 plain DCP still reads ours."""
+
 from __future__ import annotations
 
 import io
@@ -60,7 +61,6 @@ def flip_bit(file: str, offset: int) -> None:
 
 def test_every_item_has_a_checksum_of_its_bytes(tmp_path):
     import xxhash
-
     from torch.distributed.checkpoint import FileSystemReader
 
     model = _model()
@@ -76,8 +76,14 @@ def test_every_item_has_a_checksum_of_its_bytes(tmp_path):
             assert info.xxh3_64 == xxhash.xxh3_64_intdigest(f.read(info.length)), index.fqn
 
 
-@pytest.mark.parametrize("key", ["model.blocks.0.attn.qkv.weight", "model.blocks.1.moe.experts.down_proj",
-                                 "optim.state.blocks.0.norm1.weight.exp_avg"])
+@pytest.mark.parametrize(
+    "key",
+    [
+        "model.blocks.0.attn.qkv.weight",
+        "model.blocks.1.moe.experts.down_proj",
+        "optim.state.blocks.0.norm1.weight.exp_avg",
+    ],
+)
 def test_a_bit_flipped_inside_a_tensor_raises_naming_key_and_file_and_changes_nothing(tmp_path, key):
     model = _model()
     opt = torch.optim.Adam(model.parameters())

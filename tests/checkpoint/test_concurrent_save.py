@@ -4,6 +4,7 @@ did and the directory was empty, the previous checkpoint destroyed. Now rank 0 h
 beside the target for the whole save: the second save is refused at once with a CheckpointError saying
 another save to that path is in progress, and after every round the target is a complete checkpoint
 that loads as one of the two writers' models (many rounds, bounded by a barrier timeout)."""
+
 from __future__ import annotations
 
 import multiprocessing
@@ -16,8 +17,7 @@ import lancet_rt
 from lancet_rt.checkpoint._common import CheckpointError
 
 ROUNDS = 12
-FORMATS = {"dcp": (lancet_rt.save_checkpoint, lancet_rt.load_checkpoint),
-           "hf": (lancet_rt.save_hf, lancet_rt.load_hf)}
+FORMATS = {"dcp": (lancet_rt.save_checkpoint, lancet_rt.load_checkpoint), "hf": (lancet_rt.save_hf, lancet_rt.load_hf)}
 
 
 def _model(seed):
@@ -36,7 +36,7 @@ def _writer(fmt, path, seed, barrier, results):
             results.put((seed, "saved", ""))
         except CheckpointError as exc:
             results.put((seed, "refused", str(exc)))
-        except BaseException as exc:  # noqa: BLE001 - any other outcome fails the test, reported
+        except BaseException as exc:  # any other outcome fails the test, reported
             results.put((seed, type(exc).__name__, str(exc)))
         barrier.wait(timeout=300)  # the test checks the target before the next round
 
@@ -58,8 +58,9 @@ def test_two_processes_saving_to_one_path_never_lose_the_checkpoint(tmp_path, fm
             barrier.wait(timeout=300)
             outcomes = sorted(results.get(timeout=60) for _ in range(2))
             for seed, kind, msg in outcomes:
-                assert kind == "saved" or (kind == "refused" and "another save to" in msg
-                                           and "is in progress" in msg), (round_, seed, kind, msg)
+                assert kind == "saved" or (
+                    kind == "refused" and "another save to" in msg and "is in progress" in msg
+                ), (round_, seed, kind, msg)
             assert any(kind == "saved" for _, kind, _ in outcomes), (round_, outcomes)
             fresh = _model(9)
             load(fresh, path)  # a complete checkpoint, every round

@@ -4,6 +4,7 @@ silently. Now ``save_hf`` writes ``lancet-manifest.json`` (per file the SHA-256 
 tensor dtype and shape) and ``load_hf`` compares: a ValueError naming the file and the tensor, the
 model unchanged. Without a manifest (a transformers ``save_pretrained`` directory) the dtypes are still
 checked against the model: an integer tensor does not load into a float parameter."""
+
 from __future__ import annotations
 
 import json
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import lancet_rt
+
 MANIFEST = "lancet-manifest.json"
 
 D, E = 8, 4
@@ -54,10 +56,14 @@ def _swap_offsets(header):
     a["data_offsets"], b["data_offsets"] = b["data_offsets"], a["data_offsets"]
 
 
-@pytest.mark.parametrize("edit, words", [
-    (_to_int, "tensor '1.weight': dtype/shape ['I32', [8]] in the file, ['F32', [8]] when saved"),
-    (_swap_offsets, "its header changed after the save"),
-], ids=["F32-made-I32", "offsets-swapped"])
+@pytest.mark.parametrize(
+    "edit, words",
+    [
+        (_to_int, "tensor '1.weight': dtype/shape ['I32', [8]] in the file, ['F32', [8]] when saved"),
+        (_swap_offsets, "its header changed after the save"),
+    ],
+    ids=["F32-made-I32", "offsets-swapped"],
+)
 def test_a_header_edited_after_the_save_is_refused_naming_file_and_tensor(tmp_path, edit, words):
     path, file = _saved(tmp_path)
     assert os.path.isfile(path / MANIFEST)
@@ -77,8 +83,11 @@ def test_without_a_manifest_an_integer_tensor_does_not_load_into_a_float_paramet
     edit_header(file, _to_int)
     model = _model(1)
     before = _snapshot(model)
-    with pytest.raises(ValueError, match=r"file 'model.safetensors', tensor '1.weight': dtype I32 in the checkpoint, "
-                                         r"torch.float32 in the model"):
+    with pytest.raises(
+        ValueError,
+        match=r"file 'model.safetensors', tensor '1.weight': dtype I32 in the checkpoint, "
+        r"torch.float32 in the model",
+    ):
         lancet_rt.load_hf(model, path)
     assert all(torch.equal(x, y) for x, y in zip(before, _snapshot(model)))
 

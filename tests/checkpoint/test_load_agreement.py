@@ -4,6 +4,7 @@ valid checkpoint (directly, or through a link to it). Before, every rank reporte
 ranks held different dense weights; now the ranks agree on the resolved path and the checkpoint's
 identity (the SHA-256 of DCP's ``.metadata``, of the safetensors index and headers) before anything is
 read, and every rank raises a ValueError naming the ranks and the paths, every model unchanged."""
+
 from __future__ import annotations
 
 import os
@@ -48,8 +49,10 @@ def _two_then_load(rank, world, base, save, load, odd):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("fmt, odd", [("dcp", "b"), ("hf", "b"), ("dcp", "link")])
 def test_ranks_loading_different_checkpoints_refuse_on_every_rank(tmp_path, world, fmt, odd):
-    save, load = {"dcp": (lancet_rt.save_checkpoint, lancet_rt.load_checkpoint),
-                  "hf": (lancet_rt.save_hf, lancet_rt.load_hf)}[fmt]
+    save, load = {
+        "dcp": (lancet_rt.save_checkpoint, lancet_rt.load_checkpoint),
+        "hf": (lancet_rt.save_hf, lancet_rt.load_hf),
+    }[fmt]
     results = assert_all_ok(run_ranks(_two_then_load, world, str(tmp_path), save, load, odd, timeout=TIMEOUT_S))
     name = "path" if fmt == "dcp" else "directory"
     for r, ((kind, msg, _), unchanged) in enumerate(results):

@@ -5,6 +5,7 @@ offsets swapped loaded the experts swapped. Now every chunk is checked against i
 (within bounds, no overlap, covering it exactly) and the metadata against the SHA-256 the save wrote
 into its completion marker, before anything is read: a ValueError naming the key, the model unchanged.
 ``save_checkpoint`` in one process, ``save_sharded`` on 4 gloo ranks."""
+
 from __future__ import annotations
 
 import json
@@ -43,7 +44,7 @@ def rewrite_metadata(path, key: str, move, *, marker_agrees: bool) -> None:
     by_old = {tuple(i.offset): (i, s) for i, s in md.storage_data.items() if i.fqn == key}
     for i, _ in by_old.values():
         del md.storage_data[i]
-    for o, n, c in zip(old, new, tensor.chunks):
+    for o, n, _c in zip(old, new, tensor.chunks):
         md.storage_data[MetadataIndex(key, n)] = by_old[o][1]
     tensor.chunks = [ChunkStorageMetadata(offsets=n, sizes=c.sizes) for n, c in zip(new, tensor.chunks)]
     with open(file, "wb") as f:
@@ -66,12 +67,16 @@ def _swap_first_two(offsets):
     return [offsets[1], offsets[0]] + offsets[2:]
 
 
-@pytest.mark.parametrize("key, move, marker_agrees, words", [
-    ("model.1.weight", lambda o: [(o[0][0] + 16,)], True, "lies outside its shape [8]"),
-    ("model.0.experts.down_proj", _out_of_bounds, True, "lies outside its shape [4, 8, 6]"),
-    ("model.0.experts.down_proj", _swap_first_two, False, "'.metadata' of"),
-    ("model.1.bias", lambda o: [(o[0][0] + 1,)], False, "changed since the save"),
-], ids=["norm-offset-past-end", "expert-row-past-end", "expert-rows-swapped", "bias-offset-sha-checked-first"])
+@pytest.mark.parametrize(
+    "key, move, marker_agrees, words",
+    [
+        ("model.1.weight", lambda o: [(o[0][0] + 16,)], True, "lies outside its shape [8]"),
+        ("model.0.experts.down_proj", _out_of_bounds, True, "lies outside its shape [4, 8, 6]"),
+        ("model.0.experts.down_proj", _swap_first_two, False, "'.metadata' of"),
+        ("model.1.bias", lambda o: [(o[0][0] + 1,)], False, "changed since the save"),
+    ],
+    ids=["norm-offset-past-end", "expert-row-past-end", "expert-rows-swapped", "bias-offset-sha-checked-first"],
+)
 def test_a_damaged_metadata_is_refused_before_anything_is_read(tmp_path, key, move, marker_agrees, words):
     path = str(tmp_path / "ckpt")
     lancet_rt.save_checkpoint(_model(0), path)
@@ -119,8 +124,11 @@ def _save(rank, world, path):
 
     if rank == 0:
         md = p.load(open(os.path.join(path, ".metadata"), "rb"))
-        return sorted((k, len(v.chunks), list(v.size)) for k, v in md.state_dict_metadata.items()
-                      if hasattr(v, "chunks") and len(v.size) == 1 and len(v.chunks) > 1)
+        return sorted(
+            (k, len(v.chunks), list(v.size))
+            for k, v in md.state_dict_metadata.items()
+            if hasattr(v, "chunks") and len(v.size) == 1 and len(v.chunks) > 1
+        )
     return None
 
 

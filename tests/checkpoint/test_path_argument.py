@@ -2,6 +2,7 @@
 TypeError naming the argument (``path`` / ``directory``), an empty one a ValueError (it was the
 current directory), on every rank before anything is written (issue 35: ``path=None`` gave
 os.fspath's TypeError, which names no argument)."""
+
 from __future__ import annotations
 
 import pytest
@@ -27,7 +28,7 @@ def test_a_path_that_is_not_a_path_is_a_type_error_naming_it(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     with pytest.raises(TypeError, match=rf"^{CALLS[fn]} must be a directory path \(a str or os.PathLike\), got "):
         getattr(lancet_rt, fn)(_model(), bad)
-    assert list(tmp_path.iterdir()) == []   # nothing written
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 @pytest.mark.parametrize("fn", sorted(CALLS))
@@ -53,8 +54,10 @@ def _one_rank_passes_none(rank, world, base):
 
     model = _model(dist.group.WORLD)
     path = None if rank == 1 else f"{base}/ckpt"
-    return [outcome(lambda: lancet_rt.save_checkpoint(model, path)),
-            outcome(lambda: lancet_rt.save_hf(model, None if rank == 1 else f"{base}/hf"))]
+    return [
+        outcome(lambda: lancet_rt.save_checkpoint(model, path)),
+        outcome(lambda: lancet_rt.save_hf(model, None if rank == 1 else f"{base}/hf")),
+    ]
 
 
 def test_a_rank_passing_none_is_refused_on_every_rank(tmp_path):

@@ -9,6 +9,7 @@
   inline_container.cc:672] . unexpected pos ..." and left the staging directory. Now an
   OSError(ENOSPC) naming the path on every rank, no staging left, the previous checkpoint intact.
 Each for ``save_checkpoint`` and ``save_hf`` (one process) and ``save_sharded`` (2 gloo ranks)."""
+
 from __future__ import annotations
 
 import errno
@@ -21,8 +22,7 @@ import torch
 import lancet_rt
 from tests.dist import assert_all_ok, outcome, run_ranks
 
-FORMATS = {"dcp": (lancet_rt.save_checkpoint, lancet_rt.load_checkpoint),
-           "hf": (lancet_rt.save_hf, lancet_rt.load_hf)}
+FORMATS = {"dcp": (lancet_rt.save_checkpoint, lancet_rt.load_checkpoint), "hf": (lancet_rt.save_hf, lancet_rt.load_hf)}
 
 
 def _model(seed, d=8, ep_group=None):
@@ -53,8 +53,11 @@ def test_a_save_through_a_symbolic_link_writes_its_target_and_keeps_the_link(tmp
 def test_a_dangling_link_or_a_loop_is_refused_before_anything_is_written(tmp_path, fmt, kind):
     save, _ = FORMATS[fmt]
     os.symlink("missing" if kind == "dangling" else "ckpt", tmp_path / "ckpt")
-    with pytest.raises(ValueError, match=r"(path|directory): .*ckpt' (is a dangling symbolic link|cannot be "
-                                         r"resolved .*symbolic link loop)"):
+    with pytest.raises(
+        ValueError,
+        match=r"(path|directory): .*ckpt' (is a dangling symbolic link|cannot be "
+        r"resolved .*symbolic link loop)",
+    ):
         save(_model(0), tmp_path / "ckpt")
     assert os.listdir(tmp_path) == ["ckpt"] and os.path.islink(tmp_path / "ckpt")
 
@@ -130,8 +133,9 @@ def _fill_on_ranks(rank, world, disk):
 
 
 def test_a_full_disk_is_enospc_on_every_rank(small_disk):
-    for r, ((kind, msg, _), intact) in enumerate(assert_all_ok(run_ranks(_fill_on_ranks, 2, str(small_disk),
-                                                                         timeout=300))):
+    for r, ((kind, msg, _), intact) in enumerate(
+        assert_all_ok(run_ranks(_fill_on_ranks, 2, str(small_disk), timeout=300))
+    ):
         assert kind == "OSError" and "no space left" in msg and "[Errno 28]" in msg, (r, kind, msg)
         assert intact, f"rank {r}: the previous checkpoint does not load as saved"
     assert os.listdir(small_disk) == ["ckpt"]

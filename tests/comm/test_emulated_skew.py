@@ -1,4 +1,5 @@
 """SkewedGroup: the asymmetric emulated link against hand-computed timelines."""
+
 import math
 
 import pytest

@@ -5,6 +5,7 @@ are in tests/distributed/test_faults_distributed.py.
 
 Each case asserts the exception type and that the message names the argument (README, "Reliability").
 """
+
 from __future__ import annotations
 
 import copy
@@ -16,13 +17,16 @@ import tempfile
 
 import pytest
 import torch
+from lancet_rt.autotune import CacheKey, TuneCache
+from lancet_rt.kernels import gating
+from lancet_rt.kernels import grouped_gemm as gg
+from lancet_rt.kernels import permute as pm
+from lancet_rt.kernels import swiglu as sw
 
 import lancet_rt
 import lancet_rt.schedule.scope
 from lancet_rt import env
-from lancet_rt.autotune import CacheKey, TuneCache
 from lancet_rt.models.blocks import MoEBlocks
-from lancet_rt.kernels import gating, grouped_gemm as gg, permute as pm, swiglu as sw
 from tests.helpers import assert_close
 
 D = 16
@@ -30,8 +34,9 @@ D = 16
 
 def make_model(ep_group=None, *, seed=0, E=4, **moe):
     torch.manual_seed(seed)
-    kw = dict(d_ffn=12, num_experts=E, top_k=2, capacity_factor=0.75, aux_loss_coef=0.01, z_loss_coef=0.001,
-              ep_group=ep_group)
+    kw = dict(
+        d_ffn=12, num_experts=E, top_k=2, capacity_factor=0.75, aux_loss_coef=0.01, z_loss_coef=0.001, ep_group=ep_group
+    )
     kw.update(moe)
     return MoEBlocks(2, D, 2, kw)
 
@@ -40,8 +45,12 @@ def train_step(runner, model, x, g):
     x = x.clone().requires_grad_(True)
     y = runner(x)
     y.backward(g)
-    out = (y.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-           [(m.aux_loss.clone(), m.z_loss.clone(), m.dropped) for m in model.moe_layers()])
+    out = (
+        y.detach(),
+        x.grad,
+        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        [(m.aux_loss.clone(), m.z_loss.clone(), m.dropped) for m in model.moe_layers()],
+    )
     for p in model.parameters():
         p.grad = None
     return out
@@ -61,10 +70,12 @@ def assert_same_step(ref, got):
 
 def in_chunk(module, chunk, action, *, pre=True):
     """Run ``action()`` when ``module`` runs for ``chunk`` of an overlapped forward."""
+
     def hook(*_):
         s = lancet_rt.schedule.scope.current()
         if s is not None and s.chunk == chunk:
             action()
+
     return module.register_forward_pre_hook(hook) if pre else module.register_forward_hook(hook)
 
 
@@ -110,69 +121,132 @@ CLEAR = [
     # the layer
     ("moe d_model=0", lambda: lancet_rt.MoE(0, 8, 4, 2), ValueError, "d_model"),
     ("moe num_experts=True", lambda: lancet_rt.MoE(8, 8, True, 1), TypeError, "num_experts"),
-    ("moe capacity_factor=nan", lambda: lancet_rt.MoE(8, 8, 4, 2, capacity_factor=math.nan), ValueError,
-     "capacity_factor"),
-    ("moe capacity_factor=inf", lambda: lancet_rt.MoE(8, 8, 4, 2, capacity_factor=math.inf), ValueError,
-     "capacity_factor"),
+    (
+        "moe capacity_factor=nan",
+        lambda: lancet_rt.MoE(8, 8, 4, 2, capacity_factor=math.nan),
+        ValueError,
+        "capacity_factor",
+    ),
+    (
+        "moe capacity_factor=inf",
+        lambda: lancet_rt.MoE(8, 8, 4, 2, capacity_factor=math.inf),
+        ValueError,
+        "capacity_factor",
+    ),
     ("moe z_loss_coef=nan", lambda: lancet_rt.MoE(8, 8, 4, 2, z_loss_coef=math.nan), ValueError, "z_loss_coef"),
     ("moe pipeline_chunks=0", lambda: lancet_rt.MoE(8, 8, 4, 2, pipeline_chunks=0), ValueError, "pipeline_chunks"),
     ("moe dtype=int32", lambda: lancet_rt.MoE(8, 8, 4, 2, dtype=torch.int32), TypeError, "dtype"),
-    ("moe experts not divisible by world",
-     lambda: lancet_rt.MoE(8, 8, 6, 2, ep_group=lancet_rt.EmulatedGroup(4)), ValueError, "divisible"),
+    (
+        "moe experts not divisible by world",
+        lambda: lancet_rt.MoE(8, 8, 6, 2, ep_group=lancet_rt.EmulatedGroup(4)),
+        ValueError,
+        "divisible",
+    ),
     ("moe x 0-dim", lambda: lancet_rt.MoE(8, 8, 4, 2)(torch.tensor(1.0)), ValueError, "d_model=8"),
-    ("moe x complex", lambda: lancet_rt.MoE(8, 8, 4, 2)(torch.randn(3, 8, dtype=torch.complex64)), TypeError,
-     "floating"),
+    (
+        "moe x complex",
+        lambda: lancet_rt.MoE(8, 8, 4, 2)(torch.randn(3, 8, dtype=torch.complex64)),
+        TypeError,
+        "floating",
+    ),
     # the emulated link
     ("emulated world_size=0", lambda: lancet_rt.EmulatedGroup(0), ValueError, "world_size"),
-    ("emulated bandwidth_gbps=0", lambda: lancet_rt.EmulatedGroup(2, bandwidth_gbps=0), ValueError,
-     "bandwidth_gbps"),
+    ("emulated bandwidth_gbps=0", lambda: lancet_rt.EmulatedGroup(2, bandwidth_gbps=0), ValueError, "bandwidth_gbps"),
     ("emulated latency_us=-1", lambda: lancet_rt.EmulatedGroup(2, latency_us=-1), ValueError, "latency_us"),
-    ("emulated asymmetric splits",
-     lambda: lancet_rt.EmulatedGroup(2).all_to_all(torch.empty(3, 2), torch.empty(3, 2), [1, 2], [2, 1]),
-     ValueError, "splits"),
+    (
+        "emulated asymmetric splits",
+        lambda: lancet_rt.EmulatedGroup(2).all_to_all(torch.empty(3, 2), torch.empty(3, 2), [1, 2], [2, 1]),
+        ValueError,
+        "splits",
+    ),
     # Overlapped
     ("overlapped chunks='3'", lambda: lancet_rt.Overlapped(make_model(), chunks="3"), ValueError, "chunks"),
     ("overlapped chunks=-1", lambda: lancet_rt.Overlapped(make_model(), chunks=-1), ValueError, "chunks"),
-    ("overlapped defer_wgrad='no'", lambda: lancet_rt.Overlapped(make_model(), defer_wgrad="no"), TypeError,
-     "defer_wgrad"),
+    (
+        "overlapped defer_wgrad='no'",
+        lambda: lancet_rt.Overlapped(make_model(), defer_wgrad="no"),
+        TypeError,
+        "defer_wgrad",
+    ),
     ("overlapped check=1", lambda: lancet_rt.Overlapped(make_model(), check=1), TypeError, "check"),
-    ("overlapped no tensor to cut", lambda: lancet_rt.Overlapped(make_model(), chunks=2)(3.0), ValueError,
-     "tensor argument"),
-    ("overlapped tokens not a multiple of rows",
-     lambda: lancet_rt.Overlapped(_HalfRows(), chunks=2)(torch.randn(6, 2, D)), RuntimeError,
-     "whole multiple of the rows along dim 0"),
-    ("overlapped output rows differ from input rows",
-     lambda: lancet_rt.Overlapped(_HalfRows(), chunks=2)(torch.randn(6, 3, D)), ValueError, "dim 0"),
-    ("overlapped tokens differ per chunk",
-     lambda: lancet_rt.Overlapped(_TokensPerChunkVary(), chunks=3)(torch.randn(6, 1, D)), RuntimeError,
-     "separable along dim 0"),
+    (
+        "overlapped no tensor to cut",
+        lambda: lancet_rt.Overlapped(make_model(), chunks=2)(3.0),
+        ValueError,
+        "tensor argument",
+    ),
+    (
+        "overlapped tokens not a multiple of rows",
+        lambda: lancet_rt.Overlapped(_HalfRows(), chunks=2)(torch.randn(6, 2, D)),
+        RuntimeError,
+        "whole multiple of the rows along dim 0",
+    ),
+    (
+        "overlapped output rows differ from input rows",
+        lambda: lancet_rt.Overlapped(_HalfRows(), chunks=2)(torch.randn(6, 3, D)),
+        ValueError,
+        "dim 0",
+    ),
+    (
+        "overlapped tokens differ per chunk",
+        lambda: lancet_rt.Overlapped(_TokensPerChunkVary(), chunks=3)(torch.randn(6, 1, D)),
+        RuntimeError,
+        "separable along dim 0",
+    ),
     # the kernels' launchers, called directly
     ("gating_fwd logits 1-D", lambda: gating.gating_fwd(torch.randn(4), 1), ValueError, "logits_TE"),
     ("gating_fwd no experts", lambda: gating.gating_fwd(torch.randn(3, 0), 1), ValueError, "logits_TE"),
     ("gating_fwd capacity=2.0", lambda: gating.gating_fwd(_L, 1, capacity=2.0), ValueError, "capacity"),
     ("gating_fwd used_E float", lambda: gating.gating_fwd(_L, 1, torch.zeros(4)), TypeError, "used_E"),
     ("gating_fwd out a tuple", lambda: gating.gating_fwd(_L, 1, out=(1, 2)), TypeError, "out"),
-    ("gating_bwd grad_score_sum_E shape",
-     lambda: gating.gating_bwd(_L, torch.zeros(5, 1, **_I32), torch.ones(5, 1), torch.ones(3), None), ValueError,
-     "grad_score_sum_E"),
+    (
+        "gating_bwd grad_score_sum_E shape",
+        lambda: gating.gating_bwd(_L, torch.zeros(5, 1, **_I32), torch.ones(5, 1), torch.ones(3), None),
+        ValueError,
+        "grad_score_sum_E",
+    ),
     ("permute_fwd row_TK rows", lambda: pm.permute_fwd(_X, _ROW[:3], 6), ValueError, "row_TK"),
-    ("permute_fwd out shape",
-     lambda: pm.permute_fwd(_X, _ROW, 8, out=(torch.empty(7, 6), torch.empty(8, **_I32))), ValueError, "x_SD"),
-    ("unpermute_bwd y_SD width",
-     lambda: pm.unpermute_bwd(torch.randn(5, 7), torch.randn(8, 6), _ROW, torch.ones(5, 2), torch.zeros(8, **_I32)),
-     ValueError, "y_SD"),
-    ("dispatch_rows slot_TK shape",
-     lambda: pm.dispatch_rows(torch.zeros(5, 2, **_I32), torch.zeros(5, 1, **_I32), torch.zeros(4, **_I32),
-                              torch.zeros(4, **_I32)), ValueError, "slot_TK"),
+    (
+        "permute_fwd out shape",
+        lambda: pm.permute_fwd(_X, _ROW, 8, out=(torch.empty(7, 6), torch.empty(8, **_I32))),
+        ValueError,
+        "x_SD",
+    ),
+    (
+        "unpermute_bwd y_SD width",
+        lambda: pm.unpermute_bwd(torch.randn(5, 7), torch.randn(8, 6), _ROW, torch.ones(5, 2), torch.zeros(8, **_I32)),
+        ValueError,
+        "y_SD",
+    ),
+    (
+        "dispatch_rows slot_TK shape",
+        lambda: pm.dispatch_rows(
+            torch.zeros(5, 2, **_I32), torch.zeros(5, 1, **_I32), torch.zeros(4, **_I32), torch.zeros(4, **_I32)
+        ),
+        ValueError,
+        "slot_TK",
+    ),
     ("grouped_mm x_RK 1-D", lambda: gg.grouped_mm(torch.randn(6), _W, _OFF), ValueError, "x_RK"),
     ("grouped_mm offsets for E=1", lambda: gg.grouped_mm(_X, _W, torch.tensor([0, 5])), ValueError, "offsets_E1"),
-    ("grouped_mm_dw rows differ", lambda: gg.grouped_mm_dw(torch.randn(5, 3), torch.randn(4, 6), _OFF), ValueError,
-     "dy_RN"),
-    ("gate_up_swiglu out one tensor",
-     lambda: gg.gate_up_swiglu(_X, torch.randn(2, 4, 6), _OFF, out=torch.empty(5, 2)), TypeError, "out"),
+    (
+        "grouped_mm_dw rows differ",
+        lambda: gg.grouped_mm_dw(torch.randn(5, 3), torch.randn(4, 6), _OFF),
+        ValueError,
+        "dy_RN",
+    ),
+    (
+        "gate_up_swiglu out one tensor",
+        lambda: gg.gate_up_swiglu(_X, torch.randn(2, 4, 6), _OFF, out=torch.empty(5, 2)),
+        TypeError,
+        "out",
+    ),
     ("swiglu_fwd int", lambda: sw.swiglu_fwd(torch.ones(4, 8, **_I32)), TypeError, "gu_R2F"),
-    ("swiglu_bwd float64 grad", lambda: sw.swiglu_bwd(torch.randn(5, 8), torch.randn(5, 4).double()), TypeError,
-     "grad_h_RF"),
+    (
+        "swiglu_bwd float64 grad",
+        lambda: sw.swiglu_bwd(torch.randn(5, 8), torch.randn(5, 4).double()),
+        TypeError,
+        "grad_h_RF",
+    ),
 ]
 
 
@@ -219,17 +293,20 @@ def _fail_in_experts(model, ov):
         if lancet_rt.schedule.scope.current().chunk == 1:
             raise RuntimeError("injected in the experts")
         return original(self, *a, **kw)
+
     model.blocks[0].moe.compute_experts = compute_experts.__get__(model.blocks[0].moe)
 
     class Undo:
         def remove(self):
             del model.blocks[0].moe.compute_experts
+
     return Undo()
 
 
 def _interrupt_in_backward(model, ov):
     def hook(module, inputs, out):
         out.register_hook(lambda grad: raise_(KeyboardInterrupt()))
+
     return model.blocks[0].register_forward_hook(hook)
 
 
@@ -272,9 +349,21 @@ def test_recovered_after_a_failure(inject, chunks, exc, words):
 
 # ====================================================================================== autotune cache
 def _key(**over) -> CacheKey:
-    fields = dict(device="cpu|test", device_name="cpu", ep_world_size=2, link_backend="emulated", link_gbps=1.0,
-                  link_latency_us=10.0, dtype="float32", d_model=64, d_ffn=128, num_experts=8, top_k=2,
-                  capacity_factor=1.25, tokens_bucket=512)
+    fields = dict(
+        device="cpu|test",
+        device_name="cpu",
+        ep_world_size=2,
+        link_backend="emulated",
+        link_gbps=1.0,
+        link_latency_us=10.0,
+        dtype="float32",
+        d_model=64,
+        d_ffn=128,
+        num_experts=8,
+        top_k=2,
+        capacity_factor=1.25,
+        tokens_bucket=512,
+    )
     fields.update(over)
     return CacheKey(**fields)
 
@@ -292,11 +381,15 @@ def test_cache_truncated_is_ignored_and_replaced(tmp_path):
     assert cache.lookup(_key()).chunks == 3
 
 
-@pytest.mark.parametrize("content, words", [
-    ({"schema": "lancet-rt/autotune-cache", "version": 1, "entries": []}, "no 'entries' object"),
-    ({"schema": "lancet-rt/autotune-cache", "version": 2, "entries": {}}, "version 2"),
-    ("null", "schema"),
-], ids=["entries not an object", "newer version", "null"])
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        ({"schema": "lancet-rt/autotune-cache", "version": 1, "entries": []}, "no 'entries' object"),
+        ({"schema": "lancet-rt/autotune-cache", "version": 2, "entries": {}}, "version 2"),
+        ("null", "schema"),
+    ],
+    ids=["entries not an object", "newer version", "null"],
+)
 def test_cache_wrong_schema_is_ignored(tmp_path, content, words):
     path = tmp_path / "c.json"
     path.write_text(content if isinstance(content, str) else json.dumps(content))
@@ -345,7 +438,7 @@ def _store_as_nobody(path, queue):
             os.setuid(65534)
         TuneCache(path, defaults_path=None).store(_key(), {"chunks": 2})
         queue.put(("no error", ""))
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
+    except BaseException as exc:  # reported to the test
         queue.put((type(exc).__name__, str(exc)))
 
 
@@ -394,11 +487,15 @@ def test_cache_eight_concurrent_writers_keep_every_entry(tmp_path):
     assert chunks == [1 + w % 8 for w in range(8)]
 
 
-@pytest.mark.parametrize("call, exc, words", [
-    (lambda p: TuneCache("", defaults_path=None), ValueError, "path"),
-    (lambda p: TuneCache(p, defaults_path=None).store(_key(), {"chunks": True}), ValueError, "chunks"),
-    (lambda p: TuneCache(p, defaults_path=None).lookup("a key"), TypeError, "key"),
-], ids=["empty path", "chunks=True", "key not a CacheKey"])
+@pytest.mark.parametrize(
+    "call, exc, words",
+    [
+        (lambda p: TuneCache("", defaults_path=None), ValueError, "path"),
+        (lambda p: TuneCache(p, defaults_path=None).store(_key(), {"chunks": True}), ValueError, "chunks"),
+        (lambda p: TuneCache(p, defaults_path=None).lookup("a key"), TypeError, "key"),
+    ],
+    ids=["empty path", "chunks=True", "key not a CacheKey"],
+)
 def test_cache_bad_arguments(tmp_path, call, exc, words):
     with pytest.raises(exc) as info:
         call(str(tmp_path / "c.json"))

@@ -3,6 +3,7 @@
 Their CPU twins: tests/moe/test_moe.py (contract), tests/schedule/test_overlap.py (Overlapped over the emulated
 link), tests/distributed/test_moe_distributed.py::test_one_rank_group_runs_the_collectives (gloo, one rank).
 """
+
 from __future__ import annotations
 
 import copy
@@ -22,8 +23,18 @@ pytestmark = pytest.mark.gpu
 
 
 def test_moe_cuda_matches_contract():
-    c = dict(T=1024, D=256, F=512, E=16, K=2, capacity_factor=1.0, score_fn="softmax", normalize_topk=True,
-             aux_loss_coef=0.01, z_loss_coef=0.001)
+    c = dict(
+        T=1024,
+        D=256,
+        F=512,
+        E=16,
+        K=2,
+        capacity_factor=1.0,
+        score_fn="softmax",
+        normalize_topk=True,
+        aux_loss_coef=0.01,
+        z_loss_coef=0.001,
+    )
     torch.manual_seed(0)
     moe = build(c).cuda()
     x = torch.randn(c["T"], c["D"], device="cuda", requires_grad=True)
@@ -43,8 +54,13 @@ def test_moe_cuda_matches_contract():
 def test_overlapped_cuda_emulated_link_equals_model(defer_wgrad):
     link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=50.0, latency_us=20, device="cuda")
     torch.manual_seed(0)
-    model = MoEBlocks(2, 512, 8, dict(d_ffn=1024, num_experts=16, top_k=2, capacity_factor=1.0,
-                                      aux_loss_coef=0.01, ep_group=link), device="cuda")
+    model = MoEBlocks(
+        2,
+        512,
+        8,
+        dict(d_ffn=1024, num_experts=16, top_k=2, capacity_factor=1.0, aux_loss_coef=0.01, ep_group=link),
+        device="cuda",
+    )
     twin = copy.deepcopy(model)
     x = torch.randn(8, 256, 512, device="cuda")
     g = torch.randn_like(x)
@@ -104,7 +120,9 @@ def test_emulated_cuda_link_holds_modeled_time_without_blocking_the_host():
     end.record()
     end.synchronize()
     device_ms = start.elapsed_time(end)
-    assert 0.75 * expected <= device_ms <= 1.5 * expected + 0.1, f"link held {device_ms:.3f} ms, modeled {expected:.3f} ms"
+    assert 0.75 * expected <= device_ms <= 1.5 * expected + 0.1, (
+        f"link held {device_ms:.3f} ms, modeled {expected:.3f} ms"
+    )
     assert host_ms < 0.5 * expected, f"issuing and waiting took {host_ms:.3f} ms on the host (a host sync?)"
     assert torch.equal(out, x)
     send = torch.arange(20, device="cuda").view(4, 5)
@@ -148,8 +166,9 @@ def test_trace_on_cuda_records_stages_and_link(tmp_path):
     least the modeled time. CPU twin: tests/schedule/test_overlap.py::test_trace_records_stages_and_link."""
     link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=50.0, latency_us=20, device="cuda")
     torch.manual_seed(0)
-    model = MoEBlocks(2, 256, 4, dict(d_ffn=512, num_experts=8, top_k=2, capacity_factor=1.0, ep_group=link),
-                      device="cuda")
+    model = MoEBlocks(
+        2, 256, 4, dict(d_ffn=512, num_experts=8, top_k=2, capacity_factor=1.0, ep_group=link), device="cuda"
+    )
     ov = lancet_rt.Overlapped(model, chunks=2, defer_wgrad=True)
     x = torch.randn(4, 128, 256, device="cuda")
     ov(x).sum().backward()  # warm-up: Triton autotuning, calibrations
@@ -180,8 +199,21 @@ def test_overlapped_cuda_steady_state_has_no_host_sync():
 
     link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=50.0, latency_us=20, device="cuda")
     torch.manual_seed(0)
-    model = MoEBlocks(2, 512, 8, dict(d_ffn=1024, num_experts=16, top_k=2, capacity_factor=1.0,
-                                      aux_loss_coef=0.01, z_loss_coef=0.001, ep_group=link), device="cuda")
+    model = MoEBlocks(
+        2,
+        512,
+        8,
+        dict(
+            d_ffn=1024,
+            num_experts=16,
+            top_k=2,
+            capacity_factor=1.0,
+            aux_loss_coef=0.01,
+            z_loss_coef=0.001,
+            ep_group=link,
+        ),
+        device="cuda",
+    )
     ov = lancet_rt.Overlapped(model, chunks=4, defer_wgrad=True)
     x = torch.randn(8, 256, 512, device="cuda")
     g = torch.randn_like(x)
@@ -196,8 +228,9 @@ def test_overlapped_cuda_steady_state_has_no_host_sync():
     torch.cuda.synchronize()
     if sites:
         print(report(sites))  # (shown with the failure; the lane keeps the log)
-    assert not sites, (f"{len(sites)} host sync(s) in a steady-state Overlapped step on CUDA, by caller:\n"
-                       + report(sites))
+    assert not sites, f"{len(sites)} host sync(s) in a steady-state Overlapped step on CUDA, by caller:\n" + report(
+        sites
+    )
 
 
 def test_overlapped_nccl_one_rank():
@@ -206,8 +239,13 @@ def test_overlapped_nccl_one_rank():
     with nccl_one_rank():
         torch.manual_seed(0)
         local = MoEBlocks(2, 256, 4, dict(d_ffn=512, num_experts=8, top_k=2, capacity_factor=1.0), device="cuda")
-        grouped = MoEBlocks(2, 256, 4, dict(d_ffn=512, num_experts=8, top_k=2, capacity_factor=1.0,
-                                            ep_group=dist.group.WORLD), device="cuda")
+        grouped = MoEBlocks(
+            2,
+            256,
+            4,
+            dict(d_ffn=512, num_experts=8, top_k=2, capacity_factor=1.0, ep_group=dist.group.WORLD),
+            device="cuda",
+        )
         grouped.load_state_dict(local.state_dict())
         x = torch.randn(6, 128, 256, device="cuda")
         g = torch.randn_like(x)

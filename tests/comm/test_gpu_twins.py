@@ -11,6 +11,7 @@ lane, except the stream-priority check, which runs on both):
   (``lancet_rt.routing.router_logits``): chunking must not change which experts a token gets.
 - The emulated link's CUDA streams have NCCL's priority (``lancet_rt.comm.emulated_cuda``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,8 +30,15 @@ FUSED_LOSS_HOST_READS = 1
 
 def _blocks(link, device):
     torch.manual_seed(0)
-    return MoEBlocks(2, D, 4, dict(d_ffn=96, num_experts=8, top_k=2, capacity_factor=None, aux_loss_coef=0.01,
-                                   z_loss_coef=0.001, ep_group=link), device=device)
+    return MoEBlocks(
+        2,
+        D,
+        4,
+        dict(
+            d_ffn=96, num_experts=8, top_k=2, capacity_factor=None, aux_loss_coef=0.01, z_loss_coef=0.001, ep_group=link
+        ),
+        device=device,
+    )
 
 
 @pytest.mark.gpu
@@ -99,7 +107,8 @@ def test_fused_hf_loss_step_host_reads_cuda():
         print(report(sites))  # every sync of the step, by caller (the loss's and the model's)
     assert len(in_loss) <= FUSED_LOSS_HOST_READS, (
         f"{len(in_loss)} host syncs in the fused loss of one step (documented: {FUSED_LOSS_HOST_READS}):\n"
-        + report(in_loss))
+        + report(in_loss)
+    )
 
 
 @pytest.mark.gpu
@@ -116,7 +125,8 @@ def test_router_logits_chunked_equal_unchunked_cuda(dtype):
         pieces = torch.cat([router_logits(c, w, b) for c in x.chunk(n)])
         assert torch.equal(pieces, whole), (
             f"{n} chunks: router logits differ from the unchunked ones "
-            f"(max |diff| {(pieces - whole).abs().max().item():.3g}): routing would depend on chunking")
+            f"(max |diff| {(pieces - whole).abs().max().item():.3g}): routing would depend on chunking"
+        )
 
 
 def test_emulated_link_streams_have_nccls_priority(monkeypatch):

@@ -1,6 +1,7 @@
 """tests/host_sync.py on the CPU: a warning issued from a known frame is reported with its caller and
 full stack (the GPU test test_gpu_runtime.py::test_overlapped_cuda_steady_state_has_no_host_sync
 relies on it to name who synchronized, where torch's own frame would not say)."""
+
 from __future__ import annotations
 
 import inspect
@@ -37,8 +38,11 @@ def test_a_warning_from_cpp_names_the_caller_with_its_stack():
     assert site.stack[-1].name == "_library_sync"  # the frame that issued it: not what to fix
     caller = site.caller()
     assert (caller.name, caller.lineno, caller.filename) == ("_caller", line, __file__)
-    assert [f.name for f in site.stack[-3:]] == ["test_a_warning_from_cpp_names_the_caller_with_its_stack",
-                                                 "_caller", "_library_sync"]
+    assert [f.name for f in site.stack[-3:]] == [
+        "test_a_warning_from_cpp_names_the_caller_with_its_stack",
+        "_caller",
+        "_library_sync",
+    ]
     assert not site.in_backward
     text = report(sites)
     assert text.startswith(f"--- 2 x {__file__}:{line} in _caller: torch.range is deprecated")
@@ -51,7 +55,7 @@ def test_torchs_own_frame_is_skipped_and_other_warnings_pass_through(recwarn):
     with record_syncs(match="Implicit dimension choice") as sites:
         line = inspect.currentframe().f_lineno + 1
         torch.nn.functional.softmax(x)  # torch's Python code warns, from torch/nn/functional.py
-        warnings.warn("unrelated", UserWarning)
+        warnings.warn("unrelated", UserWarning, stacklevel=1)
     (site,) = sites
     assert in_torch(site.stack[-1])
     caller = site.caller()
@@ -62,5 +66,5 @@ def test_torchs_own_frame_is_skipped_and_other_warnings_pass_through(recwarn):
 def test_sync_debug_message_matches_the_default():
     """The mode's warning text (torch/csrc/cuda: "called a synchronizing CUDA operation")."""
     with record_syncs() as sites:
-        warnings.warn("called a synchronizing CUDA operation", UserWarning)
+        warnings.warn("called a synchronizing CUDA operation", UserWarning, stacklevel=1)
     assert SYNC_MESSAGE in "called a synchronizing CUDA operation" and len(sites) == 1

@@ -1,11 +1,12 @@
 """Routing traces: recorded under lancet_rt.tracing(), saved, loaded, replayed through router biases."""
+
 import json
 
 import pytest
 import torch
 
 import lancet_rt
-from lancet_rt.routing.traces import (RoutingTrace, bias_routers, parse_routing, zipf_exponent, zipf_shares)
+from lancet_rt.routing.traces import RoutingTrace, bias_routers, parse_routing, zipf_exponent, zipf_shares
 
 
 def _model(E=8):
@@ -22,7 +23,7 @@ def test_recorded_trace_round_trips(tmp_path):
     rt = RoutingTrace.from_trace(tr, meta={"model": "test"})
     assert (rt.steps, rt.layers, rt.experts) == (3, 2, 8)
     for s in range(3):  # each step's loads are the layer's own counts: 30 tokens x top-2
-        for l, moe in enumerate(model):
+        for l in range(len(model)):
             assert sum(rt.loads[s][l]) == 60
     assert rt.loads[2][1] == model[1].tokens_per_expert.tolist()
     path = tmp_path / "routing.json"
@@ -65,24 +66,30 @@ def test_bias_routers_skews_and_removes():
     assert after == pytest.approx(base)
 
 
-@pytest.mark.parametrize("text, field", [
-    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, 2]]', "line 1"),          # torn JSON
-    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, NaN]]]}', r"loads\[0\]\[0\]\[1\]"),
-    ('{"format": "lancet-rt routing trace v1", "loads": [[[Infinity, 1]]]}', r"loads\[0\]\[0\]\[0\]"),
-    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, 2]], [[3, 2.5]]]}', r"loads\[1\]\[0\]\[1\] \(step 1, layer 0, expert 1\)"),
-    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, -4]]]}', r"loads\[0\]\[0\]\[1\]"),
-    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, "7"]]]}', r"loads\[0\]\[0\]\[1\]"),
-    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, true]]]}', r"loads\[0\]\[0\]\[1\]"),
-    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, null]]]}', r"loads\[0\]\[0\]\[1\]"),
-    ('{"format": "lancet-rt routing trace v1", "loads": [[3, 4]]}', r"loads\[0\]\[0\] \(step 0, layer 0\)"),
-    ('{"format": "lancet-rt routing trace v1", "loads": [7]}', r"loads\[0\] \(step 0\)"),
-    ('{"format": "lancet-rt routing trace v1", "loads": {"a": 1}}', "loads must be a non-empty list"),
-    ('{"format": "lancet-rt routing trace v1"}', "'loads' is missing"),
-    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, 2]]], "meta": [1]}', "'meta'"),
-    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, 2]]], "steps": 3}', "'steps'"),
-    ('{"format": "lancet-rt routing trace v1", "loads": [[[1, 2]]], "experts": 2.5}', "'experts'"),
-    ('{"format": "something else", "loads": [[[1, 2]]]}', "'format'"),
-])
+@pytest.mark.parametrize(
+    "text, field",
+    [
+        ('{"format": "lancet-rt routing trace v1", "loads": [[[1, 2]]', "line 1"),  # torn JSON
+        ('{"format": "lancet-rt routing trace v1", "loads": [[[1, NaN]]]}', r"loads\[0\]\[0\]\[1\]"),
+        ('{"format": "lancet-rt routing trace v1", "loads": [[[Infinity, 1]]]}', r"loads\[0\]\[0\]\[0\]"),
+        (
+            '{"format": "lancet-rt routing trace v1", "loads": [[[1, 2]], [[3, 2.5]]]}',
+            r"loads\[1\]\[0\]\[1\] \(step 1, layer 0, expert 1\)",
+        ),
+        ('{"format": "lancet-rt routing trace v1", "loads": [[[1, -4]]]}', r"loads\[0\]\[0\]\[1\]"),
+        ('{"format": "lancet-rt routing trace v1", "loads": [[[1, "7"]]]}', r"loads\[0\]\[0\]\[1\]"),
+        ('{"format": "lancet-rt routing trace v1", "loads": [[[1, true]]]}', r"loads\[0\]\[0\]\[1\]"),
+        ('{"format": "lancet-rt routing trace v1", "loads": [[[1, null]]]}', r"loads\[0\]\[0\]\[1\]"),
+        ('{"format": "lancet-rt routing trace v1", "loads": [[3, 4]]}', r"loads\[0\]\[0\] \(step 0, layer 0\)"),
+        ('{"format": "lancet-rt routing trace v1", "loads": [7]}', r"loads\[0\] \(step 0\)"),
+        ('{"format": "lancet-rt routing trace v1", "loads": {"a": 1}}', "loads must be a non-empty list"),
+        ('{"format": "lancet-rt routing trace v1"}', "'loads' is missing"),
+        ('{"format": "lancet-rt routing trace v1", "loads": [[[1, 2]]], "meta": [1]}', "'meta'"),
+        ('{"format": "lancet-rt routing trace v1", "loads": [[[1, 2]]], "steps": 3}', "'steps'"),
+        ('{"format": "lancet-rt routing trace v1", "loads": [[[1, 2]]], "experts": 2.5}', "'experts'"),
+        ('{"format": "something else", "loads": [[[1, 2]]]}', "'format'"),
+    ],
+)
 def test_a_damaged_trace_names_the_file_and_the_field(tmp_path, text, field):
     path = tmp_path / "damaged.json"
     path.write_text(text)

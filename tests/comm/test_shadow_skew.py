@@ -1,4 +1,5 @@
 """Hot-expert shadowing on the asymmetric emulated link: the choice and the timeline, hand-computed."""
+
 import pytest
 import torch
 

@@ -5,6 +5,7 @@ batch; its own model holds the reference's dense weights and its ep rank's slice
 runs its own rows. After each of TWO optimizer steps the local loss, every gradient and every
 parameter must equal the reference's (float32 rel RMS <= 1e-5, tests.helpers.assert_close).
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,7 +34,7 @@ def load_from_reference(model, ref, ep_rank: int) -> None:
         for n, p in model.named_parameters():
             src = ref_params[n]
             if id(p) in experts:
-                src = src[ep_rank * p.shape[0]:(ep_rank + 1) * p.shape[0]]
+                src = src[ep_rank * p.shape[0] : (ep_rank + 1) * p.shape[0]]
             p.copy_(src)
 
 
@@ -49,7 +50,7 @@ def blocks_loss(run, x, g):
 
 
 def local(t, rank: int, rows: int = ROWS):
-    return t[rank * rows:(rank + 1) * rows]
+    return t[rank * rows : (rank + 1) * rows]
 
 
 def reference_steps(ref, world: int, steps: int = 2, batch_fn=None, loss_fn=blocks_loss):
@@ -85,7 +86,7 @@ def compare(model, expected, rank: int, ep_rank: int, loss, what: str, *, grads=
         ref_g, ref_p = ref_grads[n], ref_params[n]
         if id(p) in experts:
             k = got_p.shape[0]
-            ref_g, ref_p = ref_g[ep_rank * k:(ep_rank + 1) * k], ref_p[ep_rank * k:(ep_rank + 1) * k]
+            ref_g, ref_p = ref_g[ep_rank * k : (ep_rank + 1) * k], ref_p[ep_rank * k : (ep_rank + 1) * k]
         assert got_g is not None, f"{what}: grad of {n} is None"
         assert_close(f"{what} grad {n}", got_g, ref_g)
         assert_close(f"{what} param {n}", got_p, ref_p)

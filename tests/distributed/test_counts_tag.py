@@ -7,6 +7,7 @@ of its own (a mismatch leaves its group unusable), one spawn per header setting,
 of ``run_ranks``. The groups' timeout is 60 s, so a ``CollectiveMismatch`` was found by the check, not
 by a rank giving up on its peers.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -54,8 +55,11 @@ def _group(kind: str):
 
 
 #: The other dispatchers that exchange counts (the same tag: lancet_rt.moe.dispatch.common.exchange_counts).
-_DISPATCHERS = {"pipelined": dict(pipeline_chunks=2), "shadow": dict(shadow_experts=1),
-                "allreduce": dict(dispatcher="allreduce")}
+_DISPATCHERS = {
+    "pipelined": dict(pipeline_chunks=2),
+    "shadow": dict(shadow_experts=1),
+    "allreduce": dict(dispatcher="allreduce"),
+}
 
 
 class _Untagged:
@@ -86,7 +90,7 @@ def _bitwise_as_untagged(rank, x, gy) -> bool:
 def _into(errors: list, y, gy) -> None:
     try:
         y.backward(gy)
-    except BaseException as exc:  # noqa: BLE001 - reported to the forward's thread
+    except BaseException as exc:  # reported to the forward's thread
         errors.append(f"{type(exc).__name__}: {exc}")
 
 
@@ -111,6 +115,7 @@ def _cases(rank, world, headers: str, kinds: tuple) -> dict:
         worker.join()
         assert not errors, errors
         return m(x).shape[0]
+
     res["in step"] = outcome(lambda: in_step("plain"))
     res["bitwise as untagged"] = outcome(lambda: _bitwise_as_untagged(rank, x, gy))
 
@@ -118,6 +123,7 @@ def _cases(rank, world, headers: str, kinds: tuple) -> dict:
         m = _TwoMoE(_group("plain"), **moe)
         m.skip = (0,) if rank == 1 else ()
         return list((m if chunks is None else lancet_rt.Overlapped(m, chunks=chunks))(x).shape)
+
     res["skip a layer"] = outcome(skip_layer)
     res["skip a layer, Overlapped(chunks=2)"] = outcome(lambda: skip_layer(chunks=2))
     for name, moe in _DISPATCHERS.items():
@@ -127,6 +133,7 @@ def _cases(rank, world, headers: str, kinds: tuple) -> dict:
         m = _TwoMoE(_group("plain"))
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=rank == 0):
             return list(m(x).shape)
+
     res["autocast on rank 0 alone"] = outcome(autocast_alone)
 
     def skip_backward(kind):
@@ -135,6 +142,7 @@ def _cases(rank, world, headers: str, kinds: tuple) -> dict:
         if rank == 0:
             y.backward(gy)
         return list(m(x).shape)
+
     for kind in kinds:
         res[f"skip a backward, {kind}"] = outcome(lambda: skip_backward(kind))
     return res
@@ -163,29 +171,49 @@ def test_ranks_in_step_raise_nothing(cases):
         assert res["bitwise as untagged"][0] == "ok" and res["bitwise as untagged"][1] > 10, res["bitwise as untagged"]
 
 
-@pytest.mark.parametrize("case", ["skip a layer", "skip a layer, Overlapped(chunks=2)"]
-                         + [f"skip a layer, {name}" for name in _DISPATCHERS])
+@pytest.mark.parametrize(
+    "case", ["skip a layer", "skip a layer, Overlapped(chunks=2)"] + [f"skip a layer, {name}" for name in _DISPATCHERS]
+)
 def test_a_skipped_moe_layer_raises_collective_mismatch_on_every_rank(cases, case):
     headers, results = cases
     names = (" ('blocks.0.moe' here)", " ('blocks.1.moe' here)") if "Overlapped" in case else ("", "")
     for res in results:
-        assert_raised(res[case], "CollectiveMismatch", "does not match across expert-parallel ranks",
-                      f"rank 0 ran MoE layer #0{names[0]}", f"rank 1 ran MoE layer #1{names[1]}", "no token was sent",
-                      ranks=[0, 1])
+        assert_raised(
+            res[case],
+            "CollectiveMismatch",
+            "does not match across expert-parallel ranks",
+            f"rank 0 ran MoE layer #0{names[0]}",
+            f"rank 1 ran MoE layer #1{names[1]}",
+            "no token was sent",
+            ranks=[0, 1],
+        )
 
 
 def test_autocast_on_one_rank_raises_collective_mismatch_naming_both_dtypes(cases):
     for res in cases[1]:
-        assert_raised(res["autocast on rank 0 alone"], "CollectiveMismatch", "torch.bfloat16", "torch.float32",
-                      "rank 0 ran MoE layer #0", "rank 1 ran MoE layer #0", ranks=[0, 1])
+        assert_raised(
+            res["autocast on rank 0 alone"],
+            "CollectiveMismatch",
+            "torch.bfloat16",
+            "torch.float32",
+            "rank 0 ran MoE layer #0",
+            "rank 1 ran MoE layer #0",
+            ranks=[0, 1],
+        )
 
 
 def test_a_skipped_backward_raises_collective_mismatch_on_every_rank(cases):
     headers, results = cases
     for kind in _B_KINDS[headers]:
         for res in results:
-            assert_raised(res[f"skip a backward, {kind}"], "CollectiveMismatch",
-                          "does not match across expert-parallel ranks", "counts exchange", "all-to-all", ranks=[0, 1])
+            assert_raised(
+                res[f"skip a backward, {kind}"],
+                "CollectiveMismatch",
+                "does not match across expert-parallel ranks",
+                "counts exchange",
+                "all-to-all",
+                ranks=[0, 1],
+            )
             if headers == "0":
                 assert "header check off" in res[f"skip a backward, {kind}"][1]
 
@@ -204,8 +232,9 @@ def test_four_ranks_name_the_rank_that_skipped_a_layer_on_every_rank():
     results = run_ranks(_odd_rank_out, 4, timeout=300)
     for r in range(4):
         assert results[r][0] == "ok", results[r][1]
-        assert_raised(results[r][1], "CollectiveMismatch", "rank 3 ran MoE layer #1", "rank 0 ran MoE layer #0",
-                      ranks=[3])
+        assert_raised(
+            results[r][1], "CollectiveMismatch", "rank 3 ran MoE layer #1", "rank 0 ran MoE layer #0", ranks=[3]
+        )
 
 
 def test_the_odd_rank_out_is_named_alike_from_every_rank_s_view():

@@ -10,6 +10,7 @@ PeerError on the peers within a poll. One 2-rank spawn runs those cases in seque
 process group of its own (rank 1 kills itself in the last one); one 4-rank spawn repeats the
 mismatch and the kill.
 """
+
 from __future__ import annotations
 
 import json
@@ -60,6 +61,7 @@ def _healthy_gradient_sync(rank, world, group) -> dict:
     def counting(*a, **kw):
         gathers.append(1)
         return all_gather(*a, **kw)
+
     dist.all_gather = counting
     try:
         with sync:
@@ -71,10 +73,16 @@ def _healthy_gradient_sync(rank, world, group) -> dict:
         ref = _model()
         _backward(ref, r)
         refs.append([p.grad for p in ref.parameters()])
-    exact = all(torch.allclose(p.grad, sum(g[i] for g in refs) / world, rtol=1e-6, atol=1e-7)
-                for i, p in enumerate(model.parameters()))
-    return {"buckets": len(sync._buckets), "all-reduces": sync.issued, "header all-gathers": len(gathers),
-            "mean gradient": exact}
+    exact = all(
+        torch.allclose(p.grad, sum(g[i] for g in refs) / world, rtol=1e-6, atol=1e-7)
+        for i, p in enumerate(model.parameters())
+    )
+    return {
+        "buckets": len(sync._buckets),
+        "all-reduces": sync.issued,
+        "header all-gathers": len(gathers),
+        "mean gradient": exact,
+    }
 
 
 def _mismatches(rank, new_group, res) -> None:
@@ -86,6 +94,7 @@ def _mismatches(rank, new_group, res) -> None:
         model = _model(9 if rank == 1 else 8)
         _backward(model, rank)
         sync_gradients(model, new_group())
+
     res["sync_gradients, sizes differ"] = outcome(sync_sizes)
 
     def gradient_sync_extra():
@@ -95,6 +104,7 @@ def _mismatches(rank, new_group, res) -> None:
         sync = GradientSync(model, new_group(), piece_mb=0.0001)
         with sync:
             _backward(model, rank)
+
     res["GradientSync, a parameter more on one rank"] = outcome(gradient_sync_extra)
 
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "ep"))
@@ -122,6 +132,7 @@ def _dp_cases(rank, world, out_dir):
                 _until_given_up(g, [0])
             else:
                 _backward(model, rank)
+
     res["a peer never joins GradientSync"] = outcome(step)
 
     g = dist.new_group()
@@ -137,6 +148,7 @@ def _dp_cases(rank, world, out_dir):
     def next_step():
         with sync:
             _backward(model, rank)
+
     res["a rank raises inside GradientSync"] = outcome(raising_step)
     res["the step after it"] = outcome(next_step)
 
@@ -168,12 +180,17 @@ def test_the_normal_path_checks_the_plan_once_a_step_and_stays_exact(dp_cases):
         assert got == {"buckets": 2, "all-reduces": 7, "header all-gathers": 1, "mean gradient": True}, got
 
 
-@pytest.mark.parametrize("case, words", [
-    ("sync_gradients, sizes differ", ["gradient all-reduce (dense)", "sends [76, 76] elements", "sends [85, 85]"]),
-    ("GradientSync, a parameter more on one rank", ["gradient sync plan", "1 buckets", "data-parallel ranks",
-                                                    "sends [76, 76]", "sends [96, 96]"]),
-    ("replicate, models differ", ["replicate broadcast (dense)", "sends [32, 32]", "sends [36, 36]"]),
-])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("sync_gradients, sizes differ", ["gradient all-reduce (dense)", "sends [76, 76] elements", "sends [85, 85]"]),
+        (
+            "GradientSync, a parameter more on one rank",
+            ["gradient sync plan", "1 buckets", "data-parallel ranks", "sends [76, 76]", "sends [96, 96]"],
+        ),
+        ("replicate, models differ", ["replicate broadcast (dense)", "sends [32, 32]", "sends [36, 36]"]),
+    ],
+)
 def test_sizes_that_differ_raise_collective_mismatch_on_every_rank(dp_cases, case, words):
     for res in dp_cases:  # (gloo would abort both processes)
         assert_raised(res[case], "CollectiveMismatch", "does not match across", "nothing was sent", *words)
@@ -182,18 +199,32 @@ def test_sizes_that_differ_raise_collective_mismatch_on_every_rank(dp_cases, cas
 def test_a_peer_that_never_joins_the_all_reduce_times_out_by_name(dp_cases):
     """Rank 0 waits for the first piece (#2: #1 was the plan check) until the timeout and names rank 1;
     rank 1, when it issues its pieces later, reads rank 0's record and raises at once."""
-    assert_raised(dp_cases[0]["a peer never joins GradientSync"], "PeerTimeout", "collective #2 (gradient bucket 0",
-            f"timeout {TIMEOUT_S:g} s", "rank 1 has not reached collective #2", "its process is alive", ranks=[1])
-    assert_raised(dp_cases[1]["a peer never joins GradientSync"], "PeerError", "rank 1 was reported as not answering",
-            ranks=[1])
+    assert_raised(
+        dp_cases[0]["a peer never joins GradientSync"],
+        "PeerTimeout",
+        "collective #2 (gradient bucket 0",
+        f"timeout {TIMEOUT_S:g} s",
+        "rank 1 has not reached collective #2",
+        "its process is alive",
+        ranks=[1],
+    )
+    assert_raised(
+        dp_cases[1]["a peer never joins GradientSync"], "PeerError", "rank 1 was reported as not answering", ranks=[1]
+    )
 
 
 def test_an_exception_inside_gradient_sync_reaches_the_peers_and_breaks_the_group(dp_cases):
     """PeerError from rank 1's failure record (not after the timeout), then GroupError on both ranks:
     rank 1's next step would otherwise pair its all-reduces with rank 0's of this one."""
     assert_raised(dp_cases[1]["a rank raises inside GradientSync"], "RuntimeError", "injected in backward")
-    assert_raised(dp_cases[0]["a rank raises inside GradientSync"], "PeerError", "data-parallel rank(s) [1] failed",
-            "gradient bucket 0", "RuntimeError: injected in backward", ranks=[1])
+    assert_raised(
+        dp_cases[0]["a rank raises inside GradientSync"],
+        "PeerError",
+        "data-parallel rank(s) [1] failed",
+        "gradient bucket 0",
+        "RuntimeError: injected in backward",
+        ranks=[1],
+    )
     for res in dp_cases:
         assert_raised(res["the step after it"], "GroupError", "data-parallel group unusable since an earlier failure")
 
@@ -231,8 +262,13 @@ def test_four_ranks_mismatch_and_a_killed_rank():
     for r in (0, 1, 2):
         status, res = results[r]
         assert status == "ok", res
-        assert_raised(res["sizes differ on rank 2"], "CollectiveMismatch", "rank 2 issued #1 gradient all-reduce (dense)",
-                "sends [85, 85, 85, 85]", "rank 0 issued #1 gradient all-reduce (dense) (torch.float32, sends [76")
+        assert_raised(
+            res["sizes differ on rank 2"],
+            "CollectiveMismatch",
+            "rank 2 issued #1 gradient all-reduce (dense)",
+            "sends [85, 85, 85, 85]",
+            "rank 0 issued #1 gradient all-reduce (dense) (torch.float32, sends [76",
+        )
         kind, msg, ranks = res["rank 3 killed"]
         # (3 among the ranks named: a loaded machine may leave a live peer out of the 0.2 s roll call)
         assert kind in ("PeerError", "PeerTimeout") and 3 in ranks, (kind, ranks, msg)

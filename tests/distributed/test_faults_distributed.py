@@ -9,6 +9,7 @@ Every spawn has a hard timeout (a hang fails, never waits). The 3-rank faults ru
 gloo groups and on split ones (``TorchGroup.split``: header checks and launches on a thread of the
 group, the tokens on a lane per direction), which must detect and name the same faults.
 """
+
 from __future__ import annotations
 
 import copy
@@ -17,14 +18,14 @@ import os
 import signal
 import time
 
+import lancet_rt.autotune  # registers chunks="auto"
 import pytest
 import torch
 
 import lancet_rt
-import lancet_rt.autotune  # noqa: F401 - registers chunks="auto"
 from lancet_rt import env
-from tests.dist import assert_raised, outcome, run_ranks
 from tests.comm.test_faults import assert_same_step, in_chunk, make_model, raise_, train_step
+from tests.dist import assert_raised, outcome, run_ranks
 
 D = 16
 
@@ -77,14 +78,18 @@ def _three_ranks(rank, world, out_dir, split=False):
     res["defer_wgrad differs"] = outcome(lambda: _step(overlapped(chunks=2, defer_wgrad=rank == 1), x))
     res["auto on one rank"] = outcome(lambda: _step(overlapped(chunks="auto" if rank == 0 else 2), x))
     res["check differs"] = outcome(lambda: _step(overlapped(chunks=2, check=rank == 1), x))
-    res["MoE config differs"] = outcome(lambda: _step(overlapped(chunks=2, capacity_factor=1.0 if rank == 2 else 0.75),
-                                                       x))
+    res["MoE config differs"] = outcome(
+        lambda: _step(overlapped(chunks=2, capacity_factor=1.0 if rank == 2 else 0.75), x)
+    )
     # Failures before the step's collectives: status on the first exchange (or the config check).
     ov = overlapped(chunks=3)
     fresh = copy.deepcopy(ov.model)
     res["no tensor on one rank, first step"] = outcome(lambda: _step(ov, 1.0 if rank == 1 else x))
-    h = in_chunk(ov.model.blocks[0].attn, 0, lambda: raise_(RuntimeError("injected before the collectives"))) \
-        if rank == 2 else None
+    h = (
+        in_chunk(ov.model.blocks[0].attn, 0, lambda: raise_(RuntimeError("injected before the collectives")))
+        if rank == 2
+        else None
+    )
     res["model error before the collectives"] = outcome(lambda: _step(ov, x, g))
     h = h.remove() if h else None
     h = in_chunk(ov.model.blocks[0].attn, 0, lambda: raise_(KeyboardInterrupt())) if rank == 0 else None
@@ -96,19 +101,24 @@ def _three_ranks(rank, world, out_dir, split=False):
         ref = train_step(lancet_rt.Overlapped(fresh, chunks=3), fresh, x, g)
         assert_same_step(ref, got)
         return True
+
     res["next step after them equals a fresh model"] = outcome(same_as_fresh)
 
     # After the collectives started: the group breaks, the peers are told within a poll.
     broken = lancet_rt.Overlapped(make_model(_group(split=split), E=6), chunks=4)
-    h = in_chunk(broken.model.blocks[1], 2, lambda: raise_(RuntimeError("injected in chunk 2 of 4"))) \
-        if rank == 2 else None
+    h = (
+        in_chunk(broken.model.blocks[1], 2, lambda: raise_(RuntimeError("injected in chunk 2 of 4")))
+        if rank == 2
+        else None
+    )
     res["error in chunk 2 of 4"] = outcome(lambda: _step(broken, x))
     res["next step on the broken group"] = outcome(lambda: _step(broken, x))
 
     bwd = lancet_rt.Overlapped(make_model(_group(split=split), E=6), chunks=2)
     if rank == 2:
         bwd.model.blocks[0].register_forward_hook(
-            lambda m, a, y: [y.register_hook(lambda grad: raise_(RuntimeError("injected in backward")))] and None)
+            lambda m, a, y: [y.register_hook(lambda grad: raise_(RuntimeError("injected in backward")))] and None
+        )
     res["error in backward"] = outcome(lambda: _step(bwd, x, g))
     res["step after the failed backward"] = outcome(lambda: _step(bwd, x, g))
 
@@ -145,12 +155,15 @@ def three_ranks(tmp_path_factory, request):
     return per_rank
 
 
-@pytest.mark.parametrize("case, words", [
-    ("chunks differ", "chunks: rank 0=2, rank 1=2, rank 2=3"),
-    ("defer_wgrad differs", "defer_wgrad: rank 0=False, rank 1=True, rank 2=False"),
-    ("auto on one rank", "chunks: rank 0='auto', rank 1=2, rank 2=2"),
-    ("check differs", "check: rank 0=False, rank 1=True, rank 2=False"),
-])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        ("chunks differ", "chunks: rank 0=2, rank 1=2, rank 2=3"),
+        ("defer_wgrad differs", "defer_wgrad: rank 0=False, rank 1=True, rank 2=False"),
+        ("auto on one rank", "chunks: rank 0='auto', rank 1=2, rank 2=2"),
+        ("check differs", "check: rank 0=False, rank 1=True, rank 2=False"),
+    ],
+)
 def test_schedule_must_agree_across_ranks(three_ranks, case, words):
     for res in three_ranks:
         assert_raised(res[case], "ValueError", words)
@@ -170,15 +183,15 @@ def test_bad_input_before_the_config_check_raises_everywhere(three_ranks):
 def test_model_error_before_the_collectives_raises_everywhere(three_ranks):
     assert_raised(three_ranks[2]["model error before the collectives"], "RuntimeError", "injected before")
     for r in (0, 1):
-        assert_raised(three_ranks[r]["model error before the collectives"], "PeerError", "rank(s) [2]",
-                       "stays usable", ranks=[2])
+        assert_raised(
+            three_ranks[r]["model error before the collectives"], "PeerError", "rank(s) [2]", "stays usable", ranks=[2]
+        )
 
 
 def test_keyboard_interrupt_before_the_collectives_raises_everywhere(three_ranks):
     assert_raised(three_ranks[0]["KeyboardInterrupt before the collectives"], "KeyboardInterrupt")
     for r in (1, 2):
-        assert_raised(three_ranks[r]["KeyboardInterrupt before the collectives"], "PeerError", "rank(s) [0]",
-                       ranks=[0])
+        assert_raised(three_ranks[r]["KeyboardInterrupt before the collectives"], "PeerError", "rank(s) [0]", ranks=[0])
 
 
 def test_next_step_after_early_failures_equals_a_fresh_model(three_ranks):
@@ -191,8 +204,13 @@ def test_error_in_chunk_two_of_four_reaches_every_rank(three_ranks):
     """PeerError, not PeerTimeout: the peers learnt it from rank 2's failure record, not by waiting."""
     assert_raised(three_ranks[2]["error in chunk 2 of 4"], "RuntimeError", "injected in chunk 2 of 4")
     for r in (0, 1):
-        assert_raised(three_ranks[r]["error in chunk 2 of 4"], "PeerError", "rank(s) [2] failed or stopped answering",
-                       "RuntimeError: injected in chunk 2 of 4", ranks=[2])
+        assert_raised(
+            three_ranks[r]["error in chunk 2 of 4"],
+            "PeerError",
+            "rank(s) [2] failed or stopped answering",
+            "RuntimeError: injected in chunk 2 of 4",
+            ranks=[2],
+        )
 
 
 def test_broken_group_refuses_the_next_step(three_ranks):
@@ -202,26 +220,40 @@ def test_broken_group_refuses_the_next_step(three_ranks):
 
 def test_error_in_backward_reaches_every_rank(three_ranks):
     assert_raised(three_ranks[2]["error in backward"], "RuntimeError", "injected in backward")
-    assert_raised(three_ranks[2]["step after the failed backward"], "GroupError", "rank 2: the last backward raised",
-                   ranks=[2])
+    assert_raised(
+        three_ranks[2]["step after the failed backward"], "GroupError", "rank 2: the last backward raised", ranks=[2]
+    )
     for r in (0, 1):
-        assert_raised(three_ranks[r]["error in backward"], "PeerError", "rank(s) [2]", "last backward raised",
-                       ranks=[2])
+        assert_raised(
+            three_ranks[r]["error in backward"], "PeerError", "rank(s) [2]", "last backward raised", ranks=[2]
+        )
         assert_raised(three_ranks[r]["step after the failed backward"], "GroupError", "unusable since")
 
 
 def test_a_rank_that_stops_answering_times_out_by_name(three_ranks):
     for r in (0, 1):
-        assert_raised(three_ranks[r]["a rank stops answering"], "PeerTimeout", "rank(s) [2] stopped answering",
-                       "its process is alive", "LANCET_TIMEOUT_S", ranks=[2])
-    assert_raised(three_ranks[2]["a rank stops answering"], "PeerError", "rank 2 was reported as not answering",
-                   ranks=[2])
+        assert_raised(
+            three_ranks[r]["a rank stops answering"],
+            "PeerTimeout",
+            "rank(s) [2] stopped answering",
+            "its process is alive",
+            "LANCET_TIMEOUT_S",
+            ranks=[2],
+        )
+    assert_raised(
+        three_ranks[2]["a rank stops answering"], "PeerError", "rank 2 was reported as not answering", ranks=[2]
+    )
 
 
 def test_a_killed_rank_is_named_by_the_survivors(three_ranks):
     for r in (0, 1):
-        assert_raised(three_ranks[r]["a rank is killed"], "PeerError", "rank(s) [2] stopped answering",
-                       "rank 2: its process has exited", ranks=[2])
+        assert_raised(
+            three_ranks[r]["a rank is killed"],
+            "PeerError",
+            "rank(s) [2] stopped answering",
+            "rank 2: its process has exited",
+            ranks=[2],
+        )
 
 
 def _two_ranks(rank, world, out_dir):
@@ -257,7 +289,8 @@ def _two_ranks(rank, world, out_dir):
     dead = lancet_rt.Overlapped(make_model(_group()), chunks=2)
     if rank == 1:
         dead.model.blocks[0].register_forward_hook(
-            lambda m, a, y: [y.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))] and None)
+            lambda m, a, y: [y.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))] and None
+        )
     return outcome(lambda: _step(dead, x, g))
 
 
@@ -288,20 +321,37 @@ def test_bad_group_timeout(two_ranks):
 
 
 def test_a_rank_that_never_starts_the_step_times_out_by_name(two_ranks):
-    assert_raised(two_ranks[0]["a rank never starts the step"], "PeerTimeout", "rank(s) [1] stopped answering",
-                   "timeout 2 s, LANCET_TIMEOUT_S", "collective #1 (all-gather)", ranks=[1])
-    assert_raised(two_ranks[1]["a rank never starts the step"], "PeerError", "rank 1 was reported as not answering",
-                   ranks=[1])
+    assert_raised(
+        two_ranks[0]["a rank never starts the step"],
+        "PeerTimeout",
+        "rank(s) [1] stopped answering",
+        "timeout 2 s, LANCET_TIMEOUT_S",
+        "collective #1 (all-gather)",
+        ranks=[1],
+    )
+    assert_raised(
+        two_ranks[1]["a rank never starts the step"], "PeerError", "rank 1 was reported as not answering", ranks=[1]
+    )
 
 
 def test_the_watchdog_path_names_the_failed_rank(two_ranks):
     """The CUDA path (a watchdog thread, the host waiting plainly), exercised on gloo."""
     assert_raised(two_ranks[1]["watchdog finds a failure"], "RuntimeError", "injected under the watchdog")
-    assert_raised(two_ranks[0]["watchdog finds a failure"], "PeerError", "rank(s) [1] failed or stopped answering",
-                   "RuntimeError: injected under the watchdog", ranks=[1])
+    assert_raised(
+        two_ranks[0]["watchdog finds a failure"],
+        "PeerError",
+        "rank(s) [1] failed or stopped answering",
+        "RuntimeError: injected under the watchdog",
+        ranks=[1],
+    )
     assert two_ranks[0]["watchdog raised it"][1] is True
 
 
 def test_a_rank_killed_in_backward_is_named(two_ranks):
-    assert_raised(two_ranks[0]["a rank is killed in backward"], "PeerError", "rank(s) [1] stopped answering",
-                   "rank 1: its process has exited", ranks=[1])
+    assert_raised(
+        two_ranks[0]["a rank is killed in backward"],
+        "PeerError",
+        "rank(s) [1] stopped answering",
+        "rank 1: its process has exited",
+        ranks=[1],
+    )

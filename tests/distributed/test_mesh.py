@@ -1,6 +1,7 @@
 """Data parallelism beside expert parallelism on a (dp=2, ep=2) mesh, 4 gloo ranks: sync_gradients,
 GradientSync, replicate and fully_shard equal one process on the global batch after two optimizer
 steps, chunked or not, with deferred dW or not; the collective order never follows dW timing."""
+
 from __future__ import annotations
 
 import time
@@ -82,7 +83,9 @@ def _explicit(rank, world, hows, shape=None, cells=mc.CELLS):
             if how == "replicate":
                 _replicate_perturbed(model, mesh)
             what = f"{how} chunks={chunks} defer_wgrad={defer}"
-            out.append(_explicit_steps(model, mc.runner(model, chunks, defer), mesh, how, expected, rank, ep_rank, what))
+            out.append(
+                _explicit_steps(model, mc.runner(model, chunks, defer), mesh, how, expected, rank, ep_rank, what)
+            )
     return out
 
 
@@ -163,8 +166,16 @@ def _fsdp(rank, world, shape=None, cells=mc.CELLS):
             loss.backward()
             opt.step()
             grads, params = mc.full(model)
-            mc.compare(model, expected[step], rank, ep_rank, loss,
-                       f"fully_shard chunks={chunks} defer_wgrad={defer} step {step}", grads=grads, params=params)
+            mc.compare(
+                model,
+                expected[step],
+                rank,
+                ep_rank,
+                loss,
+                f"fully_shard chunks={chunks} defer_wgrad={defer} step {step}",
+                grads=grads,
+                params=params,
+            )
             if defer:
                 flushed.append(run.wgrad_queue.flushed + run.wgrad_queue.ran_in_windows)
     return flushed
@@ -202,26 +213,40 @@ def _accumulated(rank, world, hows):
             x, g = (mc.local(t, rank) for t in mc.global_batch(step, world))
             micro = list(x.split(1))
             opt.zero_grad(set_to_none=True)
-            losses = ov.accumulate(micro, lambda out, i: mc.blocks_loss(lambda _: out, None, g[i:i + 1]) / len(micro),
-                                   grad_sync=sync, interleave=how != "fully_shard")
+            losses = ov.accumulate(
+                micro,
+                lambda out, i: mc.blocks_loss(lambda _: out, None, g[i : i + 1]) / len(micro),
+                grad_sync=sync,
+                interleave=how != "fully_shard",
+            )
             if how == "sync_gradients":
                 sync_gradients(model, mesh)
             opt.step()
             grads, params = mc.full(model) if how == "fully_shard" else (None, None)
-            mc.compare(model, expected[step], rank, ep_rank, losses.sum(), f"accumulate {how} step {step}",
-                       grads=grads, params=params)
+            mc.compare(
+                model,
+                expected[step],
+                rank,
+                ep_rank,
+                losses.sum(),
+                f"accumulate {how} step {step}",
+                grads=grads,
+                params=params,
+            )
     return True
 
 
 def test_accumulate_on_a_mesh(execution):
-    assert_all_ok(run_ranks(_accumulated, 4, ("sync_gradients", "GradientSync", "replicate", "fully_shard"),
-                            timeout=400))
+    assert_all_ok(
+        run_ranks(_accumulated, 4, ("sync_gradients", "GradientSync", "replicate", "fully_shard"), timeout=400)
+    )
 
 
 def _hsdp(rank, world, shape):
     cells = [(1, False), (2, True)]
-    return _explicit(rank, world, ("sync_gradients", "GradientSync", "replicate"), shape, cells), \
-        _fsdp(rank, world, shape, cells)
+    return _explicit(rank, world, ("sync_gradients", "GradientSync", "replicate"), shape, cells), _fsdp(
+        rank, world, shape, cells
+    )
 
 
 @pytest.mark.parametrize("shape", [(2, 1, 2), (2, 2, 1)])
@@ -254,13 +279,18 @@ def _refusals(rank, world):
     flat = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     wrong_ep = mc.make_blocks(dist.group.WORLD)  # expert-parallel over 4 ranks, the mesh's ep has 2
     errors = []
-    for call in (lambda: fully_shard(mc.make_blocks(), flat), lambda: replicate(mc.make_blocks(), "mesh"),
-                 lambda: sync_gradients(wrong_ep, mesh), lambda: GradientSync(wrong_ep, mesh),
-                 lambda: fully_shard(wrong_ep, mesh), lambda: replicate(torch.ones(1), mesh),
-                 lambda: parallelize_hf(mc.make_blocks(), mesh, engine="ddp"),
-                 # the issue's silent error: the dp group alone, beside an ep group
-                 lambda: sync_gradients(mc.make_blocks(mesh["ep"].get_group()), mesh["dp"].get_group()),
-                 lambda: GradientSync(mc.make_blocks(mesh["ep"].get_group()), mesh["dp"].get_group())):
+    for call in (
+        lambda: fully_shard(mc.make_blocks(), flat),
+        lambda: replicate(mc.make_blocks(), "mesh"),
+        lambda: sync_gradients(wrong_ep, mesh),
+        lambda: GradientSync(wrong_ep, mesh),
+        lambda: fully_shard(wrong_ep, mesh),
+        lambda: replicate(torch.ones(1), mesh),
+        lambda: parallelize_hf(mc.make_blocks(), mesh, engine="ddp"),
+        # the issue's silent error: the dp group alone, beside an ep group
+        lambda: sync_gradients(mc.make_blocks(mesh["ep"].get_group()), mesh["dp"].get_group()),
+        lambda: GradientSync(mc.make_blocks(mesh["ep"].get_group()), mesh["dp"].get_group()),
+    ):
         try:
             call()
             errors.append("no error")

@@ -1,6 +1,8 @@
 """DCP checkpoints of a fully_shard model: saved at (dp=2, ep=2) after one step, loaded at (dp=1,
-ep=4), at (dp=4, ep=1), on an HSDP mesh (dp_replicate=2, dp=1, ep=2) and in one process, optimizer state included: the parameters equal the
+ep=4), at (dp=4, ep=1), on an HSDP mesh (dp_replicate=2, dp=1, ep=2) and in one process, optimizer state
+included: the parameters equal the
 reference's after its first step and the second step (which reads the momentum) equals its second."""
+
 from __future__ import annotations
 
 import torch
@@ -49,11 +51,11 @@ def _save_and_load(rank, world, path):
         load_sharded(model, mesh, path, opt)
         ep_rank = mesh["ep"].get_local_rank()
         params = mc.full(model)[1]
-        for n, p in model.named_parameters():
+        for n, _p in model.named_parameters():
             ref = expected[0][2][n]
             if ".experts." in n:
                 k = params[n].shape[0]
-                ref = ref[ep_rank * k:(ep_rank + 1) * k]
+                ref = ref[ep_rank * k : (ep_rank + 1) * k]
             mc.assert_close(f"{shape} loaded {n}", params[n], ref)
         loss = _step(model, model, rank, world, 1, opt)
         grads, params = mc.full(model)

@@ -10,6 +10,7 @@
 - a rank SIGKILLed in the middle of ``save_sharded``'s write: its peers raise PeerError naming it
   ("its process has exited") and the previous checkpoint loads, equal to a copy saved beside it.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,7 +32,7 @@ SKIP_TIMEOUT_S = 4.0
 def _outcome(fn) -> list:
     try:
         return ["ok", fn(), None]
-    except BaseException as exc:  # noqa: BLE001 - what escapes is the outcome
+    except BaseException as exc:  # what escapes is the outcome
         return [type(exc).__name__, str(exc), getattr(exc, "global_ranks", None)]
 
 
@@ -103,7 +104,7 @@ def _cases(rank, world, root):
             if damage == "truncated":
                 file = os.path.join(path, "__1_0.distcp")
                 data = open(file, "rb").read()
-                open(file, "wb").write(data[:len(data) // 2])
+                open(file, "wb").write(data[: len(data) // 2])
             else:
                 open(file, "wb").write(data)  # the truncated file back, then one bit of a tensor flipped
                 flip_bit(*tensor_bytes_at(path, EXPERT_KEY))
@@ -131,7 +132,7 @@ def cases(tmp_path_factory):
 
 
 def test_ranks_passing_different_paths_raise_before_writing(cases):
-    for r, res in enumerate(cases):
+    for res in cases:
         kind, msg, _ = res["different paths"]
         assert kind == "ValueError" and "path: the ranks passed different values" in msg, (kind, msg)
         assert all(f"rank{q}'" in msg for q in range(4)), msg
@@ -147,10 +148,13 @@ def test_save_checkpoint_on_a_fully_shard_model_points_to_save_sharded(cases):
         assert res["never written"]
 
 
-@pytest.mark.parametrize("damage, words", [
-    ("truncated", ["__1_0.distcp", "is truncated", "its data for key "]),
-    ("bit flip", ["checksum mismatch", f"key {EXPERT_KEY}", "could not be read on rank"]),
-])
+@pytest.mark.parametrize(
+    "damage, words",
+    [
+        ("truncated", ["__1_0.distcp", "is truncated", "its data for key "]),
+        ("bit flip", ["checksum mismatch", f"key {EXPERT_KEY}", "could not be read on rank"]),
+    ],
+)
 def test_a_damaged_file_raises_a_named_value_error_and_changes_no_parameter(cases, damage, words):
     for r, res in enumerate(cases):
         kind, msg, _ = res[damage]
@@ -190,6 +194,7 @@ def _killed_in_save(rank, world, root):
         def write_then_die(self, plan, planner):
             real(self, plan, planner).wait()  # this rank's new data is on disk, its metadata not yet anywhere
             os.kill(os.getpid(), signal.SIGKILL)
+
         FileSystemWriter.write_data = write_then_die
     out = _outcome(lambda: save_sharded(model, mesh, path, opt))
     with open(os.path.join(root, f"rank{rank}.json"), "w") as f:

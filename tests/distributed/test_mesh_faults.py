@@ -15,6 +15,7 @@
 a closed connection, within a poll, so nothing depends on the machine's speed (a PeerTimeout would
 be a failure of the test).
 """
+
 from __future__ import annotations
 
 import os
@@ -39,7 +40,7 @@ def _outcome(fn) -> list:
     """[exception type, message, global ranks at fault] of ``fn()``, or ["ok", result, None]."""
     try:
         return ["ok", fn(), None]
-    except BaseException as exc:  # noqa: BLE001 - what escapes is the outcome
+    except BaseException as exc:  # what escapes is the outcome
         return [type(exc).__name__, str(exc), getattr(exc, "global_ranks", None)]
 
 
@@ -59,10 +60,12 @@ def _engine_cases(rank, world, out_dir):
     torch.set_num_threads(1)
     mesh = _mesh()
     res = {}
-    for name, call in (("replicate", lambda m: replicate(m, mesh)),
-                       ("fully_shard", lambda m: fully_shard(m, mesh, blocks=list(m.blocks))),
-                       ("sync_gradients", lambda m: sync_gradients(m, mesh)),
-                       ("GradientSync", lambda m: GradientSync(m, mesh))):
+    for name, call in (
+        ("replicate", lambda m: replicate(m, mesh)),
+        ("fully_shard", lambda m: fully_shard(m, mesh, blocks=list(m.blocks))),
+        ("sync_gradients", lambda m: sync_gradients(m, mesh)),
+        ("GradientSync", lambda m: GradientSync(m, mesh)),
+    ):
         model = mc.make_blocks(mesh["dp"].get_group())  # the transposed group: same size, other ranks
         with torch.no_grad():  # each rank's own experts: a broadcast over the wrong group would change them
             for p in model.parameters():
@@ -136,8 +139,10 @@ def _fsdp_fault(rank, world, case):
 
     step(0)
     if case == "out of memory" and rank == 1:  # in block 1's attention: after FSDP2 all-gathered blocks 0 and 1
+
         def oom(module, args):
             raise torch.OutOfMemoryError("injected: out of memory in block 1")
+
         model.blocks[1].attn.register_forward_pre_hook(oom)
     out = _outcome(lambda: step(1))
     out.append(_outcome(lambda: step(2))[0])  # the step after: the FSDP groups are unusable

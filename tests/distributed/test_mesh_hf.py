@@ -1,6 +1,7 @@
 """A transformers family on a (dp=2, ep=2) mesh, 4 gloo ranks: parallelize_hf (fully_shard, replicate)
 and from_hf + sync_gradients / GradientSync equal transformers in one process on the global batch
 after two optimizer steps, chunks 1 and 2, with deferred dW or not."""
+
 from __future__ import annotations
 
 import pytest
@@ -59,8 +60,16 @@ def _cells(rank, world, hows):
                     sync_gradients(model, mesh)
                 opt.step()
                 grads, params = mc.full(model) if engine == "fully_shard" else (None, None)
-                mc.compare(model, expected[step], rank, ep_rank, loss, f"{FAMILY} {how} chunks={chunks} "
-                           f"defer_wgrad={defer} step {step}", grads=grads, params=params)
+                mc.compare(
+                    model,
+                    expected[step],
+                    rank,
+                    ep_rank,
+                    loss,
+                    f"{FAMILY} {how} chunks={chunks} defer_wgrad={defer} step {step}",
+                    grads=grads,
+                    params=params,
+                )
             ran.append((how, chunks, defer))
     return ran
 

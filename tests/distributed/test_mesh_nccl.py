@@ -1,6 +1,7 @@
 """The NCCL path of the mesh engines, on one rank (the GPU lane): the divide runs inside the collective
 (PREMUL_SUM), and GradientSync, replicate and fully_shard on a (1, 1) CUDA mesh with deferred dW equal
 the plain model. The gloo path (SUM, then divide) runs in test_mesh.py."""
+
 from __future__ import annotations
 
 import copy

@@ -1,4 +1,5 @@
 """Expert parallelism over real gloo processes equals the single-process layer with all experts."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,8 +34,8 @@ def _ep_matches_single(rank, world, K, capacity_factor, score_fn, aux):
     L = E // world
     with torch.no_grad():
         ep.router.weight.copy_(full.router.weight)
-        ep.experts.gate_up_proj.copy_(full.experts.gate_up_proj[rank * L:(rank + 1) * L])
-        ep.experts.down_proj.copy_(full.experts.down_proj[rank * L:(rank + 1) * L])
+        ep.experts.gate_up_proj.copy_(full.experts.gate_up_proj[rank * L : (rank + 1) * L])
+        ep.experts.down_proj.copy_(full.experts.down_proj[rank * L : (rank + 1) * L])
 
     x, g = _inputs(rank, world)
     x_ep = x.clone().requires_grad_(True)
@@ -57,8 +58,10 @@ def _ep_matches_single(rank, world, K, capacity_factor, score_fn, aux):
             assert ep.dropped == full.dropped
             if xr.shape[0]:
                 assert_close("aux", ep.aux_loss.reshape(1), full.aux_loss.reshape(1))
-    assert_close("grad gate_up", ep.experts.gate_up_proj.grad, full.experts.gate_up_proj.grad[rank * L:(rank + 1) * L])
-    assert_close("grad down", ep.experts.down_proj.grad, full.experts.down_proj.grad[rank * L:(rank + 1) * L])
+    assert_close(
+        "grad gate_up", ep.experts.gate_up_proj.grad, full.experts.gate_up_proj.grad[rank * L : (rank + 1) * L]
+    )
+    assert_close("grad down", ep.experts.down_proj.grad, full.experts.down_proj.grad[rank * L : (rank + 1) * L])
     return y.shape[0]
 
 

@@ -9,11 +9,11 @@ execution modes (tests/cuda_semantics.py; the CUDA-semantics one without gloo's 
 NCCL), ``LANCET_TIMEOUT_S=60`` so that finding it by the timeout fails the test. On one rank, a
 second backward with no forward between finds the first one's state stale (its graph task is gone).
 """
+
 from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 
 from lancet_rt import env
@@ -52,6 +52,7 @@ def _raised_and_caught(rank, world):
             if not raised:
                 raised.append(1)
                 raise RuntimeError("injected out of memory in backward")
+
         dict(model.named_parameters())[RAISES_AFTER].register_post_accumulate_grad_hook(once)
 
     def caught():  # the training loop catches it (and would skip the batch)
@@ -61,6 +62,7 @@ def _raised_and_caught(rank, world):
             if "injected" not in str(exc):
                 raise
             return "caught"
+
     res["the step that raises on rank 1"] = outcome(caught)
     res["the next step"] = outcome(lambda: _step(model, 2, rank))
     res["buckets"] = len(model.lancet_replicated._buckets)
@@ -87,7 +89,6 @@ def test_a_backward_raised_and_caught_under_replicate_is_named_to_every_peer(exe
         assert "PeerTimeout" not in msg and "timeout" not in msg.lower(), msg
 
 
-
 def _backward_after_a_raised_backward(rank, world):
     """Two losses built before either backward; the first backward raises inside the gradient sync
     and is caught, the second runs with no forward between: it must start a fresh sync."""
@@ -108,6 +109,7 @@ def _backward_after_a_raised_backward(rank, world):
         if not raised:
             raised.append(1)
             raise RuntimeError("injected out of memory in backward")
+
     handle = dict(model.named_parameters())[RAISES_AFTER].register_post_accumulate_grad_hook(once)
     res = {"first": outcome(first.backward), "left begun": reducer._in_backward}
     handle.remove()

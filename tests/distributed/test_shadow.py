@@ -7,6 +7,7 @@ a shadowed expert's weight gradient is one reassociated float32 sum (each rank's
 the all-reduce), whose error is ~1e-7 relative: 1e-6 is ten times that and ten times tighter than
 the float32 row of tests/helpers.TOLERANCES.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -42,12 +43,20 @@ def _layers(world, rank, layout, rooted=True):
     out = []
     for shadow in (0, 2):
         group = dist.group.WORLD if rooted else AllReduceOnly(dist.group.WORLD)
-        ep = lancet_rt.MoE(D, F, E, 2, aux_loss_coef=0.01, ep_group=group, shadow_experts=shadow,
-                           experts=lancet_rt.Experts(L, D, F, layout=layout))
+        ep = lancet_rt.MoE(
+            D,
+            F,
+            E,
+            2,
+            aux_loss_coef=0.01,
+            ep_group=group,
+            shadow_experts=shadow,
+            experts=lancet_rt.Experts(L, D, F, layout=layout),
+        )
         with torch.no_grad():
             for name, p in ep.named_parameters():
                 src = dict(full.named_parameters())[name]
-                p.copy_(src[rank * L:(rank + 1) * L] if name.startswith("experts.") else src)
+                p.copy_(src[rank * L : (rank + 1) * L] if name.startswith("experts.") else src)
         out.append(ep)
     return out
 
@@ -66,8 +75,12 @@ def _shadow_matches_plain(rank, world):
     from tests.helpers import assert_close
 
     seen = []
-    cases = ((1, False, "lancet", True), (3, False, "lancet", True), (2, True, "gpt_oss", True),
-             (3, False, "lancet", False))
+    cases = (
+        (1, False, "lancet", True),
+        (3, False, "lancet", True),
+        (2, True, "gpt_oss", True),
+        (3, False, "lancet", False),
+    )
     for chunks, defer, layout, rooted in cases:
         plain, shadowed = _layers(world, rank, layout, rooted)
         gen = torch.Generator().manual_seed(100 + rank)
@@ -186,8 +199,12 @@ def _replicated_matches_global(rank, world):
 
     def blocks(ep_group=None, shadow=0):
         torch.manual_seed(0)
-        model = MoEBlocks(1, mc.D, 2, dict(d_ffn=6, num_experts=mc.E, top_k=2, z_loss_coef=0.01, ep_group=ep_group,
-                                           shadow_experts=shadow))
+        model = MoEBlocks(
+            1,
+            mc.D,
+            2,
+            dict(d_ffn=6, num_experts=mc.E, top_k=2, z_loss_coef=0.01, ep_group=ep_group, shadow_experts=shadow),
+        )
         with torch.no_grad():
             model.blocks[0].moe.router.weight[3] += 3.0  # expert 3 hot
         return model

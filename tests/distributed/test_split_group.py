@@ -5,6 +5,7 @@ all-gather, an Overlapped training step with deferred dW), the header check leav
 detection is the plain group's: tests/distributed/test_faults_distributed.py and
 tests/reliability/test_adversarial_a.py run their cases on both.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -98,8 +99,10 @@ def _cases(rank, world):
                 raised.append(str(exc).split(":")[0])
     out["raised once"] = raised
     errors = []
-    for call in (lambda: lancet_rt.TorchGroup.split(dist.new_group(), counts_group=dist.new_group()),
-                 lambda: lancet_rt.TorchGroup.split(split.group)):
+    for call in (
+        lambda: lancet_rt.TorchGroup.split(dist.new_group(), counts_group=dist.new_group()),
+        lambda: lancet_rt.TorchGroup.split(split.group),
+    ):
         try:
             call()
         except ValueError as exc:
@@ -111,7 +114,12 @@ def _cases(rank, world):
 @pytest.mark.parametrize("world", [2, 4])
 def test_split_group_equals_the_plain_group_and_issues_off_the_host(world):
     for rank, res in enumerate(assert_all_ok(run_ranks(_cases, world, timeout=240))):
-        assert res == {"collectives": True, "overlapped step": True, "issued before the peer": True if rank == 0 else None,
-                       "reduced": True, "refused": ["counts_group", "group already has a TorchGroup (as_group made one)"],
-                       "raised once": ["found on the group's thread"] + ["expert-parallel group unusable since an "
-                                                                         "earlier failure"] * 3}, res
+        assert res == {
+            "collectives": True,
+            "overlapped step": True,
+            "issued before the peer": True if rank == 0 else None,
+            "reduced": True,
+            "refused": ["counts_group", "group already has a TorchGroup (as_group made one)"],
+            "raised once": ["found on the group's thread"]
+            + ["expert-parallel group unusable since an earlier failure"] * 3,
+        }, res

@@ -16,6 +16,7 @@ later with an unclear error:
 Real gloo processes, 2 and 4 ranks; the engines' refusals issue no collective at all (every
 torch.distributed collective is counted while they run), and the group works afterwards.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -24,9 +25,25 @@ import torch
 from tests.dist import assert_all_ok, run_ranks
 
 D, E = 8, 8
-_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "all_gather_object",
-                "reduce_scatter_tensor", "all_to_all_single", "barrier", "broadcast_object_list", "reduce",
-                "gather", "scatter", "send", "recv", "isend", "irecv", "new_group")
+_COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "reduce_scatter_tensor",
+    "all_to_all_single",
+    "barrier",
+    "broadcast_object_list",
+    "reduce",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "new_group",
+)
 
 
 def _blocks(ep_group, **moe):
@@ -40,7 +57,7 @@ def _outcome(fn) -> str:
     try:
         fn()
         return "no error"
-    except Exception as e:  # noqa: BLE001 - the outcome is what is compared
+    except Exception as e:  # the outcome is what is compared
         return f"{type(e).__name__}: {e}"
 
 
@@ -75,13 +92,16 @@ def _engine_refusals(rank, world):
     ep = mesh["ep"].get_group()
     shadowed, allreduce = _blocks(ep, shadow_experts=1), _blocks(ep, dispatcher="allreduce")
     with _CountCollectives() as counted:
-        out = [_outcome(call) for call in (
-            lambda: fully_shard(shadowed, mesh),
-            lambda: replicate(allreduce, mesh),
-            lambda: fully_shard(allreduce, mesh),
-            lambda: sync_gradients(allreduce, mesh),
-            lambda: GradientSync(allreduce, mesh),
-        )]
+        out = [
+            _outcome(call)
+            for call in (
+                lambda: fully_shard(shadowed, mesh),
+                lambda: replicate(allreduce, mesh),
+                lambda: fully_shard(allreduce, mesh),
+                lambda: sync_gradients(allreduce, mesh),
+                lambda: GradientSync(allreduce, mesh),
+            )
+        ]
     out.append(counted.calls)
     # torch's own fully_shard on the experts, beside shadowing: refused at the forward, on every rank
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -101,11 +121,14 @@ def test_engines_refuse_unsupported_layers_before_any_collective():
     results = assert_all_ok(run_ranks(_engine_refusals, 4, timeout=300))
     assert all(r[:-1] == results[0][:-1] for r in results), results
     out = results[0]
-    assert out[0].startswith("ValueError: lancet_rt.parallel.fully_shard: MoE layer blocks.0.moe has "
-                             "shadow_experts=1"), out[0]
+    assert out[0].startswith(
+        "ValueError: lancet_rt.parallel.fully_shard: MoE layer blocks.0.moe has shadow_experts=1"
+    ), out[0]
     for m, engine in zip(out[1:5], ("replicate", "fully_shard", "sync_gradients", "GradientSync")):
-        assert m.startswith(f"ValueError: lancet_rt.parallel.{engine}: MoE layer blocks.0.moe has "
-                            "dispatcher='allreduce'") and "2x too small" in m, m
+        assert (
+            m.startswith(f"ValueError: lancet_rt.parallel.{engine}: MoE layer blocks.0.moe has dispatcher='allreduce'")
+            and "2x too small" in m
+        ), m
     assert out[5] == [], f"collectives issued before the refusals: {out[5]}"
     assert out[6].startswith("ValueError:") and "shadow_experts=1" in out[6] and "FSDP2" in out[6], out[6]
     assert all(r[-1] == 4.0 for r in results)
@@ -162,7 +185,9 @@ def test_meta_forward_names_the_layer_and_the_device():
 
     with torch.device("meta"):
         model = torch.nn.Sequential(torch.nn.Linear(D, D), lancet_rt.MoE(D, 6, E, 2))
-    with pytest.raises(ValueError, match=r"MoE layer '1': a forward on the meta device .*x on meta, parameters on meta"):
+    with pytest.raises(
+        ValueError, match=r"MoE layer '1': a forward on the meta device .*x on meta, parameters on meta"
+    ):
         lancet_rt.Overlapped(model, chunks=2)(torch.randn(4, D, device="meta"))
     moe = lancet_rt.MoE(D, 6, E, 2)
     with pytest.raises(ValueError, match=r"meta device .*x on meta, parameters on cpu"):

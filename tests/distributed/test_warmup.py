@@ -9,6 +9,7 @@ crosses into a row bucket the balanced steps never reach (the case where one ran
 Every key the steps launch must have been launched by warm-up, on each rank; and warm-up must leave
 no trace (gradients, the configuration check, the RNG).
 """
+
 from __future__ import annotations
 
 import os
@@ -32,7 +33,7 @@ def _keys(monkeypatch_target, record):
 
     def gemm(op, grid, args, device, **const):
         bucket, sizes = where[op]
-        record(("gemm", op, args[bucket], *args[sizes:sizes + 3], str(args[0].dtype), tuple(sorted(const.items()))))
+        record(("gemm", op, args[bucket], *args[sizes : sizes + 3], str(args[0].dtype), tuple(sorted(const.items()))))
         return launch_gemm(op, grid, args, device, **const)
 
     def tuned(tuner, grid, args, meta, env_var):
@@ -50,10 +51,10 @@ def _keys(monkeypatch_target, record):
 def _rank(rank, world):
     os.environ["LANCET_KERNELS"] = "triton"
     import torch.distributed as dist
+    from lancet_rt.kernels import gating, permute
 
     import lancet_rt
     from lancet_rt import ops
-    from lancet_rt.kernels import gating, permute
     from lancet_rt.models.blocks import MoEBlocks
 
     ops._cache.clear()
@@ -68,7 +69,7 @@ def _rank(rank, world):
     warm = set(seen)
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in model.parameters())
-    assert not model.moe_layers()[0]._config_checked     # the real step still checks the configuration
+    assert not model.moe_layers()[0]._config_checked  # the real step still checks the configuration
     seen.clear()
     for step in range(3):
         if step == 2:  # every token of both ranks to experts 0 and 1: rank 0's
@@ -84,8 +85,13 @@ def _rank(rank, world):
             balanced = set(seen)
     new = seen - warm
     buckets = {k[2] for k in seen if k[0] == "gemm"} - {k[2] for k in balanced if k[0] == "gemm"}
-    return dict(new=sorted(map(str, new)), crossed=sorted(buckets), report_buckets=report["buckets"],
-                all=sorted({k[2] for k in seen if k[0] == "gemm"}), bal=sorted({k[2] for k in balanced if k[0] == "gemm"}))
+    return dict(
+        new=sorted(map(str, new)),
+        crossed=sorted(buckets),
+        report_buckets=report["buckets"],
+        all=sorted({k[2] for k in seen if k[0] == "gemm"}),
+        bal=sorted({k[2] for k in balanced if k[0] == "gemm"}),
+    )
 
 
 def test_warmup_leaves_no_new_kernel_key_for_the_steps():
@@ -94,7 +100,7 @@ def test_warmup_leaves_no_new_kernel_key_for_the_steps():
     assert not errors, "\n".join(f"rank {r}: {e}" for r, e in sorted(errors.items()))
     out = {r: v for r, (_, v) in results.items()}
     assert out[0]["crossed"], str(out) + "the skewed step must reach a bucket the balanced steps did not (rank 0)"
-    assert out[0]["report_buckets"] == out[1]["report_buckets"]   # the same keys warmed on every rank
+    assert out[0]["report_buckets"] == out[1]["report_buckets"]  # the same keys warmed on every rank
     for r in (0, 1):
         assert out[r]["new"] == [], f"rank {r} launched keys warm-up never did: {out[r]['new']}"
 

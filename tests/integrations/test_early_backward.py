@@ -6,6 +6,7 @@ them again: every gradient equals that of ``early_backward=False`` bit for bit, 
 emulated 2-rank link; the backward also on another thread, as CUDA runs it) and over 2 gloo ranks
 (there also against transformers). Without a second consumer nothing is sent twice.
 """
+
 from __future__ import annotations
 
 import copy
@@ -16,12 +17,12 @@ import torch
 
 pytest.importorskip("transformers")
 
-import lancet_rt  # noqa: E402
-from bench.hf_models import batch, build  # noqa: E402
-from lancet_rt.comm import faults  # noqa: E402
-from lancet_rt.comm import group as comm  # noqa: E402
-from lancet_rt.schedule import early_backward  # noqa: E402
-from tests.helpers import assert_close  # noqa: E402
+import lancet_rt
+from bench.hf_models import batch, build
+from lancet_rt.comm import faults
+from lancet_rt.comm import group as comm
+from lancet_rt.schedule import early_backward
+from tests.helpers import assert_close
 
 REG = 1e-3
 
@@ -46,6 +47,7 @@ def _consumer(model, kind):
         total = REG * sum(regs)
         regs.clear()
         return total
+
     return extra
 
 
@@ -100,15 +102,21 @@ def _step(model, ids, mask, labels, kind, thread=False, factor=3.0):
 def _backward(loss, errors):
     try:
         loss.backward()
-    except BaseException as exc:  # noqa: BLE001 - reported by the test
+    except BaseException as exc:  # reported by the test
         errors.append(exc)
 
 
-@pytest.mark.parametrize("family,kind,thread", [
-    ("mixtral", "norm_hook", False), ("mixtral", "hidden_states", False), ("qwen3_moe", "layer_hook", False),
-    ("deepseek_v3", "tied", False), ("qwen2_moe", "norm_hook", True)])
-def test_a_second_consumer_gets_the_gradients_of_the_backward_issuing_the_duals(family, kind, thread,
-                                                                                 monkeypatch):
+@pytest.mark.parametrize(
+    "family,kind,thread",
+    [
+        ("mixtral", "norm_hook", False),
+        ("mixtral", "hidden_states", False),
+        ("qwen3_moe", "layer_hook", False),
+        ("deepseek_v3", "tied", False),
+        ("qwen2_moe", "norm_hook", True),
+    ],
+)
+def test_a_second_consumer_gets_the_gradients_of_the_backward_issuing_the_duals(family, kind, thread, monkeypatch):
     """Each chunk issues its dual from the forward; the backward finds the other gradient on the path,
     withdraws that dual and sends the one it computed: the step equals early_backward=False bit for bit."""
     hf = _build(family, kind)
@@ -116,8 +124,9 @@ def test_a_second_consumer_gets_the_gradients_of_the_backward_issuing_the_duals(
     runs = {}
     for early in (True, False):
         counts = _Counts(monkeypatch)
-        lm = lancet_rt.from_hf(copy.deepcopy(hf), lancet_rt.EmulatedGroup(world_size=2), chunks=3,
-                               fused_loss=True, early_backward=early)
+        lm = lancet_rt.from_hf(
+            copy.deepcopy(hf), lancet_rt.EmulatedGroup(world_size=2), chunks=3, fused_loss=True, early_backward=early
+        )
         runs[early] = _step(lm, ids, mask, labels, kind, thread) + (counts,)
         monkeypatch.undo()
     (loss, grads, from_forward, counts), (loss_b, grads_b, _, counts_b) = runs[True], runs[False]
@@ -190,21 +199,20 @@ def _over_gloo(rank, world, cases):
         for own in (True, False):  # transformers: this rank's loss (dense), every rank's (experts)
             ref.zero_grad(set_to_none=True)
             total = 0
-            for b in batches[rank:rank + 1] if own else batches:
+            for b in batches[rank : rank + 1] if own else batches:
                 out = ref(input_ids=b[0], attention_mask=b[1], labels=b[2], **_kwargs(kind))
                 total = total + 3 * out.loss + extra(out)
             total.backward()
             want.update({n: p.grad.clone() for n, p in ref.named_parameters() if (".experts." in n) != own})
         steps, L = [], 0
         for early in (True, False):
-            lm = lancet_rt.from_hf(copy.deepcopy(hf), dist.group.WORLD, chunks=2, fused_loss=True,
-                                   early_backward=early)
+            lm = lancet_rt.from_hf(copy.deepcopy(hf), dist.group.WORLD, chunks=2, fused_loss=True, early_backward=early)
             L = lancet_rt.integrations.hf.moe_layers(lm)[0].num_local_experts
             steps.append(_step(lm, *batches[rank], kind))
         (loss, grads, from_forward), (loss_b, grads_b, _) = steps
         same = torch.equal(loss, loss_b) and all(torch.equal(grads[n], grads_b[n]) for n in grads)
         for n, g in grads_b.items():
-            ref = want[n][rank * L:(rank + 1) * L] if ".experts." in n else want[n]
+            ref = want[n][rank * L : (rank + 1) * L] if ".experts." in n else want[n]
             assert_close(f"{family} {kind} rank {rank} grad {n}", g, ref)
         results.append((family, kind, from_forward, same))
     return results

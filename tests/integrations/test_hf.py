@@ -5,6 +5,7 @@ transformers' own forward as the reference: logits, loss (with the model's load-
 and every parameter gradient at float32 rel RMS <= 1e-5, unchunked, chunked (2, 3) with and without
 deferred dW, with activation checkpointing, with expert parallelism over gloo ranks.
 """
+
 from __future__ import annotations
 
 import copy
@@ -15,10 +16,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-import lancet_rt  # noqa: E402
-from bench.hf_models import FAMILIES, batch, build  # noqa: E402
-from tests.dist import assert_all_ok, run_ranks  # noqa: E402
-from tests.helpers import TOLERANCES, assert_close  # noqa: E402
+import lancet_rt
+from bench.hf_models import FAMILIES, batch, build
+from tests.dist import assert_all_ok, run_ranks
+from tests.helpers import TOLERANCES, assert_close
 
 SCHEDULES = [(1, False), (2, False), (2, True), (3, False), (3, True)]
 
@@ -191,8 +192,10 @@ def test_lm_head_runs_per_chunk_when_every_position_is_wanted():
     # generate() validates its kwargs by them), and greedy generation is transformers'.
     for patched, own in ((lm.forward, hf.forward), (lm.model.forward, hf.model.forward)):
         assert inspect.signature(patched) == inspect.signature(own)
-    assert torch.equal(lm.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False),
-                       hf.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False))
+    assert torch.equal(
+        lm.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False),
+        hf.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False),
+    )
     # Converted again unchunked, the model's and the head's own forwards are back.
     lancet_rt.from_hf(lm, chunks=1)
     assert "forward" not in lm.__dict__ and "forward" not in lm.lm_head.__dict__
@@ -202,8 +205,9 @@ def test_lm_head_runs_per_chunk_when_every_position_is_wanted():
 def test_shared_experts_run_while_the_dispatch_travels():
     link = lancet_rt.EmulatedGroup(world_size=2, bandwidth_gbps=0.01, latency_us=2000)
     shared = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.SiLU(), torch.nn.Linear(32, 16))
-    moe = lancet_rt.MoE(16, 24, 4, 2, ep_group=link, shared_experts=shared,
-                        shared_expert_gate=torch.nn.Linear(16, 1, bias=False))
+    moe = lancet_rt.MoE(
+        16, 24, 4, 2, ep_group=link, shared_experts=shared, shared_expert_gate=torch.nn.Linear(16, 1, bias=False)
+    )
     x = torch.randn(40, 16)
     with lancet_rt.tracing() as tr:
         y = moe(x)
@@ -246,8 +250,9 @@ def test_bad_arguments():
         lancet_rt.from_hf(build("mixtral", router_jitter_noise=0.1))
     import transformers as tf
 
-    dense = tf.LlamaForCausalLM(tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=16,
-                                               num_hidden_layers=1, num_attention_heads=2))
+    dense = tf.LlamaForCausalLM(
+        tf.LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2)
+    )
     with pytest.raises(ValueError, match="no MoE block"):
         lancet_rt.from_hf(dense)
     moe = lancet_rt.from_hf(hf)
@@ -293,8 +298,9 @@ def _expert_parallel(rank, world, families):
             layer = lancet_rt.integrations.hf.moe_layers(lm)[0]
             L = layer.num_local_experts
             out = _step(lm, *batches[rank])
-            _assert_same(f"{family} EP rank {rank} chunks={chunks}", lm, out, hf, own,
-                         rows=slice(rank * L, (rank + 1) * L))
+            _assert_same(
+                f"{family} EP rank {rank} chunks={chunks}", lm, out, hf, own, rows=slice(rank * L, (rank + 1) * L)
+            )
             checked.append((family, chunks, L))
     return checked
 

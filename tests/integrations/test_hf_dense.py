@@ -4,6 +4,7 @@ itself (loss, aux loss and every parameter gradient at float32 rel RMS <= 1e-5; 
 for every supported family, chunks 1/2/3 with and without deferred dW; the bytes saved for backward
 as the vocabulary grows; transformers' behaviour where the fused loss does not apply.
 """
+
 from __future__ import annotations
 
 import copy
@@ -13,10 +14,10 @@ import torch
 
 pytest.importorskip("transformers")
 
-import lancet_rt  # noqa: E402
-from bench.hf_models import FAMILIES, batch, build  # noqa: E402
-from lancet_rt.integrations import hf_dense  # noqa: E402
-from tests.helpers import assert_close  # noqa: E402
+import lancet_rt
+from bench.hf_models import FAMILIES, batch, build
+from lancet_rt.integrations import hf_dense
+from tests.helpers import assert_close
 
 SCHEDULES = [(1, False), (2, False), (2, True), (3, False), (3, True)]
 
@@ -51,8 +52,9 @@ def test_fused_loss_equals_transformers(family):
         _assert_same(f"{family} chunks={chunks} defer={defer}", lm, _step(lm, ids, mask, labels), hf, out_r)
         # Where the fused loss does not apply (no labels, evaluation), the logits are transformers'.
         with torch.no_grad():
-            assert_close("logits", lm(input_ids=ids, attention_mask=mask).logits,
-                         hf(input_ids=ids, attention_mask=mask).logits)
+            assert_close(
+                "logits", lm(input_ids=ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits
+            )
 
 
 def test_chunks_run_the_whole_batchs_inner_loss_chunks(monkeypatch):
@@ -136,8 +138,12 @@ def test_loss_mode_declines():
     ids, mask, labels = batch(hf.config.vocab_size, 3, 6)
     lm = lancet_rt.from_hf(hf, fused_loss=True)
     head = lm.get_output_embeddings()
-    for kwargs in (dict(labels=labels, logits_to_keep=1), dict(), dict(labels=labels, return_dict=False),
-                   dict(labels=labels, shift_labels=labels)):
+    for kwargs in (
+        dict(labels=labels, logits_to_keep=1),
+        dict(),
+        dict(labels=labels, return_dict=False),
+        dict(labels=labels, shift_labels=labels),
+    ):
         assert hf_dense.loss_mode_for(lm, head, (), dict(kwargs))[0] is None
     assert hf_dense.loss_mode_for(lm, head, (), dict(labels=labels))[0] is not None
 
@@ -160,7 +166,9 @@ def test_residual_add_fused_into_the_post_attention_norm(family, monkeypatch):
     hf_dense_add_rmsnorm = hf_dense.add_rmsnorm
     monkeypatch.setattr(hf_dense, "add_rmsnorm", counting)
     with torch.no_grad():
-        assert_close("logits", lm(input_ids=ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits)
+        assert_close(
+            "logits", lm(input_ids=ids, attention_mask=mask).logits, hf(input_ids=ids, attention_mask=mask).logits
+        )
     assert sum(calls) == len(layers)
 
 
@@ -170,13 +178,19 @@ def test_decoder_layer_of_another_shape_stays_unfused():
     base = type(hf.model.layers[0])
 
     class ScaledResidualLayer(base):
-        def forward(self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None,
-                    cache=None, **kwargs):
+        def forward(
+            self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, cache=None, **kwargs
+        ):
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
-            hidden_states, _ = self.self_attn(hidden_states=hidden_states, position_embeddings=position_embeddings,
-                                              attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                                              **kwargs)
+            hidden_states, _ = self.self_attn(
+                hidden_states=hidden_states,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                **kwargs,
+            )
             hidden_states = residual + 0.5 * hidden_states
             residual = hidden_states
             hidden_states = self.post_attention_layernorm(hidden_states)
@@ -232,8 +246,14 @@ def test_early_backward_issues_each_chunks_dual_in_the_forward_exactly(family, m
     for chunks, defer in ((3, False), (2, True)):
         runs = {}
         for early in (True, False):
-            lm = lancet_rt.from_hf(copy.deepcopy(hf), lancet_rt.EmulatedGroup(world_size=2), chunks=chunks,
-                                   defer_wgrad=defer, fused_loss=True, early_backward=early)
+            lm = lancet_rt.from_hf(
+                copy.deepcopy(hf),
+                lancet_rt.EmulatedGroup(world_size=2),
+                chunks=chunks,
+                defer_wgrad=defer,
+                fused_loss=True,
+                early_backward=early,
+            )
             out, from_forward, issued = _early_step(lm, ids, mask, labels, monkeypatch)
             monkeypatch.undo()
             links = [link for link, _ in issued]
@@ -250,8 +270,9 @@ def test_early_backward_declines_where_it_would_not_be_exact(monkeypatch):
     (tests/integrations/test_early_backward.py: used in the loss)."""
     hf = build("qwen3_moe")
     ids, mask, labels = batch(hf.config.vocab_size, 4, 7)
-    ref = lancet_rt.from_hf(copy.deepcopy(hf), lancet_rt.EmulatedGroup(world_size=2), chunks=2, fused_loss=True,
-                            early_backward=False)
+    ref = lancet_rt.from_hf(
+        copy.deepcopy(hf), lancet_rt.EmulatedGroup(world_size=2), chunks=2, fused_loss=True, early_backward=False
+    )
     want = _early_step(ref, ids, mask, labels, monkeypatch)[0]
     monkeypatch.undo()
     for kw in ({"output_hidden_states": True}, {"output_attentions": True}, {"checkpointing": True}):
@@ -300,8 +321,7 @@ def _early_over_gloo(rank, world, families):
         hf, batches, want = expert_parallel_reference(family, rank, world)
         steps, counts = [], []
         for early in (True, False):
-            lm = lancet_rt.from_hf(copy.deepcopy(hf), dist.group.WORLD, chunks=2, fused_loss=True,
-                                   early_backward=early)
+            lm = lancet_rt.from_hf(copy.deepcopy(hf), dist.group.WORLD, chunks=2, fused_loss=True, early_backward=early)
             layer = lancet_rt.integrations.hf.moe_layers(lm)[0]
             lm.zero_grad(set_to_none=True)
             out = lm(input_ids=batches[rank][0], attention_mask=batches[rank][1], labels=batches[rank][2])
@@ -314,7 +334,7 @@ def _early_over_gloo(rank, world, families):
         L = layer.num_local_experts
         for n, g in grads.items():
             ref = hf.get_parameter(n).grad
-            ref = ref[rank * L:(rank + 1) * L] if ".experts." in n else ref
+            ref = ref[rank * L : (rank + 1) * L] if ".experts." in n else ref
             assert_close(f"{family} rank {rank} grad {n}", g, ref)
         results.append((family, counts, same))
     return results

@@ -6,6 +6,7 @@ On the CPU every read of a tensor's value (``float()``, ``int()``, ``bool()``, `
 ``.tolist()``) is counted by its caller's file; on CUDA the same reads are the ones
 ``torch.cuda.set_sync_debug_mode`` reports (tests/host_sync.py names them in the GPU tests).
 """
+
 from __future__ import annotations
 
 import collections
@@ -17,8 +18,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-import lancet_rt  # noqa: E402
-from bench.hf_models import batch, build  # noqa: E402
+import lancet_rt
+from bench.hf_models import batch, build
 
 _ROOT = os.path.dirname(os.path.abspath(lancet_rt.__file__))
 LOSS_FILES = (os.path.join(_ROOT, "dense.py"), os.path.join(_ROOT, "integrations", "hf_dense.py"))

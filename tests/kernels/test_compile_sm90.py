@@ -8,6 +8,7 @@ TRITON_INTERPRET=1, which makes every ``@triton.jit`` an interpreter stand-in th
 About 30 s on two idle cores, minutes on a loaded one (its timeouts are hang guards);
 ``--all-configs`` (every config of every pruned autotune space, several minutes) is a command, not a test.
 """
+
 import ast
 import json
 import os
@@ -17,9 +18,9 @@ import subprocess
 import sys
 
 import pytest
+from lancet_rt.kernels.reference import ACTIVATIONS
 
 from bench import compile_check
-from lancet_rt.kernels.reference import ACTIVATIONS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 _MISSING = compile_check.toolchain_missing()
@@ -49,11 +50,14 @@ def _variant_constexprs():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel"):
                 args = node.args.args
-                defaults = dict(zip([a.arg for a in args[len(args) - len(node.args.defaults):]], node.args.defaults))
+                defaults = dict(zip([a.arg for a in args[len(args) - len(node.args.defaults) :]], node.args.defaults))
                 # (constexprs with a default: the expert kernels'; the gating kernels' HAS_BIAS has none
                 # and its biased build is a case of its own in bench.compile_check)
-                found = {a.arg: ast.literal_eval(defaults[a.arg]) for a in args
-                         if a.arg in _VARIANT_VALUES and a.arg in defaults}
+                found = {
+                    a.arg: ast.literal_eval(defaults[a.arg])
+                    for a in args
+                    if a.arg in _VARIANT_VALUES and a.arg in defaults
+                }
                 if found:
                     out[node.name] = found
     return out
@@ -63,8 +67,14 @@ def _variant_constexprs():
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("compile_check") / "sm90.json"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
-    proc = subprocess.run([sys.executable, "-m", "bench.compile_check", "--jobs", "2", "--json", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.compile_check", "--jobs", "2", "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=HANG_GUARD_S,
+    )
     if not out.exists():
         pytest.fail(f"bench.compile_check wrote no report (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return json.loads(out.read_text()), proc.stdout
@@ -83,8 +93,12 @@ def test_every_expert_variant_is_checked(report):
     compiled at least once: a branch the CPU lane interprets but that does not build for sm_90 fails here."""
     data, _ = report
     declared = _variant_constexprs()
-    assert {"_grouped_gemm_fwd_kernel", "_gate_up_swiglu_fwd_kernel", "_swiglu_fwd_kernel",
-            "_swiglu_bwd_kernel"} <= declared.keys()
+    assert {
+        "_grouped_gemm_fwd_kernel",
+        "_gate_up_swiglu_fwd_kernel",
+        "_swiglu_fwd_kernel",
+        "_swiglu_bwd_kernel",
+    } <= declared.keys()
     for fn, defaults in declared.items():
         rows = [r for r in data["rows"] if r["fn"] == fn]
         for name, default in defaults.items():
@@ -104,5 +118,6 @@ def test_default_configs_compile_for_sm90(report):
         assert r["smem"] <= compile_check.SMEM_LIMIT, f"{name}: {r['smem']} bytes of shared memory"
         # The default config of every kernel and dtype is spill-free on Triton 3.6 and 3.9 alike (the
         # fp32 GEMM space is pruned to 64 accumulator registers for that); a spill is a regression.
-        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, \
+        assert r["spill_stores"] == 0 and r["spill_loads"] == 0, (
             f"{name}: spills {r['spill_stores']}/{r['spill_loads']} bytes (stores/loads)\n{table}"
+        )

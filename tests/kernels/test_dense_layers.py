@@ -5,6 +5,7 @@ definition (shifted labels, mean over the whole batch's valid labels, num_items_
 sizes that leave a short last chunk, a chunk whose labels are all ignored; the bytes saved for
 backward; torch.compile(fullgraph=True) through the operators (aot_eager and inductor).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -99,8 +100,11 @@ def test_linear_ce_num_items_and_module(gen, kernels):
     assert_close("grad hidden", hidden.grad, h2.grad)
     assert_close("grad weight", head.weight.grad, w2.grad)
     with torch.no_grad():  # evaluation: the loss only
-        assert_close("eval loss", LinearCrossEntropy(head)(hidden, labels).reshape(1),
-                     _hf_loss(hidden, head.weight, labels).reshape(1))
+        assert_close(
+            "eval loss",
+            LinearCrossEntropy(head)(hidden, labels).reshape(1),
+            _hf_loss(hidden, head.weight, labels).reshape(1),
+        )
 
 
 def test_linear_ce_bad_input(gen):

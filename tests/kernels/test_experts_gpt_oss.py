@@ -9,15 +9,13 @@ F tile); every output NaN-filled before the launch; gate/up values spread over t
 values exactly at and one bf16 step around it, where the clamps' gradients switch on and off.
 GPU lane (``-m gpu``): GPT-OSS's sizes (D = F = 2880), bf16.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-
-from lancet_rt.moe.experts import Experts
 from lancet_rt.kernels import grouped_gemm as gg
 from lancet_rt.kernels import swiglu
-from lancet_rt.kernels.segment_sum import segment_sum
 from lancet_rt.kernels.reference import (
     gate_up_swiglu_ref,
     grouped_mm_dw_ref,
@@ -27,10 +25,20 @@ from lancet_rt.kernels.reference import (
     swiglu_bwd_ref,
     swiglu_fwd_ref,
 )
+from lancet_rt.kernels.segment_sum import segment_sum
+
+from lancet_rt.moe.experts import Experts
 from lancet_rt.ops import get_ops
 from tests.helpers import assert_close, nan_like
 from tests.kernels.test_kernels_experts import (
-    DEVICE, DTYPES, _assert_close_sampled, _gpu_problem, _nan, _no_host_sync, _offsets, _randn,
+    DEVICE,
+    DTYPES,
+    _assert_close_sampled,
+    _gpu_problem,
+    _nan,
+    _no_host_sync,
+    _offsets,
+    _randn,
 )
 
 ALPHA, LIMIT = 1.702, 7.0
@@ -65,12 +73,16 @@ def _split(gu, interleaved):
 # ------------------------------------------------------------------------------------------------
 # Kernels against their references
 # ------------------------------------------------------------------------------------------------
-GATE_UP_CASES = ([("gpt_oss", SEGMENTS[0], dt) for dt in DTYPES] + [("gpt_oss", SEGMENTS[1], torch.bfloat16)]
-                 + [(v, SEGMENTS[0], torch.float32) for v in ("bias_oai", "interleaved")])
+GATE_UP_CASES = (
+    [("gpt_oss", SEGMENTS[0], dt) for dt in DTYPES]
+    + [("gpt_oss", SEGMENTS[1], torch.bfloat16)]
+    + [(v, SEGMENTS[0], torch.float32) for v in ("bias_oai", "interleaved")]
+)
 
 
-@pytest.mark.parametrize("variant, case, dtype", GATE_UP_CASES,
-                         ids=[f"{v}-{c[0]}-{str(d)[6:]}" for v, c, d in GATE_UP_CASES])
+@pytest.mark.parametrize(
+    "variant, case, dtype", GATE_UP_CASES, ids=[f"{v}-{c[0]}-{str(d)[6:]}" for v, c, d in GATE_UP_CASES]
+)
 def test_gate_up_variants(variant, case, dtype, gen):
     _, counts, D, F = case
     E, act = len(counts), _act(variant)
@@ -187,11 +199,13 @@ def test_launchers_do_not_sync(gen):
     x, w = _randn(gen, R, D), _randn(gen, E, D, 2 * F).transpose(1, 2)
     b, gu, dh = _randn(gen, E, 2 * F), _randn(gen, R, 2 * F, scale=6.0), _randn(gen, R, F)
     w_down, b_down = _randn(gen, E, F, D).transpose(1, 2), _randn(gen, E, D)
-    launches = [lambda: gg.gate_up_swiglu(x, w, off, b, **_act("gpt_oss")),
-                lambda: gg.grouped_mm(dh, w_down, off, b_down),
-                lambda: segment_sum(gu, off),
-                lambda: swiglu.swiglu_fwd(gu, **_act("gpt_oss")),
-                lambda: swiglu.swiglu_bwd(gu, dh, **_act("gpt_oss"))]
+    launches = [
+        lambda: gg.gate_up_swiglu(x, w, off, b, **_act("gpt_oss")),
+        lambda: gg.grouped_mm(dh, w_down, off, b_down),
+        lambda: segment_sum(gu, off),
+        lambda: swiglu.swiglu_fwd(gu, **_act("gpt_oss")),
+        lambda: swiglu.swiglu_bwd(gu, dh, **_act("gpt_oss")),
+    ]
     if DEVICE.type == "cuda":  # the autotuner's first run benchmarks (and syncs) once per key: warm up
         for launch in launches:
             launch()
@@ -262,8 +276,9 @@ def test_references_are_autograd_gradients(gen):
         (ggu,) = torch.autograd.grad(swiglu_fwd_ref(gu, **act), gu, dh)
         assert torch.equal(swiglu_bwd_ref(gu.detach(), dh, **act) == 0, ggu == 0), "clamp masks differ"
         assert_close(f"ref swiglu_oai bwd interleaved={interleaved}", swiglu_bwd_ref(gu.detach(), dh, **act), ggu)
-    hf = GptOssExperts(GptOssConfig(hidden_size=4, intermediate_size=F, num_local_experts=1,
-                                    swiglu_alpha=ALPHA, swiglu_limit=LIMIT))
+    hf = GptOssExperts(
+        GptOssConfig(hidden_size=4, intermediate_size=F, num_local_experts=1, swiglu_alpha=ALPHA, swiglu_limit=LIMIT)
+    )
     if hasattr(hf, "_apply_gate"):  # transformers >= 5 (4.x inlines it; the module test covers both)
         h_hf = hf._apply_gate(gu)
         (ggu_hf,) = torch.autograd.grad(h_hf, gu, dh)
@@ -291,8 +306,14 @@ def _gpt_oss_pair(gen):
     from transformers import GptOssConfig
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
-    cfg = GptOssConfig(hidden_size=D_MODEL, intermediate_size=D_FFN, num_local_experts=N_EXPERTS,
-                       num_experts_per_tok=2, swiglu_alpha=ALPHA, swiglu_limit=LIMIT)
+    cfg = GptOssConfig(
+        hidden_size=D_MODEL,
+        intermediate_size=D_FFN,
+        num_local_experts=N_EXPERTS,
+        num_experts_per_tok=2,
+        swiglu_alpha=ALPHA,
+        swiglu_limit=LIMIT,
+    )
     cfg._experts_implementation = "eager"
     hf = GptOssExperts(cfg)
     with torch.no_grad():
@@ -400,12 +421,17 @@ def test_lancet_layout_with_bias_and_oai_equals_gpt_oss(monkeypatch, gen):
     lan = Experts(N_EXPERTS, D_MODEL, D_FFN, layout="lancet", bias=True, activation="swiglu_oai")
 
     def relaid(gate_up, gate_up_bias, down):  # gpt_oss -> lancet
-        return (torch.cat([gate_up[:, :, 0::2], gate_up[:, :, 1::2]], dim=2).transpose(1, 2),
-                torch.cat([gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]], dim=1), down.transpose(1, 2))
+        return (
+            torch.cat([gate_up[:, :, 0::2], gate_up[:, :, 1::2]], dim=2).transpose(1, 2),
+            torch.cat([gate_up_bias[:, 0::2], gate_up_bias[:, 1::2]], dim=1),
+            down.transpose(1, 2),
+        )
 
     with torch.no_grad():
-        for dst, src in zip((lan.gate_up_proj, lan.gate_up_proj_bias, lan.down_proj),
-                            relaid(gpt.gate_up_proj, gpt.gate_up_proj_bias, gpt.down_proj)):
+        for dst, src in zip(
+            (lan.gate_up_proj, lan.gate_up_proj_bias, lan.down_proj),
+            relaid(gpt.gate_up_proj, gpt.gate_up_proj_bias, gpt.down_proj),
+        ):
             dst.copy_(src)
         lan.down_proj_bias.copy_(gpt.down_proj_bias)
     idx, weights = _routing(gen, "mixed")
@@ -417,9 +443,11 @@ def test_lancet_layout_with_bias_and_oai_equals_gpt_oss(monkeypatch, gen):
         y.backward(g)
         ys.append(y)
     assert_close("lancet layout y", ys[1], ys[0])
-    for name, got, want in zip(("gate_up_proj", "gate_up_proj_bias", "down_proj"),
-                               (lan.gate_up_proj.grad, lan.gate_up_proj_bias.grad, lan.down_proj.grad),
-                               relaid(gpt.gate_up_proj.grad, gpt.gate_up_proj_bias.grad, gpt.down_proj.grad)):
+    for name, got, want in zip(
+        ("gate_up_proj", "gate_up_proj_bias", "down_proj"),
+        (lan.gate_up_proj.grad, lan.gate_up_proj_bias.grad, lan.down_proj.grad),
+        relaid(gpt.gate_up_proj.grad, gpt.gate_up_proj_bias.grad, gpt.down_proj.grad),
+    ):
         assert_close(f"lancet layout d{name}", got, want)
     assert_close("lancet layout ddown_proj_bias", lan.down_proj_bias.grad, gpt.down_proj_bias.grad)
 
@@ -427,13 +455,19 @@ def test_lancet_layout_with_bias_and_oai_equals_gpt_oss(monkeypatch, gen):
 def test_default_experts_unchanged():
     """The default layer is today's: two parameters, lancet layout, plain SwiGLU."""
     ex = Experts(3, 8, 5)
-    assert [(n, tuple(p.shape)) for n, p in ex.named_parameters()] == [("gate_up_proj", (3, 10, 8)),
-                                                                       ("down_proj", (3, 8, 5))]
+    assert [(n, tuple(p.shape)) for n, p in ex.named_parameters()] == [
+        ("gate_up_proj", (3, 10, 8)),
+        ("down_proj", (3, 8, 5)),
+    ]
     assert ex.gate_up_proj_bias is None and ex.down_proj_bias is None
     assert repr(ex) == "Experts(num_local_experts=3, d_model=8, d_ffn=5)"
     gpt = Experts(3, 8, 5, layout="gpt_oss")
     assert [(n, tuple(p.shape)) for n, p in gpt.named_parameters()] == [
-        ("gate_up_proj", (3, 8, 10)), ("gate_up_proj_bias", (3, 10)), ("down_proj", (3, 5, 8)), ("down_proj_bias", (3, 8))]
+        ("gate_up_proj", (3, 8, 10)),
+        ("gate_up_proj_bias", (3, 10)),
+        ("down_proj", (3, 5, 8)),
+        ("down_proj_bias", (3, 8)),
+    ]
     assert "activation='swiglu_oai'" in repr(gpt)
 
 
@@ -461,20 +495,20 @@ def test_gpu_gpt_oss_experts(routing):
     _assert_close_sampled("gpu gpt_oss h", h, swiglu_fwd_ref(gu.float(), **act), torch.bfloat16, counts)
     del h_ref, gu_ref
     y = gg.grouped_mm(h, w_down, off, b_down, out=_nan(R, D))
-    _assert_close_sampled("gpu gpt_oss y", y, grouped_mm_ref(h.float(), w_down.float(), off, b_down.float()),
-                          torch.bfloat16, counts)
+    _assert_close_sampled(
+        "gpu gpt_oss y", y, grouped_mm_ref(h.float(), w_down.float(), off, b_down.float()), torch.bfloat16, counts
+    )
     dy = randn(R, D)
     dh = gg.grouped_mm_dx(dy, w_down, off, out=_nan(R, F))
     dgu = swiglu.swiglu_bwd(gu, dh, out=_nan(R, 2 * F), **act)
-    _assert_close_sampled("gpu gpt_oss dgu", dgu, swiglu_bwd_ref(gu.float(), dh.float(), **act), torch.bfloat16,
-                          counts)
+    _assert_close_sampled("gpu gpt_oss dgu", dgu, swiglu_bwd_ref(gu.float(), dh.float(), **act), torch.bfloat16, counts)
     dx = gg.grouped_mm_dx(dgu, w_gu, off, out=_nan(R, D))
-    _assert_close_sampled("gpu gpt_oss dx", dx, grouped_mm_dx_ref(dgu.float(), w_gu.float(), off), torch.bfloat16,
-                          counts)
+    _assert_close_sampled(
+        "gpu gpt_oss dx", dx, grouped_mm_dx_ref(dgu.float(), w_gu.float(), off), torch.bfloat16, counts
+    )
     del dx
     dw = gg.grouped_mm_dw(x, dgu, off, out=_nan(E, D, 2 * F))  # the parameter's own [E, D, 2F] layout
-    _assert_close_sampled("gpu gpt_oss dW gate_up", dw, grouped_mm_dw_ref(x.float(), dgu.float(), off),
-                          torch.bfloat16)
+    _assert_close_sampled("gpu gpt_oss dW gate_up", dw, grouped_mm_dw_ref(x.float(), dgu.float(), off), torch.bfloat16)
     del dw
     for name, grad, n in (("gate_up", dgu, 2 * F), ("down", dy, D)):
         db = segment_sum(grad, off, out=_nan(E, n))

@@ -9,24 +9,27 @@ Kernels under TRITON_INTERPRET=1 against the reference: every output poisoned wi
 launch, the single-program forward and the 3-launch scan, float32 and float64, plain and DeepSeek-V3
 routing (bias, groups, scaling); then the layer on both kernel paths.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-
-import lancet_rt
 from lancet_rt.kernels import gating as gating_mod
 from lancet_rt.kernels.gating import gating_bwd, gating_fwd
 from lancet_rt.kernels.reference import _scores, gating_bwd_ref, gating_fwd_ref
+
+import lancet_rt
 from tests.helpers import assert_close
 from tests.routing_inputs import DEVICE, _assert_gating_equal, _logits, _poison, _poisoned_gating_out
 
-pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered in exp:RuntimeWarning")  # (the interpreter's sigmoid)
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:overflow encountered in exp:RuntimeWarning"
+)  # (the interpreter's sigmoid)
 
 NORM_EPS = 1e-20  # the contract's epsilon (kernels.reference.NORM_EPS), written out: the test states the contract
 #: Logits whose sigmoid is exactly 0: below about -104 in float32, -745 in float64.
 UNDERFLOW = {torch.float32: -130.0, torch.float64: -800.0}
-ROWS = (0, 5, 40, 62)   # underflowed tokens, in both spans of the multi-program forward
+ROWS = (0, 5, 40, 62)  # underflowed tokens, in both spans of the multi-program forward
 
 
 def _underflow_logits(gen, T, E, dtype):
@@ -42,10 +45,14 @@ def test_eps_leaves_ordinary_float32_sums_bitwise_unchanged():
     """The arithmetic the contract relies on: in float32, ``s + 1e-20 == s`` for every sum ``s >=
     2**-42`` (about 2.3e-13: chosen sigmoid scores of logits above about -29), and not below."""
     eps = torch.tensor(NORM_EPS, dtype=torch.float32)
-    s = torch.cat([torch.logspace(-42, 127, 20000, base=2.0, dtype=torch.float64).float(),
-                   torch.tensor([2.0 ** -42, 1.0, 1.0 - 2 ** -24, 8.0], dtype=torch.float32)])
+    s = torch.cat(
+        [
+            torch.logspace(-42, 127, 20000, base=2.0, dtype=torch.float64).float(),
+            torch.tensor([2.0**-42, 1.0, 1.0 - 2**-24, 8.0], dtype=torch.float32),
+        ]
+    )
     assert torch.equal(s + eps, s)
-    assert float(torch.tensor(2.0 ** -43) + eps) != 2.0 ** -43   # the bound is tight
+    assert float(torch.tensor(2.0**-43) + eps) != 2.0**-43  # the bound is tight
 
 
 @pytest.mark.parametrize("score_fn", ["softmax", "sigmoid"])
@@ -79,15 +86,20 @@ def test_reference_underflow_gives_zero_weights_and_finite_gradients(gen, dtype)
     out = gating_fwd_ref(logits, K, score_fn="sigmoid")
     assert torch.equal(out.weight_TK[list(ROWS)], torch.zeros(len(ROWS), K, dtype=dtype, device=DEVICE))
     others = [t for t in range(T) if t not in ROWS]
-    assert_close("weights of ordinary tokens sum to 1", out.weight_TK[others].sum(-1),
-                 torch.ones(len(others), dtype=dtype, device=DEVICE))
+    assert_close(
+        "weights of ordinary tokens sum to 1",
+        out.weight_TK[others].sum(-1),
+        torch.ones(len(others), dtype=dtype, device=DEVICE),
+    )
     assert bool(out.score_sum_E.isfinite().all())
     # the hand-written backward is the gradient of the contract's formula (float64, autograd)
     x = logits.double().requires_grad_(True)
     s = torch.sigmoid(x)
     w = s.gather(1, out.expert_TK.long())
     gw, gp = torch.randn(T, K, generator=gen, dtype=torch.float64), torch.randn(E, generator=gen, dtype=torch.float64)
-    total = (w / (w.sum(-1, keepdim=True) + NORM_EPS) * gw).sum() + ((s / (s.sum(-1, keepdim=True) + NORM_EPS)).sum(0) * gp).sum()
+    total = (w / (w.sum(-1, keepdim=True) + NORM_EPS) * gw).sum() + (
+        (s / (s.sum(-1, keepdim=True) + NORM_EPS)).sum(0) * gp
+    ).sum()
     (want,) = torch.autograd.grad(total, x)
     got = gating_bwd_ref(logits, out.expert_TK, gw.to(dtype), gp.to(dtype), None, score_fn="sigmoid")
     assert bool(got.isfinite().all())
@@ -108,7 +120,7 @@ def test_kernels_underflow_match_the_reference(gen, monkeypatch, path, variant, 
     """Forward (NaN-poisoned outputs) and backward (all three incoming gradients) against the reference."""
     T, E, K = 63, 8, 2
     if path == "multi":
-        monkeypatch.setattr(gating_mod, "_SINGLE_PROGRAM_MAX_T", 0)   # two spans of 32
+        monkeypatch.setattr(gating_mod, "_SINGLE_PROGRAM_MAX_T", 0)  # two spans of 32
     logits = _underflow_logits(gen, T, E, dtype)
     kw = dict(VARIANTS[variant])
     if kw.pop("expert_bias", False):
@@ -116,10 +128,13 @@ def test_kernels_underflow_match_the_reference(gen, monkeypatch, path, variant, 
     used = torch.zeros(E, dtype=torch.int32, device=DEVICE)
     out = gating_fwd(logits, K, used, capacity=20, score_fn="sigmoid", out=_poisoned_gating_out(T, E, K, dtype), **kw)
     ref = gating_fwd_ref(logits, K, used, capacity=20, score_fn="sigmoid", **kw)
-    _assert_gating_equal("gating_fwd[underflow]", out, ref)   # (fails on any NaN)
+    _assert_gating_equal("gating_fwd[underflow]", out, ref)  # (fails on any NaN)
     assert torch.equal(out.weight_TK[list(ROWS)], torch.zeros(len(ROWS), K, dtype=dtype, device=DEVICE))
-    grads = (torch.randn(T, K, generator=gen).to(DEVICE, dtype), torch.randn(E, generator=gen).to(DEVICE, dtype),
-             torch.randn((), generator=gen).to(DEVICE, dtype))
+    grads = (
+        torch.randn(T, K, generator=gen).to(DEVICE, dtype),
+        torch.randn(E, generator=gen).to(DEVICE, dtype),
+        torch.randn((), generator=gen).to(DEVICE, dtype),
+    )
     bwd_kw = dict(score_fn="sigmoid", scaling=kw.get("scaling", 1.0))
     got = gating_bwd(logits, out.expert_TK, *grads, out=_poison(logits), **bwd_kw)
     want = gating_bwd_ref(logits, ref.expert_TK, *grads, **bwd_kw)
@@ -137,7 +152,7 @@ def test_layer_with_underflowed_scores_is_finite(gen, monkeypatch, kernels):
     with torch.no_grad():
         moe.router.weight.copy_(torch.randn(E, D, generator=gen).abs() * 0.1 - 20.0)  # every weight about -20
     x = torch.randn(10, D, generator=gen)
-    x[:4] = 1.0 + torch.rand(4, D, generator=gen)   # logits below -150: every score 0
+    x[:4] = 1.0 + torch.rand(4, D, generator=gen)  # logits below -150: every score 0
     x = x.requires_grad_(True)
     with torch.no_grad():
         assert float(torch.sigmoid(moe.router(x[:4])).max()) == 0.0

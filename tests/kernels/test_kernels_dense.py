@@ -7,14 +7,15 @@ gradient of the sum; output buffers NaN-filled before the launch; the cross-entr
 rows, a chunk whose rows are all ignored, and labels at both ends of the vocabulary. The references are
 computed in float64 from the same (rounded) inputs. GPU lane (``-m gpu``): the same at real sizes.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from lancet_rt.kernels.linear_ce import ce_grad_fwd
 from lancet_rt.kernels.norm import add_rmsnorm_bwd, add_rmsnorm_fwd
 from lancet_rt.kernels.reference_dense import add_rmsnorm_bwd_ref, add_rmsnorm_fwd_ref, ce_grad_fwd_ref
+
 from tests.helpers import assert_close, nan_like
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -40,8 +41,9 @@ def _norm_case(gen, R, D, dtype, residual, grad_s):
     assert_close("y", y, y_ref)
     assert_close("rstd", rstd, rstd_ref)
     ds, dw = add_rmsnorm_bwd(dy, dsn, s, rstd, w)
-    ds_ref, dw_ref = add_rmsnorm_bwd_ref(dy.double(), None if dsn is None else dsn.double(), s.double(),
-                                         rstd_ref, w.double())
+    ds_ref, dw_ref = add_rmsnorm_bwd_ref(
+        dy.double(), None if dsn is None else dsn.double(), s.double(), rstd_ref, w.double()
+    )
     assert_close("grad x", ds, ds_ref)
     assert_close("grad weight", dw, dw_ref)
     # against autograd of the plain formula: the reference's gradient is the formula's
@@ -62,8 +64,9 @@ def _norm_case(gen, R, D, dtype, residual, grad_s):
 
 @pytest.mark.parametrize("R,D", [(1, 60), (63, 100), (70, 60)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("residual,grad_s", [(True, True), (True, False), (False, False)],
-                         ids=["res+ds", "res", "plain"])
+@pytest.mark.parametrize(
+    "residual,grad_s", [(True, True), (True, False), (False, False)], ids=["res+ds", "res", "plain"]
+)
 def test_add_rmsnorm(gen, R, D, dtype, residual, grad_s):
     _norm_case(gen, R, D, dtype, residual, grad_s)
 

@@ -17,13 +17,13 @@ nearest even), so bf16 errors on the CPU lane are about twice the GPU's. The fus
 checked as ``swiglu(gu)`` of the kernel's own rounded gu (which is its exact contract, see the module
 docstring of lancet_rt.kernels._grouped_gemm_kernels), and gu against the float64 GEMM.
 """
+
 from __future__ import annotations
 
 import contextlib
 
 import pytest
 import torch
-
 from lancet_rt.kernels import _gemm_space as space
 from lancet_rt.kernels import grouped_gemm as gg
 from lancet_rt.kernels import swiglu
@@ -35,6 +35,7 @@ from lancet_rt.kernels.reference import (
     swiglu_bwd_ref,
     swiglu_fwd_ref,
 )
+
 from tests.helpers import TOLERANCES, assert_close, interpreter_enabled, nan_like
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -174,8 +175,11 @@ def test_strided_inputs_and_int64_offsets(gen):
     gu_in = _randn(gen, R, 4 * N)[:, : 2 * N]
     dh = _randn(gen, N, R).t()
     assert_close("strided swiglu h", swiglu.swiglu_fwd(gu_in, out=nan_t(R, N)), swiglu_fwd_ref(gu_in.double()))
-    assert_close("strided swiglu dgu", swiglu.swiglu_bwd(gu_in, dh, out=nan_t(R, 2 * N)),
-                 swiglu_bwd_ref(gu_in.double(), dh.double()))
+    assert_close(
+        "strided swiglu dgu",
+        swiglu.swiglu_bwd(gu_in, dh, out=nan_t(R, 2 * N)),
+        swiglu_bwd_ref(gu_in.double(), dh.double()),
+    )
 
 
 def test_tile_bounded_products_switch_to_int64(monkeypatch, gen):
@@ -268,11 +272,13 @@ def test_allow_tf32(gen):
     y = gg.grouped_mm(x, w, off, out=nan_like(y_ref.float()), allow_tf32=True)
     assert_close("tf32 y", y, y_ref, rel_rms=tol)
     dx_ref = grouped_mm_dx_ref(dy.double(), w.double(), off)
-    assert_close("tf32 dx", gg.grouped_mm_dx(dy, w, off, out=nan_like(dx_ref.float()), allow_tf32=True), dx_ref,
-                 rel_rms=tol)
+    assert_close(
+        "tf32 dx", gg.grouped_mm_dx(dy, w, off, out=nan_like(dx_ref.float()), allow_tf32=True), dx_ref, rel_rms=tol
+    )
     dw_ref = grouped_mm_dw_ref(dy.double(), x.double(), off)
-    assert_close("tf32 dw", gg.grouped_mm_dw(dy, x, off, out=nan_like(dw_ref.float()), allow_tf32=True), dw_ref,
-                 rel_rms=tol)
+    assert_close(
+        "tf32 dw", gg.grouped_mm_dw(dy, x, off, out=nan_like(dw_ref.float()), allow_tf32=True), dw_ref, rel_rms=tol
+    )
     w2 = _randn(gen, len(counts), 2 * N, K, scale=K**-0.5)
     h_ref, gu_ref = gate_up_swiglu_ref(x.double(), w2.double(), off)
     h, gu = gg.gate_up_swiglu(x, w2, off, out=(nan_like(h_ref.float()), nan_like(gu_ref.float())), allow_tf32=True)
@@ -356,6 +362,7 @@ def _no_host_sync():
     def refusal(name):
         def refuse(*args, **kwargs):
             raise AssertionError(f"host synchronisation: Tensor.{name} called on the launch path")
+
         return refuse
 
     try:
@@ -387,8 +394,14 @@ def test_launchers_do_not_sync(gen):
         for _, launch in launches:
             launch()
     with _no_host_sync():  # the guard bites: a launcher doing any of this would fail
-        for probe in (lambda: off[-1].item(), lambda: int(off[-1]), lambda: bool(off[-1] > 0), off.tolist,
-                      lambda: range(off[-1]), lambda: float(x[0, 0])):
+        for probe in (
+            lambda: off[-1].item(),
+            lambda: int(off[-1]),
+            lambda: bool(off[-1] > 0),
+            off.tolist,
+            lambda: range(off[-1]),
+            lambda: float(x[0, 0]),
+        ):
             with pytest.raises(AssertionError, match="host synchronisation"):
                 probe()
     results = {}

@@ -8,11 +8,11 @@ environment variables, strided inputs; every output buffer is poisoned before th
 (NaN for floats, a value no kernel writes for integers), so an unwritten element fails; integer
 outputs must match exactly. GPU lane (``-m gpu``): T = 16384, D = 4096, bf16 rows.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from lancet_rt.kernels import gating as gating_mod
 from lancet_rt.kernels import permute as permute_mod
 from lancet_rt.kernels._common import run_autotuned
@@ -27,13 +27,14 @@ from lancet_rt.kernels.reference import (
     unpermute_bwd_ref,
     unpermute_fwd_ref,
 )
+
 from tests.helpers import assert_close
 from tests.routing_inputs import (
     DEVICE,
-    D,
     GPU_D,
     GPU_EK,
     GPU_T,
+    D,
     _capacity,
     _kept_E,
     _logits,
@@ -45,8 +46,9 @@ from tests.routing_inputs import (
 # ----------------------------------------------------------------------------------------------
 # dispatch_rows
 # ----------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("shape", [(63, 7, 2, 0.5), (257, 64, 8, 1.0), (5, 256, 256, None)],
-                         ids=lambda s: "T{}-E{}-K{}-cf{}".format(*s))
+@pytest.mark.parametrize(
+    "shape", [(63, 7, 2, 0.5), (257, 64, 8, 1.0), (5, 256, 256, None)], ids=lambda s: "T{}-E{}-K{}-cf{}".format(*s)
+)
 def test_dispatch_rows(gen, shape):
     T, E, K, factor = shape
     capacity = _capacity(T, E, K, factor)
@@ -94,8 +96,11 @@ def _check_permute_family(gen, row_TK, S, weight_TK, dtype, D):
     assert_close("permute_bwd", permute_bwd(grad_x_SD, row_TK, out=_poison(x)), permute_bwd_ref(grad_x_SD, row_TK))
 
     y_SD = torch.randn(S, D, generator=gen).to(DEVICE, dtype)
-    assert_close("unpermute_fwd", unpermute_fwd(y_SD, row_TK, weight_TK, out=_poison(x)),
-                 unpermute_fwd_ref(y_SD, row_TK, weight_TK))
+    assert_close(
+        "unpermute_fwd",
+        unpermute_fwd(y_SD, row_TK, weight_TK, out=_poison(x)),
+        unpermute_fwd_ref(y_SD, row_TK, weight_TK),
+    )
 
     grad_y = torch.randn(T, D, generator=gen).to(DEVICE, dtype)
     out = (_poison(y_SD), _poison(weight_TK))
@@ -129,7 +134,7 @@ def test_permute_unpermute_edge_routing(gen, case):
         logits = _logits(gen, T, E)
         chosen = gating_fwd_ref(logits, K).expert_TK[0].long()
         used = torch.zeros(E, dtype=torch.int32, device=DEVICE)
-        used[chosen[[0, 2]]] = capacity   # the 1st and 3rd choices are full
+        used[chosen[[0, 2]]] = capacity  # the 1st and 3rd choices are full
     row_TK, S, weight_TK = _routing(gen, T, E, K, None, logits=logits, capacity=capacity, used=used)
     if case == "all-to-one":
         assert S == capacity and bool((row_TK[capacity:] == -1).all())
@@ -138,15 +143,21 @@ def test_permute_unpermute_edge_routing(gen, case):
     _check_permute_family(gen, row_TK, S, weight_TK, dtype, D)
 
 
-@pytest.mark.parametrize("case", [(63, 8, 2, 0.6, torch.float32, 60), (37, 7, 3, None, torch.bfloat16, 100)],
-                         ids=lambda c: "T{}-E{}-K{}-cf{}-{}-D{}".format(*c[:4], str(c[4])[6:], c[5]))
+@pytest.mark.parametrize(
+    "case",
+    [(63, 8, 2, 0.6, torch.float32, 60), (37, 7, 3, None, torch.bfloat16, 100)],
+    ids=lambda c: "T{}-E{}-K{}-cf{}-{}-D{}".format(*c[:4], str(c[4])[6:], c[5]),
+)
 def test_permute_unpermute_split_d(gen, monkeypatch, case):
     """D split across programs (permute_fwd; unpermute_fwd and permute_bwd: pid_d > 0, src_S
     written by the first D tile only) and walked in a loop (unpermute_bwd): 32-wide tiles pinned,
     so D = 60 takes 2 tiles and D = 100 takes 4, the last one partial; 4-token tiles, T odd."""
     T, E, K, factor, dtype, d = case
-    envs = (permute_mod._ENV_PERMUTE_FWD_CONFIG, permute_mod._ENV_UNPERMUTE_FWD_CONFIG,
-            permute_mod._ENV_UNPERMUTE_BWD_CONFIG)
+    envs = (
+        permute_mod._ENV_PERMUTE_FWD_CONFIG,
+        permute_mod._ENV_UNPERMUTE_FWD_CONFIG,
+        permute_mod._ENV_UNPERMUTE_BWD_CONFIG,
+    )
     for env in envs:
         monkeypatch.setenv(env, "BLOCK_T=4,BLOCK_D=32,num_warps=4")
     launched = []
@@ -169,7 +180,7 @@ def test_permute_strided_and_autograd_consistency(gen):
     T, E, K = 63, 8, 2
     row_TK, S, weight_TK = _routing(gen, T, E, K, 0.75)
     x_big = torch.randn(T, 2 * D, generator=gen).to(DEVICE)
-    x = x_big[:, ::2]                      # stride (2D, 2)
+    x = x_big[:, ::2]  # stride (2D, 2)
     x_SD, src_S = permute_fwd(x, row_TK, S, out=(_poison(x.new_empty(S, D)), _poison(row_TK.new_empty(S))))
     x_SD_ref, src_S_ref = permute_fwd_ref(x.contiguous(), row_TK, S)
     assert torch.equal(x_SD, x_SD_ref) and torch.equal(src_S, src_S_ref)
@@ -179,10 +190,9 @@ def test_permute_strided_and_autograd_consistency(gen):
     lhs = (x_SD.double() * g.double()).sum()
     rhs = (x.double() * permute_bwd(g, row_TK, out=_poison(x.contiguous())).double()).sum()
     assert torch.allclose(lhs, rhs, rtol=1e-5)
-    y = torch.randn(D, S, generator=gen).to(DEVICE).t()   # column-major [S, D]
+    y = torch.randn(D, S, generator=gen).to(DEVICE).t()  # column-major [S, D]
     h = torch.randn(T, D, generator=gen).to(DEVICE)
-    grad_y_SD, grad_w = unpermute_bwd(h, y, row_TK, weight_TK, src_S,
-                                      out=(_poison(y.contiguous()), _poison(weight_TK)))
+    grad_y_SD, grad_w = unpermute_bwd(h, y, row_TK, weight_TK, src_S, out=(_poison(y.contiguous()), _poison(weight_TK)))
     lhs = (unpermute_fwd(y, row_TK, weight_TK, out=_poison(h)).double() * h.double()).sum()
     assert torch.allclose(lhs, (y.double() * grad_y_SD.double()).sum(), rtol=1e-5)
     assert_close("grad_w[strided]", grad_w, unpermute_bwd_ref(h, y, row_TK, weight_TK, src_S)[1])
@@ -218,8 +228,9 @@ def test_permute_zero_tokens_and_all_dropped(gen):
     zeros = torch.zeros(T, D, device=DEVICE)
     assert torch.equal(permute_bwd(empty, row, out=_poison(zeros)), zeros)
     assert torch.equal(unpermute_fwd(empty, row, w, out=_poison(zeros)), zeros)
-    gy_SD, gw = unpermute_bwd(torch.randn(T, D, generator=gen).to(DEVICE), empty, row, w, src,
-                              out=(empty.clone(), _poison(w)))
+    gy_SD, gw = unpermute_bwd(
+        torch.randn(T, D, generator=gen).to(DEVICE), empty, row, w, src, out=(empty.clone(), _poison(w))
+    )
     assert torch.equal(gw, torch.zeros(T, 2, device=DEVICE))
 
 
@@ -249,8 +260,11 @@ def test_gpu_permute_unpermute(gen, EK):
     assert torch.equal(src_S, src_S_ref) and torch.equal(x_SD, x_SD_ref)
     g_SD = torch.randn(S, GPU_D, generator=gen).to(DEVICE, dtype)
     assert_close("gpu permute_bwd", permute_bwd(g_SD, row_TK, out=_poison(x)), permute_bwd_ref(g_SD, row_TK))
-    assert_close("gpu unpermute_fwd", unpermute_fwd(g_SD, row_TK, weight_TK, out=_poison(x)),
-                 unpermute_fwd_ref(g_SD, row_TK, weight_TK))
+    assert_close(
+        "gpu unpermute_fwd",
+        unpermute_fwd(g_SD, row_TK, weight_TK, out=_poison(x)),
+        unpermute_fwd_ref(g_SD, row_TK, weight_TK),
+    )
     grad_y = torch.randn(GPU_T, GPU_D, generator=gen).to(DEVICE, dtype)
     got = unpermute_bwd(grad_y, g_SD, row_TK, weight_TK, src_S, out=(_poison(g_SD), _poison(weight_TK)))
     want = unpermute_bwd_ref(grad_y, g_SD, row_TK, weight_TK, src_S_ref)

@@ -24,12 +24,12 @@ the tolerance table covers it.
 GPU lane (``-m gpu``): the same checks at real sizes, T = 16384, D = 4096, E in {8, 64, 256},
 K in {1, 2, 8}, bf16 rows.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 import triton
-
 from lancet_rt.kernels import gating as gating_mod
 from lancet_rt.kernels._common import run_autotuned
 from lancet_rt.kernels.gating import gating_bwd, gating_fwd
@@ -40,13 +40,14 @@ from lancet_rt.kernels.reference import (
     gating_bwd_ref,
     gating_fwd_ref,
 )
+
 from tests.contract_ref import route_contract_ref
 from tests.helpers import assert_close
 from tests.routing_inputs import (
     DEVICE,
-    D,
     GPU_EK,
     GPU_T,
+    D,
     _assert_close_nonfinite,
     _assert_gating_equal,
     _capacity,
@@ -114,8 +115,11 @@ def test_gating_matches_reference(gen, shape, mode):
     _check_gating(gen, shape, mode)
 
 
-@pytest.mark.parametrize("case", [((63, 7, 2), GATING_MODES[1]), ((257, 64, 2), GATING_MODES[2])],
-                         ids=lambda c: "T{}-E{}-K{}-".format(*c[0]) + "{}-norm{:d}-cf{}".format(*c[1]))
+@pytest.mark.parametrize(
+    "case",
+    [((63, 7, 2), GATING_MODES[1]), ((257, 64, 2), GATING_MODES[2])],
+    ids=lambda c: "T{}-E{}-K{}-".format(*c[0]) + "{}-norm{:d}-cf{}".format(*c[1]),
+)
 def test_gating_pinned_small_tile(gen, monkeypatch, case):
     """A pinned 4-token tile (the interpreter otherwise takes the largest, 32 here): many tiles per
     span, so the per-expert running count is carried across tiles, forward and backward."""
@@ -169,7 +173,7 @@ def _nonfinite_logits(gen, T, E, rows):
             logits[t, (t + 2) % E] = float("inf")
         elif kind == "-inf_all":
             logits[t] = float("-inf")
-        else:   # some experts masked out, the rest finite: an ordinary row
+        else:  # some experts masked out, the rest finite: an ordinary row
             logits[t, [t % E, (t + 3) % E]] = float("-inf")
     return logits
 
@@ -190,8 +194,11 @@ def _check_gating_nonfinite(gen, logits, K, used, capacity, score_fn, normalize,
     assert torch.equal(row, dispatch_rows_ref(ref.expert_TK, ref.slot_TK, used, kept))
     assert torch.equal(row[row >= 0].sort().values, torch.arange(int(kept.sum()), dtype=torch.int32, device=DEVICE))
 
-    grads = (torch.randn(T, K, generator=gen).to(DEVICE), torch.randn(E, generator=gen).to(DEVICE),
-             torch.randn((), generator=gen).to(DEVICE))
+    grads = (
+        torch.randn(T, K, generator=gen).to(DEVICE),
+        torch.randn(E, generator=gen).to(DEVICE),
+        torch.randn((), generator=gen).to(DEVICE),
+    )
     for present in ("w", "wpz"):
         g = [x if name in present else None for name, x in zip("wpz", grads)]
         got = gating_bwd(logits, out.expert_TK, *g, out=_poison(logits, nan=False), **bwd_kw)
@@ -211,7 +218,7 @@ def test_gating_nonfinite_logits(gen, monkeypatch, score_fn, normalize, capacity
     expert comes first. Every (t, k) gets an expert in [0, E), a weight and a slot, and drops,
     counts, dispatch rows and NaN/inf placement in every output and gradient match."""
     T, E, K = 40, 7, 3
-    if capacity is not None:   # 2 spans of 32 tokens: the scan carries the NaN rows' claims
+    if capacity is not None:  # 2 spans of 32 tokens: the scan carries the NaN rows' claims
         monkeypatch.setattr(gating_mod, "_SINGLE_PROGRAM_MAX_T", 0)
     rows = {0: "nan", 3: "+inf", 6: "-inf_all", 9: "-inf_some", 33: "nan", 35: "+inf", 38: "-inf_all"}
     logits = _nonfinite_logits(gen, T, E, rows)
@@ -272,9 +279,11 @@ def test_gating_float64(gen, score_fn):
     out = gating_fwd(logits, K, capacity=capacity, score_fn=score_fn, out=_poisoned_gating_out(T, E, K, logits.dtype))
     ref = gating_fwd_ref(logits, K, capacity=capacity, score_fn=score_fn)
     _assert_gating_equal("gating_fwd[float64]", out, ref)
-    grads = (torch.randn(T, K, generator=gen, dtype=torch.float64).to(DEVICE),
-             torch.randn(E, generator=gen, dtype=torch.float64).to(DEVICE),
-             torch.randn((), generator=gen, dtype=torch.float64).to(DEVICE))
+    grads = (
+        torch.randn(T, K, generator=gen, dtype=torch.float64).to(DEVICE),
+        torch.randn(E, generator=gen, dtype=torch.float64).to(DEVICE),
+        torch.randn((), generator=gen, dtype=torch.float64).to(DEVICE),
+    )
     got = gating_bwd(logits, out.expert_TK, *grads, score_fn=score_fn, out=_poison(logits))
     assert_close("gating_bwd[float64]", got, gating_bwd_ref(logits, ref.expert_TK, *grads, score_fn=score_fn))
 
@@ -314,7 +323,7 @@ def test_gating_paths(gen, monkeypatch, shape, path):
     used = torch.randint(0, 4, (E,), generator=gen, dtype=torch.int32).to(DEVICE)
     out = gating_fwd(logits, K, used, capacity=capacity, out=_poisoned_gating_out(T, E, K, logits.dtype))
     _assert_gating_equal(f"gating_fwd[{path}]", out, gating_fwd_ref(logits, K, used, capacity=capacity))
-    again = gating_fwd(logits, K, used, capacity=capacity)   # freshly allocated, bit-identical
+    again = gating_fwd(logits, K, used, capacity=capacity)  # freshly allocated, bit-identical
     for field, a, b in zip(GatingOutput._fields, out, again):
         assert torch.equal(a, b), f"gating_fwd[{path}].{field} differs between two runs"
 
@@ -323,7 +332,7 @@ def test_gating_paths(gen, monkeypatch, shape, path):
 @pytest.mark.parametrize("E", [8, 256])
 def test_gating_ties_pick_lower_index(gen, score_fn, E):
     T, K = 63, 4
-    logits = torch.randint(0, 3, (T, E), generator=gen).float().to(DEVICE)   # many exact ties
+    logits = torch.randint(0, 3, (T, E), generator=gen).float().to(DEVICE)  # many exact ties
     out = gating_fwd(logits, K, score_fn=score_fn, capacity=5, out=_poisoned_gating_out(T, E, K, logits.dtype))
     ref = gating_fwd_ref(logits, K, score_fn=score_fn, capacity=5)
     _assert_gating_equal("gating_fwd[ties]", out, ref)
@@ -341,12 +350,11 @@ def test_gating_skewed(gen, score_fn):
     logits[:, 5] += 50.0
     logits[:, 2] -= 50.0
     capacity = _capacity(T, E, K, 1.0)
-    out = gating_fwd(logits, K, capacity=capacity, score_fn=score_fn,
-                     out=_poisoned_gating_out(T, E, K, logits.dtype))
+    out = gating_fwd(logits, K, capacity=capacity, score_fn=score_fn, out=_poisoned_gating_out(T, E, K, logits.dtype))
     ref = gating_fwd_ref(logits, K, capacity=capacity, score_fn=score_fn)
     _assert_gating_equal("gating_fwd[skewed]", out, ref)
     assert int(out.counts_E[5]) == T and int(out.counts_E[2]) == 0
-    assert int((out.slot_TK[:, 0] >= 0).sum()) == capacity   # expert 5 dropped past the capacity
+    assert int((out.slot_TK[:, 0] >= 0).sum()) == capacity  # expert 5 dropped past the capacity
     grad_w = torch.randn(T, K, generator=gen).to(DEVICE)
     got = gating_bwd(logits, out.expert_TK, grad_w, None, None, score_fn=score_fn, out=_poison(logits))
     want = gating_bwd_ref(logits, ref.expert_TK, grad_w, None, None, score_fn=score_fn)
@@ -359,14 +367,22 @@ def test_gating_zero_tokens(gen):
     used = torch.randint(0, 9, (E,), generator=gen, dtype=torch.int32).to(DEVICE)
     out = gating_fwd(logits, K, used, capacity=3, out=_poisoned_gating_out(0, E, K, logits.dtype))
     _assert_gating_equal("gating_fwd[T=0]", out, gating_fwd_ref(logits, K, used, capacity=3))
-    grad = gating_bwd(logits, out.expert_TK, torch.empty(0, K, device=DEVICE), torch.ones(E, device=DEVICE),
-                      torch.ones((), device=DEVICE))
+    grad = gating_bwd(
+        logits,
+        out.expert_TK,
+        torch.empty(0, K, device=DEVICE),
+        torch.ones(E, device=DEVICE),
+        torch.ones((), device=DEVICE),
+    )
     assert grad.shape == (0, E)
     assert dispatch_rows(out.expert_TK, out.slot_TK, used, torch.zeros_like(used)).shape == (0, K)
 
 
-@pytest.mark.parametrize("case", [(257, 8, 2, 0.6, "softmax"), (200, 7, 7, 0.8, "sigmoid"), (130, 64, 1, 1.5, "softmax")],
-                         ids=lambda c: "T{}-E{}-K{}-cf{}-{}".format(*c))
+@pytest.mark.parametrize(
+    "case",
+    [(257, 8, 2, 0.6, "softmax"), (200, 7, 7, 0.8, "sigmoid"), (130, 64, 1, 1.5, "softmax")],
+    ids=lambda c: "T{}-E{}-K{}-cf{}-{}".format(*c),
+)
 def test_gating_carried_capacity_chunks(gen, case):
     """Gating chunk by chunk with used_E carried equals one call: slots, drops, counts, weights,
     statistics, and the dispatch rows agree."""
@@ -382,8 +398,14 @@ def test_gating_carried_capacity_chunks(gen, case):
         used = zeros
         parts, score_sum, zsq = [], torch.zeros_like(whole.score_sum_E), torch.zeros_like(whole.zsq_sum)
         for lo, hi in zip(bounds[:-1], bounds[1:]):
-            g = gating_fwd(logits[lo:hi], K, used, capacity=capacity, score_fn=score_fn,
-                           out=_poisoned_gating_out(hi - lo, E, K, logits.dtype))
+            g = gating_fwd(
+                logits[lo:hi],
+                K,
+                used,
+                capacity=capacity,
+                score_fn=score_fn,
+                out=_poisoned_gating_out(hi - lo, E, K, logits.dtype),
+            )
             kept = _kept_E(g.expert_TK, g.slot_TK, E)
             rows = dispatch_rows(g.expert_TK, g.slot_TK, used, kept, out=_poison(g.slot_TK))
             assert torch.equal(rows, dispatch_rows_ref(g.expert_TK, g.slot_TK, used, kept))
@@ -391,7 +413,7 @@ def test_gating_carried_capacity_chunks(gen, case):
             score_sum += g.score_sum_E
             zsq += g.zsq_sum
             used = g.used_E
-        cat = lambda i: torch.cat([p[i] for p in parts])  # noqa: E731
+        cat = lambda i: torch.cat([p[i] for p in parts])
         tag = f"chunks={bounds}"
         assert torch.equal(cat(0), whole.expert_TK), tag
         assert torch.equal(cat(2), whole.slot_TK), tag
@@ -419,8 +441,14 @@ VARIANT_CASES = [
     ("groups", (63, 12, 3), ("sigmoid", False, None), dict(n_group=4, topk_group=2), False, "single"),
     # DeepSeek-V3 scaled down (E=256, K=8, 8 groups, 4 kept -> E=16, K=4, 4 groups, 2 kept)
     ("deepseek", (63, 16, 4), ("sigmoid", True, 1.0), dict(n_group=4, topk_group=2, scaling=2.5), True, "single"),
-    ("deepseek-softmax-spans", (63, 16, 4), ("softmax", False, 0.5),
-     dict(n_group=4, topk_group=2, scaling=2.827), True, "multi"),
+    (
+        "deepseek-softmax-spans",
+        (63, 16, 4),
+        ("softmax", False, 0.5),
+        dict(n_group=4, topk_group=2, scaling=2.827),
+        True,
+        "multi",
+    ),
     # groups of one expert (group score = the selection score), one token
     ("T1-groups-of-1", (1, 6, 2), ("sigmoid", True, None), dict(n_group=6, topk_group=3, scaling=0.5), True, "single"),
     # 3 groups of 5: a padded group (4 group lanes) and 8 lanes per group
@@ -436,7 +464,7 @@ def test_gating_variants_match_reference(gen, monkeypatch, case):
     and the logits' gradient against the reference, on the fused single program and the scan."""
     _, shape, mode, variant, biased, path = case
     if path == "multi":
-        monkeypatch.setattr(gating_mod, "_SINGLE_PROGRAM_MAX_T", 0)   # T = 63: two spans of 32
+        monkeypatch.setattr(gating_mod, "_SINGLE_PROGRAM_MAX_T", 0)  # T = 63: two spans of 32
     if biased:
         variant = dict(variant, expert_bias=_tier_bias(gen, shape[1]))
     out = _check_gating(gen, shape, mode, **variant)
@@ -463,13 +491,19 @@ def test_gating_variants_carried_capacity(gen):
     """DeepSeek-shaped routing in two chunks with used_E carried equals one call."""
     T, E, K = 63, 16, 4
     logits = _logits(gen, T, E)
-    kw = dict(capacity=_capacity(T, E, K, 1.0), score_fn="sigmoid", expert_bias=_tier_bias(gen, E),
-              n_group=4, topk_group=2, scaling=2.5)
+    kw = dict(
+        capacity=_capacity(T, E, K, 1.0),
+        score_fn="sigmoid",
+        expert_bias=_tier_bias(gen, E),
+        n_group=4,
+        topk_group=2,
+        scaling=2.5,
+    )
     whole = gating_fwd(logits, K, **kw)
     _assert_gating_equal("gating_fwd[whole]", whole, gating_fwd_ref(logits, K, **kw))
     first = gating_fwd(logits[:20], K, **kw)
     second = gating_fwd(logits[20:], K, first.used_E, out=_poisoned_gating_out(T - 20, E, K, logits.dtype), **kw)
-    for i in (0, 2):   # experts, slots (drops included)
+    for i in (0, 2):  # experts, slots (drops included)
         assert torch.equal(torch.cat([first[i], second[i]]), whole[i]), GatingOutput._fields[i]
     assert torch.equal(second.used_E, whole.used_E)
     assert torch.equal(first.counts_E + second.counts_E, whole.counts_E)
@@ -485,7 +519,7 @@ def test_gating_variants_ties(gen, score_fn):
     against the reference and the naive contract."""
     T, E, K, n_group, topk_group = 63, 16, 4, 4, 2
     logits = torch.randint(0, 3, (T, E), generator=gen).float().to(DEVICE)
-    logits[0] = 1.0                                       # one token: every score equal
+    logits[0] = 1.0  # one token: every score equal
     bias = torch.tensor([0.0, 3.0, 0.0, 3.0] * 4, device=DEVICE)
     kw = dict(capacity=5, score_fn=score_fn, expert_bias=bias, n_group=n_group, topk_group=topk_group)
     out = gating_fwd(logits, K, out=_poisoned_gating_out(T, E, K, logits.dtype), **kw)
@@ -503,22 +537,22 @@ def test_gating_variants_nonfinite(gen, monkeypatch, case):
     selection score ranks first (its weight stays the finite score), then +inf, and an allowed
     -inf expert comes before every expert of the groups left out. Groups: a NaN group score (a NaN
     score, or a top two of +inf and -inf) ranks first, before +inf, ties to the lower group."""
-    monkeypatch.setattr(gating_mod, "_SINGLE_PROGRAM_MAX_T", 0)   # T = 40: two spans of 32
+    monkeypatch.setattr(gating_mod, "_SINGLE_PROGRAM_MAX_T", 0)  # T = 40: two spans of 32
     rows = {0: "nan", 3: "+inf", 6: "-inf_all", 9: "-inf_some", 33: "nan", 35: "+inf"}
     inf, nan = float("inf"), float("nan")
     if case == "bias-K=E-softmax":
         T, E, K, score_fn, variant = 40, 7, 7, "softmax", dict(scaling=2.0)
         bias = torch.tensor([0.1, nan, 0.0, 0.2, -inf, inf, 0.3], device=DEVICE)
-    else:   # groups (0, 1) score +inf, (6, 7) NaN; one group kept
+    else:  # groups (0, 1) score +inf, (6, 7) NaN; one group kept
         T, E, K, score_fn, variant = 40, 8, 2, "sigmoid", dict(n_group=4, topk_group=1)
         bias = torch.tensor([inf, 0.0, 0.1, 0.2, 0.3, 0.0, inf, -inf], device=DEVICE)
     logits = _nonfinite_logits(gen, T, E, rows)
     used = torch.randint(0, 2, (E,), generator=gen, dtype=torch.int32).to(DEVICE)
     out = _check_gating_nonfinite(gen, logits, K, used, 3, score_fn, True, expert_bias=bias, **variant)
-    if case == "bias-K=E-softmax":   # ordinary rows: NaN-biased 1, +inf-biased 5, ..., -inf-biased 4 last
+    if case == "bias-K=E-softmax":  # ordinary rows: NaN-biased 1, +inf-biased 5, ..., -inf-biased 4 last
         assert out.expert_TK[1, :2].tolist() == [1, 5] and int(out.expert_TK[1, -1]) == 4
         assert not bool(out.weight_TK[[1, 9, 20]].isnan().any())
-    else:   # ordinary rows keep group 3 (+inf then -inf); NaN logits at 4 / 5 make group 2 the first NaN group
+    else:  # ordinary rows keep group 3 (+inf then -inf); NaN logits at 4 / 5 make group 2 the first NaN group
         assert out.expert_TK[[1, 9, 20]].tolist() == [[6, 7]] * 3
         assert out.expert_TK[[0, 33]].tolist() == [[4, 5], [5, 4]]
 
@@ -532,8 +566,15 @@ def test_gating_variants_match_deepseek_v3_router(gen):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
     T, D, E, K, n_group, topk_group, scaling = 37, 24, 32, 6, 8, 3, 2.5
-    config = DeepseekV3Config(hidden_size=D, n_routed_experts=E, num_experts_per_tok=K, n_group=n_group,
-                              topk_group=topk_group, routed_scaling_factor=scaling, norm_topk_prob=True)
+    config = DeepseekV3Config(
+        hidden_size=D,
+        n_routed_experts=E,
+        num_experts_per_tok=K,
+        n_group=n_group,
+        topk_group=topk_group,
+        routed_scaling_factor=scaling,
+        norm_topk_prob=True,
+    )
     router = DeepseekV3TopkRouter(config)
     with torch.no_grad():
         router.weight.copy_(torch.randn(E, D, generator=gen))
@@ -550,14 +591,48 @@ def test_gating_variants_match_deepseek_v3_router(gen):
         assert_close(f"{name}.weight_TK vs DeepseekV3TopkRouter", g.weight_TK.gather(1, order), hf_weight)
 
 
-@pytest.mark.parametrize("case", [
-    dict(T=50, E=12, K=3, capacity=9, score_fn="sigmoid", normalize_topk=True, n_group=3, topk_group=2,
-         scaling=2.5, bias=True),
-    dict(T=50, E=12, K=4, capacity=None, score_fn="softmax", normalize_topk=False, n_group=6, topk_group=2,
-         scaling=1.0, bias=False),
-    dict(T=50, E=9, K=2, capacity=7, score_fn="softmax", normalize_topk=True, n_group=1, topk_group=None,
-         scaling=0.7, bias=True),
-], ids=["deepseek", "groups-softmax", "bias-only"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(
+            T=50,
+            E=12,
+            K=3,
+            capacity=9,
+            score_fn="sigmoid",
+            normalize_topk=True,
+            n_group=3,
+            topk_group=2,
+            scaling=2.5,
+            bias=True,
+        ),
+        dict(
+            T=50,
+            E=12,
+            K=4,
+            capacity=None,
+            score_fn="softmax",
+            normalize_topk=False,
+            n_group=6,
+            topk_group=2,
+            scaling=1.0,
+            bias=False,
+        ),
+        dict(
+            T=50,
+            E=9,
+            K=2,
+            capacity=7,
+            score_fn="softmax",
+            normalize_topk=True,
+            n_group=1,
+            topk_group=None,
+            scaling=0.7,
+            bias=True,
+        ),
+    ],
+    ids=["deepseek", "groups-softmax", "bias-only"],
+)
 def test_gating_ref_matches_naive_contract(gen, case):
     """The vectorised reference against tests/contract_ref.py's loops (float64): experts, slots,
     counts and weights, with random (untied) biases and groups."""
@@ -583,8 +658,12 @@ def test_gate_passes_router_variants(gen):
     bias = _tier_bias(gen, E).requires_grad_(True)
     variant = dict(expert_bias=bias, n_group=4, topk_group=2, scaling=2.5)
     state = BatchRouting(E, K, T, 1.0, DEVICE)
-    parts = [gate(chunk, state, get_ops(DEVICE), score_fn="sigmoid", normalize_topk=True, aux_coef=0.0,
-                  z_coef=0.0, **variant) for chunk in torch.split(logits, [11, 19])]
+    parts = [
+        gate(
+            chunk, state, get_ops(DEVICE), score_fn="sigmoid", normalize_topk=True, aux_coef=0.0, z_coef=0.0, **variant
+        )
+        for chunk in torch.split(logits, [11, 19])
+    ]
     weight, expert = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
     ref = gating_fwd_ref(logits.detach(), K, capacity=state.capacity, score_fn="sigmoid", **variant)
     assert torch.equal(expert, ref.expert_TK) and torch.equal(state.used_E, ref.used_E)
@@ -623,7 +702,7 @@ def test_router_variant_arguments_are_validated():
             with pytest.raises(exc, match=name):
                 fn(logits, kw.pop("top_k", 2), **kw)
     with pytest.raises(ValueError, match="scaling"):
-        gating_fwd(logits, 2, scaling=1e39)        # beyond float32: the kernel takes float32 halves
+        gating_fwd(logits, 2, scaling=1e39)  # beyond float32: the kernel takes float32 halves
     for fn in (gating_bwd, gating_bwd_ref):
         with pytest.raises(ValueError, match="scaling"):
             fn(logits, expert, torch.ones(4, 2), None, None, scaling=-1.0)
@@ -654,8 +733,12 @@ def test_launchers_validate_arguments():
     with pytest.raises(ValueError, match="grad_weight_TK"):
         gating_bwd(logits, torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, 3), None, None)
     with pytest.raises(ValueError, match="kept_E"):
-        dispatch_rows(torch.zeros(4, 2, dtype=torch.int32), torch.zeros(4, 2, dtype=torch.int32),
-                      torch.zeros(8, dtype=torch.int32), torch.zeros(7, dtype=torch.int32))
+        dispatch_rows(
+            torch.zeros(4, 2, dtype=torch.int32),
+            torch.zeros(4, 2, dtype=torch.int32),
+            torch.zeros(8, dtype=torch.int32),
+            torch.zeros(7, dtype=torch.int32),
+        )
     x = torch.randn(4, D)
     row = torch.zeros(4, 2, dtype=torch.int32)
     with pytest.raises(TypeError, match="row_TK"):
@@ -671,7 +754,6 @@ def test_launchers_validate_arguments():
 def test_config_spaces(monkeypatch):
     """Every shape keeps at least one config (timed on CUDA), and a pin overrides the space."""
     import triton
-
     from lancet_rt.kernels import permute as permute_mod
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CUDA view of the space; nothing is launched
@@ -708,10 +790,17 @@ def test_gpu_gating(gen, EK, score_fn):
     again = gating_fwd(logits, K, used, **kw)
     for field, a, b in zip(GatingOutput._fields, out, again):
         assert torch.equal(a, b), f"gpu gating_fwd.{field} not deterministic"
-    grads = (torch.randn(GPU_T, K, generator=gen).to(DEVICE), torch.randn(E, generator=gen).to(DEVICE),
-             torch.randn((), generator=gen).to(DEVICE))
-    assert_close("gpu gating_bwd", gating_bwd(logits, out.expert_TK, *grads, score_fn=score_fn, out=_poison(logits)),
-                 gating_bwd_ref(logits, ref.expert_TK, *grads, score_fn=score_fn), torch.float32)
+    grads = (
+        torch.randn(GPU_T, K, generator=gen).to(DEVICE),
+        torch.randn(E, generator=gen).to(DEVICE),
+        torch.randn((), generator=gen).to(DEVICE),
+    )
+    assert_close(
+        "gpu gating_bwd",
+        gating_bwd(logits, out.expert_TK, *grads, score_fn=score_fn, out=_poison(logits)),
+        gating_bwd_ref(logits, ref.expert_TK, *grads, score_fn=score_fn),
+        torch.float32,
+    )
 
 
 @pytest.mark.gpu
@@ -735,18 +824,28 @@ def test_gpu_gating_deepseek_v3(gen):
     the reference in float64 (at 16384 random tokens, float32 group sums would tie within an ulp
     somewhere); in float32, chunked with used_E carried equals one call, run to run identical."""
     E, K = 256, 8
-    kw = dict(capacity=_capacity(GPU_T, E, K, 1.25), score_fn="sigmoid", n_group=8, topk_group=4, scaling=2.5,
-              expert_bias=(torch.randn(E, generator=gen) * 0.05).to(DEVICE))
+    kw = dict(
+        capacity=_capacity(GPU_T, E, K, 1.25),
+        score_fn="sigmoid",
+        n_group=8,
+        topk_group=4,
+        scaling=2.5,
+        expert_bias=(torch.randn(E, generator=gen) * 0.05).to(DEVICE),
+    )
     logits = (torch.randn(GPU_T, E, generator=gen, dtype=torch.float64) * 2).to(DEVICE)
     out = gating_fwd(logits, K, out=_poisoned_gating_out(GPU_T, E, K, logits.dtype), **kw)
     ref = gating_fwd_ref(logits, K, **kw)
     _assert_gating_equal("gpu gating_fwd[deepseek-v3, float64]", out, ref)
-    grads = (torch.randn(GPU_T, K, generator=gen, dtype=torch.float64).to(DEVICE),
-             torch.randn(E, generator=gen, dtype=torch.float64).to(DEVICE),
-             torch.randn((), generator=gen, dtype=torch.float64).to(DEVICE))
-    assert_close("gpu gating_bwd[deepseek-v3, float64]",
-                 gating_bwd(logits, out.expert_TK, *grads, score_fn="sigmoid", scaling=2.5, out=_poison(logits)),
-                 gating_bwd_ref(logits, ref.expert_TK, *grads, score_fn="sigmoid", scaling=2.5))
+    grads = (
+        torch.randn(GPU_T, K, generator=gen, dtype=torch.float64).to(DEVICE),
+        torch.randn(E, generator=gen, dtype=torch.float64).to(DEVICE),
+        torch.randn((), generator=gen, dtype=torch.float64).to(DEVICE),
+    )
+    assert_close(
+        "gpu gating_bwd[deepseek-v3, float64]",
+        gating_bwd(logits, out.expert_TK, *grads, score_fn="sigmoid", scaling=2.5, out=_poison(logits)),
+        gating_bwd_ref(logits, ref.expert_TK, *grads, score_fn="sigmoid", scaling=2.5),
+    )
     logits = logits.float()
     whole = gating_fwd(logits, K, **kw)
     again = gating_fwd(logits, K, **kw)

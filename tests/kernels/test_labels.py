@@ -4,15 +4,16 @@
 them), on the Triton path (TRITON_INTERPRET=1 on the CPU lane) and on the references. The ignore index
 (-100) still means no loss. Without the check the kernel read another row's logit: a finite, wrong loss.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
+from lancet_rt.kernels.linear_ce import ce_grad_fwd
+from lancet_rt.kernels.reference_dense import ce_grad_fwd_ref
 
 from lancet_rt import ops
 from lancet_rt.dense import LinearCrossEntropy, SharedHeadGrad, linear_cross_entropy
-from lancet_rt.kernels.linear_ce import ce_grad_fwd
-from lancet_rt.kernels.reference_dense import ce_grad_fwd_ref
 from tests.helpers import assert_close
 
 V, D, T = 40, 16, 12

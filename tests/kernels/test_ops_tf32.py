@@ -2,13 +2,14 @@
 the kernel namespace passes ``allow_tf32`` from it at each call, the grouped GEMM then asks Triton
 for TF32 products, and a caller's explicit ``allow_tf32`` wins. (CPU lane: the Triton path under the
 interpreter; the precision it requests is what is checked, the interpreter computes in float32.)"""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from lancet_rt.kernels import grouped_gemm
 
 from lancet_rt import ops
-from lancet_rt.kernels import grouped_gemm
 
 
 @pytest.fixture
@@ -40,9 +41,9 @@ def test_tf32_switch_reaches_the_grouped_gemm(precision, monkeypatch):
             y = o.grouped_mm(x, w, off)
             assert asked[-1] is expected, setting
             torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
-        o.grouped_mm(x, w, off, allow_tf32=False)            # the caller's choice wins
+        o.grouped_mm(x, w, off, allow_tf32=False)  # the caller's choice wins
         assert asked[-1] is False
         bf16 = ops.get_ops(torch.device("cpu"), torch.bfloat16)
-        assert bf16.grouped_mm is grouped_gemm.grouped_mm      # no TF32 question for 16-bit floats
+        assert bf16.grouped_mm is grouped_gemm.grouped_mm  # no TF32 question for 16-bit floats
     finally:
         ops._cache.clear()

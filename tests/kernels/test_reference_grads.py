@@ -2,11 +2,11 @@
 (float64): the gating backward (softmax / sigmoid scores, with and without renormalisation, scaled
 weights, the score-sum and z-loss statistics) and the K-vectorised permutation backward passes.
 The kernels are tested against these references, so the references must be the gradients."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from lancet_rt.kernels.reference import (
     _scores,
     gating_bwd_ref,
@@ -15,6 +15,7 @@ from lancet_rt.kernels.reference import (
     unpermute_bwd_ref,
     unpermute_fwd_ref,
 )
+
 from tests.helpers import assert_close
 
 
@@ -52,7 +53,7 @@ def test_permutation_bwd_refs_are_the_gradients():
     g = torch.Generator().manual_seed(4)
     T, K, D = 11, 3, 5
     row = torch.randperm(T * K, generator=g).view(T, K)
-    row[row >= 25] = -1                                     # dropped assignments
+    row[row >= 25] = -1  # dropped assignments
     S = int((row >= 0).sum())
     row[row >= 0] = torch.arange(S)[torch.argsort(row[row >= 0])]  # kept rows: a bijection onto range(S)
     y = torch.randn(S, D, dtype=torch.float64, generator=g, requires_grad=True)

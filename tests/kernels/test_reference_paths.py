@@ -2,11 +2,11 @@
 ``torch._grouped_mm`` for the grouped GEMMs (one ``mm`` for one segment, against ``torch._grouped_mm``
 itself), the one-hot running count for the gating's slots, and the no-drop gathers of the permutation
 passes (S = T K rows)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-
 from lancet_rt.kernels import reference as ref
 from lancet_rt.kernels import reference_experts as rex
 
@@ -69,10 +69,13 @@ def test_permutation_without_drops_equals_the_masked_gathers():
     src[row.view(-1).long()] = torch.arange(T * K, dtype=torch.int32)
     fast = (ref.unpermute_fwd_ref(y, row, w), *ref.unpermute_bwd_ref(gy, y, row, w, src), ref.permute_bwd_ref(y, row))
     y_pad = torch.cat([y, torch.full((1, D), float("nan"))])  # S = T K + 1: the general path (row T K unused)
-    slow = (ref.unpermute_fwd_ref(y_pad, row, w), *ref.unpermute_bwd_ref(gy, y_pad, row, w, src),
-            ref.permute_bwd_ref(y_pad, row))
+    slow = (
+        ref.unpermute_fwd_ref(y_pad, row, w),
+        *ref.unpermute_bwd_ref(gy, y_pad, row, w, src),
+        ref.permute_bwd_ref(y_pad, row),
+    )
     assert torch.equal(fast[0], slow[0]) and torch.equal(fast[2], slow[2]) and torch.equal(fast[3], slow[3])
-    assert torch.equal(fast[1], slow[1][:T * K])
+    assert torch.equal(fast[1], slow[1][: T * K])
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -86,8 +89,11 @@ def test_grouped_mm_one_segment_is_the_gemm_grouped_mm_runs(dtype, R):
     w = torch.randn(1, N, K, generator=g).to(dtype)
     dy = torch.randn(R, N, generator=g).to(dtype)
     offs = torch.tensor([R], dtype=torch.int32)
-    want = (torch._grouped_mm(x, w.transpose(1, 2), offs=offs), torch._grouped_mm(dy, w, offs=offs),
-            torch._grouped_mm(dy.t(), x, offs=offs))
+    want = (
+        torch._grouped_mm(x, w.transpose(1, 2), offs=offs),
+        torch._grouped_mm(dy, w, offs=offs),
+        torch._grouped_mm(dy.t(), x, offs=offs),
+    )
     for b in ([0, R], torch.tensor([0, R])):
         got = (rex.grouped_mm_ref(x, w, b), rex.grouped_mm_dx_ref(dy, w, b), rex.grouped_mm_dw_ref(dy, x, b))
         for name, a, e in zip(("y", "dx", "dw"), got, want):
@@ -104,7 +110,7 @@ def test_unpermute_weight_gradient_is_the_gathered_rows_formula(dropped):
     perm = torch.randperm(T * K, generator=g)
     row = torch.empty(T * K, dtype=torch.int32)
     row[perm] = torch.arange(T * K, dtype=torch.int32)
-    row[perm[T * K - dropped:]] = -1  # the last rows' assignments dropped
+    row[perm[T * K - dropped :]] = -1  # the last rows' assignments dropped
     row = row.view(T, K)
     S = T * K - dropped
     y, w, gy = torch.randn(S, D, generator=g), torch.rand(T, K, generator=g), torch.randn(T, D, generator=g)

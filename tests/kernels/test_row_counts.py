@@ -7,15 +7,15 @@ CPU lane: the kernels' own JIT parameters are bound the way ``JITFunction.run`` 
 specialization is the compiled-kernel cache's key), for row counts of every residue. GPU lane: two
 launches with different residues leave one compiled kernel in the JIT's cache.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-from triton.runtime.jit import JITFunction, create_function_from_signature
-
 from lancet_rt.kernels import _norm_kernels, linear_ce
 from lancet_rt.kernels.linear_ce import ce_grad_fwd
 from lancet_rt.kernels.norm import add_rmsnorm_bwd, add_rmsnorm_fwd
+from triton.runtime.jit import JITFunction, create_function_from_signature
 
 ROWS = (1, 16, 32, 33, 48, 4096)
 
@@ -52,11 +52,15 @@ def _ce_args(C):
     return (x, x[:, 0].long(), x[:, 0], C, 32, 0.5, -100, 32), dict(BLOCK_V=32)
 
 
-@pytest.mark.parametrize("kernel,args,name", [
-    (_norm_kernels._add_rmsnorm_fwd_kernel, _norm_fwd_args, "R"),
-    (_norm_kernels._add_rmsnorm_bwd_kernel, _norm_bwd_args, "R"),
-    (linear_ce._ce_grad_fwd_kernel, _ce_args, "C"),
-], ids=["norm_fwd", "norm_bwd", "ce_grad"])
+@pytest.mark.parametrize(
+    "kernel,args,name",
+    [
+        (_norm_kernels._add_rmsnorm_fwd_kernel, _norm_fwd_args, "R"),
+        (_norm_kernels._add_rmsnorm_bwd_kernel, _norm_bwd_args, "R"),
+        (linear_ce._ce_grad_fwd_kernel, _ce_args, "C"),
+    ],
+    ids=["norm_fwd", "norm_bwd", "ce_grad"],
+)
 def test_row_count_is_not_specialised(kernel, args, name):
     names = _jit(kernel).arg_names
     assert name in names
@@ -74,8 +78,11 @@ def test_one_compiled_kernel_for_two_row_residues():
     the process may have compiled other shapes: the count is taken after the first launch)."""
     dev = torch.device("cuda")
     w = torch.ones(256, device=dev)
-    kernels = (_norm_kernels._add_rmsnorm_fwd_kernel, _norm_kernels._add_rmsnorm_bwd_kernel,
-               linear_ce._ce_grad_fwd_kernel)
+    kernels = (
+        _norm_kernels._add_rmsnorm_fwd_kernel,
+        _norm_kernels._add_rmsnorm_bwd_kernel,
+        linear_ce._ce_grad_fwd_kernel,
+    )
     index = torch.cuda.current_device()
     counts = None
     for R in (32, 33, 1, 4096 + 7):

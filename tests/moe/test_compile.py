@@ -1,6 +1,7 @@
 """torch.compile(fullgraph=True) of a decoder block with the MoE layer (lancet_rt.moe.library's custom ops):
 equal to eager, outputs and every gradient, dropless and with a capacity factor; opcheck of each operator;
 the one graph break left with expert parallelism; eager calls never go through the operators."""
+
 from __future__ import annotations
 
 import pytest
@@ -46,9 +47,18 @@ def test_block_fullgraph_router_options_gpt_oss_experts(gen):
         for b in (experts.gate_up_proj_bias, experts.down_proj_bias):
             b.normal_()
     shared = torch.nn.Linear(16, 16, bias=False)
-    model = _model(1, score_fn="sigmoid", expert_bias=True, n_group=2, topk_group=1, routed_scaling_factor=2.5,
-                   capacity_factor=1.0, experts=experts, shared_experts=shared,
-                   shared_expert_gate=torch.nn.Linear(16, 1, bias=False))
+    model = _model(
+        1,
+        score_fn="sigmoid",
+        expert_bias=True,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        capacity_factor=1.0,
+        experts=experts,
+        shared_experts=shared,
+        shared_expert_gate=torch.nn.Linear(16, 1, bias=False),
+    )
     with torch.no_grad():
         model.blocks[0].moe.router.e_score_correction_bias.normal_()
     _compare(model, "aot_eager", gen)
@@ -99,31 +109,93 @@ def _op_cases(gen):
     w_dn = torch.randn(E, D, F, generator=gen, requires_grad=True)
     y_SD = torch.randn(T * K, D, generator=gen, requires_grad=True)
     w = weight.detach().requires_grad_(True)
-    _, gu, h = library._moe_experts(x_SD, offsets, w_gu.detach(), w_dn.detach(), None, None, "swiglu", 1.702, 7.0,
-                                    False, True)
+    _, gu, h = library._moe_experts(
+        x_SD, offsets, w_gu.detach(), w_dn.detach(), None, None, "swiglu", 1.702, 7.0, False, True
+    )
     dy = torch.randn(T * K, D, generator=gen)
     # GPT-OSS's layout: [E, D, 2F] interleaved and [E, F, D], with biases
     w_gu_t = torch.randn(E, D, 2 * F, generator=gen, requires_grad=True)
     w_dn_t = torch.randn(E, F, D, generator=gen, requires_grad=True)
     b_gu, b_dn = (torch.randn(E, n, generator=gen, requires_grad=True) for n in (2 * F, D))
-    _, gu_t, h_t = library._moe_experts(x_SD, offsets, w_gu_t.detach(), w_dn_t.detach(), b_gu.detach(), b_dn.detach(),
-                                        "swiglu_oai", 1.702, 7.0, True, True)
+    _, gu_t, h_t = library._moe_experts(
+        x_SD,
+        offsets,
+        w_gu_t.detach(),
+        w_dn_t.detach(),
+        b_gu.detach(),
+        b_dn.detach(),
+        "swiglu_oai",
+        1.702,
+        7.0,
+        True,
+        True,
+    )
     return [
         (library._moe_gate, (logits,) + args),
-        (library._moe_gate_bwd, (logits.detach(), expert, torch.randn(T, K, generator=gen), used, 0.01, 0.001,
-                                 "softmax", True, 1.0)),
+        (
+            library._moe_gate_bwd,
+            (logits.detach(), expert, torch.randn(T, K, generator=gen), used, 0.01, 0.001, "softmax", True, 1.0),
+        ),
         (library._moe_permute, (x, row, kept, True)),
         (library._moe_permute, (x, row_all, kept_all, False)),
         (library._moe_permute_bwd, (dy, row, True)),
         (library._moe_permute_bwd, (dy, row_all, False)),
-        (library._moe_experts, (x_SD.detach().requires_grad_(True), offsets, w_gu, w_dn, None, None, "swiglu",
-                                1.702, 7.0, False, True)),
-        (library._moe_experts_bwd, (dy, x_SD, gu, h, offsets, w_gu.detach(), w_dn.detach(), "swiglu", 1.702, 7.0,
-                                    False, True, [True, True, False, False])),
-        (library._moe_experts, (x_SD.detach().requires_grad_(True), offsets, w_gu_t, w_dn_t, b_gu, b_dn, "swiglu_oai",
-                                1.702, 7.0, True, True)),
-        (library._moe_experts_bwd, (dy, x_SD, gu_t, h_t, offsets, w_gu_t.detach(), w_dn_t.detach(), "swiglu_oai",
-                                    1.702, 7.0, True, True, [True, True, True, True])),
+        (
+            library._moe_experts,
+            (x_SD.detach().requires_grad_(True), offsets, w_gu, w_dn, None, None, "swiglu", 1.702, 7.0, False, True),
+        ),
+        (
+            library._moe_experts_bwd,
+            (
+                dy,
+                x_SD,
+                gu,
+                h,
+                offsets,
+                w_gu.detach(),
+                w_dn.detach(),
+                "swiglu",
+                1.702,
+                7.0,
+                False,
+                True,
+                [True, True, False, False],
+            ),
+        ),
+        (
+            library._moe_experts,
+            (
+                x_SD.detach().requires_grad_(True),
+                offsets,
+                w_gu_t,
+                w_dn_t,
+                b_gu,
+                b_dn,
+                "swiglu_oai",
+                1.702,
+                7.0,
+                True,
+                True,
+            ),
+        ),
+        (
+            library._moe_experts_bwd,
+            (
+                dy,
+                x_SD,
+                gu_t,
+                h_t,
+                offsets,
+                w_gu_t.detach(),
+                w_dn_t.detach(),
+                "swiglu_oai",
+                1.702,
+                7.0,
+                True,
+                True,
+                [True, True, True, True],
+            ),
+        ),
         (library._moe_unpermute, (y_SD, row, w, src, True)),
         (library._moe_unpermute_bwd, (torch.randn(T, D, generator=gen), y_SD.detach(), row, w.detach(), src, True)),
     ]
@@ -185,6 +257,7 @@ def test_block_fullgraph_under_autocast(gen):
         def run(x):
             with torch.autocast("cpu", dtype=torch.bfloat16):
                 return m(x)
+
         return run
 
     ref = run_and_grad(model, under_autocast(model), (x,), {}, g)

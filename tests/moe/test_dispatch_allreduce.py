@@ -1,4 +1,6 @@
-"""PPMoE's all-reduce dispatch (lancet_rt.moe.dispatch.allreduce) against the contract, on 2 gloo ranks and the emulated link."""
+"""PPMoE's all-reduce dispatch (lancet_rt.moe.dispatch.allreduce) against the contract, on 2 gloo ranks and the
+emulated link."""
+
 from __future__ import annotations
 
 import copy
@@ -12,7 +14,6 @@ from bench.model import MoEBlocks
 from tests.contract_ref import moe_contract_ref
 from tests.dist import assert_all_ok, run_ranks
 from tests.helpers import assert_close, assert_same_run, run_and_grad
-
 
 D = 16
 
@@ -48,24 +49,46 @@ def _allreduce_matches(rank, world):
         assert ar.dropped == full.dropped and torch.equal(ar.tokens_per_expert, full.tokens_per_expert)
         xd = x.double().requires_grad_(True)
         y_c, aux_c, z_c, _, dropped_c = moe_contract_ref(
-            xd, full.router.weight.double(), full.experts.gate_up_proj.double(), full.experts.down_proj.double(),
-            top_k=K, capacity_factor=cf, score_fn=score_fn)
+            xd,
+            full.router.weight.double(),
+            full.experts.gate_up_proj.double(),
+            full.experts.down_proj.double(),
+            top_k=K,
+            capacity_factor=cf,
+            score_fn=score_fn,
+        )
         assert_close("y vs contract", got[0], y_c.float())
         assert dropped_c == ar.dropped and math.isclose(ar.aux_loss.item(), aux_c.item(), rel_tol=1e-5)
         out.append(ar.dropped)
 
     # Chunked: Overlapped around attention + MoE blocks with the all-reduce dispatcher.
     torch.manual_seed(1)
-    model = MoEBlocks(2, D, 2, dict(d_ffn=12, num_experts=4, top_k=2, capacity_factor=0.75, aux_loss_coef=0.01,
-                                    z_loss_coef=0.001, ep_group=dist.group.WORLD, dispatcher="allreduce"))
+    model = MoEBlocks(
+        2,
+        D,
+        2,
+        dict(
+            d_ffn=12,
+            num_experts=4,
+            top_k=2,
+            capacity_factor=0.75,
+            aux_loss_coef=0.01,
+            z_loss_coef=0.001,
+            ep_group=dist.group.WORLD,
+            dispatcher="allreduce",
+        ),
+    )
     torch.manual_seed(10 + rank)  # each rank its own experts
     for m in model.moe_layers():
         m.experts.reset_parameters()
     twin = copy.deepcopy(model)
     gen = torch.Generator().manual_seed(3)
     x, g = torch.randn(5, 4, D, generator=gen), torch.randn(5, 4, D, generator=gen)
-    assert_same_run(run_and_grad(model, model, (x,), {}, g),
-                 run_and_grad(twin, lancet_rt.Overlapped(twin, chunks=3, defer_wgrad=True), (x,), {}, g), "overlapped ")
+    assert_same_run(
+        run_and_grad(model, model, (x,), {}, g),
+        run_and_grad(twin, lancet_rt.Overlapped(twin, chunks=3, defer_wgrad=True), (x,), {}, g),
+        "overlapped ",
+    )
     out.append(sum(m.dropped for m in twin.moe_layers()))
 
     # Other tokens on one rank: every rank raises instead of hanging in the all-reduce.

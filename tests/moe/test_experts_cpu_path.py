@@ -3,17 +3,18 @@ the float32 layer against torchtitan's): without an input gradient no dX GEMM an
 all-to-all; gate and up computed and kept as contiguous halves (kernels.reference_experts.GateUp),
 and without dX their gradient too, bit for bit the one [R, 2F] GEMM's results; one host read of
 the counts per forward without a group."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
 
 import pytest
 import torch
+from lancet_rt.kernels import reference_experts as rex
+from lancet_rt.kernels.reference_experts import GateUp
 
 import lancet_rt
 from lancet_rt import ops as ops_mod
-from lancet_rt.kernels import reference_experts as rex
-from lancet_rt.kernels.reference_experts import GateUp
 
 
 def _ep_moe(seed=0):
@@ -116,8 +117,13 @@ def test_pre_activation_stays_one_tensor_where_halves_would_change_bits(case):
     """F off the vector step, float64 (MKL's dgemm rounds a [R, F] product otherwise than the [R, 2F]
     one), GPT-OSS's interleaved order, or differentiated directly (autograd would sum dX over two
     GEMMs): one [R, 2F] tensor, as without ``halves``."""
-    F, dtype, interleaved = (40, torch.float32, False) if case == "F=40" else (64, torch.float64, False) \
-        if case == "float64" else (64, torch.float32, case == "interleaved")
+    F, dtype, interleaved = (
+        (40, torch.float32, False)
+        if case == "F=40"
+        else (64, torch.float64, False)
+        if case == "float64"
+        else (64, torch.float32, case == "interleaved")
+    )
     x, w = torch.randn(10, 8, dtype=dtype), torch.randn(2, 2 * F, 8, dtype=dtype)
     w.requires_grad_(case == "differentiated")
     h, gu = rex.gate_up_swiglu_ref(x, w, [0, 4, 10], interleaved=interleaved, halves=True)

@@ -1,14 +1,15 @@
 """The experts' backward on the CPU path allocates its outputs and nothing per step beyond them
 (issue 38): its temporaries live in scratch memory reused from step to step. Counted, not timed: the
 bytes of every new storage an ATen op creates inside the backward."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from lancet_rt.kernels import reference_experts as rex
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lancet_rt
-from lancet_rt.kernels import reference_experts as rex
 from lancet_rt.moe import experts as experts_mod
 
 
@@ -24,8 +25,11 @@ class _NewStorages(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        held = {t.untyped_storage().data_ptr() for t in torch.utils._pytree.tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor)}
+        held = {
+            t.untyped_storage().data_ptr()
+            for t in torch.utils._pytree.tree_leaves((args, kwargs))
+            if isinstance(t, torch.Tensor)
+        }
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in held:
                 held.add(t.untyped_storage().data_ptr())
@@ -102,7 +106,10 @@ def test_half_precision_dx_with_contiguous_weights_is_no_worse():
         w = torch.randn(E, N, K, dtype=dtype) * 0.1
         ref = rex.grouped_mm_dx_ref(dy.double(), w.double(), bounds)
         strided = torch.cat([dy[a:b] @ w[e] for e, (a, b) in enumerate(zip(bounds, bounds[1:]))])
-        for got in (rex.grouped_mm_dx_ref(dy, w, bounds), rex.grouped_mm_dx_ref(dy, w, bounds, out=torch.empty(R, K, dtype=dtype))):
+        for got in (
+            rex.grouped_mm_dx_ref(dy, w, bounds),
+            rex.grouped_mm_dx_ref(dy, w, bounds, out=torch.empty(R, K, dtype=dtype)),
+        ):
             err = ((got.double() - ref).norm() / ref.norm()).item()
             base = ((strided.double() - ref).norm() / ref.norm()).item()
             assert err <= 1.05 * base, (dtype, err, base)
@@ -116,6 +123,7 @@ def test_scratch_is_bitwise_the_fresh_path(monkeypatch, chunks, defer, x_grad, a
     on the emulated link), chunked with deferred dW (dgu held by the queue), with and without an input
     gradient (without: dgu as contiguous halves), in float32 and under bf16 autocast (the float32 copy
     of gu in scratch too): the same bits."""
+
     def run(min_bytes):
         monkeypatch.setattr(experts_mod._Scratch, "MIN_BYTES", min_bytes)
         torch.manual_seed(0)

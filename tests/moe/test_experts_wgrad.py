@@ -8,6 +8,7 @@ backward all-to-all's drain window or the final flush), never from inside the ex
 backward; and the gradients must equal, bit for bit in float32, those of the same chunked run without
 deferral. Both layouts: the default experts, and GPT-OSS's (biases deferred with their weights).
 """
+
 from __future__ import annotations
 
 import copy
@@ -19,8 +20,8 @@ import pytest
 import torch
 
 import lancet_rt
-from lancet_rt.models.blocks import MoEBlocks
 from lancet_rt import ops as ops_mod
+from lancet_rt.models.blocks import MoEBlocks
 from lancet_rt.moe import experts as experts_mod
 from lancet_rt.schedule import wgrad as wgrad_mod
 
@@ -57,6 +58,7 @@ def dw_calls(monkeypatch):
         def spied(*a, **k):
             calls.append((_caller(), fn.__module__, name))
             return fn(*a, **k)
+
         return spied
 
     def spied_get_ops(*args, **kwargs):
@@ -107,8 +109,9 @@ def test_experts_dw_is_deferred_and_exact(kernels, layout, monkeypatch, dw_calls
         impl = dict.fromkeys(impl, "lancet_rt.kernels.reference_experts")  # (re-exported by reference)
     ref = _run(model, lancet_rt.Overlapped(model, chunks=CHUNKS, defer_wgrad=False), x, g)
     ops = set(_SPIED) if layout == "gpt_oss" else {"grouped_mm_dw"}
-    assert dw_calls and set(dw_calls) == {("inline", impl[op], op) for op in ops}, \
+    assert dw_calls and set(dw_calls) == {("inline", impl[op], op) for op in ops}, (
         f"without deferral dW runs in the backward: {dw_calls}"
+    )
     dw_calls.clear()
     experts_fwd = []
     for m in twin.moe_layers():
@@ -127,8 +130,9 @@ def test_experts_dw_is_deferred_and_exact(kernels, layout, monkeypatch, dw_calls
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     assert got[2].keys() == ref[2].keys()
     params = ("gate_up_proj", "down_proj") + (("gate_up_proj_bias", "down_proj_bias") if layout == "gpt_oss" else ())
-    assert {n for n in ref[2] if "experts" in n} == {f"blocks.{i}.moe.experts.{p}" for i in range(LAYERS)
-                                                     for p in params}
+    assert {n for n in ref[2] if "experts" in n} == {
+        f"blocks.{i}.moe.experts.{p}" for i in range(LAYERS) for p in params
+    }
     for n in ref[2]:
         assert got[2][n].dtype == torch.float32
         assert torch.equal(got[2][n], ref[2][n]), f"grad {n}: max diff {(got[2][n] - ref[2][n]).abs().max()}"

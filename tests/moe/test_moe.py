@@ -1,4 +1,5 @@
 """The MoE layer against the float64 contract reference, Mixtral parity, and input validation."""
+
 from __future__ import annotations
 
 import copy
@@ -13,12 +14,31 @@ from tests.helpers import assert_close
 CONFIGS = [
     dict(T=1, D=7, F=5, E=4, K=2, capacity_factor=None, score_fn="softmax", normalize_topk=True),
     dict(T=37, D=9, F=6, E=5, K=5, capacity_factor=1.0, score_fn="sigmoid", normalize_topk=False),
-    dict(T=64, D=12, F=8, E=8, K=2, capacity_factor=0.5, score_fn="softmax", normalize_topk=False,
-         aux_loss_coef=0.01, z_loss_coef=0.001),
-    dict(T=33, D=11, F=4, E=6, K=1, capacity_factor=1.25, score_fn="sigmoid", normalize_topk=True,
-         aux_loss_coef=0.1, z_loss_coef=0.01),
-    dict(T=50, D=8, F=10, E=3, K=2, capacity_factor=1.0, score_fn="softmax", normalize_topk=True,
-         aux_loss_coef=0.05),
+    dict(
+        T=64,
+        D=12,
+        F=8,
+        E=8,
+        K=2,
+        capacity_factor=0.5,
+        score_fn="softmax",
+        normalize_topk=False,
+        aux_loss_coef=0.01,
+        z_loss_coef=0.001,
+    ),
+    dict(
+        T=33,
+        D=11,
+        F=4,
+        E=6,
+        K=1,
+        capacity_factor=1.25,
+        score_fn="sigmoid",
+        normalize_topk=True,
+        aux_loss_coef=0.1,
+        z_loss_coef=0.01,
+    ),
+    dict(T=50, D=8, F=10, E=3, K=2, capacity_factor=1.0, score_fn="softmax", normalize_topk=True, aux_loss_coef=0.05),
     dict(T=0, D=6, F=4, E=4, K=2, capacity_factor=1.0, score_fn="softmax", normalize_topk=True),
 ]
 
@@ -36,12 +56,19 @@ def build(c, dtype=torch.float32, **extra):
 
 def reference(moe, x, g, c):
     """Float64 contract outputs and gradients for the layer's weights and input x."""
-    params = [p.detach().double().requires_grad_(True) for p in
-              (moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj)]
+    params = [
+        p.detach().double().requires_grad_(True)
+        for p in (moe.router.weight, moe.experts.gate_up_proj, moe.experts.down_proj)
+    ]
     x64 = x.detach().double().reshape(-1, c["D"]).requires_grad_(True)
     y, aux, z, counts, dropped = moe_contract_ref(
-        x64, *params, top_k=c["K"], capacity_factor=c["capacity_factor"], score_fn=c["score_fn"],
-        normalize_topk=c["normalize_topk"])
+        x64,
+        *params,
+        top_k=c["K"],
+        capacity_factor=c["capacity_factor"],
+        score_fn=c["score_fn"],
+        normalize_topk=c["normalize_topk"],
+    )
     loss = (y * g.double().reshape(y.shape)).sum() + c.get("aux_loss_coef", 0) * aux + c.get("z_loss_coef", 0) * z
     grads = torch.autograd.grad(loss, [x64] + params, allow_unused=True)
     grads = [torch.zeros_like(t) if gr is None else gr for gr, t in zip(grads, [x64] + params)]
@@ -95,6 +122,7 @@ def test_any_leading_dims(kernels):
 
 def test_triton_path_is_used(monkeypatch):
     from lancet_rt.kernels import gating, grouped_gemm, reference
+
     from lancet_rt.ops import get_ops, implementation
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
@@ -103,10 +131,18 @@ def test_triton_path_is_used(monkeypatch):
     monkeypatch.setenv("LANCET_KERNELS", "triton")
     ops = get_ops(cpu)
     assert ops.name == "triton" and ops.reference_families == ()
-    assert ops.gating_fwd is gating.gating_fwd and ops.grouped_mm.__wrapped__ is grouped_gemm.grouped_mm  # (+ TF32 switch)
+    assert (
+        ops.gating_fwd is gating.gating_fwd and ops.grouped_mm.__wrapped__ is grouped_gemm.grouped_mm
+    )  # (+ TF32 switch)
     # float64 layers (gradient checks): only the gating kernels compute in float64.
     ops64 = get_ops(cpu, torch.float64)
-    assert ops64.name == "triton" and ops64.reference_families == ("permute", "grouped_gemm", "swiglu", "norm", "linear_ce")
+    assert ops64.name == "triton" and ops64.reference_families == (
+        "permute",
+        "grouped_gemm",
+        "swiglu",
+        "norm",
+        "linear_ce",
+    )
     assert ops64.gating_fwd is gating.gating_fwd and ops64.grouped_mm is reference.grouped_mm_ref
     assert get_ops(cpu, torch.bfloat16).grouped_mm is grouped_gemm.grouped_mm
     monkeypatch.setenv("LANCET_KERNELS", "torch")
@@ -156,8 +192,9 @@ def test_mixtral_parity(kernels):
     from transformers.models.mixtral.configuration_mixtral import MixtralConfig
     from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
 
-    cfg = MixtralConfig(hidden_size=24, intermediate_size=20, num_local_experts=6, num_experts_per_tok=2,
-                        router_jitter_noise=0.0)
+    cfg = MixtralConfig(
+        hidden_size=24, intermediate_size=20, num_local_experts=6, num_experts_per_tok=2, router_jitter_noise=0.0
+    )
     torch.manual_seed(3)
     hf = MixtralSparseMoeBlock(cfg).float()
     for p in hf.parameters():
@@ -182,17 +219,20 @@ def test_mixtral_parity(kernels):
     assert_close("grad down vs Mixtral", moe.experts.down_proj.grad, hf.experts.down_proj.grad)
 
 
-@pytest.mark.parametrize("kwargs, exc, words", [
-    (dict(top_k=0), ValueError, "top_k"),
-    (dict(top_k=5), ValueError, "top_k"),
-    (dict(top_k=2.0), TypeError, "top_k"),
-    (dict(capacity_factor=0.0), ValueError, "capacity_factor"),
-    (dict(capacity_factor=-1.0), ValueError, "capacity_factor"),
-    (dict(capacity_factor="1"), TypeError, "capacity_factor"),
-    (dict(score_fn="relu"), ValueError, "score_fn"),
-    (dict(aux_loss_coef=-1.0), ValueError, "aux_loss_coef"),
-    (dict(ep_group=3), TypeError, "ep_group"),
-])
+@pytest.mark.parametrize(
+    "kwargs, exc, words",
+    [
+        (dict(top_k=0), ValueError, "top_k"),
+        (dict(top_k=5), ValueError, "top_k"),
+        (dict(top_k=2.0), TypeError, "top_k"),
+        (dict(capacity_factor=0.0), ValueError, "capacity_factor"),
+        (dict(capacity_factor=-1.0), ValueError, "capacity_factor"),
+        (dict(capacity_factor="1"), TypeError, "capacity_factor"),
+        (dict(score_fn="relu"), ValueError, "score_fn"),
+        (dict(aux_loss_coef=-1.0), ValueError, "aux_loss_coef"),
+        (dict(ep_group=3), TypeError, "ep_group"),
+    ],
+)
 def test_bad_construction(kwargs, exc, words):
     args = dict(d_model=8, d_ffn=8, num_experts=4, top_k=2)
     args.update(kwargs)
@@ -200,13 +240,16 @@ def test_bad_construction(kwargs, exc, words):
         lancet_rt.MoE(args.pop("d_model"), args.pop("d_ffn"), args.pop("num_experts"), args.pop("top_k"), **args)
 
 
-@pytest.mark.parametrize("x, exc, words", [
-    (torch.randn(4, 7), ValueError, "d_model=8"),
-    (torch.randint(0, 3, (4, 8)), TypeError, "floating"),
-    (torch.randn(4, 8, dtype=torch.float64), TypeError, "dtype"),
-    ([[0.0] * 8], TypeError, "torch.Tensor"),
-    (torch.randn(4, 8, device="meta"), ValueError, "device"),
-])
+@pytest.mark.parametrize(
+    "x, exc, words",
+    [
+        (torch.randn(4, 7), ValueError, "d_model=8"),
+        (torch.randint(0, 3, (4, 8)), TypeError, "floating"),
+        (torch.randn(4, 8, dtype=torch.float64), TypeError, "dtype"),
+        ([[0.0] * 8], TypeError, "torch.Tensor"),
+        (torch.randn(4, 8, device="meta"), ValueError, "device"),
+    ],
+)
 def test_bad_input(x, exc, words):
     moe = lancet_rt.MoE(8, 8, 4, 2)
     with pytest.raises(exc, match=words):

@@ -1,5 +1,6 @@
 """The expert-major regrouping of received rows (lancet_rt.moe.dispatch.common.regroup_permutations):
 equal to the per-block definition, and at most one host read of a tensor value."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,7 +15,9 @@ def _by_blocks(counts_WL):
     W, L = counts_WL.shape
     flat = counts_WL.reshape(-1).tolist()
     starts = [sum(flat[:i]) for i in range(len(flat))]
-    order = [j for l in range(L) for r in range(W) for j in range(starts[r * L + l], starts[r * L + l] + flat[r * L + l])]
+    order = [
+        j for l in range(L) for r in range(W) for j in range(starts[r * L + l], starts[r * L + l] + flat[r * L + l])
+    ]
     return torch.tensor(order, dtype=torch.long)
 
 
@@ -33,16 +36,16 @@ class _ScalarReads(TorchDispatchMode):
 def test_regroup_equals_the_block_definition(W, L):
     g = torch.Generator().manual_seed(W * 100 + L)
     counts_WL = torch.randint(0, 7, (W, L), generator=g)
-    counts_WL[0, 0] = 0                     # an empty block
+    counts_WL[0, 0] = 0  # an empty block
     if L > 1:
-        counts_WL[:, L - 1] = 0             # a local expert that received nothing
+        counts_WL[:, L - 1] = 0  # a local expert that received nothing
     to_expert, to_rank = regroup_permutations(counts_WL, "cpu")
     if W == 1 or L == 1:
-        assert to_expert is None and to_rank is None   # already expert-major
+        assert to_expert is None and to_rank is None  # already expert-major
         return
     expected = _by_blocks(counts_WL)
     assert torch.equal(to_expert, expected)
-    assert torch.equal(to_rank[to_expert], torch.arange(expected.numel()))   # the inverse
+    assert torch.equal(to_rank[to_expert], torch.arange(expected.numel()))  # the inverse
 
 
 def test_regroup_reads_at_most_one_scalar():

@@ -7,6 +7,7 @@ Checkpoint faults run in one process where one suffices; the distributed cases r
 ranks, many per spawn, each fault that breaks a group on a group of its own, under a hard timeout
 (a hang fails). The kill test SIGKILLs a rank in the middle of ``save_checkpoint``.
 """
+
 from __future__ import annotations
 
 import json
@@ -79,7 +80,7 @@ def test_save_interrupted_over_a_checkpoint_keeps_the_last_good_one(saved, monke
         raise KeyboardInterrupt
 
     monkeypatch.setattr(FileSystemWriter, "write_data", write_then_die)
-    with pytest.raises(BaseException):
+    with pytest.raises(KeyboardInterrupt):
         save_checkpoint(model, path)
     monkeypatch.undo()
     assert _loads_as(path, old)
@@ -143,7 +144,7 @@ def test_damaged_distcp_raises_a_named_error_and_changes_nothing(saved, damage):
     file = path / name
     data = file.read_bytes()
     if damage == "truncated":
-        file.write_bytes(data[:len(data) // 2])
+        file.write_bytes(data[: len(data) // 2])
     elif damage == "corrupted":  # same size, the bytes after DCP's header scrambled
         file.write_bytes(data[:64] + bytes(b ^ 0x5A for b in data[64:]))
     else:
@@ -188,7 +189,7 @@ def test_damaged_safetensors_raises_a_named_error_and_changes_nothing(tmp_path, 
     name = _hf_file(tmp_path / "hf")
     file = tmp_path / "hf" / name
     data = file.read_bytes()
-    file.write_bytes(data[:len(data) - 16] if damage == "truncated" else b"\xff" * 8 + data[8:])
+    file.write_bytes(data[: len(data) - 16] if damage == "truncated" else b"\xff" * 8 + data[8:])
     with pytest.raises(ValueError, match=name):
         load_hf(model, tmp_path / "hf")
     assert _same(_snapshot(model), before)
@@ -256,6 +257,7 @@ def _collective_cases(rank, world, root, split=False):
         if rank == 0:
             y.backward(gy)
         m(x)
+
     res["a rank skips a backward"] = outcome(skipped_backward)
 
     def extra_forward():
@@ -265,6 +267,7 @@ def _collective_cases(rank, world, root, split=False):
         if rank == 0:
             lancet_rt.update_expert_bias(m, group=g)
         m(x)
+
     res["a rank runs an extra forward"] = outcome(extra_forward)
 
     def other_sizes():
@@ -272,6 +275,7 @@ def _collective_cases(rank, world, root, split=False):
         splits = [2, 2] if rank == 0 else [3, 2]
         out = torch.empty(4, D)
         tg.all_to_all(out, torch.randn(sum(splits), D), [2, 2], splits).wait()
+
     res["all-to-all sizes differ"] = outcome(other_sizes)
 
     g = _new_group_(timeout_s=2.0)
@@ -298,13 +302,16 @@ def _collective_cases(rank, world, root, split=False):
         torch.manual_seed(0)
         layer = lancet_rt.MoE(D, F, E, 2, ep_group=healthy, **kw)
         return layer(torch.randn(5, D, dtype=kw.get("dtype", torch.float32)))
+
     res["router_bias differs"] = outcome(lambda: one_layer(router_bias=rank == 1))
     res["routed_scaling_factor differs by 1 ulp"] = outcome(
-        lambda: one_layer(routed_scaling_factor=1.0 + (2 ** -52 if rank == 1 else 0)))
+        lambda: one_layer(routed_scaling_factor=1.0 + (2**-52 if rank == 1 else 0))
+    )
     res["capacity_factor differs by 1e-9"] = outcome(lambda: one_layer(capacity_factor=0.75 + rank * 1e-9))
     res["dtype differs"] = outcome(lambda: one_layer(dtype=torch.float64 if rank == 1 else torch.float32))
     res["shared expert shapes differ"] = outcome(
-        lambda: one_layer(shared_experts=torch.nn.Linear(D, D, bias=rank == 0)))
+        lambda: one_layer(shared_experts=torch.nn.Linear(D, D, bias=rank == 0))
+    )
     res["same configuration still runs"] = outcome(lambda: list(one_layer(router_bias=True).shape))
     return res
 
@@ -320,40 +327,66 @@ def collective_cases(tmp_path_factory, request):
 
 def test_a_skipped_backward_raises_collective_mismatch_on_every_rank(collective_cases):
     for res in collective_cases:  # (gloo would abort the process: "Received data size doesn't match")
-        assert_raised(res["a rank skips a backward"], "CollectiveMismatch", "does not match across expert-parallel ranks",
-                "counts exchange", "all-to-all", "nothing was sent", ranks=[0, 1])
+        assert_raised(
+            res["a rank skips a backward"],
+            "CollectiveMismatch",
+            "does not match across expert-parallel ranks",
+            "counts exchange",
+            "all-to-all",
+            "nothing was sent",
+            ranks=[0, 1],
+        )
 
 
 def test_an_extra_forward_against_update_expert_bias_raises_on_every_rank(collective_cases):
     for res in collective_cases:
-        assert_raised(res["a rank runs an extra forward"], "CollectiveMismatch", "expert-bias all-reduce",
-                "counts exchange")
+        assert_raised(
+            res["a rank runs an extra forward"], "CollectiveMismatch", "expert-bias all-reduce", "counts exchange"
+        )
 
 
 def test_mismatched_all_to_all_sizes_are_named_before_the_backend(collective_cases):
     for res in collective_cases:
-        assert_raised(res["all-to-all sizes differ"], "CollectiveMismatch",
-                f"rank 1 sends {3 * D} elements to rank 0, which expects {2 * D}")
+        assert_raised(
+            res["all-to-all sizes differ"],
+            "CollectiveMismatch",
+            f"rank 1 sends {3 * D} elements to rank 0, which expects {2 * D}",
+        )
 
 
 def test_update_expert_bias_is_bounded_and_names_the_absent_rank(collective_cases):
-    assert_raised(collective_cases[0]["update_expert_bias, a peer absent"], "PeerTimeout", "expert-bias all-reduce",
-            "timeout 2 s", "rank 1", ranks=[1])
+    assert_raised(
+        collective_cases[0]["update_expert_bias, a peer absent"],
+        "PeerTimeout",
+        "expert-bias all-reduce",
+        "timeout 2 s",
+        "rank 1",
+        ranks=[1],
+    )
 
 
 def test_checkpoint_agreement_is_bounded_and_names_the_absent_rank(collective_cases):
-    assert_raised(collective_cases[0]["checkpoint agreement, a peer absent"], "PeerTimeout", "checkpoint agreement",
-            "timeout 2 s", "rank 1", ranks=[1])
+    assert_raised(
+        collective_cases[0]["checkpoint agreement, a peer absent"],
+        "PeerTimeout",
+        "checkpoint agreement",
+        "timeout 2 s",
+        "rank 1",
+        ranks=[1],
+    )
     assert collective_cases[0]["nothing written"][1] is True
 
 
-@pytest.mark.parametrize("case, field", [
-    ("router_bias differs", "router_bias"),
-    ("routed_scaling_factor differs by 1 ulp", "routed_scaling_factor"),
-    ("capacity_factor differs by 1e-9", "capacity_factor"),
-    ("dtype differs", "dtype"),
-    ("shared expert shapes differ", "parameters and buffers"),
-])
+@pytest.mark.parametrize(
+    "case, field",
+    [
+        ("router_bias differs", "router_bias"),
+        ("routed_scaling_factor differs by 1 ulp", "routed_scaling_factor"),
+        ("capacity_factor differs by 1e-9", "capacity_factor"),
+        ("dtype differs", "dtype"),
+        ("shared expert shapes differ", "parameters and buffers"),
+    ],
+)
 def test_every_layer_option_is_in_the_cross_rank_check(collective_cases, case, field):
     for r, res in enumerate(collective_cases):
         assert_raised(res[case], "ValueError", "MoE configuration differs", field, f"rank {r}")
@@ -408,14 +441,18 @@ def checkpoint_cases(tmp_path_factory):
 
 
 def test_ranks_passing_different_paths_raise_before_writing(checkpoint_cases):
-    for r, res in enumerate(checkpoint_cases):
-        assert_raised(res["different paths"], "ValueError", "path: the ranks passed different values", "rank0'", "rank1'")
+    for res in checkpoint_cases:
+        assert_raised(
+            res["different paths"], "ValueError", "path: the ranks passed different values", "rank0'", "rank1'"
+        )
         assert res["nothing written"][1] is True
 
 
 def test_save_hf_with_different_directories_raises_before_writing(checkpoint_cases):
     for res in checkpoint_cases:
-        assert_raised(res["different directories for save_hf"], "ValueError", "directory: the ranks passed different values")
+        assert_raised(
+            res["different directories for save_hf"], "ValueError", "directory: the ranks passed different values"
+        )
         assert res["nothing written by save_hf"][1] is True
 
 
@@ -452,6 +489,7 @@ def _killed_in_save(rank, world, root, victim):
         def write_then_die(self, plan, planner):
             real(self, plan, planner).wait()  # this rank's new data is on disk
             os.kill(os.getpid(), signal.SIGKILL)
+
         FileSystemWriter.write_data = write_then_die
     out = outcome(lambda: save_checkpoint(model, path))
     with open(os.path.join(root, f"rank{rank}.json"), "w") as f:

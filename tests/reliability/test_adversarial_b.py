@@ -6,6 +6,7 @@ Each case must end in a result equal to the reference or in a ValueError/TypeErr
 where the README promises one) naming what was wrong: no crash elsewhere, no hang (every test runs
 under a timeout), no silent mismatch. The README's "Reliability" section tabulates them.
 """
+
 from __future__ import annotations
 
 import copy
@@ -52,7 +53,7 @@ class _Returns:
 
 
 # ------------------------------------------------------------------------ absurd argument values
-@pytest.mark.parametrize("chunks", [10 ** 6, policy.MAX_CHUNKS + 1, 0, -3, 2.0, True, "4"])
+@pytest.mark.parametrize("chunks", [10**6, policy.MAX_CHUNKS + 1, 0, -3, 2.0, True, "4"])
 def test_absurd_chunks_argument_is_refused(chunks):
     with pytest.raises(ValueError, match="chunks"):
         lancet_rt.Overlapped(_Net(), chunks=chunks)
@@ -63,7 +64,7 @@ def test_absurd_chunks_refused_by_from_hf():
     from bench.hf_models import build
 
     with pytest.raises(ValueError, match=f"chunks must be an int in \\[1, {policy.MAX_CHUNKS}\\]"):
-        lancet_rt.from_hf(build("mixtral"), chunks=10 ** 6)
+        lancet_rt.from_hf(build("mixtral"), chunks=10**6)
     with pytest.raises(ValueError, match="router_dtype"):
         lancet_rt.from_hf(build("mixtral"), router_dtype="bf16")
 
@@ -82,7 +83,7 @@ def test_most_chunks_on_a_small_batch_runs_as_many_chunks_as_rows():
     assert net.calls == 1
 
 
-@pytest.mark.parametrize("n", [10 ** 6, 0, "3", 2.5])
+@pytest.mark.parametrize("n", [10**6, 0, "3", 2.5])
 def test_absurd_count_from_a_policy_is_refused(n):
     ov = lancet_rt.Overlapped(_Net(), chunks=_Returns(n))
     with pytest.raises(ValueError, match="the chunk policy returned chunks="):
@@ -111,7 +112,7 @@ def test_bad_kernels_variable_is_refused(monkeypatch):
 # ------------------------------------------------------------------------ cache files
 def _auto_step(monkeypatch, path, x):
     """One forward with chunks="auto" and the cache at ``path``; (output, reference, warnings, policy)."""
-    import lancet_rt.autotune  # noqa: F401 - registers "auto"
+    import lancet_rt.autotune  # registers "auto"
 
     monkeypatch.setenv(env.AUTOTUNE_CACHE, str(path))
     net = _Net()
@@ -147,8 +148,10 @@ def test_malformed_cache_file_warns(monkeypatch, tmp_path, text):
     assert any(str(path) in m for m in caught), caught
 
 
-@pytest.mark.parametrize("value", [{"chunks": 10 ** 6}, {"chunks": 4.0}, {"chunks": "4"}, {"chunks": True},
-                                   {"chunks": 2, "defer_wgrad": "yes"}, {}])
+@pytest.mark.parametrize(
+    "value",
+    [{"chunks": 10**6}, {"chunks": 4.0}, {"chunks": "4"}, {"chunks": True}, {"chunks": 2, "defer_wgrad": "yes"}, {}],
+)
 def test_absurd_cache_entry_is_skipped_with_a_warning(monkeypatch, tmp_path, value):
     """An entry for exactly this step's key, written by hand with an absurd value: skipped (not run
     with 10**6 chunks, not a TypeError in the step), with a warning."""
@@ -157,8 +160,15 @@ def test_absurd_cache_entry_is_skipped_with_a_warning(monkeypatch, tmp_path, val
     x = torch.randn(4, 8, D)
     key = _key_of(monkeypatch, tmp_path, x)
     path = tmp_path / "cache.json"
-    path.write_text(json.dumps({"schema": cache_mod.SCHEMA, "version": cache_mod.VERSION,
-                                "entries": {key.string(): {"key": key.as_dict(), "value": value}}}))
+    path.write_text(
+        json.dumps(
+            {
+                "schema": cache_mod.SCHEMA,
+                "version": cache_mod.VERSION,
+                "entries": {key.string(): {"key": key.as_dict(), "value": value}},
+            }
+        )
+    )
     out, ref, caught, auto = _auto_step(monkeypatch, path, x)
     assert_close("absurd entry", out, ref)
     assert any("malformed" in m for m in caught), caught
@@ -169,12 +179,28 @@ def test_cache_entry_with_absurd_key_numbers_is_skipped(tmp_path):
     """A measured-link lookup meeting a stored bandwidth of -1 (log2 of a negative) or NaN."""
     from lancet_rt.autotune import cache as cache_mod
 
-    good = dict(device="cpu|x", device_name="cpu", ep_world_size=2, link_backend="gloo", link_gbps=8.0,
-                link_latency_us=None, dtype="float32", d_model=8, d_ffn=16, num_experts=4, top_k=2,
-                capacity_factor=None, tokens_bucket=64, link_measured=True)
-    entries = {f"bad{i}": {"key": {**good, **over}, "value": {"chunks": 3}}
-               for i, over in enumerate([{"link_gbps": -1.0}, {"link_gbps": float("nan")},
-                                         {"capacity_factor": 0.0}, {"link_measured": "yes"}])}
+    good = dict(
+        device="cpu|x",
+        device_name="cpu",
+        ep_world_size=2,
+        link_backend="gloo",
+        link_gbps=8.0,
+        link_latency_us=None,
+        dtype="float32",
+        d_model=8,
+        d_ffn=16,
+        num_experts=4,
+        top_k=2,
+        capacity_factor=None,
+        tokens_bucket=64,
+        link_measured=True,
+    )
+    entries = {
+        f"bad{i}": {"key": {**good, **over}, "value": {"chunks": 3}}
+        for i, over in enumerate(
+            [{"link_gbps": -1.0}, {"link_gbps": float("nan")}, {"capacity_factor": 0.0}, {"link_measured": "yes"}]
+        )
+    }
     entries["list"] = ["not", "an", "entry"]
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"schema": cache_mod.SCHEMA, "version": 1, "entries": entries}))
@@ -327,8 +353,9 @@ def test_trainer_evaluate_with_a_last_batch_smaller_than_chunks(tmp_path):
     hf = _hf("olmoe")
     ids, mask, labels = batch(hf.config.vocab_size, 7, 6)
     rows = [dict(input_ids=i, attention_mask=m, labels=y) for i, m, y in zip(ids, mask, labels)]
-    args = tf.TrainingArguments(output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to=[],
-                                use_cpu=True, dataloader_num_workers=0)
+    args = tf.TrainingArguments(
+        output_dir=str(tmp_path), per_device_eval_batch_size=4, report_to=[], use_cpu=True, dataloader_num_workers=0
+    )
     results = []
     for model in (hf, lancet_rt.from_hf(copy.deepcopy(hf), chunks=4)):
         for use_cache in (False, True):  # chunked eval forwards, and unchunked ones returning a cache

@@ -3,30 +3,43 @@ ValueError naming the variable, the value and what is allowed, raised by the fir
 called (the gating forward, whatever the variable pins) before anything is launched; good values,
 odd ones included, still pin the configs and give the reference's numbers (Triton interpreter,
 ``LANCET_KERNELS=triton``)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from lancet_rt.kernels import gating, grouped_gemm
 
 import lancet_rt
-from lancet_rt.kernels import gating, grouped_gemm
 from tests.helpers import assert_close
 
 _PERMUTE = ("LANCET_PERMUTE_FWD_CONFIG", "LANCET_UNPERMUTE_FWD_CONFIG", "LANCET_UNPERMUTE_BWD_CONFIG")
 _NAMED = ["LANCET_GATING_FWD_CONFIG", "LANCET_GATING_BWD_CONFIG", *_PERMUTE]  # NAME=int items
 _GEMM = ["LANCET_GEMM_CONFIG"] + [f"LANCET_GEMM_CONFIG_{op}" for op in ("FWD", "DX", "GATE_UP", "DW")]  # 5 ints
 _BAD_NAMED = {  # value -> what the message must say
-    "BLOCK_T=abc": "must be an integer", "BLOCK_T=0": "not a power of two", "BLOCK_T=3": "not a power of two",
-    "BLOCK_T=-4": "not a power of two", "BLOCK_T=2097152": "not a power of two", "garbage": "not NAME=int",
-    "BLOCK_X=4": "not NAME=int", "BLOCK_T=4,BLOCK_T=8": "given twice", "num_warps=4": "missing",
+    "BLOCK_T=abc": "must be an integer",
+    "BLOCK_T=0": "not a power of two",
+    "BLOCK_T=3": "not a power of two",
+    "BLOCK_T=-4": "not a power of two",
+    "BLOCK_T=2097152": "not a power of two",
+    "garbage": "not NAME=int",
+    "BLOCK_X=4": "not NAME=int",
+    "BLOCK_T=4,BLOCK_T=8": "given twice",
+    "num_warps=4": "missing",
     "BLOCK_T=4,num_warps=3": "num_warps=3 is not one of {1, 2, 4, 8, 16, 32}",
-    "BLOCK_T=4,num_warps=64": "num_warps=64", "BLOCK_T=4,num_stages=0": "num_stages=0 is not >= 1",
+    "BLOCK_T=4,num_warps=64": "num_warps=64",
+    "BLOCK_T=4,num_stages=0": "num_stages=0 is not >= 1",
     "BLOCK_T=4,": "not NAME=int",
 }
 _BAD_GEMM = {
-    "1,2,3": "3 values, not 5", "128,128,64,8": "4 values", "a,b,c,d,e": "must be an integer",
-    "128,100,64,8,3": "BLOCK_N=100 is not a power of two", "8,16,16,4,2": "BLOCK_M=8 is not a power of two in [16",
-    "128,128,64,3,3": "num_warps=3", "128,128,64,8,0": "num_stages=0", "128,128,64,8,3,1": "6 values",
+    "1,2,3": "3 values, not 5",
+    "128,128,64,8": "4 values",
+    "a,b,c,d,e": "must be an integer",
+    "128,100,64,8,3": "BLOCK_N=100 is not a power of two",
+    "8,16,16,4,2": "BLOCK_M=8 is not a power of two in [16",
+    "128,128,64,3,3": "num_warps=3",
+    "128,128,64,8,0": "num_stages=0",
+    "128,128,64,8,3,1": "6 values",
 }
 
 
@@ -57,10 +70,13 @@ def test_a_bad_config_value_is_named_before_any_launch(var, value, words, monkey
 
 
 _GOOD = {
-    "LANCET_GATING_FWD_CONFIG": "BLOCK_T=1,num_warps=1", "LANCET_GATING_BWD_CONFIG": " BLOCK_T = 2 , num_stages=2 ",
-    "LANCET_PERMUTE_FWD_CONFIG": "BLOCK_D=64,BLOCK_T=2,num_warps=2", "LANCET_UNPERMUTE_FWD_CONFIG": "BLOCK_T=1,BLOCK_D=32",
+    "LANCET_GATING_FWD_CONFIG": "BLOCK_T=1,num_warps=1",
+    "LANCET_GATING_BWD_CONFIG": " BLOCK_T = 2 , num_stages=2 ",
+    "LANCET_PERMUTE_FWD_CONFIG": "BLOCK_D=64,BLOCK_T=2,num_warps=2",
+    "LANCET_UNPERMUTE_FWD_CONFIG": "BLOCK_T=1,BLOCK_D=32",
     "LANCET_UNPERMUTE_BWD_CONFIG": "BLOCK_T=8,BLOCK_D=16,num_warps=4,num_stages=1",
-    "LANCET_GEMM_CONFIG": "16,16,16,4,1", "LANCET_GEMM_CONFIG_DW": "32,16,16,2,2",
+    "LANCET_GEMM_CONFIG": "16,16,16,4,1",
+    "LANCET_GEMM_CONFIG_DW": "32,16,16,2,2",
 }
 
 
@@ -109,8 +125,19 @@ def test_good_values_still_launch_and_match_the_reference(monkeypatch):
     assert grouped_gemm.selected_config("fwd") == "16,16,16,4,1"
 
 
-@pytest.mark.parametrize("value,on", [("1", True), ("true", True), ("ON", True), ("yes", True), ("0", False),
-                                      ("false", False), ("", False), ("no", False)])
+@pytest.mark.parametrize(
+    "value,on",
+    [
+        ("1", True),
+        ("true", True),
+        ("ON", True),
+        ("yes", True),
+        ("0", False),
+        ("false", False),
+        ("", False),
+        ("no", False),
+    ],
+)
 def test_triton_interpret_is_read_as_triton_reads_it(value, on, monkeypatch):
     from triton._C.libtriton import getenv_bool
 

@@ -1,6 +1,7 @@
 """``TorchGroup.split`` called on one rank only: that rank raises a ``PeerTimeout`` naming the ranks that
 did not join and saying what to do, within ``LANCET_TIMEOUT_S``, instead of the gloo constructor's bare
 "Wait timeout"; both ranks then split a new group together, which works (2 real gloo ranks)."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,8 +34,15 @@ def test_split_on_one_rank_names_the_peers_that_did_not_join(lone, monkeypatch):
         assert results[r][0] == "ok", results[r][1]
     res, rows = results[lone][1]
     other = 1 - lone
-    assert_raised(res, "PeerTimeout", f"rank(s) [{other}]", "did not join within 3 s", "LANCET_TIMEOUT_S",
-                  "call it on every rank of the group", ranks=[other])
+    assert_raised(
+        res,
+        "PeerTimeout",
+        f"rank(s) [{other}]",
+        "did not join within 3 s",
+        "LANCET_TIMEOUT_S",
+        "call it on every rank of the group",
+        ranks=[other],
+    )
     assert results[other][1][0] == ["absent", None, None]
     for r in (0, 1):  # the group split afterwards by both ranks works
         assert results[r][1][1] == [10, 11]

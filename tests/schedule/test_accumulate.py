@@ -1,5 +1,6 @@
 """Issue 12: cross-microbatch overlap (Overlapped.accumulate), the Tutel-style baseline's pipelined
 backward, and Lina's all-reduce behind the all-to-alls (EmulatedGroup.all_reduce, GradientSync)."""
+
 from __future__ import annotations
 
 import copy
@@ -11,12 +12,12 @@ import pytest
 import torch
 
 import lancet_rt
-from lancet_rt.schedule.accumulate import accumulate
 from lancet_rt.parallel import GradientSync, sync_gradients
-from tests.schedule import test_overlap as overlap_tests
+from lancet_rt.schedule.accumulate import accumulate
 from tests import cuda_semantics  # noqa: F401 - the execution modes, in the ranks too
 from tests.dist import assert_all_ok, run_ranks
 from tests.helpers import assert_close
+from tests.schedule import test_overlap as overlap_tests
 
 D = 16
 
@@ -67,9 +68,15 @@ def assert_same_step(ref, model, losses, stats=None):
 
 
 # ---------------------------------------------------------------- one process, emulated link
-@pytest.mark.parametrize("chunks, capacity_factor, defer_wgrad", [
-    (2, None, False), (3, 0.75, True), (1, 0.75, False), (2, None, True),
-])
+@pytest.mark.parametrize(
+    "chunks, capacity_factor, defer_wgrad",
+    [
+        (2, None, False),
+        (3, 0.75, True),
+        (1, 0.75, False),
+        (2, None, True),
+    ],
+)
 def test_accumulate_equals_sequential_microbatches(chunks, capacity_factor, defer_wgrad):
     """M microbatches under the cross-microbatch schedule: losses, per-microbatch capacity and aux
     loss, and every gradient equal M plain steps; and the passes really took turns."""
@@ -86,7 +93,7 @@ def test_accumulate_equals_sequential_microbatches(chunks, capacity_factor, defe
         assert any(m.dropped > 0 for m in twin.moe_layers()), "the capacity case must drop something"
     spans = [(e["name"], e["ts"], e["ts"] + e["dur"]) for e in tr.events() if e["tid"] == "compute"]
     for i in (0, 1):  # backward i ran in turns inside forward i + 1 (and the rest after it)
-        (_, f0, f1), = [s for s in spans if s[0] == f"forward {i + 1}"]
+        ((_, f0, f1),) = [s for s in spans if s[0] == f"forward {i + 1}"]
         inside = [s for s in spans if s[0] == f"backward {i}" and f0 <= s[1] and s[2] <= f1]
         assert len(inside) >= 4, (i, len(inside))
     if defer_wgrad:
@@ -125,8 +132,9 @@ def test_interleaved_passes_share_the_host_core_on_cpu():
 
     def loss_fn(out, i):
         seen[("forward", i)] = os.sched_getaffinity(0)
-        out.register_hook(lambda g: seen.setdefault(
-            ("backward", i), (threading.get_native_id(), os.sched_getaffinity(0))) and None)
+        out.register_hook(
+            lambda g: seen.setdefault(("backward", i), (threading.get_native_id(), os.sched_getaffinity(0))) and None
+        )
         return (out * gs[i]).sum()
 
     ov.accumulate(xs, loss_fn)
@@ -148,7 +156,7 @@ def test_interleaved_passes_share_the_host_core_on_cpu():
 
 def test_accumulate_rejects_bad_arguments():
     ov = lancet_rt.Overlapped(make_model(None), chunks=2)
-    loss = lambda out, i: out.sum()  # noqa: E731
+    loss = lambda out, i: out.sum()
     x = torch.randn(4, 3, D)
     with pytest.raises(TypeError, match="overlapped"):
         accumulate(make_model(None), [x], loss)
@@ -249,7 +257,9 @@ def _accumulate_gloo(rank, world):
     a2a, on = dist.all_to_all_single, []
 
     def recording(out, x, *args, group=None, **kwargs):
-        on.append(("counts" if group is counts else "world" if group is dist.group.WORLD else "?", x.dtype == torch.int64))
+        on.append(
+            ("counts" if group is counts else "world" if group is dist.group.WORLD else "?", x.dtype == torch.int64)
+        )
         return a2a(out, x, *args, group=group, **kwargs)
 
     dist.all_to_all_single = recording
@@ -297,21 +307,21 @@ def test_moe_pipelined_backward_is_pipelined():
     log.clear()
     backward = experts_mod._ExpertsFn.backward
     try:
-        experts_mod._ExpertsFn.backward = staticmethod(lambda ctx, dy: log.append(("experts bwd", dy.shape[0]))
-                                                        or backward(ctx, dy))
+        experts_mod._ExpertsFn.backward = staticmethod(
+            lambda ctx, dy: log.append(("experts bwd", dy.shape[0])) or backward(ctx, dy)
+        )
         y.backward(torch.randn_like(y))
     finally:
         experts_mod._ExpertsFn.backward = backward
     last_first = sizes[::-1]
-    assert log == ([("a2a", n) for n in last_first]
-                   + [e for n in last_first for e in (("experts bwd", n), ("a2a", n))])
+    assert log == ([("a2a", n) for n in last_first] + [e for n in last_first for e in (("experts bwd", n), ("a2a", n))])
 
 
 # ---------------------------------------------------------------- Lina: all-reduce behind the all-to-alls
 def test_emulated_all_reduce():
     link = lancet_rt.EmulatedGroup(4, bandwidth_gbps=0.001, latency_us=1000)
     x = torch.randn(250)
-    for op, expected in (("sum", 4 * x), ("avg", x), (torch.distributed.ReduceOp.MAX, x), ("product", x ** 4)):
+    for op, expected in (("sum", 4 * x), ("avg", x), (torch.distributed.ReduceOp.MAX, x), ("product", x**4)):
         t = x.clone()
         link.reset()
         link.all_reduce(t, op).wait()
@@ -399,7 +409,7 @@ def test_a_forward_waiting_on_its_counts_fills_the_wait_with_dw():
         q.push((p,), (True,), lambda i=i: (ran.append(i) or torch.ones(3),), 1, 0)
     backward = SimpleNamespace(queue=q, done=False, index=0)
     _Backward.fill(backward, _CountsCopy(after=3))
-    assert ran == [0, 1, 2]          # one item per poll while the copy was pending, in order
+    assert ran == [0, 1, 2]  # one item per poll while the copy was pending, in order
     assert len(q.items) == 2 and q.ran_in_windows == 3
 
 

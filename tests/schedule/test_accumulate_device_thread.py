@@ -9,6 +9,7 @@ parked backward (the host waits for the call, the call would wait for the host).
 and equal the same microbatches run sequentially, on the emulated link and on 2 gloo ranks, in both
 execution modes (tests/cuda_semantics.py).
 """
+
 from __future__ import annotations
 
 import copy
@@ -55,8 +56,11 @@ def _step(model, xs, gs, chunks: int, defer_wgrad: bool):
     twin = copy.deepcopy(model)
     ref = sequential_reference(model, xs, gs)
     ov = lancet_rt.Overlapped(twin, chunks=chunks, defer_wgrad=defer_wgrad)
-    losses = cuda_semantics.bounded(lambda: ov.accumulate(xs, lambda out, i: (out * gs[i]).sum()),
-                                    STEP_TIMEOUT_S, "accumulate with autograd through the MoE layers in its forward")
+    losses = cuda_semantics.bounded(
+        lambda: ov.accumulate(xs, lambda out, i: (out * gs[i]).sum()),
+        STEP_TIMEOUT_S,
+        "accumulate with autograd through the MoE layers in its forward",
+    )
     assert_same_step(ref, twin, losses)
     assert any(twin.record), "some forward's autograd call must have run beside a backward"
     if defer_wgrad:

@@ -1,4 +1,5 @@
 """DynaPipe-style balanced chunks (lancet_rt.schedule.balance): bounds, and exactness against the unchunked model."""
+
 from __future__ import annotations
 
 import copy
@@ -13,7 +14,6 @@ from bench.varlen import VarlenBlocks, cu_seqlens_of, skewed_lengths
 from lancet_rt.schedule.balance import BalancedChunks, balanced_bounds, transformer_costs
 from tests.helpers import assert_same_run, run_and_grad
 
-
 D = 16
 
 
@@ -27,17 +27,20 @@ def test_balanced_bounds_properties():
         assert max(chunk) - sum(costs) / n <= max(costs), (n, chunk)
     assert balanced_bounds([5.0, 5.0, 5.0, 5.0], 2) == [0, 2, 4]
     assert balanced_bounds([1.0, 1.0, 1.0, 100.0], 3) == [0, 2, 3, 4]
-    assert balanced_bounds([1.0, 2.0], 4) == [0, 1, 2, 2, 2]          # fewer items than chunks: as tensor_split
-    assert balanced_bounds([0.0] * 7, 3) == [0, 3, 5, 7]                # no cost: equal counts
-    assert balanced_bounds([0.0, 0.0, 6.0, 1.0, 1.0], 3, nonempty_first=[0, 0, 6, 1, 1])[1] == 3  # chunk 0 holds a token
+    assert balanced_bounds([1.0, 2.0], 4) == [0, 1, 2, 2, 2]  # fewer items than chunks: as tensor_split
+    assert balanced_bounds([0.0] * 7, 3) == [0, 3, 5, 7]  # no cost: equal counts
+    assert (
+        balanced_bounds([0.0, 0.0, 6.0, 1.0, 1.0], 3, nonempty_first=[0, 0, 6, 1, 1])[1] == 3
+    )  # chunk 0 holds a token
 
 
 def test_balanced_chunks_packed_equals_model():
     """Packed sequences of skewed lengths, cut at cost-balanced sequence boundaries: outputs, drops,
     aux/z losses and every gradient equal the unchunked model's (capacity carried across uneven chunks)."""
     torch.manual_seed(0)
-    model = VarlenBlocks(1, D, 2, dict(d_ffn=12, num_experts=4, top_k=2, capacity_factor=0.75,
-                                       aux_loss_coef=0.01, z_loss_coef=0.001))
+    model = VarlenBlocks(
+        1, D, 2, dict(d_ffn=12, num_experts=4, top_k=2, capacity_factor=0.75, aux_loss_coef=0.01, z_loss_coef=0.001)
+    )
     twin = copy.deepcopy(model)
     lengths = skewed_lengths(9, 24, seed=1)
     cu = cu_seqlens_of(lengths)
@@ -58,7 +61,9 @@ def test_a_chunk_with_every_assignment_dropped():
     model = MoEBlocks(1, D, 2, dict(d_ffn=8, num_experts=2, top_k=1, capacity_factor=0.05))
     twin = copy.deepcopy(model)
     x, g = torch.randn(8, 4, D), torch.randn(8, 4, D)
-    assert_same_run(run_and_grad(model, model, (x,), {}, g), run_and_grad(twin, lancet_rt.Overlapped(twin, chunks=4), (x,), {}, g))
+    assert_same_run(
+        run_and_grad(model, model, (x,), {}, g), run_and_grad(twin, lancet_rt.Overlapped(twin, chunks=4), (x,), {}, g)
+    )
     assert twin.moe_layers()[0].dropped >= 30
 
 
@@ -102,5 +107,6 @@ def test_balanced_chunks_rejects_bad_arguments():
     with pytest.raises(ValueError, match="keyword argument"):
         lancet_rt.Overlapped(model, chunks=2, balance=BalancedChunks(mask="attention_mask"))(x, mask)
     with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
-        lancet_rt.Overlapped(VarlenBlocks(1, D, 2, dict(d_ffn=8, num_experts=4, top_k=2)), chunks=2,
-                             balance=BalancedChunks(cu_seqlens=1))(torch.randn(5, D), torch.tensor([0, 2, 4]))
+        lancet_rt.Overlapped(
+            VarlenBlocks(1, D, 2, dict(d_ffn=8, num_experts=4, top_k=2)), chunks=2, balance=BalancedChunks(cu_seqlens=1)
+        )(torch.randn(5, D), torch.tensor([0, 2, 4]))

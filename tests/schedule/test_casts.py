@@ -2,6 +2,7 @@
 parameters, a 4-chunk step saves no more for backward than the unchunked step (each chunk used to
 save its own bfloat16 copy of the expert and deferred-linear weights), and its gradients are those of
 the unchunked step."""
+
 from __future__ import annotations
 
 import copy
@@ -67,16 +68,16 @@ def test_autocast_chunks_save_one_weight_copy(defer_wgrad):
 
 def test_compute_copy_is_shared_inside_a_scope_and_fresh_after_an_update():
     w = torch.randn(4, 4, requires_grad=True)
-    assert casts.compute_copy(w, torch.float32) is not w            # detached, never the parameter
+    assert casts.compute_copy(w, torch.float32) is not w  # detached, never the parameter
     a, b = casts.compute_copy(w, torch.bfloat16), casts.compute_copy(w, torch.bfloat16)
-    assert a is not b                                               # no scope: a copy per call
+    assert a is not b  # no scope: a copy per call
     prev = _scope.current()
     _scope.set_current(_scope.ChunkScope([2, 2], switch=lambda: None))
     try:
         a, b = casts.compute_copy(w, torch.bfloat16), casts.compute_copy(w, torch.bfloat16)
         assert a is b and a.dtype == torch.bfloat16 and not a.requires_grad
         with torch.no_grad():
-            w.add_(1.0)                                              # an update bumps the version
+            w.add_(1.0)  # an update bumps the version
         c = casts.compute_copy(w, torch.bfloat16)
         assert c is not a and torch.equal(c, w.detach().to(torch.bfloat16))
     finally:

@@ -9,6 +9,7 @@ first collective, issue no collective itself, run once per compute dtype (bf16 u
 autocast, then float32 without it), and run inside the autocast the step computes in. On CUDA the
 same code path runs; what the interpreter cannot show is the compile time it takes off the step.
 """
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,9 @@ pytestmark = pytest.mark.timeout(600)
 
 def _record(events: list):
     """Wrap the warm-up's step, the group's collectives and the layers' first collectives."""
-    from lancet_rt.comm import faults, group
     from lancet_rt.kernels import grouped_gemm
+
+    from lancet_rt.comm import faults, group
     from lancet_rt.moe.layer import MoE
     from lancet_rt.schedule import warmup
 
@@ -53,8 +55,11 @@ def _record(events: list):
     grouped_gemm._launch_gemm = gemm
     for name in ("all_gather", "all_to_all", "exchange", "all_reduce", "broadcast"):
         method = getattr(group.TorchGroup, name)
-        setattr(group.TorchGroup, name, lambda self, *a, _m=method, _n=name, **k: (
-            events.append(("collective", _n, None)), _m(self, *a, **k))[1])
+        setattr(
+            group.TorchGroup,
+            name,
+            lambda self, *a, _m=method, _n=name, **k: (events.append(("collective", _n, None)), _m(self, *a, **k))[1],
+        )
     check_schedule = faults.check_schedule
 
     def schedule(ov):
@@ -64,8 +69,14 @@ def _record(events: list):
     faults.check_schedule = schedule
     for name in ("_check_config", "exchange_counts"):
         method = getattr(MoE, name)
-        setattr(MoE, name, lambda self, *a, _m=method, _n=name, **k: (
-            warming or events.append(("layer", _n, id(self))), _m(self, *a, **k))[1])  # (not the warm-up's own)
+        setattr(
+            MoE,
+            name,
+            lambda self, *a, _m=method, _n=name, **k: (
+                warming or events.append(("layer", _n, id(self))),
+                _m(self, *a, **k),
+            )[1],
+        )  # (not the warm-up's own)
 
 
 def _steps(rank, world, overlapped: bool):
@@ -103,8 +114,7 @@ def _check_first_step(events: list, dtype: str, warm_steps: int) -> None:
     assert gemms == {dtype if dtype else "torch.float32"}, events
     for i in warm:
         owner = events[i][2]
-        first = next(j for j, (kind, _, who) in enumerate(events)
-                     if kind == "layer" and owner in (who, 0))
+        first = next(j for j, (kind, _, who) in enumerate(events) if kind == "layer" and owner in (who, 0))
         assert i < first, f"a layer collective before its warm-up: {events}"
         assert not [e for e in events[i:first] if e[0] == "collective"], f"the warm-up issued a collective: {events}"
     checked = [i for i, (kind, _, _) in enumerate(events) if kind == "schedule checked"]
@@ -122,7 +132,7 @@ def test_first_step_warms_once_per_dtype_before_the_first_collective(overlapped)
     for r, (_, (first, second, third)) in sorted(results.items()):
         _check_first_step(first, "torch.bfloat16", per_first_step)
         assert not [e for e in second if e[0] == "warm"], f"rank {r} warmed bf16 twice: {second}"
-        _check_first_step(third, None, per_first_step)   # float32: a new dtype, warmed again
+        _check_first_step(third, None, per_first_step)  # float32: a new dtype, warmed again
 
 
 def _explicit(rank, world):
@@ -162,7 +172,7 @@ def test_one_connection_on_cuda_warns_naming_the_variable(monkeypatch):
         check_connections(torch.device("cuda", 0))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_connections(torch.device("cpu"))          # nothing to check off CUDA
+        check_connections(torch.device("cpu"))  # nothing to check off CUDA
         for value in ("8", "32"):
             monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", value)
             check_connections(torch.device("cuda", 0))
@@ -193,8 +203,9 @@ def _connections_checked(rank, world):
     warmup.check_connections = lambda device: (events.append(("connections", str(device), None)), checked(device))[1]
     model = MoEBlocks(1, 16, 2, dict(d_ffn=32, num_experts=4, top_k=2, capacity_factor=None, ep_group=dist.group.WORLD))
     runner = lancet_rt.Overlapped(model, chunks=2)
-    emulated = lancet_rt.Overlapped(MoEBlocks(1, 16, 2, dict(d_ffn=32, num_experts=4, top_k=2,
-                                                             ep_group=lancet_rt.EmulatedGroup(2))), chunks=2)
+    emulated = lancet_rt.Overlapped(
+        MoEBlocks(1, 16, 2, dict(d_ffn=32, num_experts=4, top_k=2, ep_group=lancet_rt.EmulatedGroup(2))), chunks=2
+    )
     x = torch.randn(2, 4, 16)
     for _ in range(2):
         runner(x).sum().backward()

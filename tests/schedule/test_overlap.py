@@ -1,4 +1,5 @@
 """Overlapped equals the unwrapped model: outputs, aux losses, every gradient; plus the runtime parts."""
+
 from __future__ import annotations
 
 import copy
@@ -21,8 +22,20 @@ D = 16
 
 def make_model(capacity_factor, ep_group=None, seed=0, layers=2, E=4):
     torch.manual_seed(seed)
-    return MoEBlocks(layers, D, 2, dict(d_ffn=12, num_experts=E, top_k=2, capacity_factor=capacity_factor,
-                                        aux_loss_coef=0.01, z_loss_coef=0.001, ep_group=ep_group))
+    return MoEBlocks(
+        layers,
+        D,
+        2,
+        dict(
+            d_ffn=12,
+            num_experts=E,
+            top_k=2,
+            capacity_factor=capacity_factor,
+            aux_loss_coef=0.01,
+            z_loss_coef=0.001,
+            ep_group=ep_group,
+        ),
+    )
 
 
 def run_and_grads(model, runner, x, g):
@@ -91,8 +104,7 @@ def test_fewer_rows_than_chunks():
     model = make_model(1.0)
     twin = copy.deepcopy(model)
     x, g = torch.randn(2, 5, D), torch.randn(2, 5, D)
-    assert_same_run(run_and_grads(model, model, x, g),
-                    run_and_grads(twin, lancet_rt.Overlapped(twin, chunks=4), x, g))
+    assert_same_run(run_and_grads(model, model, x, g), run_and_grads(twin, lancet_rt.Overlapped(twin, chunks=4), x, g))
 
 
 def test_moe_pipeline_chunks_equals_model():
@@ -124,8 +136,9 @@ def test_check_passes_separable_model():
     lancet_rt.Overlapped(model, chunks=3, check=True)(torch.randn(6, 3, D))
 
 
-@pytest.mark.parametrize("kwargs, exc", [(dict(chunks=0), ValueError), (dict(chunks=2.5), ValueError),
-                                          (dict(chunks=True), ValueError)])
+@pytest.mark.parametrize(
+    "kwargs, exc", [(dict(chunks=0), ValueError), (dict(chunks=2.5), ValueError), (dict(chunks=True), ValueError)]
+)
 def test_bad_chunks(kwargs, exc):
     with pytest.raises(exc, match="chunks"):
         lancet_rt.Overlapped(make_model(None), **kwargs)
@@ -168,14 +181,16 @@ def test_auto_needs_the_autotuner_imported():
     import subprocess
     import sys
 
-    code = ("import sys, torch, lancet_rt\n"
-            "try:\n"
-            "    lancet_rt.Overlapped(torch.nn.Linear(2, 2), chunks='auto')\n"
-            "except ValueError as e:\n"
-            "    print('ValueError:', e)\n"
-            "print('autotune imported:', 'lancet_rt.autotune' in sys.modules)\n"
-            "import lancet_rt.autotune\n"
-            "print('after import:', lancet_rt.Overlapped(torch.nn.Linear(2, 2), chunks='auto').chunks)\n")
+    code = (
+        "import sys, torch, lancet_rt\n"
+        "try:\n"
+        "    lancet_rt.Overlapped(torch.nn.Linear(2, 2), chunks='auto')\n"
+        "except ValueError as e:\n"
+        "    print('ValueError:', e)\n"
+        "print('autotune imported:', 'lancet_rt.autotune' in sys.modules)\n"
+        "import lancet_rt.autotune\n"
+        "print('after import:', lancet_rt.Overlapped(torch.nn.Linear(2, 2), chunks='auto').chunks)\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=900, check=True).stdout
     assert "ValueError:" in out and "import lancet_rt.autotune" in out
     assert "autotune imported: False" in out
@@ -365,8 +380,7 @@ def _bad_input_on_one_rank(rank, world, what):
     ov = lancet_rt.Overlapped(model, chunks=2, check=what == "check")
     if what == "check":
         # Rank 1's model is not separable along dim 0 (a batch-wide mean); rank 0's is.
-        model.blocks[0].attn.register_forward_hook(
-            lambda m, a, y: y - y.mean(0, keepdim=True) if rank == 1 else None)
+        model.blocks[0].attn.register_forward_hook(lambda m, a, y: y - y.mean(0, keepdim=True) if rank == 1 else None)
         x = torch.randn(4, 5, D)
     else:
         ov(torch.randn(4, 5, D))  # a good step first
@@ -428,7 +442,7 @@ def _dw_windows_follow_link_model(rank, world):
     ref = run_and_grads(model, model, x, g)
     ran = {}
     for name, (gbps, latency_us) in {"free": (math.inf, 0.0), "slow": (1e-6, 1e5)}.items():
-        group.set_link(gbps, latency_us)   # a window of 0 ms, then of over 100 s
+        group.set_link(gbps, latency_us)  # a window of 0 ms, then of over 100 s
         ov.wgrad_queue.ran_in_windows = 0
         for p in twin.parameters():
             p.grad = None
@@ -499,8 +513,11 @@ def _first_layer_order(link, device="cpu"):
     model = make_model(None, ep_group=link).to(device)
     with lancet_rt.tracing() as tr:
         lancet_rt.Overlapped(model, chunks=3)(torch.randn(6, 3, D, device=device)).sum().backward()
-    return [(s.name, s.args["chunk"]) for s in tr.spans
-            if s.name in ("route", "permute") and s.args.get("layer") == "blocks.0.moe"]
+    return [
+        (s.name, s.args["chunk"])
+        for s in tr.spans
+        if s.name in ("route", "permute") and s.args.get("layer") == "blocks.0.moe"
+    ]
 
 
 def test_cpu_chunk_waits_its_own_channels_counts_instead_of_a_turn():
@@ -563,10 +580,10 @@ def test_scheduler_is_deterministic_and_issues_first():
     # another chunk has had a turn; otherwise the earliest-yielded chunk (round robin).
     waiting = {0: (-3, False), 1: (-2, False), 2: (-1, False)}
     assert _next_chunk([0, 1, 2], waiting, None) == 0
-    waiting[0] = (1, True)   # chunk 0 yielded after starting its counts exchange
+    waiting[0] = (1, True)  # chunk 0 yielded after starting its counts exchange
     assert _next_chunk([0, 1, 2], waiting, 0) == 1
     waiting[1] = (2, True)
-    assert _next_chunk([0, 1, 2], waiting, 1) == 0   # 0 dispatches before 2 starts
+    assert _next_chunk([0, 1, 2], waiting, 1) == 0  # 0 dispatches before 2 starts
     waiting[0] = (3, False)  # 0 dispatched and waits for its rows
     assert _next_chunk([0, 1, 2], waiting, 0) == 1
     waiting[1] = (4, False)
@@ -577,11 +594,11 @@ def test_scheduler_is_deterministic_and_issues_first():
 def test_best_fit_is_lancets_greedy_rule():
     from lancet_rt.schedule.wgrad import best_fit
 
-    assert best_fit([5.0, 3.0, 9.0], 3.6, 0) == 1        # closest to the time left
-    assert best_fit([9.0], 4.0, 0) == 0                  # the first item of a window always runs
-    assert best_fit([9.0], 4.0, 1) is None               # over twice what is left, after one ran
-    assert best_fit([7.0], 4.0, 1) == 0                  # within twice: still fits well enough
-    assert best_fit([1.0], 0.0, 0) is None               # nothing left
+    assert best_fit([5.0, 3.0, 9.0], 3.6, 0) == 1  # closest to the time left
+    assert best_fit([9.0], 4.0, 0) == 0  # the first item of a window always runs
+    assert best_fit([9.0], 4.0, 1) is None  # over twice what is left, after one ran
+    assert best_fit([7.0], 4.0, 1) == 0  # within twice: still fits well enough
+    assert best_fit([1.0], 0.0, 0) is None  # nothing left
     assert best_fit([], 4.0, 0) is None
 
 

@@ -9,6 +9,7 @@ tensors without storage (cuda:1), ``torch.cuda.current_device``/``device`` are r
 step's body is replaced by a probe that reads the current device. Whether NCCL then really runs on
 each rank's own GPU needs two GPUs.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,7 @@ def _layer():
 def test_bare_layer_forward_runs_on_the_inputs_gpu(monkeypatch):
     fake = _fake(monkeypatch)
     seen = []
-    monkeypatch.setattr(lancet_rt.MoE, "_forward_eager", lambda self, x: seen.append(fake.current) or x,
-                        raising=False)
+    monkeypatch.setattr(lancet_rt.MoE, "_forward_eager", lambda self, x: seen.append(fake.current) or x, raising=False)
     layer = _layer()
     layer.forward_eager(_OnGPU(1))
     assert seen == [1] and fake.current == 0
@@ -45,10 +45,12 @@ def test_overlapped_step_runs_on_the_inputs_gpu(monkeypatch):
     from lancet_rt.comm import faults
 
     check_schedule = faults.check_schedule
-    monkeypatch.setattr(faults, "check_schedule", lambda ov: seen.setdefault("schedule", fake.current)
-                        or check_schedule(ov))
-    monkeypatch.setattr(Overlapped, "run_chunked",
-                        lambda self, n, args, kwargs: seen.setdefault("chunks", fake.current))
+    monkeypatch.setattr(
+        faults, "check_schedule", lambda ov: seen.setdefault("schedule", fake.current) or check_schedule(ov)
+    )
+    monkeypatch.setattr(
+        Overlapped, "run_chunked", lambda self, n, args, kwargs: seen.setdefault("chunks", fake.current)
+    )
     model = torch.nn.Sequential(_layer())
     Overlapped(model, chunks=2)(_OnGPU(1))
     assert seen == {"schedule": 1, "chunks": 1} and fake.current == 0

@@ -8,6 +8,7 @@ the next training step's gradients and update equal those of a run without warm-
 backward once added into allocated gradients (issue 35: the next step's gradients off by up to ~10).
 The 2-rank gloo case is in tests/distributed/test_warmup.py (it uses :func:`warmup_case`).
 """
+
 from __future__ import annotations
 
 import copy
@@ -31,8 +32,9 @@ class Net(nn.Module):
         self.inp = nn.Linear(D, D)
         self.norm = nn.BatchNorm1d(D)
         self.drop = nn.Dropout(0.25)
-        self.moe = lancet_rt.MoE(D, F, E, K, score_fn="sigmoid", expert_bias=True, aux_loss_coef=0.01,
-                                 ep_group=ep_group)
+        self.moe = lancet_rt.MoE(
+            D, F, E, K, score_fn="sigmoid", expert_bias=True, aux_loss_coef=0.01, ep_group=ep_group
+        )
         self.head = nn.Linear(D, D)
         self.head.eval()  # a submodule in eval mode: warm-up must not flip it
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
@@ -76,16 +78,23 @@ def snapshot(model: nn.Module, opt) -> dict:
         training={n: m.training for n, m in model.named_modules()},
         opt=copy.deepcopy(opt.state_dict()),
         rng=torch.get_rng_state(),
-        layer={k: (None if v is None else v.clone()) for k, v in
-               dict(expert_load=moe.expert_load, aux_loss=moe.aux_loss, tokens=moe.tokens_per_expert).items()},
+        layer={
+            k: (None if v is None else v.clone())
+            for k, v in dict(expert_load=moe.expert_load, aux_loss=moe.aux_loss, tokens=moe.tokens_per_expert).items()
+        },
     )
 
 
 def differences(before, after, path="") -> list:
     """Where two snapshots differ (bitwise: values, dtypes, None vs a tensor)."""
     if isinstance(before, torch.Tensor) or isinstance(after, torch.Tensor):
-        same = (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)
-                and before.dtype == after.dtype and before.shape == after.shape and torch.equal(before, after))
+        same = (
+            isinstance(before, torch.Tensor)
+            and isinstance(after, torch.Tensor)
+            and before.dtype == after.dtype
+            and before.shape == after.shape
+            and torch.equal(before, after)
+        )
         return [] if same else [path]
     if isinstance(before, dict) and isinstance(after, dict):
         if before.keys() != after.keys():
@@ -118,8 +127,9 @@ def warmup_case(grads: str, ep_group=None, rank: int = 0) -> list:
             before, held = snapshot(model, opt), [p.grad for p in model.parameters()]
             lancet_rt.warmup(runner, example)
             found += [f"warmup changed {d}" for d in differences(before, snapshot(model, opt))]
-            found += [f"warmup replaced .grad of {n}" for (n, p), g in zip(model.named_parameters(), held)
-                      if p.grad is not g]  # (the caller's tensors, not copies)
+            found += [
+                f"warmup replaced .grad of {n}" for (n, p), g in zip(model.named_parameters(), held) if p.grad is not g
+            ]  # (the caller's tensors, not copies)
         _loss(runner, xs[2]).backward()
         runs[warm] = dict(grads={n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()

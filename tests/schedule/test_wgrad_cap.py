@@ -1,5 +1,6 @@
 """Deferred dW holds at most ``max_deferred_bytes`` (its items' operands), prices its items in the
 dtype they run in, and still gives the gradients of the run without deferral."""
+
 from __future__ import annotations
 
 import math
@@ -32,21 +33,24 @@ def test_deferred_bytes_never_exceed_the_cap(cap, monkeypatch):
     want = _grads(lancet_rt.Overlapped(model, chunks=2), model, x)
     sizes = []
     push = wgrad.WGradQueue.push
-    monkeypatch.setattr(wgrad.WGradQueue, "push",
-                        lambda self, *a, **k: sizes.append(a[4] if len(a) > 4 else k["nbytes"]) or push(self, *a, **k))
+    monkeypatch.setattr(
+        wgrad.WGradQueue,
+        "push",
+        lambda self, *a, **k: sizes.append(a[4] if len(a) > 4 else k["nbytes"]) or push(self, *a, **k),
+    )
     bound = {"auto": None, "small": 6000, "zero": 0, "inf": math.inf}[cap]
     runner = lancet_rt.Overlapped(model, chunks=2, defer_wgrad=True, max_deferred_bytes=bound)
     q = runner.wgrad_queue
-    for step in range(2):
+    for _step in range(2):
         got = _grads(runner, model, x)
         for n, g in want.items():
             assert_close(n, got[n], g)
-        assert q.held_bytes == 0 and not q.items              # everything delivered
+        assert q.held_bytes == 0 and not q.items  # everything delivered
         limit = {"auto": wgrad.AUTO_CAP_ITEMS * max(sizes), "inf": math.inf}.get(cap, bound)
         assert 0 < max(sizes) and q.peak_held_bytes <= limit, (q.peak_held_bytes, limit)
         if cap in ("small", "zero"):
-            assert q.forced > 0                               # the bound made items run early
-            assert sum(sizes) > bound                          # (so it was a real bound)
+            assert q.forced > 0  # the bound made items run early
+            assert sum(sizes) > bound  # (so it was a real bound)
         if cap == "zero":
             assert q.peak_held_bytes == 0 and q.flushed == 0 and q.ran_in_windows == 0
         if cap == "inf":
@@ -61,8 +65,11 @@ def test_items_are_priced_in_the_dtype_they_run_in(monkeypatch):
     runner = lancet_rt.Overlapped(model, chunks=2, defer_wgrad=True)
     dtypes = []
     push = wgrad.WGradQueue.push
-    monkeypatch.setattr(wgrad.WGradQueue, "push",
-                        lambda self, *a, **k: dtypes.append(a[5] if len(a) > 5 else k["dtype"]) or push(self, *a, **k))
+    monkeypatch.setattr(
+        wgrad.WGradQueue,
+        "push",
+        lambda self, *a, **k: dtypes.append(a[5] if len(a) > 5 else k["dtype"]) or push(self, *a, **k),
+    )
     x = torch.randn(4, 12, 32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = runner(x)

@@ -34,6 +34,7 @@ Exactness: the routing is the contract's over the whole (replicated) batch, so o
 aux/z losses and every gradient equal the unsharded layer's on every rank (tests/test_seeds.py,
 2 gloo ranks, dropless and with capacity, chunked or not).
 """
+
 from __future__ import annotations
 
 import itertools
@@ -41,13 +42,12 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from lancet_rt.comm import group as comm
-from lancet_rt.schedule import scope as _scope
 from lancet_rt import trace as _trace
-from lancet_rt.schedule import wgrad
+from lancet_rt.comm import group as comm
 from lancet_rt.moe.dispatch.common import counts_turn, to_device
 from lancet_rt.routing.functions import permute, unpermute
-
+from lancet_rt.schedule import scope as _scope
+from lancet_rt.schedule import wgrad
 
 
 @runtime_checkable
@@ -105,8 +105,11 @@ class _GradLink:
         """Issue once the backward node of ``consumer_output`` has computed its input ``index``'s gradient."""
         node = consumer_output.grad_fn
         if node is not None:
-            node.register_hook(lambda grad_inputs, _: self.issue(grad_inputs[index])
-                               if grad_inputs[index] is not None and self.early is None else None)
+            node.register_hook(
+                lambda grad_inputs, _: (
+                    self.issue(grad_inputs[index]) if grad_inputs[index] is not None and self.early is None else None
+                )
+            )
 
 
 class _GradAllReduce(torch.autograd.Function):
@@ -135,8 +138,10 @@ def _grad_all_reduce(x: torch.Tensor, group, chunk) -> tuple:
 def check_group(group) -> None:
     """A TypeError unless ``group`` can all-reduce (``dispatcher="allreduce"``)."""
     if group is not None and not isinstance(group, TensorParallelGroup):
-        raise TypeError(f"dispatcher='allreduce' needs a group with all_reduce(tensor) (a ProcessGroup, "
-                        f"lancet_rt.TorchGroup or lancet_rt.EmulatedGroup), got {type(group).__name__}")
+        raise TypeError(
+            f"dispatcher='allreduce' needs a group with all_reduce(tensor) (a ProcessGroup, "
+            f"lancet_rt.TorchGroup or lancet_rt.EmulatedGroup), got {type(group).__name__}"
+        )
 
 
 def replicated_input(x_TD: torch.Tensor, group, chunk) -> tuple:
@@ -168,7 +173,7 @@ def allreduce_forward(moe, x_in: tuple, r, ops, chunk) -> torch.Tensor:
     # in backward their work then fills the window of this chunk's gradient all-reduces.
     _scope.switch()
     lo = sum(kept[: moe.ep_rank * L])
-    mine = kept[moe.ep_rank * L:(moe.ep_rank + 1) * L]
+    mine = kept[moe.ep_rank * L : (moe.ep_rank + 1) * L]
     rows = sum(mine)
     with _trace.span("permute", cuda=x_TD.is_cuda, layer=moe.trace_name, chunk=chunk):
         row_TK = r.row_TK
@@ -188,8 +193,10 @@ def allreduce_forward(moe, x_in: tuple, r, ops, chunk) -> torch.Tensor:
         recv_WE = counts.received()[0]
     differ = [q for q in range(recv_WE.shape[0]) if not torch.equal(recv_WE[q], recv_WE[moe.ep_rank])]
     if differ:  # every rank holds the same matrix, so every rank raises (before the all-reduce)
-        raise ValueError(f"x must be the same on every rank of the group with dispatcher='allreduce' (the tokens "
-                         f"are replicated); rank(s) {differ} route other tokens than rank {moe.ep_rank}")
+        raise ValueError(
+            f"x must be the same on every rank of the group with dispatcher='allreduce' (the tokens "
+            f"are replicated); rank(s) {differ} route other tokens than rank {moe.ep_rank}"
+        )
     flight = _InFlight(chunk)
     with _trace.span("all_reduce", cuda=x_TD.is_cuda, layer=moe.trace_name, rows=x_TD.shape[0]):
         pending = comm.Pending(_AllReduceSum.apply(y_TD, group, flight), flight)
@@ -197,8 +204,9 @@ def allreduce_forward(moe, x_in: tuple, r, ops, chunk) -> torch.Tensor:
     return pending.wait()
 
 
-def modeled_bytes(tokens: int, d_model: int, top_k: int, world: int, element_size: int,
-                  kept_fraction: float = 1.0) -> dict:
+def modeled_bytes(
+    tokens: int, d_model: int, top_k: int, world: int, element_size: int, kept_fraction: float = 1.0
+) -> dict:
     """Off-rank bytes per rank of one MoE layer's forward + backward, by dispatcher (the link model).
 
     Args:
@@ -211,5 +219,7 @@ def modeled_bytes(tokens: int, d_model: int, top_k: int, world: int, element_siz
         routing weights' gradient 2 (W-1)/W x T K 4}``.
     """
     share = (world - 1) / world
-    return dict(alltoall=4 * share * tokens * top_k * d_model * element_size * kept_fraction,
-                allreduce=2 * 2 * share * tokens * d_model * element_size + 2 * share * tokens * top_k * 4)
+    return dict(
+        alltoall=4 * share * tokens * top_k * d_model * element_size * kept_fraction,
+        allreduce=2 * 2 * share * tokens * d_model * element_size + 2 * share * tokens * top_k * 4,
+    )

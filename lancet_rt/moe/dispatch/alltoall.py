@@ -5,16 +5,17 @@ issued early and waited late), then the rows to the experts' ranks, the experts,
 back; the shared experts run while the dispatch is in flight, and the layer yields to the overlap
 scheduler while each exchange flies.
 """
+
 from __future__ import annotations
 
 import torch
 
+from lancet_rt import trace as _trace
 from lancet_rt.comm import group as comm
 from lancet_rt.kernels.reference_experts import HostBounds
 from lancet_rt.moe.dispatch.base import Exchanged
 from lancet_rt.moe.dispatch.common import Dispatched, counts_turn, host_bounds, offsets, regroup_permutations
 from lancet_rt.schedule import scope as _scope
-from lancet_rt import trace as _trace
 
 
 def dispatch(moe, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL, sent_WL) -> Dispatched:
@@ -35,8 +36,9 @@ def dispatch(moe, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL, sent_WL) 
     """
     if moe.group is None:  # (counts_WL: [kept_E] as host ints where known, the experts' bounds)
         bounds_L1 = None if counts_WL is None else HostBounds(host_bounds(counts_WL[0]))
-        return Dispatched(comm.Pending(x_SD, None), offsets(kept_E), bounds_L1, [x_SD.shape[0]], [x_SD.shape[0]],
-                          None, None)
+        return Dispatched(
+            comm.Pending(x_SD, None), offsets(kept_E), bounds_L1, [x_SD.shape[0]], [x_SD.shape[0]], None, None
+        )
     send_splits = [sum(row) for row in sent_WL]
     recv_splits = [sum(row) for row in counts_WL]
     with _trace.span("dispatch", cuda=x_SD.is_cuda, layer=moe.trace_name, rows=x_SD.shape[0]):

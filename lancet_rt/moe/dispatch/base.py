@@ -12,6 +12,7 @@ with :func:`lancet_rt.schedule.scope.switch` between them.
 - :mod:`~lancet_rt.moe.dispatch.allreduce`: Pipeline MoE (``dispatcher="allreduce"``), which sends
   no rows and returns the summed output instead (:func:`~lancet_rt.moe.dispatch.allreduce.allreduce_forward`).
 """
+
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Protocol
@@ -27,10 +28,10 @@ DISPATCHERS = ("alltoall", "allreduce")
 class Exchanged(NamedTuple):
     """A row exchange's result on the tokens' rank."""
 
-    y_SD: torch.Tensor                  # expert outputs in dispatch-row order
-    src_S: torch.Tensor                 # each row's source assignment (from the permutation)
-    link: Optional[object]              # the combine's backward link for unpermute, or None
-    shared: Optional[torch.Tensor]      # the shared experts' output [T, D], or None
+    y_SD: torch.Tensor  # expert outputs in dispatch-row order
+    src_S: torch.Tensor  # each row's source assignment (from the permutation)
+    link: Optional[object]  # the combine's backward link for unpermute, or None
+    shared: Optional[torch.Tensor]  # the shared experts' output [T, D], or None
 
 
 class Stages(Protocol):
@@ -66,6 +67,7 @@ class Stages(Protocol):
 class Dispatcher(Protocol):
     """A row-exchanging dispatcher: one chunk's permute, dispatch, experts and combine."""
 
-    def __call__(self, moe: Stages, x_TD: torch.Tensor, r: Route, ops, chunk: Optional[int],
-                 x_in: torch.Tensor) -> Exchanged:
+    def __call__(
+        self, moe: Stages, x_TD: torch.Tensor, r: Route, ops, chunk: Optional[int], x_in: torch.Tensor
+    ) -> Exchanged:
         """Exchange and compute the chunk routed by ``r``; ``x_in`` (the layer's input) feeds the shared experts."""

@@ -15,6 +15,7 @@ rank compares them all and raises the same :class:`~lancet_rt.comm.faults.Collec
 the row is read on the host anyway. Groups without a monitor (:class:`lancet_rt.EmulatedGroup`,
 one process) send no tag.
 """
+
 from __future__ import annotations
 
 import weakref
@@ -50,8 +51,8 @@ class Dispatched:
 
     pending: comm.Pending
     offsets_L1: Optional[torch.Tensor]  # [E_local + 1] segment bounds of x_RD, by local expert (None: not
-                                        # made yet, bounds_L1 holds them: see segment_offsets)
-    bounds_L1: Optional[tuple]          # the same bounds as host ints (None: not known on the host)
+    # made yet, bounds_L1 holds them: see segment_offsets)
+    bounds_L1: Optional[tuple]  # the same bounds as host ints (None: not known on the host)
     send_splits: list
     recv_splits: list
     to_expert_major: Optional[torch.Tensor]  # rank-major -> expert-major row permutation
@@ -91,15 +92,15 @@ class Counts:
         if self.host is None:
             rows_recv, rows_sent = torch.stack((recv, self._exchange.sent)).tolist()  # the one read
             if self._tag:  # (another collective's data in a row: its status word is garbage too)
-                tags = [row[P * L + 1:P * L + 1 + self._tag] for row in rows_recv]
+                tags = [row[P * L + 1 : P * L + 1 + self._tag] for row in rows_recv]
                 if all(t[0] == _header.COUNTS_MAGIC for t in tags):
                     faults.raise_on_bad_status([row[P * L] for row in rows_recv], self._error, self._group)
-                self._check(tags, rows_sent[0][P * L + 1:P * L + 1 + self._tag])
+                self._check(tags, rows_sent[0][P * L + 1 : P * L + 1 + self._tag])
             else:
                 faults.raise_on_bad_status([row[P * L] for row in rows_recv], self._error, self._group)
             self.host = (_by_piece(rows_recv, P, L), _by_piece(rows_sent, P, L))
             if len(rows_recv[0]) > P * L + 1 + self._tag:  # the senders' whole kept_E rode along (shadowing)
-                self.loads = [row[P * L + 1 + self._tag:] for row in rows_recv]
+                self.loads = [row[P * L + 1 + self._tag :] for row in rows_recv]
 
     def _check(self, tags_W: list, mine: list) -> None:
         """Raise :class:`~lancet_rt.comm.faults.CollectiveMismatch` (and break the group) unless every
@@ -109,11 +110,16 @@ class Counts:
         if not ranks:
             return
         calls = "; ".join(f"{monitor.name(q)} {describe_tag(self._group, t)}" for q, t in enumerate(tags_W))
-        self._mismatch = monitor.break_(monitor.error(faults.CollectiveMismatch,
-            f"counts exchange #{mine[1]} does not match across {monitor.label} ranks (seen on "
-            f"{monitor.name(monitor.rank)}): {calls}. The ranks ran different MoE layers, chunks, directions or "
-            f"dtypes (a rank skipped a MoE layer, a backward or a microbatch, or ran under autocast alone); "
-            f"no token was sent. {faults.ADVICE}", ranks))
+        self._mismatch = monitor.break_(
+            monitor.error(
+                faults.CollectiveMismatch,
+                f"counts exchange #{mine[1]} does not match across {monitor.label} ranks (seen on "
+                f"{monitor.name(monitor.rank)}): {calls}. The ranks ran different MoE layers, chunks, directions or "
+                f"dtypes (a rank skipped a MoE layer, a backward or a microbatch, or ran under autocast alone); "
+                f"no token was sent. {faults.ADVICE}",
+                ranks,
+            )
+        )
         raise self._mismatch
 
     def received(self) -> torch.Tensor:
@@ -124,7 +130,7 @@ class Counts:
 
 def _by_piece(rows_W: list, P: int, L: int) -> list:
     """[W][P * L + 1 + ...] exchanged ints (the counts first) as [P][W][L]."""
-    return [[row[p * L:(p + 1) * L] for row in rows_W] for p in range(P)]
+    return [[row[p * L : (p + 1) * L] for row in rows_W] for p in range(P)]
 
 
 def number_layer(moe) -> int:
@@ -151,8 +157,14 @@ def _tag(moe, kept_PE: torch.Tensor, seq: int) -> list:
     s = _scope.current()
     backward = torch._C._current_graph_task_id() != -1  # a recomputation inside backward
     dtype = moe._compute_dtype(kept_PE)  # (the tokens' dtype: autocast's, else the experts')
-    return [_header.COUNTS_MAGIC, seq, getattr(moe, "layer_number", -1), -1 if s is None else s.chunk,
-            int(backward), _header.code(str(dtype))]
+    return [
+        _header.COUNTS_MAGIC,
+        seq,
+        getattr(moe, "layer_number", -1),
+        -1 if s is None else s.chunk,
+        int(backward),
+        _header.code(str(dtype)),
+    ]
 
 
 def describe_tag(group, tag: list) -> str:
@@ -164,8 +176,10 @@ def describe_tag(group, tag: list) -> str:
     layer = refs[number]() if 0 <= number < len(refs) else None
     name = f"MoE layer #{number}" + (f" ({layer.trace_name!r} here)" if layer is not None else "")
     where = "no chunk" if chunk < 0 else f"chunk {chunk}"
-    return (f"ran {name}, {where}, {'recomputed in backward' if backward else 'forward'}, "
-            f"{_header.known(dtype)} (its collective #{seq})")
+    return (
+        f"ran {name}, {where}, {'recomputed in backward' if backward else 'forward'}, "
+        f"{_header.known(dtype)} (its collective #{seq})"
+    )
 
 
 def exchange_counts(moe, kept_PE: torch.Tensor, error: Optional[Exception] = None) -> Counts:
@@ -194,13 +208,17 @@ def exchange_counts(moe, kept_PE: torch.Tensor, error: Optional[Exception] = Non
     group = moe.group
     monitor = getattr(group, "monitor", None)
     tagged = monitor is not None and group.size > 1
-    loads = (kept_PE.sum(0).long().view(1, -1).expand(W, -1)
-             if getattr(moe, "shadow_experts", 0) and moe.dispatcher == "alltoall" else None)
+    loads = (
+        kept_PE.sum(0).long().view(1, -1).expand(W, -1)
+        if getattr(moe, "shadow_experts", 0) and moe.dispatcher == "alltoall"
+        else None
+    )
 
     def issue() -> Counts:
         if tagged:  # status and tag: one host row, one copy (pinned, no sync), one cat
-            extra = to_device(torch.tensor([faults.status_code(error)] + _tag(moe, kept_PE, monitor.issued + 1)),
-                              counts.device)
+            extra = to_device(
+                torch.tensor([faults.status_code(error)] + _tag(moe, kept_PE, monitor.issued + 1)), counts.device
+            )
             send = torch.cat([counts, extra.view(1, -1).expand(W, -1)] + ([] if loads is None else [loads]), dim=1)
         else:  # the status column: one pad (constant_pad_nd), not a full and a cat, per chunk and layer
             send = torch.nn.functional.pad(counts, (0, 1), value=faults.status_code(error))
@@ -269,9 +287,9 @@ def regroup_permutations(counts_WL, device):
     if L == 1 or W == 1:
         return None, None
     flat = [c for row in counts_WL for c in row]
-    start = host_bounds(flat)                                  # received order: (w, l) blocks
+    start = host_bounds(flat)  # received order: (w, l) blocks
     counts_B = [counts_WL[w][l] for l in range(L) for w in range(W)]
-    first = host_bounds(counts_B)                              # grouped order: (l, w) blocks
+    first = host_bounds(counts_B)  # grouped order: (l, w) blocks
     shift_B = [start[w * L + l] - first[l * W + w] for l in range(L) for w in range(W)]
     return _permutations(torch.tensor(shift_B), torch.tensor(counts_B), first[-1], device)
 

@@ -4,6 +4,7 @@ stages, so piece p's experts overlap piece p+1's transfer. The backward is pipel
 as Tutel's is: every piece's combine gradient leaves at once (:class:`_JoinPieces`), and each
 piece's expert backward issues its dispatch gradient while the other pieces' transfers are in flight.
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,8 +23,13 @@ def _pieces(kept: list, P: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         starts.append(starts[-1] + k)
     bounds = [[starts[e] + kept[e] * p // P for e in range(E)] for p in range(P + 1)]
     kept_PE = torch.tensor([[bounds[p + 1][e] - bounds[p][e] for e in range(E)] for p in range(P)])
-    order = to_device(torch.cat([torch.arange(bounds[p][e], bounds[p + 1][e]) for p in range(P) for e in range(E)]
-                                + [torch.zeros(0, dtype=torch.long)]), device)
+    order = to_device(
+        torch.cat(
+            [torch.arange(bounds[p][e], bounds[p + 1][e]) for p in range(P) for e in range(E)]
+            + [torch.zeros(0, dtype=torch.long)]
+        ),
+        device,
+    )
     return order, kept_PE
 
 

@@ -20,7 +20,8 @@ BASE Layers on up to 64 GPUs). This module is our own implementation of the idea
 2. **Fetch once per step.** A shadowed expert's weights (and biases) are fetched by one broadcast
    from the owner (groups without ``broadcast``/``reduce``: an all-reduce in which the owner gives
    them and every other rank zeros, exact as x + 0 = x); its backward reduces the weight gradients
-   into the owner's parameters. Under :class:`lancet_rt.Overlapped` the fetched copy is kept in the step's chunk scope, so the other
+   into the owner's parameters. Under :class:`lancet_rt.Overlapped` the fetched copy is kept in the step's
+   chunk scope, so the other
    chunks use it without a collective and the gradient is reduced once, after every chunk's backward.
    On an :class:`~lancet_rt.comm.emulated.EmulatedGroup` (one process is every rank) the reduce is
    ``"avg"``: the link is held for both, the data stays (every emulated rank is rank 0).
@@ -45,6 +46,7 @@ on every rank before any collective (:func:`unsupported`, ``MoEConfig``, ``lance
 shadowing with ``pipeline_chunks > 1`` (the Tutel-style baseline dispatches without it), with FSDP2
 (``fully_shard``), and with activation checkpointing under an Overlapped of several chunks.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -68,8 +70,9 @@ HOT_LOAD = 1.25
 def check_group(shadow_experts: int, group) -> None:
     """A ValueError unless ``group`` can fetch weights (it has ``all_reduce``) when shadowing is on."""
     if shadow_experts and group is not None and not callable(getattr(group, "all_reduce", None)):
-        raise ValueError(f"shadow_experts needs an ep_group with all_reduce (TorchGroup, EmulatedGroup), got "
-                         f"{type(group).__name__}")
+        raise ValueError(
+            f"shadow_experts needs an ep_group with all_reduce (TorchGroup, EmulatedGroup), got {type(group).__name__}"
+        )
 
 
 def unsupported(moe) -> Optional[ValueError]:
@@ -85,17 +88,23 @@ def unsupported(moe) -> Optional[ValueError]:
     """
     n = moe.shadow_experts
     if moe.pipeline_chunks > 1:
-        return ValueError(f"shadow_experts={n} cannot be combined with pipeline_chunks={moe.pipeline_chunks} (the "
-                          f"Tutel-style pipelined dispatch does not shadow experts); set one of them to its default")
+        return ValueError(
+            f"shadow_experts={n} cannot be combined with pipeline_chunks={moe.pipeline_chunks} (the "
+            f"Tutel-style pipelined dispatch does not shadow experts); set one of them to its default"
+        )
     if _sharded(moe.experts):
-        return ValueError(f"shadow_experts={n} cannot be combined with FSDP2 (fully_shard) on the experts: shadowing "
-                          f"broadcasts an expert's whole weights from its owner and FSDP2 holds a shard of them; use "
-                          f"shadow_experts=0, or lancet_rt.parallel.replicate / GradientSync")
+        return ValueError(
+            f"shadow_experts={n} cannot be combined with FSDP2 (fully_shard) on the experts: shadowing "
+            f"broadcasts an expert's whole weights from its owner and FSDP2 holds a shard of them; use "
+            f"shadow_experts=0, or lancet_rt.parallel.replicate / GradientSync"
+        )
     if _recompute.recording() and _scope.current() is not None:
-        return ValueError(f"shadow_experts={n} cannot be combined with activation checkpointing (lancet_rt.checkpoint) "
-                          f"under Overlapped with more than one chunk: the chunks share one fetched copy of the hot "
-                          f"experts, which the recomputation cannot replay; use shadow_experts=0, chunks=1, or "
-                          f"checkpoint outside the MoE layers")
+        return ValueError(
+            f"shadow_experts={n} cannot be combined with activation checkpointing (lancet_rt.checkpoint) "
+            f"under Overlapped with more than one chunk: the chunks share one fetched copy of the hot "
+            f"experts, which the recomputation cannot replay; use shadow_experts=0, chunks=1, or "
+            f"checkpoint outside the MoE layers"
+        )
     return None
 
 
@@ -106,8 +115,9 @@ def _sharded(experts) -> bool:
     return any(isinstance(p, DTensor) for p in experts.parameters())
 
 
-def hot_experts(loads_WE: list, limit: int, L: int, row_bytes: int, fetch_bytes: float, chunks: int,
-                fetched=()) -> list:
+def hot_experts(
+    loads_WE: list, limit: int, L: int, row_bytes: int, fetch_bytes: float, chunks: int, fetched=()
+) -> list:
     """The experts to shadow (sorted), from every rank's kept rows per expert (module docstring, 1).
 
     Args:
@@ -123,8 +133,8 @@ def hot_experts(loads_WE: list, limit: int, L: int, row_bytes: int, fetch_bytes:
     load = [sum(row[e] for row in loads_WE) for e in range(E)]
     total = sum(load)
     # Each rank's port (rows it sends off rank, rows it receives off rank), as the dispatch would load it.
-    sent = [sum(row) - sum(row[w * L:(w + 1) * L]) for w, row in enumerate(loads_WE)]
-    recv = [sum(load[r * L:(r + 1) * L]) - sum(loads_WE[r][r * L:(r + 1) * L]) for r in range(W)]
+    sent = [sum(row) - sum(row[w * L : (w + 1) * L]) for w, row in enumerate(loads_WE)]
+    recv = [sum(load[r * L : (r + 1) * L]) - sum(loads_WE[r][r * L : (r + 1) * L]) for r in range(W)]
 
     def without(e, sent, recv):  # the ports once expert e's rows stay home
         o = e // L
@@ -136,8 +146,11 @@ def hot_experts(loads_WE: list, limit: int, L: int, row_bytes: int, fetch_bytes:
     fetched = list(fetched)[:limit]
     for e in fetched:  # shadowed anyway (free now): the base to improve on
         sent, recv = without(e, sent, recv)
-    new = [e for e in sorted(range(E), key=lambda e: (-load[e], e))
-           if e not in fetched and total and load[e] * E > HOT_LOAD * total][:max(limit - len(fetched), 0)]
+    new = [
+        e
+        for e in sorted(range(E), key=lambda e: (-load[e], e))
+        if e not in fetched and total and load[e] * E > HOT_LOAD * total
+    ][: max(limit - len(fetched), 0)]
     base = max(sent + recv, default=0)
     k_best, net_best = 0, 0.0
     for k, e in enumerate(new, 1):  # the net saving of also shadowing the first k new ones
@@ -228,10 +241,12 @@ def _fetched(moe, e: int, cache: dict) -> tuple:
         # Every rank passes a slice of its own parameters (the owner: expert e's), so that every rank's
         # graph holds the fetch and every rank reaches its backward collective.
         fwd, bwd = _Box(), _Box()
-        ws = _AwaitGrad.apply(bwd, *(p[e % L: e % L + 1] for p in moe.experts._params()))
+        ws = _AwaitGrad.apply(bwd, *(p[e % L : e % L + 1] for p in moe.experts._params()))
         with _trace.span("shadow fetch", layer=moe.trace_name, expert=e):
-            cache[e] = (_Fetch.apply(group, group.rank if emulated else e // L, "avg" if emulated else "sum", fwd, bwd,
-                                     *ws), fwd)
+            cache[e] = (
+                _Fetch.apply(group, group.rank if emulated else e // L, "avg" if emulated else "sum", fwd, bwd, *ws),
+                fwd,
+            )
     return cache[e]
 
 
@@ -256,8 +271,9 @@ def _remap_rows(row_TK: torch.Tensor, sent_E: list, hot: list) -> tuple:
     move = torch.repeat_interleave(shift_E, torch.tensor(sent_E), output_size=bounds[-1])
     move = to_device(move.to(row_TK.dtype), row_TK.device)
     kept = row_TK >= 0
-    new = torch.where(kept, row_TK + move.index_select(0, row_TK.clamp(min=0).reshape(-1).long()).view_as(row_TK),
-                      row_TK)
+    new = torch.where(
+        kept, row_TK + move.index_select(0, row_TK.clamp(min=0).reshape(-1).long()).view_as(row_TK), row_TK
+    )
     return new, first[-1] - sum(sent_E[e] for e in hot)
 
 
@@ -280,8 +296,9 @@ def _shadow_compute(moe, x_HD: torch.Tensor, counts_H: list, stacked: list, ops)
     bounds = HostBounds(host_bounds(counts_H))
     offsets = to_device(torch.tensor(bounds), x_HD.device)
     with _trace.span("shadow experts", cuda=x_HD.is_cuda, layer=moe.trace_name, rows=x_HD.shape[0]):
-        return _ExpertsFn.apply(x_HD, *tensors, weights, offsets, bounds, ops, moe.experts._spec, None, None, None,
-                                None, None)
+        return _ExpertsFn.apply(
+            x_HD, *tensors, weights, offsets, bounds, ops, moe.experts._spec, None, None, None, None, None
+        )
 
 
 def _zeroed(counts_WL: list, hot: list, L: int, rank: Optional[int] = None) -> list:
@@ -289,8 +306,10 @@ def _zeroed(counts_WL: list, hot: list, L: int, rank: Optional[int] = None) -> l
     received ones on the emulated link, where rank w's copy receives for it), or ``rank * L + l``
     (received counts: every sender's rows for this rank's expert l)."""
     hot_set = set(hot)
-    return [[0 if (w if rank is None else rank) * L + l in hot_set else c for l, c in enumerate(row)]
-            for w, row in enumerate(counts_WL)]
+    return [
+        [0 if (w if rank is None else rank) * L + l in hot_set else c for l, c in enumerate(row)]
+        for w, row in enumerate(counts_WL)
+    ]
 
 
 def exchange_and_compute(moe, x_TD: torch.Tensor, r, ops, chunk: Optional[int], x_in: torch.Tensor) -> Exchanged:
@@ -308,8 +327,15 @@ def exchange_and_compute(moe, x_TD: torch.Tensor, r, ops, chunk: Optional[int], 
     cache = _step_cache(moe)
     s = _scope.current()
     cost = fetch_bytes(moe.group, sum(p[0].numel() * p.element_size() for p in moe.experts._params()))
-    hot = hot_experts(counts.loads, moe.shadow_experts, L, x_TD.element_size() * x_TD.shape[1], cost,
-                      1 if s is None else len(s.rows), cache["fetched"])
+    hot = hot_experts(
+        counts.loads,
+        moe.shadow_experts,
+        L,
+        x_TD.element_size() * x_TD.shape[1],
+        cost,
+        1 if s is None else len(s.rows),
+        cache["fetched"],
+    )
     moe.shadowed = hot
     if not hot:
         x_SD, src_S = moe.permute_rows(x_TD, r, sum(sent_E), ops, chunk)
