@@ -115,3 +115,39 @@ registers; the timeout (default 300 s); the timer slack (50 us by default); rel 
 # 2 x (W-1)/W x T K D b bytes; GEMMs 2x (dX, dW); 16 MiB blocks
 '''
     assert measurements(facts) == []
+
+
+# ------------------------------------------------------------------------------------------ tracker numbers
+# The tracker is not part of the repository: "issue N" or "(#N)" means nothing to a reader of the
+# code or the docs, and a number outlives the tracker. Say what is meant instead. bench/results/ (the
+# measurement history and the logs) may keep them: there they date a result.
+TRACKER = re.compile(r"(?i)\b(?:issues?|PRs?|pull\s+requests?|tickets?)\s+#?\d+|\(#\d+\)")
+TRACKER_FREE_EXCEPT = ("bench/results/",)
+
+
+def tracker_citations(text: str) -> list[tuple[int, str]]:
+    """(line number, line) of every citation of a tracker's number in ``text``."""
+    return [(i, line.strip()) for i, line in enumerate(text.splitlines(), 1) if TRACKER.search(line)]
+
+
+def _tracked_text_files() -> list[Path]:
+    listing = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True)
+    return [REPO / p for p in listing.stdout.split() if not p.startswith(TRACKER_FREE_EXCEPT)]
+
+
+def test_no_tracker_numbers():
+    found = []
+    for path in _tracked_text_files():
+        try:
+            text = path.read_text()
+        except (UnicodeDecodeError, FileNotFoundError):  # (binary, or deleted but not yet staged)
+            continue
+        found += [f"{path.relative_to(REPO)}:{line}: {text}" for line, text in tracker_citations(text)]
+    assert not found, "tracker numbers (say what is meant instead):\n" + "\n".join(found)
+
+
+def test_the_tracker_check_can_fail():
+    number = "2" + "3"  # (spelled apart so that this file passes its own check)
+    planted = f'# fixed in issue {number}\nx = 1  # see (#{number})\n"""Issues {number}/24, PR #{number}."""\n'
+    assert [line for line, _ in tracker_citations(planted)] == [1, 2, 3]
+    assert tracker_citations('"rank 0 ran MoE layer #0"; issued #1 gradient all-reduce; triton-lang/triton#11584') == []
