@@ -1,4 +1,4 @@
-"""make bench-link's runner (bench.reallink_acceptance) without a link: a run that fails does not hide
+"""make bench-link's runner (bench.reallink.acceptance) without a link: a run that fails does not hide
 the others' table, the rows go under out/ by default, and the main job says what its link was."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-import bench.reallink_acceptance as acceptance
-from bench.train_lm import _link_note
+import bench.reallink.acceptance as acceptance
+from examples.train_lm import _link_note
 
 ROW = dict(
     configured_mbit=160.0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from bench.gpu_lane import summary
+from bench.lane.run import summary
 
 
 def test_summary_judges_worst_row_and_reports_missing(tmp_path):
@@ -51,12 +51,12 @@ def test_summary_shows_informational_rows_unjudged(tmp_path):
 
 def test_lane_writes_its_summary_when_steps_fail(tmp_path):
     """On this CPU machine the real lane's pre-flight finds no CUDA device: the lane stops there, at
-    once and non-zero (issue 36: no step spends the call on what cannot work), and still records the
+    once and non-zero (no step spends the call on what cannot work), and still records the
     step and leaves summary.json and the archive with the step's log in --out (a lent GPU's call
     returns only what is under it)."""
     import tarfile
 
-    from bench.gpu_lane import main
+    from bench.lane.run import main
 
     assert main(["--out", str(tmp_path), "--only", "kernels", "--budget", "120"]) != 0
     result = json.loads((tmp_path / "summary.json").read_text())
@@ -69,7 +69,7 @@ def test_collect_appends_rows_and_merges_defaults(tmp_path):
     """--collect brings a GPU call's $OUT into the repository: rows appended (never replaced),
     the timeline under the GPU's name, the exported autotune entry merged into the shipped file
     with its other fields kept."""
-    from bench.gpu_lane import collect
+    from bench.lane.run import collect
 
     src, results = tmp_path / "out", tmp_path / "results"
     src.mkdir()

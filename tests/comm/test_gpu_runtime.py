@@ -79,8 +79,8 @@ def test_early_backward_on_cuda_equals_the_backward_issuing_it():
     emulated 2-rank CUDA link, 3 chunks, its last combine's duals issued from the forward (the
     partial backward runs on the engine's device thread) against issued by the backward."""
     pytest.importorskip("transformers")
-    from bench.hf_models import batch, build
     from lancet_rt.comm import faults
+    from lancet_rt.models.hf_models import batch, build
 
     hf = build("mixtral", "bench").cuda()
     ids, mask, labels = (t.cuda() for t in batch(hf.config.vocab_size, 6, 64))
@@ -192,7 +192,7 @@ def test_overlapped_cuda_steady_state_has_no_host_sync():
     torch.cuda.set_sync_debug_mode("warn"). The layer's one intended host wait per chunk and layer
     (the counts exchange, an Event.synchronize) is not reported by that mode; anything it reports
     (a pageable host-to-device copy, .item(), .tolist() of a CUDA tensor, torch.cuda.synchronize(), ...)
-    stalls the host and drains the compute queue (issue 5: no device-wide synchronisation in the steady
+    stalls the host and drains the compute queue (no device-wide synchronisation in the steady
     state). The failure names each sync's CALLER with its full Python stack (tests/host_sync.py), not
     torch's frame that issued the warning, so one run tells what to fix."""
     from tests.host_sync import record_syncs, report
