@@ -15,6 +15,13 @@ times one training step of each schedule: ``sequential``; ``moe_pipelined`` (MoE
 deferred dW); ``accumulate`` (``Overlapped.accumulate`` over M = max(2, --microbatches) microbatches,
 reported per microbatch); and the peers' schedules where bench.peers provides them.
 
+The peers' all-to-alls run on the plain gloo group (``dist.all_to_all_single``, :data:`PEER_TRANSPORT`);
+ours, by default, on a split group's lanes (``--channels split``). So that the peer ratio measures the
+schedules and not the transport, a run that times the peers also times ``overlapped@plain`` (Overlapped on
+a plain group, as ``--channels plain``) in the same rounds: ``overlapped_over_peer_<name>`` is that over
+the peer's step (the headline), ``overlapped_split_over_peer_<name>`` ours on its lanes over theirs (both
+in the table, :func:`peer_ratios`).
+
 Timing: every step starts at a barrier and its time is the slowest rank's. Rounds alternate the link
 between *unshaped* (no rate limit: what each schedule computes, its communication nearly free) and
 *shaped* (the calibrated rate) and the order of the schedules, so that load from elsewhere hits all
@@ -162,6 +169,9 @@ class _Rank:
 
 
 CHANNELS = ("split", "counts", "plain")
+#: The channels the peers' all-to-alls run on: ``dist.all_to_all_single`` on the plain gloo group
+#: (bench.overlap.real_runner.peer_schedules), as ours on ``--channels plain``.
+PEER_TRANSPORT = "plain"
 
 
 def ep_group(channels: str):
@@ -199,13 +209,18 @@ def _rank(args, kind: str, rate: Optional[int]) -> Optional[dict]:
     group = ep_group(variants[0])
     runner = RealRunner(args, s, group, me.rank)
     asked = args.schedules.split(",") if args.schedules else None
+    peers = {}
     if asked is None or any(n.startswith("peer_") for n in asked):  # (the peers are built and checked only if timed)
-        for name, step in peer_schedules(runner).items():
+        peers = peer_schedules(runner)
+        for name, step in peers.items():
             runner.add_schedule(name, step)
     wanted = asked or list(runner.steps)
     names = [n for n in wanted if n in runner.steps]
     for variant in variants[1:]:  # the same model and schedules on another group, timed in the same rounds
         names += _add_variant(runner, args, s, me.rank, variant, wanted)
+    if any(n in peers for n in names) and PEER_TRANSPORT not in variants:
+        # Overlapped on the peers' transport too, in the same rounds: the headline ratio compares like with like
+        names += _add_variant(runner, args, s, me.rank, PEER_TRANSPORT, ["overlapped"])
     source = parse_routing(args.routing) if args.routing else None
     try:
         with bias_routers(runner.moe_layers, source) if source else _null():
@@ -227,6 +242,25 @@ def _add_variant(runner: RealRunner, args, s: dict, rank: int, variant: str, wan
         runner.add_schedule(f"{n}@{variant}", other.steps[n], other.per_step[n])
         names.append(f"{n}@{variant}")
     return names
+
+
+def peer_ratios(shaped: dict, primary: str) -> dict:
+    """Overlapped's step over each peer's on the shaped link (``shaped``: schedule -> ms), both ways: on the
+    peers' transport (``overlapped_over_peer_<name>``, the headline: the peers' all-to-alls run on the plain
+    gloo group, :data:`PEER_TRANSPORT`, and so does ``overlapped@plain``) and, when ours runs on other
+    channels, on ours (``overlapped_<channels>_over_peer_<name>``: what the transport adds)."""
+    same = "overlapped" if primary == PEER_TRANSPORT else f"overlapped@{PEER_TRANSPORT}"
+    out = {}
+    for n in shaped:
+        if not n.startswith("peer_") or "@" in n:
+            continue
+        if same in shaped:
+            out[f"overlapped_over_{n}"] = shaped[same] / shaped[n]
+        if primary != PEER_TRANSPORT and "overlapped" in shaped:
+            out[f"overlapped_{primary}_over_{n}"] = shaped["overlapped"] / shaped[n]
+    if out:
+        out["peer_transport"] = PEER_TRANSPORT
+    return out
 
 
 def _null():
@@ -309,9 +343,8 @@ def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: st
         row[f"{n}_min_ms"] = min(times[("shaped", n)])
         row[f"hidden_{n}"] = 1 - (med[("shaped", n)] - med[("unshaped", n)]) / comm_ms if comm_ms > 0 else None
         row[f"speedup_{n}"] = med[("shaped", "sequential")] / med[("shaped", n)]
-    for n in names:  # the peers (bench.peers): Overlapped's step over theirs, in the same run
-        if n.startswith("peer_") and "@" not in n and "overlapped" in names:
-            row[f"overlapped_over_{n}"] = med[("shaped", "overlapped")] / med[("shaped", n)]
+    # the peers (bench.peers): Overlapped's step over theirs, in the same run, on their transport and on ours
+    row.update(peer_ratios({n: med[("shaped", n)] for n in names}, args.channels.split(",")[0].strip()))
     row["hidden_comm_fraction"] = row.get("hidden_overlapped")
     row["speedup_vs_sequential"] = row.get("speedup_overlapped")
     row.update(link_bound(row, step_tx))
@@ -319,6 +352,25 @@ def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: st
         _report(row, names)
         RowLog(args.json).add(row)
     return row
+
+
+def _report_peers(row: dict) -> None:
+    """Overlapped's step over the peers', on their transport (the headline) and on ours."""
+    same = {k[len("overlapped_over_peer_") :]: v for k, v in row.items() if k.startswith("overlapped_over_peer_")}
+    if not same:
+        return
+    transport = row.get("peer_transport", PEER_TRANSPORT)
+    print(
+        f"Overlapped's step over the peers' (same link, same run, the same transport: a {transport} gloo group): "
+        + ", ".join(f"{peer} {v:.2f}x" for peer, v in same.items())
+    )
+    primary = row["channels"].split(",")[0].strip()
+    ours = {peer: row.get(f"overlapped_{primary}_over_peer_{peer}") for peer in same}
+    if primary != transport and all(v is not None for v in ours.values()):
+        print(
+            f"  ours on its {primary} channels, theirs on the {transport} group: "
+            + ", ".join(f"{peer} {v:.2f}x" for peer, v in ours.items())
+        )
 
 
 def link_bound(row: dict, step_tx_bytes: Optional[float]) -> dict:
@@ -467,12 +519,7 @@ def _report(row: dict, names: list) -> None:
         "below 0, a schedule pays more link time than the sequential step (a peer's all-to-alls on a slower "
         "transport, or none of its communication overlapped)"
     )
-    peers = [k for k in row if k.startswith("overlapped_over_peer_")]
-    if peers:
-        print(
-            "Overlapped's step over the peers' (same link, same run): "
-            + ", ".join(f"{k[len('overlapped_over_peer_') :]} {row[k]:.2f}x" for k in peers)
-        )
+    _report_peers(row)
     if "socket_mbit" in row:
         print(
             f"link achieved per rank: {row['socket_mbit']:.0f} Mbit/s (sockets), {row['gloo_a2a_mbit']:.0f} Mbit/s "

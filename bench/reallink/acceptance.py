@@ -12,8 +12,9 @@ calibrated so that the sequential step's communication is 1x its compute:
 appends every row to ``--json`` (default ``out/overlap_real.json``, outside the tracked results; the
 project's own rows go to bench/results/overlap_real.json by asking) and prints the table the acceptance
 reads: Overlapped's speedup over the sequential step and its hidden fraction (targets: >= 1.6x and >= 0.80
-on run 1, >= 1.4x on run 2; run 3 reported), Overlapped's step over each peer's (targets: <= 0.55x torchtitan,
-<= 0.50x DeepSpeed-MoE), with the configured and achieved rates, the device, the date
+on run 1, >= 1.4x on run 2; run 3 reported), Overlapped's step over each peer's on the peers' transport, a
+plain gloo group (targets: <= 0.55x torchtitan, <= 0.50x DeepSpeed-MoE), beside it ours on its split lanes
+over theirs (bench.overlap.real.peer_ratios), with the configured and achieved rates, the device, the date
 and the load average; beside them the cross-microbatch ``accumulate`` schedule's speedup and hidden
 fraction, and the link's own bound (``bound_speedup``, ``bound_hidden``: the busiest port's bytes at the
 configured rate, which no schedule beats; bench.overlap.real.link_bound). A run that fails does not stop
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +86,11 @@ def _run(args, path: Path, name: str, extra: list) -> tuple:
     return rows[-1], 0
 
 
+#: A row's peer ratios: ``overlapped_over_peer_<name>`` on the peers' transport (the headline, with a target),
+#: ``overlapped_<channels>_over_peer_<name>`` ours on its own channels (bench.overlap.real.peer_ratios).
+_PEER_RATIO = re.compile(r"^overlapped_(?:(split|counts|plain)_)?over_peer_(.+)$")
+
+
 def _cell(name: str, row: dict) -> dict:
     """One run's line of the table, with its targets met or missed."""
     cell = dict(
@@ -103,13 +110,13 @@ def _cell(name: str, row: dict) -> dict:
     target = TARGETS.get(name, {})
     verdict = [f"{k} {'met' if cell[k] >= v else 'MISSED'} (>= {v})" for k, v in target.items()]
     for key, value in row.items():
-        if key.startswith("overlapped_over_peer_"):
-            peer = key[len("overlapped_over_peer_") :]
-            cell[f"vs_{peer}"] = value
-            if peer in PEER_TARGETS and name == "blocks, W=2":
-                verdict.append(
-                    f"vs {peer} {'met' if value <= PEER_TARGETS[peer] else 'MISSED'} (<= {PEER_TARGETS[peer]})"
-                )
+        m = _PEER_RATIO.match(key)
+        if not m:
+            continue
+        channels, peer = m.groups()
+        cell[f"vs_{peer}" + (f"@ours_{channels}" if channels else "")] = value
+        if channels is None and peer in PEER_TARGETS and name == "blocks, W=2":
+            verdict.append(f"vs {peer} {'met' if value <= PEER_TARGETS[peer] else 'MISSED'} (<= {PEER_TARGETS[peer]})")
     cell["targets"] = "; ".join(verdict) or "reported"
     return cell
 
@@ -153,6 +160,10 @@ def main(argv=None) -> int:
             f"commit {first.get('commit')}, load average {first.get('load_avg_before')}",
         )
         print("hidden below 0: that schedule pays more link time than the sequential step (bench.overlap --link real)")
+        print(
+            "vs_<peer>: Overlapped's step over the peer's, both on the peers' transport (a plain gloo group; the "
+            "targets read these); vs_<peer>@ours_split: ours on its split lanes, theirs on the plain group"
+        )
     print(f"rows appended to {path}")
     for name, rc in failed:
         print(f"FAILED: {name} (exit status {rc}; its output is above)", file=sys.stderr)

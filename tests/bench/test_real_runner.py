@@ -119,3 +119,19 @@ def test_calibration_interpolates_between_tries_on_either_side():
     assert next_rate([(100e6, 1.5)]) == pytest.approx(150e6)
     assert next_rate([(100e6, 4.0), (200e6, 2.0), (400e6, 0.5)]) == pytest.approx(200e6 * 2 ** (1 / 2))
     assert next_rate([(100e6, 2.0), (400e6, 0.5)]) == pytest.approx(200e6)
+
+
+def test_the_peer_ratio_compares_on_the_peers_transport():
+    """The peers' all-to-alls run on the plain gloo group: the headline ratio is Overlapped on that group
+    (overlapped@plain) over the peer's step; ours on its split lanes over theirs is kept beside it. On
+    --channels plain, ours is already on their transport."""
+    from bench.overlap.real import PEER_TRANSPORT, peer_ratios
+
+    shaped = {"sequential": 1500.0, "overlapped": 600.0, "overlapped@plain": 900.0, "peer_deepspeed": 1200.0}
+    got = peer_ratios(shaped, "split")
+    assert PEER_TRANSPORT == "plain" and got["peer_transport"] == "plain"
+    assert got["overlapped_over_peer_deepspeed"] == pytest.approx(0.75)
+    assert got["overlapped_split_over_peer_deepspeed"] == pytest.approx(0.5)
+    plain = peer_ratios({"overlapped": 900.0, "peer_deepspeed": 1200.0}, "plain")
+    assert plain == {"overlapped_over_peer_deepspeed": pytest.approx(0.75), "peer_transport": "plain"}
+    assert peer_ratios({"overlapped": 600.0, "sequential": 1500.0}, "split") == {}  # no peer timed
