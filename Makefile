@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 # The real peers bench.peers compares against (a bench extra): torchtitan 0.3.0 without its dependencies
 # (its trainer's: datasets, wandb, torchdata, ...) plus what its MoE modules import, and DeepSpeed with no
 # op builds (pure Python on torch's CPU wheel), into $(VENV)/peers: beside the venv's packages, not among
-# them (bench.peers puts it on sys.path), so a transformers.Trainer in the venv does not import DeepSpeed.
+# them (bench.peers.layers puts it on sys.path), so a transformers.Trainer in the venv does not import DeepSpeed.
 # About 30 s; `make test` installs them so the peers' equality tests run in CI. Output in
 # $(VENV)/peers.log, shown on failure.
 PEERS_STAMP := $(VENV)/.peers-dir
@@ -36,16 +36,17 @@ define install_peers
 	  && DS_BUILD_OPS=0 $(1)/bin/python -m pip install -q --no-deps --target $(1)/peers torchtitan==0.3.0 spmd_types==0.2.3 deepspeed==0.19.8 \
 	  && $(1)/bin/python -m pip install -q --target $(1)/peers tyro einops hjson msgpack ninja py-cpuinfo pydantic ) > $(1)/peers.log 2>&1 \
 	  || { cat $(1)/peers.log; exit 1; }
-	@$(1)/bin/python -c "import bench.peers, torchtitan.models.common.moe, deepspeed; print('peers: torchtitan 0.3.0 | deepspeed', deepspeed.__version__, 'in', bench.peers.PEERS_DIR)"
+	@$(1)/bin/python -c "import bench.peers.layers as p, torchtitan.models.common.moe, deepspeed; print('peers: torchtitan 0.3.0 | deepspeed', deepspeed.__version__, 'in', p.PEERS_DIR)"
 endef
 
 $(PEERS_STAMP): $(VENV)/.installed
 	$(call install_peers,$(VENV))
 	@touch $@
 
-# The main job: a GPT-style MoE language model, 2 expert-parallel ranks, under lancet_rt.Overlapped.
+# The main job (examples/train_lm.py): a GPT-style MoE language model, 2 expert-parallel ranks, under
+# lancet_rt.Overlapped.
 train: setup
-	$(BIN)/python -m torch.distributed.run --standalone --nproc-per-node 2 -m bench.train_lm
+	$(BIN)/python -m torch.distributed.run --standalone --nproc-per-node 2 examples/train_lm.py
 
 # The main job over a real link (root; iproute2): 2 ranks, each in its own network namespace, every port
 # token-bucket limited at LINK_RATE (bench.reallink), the expert-parallel group split; prints sequential vs
@@ -53,13 +54,13 @@ train: setup
 LINK_RATE ?= 250mbit
 TRAIN_LINK_ARGS ?= --steps 100 --timing-steps 10
 train-link: setup
-	$(BIN)/python -m bench.reallink --ranks 2 --rate $(LINK_RATE) -- -m bench.train_lm --channels split $(TRAIN_LINK_ARGS)
+	$(BIN)/python -m bench.reallink --ranks 2 --rate $(LINK_RATE) -- -m examples.train_lm --channels split $(TRAIN_LINK_ARGS)
 
 # The real-link acceptance (root; minutes): bench.overlap --link real on the blocks model (2 and 4
 # ranks) and Mixtral, rate calibrated to comm = 1x compute, with the peers (make peers); prints the table and
 # appends out/overlap_real.json (untracked; BENCH_LINK_ARGS="--json bench/results/overlap_real.json" for the project's rows).
 bench-link: setup peers
-	$(BIN)/python -m bench.reallink_acceptance $(BENCH_LINK_ARGS)
+	$(BIN)/python -m bench.reallink.acceptance $(BENCH_LINK_ARGS)
 
 # The test suite (CPU lane; Triton kernels in the interpreter); its header states the versions it ran
 # with. Exit code 5 (no tests) is not a failure.
@@ -86,7 +87,7 @@ test-gpu: setup
 # What the lent GPU machine lacks of the lane's needs (it has no package registry): greenlet and xxhash; its
 # image has torch, triton, nvidia-ml-py, safetensors, tqdm, pytest, pytest-timeout, transformers and
 # matplotlib (../shared/GPU.md). Carried as .whl/ (ignored by git; `carry: [".whl"]`), installed by
-# bench.gpu_lane into a temporary directory. GPU_PYTHON is that machine's Python version.
+# bench.lane into a temporary directory. GPU_PYTHON is that machine's Python version.
 GPU_PYTHON ?= 3.12
 gpu-wheels:
 	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version $(GPU_PYTHON) --implementation cp \

@@ -50,8 +50,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lancet_rt
-from bench.common import RowLog, print_table, run_metadata
-from bench.timing import PhaseTimer, collect_garbage
+from bench.common import PhaseTimer, RowLog, collect_garbage, print_table, run_metadata
 from lancet_rt.cli import float_in, int_in, list_of
 from lancet_rt.models.blocks import MoEBlocks
 

@@ -1,7 +1,7 @@
 """The grouped GEMM's CUDA config space (:mod:`lancet_rt.kernels.grouped_gemm`): candidate tiles, the pruning
 predicate the autotuner applies per problem and dtype, and the configs pinned by the environment.
 
-Pure Python over ``triton.Config``: ``python -m bench.compile_check --all-configs`` builds every
+Pure Python over ``triton.Config``: ``python -m bench.kernels.compile_check --all-configs`` builds every
 survivor for sm_90, and the tests check the predicate without a GPU.
 """
 
@@ -70,7 +70,7 @@ def _gemm_configs(op: str) -> list:
 # fp32 accumulator registers per thread allowed where fp32 operands sit in registers next to the
 # accumulators: on the FMA units (fp32 without TF32), and in dW with TF32 too, whose operands are both
 # MN-major (dy_seg.T, x_seg), which tf32 wgmma cannot read from shared memory. There, sm_90 builds with
-# 128 accumulator registers spill heavily, those with 64 little (``python -m bench.compile_check
+# 128 accumulator registers spill heavily, those with 64 little (``python -m bench.kernels.compile_check
 # --all-configs``). The interleaved gate_up (GPT-OSS's [E, D, 2F] weight: an MN-major operand, and a
 # gate/up split in the epilogue) joins them in fp32 (with TF32 too, 128 accumulator registers spilled),
 # and at 4 warps in every dtype (bf16 128 x 64 spilled even without bias). The spills and register

@@ -54,7 +54,7 @@ can N * R through a column-major view). Products bounded by a tile, the in-tile 
 (< BLOCK_K) and the per-step pointer increments (BLOCK_K or BLOCK_M times a stride), stay int32 unless
 that bound reaches 2^31 (a column-major x with millions of rows, say), when the ``TILE_I64``
 heuristic switches them to int64: always in int64, they made the fp32 TF32 dx kernel at 128 x 128 x 32
-(4 warps) spill and its dW need more registers (``python -m bench.compile_check --all-configs``;
+(4 warps) spill and its dW need more registers (``python -m bench.kernels.compile_check --all-configs``;
 figures in bench/results/HISTORY.md). Masks stay int32.
 
 """

@@ -31,7 +31,7 @@ Tuning
 ------
 On CUDA each projection has its own autotuner (fwd, dx, gate_up, dw), over :func:`_gemm_configs`
 pruned by :func:`_prune_configs` (registers, fewer where fp32 operands sit in registers, shared memory,
-128-byte K steps, problem size; ``python -m bench.compile_check`` builds every survivor for sm_90). The key is
+128-byte K steps, problem size; ``python -m bench.kernels.compile_check`` builds every survivor for sm_90). The key is
 (N, K, E, a power-of-two bucket of the mean rows per expert) and the dtypes, never the raw row count,
 so chunked runs with varying R do not retune. ``LANCET_GEMM_CONFIG="BM,BN,BK,num_warps,num_stages"``
 pins one config for all four (``LANCET_GEMM_CONFIG_<FWD|DX|GATE_UP|DW>`` for one of them); for dW
@@ -45,7 +45,7 @@ Limits
   at 4096 rows per expert and BM=128, but dominant for tiny segments.
 * Non-persistent kernels with plain pointer loads (cp.async pipelining, wgmma via Triton): no TMA,
   no warp specialisation, no stream-K. Expect below cuBLAS's dense rate on H100/H200; the benchmark
-  ``python -m bench.experts`` measures the fraction.
+  ``python -m bench.kernels.experts`` measures the fraction.
 * dW has no split over rows: an expert's tiles loop over all its rows, so with very few output tiles
   (small N*K) and one large segment the GPU is under-filled. At D=4096, F>=2048 every expert has
   thousands of tiles.

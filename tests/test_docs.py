@@ -99,12 +99,16 @@ def cell_names(cell: str) -> list[str]:
 
 
 def command_of(span: str) -> str:
-    """The command a span runs: ``make T``, ``python -m M`` (also under torchrun) or the program."""
+    """The command a span runs: ``make T``, ``python -m M`` (also under torchrun; a script of the checkout,
+    ``examples/train_lm.py``, is its module) or the program."""
     words = span.split()
     if words[0] == "make":
         return f"make {words[1]}"
     if "-m" in words:
         return f"python -m {words[words.index('-m') + 1]}"
+    scripts = [w for w in words[1:] if w.endswith(".py")]
+    if scripts:
+        return f"python -m {scripts[0].removesuffix('.py').replace('/', '.')}"
     return words[0]
 
 
@@ -168,13 +172,15 @@ def public_names() -> list[str]:
 
 
 def _main_modules() -> list[str]:
-    """Installed and bench modules that run as ``python -m``."""
+    """Installed, bench and examples modules that run as ``python -m``."""
 
     def runs(path: Path) -> bool:
         return re.search(r"^if __name__ == .__main__.:", path.read_text(), re.M) is not None
 
     found = [m.removesuffix(".__main__") for m, p in _modules().items() if runs(p)]
-    found += [f"bench.{p.stem}" for p in sorted((ROOT / "bench").glob("*.py")) if runs(p)]
+    for folder in ("bench", "examples"):  # the checkout's commands: python -m <folder>.<module> from the root
+        paths = [p for p in sorted((ROOT / folder).rglob("*.py")) if runs(p)]
+        found += [".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__main__") for p in paths]
     return sorted(found)
 
 
@@ -276,7 +282,7 @@ def test_the_parsers_see_what_they_must():
     # a command under torchrun, a family of variables, and a table of another kind that defines nothing.
     text = (
         "| name | what |\n|---|---|\n| `lancet_rt.MoE(d)` (also `lancet_rt.moe.MoE`), `Experts` | x |\n\n"
-        "| command | what |\n|---|---|\n| `torchrun --nproc-per-node 2 -m bench.train_lm`, `make test` | x |\n\n"
+        "| command | what |\n|---|---|\n| `torchrun --nproc-per-node 2 -m examples.train_lm`, `make test` | x |\n\n"
         "| variable | effect |\n|---|---|\n| `LANCET_GEMM_CONFIG_<FWD\\|DX>` | x |\n\n"
         "| folder | what |\n|---|---|\n| `lancet_rt.Overlapped` | x |\n"
     )
@@ -288,7 +294,7 @@ def test_the_parsers_see_what_they_must():
         n: {"page.md"} for n in ("lancet_rt.MoE", "lancet_rt.moe.MoE", "lancet_rt.moe.Experts")
     }
     assert len(_by_identity(definitions("name", [page]))) == 2  # MoE and its alias are one object
-    assert set(definitions("command", [page])) == {"python -m bench.train_lm", "make test"}
+    assert set(definitions("command", [page])) == {"python -m examples.train_lm", "make test"}
     assert set(definitions("variable", [page])) == {"LANCET_GEMM_CONFIG_"}
     assert "make gpu-wheels" in commands() and "lancet-autotune" in commands()
     assert "python -m lancet_rt.autotune" in commands() and "python -m bench.overlap" in commands()

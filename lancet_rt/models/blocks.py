@@ -2,7 +2,7 @@
 
 ``x + attn(norm(x))``, then ``x + moe(norm(x))``, with RMSNorm; the second norm fuses the residual
 add (:func:`lancet_rt.dense.add_rmsnorm`, Triton on CUDA). The one definition of this block: bench.overlap
-and the main job (bench.model) import it from here, so the autotuner tunes exactly the block the
+and the main job (lancet_rt.models.lm) import it from here, so the autotuner tunes exactly the block the
 benchmark measures. It is an ordinary eager module: nothing in it knows about chunks.
 """
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lancet_rt
-from bench.model import MoEBlocks
+from lancet_rt.models.blocks import MoEBlocks
 
 D = 16
 

@@ -1,4 +1,4 @@
-"""make bench-link's runner (bench.reallink_acceptance) without a link: a run that fails does not hide
+"""make bench-link's runner (bench.reallink.acceptance) without a link: a run that fails does not hide
 the others' table, the rows go under out/ by default, and the main job says what its link was."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-import bench.reallink_acceptance as acceptance
-from bench.train_lm import _link_note
+import bench.reallink.acceptance as acceptance
+from examples.train_lm import _link_note
 
 ROW = dict(
     configured_mbit=160.0,
@@ -54,3 +54,11 @@ def test_the_main_job_names_its_link(monkeypatch):
     assert "loopback" in note and "make train-link" in note and "bench.overlap" in note
     monkeypatch.setenv("LANCET_REALLINK_RATE_BPS", "163000000")
     assert "163 Mbit/s" in _link_note(dict(world=2, device="cpu"), None)
+
+
+def test_the_peer_targets_read_the_same_transport_ratio():
+    """vs_<peer> (both on the peers' plain group) is what the target reads; ours on its lanes is shown beside."""
+    row = dict(ROW, overlapped_over_peer_deepspeed=0.6, overlapped_split_over_peer_deepspeed=0.4)
+    cell = acceptance._cell("blocks, W=2", row)
+    assert cell["vs_deepspeed"] == 0.6 and cell["vs_deepspeed@ours_split"] == 0.4
+    assert "vs deepspeed MISSED (<= 0.5)" in cell["targets"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from bench.gpu_lane import summary
+from bench.lane.run import summary
 
 
 def test_summary_judges_worst_row_and_reports_missing(tmp_path):
@@ -56,7 +56,7 @@ def test_lane_writes_its_summary_when_steps_fail(tmp_path):
     returns only what is under it)."""
     import tarfile
 
-    from bench.gpu_lane import main
+    from bench.lane.run import main
 
     assert main(["--out", str(tmp_path), "--only", "kernels", "--budget", "120"]) != 0
     result = json.loads((tmp_path / "summary.json").read_text())
@@ -69,7 +69,7 @@ def test_collect_appends_rows_and_merges_defaults(tmp_path):
     """--collect brings a GPU call's $OUT into the repository: rows appended (never replaced),
     the timeline under the GPU's name, the exported autotune entry merged into the shipped file
     with its other fields kept."""
-    from bench.gpu_lane import collect
+    from bench.lane.run import collect
 
     src, results = tmp_path / "out", tmp_path / "results"
     src.mkdir()

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from bench import lane_configs, lane_files, lane_steps
-from bench.lane_steps import GEMM_PINS, PRIORITY, allot, deadlines
+from bench.lane import configs as lane_configs
+from bench.lane import files as lane_files
+from bench.lane import steps as lane_steps
+from bench.lane.steps import GEMM_PINS, PRIORITY, allot, deadlines
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,7 +34,7 @@ def test_priority_plan_gives_the_headline_its_caps_first():
 
 def test_pytest_steps_time_out_by_thread():
     """pytest-timeout's signal method cannot interrupt a test blocked in C++; the thread method can."""
-    from bench.lane_steps import Context
+    from bench.lane.steps import Context
 
     ctx = Context("python", REPO, REPO, False, 60)
     for step in PRIORITY:
@@ -72,7 +74,7 @@ def test_pinned_routing_config_is_what_the_kernel_launches(monkeypatch):
 
 
 def test_step_environment_sets_and_unsets_its_variables(monkeypatch):
-    from bench import gpu_lane
+    from bench.lane import run as gpu_lane
 
     steps = {s.name: s for s in PRIORITY}
     base = {"CUDA_DEVICE_MAX_CONNECTIONS": "4", "KEEP": "1"}
@@ -87,7 +89,7 @@ def _fake_lane(monkeypatch, tmp_path, preflight_rc, install_s=1.5):
     lane's rc and the (step, allowance) of each step run."""
     import time
 
-    from bench import gpu_lane
+    from bench.lane import run as gpu_lane
 
     ran = []
 
@@ -116,7 +118,7 @@ def test_preflight_that_ran_long_does_not_end_the_call(monkeypatch, tmp_path, rc
 
 @pytest.mark.parametrize("rc", [3, 4])
 def test_failed_import_or_no_cuda_ends_the_call(monkeypatch, tmp_path, rc):
-    from bench import preflight
+    from bench.lane import preflight
 
     assert rc in (preflight.IMPORT_FAILED, preflight.NO_CUDA)
     code, ran = _fake_lane(monkeypatch, tmp_path, rc, install_s=0)
@@ -124,7 +126,7 @@ def test_failed_import_or_no_cuda_ends_the_call(monkeypatch, tmp_path, rc):
 
 
 def _h100_winners() -> dict:
-    """op -> the configs bench.experts' autotuning chose on the H100 on 2026-11-24."""
+    """op -> the configs bench.kernels.experts' autotuning chose on the H100 on 2026-11-24."""
     op_of = {
         "fwd gate_up+swiglu": "gate_up",
         "fwd down": "fwd",

@@ -1,4 +1,4 @@
-"""The GPU lane's acceptance on the CPU: ``bench.gpu_lane --dry-run`` runs the priority plan
+"""The GPU lane's acceptance on the CPU: ``bench.lane --dry-run`` runs the priority plan
 at toy sizes, every step's command for real (so every module parses its arguments), and leaves an
 archive that ``--collect`` brings home."""
 
@@ -8,8 +8,10 @@ import json
 import tarfile
 import time
 
-from bench import gpu_lane, lane_configs, lane_files
-from bench.lane_steps import HOST_SYNC_TEST, PRIORITY
+from bench.lane import configs as lane_configs
+from bench.lane import files as lane_files
+from bench.lane import run as gpu_lane
+from bench.lane.steps import HOST_SYNC_TEST, PRIORITY
 
 #: Fields no CPU row can carry (bench.host's GPU time): the targets that read them are checked on CUDA.
 CUDA_ONLY = {"host_over_gpu"}

@@ -4,8 +4,8 @@ import math
 
 import torch
 
-from bench import overlap
-from bench.runner import Runner
+from bench.overlap import run as overlap
+from bench.overlap.runner import Runner
 
 
 def _tiny(*extra):

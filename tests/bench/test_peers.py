@@ -9,7 +9,7 @@ import torch
 import lancet_rt
 from tests.dist import run_ranks
 
-peers = pytest.importorskip("bench.peers")
+peers = pytest.importorskip("bench.peers.layers")
 for _name in ("torchtitan", "deepspeed"):
     pytest.importorskip(_name, reason=f"{_name} is a bench extra: make peers")
 

@@ -1,4 +1,4 @@
-"""bench.real_runner (one process, no link): the real-link benchmark's schedules leave no gradient
+"""bench.overlap.real_runner (one process, no link): the real-link benchmark's schedules leave no gradient
 behind, and the peers plug in as schedules through bench.peers' interface (a stand-in module here:
 the peers themselves come with their own branch), checked equal before they are timed."""
 
@@ -11,9 +11,9 @@ import types
 import pytest
 import torch
 
-import bench
-from bench import overlap
-from bench.real_runner import SCHEDULES, RealRunner, peer_schedules
+import bench.peers
+from bench.overlap import run as overlap
+from bench.overlap.real_runner import SCHEDULES, RealRunner, peer_schedules
 
 
 def _runner():
@@ -54,7 +54,7 @@ def test_every_schedule_steps_and_leaves_no_gradient():
 
 
 def _stub_peers(monkeypatch, ok: bool, calls: list):
-    stub = types.ModuleType("bench.peers")
+    stub = types.ModuleType("bench.peers.layers")
     stub.PEERS = ("stub", "absent")
     stub.available = lambda peer: peer == "stub"
 
@@ -67,8 +67,8 @@ def _stub_peers(monkeypatch, ok: bool, calls: list):
         return dict(ok=ok, worst=("output", 0.0 if ok else 0.5))
 
     stub.peer_blocks, stub.check_equal = peer_blocks, check_equal
-    monkeypatch.setitem(sys.modules, "bench.peers", stub)
-    monkeypatch.setattr(bench, "peers", stub, raising=False)  # (if the real one was imported before)
+    monkeypatch.setitem(sys.modules, "bench.peers.layers", stub)
+    monkeypatch.setattr(bench.peers, "layers", stub, raising=False)  # (if the real one was imported before)
 
 
 def test_peers_are_checked_equal_then_timed_as_schedules(monkeypatch):
@@ -96,7 +96,7 @@ def test_link_bound_from_the_ports_bytes_and_the_rate():
     """The link's own bound: 20 MB at 160 Mbit/s is 1000 ms, more than Overlapped's 800 ms of compute, so no
     schedule beats sequential 1500 / 1000 = 1.5x, and at that step Overlapped would leave 200 of the 700 ms of
     measured comm exposed (hidden 5/7); where compute is the longer, compute bounds it."""
-    from bench.overlap_real import link_bound
+    from bench.overlap.real import link_bound
 
     row = dict(configured_mbit=160.0, overlapped_compute_ms=800.0, sequential_ms=1500.0, comm_ms=700.0)
     got = link_bound(row, 20e6)
@@ -113,9 +113,25 @@ def test_link_bound_from_the_ports_bytes_and_the_rate():
 def test_calibration_interpolates_between_tries_on_either_side():
     """Alone above the target it scales by what it got (at most 2x); once bracketed, log-log: tries at 100 and
     400 Mbit/s giving 2x and 0.5x the wanted comm (comm proportional to 1 / rate) meet at 200."""
-    from bench.overlap_real import next_rate
+    from bench.overlap.real import next_rate
 
     assert next_rate([(100e6, 4.0)]) == pytest.approx(200e6)
     assert next_rate([(100e6, 1.5)]) == pytest.approx(150e6)
     assert next_rate([(100e6, 4.0), (200e6, 2.0), (400e6, 0.5)]) == pytest.approx(200e6 * 2 ** (1 / 2))
     assert next_rate([(100e6, 2.0), (400e6, 0.5)]) == pytest.approx(200e6)
+
+
+def test_the_peer_ratio_compares_on_the_peers_transport():
+    """The peers' all-to-alls run on the plain gloo group: the headline ratio is Overlapped on that group
+    (overlapped@plain) over the peer's step; ours on its split lanes over theirs is kept beside it. On
+    --channels plain, ours is already on their transport."""
+    from bench.overlap.real import PEER_TRANSPORT, peer_ratios
+
+    shaped = {"sequential": 1500.0, "overlapped": 600.0, "overlapped@plain": 900.0, "peer_deepspeed": 1200.0}
+    got = peer_ratios(shaped, "split")
+    assert PEER_TRANSPORT == "plain" and got["peer_transport"] == "plain"
+    assert got["overlapped_over_peer_deepspeed"] == pytest.approx(0.75)
+    assert got["overlapped_split_over_peer_deepspeed"] == pytest.approx(0.5)
+    plain = peer_ratios({"overlapped": 900.0, "peer_deepspeed": 1200.0}, "plain")
+    assert plain == {"overlapped_over_peer_deepspeed": pytest.approx(0.75), "peer_transport": "plain"}
+    assert peer_ratios({"overlapped": 600.0, "sequential": 1500.0}, "split") == {}  # no peer timed

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import reallink
-from bench.real_runner import SCHEDULES
+from bench.overlap.real_runner import SCHEDULES
+from bench.reallink import link as reallink
 
 REPO = Path(__file__).resolve().parents[2]
 HAVE_LINK = os.geteuid() == 0 and shutil.which("ip") is not None and shutil.which("tc") is not None

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench import overlap
+from bench.overlap import run as overlap
 
 
 def test_routing_rows(tmp_path):

@@ -5,6 +5,9 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_main_job_two_ranks(tmp_path):
@@ -16,8 +19,7 @@ def test_main_job_two_ranks(tmp_path):
         "--standalone",
         "--nproc-per-node",
         "2",
-        "-m",
-        "bench.train_lm",
+        str(ROOT / "examples" / "train_lm.py"),  # as make train runs it: a script, not a module of the checkout
         "--steps",
         "40",
         "--log-every",
@@ -40,7 +42,7 @@ def test_step_timing_waits_for_the_device(monkeypatch):
     CUDA; a CUDA step returns before its kernels end): both ends of each timed run, each way."""
     import torch
 
-    from bench import train_lm
+    from examples import train_lm
 
     synced = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))

@@ -1,4 +1,4 @@
-"""bench.yardstick: the lean eager layer computes lancet_rt.MoE's outputs and gradients (float64), so
+"""bench.overlap.yardstick: the lean eager layer computes lancet_rt.MoE's outputs and gradients (float64), so
 the per-chunk costs it reports compare the same computation (no timing asserted)."""
 
 import math
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import lancet_rt
-from bench import yardstick
+from bench.overlap import yardstick
 
 
 def _layer(capacity_factor):
@@ -97,7 +97,7 @@ def test_rows(tmp_path):
 
 @pytest.mark.parametrize("capacity_factor", [None, 0.75])
 def test_blocks_with_the_lean_layer_equal_the_blocks_with_lancet_moe(capacity_factor):
-    """bench.yardstick --blocks compares the same computation: the blocks model with each MoE layer
+    """bench.overlap.yardstick --blocks compares the same computation: the blocks model with each MoE layer
     replaced by the lean one (on its parameters) gives the same outputs and every gradient, chunked
     or not, and the blocks get their own layers back."""
     from lancet_rt.models.blocks import MoEBlocks

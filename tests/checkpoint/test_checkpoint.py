@@ -96,13 +96,13 @@ class _RecordingSlice:
 
 def _mixtral(ep_group=None, seed=0):
     import lancet_rt
-    from bench.hf_models import build
+    from lancet_rt.models.hf_models import build
 
     return lancet_rt.from_hf(build("mixtral", seed=seed), ep_group)  # 8 experts
 
 
 def _lm_logits(model) -> np.ndarray:
-    from bench.hf_models import batch
+    from lancet_rt.models.hf_models import batch
 
     ids, mask, _ = batch(model.config.vocab_size, 2, 6, seed=3)
     with torch.no_grad():
@@ -126,8 +126,8 @@ def _mixtral_across_ep_sizes(rank, root, ep2, out):
     import torch.distributed as dist
 
     import lancet_rt.parallel
-    from bench.hf_models import batch, build
     from lancet_rt import load_checkpoint, load_hf, save_checkpoint, save_hf
+    from lancet_rt.models.hf_models import batch, build
 
     if rank < 2:
         model = _mixtral(ep2)
@@ -356,7 +356,7 @@ def test_mixtral_save_pretrained_round_trip(across):
     assert ours == set(_weight_map_keys(root / "transformers_saved"))
     assert "model.layers.1.block_sparse_moe.experts.7.w3.weight" in ours
     assert len(set(index["weight_map"].values())) > 2  # files from both ranks
-    # Eager attention as bench.hf_models builds it (sdpa differs on the fully masked rows of padding).
+    # Eager attention as lancet_rt.models.hf_models builds it (sdpa differs on the fully masked rows of padding).
     full = AutoModelForCausalLM.from_pretrained(root / "mixtral_hf", attn_implementation="eager")
     assert type(full).__name__ == "MixtralForCausalLM" and full.config.num_local_experts == 8
     assert_close(
@@ -370,7 +370,7 @@ def test_mixtral_save_pretrained_round_trip(across):
         )
     # Per-expert keys and a model with another E: the error says how many experts each has.
     import lancet_rt
-    from bench.hf_models import build
+    from lancet_rt.models.hf_models import build
 
     for experts in (4, 16):
         model = lancet_rt.from_hf(build("mixtral", num_local_experts=experts))
@@ -381,7 +381,7 @@ def test_mixtral_save_pretrained_round_trip(across):
 def test_qwen2_moe_saved_at_ep2_loads_with_from_pretrained(across):
     from transformers import AutoModelForCausalLM
 
-    from bench.hf_models import build
+    from lancet_rt.models.hf_models import build
 
     root, out, _ = across
     keys = set(_weight_map_keys(root / "qwen2_moe_hf"))

@@ -79,8 +79,8 @@ def test_early_backward_on_cuda_equals_the_backward_issuing_it():
     emulated 2-rank CUDA link, 3 chunks, its last combine's duals issued from the forward (the
     partial backward runs on the engine's device thread) against issued by the backward."""
     pytest.importorskip("transformers")
-    from bench.hf_models import batch, build
     from lancet_rt.comm import faults
+    from lancet_rt.models.hf_models import batch, build
 
     hf = build("mixtral", "bench").cuda()
     ids, mask, labels = (t.cuda() for t in batch(hf.config.vocab_size, 6, 64))

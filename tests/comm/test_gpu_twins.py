@@ -81,7 +81,7 @@ def test_accumulate_then_autograd_grad_through_the_first_block_cuda(defer_wgrad)
 @pytest.mark.gpu
 @pytest.mark.timeout(240)
 def test_fused_hf_loss_step_host_reads_cuda():
-    from bench.hf_models import batch, build
+    from lancet_rt.models.hf_models import batch, build
     from tests.host_sync import record_syncs, report
 
     hf = build("qwen3_moe").cuda()

@@ -14,7 +14,7 @@ FAMILY, ROWS, SEQ = "qwen3_moe", 2, 6
 
 
 def _build():
-    from bench.hf_models import build
+    from lancet_rt.models.hf_models import build
 
     # No load-balancing loss: it is a product of local-batch statistics, so no (dp, ep) run equals
     # the global batch with it; no padding, so every rank's loss is a mean over as many tokens.
@@ -22,7 +22,7 @@ def _build():
 
 
 def _batch(step, world):
-    from bench.hf_models import batch
+    from lancet_rt.models.hf_models import batch
 
     ids, _, labels = batch(96, world * ROWS, SEQ, seed=200 + step, pad_rows=0)
     return ids, labels

@@ -18,9 +18,9 @@ import torch
 pytest.importorskip("transformers")
 
 import lancet_rt
-from bench.hf_models import batch, build
 from lancet_rt.comm import faults
 from lancet_rt.comm import group as comm
+from lancet_rt.models.hf_models import batch, build
 from lancet_rt.schedule import early_backward
 from tests.helpers import assert_close
 

@@ -1,6 +1,6 @@
 """Hugging Face MoE models under lancet-rt (``lancet_rt.from_hf``) against transformers itself.
 
-Tiny random models built from config objects (bench/hf_models.py, no downloads). Every check is
+Tiny random models built from config objects (lancet_rt/models/hf_models.py, no downloads). Every check is
 transformers' own forward as the reference: logits, loss (with the model's load-balancing loss)
 and every parameter gradient at float32 rel RMS <= 1e-5, unchunked, chunked (2, 3) with and without
 deferred dW, with activation checkpointing, with expert parallelism over gloo ranks.
@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 import lancet_rt
-from bench.hf_models import FAMILIES, batch, build
+from lancet_rt.models.hf_models import FAMILIES, batch, build
 from tests.dist import assert_all_ok, run_ranks
 from tests.helpers import TOLERANCES, assert_close
 

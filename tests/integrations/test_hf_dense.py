@@ -15,8 +15,8 @@ import torch
 pytest.importorskip("transformers")
 
 import lancet_rt
-from bench.hf_models import FAMILIES, batch, build
 from lancet_rt.integrations import hf_dense
+from lancet_rt.models.hf_models import FAMILIES, batch, build
 from tests.helpers import assert_close
 
 SCHEDULES = [(1, False), (2, False), (2, True), (3, False), (3, True)]

@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("transformers")
 
 import lancet_rt
-from bench.hf_models import batch, build
+from lancet_rt.models.hf_models import batch, build
 
 _ROOT = os.path.dirname(os.path.abspath(lancet_rt.__file__))
 LOSS_FILES = (os.path.join(_ROOT, "dense.py"), os.path.join(_ROOT, "integrations", "hf_dense.py"))

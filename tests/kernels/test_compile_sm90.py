@@ -1,7 +1,7 @@
 """Every Triton kernel in kernels/ compiles for Hopper (sm_90) with its default config, on the CPU.
 
 The CPU lane runs the kernels in Triton's interpreter, which never lowers them; this builds them for
-sm_90 with the ptxas bundled in the Triton wheel (``python -m bench.compile_check``, no GPU needed), so
+sm_90 with the ptxas bundled in the Triton wheel (``python -m bench.kernels.compile_check``, no GPU needed), so
 a kernel that does not compile for Hopper, spills registers or overflows shared memory fails here
 instead of on the GPU machine. The check runs in a subprocess: this session imported kernels/ under
 TRITON_INTERPRET=1, which makes every ``@triton.jit`` an interpreter stand-in that cannot compile.
@@ -20,7 +20,7 @@ import sys
 import pytest
 from lancet_rt.kernels.reference import ACTIVATIONS
 
-from bench import compile_check
+from bench.kernels import compile_check
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 _MISSING = compile_check.toolchain_missing()
@@ -52,7 +52,7 @@ def _variant_constexprs():
                 args = node.args.args
                 defaults = dict(zip([a.arg for a in args[len(args) - len(node.args.defaults) :]], node.args.defaults))
                 # (constexprs with a default: the expert kernels'; the gating kernels' HAS_BIAS has none
-                # and its biased build is a case of its own in bench.compile_check)
+                # and its biased build is a case of its own in bench.kernels.compile_check)
                 found = {
                     a.arg: ast.literal_eval(defaults[a.arg])
                     for a in args
@@ -68,7 +68,7 @@ def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("compile_check") / "sm90.json"
     env = {**os.environ, "TRITON_INTERPRET": "0"}
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.compile_check", "--jobs", "2", "--json", str(out)],
+        [sys.executable, "-m", "bench.kernels.compile_check", "--jobs", "2", "--json", str(out)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -76,7 +76,9 @@ def report(tmp_path_factory):
         timeout=HANG_GUARD_S,
     )
     if not out.exists():
-        pytest.fail(f"bench.compile_check wrote no report (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+        pytest.fail(
+            f"bench.kernels.compile_check wrote no report (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}"
+        )
     return json.loads(out.read_text()), proc.stdout
 
 
@@ -84,7 +86,7 @@ def report(tmp_path_factory):
 def test_every_kernel_is_checked(report):
     data, _ = report
     missing = _jit_kernels() - {r["fn"] for r in data["rows"]}
-    assert not missing, f"@triton.jit kernels that bench.compile_check does not compile: {sorted(missing)}"
+    assert not missing, f"@triton.jit kernels that bench.kernels.compile_check does not compile: {sorted(missing)}"
 
 
 @pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")

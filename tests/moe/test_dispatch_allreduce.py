@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lancet_rt
-from bench.model import MoEBlocks
+from lancet_rt.models.blocks import MoEBlocks
 from tests.contract_ref import moe_contract_ref
 from tests.dist import assert_all_ok, run_ranks
 from tests.helpers import assert_close, assert_same_run, run_and_grad

@@ -61,7 +61,7 @@ def test_absurd_chunks_argument_is_refused(chunks):
 
 def test_absurd_chunks_refused_by_from_hf():
     transformers = pytest.importorskip("transformers")  # noqa: F841
-    from bench.hf_models import build
+    from lancet_rt.models.hf_models import build
 
     with pytest.raises(ValueError, match=f"chunks must be an int in \\[1, {policy.MAX_CHUNKS}\\]"):
         lancet_rt.from_hf(build("mixtral"), chunks=10**6)
@@ -231,7 +231,7 @@ def test_overlapped_empty_batch_and_empty_chunks():
 # ------------------------------------------------------------------------ Hugging Face models
 def _hf(family="mixtral", **overrides):
     pytest.importorskip("transformers")
-    from bench.hf_models import build
+    from lancet_rt.models.hf_models import build
 
     return build(family, **overrides)
 
@@ -255,7 +255,7 @@ def _assert_same_step(name, got, want):
 @pytest.mark.parametrize("family, rows, chunks", [("mixtral", 1, 4), ("gpt_oss", 3, 4), ("qwen2_moe", 2, 3)])
 def test_from_hf_batch_with_fewer_rows_than_chunks(family, rows, chunks):
     """Batch-size-1 training, a last batch smaller than chunks: the step equals transformers'."""
-    from bench.hf_models import batch
+    from lancet_rt.models.hf_models import batch
 
     hf = _hf(family)
     data = batch(hf.config.vocab_size, rows, 7)
@@ -266,7 +266,7 @@ def test_from_hf_batch_with_fewer_rows_than_chunks(family, rows, chunks):
 
 def test_from_hf_two_token_sequences():
     """Sequences of 2 tokens (one label each; of 1, transformers' own loss is NaN), 3 rows."""
-    from bench.hf_models import batch
+    from lancet_rt.models.hf_models import batch
 
     hf = _hf("deepseek_v3")
     ids, _, labels = batch(hf.config.vocab_size, 3, 2, pad_rows=0)
@@ -279,7 +279,7 @@ def test_from_hf_two_token_sequences():
 def test_from_hf_expert_parallel_empty_chunks(family, execution):
     """Expert parallelism (an emulated 2-rank link) keeps the agreed chunk count: the empty chunks
     run a stand-in row that is dropped; loss and gradients equal the unchunked run's."""
-    from bench.hf_models import batch
+    from lancet_rt.models.hf_models import batch
 
     hf = _hf(family)
     data = batch(hf.config.vocab_size, 2, 6)
@@ -293,7 +293,7 @@ def _ranks_with_few_rows(rank, world):
     """Rank 0 has 1 row, rank 1 has 3, chunks=2: rank 0's second chunk is empty."""
     import torch.distributed as dist
 
-    from bench.hf_models import batch, build
+    from lancet_rt.models.hf_models import batch, build
 
     hf = build("qwen2_moe")
     data = batch(hf.config.vocab_size, 1 + 2 * rank, 6, seed=20 + rank)
@@ -312,7 +312,7 @@ def test_from_hf_rank_with_fewer_rows_than_chunks_over_gloo(execution):
 
 # ------------------------------------------------------------------------ eval and generate
 def test_eval_forward_returns_the_cache_transformers_returns():
-    from bench.hf_models import batch
+    from lancet_rt.models.hf_models import batch
 
     hf = _hf("mixtral", use_cache=True).eval()
     ids, mask, _ = batch(hf.config.vocab_size, 3, 7)
@@ -332,7 +332,7 @@ def test_eval_forward_returns_the_cache_transformers_returns():
 
 @pytest.mark.parametrize("use_cache, rows", [(False, 1), (True, 3)])
 def test_generate_equals_transformers(use_cache, rows):
-    from bench.hf_models import batch
+    from lancet_rt.models.hf_models import batch
 
     hf = _hf("qwen3_moe").eval()
     ids, _, _ = batch(hf.config.vocab_size, rows, 5, pad_rows=0)
@@ -348,7 +348,7 @@ def test_trainer_evaluate_with_a_last_batch_smaller_than_chunks(tmp_path):
     pytest.importorskip("accelerate")
     import transformers as tf
 
-    from bench.hf_models import batch
+    from lancet_rt.models.hf_models import batch
 
     hf = _hf("olmoe")
     ids, mask, labels = batch(hf.config.vocab_size, 7, 6)

@@ -1,5 +1,5 @@
 """The commands' numeric arguments (bench.reallink, bench.overlap, bench.host, bench.peers,
-bench.reallink_acceptance, bench.train_lm, lancet-autotune, the replay): an out-of-range, NaN or
+bench.reallink.acceptance, examples.train_lm, lancet-autotune, the replay): an out-of-range, NaN or
 infinite value is refused by argparse (``lancet_rt.cli``) with one error line naming the argument, the
 value and what is allowed, and exit status 2, before the command does any work (no namespaces made,
 no model built). The whole matrix runs in-process; the issue's cases and one per command also run as
@@ -40,7 +40,7 @@ def _parse(command: str, argv: list):
         finally:
             mod.torch.set_num_threads = real
     if command == "bench.peers":
-        import bench.peers_bench as mod
+        import bench.peers.run as mod
 
         return mod.main(argv + ["--models", "nothing"])  # refused after parsing (a ValueError), if parsing passes
     if command == "lancet-autotune":
@@ -52,8 +52,12 @@ def _parse(command: str, argv: list):
     else:
         import importlib
 
-        mod = importlib.import_module(command)
+        mod = importlib.import_module(PARSERS.get(command, command))
     return mod.parse_args(argv)
+
+
+#: The module holding a package command's parser.
+PARSERS = {"bench.reallink": "bench.reallink.run", "bench.overlap": "bench.overlap.args"}
 
 
 BAD = {  # command -> {argument: bad values}
@@ -90,8 +94,8 @@ BAD = {  # command -> {argument: bad values}
         "--world-size": ["0"],
     },
     "bench.peers": {"--world-sizes": ["0,2", "a"], "--timeout": ["-1", "nan"], "--rounds": ["0"], "--warmup": ["-1"]},
-    "bench.reallink_acceptance": {"--rounds": ["0"], "--runs": ["7", "0,0", "-1"]},
-    "bench.train_lm": {
+    "bench.reallink.acceptance": {"--rounds": ["0"], "--runs": ["7", "0,0", "-1"]},
+    "examples.train_lm": {
         "--steps": ["0"],
         "--lr": ["inf", "0", "nan"],
         "--chunks": ["0"],
@@ -127,15 +131,14 @@ def test_a_bad_argument_is_one_line_and_exit_status_2(command, arg, value):
 
 
 def test_good_arguments_still_parse():
-    import bench.reallink as reallink
-    import bench.reallink_acceptance as acceptance
-    import bench.train_lm as train_lm
+    import bench.reallink.acceptance as acceptance
+    import bench.reallink.run as reallink
+    import examples.train_lm as train_lm
+    from bench.reallink.link import parse_rate
 
     args = reallink.parse_args(["--ranks", "4", "--delay-ms", "0.5", "--queue-ms", "2", "--rate", "none"])
     assert (args.ranks, args.delay_ms, args.queue_ms, args.rate, args.probe_mb) == (4, 0.5, 2.0, "none", 8)
-    assert (
-        reallink.parse_args([]).rate == 450_000_000 and reallink.parse_rate(reallink.parse_args([]).rate) == 450_000_000
-    )
+    assert reallink.parse_args([]).rate == 450_000_000 and parse_rate(reallink.parse_args([]).rate) == 450_000_000
     assert acceptance.parse_args([]).runs == [0, 1, 2] and acceptance.parse_args(["--runs", "2,0"]).runs == [2, 0]
     args = train_lm.parse_args(["--capacity-factor", "-1", "--lr", "1e-3"])
     assert args.capacity_factor == -1.0 and args.lr == 1e-3 and args.steps == 300
@@ -155,8 +158,8 @@ COMMANDS = [  # (argv after python -m, the argument the error names)
     (["bench.overlap", "--chunks", "0"], "--chunks"),
     (["bench.host", "--chunks", "2,x"], "--chunks"),
     (["bench.peers", "--timeout", "-1"], "--timeout"),
-    (["bench.reallink_acceptance", "--runs", "7"], "--runs"),
-    (["bench.train_lm", "--lr", "inf"], "--lr"),
+    (["bench.reallink.acceptance", "--runs", "7"], "--runs"),
+    (["examples.train_lm", "--lr", "inf"], "--lr"),
     (["lancet_rt.autotune", "--bandwidth-gbps", "inf"], "--bandwidth-gbps"),
     (["lancet_rt.autotune.replay", "x.json", "--chunks", "0"], "--chunks"),
 ]

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import lancet_rt
-from bench.model import MoEBlocks
-from bench.varlen import VarlenBlocks, cu_seqlens_of, skewed_lengths
+from lancet_rt.models.blocks import MoEBlocks
+from lancet_rt.models.varlen import VarlenBlocks, cu_seqlens_of, skewed_lengths
 from lancet_rt.schedule.balance import BalancedChunks, balanced_bounds, transformer_costs
 from tests.helpers import assert_same_run, run_and_grad
 

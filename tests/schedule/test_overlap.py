@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import lancet_rt
-from bench.model import MoEBlocks
+from lancet_rt.models.blocks import MoEBlocks
 from tests import cuda_semantics  # noqa: F401 - the execution modes, in the ranks too
 from tests.dist import assert_all_ok, run_ranks
 from tests.helpers import assert_close

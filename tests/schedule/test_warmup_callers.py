@@ -1,4 +1,4 @@
-"""The main job (bench.train_lm) and ``lancet-autotune --link torch`` call ``lancet_rt.warmup`` before
+"""The main job (examples.train_lm) and ``lancet-autotune --link torch`` call ``lancet_rt.warmup`` before
 their first step, inside the autocast their steps compute in (``lancet_rt.warmup`` replaced by a
 recorder that then runs the real one)."""
 
@@ -40,7 +40,7 @@ def _train_lm(rank, world, autocast):
 
     import torch.distributed as dist
 
-    from bench import train_lm
+    from examples import train_lm
 
     os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
     dist.init_process_group = lambda *a, **k: None  # (the ranks' gloo group is up already)
