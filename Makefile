@@ -55,7 +55,7 @@ TRAIN_LINK_ARGS ?= --steps 100 --timing-steps 10
 train-link: setup
 	$(BIN)/python -m bench.reallink --ranks 2 --rate $(LINK_RATE) -- -m bench.train_lm --channels split $(TRAIN_LINK_ARGS)
 
-# Issue 38's acceptance on a real link (root; minutes): bench.overlap --link real on the blocks model (2 and 4
+# The real-link acceptance (root; minutes): bench.overlap --link real on the blocks model (2 and 4
 # ranks) and Mixtral, rate calibrated to comm = 1x compute, with the peers (make peers); prints the table and
 # appends out/overlap_real.json (untracked; BENCH_LINK_ARGS="--json bench/results/overlap_real.json" for the project's rows).
 bench-link: setup peers

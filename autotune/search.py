@@ -128,7 +128,7 @@ class Measurement:
         chunks: N.
         status: ``"ok"``, ``"oom"`` or ``"pruned: <reason>"``.
         ms: the search's statistic (median or min) of the timed steps (None unless ok);
-            ``ms_q20``/``ms_q80``: their 20/80% quantiles.
+            ``ms_q20``/``ms_q80``: their 20th and 80th percentiles.
         samples: every timed step, in ms.
         peak_mem_mb: peak allocated CUDA memory during its steps (None on CPU).
     """

@@ -17,11 +17,11 @@ from .profiling import LinkModel
 from .replay_profile import ReplayProfile
 from .replay_sim import EXPERTS_DW_SHARE, Skew
 
-# H100 SXM constants (bf16). Measured on the GPU lane (bench/results/experts.json, 2026-11-24): the
-# grouped GEMMs of the experts run at ~600 TFLOP/s (median over fwd/bwd ops, balanced, D=4096) and a
-# dense GEMM at ~700. Datasheet (not measured here): attention (FlashAttention-class kernels) taken at
-# 450 TFLOP/s, HBM 3.35 TB/s at 80% for the memory-bound stages, NVLink 4 450 GB/s per direction per
-# GPU, InfiniBand NDR 400 Gb/s = 50 GB/s per GPU; latencies 10 us (NVLink) and 20 us (IB) per collective.
+# H100 SXM constants (bf16, TFLOP/s and GB/s). EXPERTS_TFLOPS and DENSE_TFLOPS: the GPU lane's rates of
+# the experts' grouped GEMMs (median over fwd/bwd ops, balanced, D=4096) and of a dense GEMM, rounded
+# (bench/results/experts.json, 2026-11-24; bench/results/HISTORY.md). Datasheet (not measured here):
+# attention (FlashAttention-class kernels), HBM for the memory-bound stages (0.8 of its peak), NVLink 4
+# per direction per GPU, InfiniBand NDR per GPU, and each link's latency per collective.
 EXPERTS_TFLOPS = 600.0
 DENSE_TFLOPS = 700.0
 ATTENTION_TFLOPS = 450.0
@@ -30,7 +30,7 @@ LINKS = {"nvlink": (450.0, 0.010), "ib": (50.0, 0.020)}  # GB/s per GPU, latency
 GPUS_PER_NODE = 8
 #: Launch and tail cost per stage per extra chunk (ms): what makes more chunks cost something (estimate).
 CHUNK_OVERHEAD_MS = 0.02
-#: Backward over forward: GEMMs 2x (dX, dW), attention ~2.5x (FlashAttention's backward).
+#: Backward over forward: GEMMs twice (dX, dW), attention more (FlashAttention's backward), so the rest 2.2.
 BACKWARD = dict(experts=2.0, post=1.0, rest=2.2)
 
 

@@ -1,4 +1,4 @@
-"""The cross-microbatch part of ``bench.overlap`` (issue 12): ``--microbatches M`` and ``--dp-allreduce``.
+"""The cross-microbatch part of ``bench.overlap``: ``--microbatches M`` and ``--dp-allreduce``.
 
 A training step of M microbatches: Overlapped.accumulate interleaves the backward of microbatch i
 with the forward of microbatch i+1 (lancet_rt.schedule.accumulate). Its baselines are the single-step

@@ -229,10 +229,14 @@ def _gating_tile_configs(env_var_name: str):
         E, n_group = case[0], (case[1] if len(case) > 1 else 1)
         # The expert lanes: next_pow2(E), or next_pow2(n_group) x next_pow2(E / n_group) when grouped.
         block_e = _next_pow2(n_group) * _next_pow2(E // n_group) if n_group > 1 else _next_pow2(E)
-        prune = gating._token_tile_prune(getattr(gating, env_var_name))
+        from lancet_rt.kernels import _gating_kernels  # the config space lives with the kernels
+
+        prune = _gating_kernels._token_tile_prune(getattr(gating, env_var_name))
         return [
             _cfg_meta(c)
-            for c in prune(gating._token_tile_configs(), {"E": E, "K": _GATING_K}, BLOCK_E=block_e, GROUPED=n_group > 1)
+            for c in prune(
+                _gating_kernels._token_tile_configs(), {"E": E, "K": _GATING_K}, BLOCK_E=block_e, GROUPED=n_group > 1
+            )
         ]
 
     return configs
@@ -316,8 +320,10 @@ def _row_tile_configs(env_var_name: str):
     def configs(case):
         _, permute, *_ = _modules()
         (D,) = case
-        prune = permute._row_tile_prune(getattr(permute, env_var_name))
-        return [_cfg_meta(c) for c in prune(permute._row_tile_configs(), {"D": D, "K": _GATING_K})]
+        from lancet_rt.kernels import _permute_kernels  # the config space lives with the kernels
+
+        prune = _permute_kernels._row_tile_prune(getattr(permute, env_var_name))
+        return [_cfg_meta(c) for c in prune(_permute_kernels._row_tile_configs(), {"D": D, "K": _GATING_K})]
 
     return configs
 

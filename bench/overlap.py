@@ -27,7 +27,7 @@ of the communication stays exposed even for a perfect schedule, and a step takes
 it, and ``max_hidden_comm_fraction``, the most any schedule could hide.
 
 The row also carries ``chunking_overhead`` (Overlapped's free-link step over the sequential one,
-issue 20's "compute overhead of chunking") and, for the blocks model, the eager floor it is bounded
+the "compute overhead of chunking") and, for the blocks model, the eager floor it is bounded
 by: ``plain_chunks_compute_ms``, the unchunked model run on the chunks' rows one after another (no
 Overlapped, no overlap, one backward), ``plain_chunks_overhead`` (that over the sequential step) and
 ``overhead_over_floor`` (Overlapped over that), the three timed interleaved on the free link. What the
@@ -173,7 +173,7 @@ def parse_args(argv=None):
         help="blocks: pre-norm attention + lancet MoE blocks (bench.model); or a transformers MoE "
         "architecture built from its config at these sizes and made lancet by lancet_rt.from_hf "
         "(its own attention, norms and router; dropless, as transformers computes), in training "
-        "with from_hf(fused_loss=True): each chunk ends with its loss term (issue 23)",
+        "with from_hf(fused_loss=True): each chunk ends with its loss term",
     )
     p.add_argument(
         "--transformers-loss",
@@ -513,7 +513,7 @@ def _extras_seconds(row: dict, args, s: dict) -> float:
     return 1.5 * rounds * runs * max(args.microbatches, 1) * step_ms / 2 / 1e3
 
 
-#: Issue 20's speedup target over sequential (CPU, --quick, 4 chunks, comm = 1x compute).
+#: The speedup over sequential that chunking is to reach (CPU, --quick, 4 chunks, comm = 1x compute).
 SPEEDUP_TARGET = 1.6
 
 
@@ -524,7 +524,7 @@ def _ceiling_fields(
     pass_bound_ms: float,
     target: float = SPEEDUP_TARGET,
 ) -> dict:
-    """What the speedup over sequential can reach, from one run's numbers (issue 20's target: 1.6x).
+    """What the speedup over sequential can reach, from one run's numbers (the target: :data:`SPEEDUP_TARGET`).
 
     A schedule at the pass-aware bound gives ``pass_bound_speedup = sequential_ms / pass_bound_ms``:
     the most any Overlapped schedule gets at this run's chunking overhead. The communication is

@@ -52,7 +52,7 @@ def _usage() -> tuple:
 
 
 class _ExpertsFaults:
-    """Counts the minor page faults inside our experts' backward (issue 38's < 500 per step): a
+    """Counts the minor page faults inside our experts' backward (the bound the real-link work set: < 500 per step): a
     wrapper around ``_ExpertsFn._backward`` while active."""
 
     def __init__(self):

@@ -57,9 +57,8 @@ SUBNET, PREFIX_LEN = "198.18.0.", 24
 MASTER_PORT = 29500
 #: The largest packet (GSO segment) a veth of ours hands the qdisc: a queue of a few of them holds.
 GSO_MAX = 16384
-#: The token bucket's queue, in ms at the port's rate: a shallow switch buffer. (5 ms with 64 KB GSO
-#: segments held a small message 21 ms behind a bulk transfer on a 200 Mbit/s port; 2 ms with 16 KB
-#: segments, 1.4 ms, at the same achieved rate.)
+#: The token bucket's queue, in ms at the port's rate: a shallow switch buffer (a deeper queue with
+#: larger GSO segments held a small message far longer behind a bulk transfer: bench/results/HISTORY.md).
 QUEUE_MS = 2.0
 #: The environment a rank process finds (read by :func:`rank_link`, and nowhere else).
 ENV_NS, ENV_BRIDGE, ENV_RATE, ENV_DELAY, ENV_SHAPE = (

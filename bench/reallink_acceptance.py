@@ -1,4 +1,5 @@
-"""Issue 38's acceptance on a real link, in one command (root; a quiet machine for numbers that count):
+"""The real-link acceptance, the schedules and the peers on a real link, in one command (root; a quiet
+machine for numbers that count):
 
     python -m bench.reallink_acceptance            # or: make bench-link
 

@@ -56,8 +56,8 @@ _FROZEN = False
 def collect_garbage() -> None:
     """A full collection before a timed run; the first one also freezes what survives it (the
     imported modules, the model: ``gc.freeze``), so later collections scan only what was made since.
-    With torch's compiler stack imported a full collection took 0.2-0.4 s on a 2-core VM, more than
-    the toy steps it preceded; frozen, microseconds. Unfrozen at exit, so the interpreter's shutdown
+    With torch's compiler stack imported a full collection took longer than the toy steps it
+    preceded (bench/results/HISTORY.md); frozen, microseconds. Unfrozen at exit, so the interpreter's shutdown
     still frees everything."""
     global _FROZEN
     gc.collect()

@@ -4,7 +4,7 @@
     python -m bench.yardstick --tokens 2048 --json out.json
     python -m bench.yardstick --blocks                     # bench.overlap --quick's whole model
 
-Issue 20 asks chunking to cost little. ``bench.overlap`` splits the overhead of a chunked step
+Chunking is to cost little. ``bench.overlap`` splits the overhead of a chunked step
 into the model's dense layers, its MoE layers and the schedule; at ``--quick`` sizes the MoE
 layers take most of it. This bench asks how much of that any eager MoE layer would pay.
 
@@ -29,7 +29,7 @@ expert to every kept row). It is a yardstick, not a path:
 2 blocks of attention and a MoE layer, 16 x 64 tokens): its step unchunked and on N chunks one
 after another (one batch, one backward; no overlap, no scheduler), with each block's MoE layer
 ``lancet_rt.MoE``, the lean layer on the same parameters (:class:`LeanBlockMoE`, tested equal), or
-none (the dense layers alone). Chunked over unchunked is the chunking overhead of issue 20's
+none (the dense layers alone). Chunked over unchunked is the chunking overhead of the project's
 target (<= 1.10) with that layer and no schedule: with the lean layer, what any eager MoE layer
 leaves of it (``overhead_with_lean_chunks`` adds the lean model's per-chunk cost to our unchunked
 step, the most favourable reading).

@@ -123,7 +123,7 @@ def parse_config(env_var: str) -> Optional[Tuple[dict, Optional[int], Optional[i
 
 _CHECKED: set = set()  # the kernel-config variables' values found good (check_config_vars)
 # The values are looked up where os.environ keeps them (POSIX: a bytes dict) with the keys encoded once:
-# os.environ.get decodes and encodes per call, about 1.4 us a variable, and this runs at every launch.
+# os.environ.get decodes and encodes per call, and this runs at every launch (its cost: bench/results/HISTORY.md).
 _RAW = getattr(os.environ, "_data", None)
 _RAW_KEYS = tuple(os.environ.encodekey(var) for var in CONFIG_VARS) if _RAW is not None else ()
 

@@ -112,8 +112,8 @@ def _token_tile_configs():
 def _token_tile_keep(config: triton.Config, block_e: int, grouped: bool = False) -> bool:
     """Keep tiles that give every thread 1..16 elements of the [BLOCK_T, BLOCK_E] tile: the
     forward keeps ~6 tile-shaped values live (scores, candidates, k index, rank, offsets, mask),
-    about 12 registers per element on sm_90, and spills past ~20. Group-limited selection keeps
-    a few more transients: 1..8 (at 16, Triton 3.6 reaches 255 registers and some builds spill)."""
+    and sm_90 builds spill a little past 16. Group-limited selection keeps a few more transients: 1..8
+    (at 16 some builds spill). Register counts per Triton version: bench/results/HISTORY.md."""
     per_thread = config.kwargs["BLOCK_T"] * block_e / (32 * config.num_warps)
     return 1 <= per_thread <= (8 if grouped else 16)
 

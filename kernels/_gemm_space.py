@@ -70,11 +70,11 @@ def _gemm_configs(op: str) -> list:
 # fp32 accumulator registers per thread allowed where fp32 operands sit in registers next to the
 # accumulators: on the FMA units (fp32 without TF32), and in dW with TF32 too, whose operands are both
 # MN-major (dy_seg.T, x_seg), which tf32 wgmma cannot read from shared memory. There, sm_90 builds with
-# 128 accumulator registers spill 20-500 bytes per thread, those with 64 at most 20
-# (``python -m bench.compile_check --all-configs``, Triton 3.6 and 3.9). The interleaved gate_up
-# (GPT-OSS's [E, D, 2F] weight: an MN-major operand, and a gate/up split in the epilogue) joins them in
-# fp32 (with TF32 and 128 accumulator registers it spilled 220-240 bytes per thread), and at 4 warps in
-# every dtype (bf16 128 x 64: 253-255 registers, 36 bytes of spills without bias on Triton 3.9).
+# 128 accumulator registers spill heavily, those with 64 little (``python -m bench.compile_check
+# --all-configs``). The interleaved gate_up (GPT-OSS's [E, D, 2F] weight: an MN-major operand, and a
+# gate/up split in the epilogue) joins them in fp32 (with TF32 too, 128 accumulator registers spilled),
+# and at 4 warps in every dtype (bf16 128 x 64 spilled even without bias). The spills and register
+# counts per Triton version: bench/results/HISTORY.md.
 _FP32_ACC_REGS = 64
 
 

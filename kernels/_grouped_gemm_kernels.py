@@ -34,9 +34,9 @@ tile is contiguous along 2F), stores it as gu's interleaved columns, and splits 
 conversion through the shared memory the main loop is done with (no more shared memory per block, 16
 more vector shared loads per thread in the bf16 128 x 128 PTX). Two accumulators or one twice as wide
 hold the same registers; the split epilogue needs more (sm_90 builds of the bf16
-128 x 128 tile with bias and "swiglu_oai": 248 registers against the default's 184 on Triton 3.9, 217
-against 182 on 3.6; one block per SM either way, as its 144 KiB of shared memory allow), and fp32
-configs are capped at 64 accumulator registers (:mod:`lancet_rt.kernels._gemm_space`).
+128 x 128 tile with bias and "swiglu_oai", counts per Triton version in bench/results/HISTORY.md; one block
+per SM either way, as its 144 KiB of shared memory allow), and fp32 configs are capped at 64
+accumulator registers (:mod:`lancet_rt.kernels._gemm_space`).
 
 *Bias gradient* (``segment_sum``, :mod:`lancet_rt.kernels.segment_sum`): per-expert sums of the output gradient's
 rows, one deterministic launch.
@@ -53,9 +53,9 @@ Index x stride products are formed in int64 (R * N and E * N * K pass 2^31 at re
 can N * R through a column-major view). Products bounded by a tile, the in-tile reduction offsets
 (< BLOCK_K) and the per-step pointer increments (BLOCK_K or BLOCK_M times a stride), stay int32 unless
 that bound reaches 2^31 (a column-major x with millions of rows, say), when the ``TILE_I64``
-heuristic switches them to int64: always in int64, they cost the fp32 TF32 dx kernel at 128 x 128 x 32
-(4 warps) 56 bytes of spills and its dW up to 84 registers (``python -m bench.compile_check
---all-configs``). Masks stay int32.
+heuristic switches them to int64: always in int64, they made the fp32 TF32 dx kernel at 128 x 128 x 32
+(4 warps) spill and its dW need more registers (``python -m bench.compile_check --all-configs``;
+figures in bench/results/HISTORY.md). Masks stay int32.
 
 """
 

@@ -41,7 +41,7 @@ small fixed config is used, because the interpreter's cost grows with the tile s
 
 Limits
 ------
-* Padding: each segment's last M tile is partly empty; the waste is at most E * BLOCK_M rows, about 3%
+* Padding: each segment's last M tile is partly empty; the waste is at most E * BLOCK_M rows, a 32nd
   at 4096 rows per expert and BM=128, but dominant for tiny segments.
 * Non-persistent kernels with plain pointer loads (cp.async pipelining, wgmma via Triton): no TMA,
   no warp specialisation, no stream-K. Expect below cuBLAS's dense rate on H100/H200; the benchmark

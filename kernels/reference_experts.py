@@ -55,8 +55,7 @@ class GateUp(NamedTuple):
     :func:`swiglu_bwd_ref` take in place of the [R, 2F] tensor.
 
     On the CPU an elementwise pass over one half of a [R, 2F] tensor (rows of F floats, F apart) costs
-    1.4-1.7x the same pass over a contiguous [R, F] (measured on a 2-core AMD EPYC, AVX2, one thread,
-    float32 [4096, 512]: silu 3.9 vs 2.8 ms, mul 2.5 vs 1.4, silu_backward 5.0 vs 3.3), and the
+    more than the same pass over a contiguous [R, F] (timings in bench/results/HISTORY.md), and the
     experts' activation and its gradient make six such passes per step. Computing gate and up by
     two [R, F] GEMMs costs what the one [R, 2F] GEMM does (each output the same dot product).
     """
@@ -146,9 +145,9 @@ def _along(w_ENK: torch.Tensor, dim: int, work: Optional[torch.Tensor] = None) -
     CPU GEMM whose other operand runs contiguously along it: a copy of the weights when needed.
 
     Where the CPU has no native 16-bit GEMM (AVX2 without AVX512-BF16 or AMX, as on the machines
-    this project benchmarks on), ATen's own loops run a [R, K] @ [K, N] product 8x slower when only
-    one operand is contiguous along K (torch.profiler, bf16 autocast, 512 tokens: the experts' dX and
-    dH took 2.2 s of a 2.6 s layer step; 0.43 s with this). A [E, N, K] weight copy costs a few ms.
+    this project benchmarks on), ATen's own loops run a [R, K] @ [K, N] product several times slower
+    when only one operand is contiguous along K (the experts' dX and dH took most of a layer step;
+    torch.profiler timings in bench/results/HISTORY.md). A [E, N, K] weight copy costs far less.
     ``work``: a flat buffer of w's dtype and at least its numel for the copy (reused memory); the same
     values and strides as without.
     """

@@ -7,9 +7,9 @@ accumulating a [BLOCK_M, BLOCK_N] fp32 partial sum reduced once at the end: no a
 every run. It is its own launch rather than a side reduction of the dW
 GEMM, whose configs are register-bound already (fp32 ones capped for spills) and whose pipelined
 operand tiles go to shared memory, not through registers a row sum could reuse. It reads the
-gradient once: 2 R N bytes in bf16 against the dW GEMM's 2 R N K FLOPs, i.e. at an H100's peak rates
-(3.35 TB/s, 990 TFLOP/s) 296 / K of the dW GEMM's time, 10% at GPT-OSS's K = 2880 (an estimate, not
-measured; one dW of the four GEMMs of the experts' backward).
+gradient once: 2 R N bytes in bf16 against the dW GEMM's 2 R N K FLOPs, i.e. at an H100's datasheet
+peak rates (296 dense bf16 FLOPs in the time of one byte of HBM traffic) 296 / K of the dW GEMM's time,
+a tenth at GPT-OSS's K = 2880 (an estimate, not measured; one dW of the four GEMMs of the experts' backward).
 
 Reference: ``lancet_rt.kernels.reference.segment_sum_ref``. In the kernel selection (lancet_rt.ops) it belongs
 to the grouped GEMM family, which re-exports it.

@@ -396,7 +396,7 @@ class SharedHeadGrad:
     ``rows``: the whole batch's token count. Each piece then runs the inner chunks
     (:func:`linear_cross_entropy`'s default ``chunk_size``) the whole batch would: cutting the batch
     changes neither the transient logits' bound nor the GEMMs' shapes (sized from a piece's own rows,
-    4 pieces ran 4x as many 4x thinner GEMMs: +40% time for the head on a CPU). None: from each
+    4 pieces ran 4x as many 4x thinner GEMMs, slower; bench/results/HISTORY.md). None: from each
     piece's rows. ``labels``: the whole batch's (shifted) labels, checked here within the divisor's one
     host read (a ValueError naming them if one is outside ``[0, V)`` and not ``ignore_index``); None:
     each piece's are checked in :meth:`term`, a host read each."""

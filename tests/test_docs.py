@@ -13,6 +13,9 @@ row defines, in backticks:
 The README's reference table (first header cell ``page``) lists every public name in the row of the
 page that defines it. Links between the pages resolve, anchors included. Reference pages start with
 an example and end with their limits. The examples themselves run in tests/test_readme.py.
+
+docs/design.md's module tree names every module and folder of kernels/, lancet_rt/ and autotune/,
+and nothing else under them; ``python -m tests.test_docs`` lists where they disagree.
 """
 
 from __future__ import annotations
@@ -336,3 +339,105 @@ def test_reference_pages_start_with_an_example_and_end_with_their_limits():
 def test_no_wheel_is_tracked():
     listing = subprocess.run(["git", "ls-files", "*.whl"], cwd=ROOT, capture_output=True, text=True, check=True)
     assert listing.stdout.split() == []
+
+
+# ------------------------------------------------------------------------------------------ the module tree
+# docs/design.md's "Module tree" is a code block of entries: a folder (``moe/``) or modules
+# (``env.py, trace.py``) at some column, then two spaces and what they hold. An entry belongs to the
+# nearest folder above it that starts at a smaller column (``parallel/  mesh.py`` then ``sync.py``
+# under ``mesh.py``: both in parallel/); ``integrations/hf.py`` names a folder and a module at once.
+# Lines indented by TREE_PROSE_COLUMN or more continue a description.
+TREE_FOLDERS = ("kernels", "lancet_rt", "autotune")  # the installed packages, checked both ways
+TREE_PROSE_COLUMN = 24
+_TREE_ENTRY = re.compile(r"(?:[\w.-]+/)*(?:[\w.-]+\.py|[\w.-]+/)")
+
+
+def tree_block(text: str) -> str:
+    """The code block under design.md's ``## Module tree`` heading."""
+    found = re.search(r"^## Module tree\n.*?^```\n(.*?)^```", text, re.S | re.M)
+    assert found, "design.md has no code block under a '## Module tree' heading"
+    return found.group(1)
+
+
+def tree_paths(block: str) -> set[str]:
+    """The folders (``lancet_rt/moe/``) and modules (``lancet_rt/moe/layer.py``) a tree block names."""
+    paths: set[str] = set()
+    stack: list[tuple[int, str]] = []  # (column, folder) of the folders the current line may be in
+    for line in block.splitlines():
+        if len(line) - len(line.lstrip()) >= TREE_PROSE_COLUMN:
+            continue
+        for token in re.finditer(r"[^\s,]+", line):
+            if not _TREE_ENTRY.fullmatch(token.group()):
+                break  # the description begins
+            while stack and stack[-1][0] >= token.start():
+                stack.pop()
+            path = (stack[-1][1] if stack else "") + token.group()
+            parts = path.rstrip("/").split("/")
+            paths.update("/".join(parts[:i]) + "/" for i in range(1, len(parts)))
+            paths.add(path)
+            if path.endswith("/"):
+                stack.append((token.start(), path))
+    return paths
+
+
+def code_paths(folders=TREE_FOLDERS) -> set[str]:
+    """The folders and modules of ``folders`` on disk (a package's ``__init__.py`` is its folder)."""
+    paths = set()
+    for folder in folders:
+        for path in (ROOT / folder).rglob("*.py"):
+            relative = path.relative_to(ROOT).as_posix()
+            paths.add(relative.rpartition("/")[0] + "/" if path.name == "__init__.py" else relative)
+    return paths
+
+
+def tree_differences(text: str | None = None, folders=TREE_FOLDERS) -> tuple[list[str], list[str]]:
+    """(missing, extra): modules and folders of ``folders`` that design.md's tree omits, and entries
+    of the tree under ``folders`` that do not exist. An ``__init__.py`` may be named (its folder is)."""
+    named = tree_paths(tree_block(text if text is not None else (DOCS / "design.md").read_text()))
+    named = {p for p in named if p.split("/")[0] in folders}
+    present = code_paths(folders)
+    inits = {p.removesuffix("__init__.py") for p in named if p.endswith("/__init__.py")}
+    missing = sorted(present - named - inits)
+    extra = sorted(p for p in named - present if p.removesuffix("__init__.py") not in present)
+    return missing, extra
+
+
+def test_the_module_tree_matches_the_code():
+    missing, extra = tree_differences()
+    assert not missing, f"modules or folders not in docs/design.md's module tree: {missing}"
+    assert not extra, f"docs/design.md's module tree names what does not exist: {extra}"
+
+
+def test_the_tree_parser_sees_what_it_must():
+    block = (
+        "kernels/                      -> lancet_rt.kernels\n"
+        "  gating.py, _topk.py         launchers: scores, top-k\n"
+        "                              moe/fake.py: a description going on\n"
+        "lancet_rt/\n"
+        "  parallel/  mesh.py          meshes\n"
+        "             sync.py          sync\n"
+        "  moe/       dispatch/        the dispatchers\n"
+        "               base.py        the protocols\n"
+        "  integrations/hf.py          from_hf\n"
+    )
+    assert tree_paths(block) == {
+        "kernels/", "kernels/gating.py", "kernels/_topk.py", "lancet_rt/", "lancet_rt/parallel/",
+        "lancet_rt/parallel/mesh.py", "lancet_rt/parallel/sync.py", "lancet_rt/moe/", "lancet_rt/moe/dispatch/",
+        "lancet_rt/moe/dispatch/base.py", "lancet_rt/integrations/", "lancet_rt/integrations/hf.py",
+    }  # fmt: skip
+    missing, extra = tree_differences(f"# d\n\n## Module tree\n\n```\n{block}```\n")
+    assert "lancet_rt/moe/layer.py" in missing and "autotune/" in missing and not extra
+    block += "  schedule/  gone.py          moved away\n"
+    assert tree_differences(f"## Module tree\n\n```\n{block}```\n")[1] == ["lancet_rt/schedule/gone.py"]
+
+
+if __name__ == "__main__":  # python -m tests.test_docs: what the module tree and the code disagree on
+    missing, extra = tree_differences()
+    print(
+        "\n".join(
+            [f"missing from docs/design.md's tree: {p}" for p in missing]
+            + [f"in the tree, not in the code: {p}" for p in extra]
+        )
+        or "docs/design.md's module tree matches the code"
+    )
+    raise SystemExit(1 if missing or extra else 0)

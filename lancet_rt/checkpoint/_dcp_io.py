@@ -6,8 +6,8 @@ Saving (:func:`save`): :func:`~lancet_rt.checkpoint._common.guarded_save` with D
 into the staging directory, DCP's collectives bounded by the group's monitor, through
 :func:`_checksum_writer`: the checksum of each item's bytes, taken as they are written, goes beside
 the item's offset and length in DCP's own ``.metadata`` (an attribute of its ``_StorageInfo``,
-which a reader without lancet-rt ignores). The checksum is XXH3-64 (the ``xxhash`` package: about
-12 GB/s on one core of the 2-core CPU machine, 3.5x zlib's CRC-32 there), so that checking every byte
+which a reader without lancet-rt ignores). The checksum is XXH3-64 (the ``xxhash`` package: several
+times zlib's CRC-32 rate on one core; bench/results/HISTORY.md), so that checking every byte
 costs a fraction of the I/O rather than half of it.
 
 Loading (:func:`load`): the metadata is checked against the model and every data file's presence

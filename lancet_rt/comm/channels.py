@@ -5,7 +5,8 @@ What a real link showed (bench.overlap --link real; docs): on one gloo process g
 
 - a send waits for the peer's ready-to-receive notice, and that notice travels on the same TCP stream
   as the peer's own data to us: the two directions of an all-to-all take turns (one all-to-all of
-  8 MiB per peer reached 0.48x of the port's rate with both directions busy, plain sockets 0.94x);
+  8 MiB per peer reached about half the port's rate with both directions busy, plain sockets nearly
+  all of it; bench/results/HISTORY.md);
 - the header check before every collective (:meth:`GroupMonitor.issue`) and the counts exchanges
   queued behind the tokens in flight, and the header's all-gather blocked the host until every
   peer had reached the same collective, once per collective.

@@ -155,14 +155,13 @@ def _sleep_until(deadline: float, now: float) -> None:
     """Return at ``deadline`` (a ``perf_counter()`` time), within microseconds.
 
     ``time.sleep`` returns late: by the thread's timer slack (50 us by default on Linux) plus the
-    wake-up, about 100 us median on the 2-core VM and several hundred at worst. A consumer of a real
-    link resumes within microseconds of the transfer's end. A late wake-up costs a schedule whose
-    link then goes idle: the sequential step, one transfer at a time, paid it at every wait (about
-    2.6 ms a step of bench.overlap --quick, 2% of it), while Overlapped, whose link queues the next
-    transfers, mostly did not. So the wait sleeps until :data:`SPIN_S` before the deadline and
-    polls the clock for the rest, releasing the GIL at each poll (``os.sched_yield``; a
-    ``time.sleep(0)`` takes the timer slack too) so that another thread (the autograd engine's,
-    beside a forward) is never starved.
+    wake-up. A consumer of a real link resumes within microseconds of the transfer's end. A late
+    wake-up costs a schedule whose link then goes idle: the sequential step, one transfer at a time,
+    paid it at every wait, while Overlapped, whose link queues the next transfers, mostly did not
+    (how late, and what it cost bench.overlap: bench/results/HISTORY.md). So the wait sleeps until
+    :data:`SPIN_S` before the deadline and polls the clock for the rest, releasing the GIL at each
+    poll (``os.sched_yield``; a ``time.sleep(0)`` takes the timer slack too) so that another thread
+    (the autograd engine's, beside a forward) is never starved.
     """
     if deadline - now > SPIN_S:
         time.sleep(deadline - now - SPIN_S)

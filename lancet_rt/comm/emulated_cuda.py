@@ -67,7 +67,7 @@ def _sleep_cycles_per_ms(device) -> float:
     clock cycles, about 1.5-2e6 per ms on an H100/H200) once per device.
 
     Timed on the device's current stream with CUDA events; call it outside the communication
-    stream's context (a one-off host sync of about 20 ms) so it never lands inside a transfer.
+    stream's context (it is a one-off host sync) so it never lands inside a transfer.
     """
     device = torch.device(device)
     if device.index is None:

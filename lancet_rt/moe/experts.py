@@ -57,9 +57,9 @@ class _Scratch(threading.local):
     their permutations, each a view of one flat buffer per role, dtype and device, grown to the largest
     chunk seen.
 
-    Allocated afresh each step (40-65 MB at the benchmark's size), these were returned to the OS by
-    glibc on free and faulted in again page by page, 6-12k minor page faults and 10-20 ms of system
-    time per step (issue 38). A buffer is handed out only for a tensor that dies inside the same
+    Allocated afresh each step (tens of MB at the benchmark's size), these were returned to the OS by
+    glibc on free and faulted in again page by page, in system time every step (the counts:
+    bench/results/HISTORY.md). A buffer is handed out only for a tensor that dies inside the same
     backward call: never one a deferred dW holds or one that leaves the call, and there is no
     switch to other work between its write and its last read (``link.issue`` starts a collective of
     a fresh tensor and returns). Per thread: ``Overlapped.accumulate`` runs a backward on a helper

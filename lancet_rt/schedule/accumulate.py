@@ -29,9 +29,9 @@ ends, as a single-step backward does.
 On CPU, where the host thread is the device, the two threads are pinned to the core the host is on
 for the interleaved part of the step (:class:`_OneCore`) and given back their affinity after it. The
 passes take turns, so they lose no parallelism, and each hand-off otherwise wakes the other thread
-on the other, idle core, whose caches hold none of the step's data (on a 2-core VM, the median of
-25 steps on a free link: the interleaved passes' computation took 1.12-1.21x that of the same work
-in sequence unpinned, 1.04-1.08x pinned). On CUDA nothing is pinned: the host only queues kernels.
+on the other, idle core, whose caches hold none of the step's data (pinned, the interleaved passes'
+computation came closer to that of the same work in sequence on a 2-core VM;
+bench/results/HISTORY.md). On CUDA nothing is pinned: the host only queues kernels.
 
 Exactness: each microbatch's forward is an ordinary ``Overlapped`` forward (its own capacity, aux
 and z losses: those of the microbatch, as in M sequential steps), and its backward is one

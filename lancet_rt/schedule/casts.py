@@ -3,7 +3,7 @@
 Under ``torch.autocast`` with float32 parameters, a layer that casts its weights itself (the
 experts' grouped GEMMs, :class:`~lancet_rt.schedule.wgrad.DeferredLinear`) would cast them again
 in every chunk, and every chunk's autograd node would save its own bfloat16 copy for backward: N
-copies at N chunks (2.1x the unchunked step's saved bytes at 4 chunks, Mixtral-sized experts).
+copies at N chunks (the saved bytes measured: bench/results/HISTORY.md).
 :func:`compute_copy` makes the copy once per chunked forward (the scope of
 :class:`lancet_rt.Overlapped`'s chunks) and hands the same tensor to every chunk; it lives as long
 as a chunk's backward still needs it, so it is freed after the backward, as the unchunked step's

@@ -1,9 +1,10 @@
 """``lancet_rt.warmup``: compile and tune every kernel shape a step will use, before its first collective.
 
-A cold step compiles and autotunes its Triton kernels as it meets them: on an H100 about 6 keys x
-12-14 configs x 5-10 s of compiles, between two collectives, so a peer waits in the next all-to-all
-(and a 300 s watchdog can end the step). Worse, the grouped GEMMs' autotune key holds a power-of-two
-bucket of the mean rows per expert, and the rows a rank receives depend on the other ranks' routing:
+A cold step compiles and autotunes its Triton kernels as it meets them: on an H100 a few keys
+times a dozen configs, each compile taking seconds (bench/results/HISTORY.md), between two
+collectives, so a peer waits in the next all-to-all (and the watchdog, ``LANCET_TIMEOUT_S``, can end
+the step). Worse, the grouped GEMMs' autotune key holds a power-of-two bucket of the mean rows per
+expert, and the rows a rank receives depend on the other ranks' routing:
 in steady state one rank crosses into a new bucket alone and re-tunes while its peers wait.
 
 :func:`warmup` runs the step once with every expert-parallel group replaced by a local stand-in that

@@ -93,7 +93,7 @@ def _device_flops_per_ms(device: torch.device, dtype: torch.dtype = torch.bfloat
     """A dense matmul rate of ``device`` in ``dtype`` (FLOP per ms), timed once with CUDA events.
 
     Timed in the dtype of the dW items it prices: an fp32 model's GEMMs run at a fraction of the
-    bf16 tensor-core rate (about 10x slower on an H100 without TF32), so a bf16 rate would let
+    bf16 tensor-core rate (an order of magnitude below on an H100 without TF32), so a bf16 rate would let
     fp32 items overrun every window. Random operands come from a private generator so that
     calibrating in the middle of a backward never shifts the global CUDA RNG (dropout masks).
     """

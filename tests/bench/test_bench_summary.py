@@ -51,7 +51,7 @@ def test_summary_shows_informational_rows_unjudged(tmp_path):
 
 def test_lane_writes_its_summary_when_steps_fail(tmp_path):
     """On this CPU machine the real lane's pre-flight finds no CUDA device: the lane stops there, at
-    once and non-zero (issue 36: no step spends the call on what cannot work), and still records the
+    once and non-zero (no step spends the call on what cannot work), and still records the
     step and leaves summary.json and the archive with the step's log in --out (a lent GPU's call
     returns only what is under it)."""
     import tarfile

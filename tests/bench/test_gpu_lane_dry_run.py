@@ -1,4 +1,4 @@
-"""The GPU lane's acceptance on the CPU (issue 36): ``bench.gpu_lane --dry-run`` runs the priority plan
+"""The GPU lane's acceptance on the CPU: ``bench.gpu_lane --dry-run`` runs the priority plan
 at toy sizes, every step's command for real (so every module parses its arguments), and leaves an
 archive that ``--collect`` brings home."""
 

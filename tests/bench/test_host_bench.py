@@ -1,5 +1,5 @@
-"""bench.host's counts, which do not depend on the machine: issue 20's acceptance as a regression
-test (host reads and saved bytes per extra chunk; ATen ops on the CPU path)."""
+"""bench.host's counts, which do not depend on the machine: the acceptance of the work on chunking's cost as
+a regression test (host reads and saved bytes per extra chunk; ATen ops on the CPU path)."""
 
 from __future__ import annotations
 

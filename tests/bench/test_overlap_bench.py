@@ -172,7 +172,7 @@ def test_speedup_ceiling_scales_the_link_with_the_chunked_compute():
 
 
 def test_row_is_on_disk_after_the_link_passes_and_survives_sigint(tmp_path):
-    """Issue 36: the single-step row is written right after the two link passes, before the bound,
+    """The single-step row is written right after the two link passes, before the bound,
     the floors and the cross-microbatch part; a real SIGINT to a running ``python -m bench.overlap``
     once it is there leaves it on disk (marked incomplete), not a half-written file."""
     import json

@@ -1,4 +1,4 @@
-"""An XXH3-64 checksum of every DCP item in the checkpoint's metadata (issue 35): written by save_checkpoint (and
+"""An XXH3-64 checksum of every DCP item in the checkpoint's metadata: written by save_checkpoint (and
 save_sharded: tests/distributed/test_mesh_dcp_faults.py), checked on load before the bytes are used.
 One bit flipped inside a tensor's bytes is a ValueError naming the key, the file and the rank, with
 the model and the optimizer unchanged; checkpoints without checksums (plain DCP) still load, and

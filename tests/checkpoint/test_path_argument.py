@@ -1,6 +1,6 @@
 """The checkpoint functions' directory argument: anything but a str or an os.PathLike of one is a
 TypeError naming the argument (``path`` / ``directory``), an empty one a ValueError (it was the
-current directory), on every rank before anything is written (issue 35: ``path=None`` gave
+current directory), on every rank before anything is written (``path=None`` once gave
 os.fspath's TypeError, which names no argument)."""
 
 from __future__ import annotations

@@ -192,8 +192,8 @@ def test_overlapped_cuda_steady_state_has_no_host_sync():
     torch.cuda.set_sync_debug_mode("warn"). The layer's one intended host wait per chunk and layer
     (the counts exchange, an Event.synchronize) is not reported by that mode; anything it reports
     (a pageable host-to-device copy, .item(), .tolist() of a CUDA tensor, torch.cuda.synchronize(), ...)
-    stalls the host and drains the compute queue (issue 5: no device-wide synchronisation in the steady
-    state). The failure names each sync's CALLER with its full Python stack (tests/host_sync.py), not
+    stalls the host and drains the compute queue (the runtime's rule: no device-wide synchronisation in the
+    steady state). The failure names each sync's CALLER with its full Python stack (tests/host_sync.py), not
     torch's frame that issued the warning, so one run tells what to fix."""
     from tests.host_sync import record_syncs, report
 

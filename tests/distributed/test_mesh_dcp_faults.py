@@ -1,4 +1,4 @@
-"""save_sharded / load_sharded under the checkpoint safety layer (issue 35), 4 gloo ranks on a
+"""save_sharded / load_sharded under the checkpoint safety layer, 4 gloo ranks on a
 (dp=2, ep=2) mesh, each spawn under the hang guard:
 
 - ranks passing different paths: a ValueError on every rank naming each path, nothing written;

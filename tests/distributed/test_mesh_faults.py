@@ -1,4 +1,4 @@
-"""Faults on a (dp=2, ep=2) mesh, 4 real gloo ranks, each spawn under the hang guard (issue 35):
+"""Faults on a (dp=2, ep=2) mesh, 4 real gloo ranks, each spawn under the hang guard:
 
 - the MoE layers' expert-parallel group is checked by membership: a model built with
   ``ep_group=mesh["dp"]`` (the transposed group, the same size) is a ValueError naming both rank

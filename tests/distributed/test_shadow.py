@@ -236,7 +236,8 @@ def _replicated_matches_global(rank, world):
 
 
 def test_shadowing_under_replicate_on_a_mesh():
-    """A supported combination (issue 35 looked for unsupported ones): replicate's hooks see the
-    shadowed experts' reduced gradients as any gradient."""
+    """A supported combination (the engines refuse the unsupported ones:
+    tests/distributed/test_unsupported.py): replicate's hooks see the shadowed experts' reduced gradients
+    as any gradient."""
     seen = assert_all_ok(run_ranks(_replicated_matches_global, 4, timeout=400))
     assert all(3 in s for r in seen for s in r), f"the hot expert 3 was not shadowed: {seen}"

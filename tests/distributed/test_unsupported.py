@@ -1,5 +1,5 @@
 """Combinations of the MoE layer's options and the engines that are not supported are refused up
-front, on every rank, naming both (issue 35), instead of silently doing something else or failing
+front, on every rank, naming both, instead of silently doing something else or failing
 later with an unclear error:
 
 - ``shadow_experts`` with ``pipeline_chunks > 1`` (shadowed nothing), at construction and when the

@@ -754,19 +754,20 @@ def test_launchers_validate_arguments():
 def test_config_spaces(monkeypatch):
     """Every shape keeps at least one config (timed on CUDA), and a pin overrides the space."""
     import triton
+    from lancet_rt.kernels import _gating_kernels, _permute_kernels
     from lancet_rt.kernels import permute as permute_mod
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CUDA view of the space; nothing is launched
-    prune = gating_mod._token_tile_prune(gating_mod._ENV_FWD_CONFIG)
+    prune = _gating_kernels._token_tile_prune(gating_mod._ENV_FWD_CONFIG)
     for E in (1, 2, 7, 8, 64, 256, 1024):
-        kept = prune(gating_mod._token_tile_configs(), {"E": E, "K": 1}, BLOCK_E=triton.next_power_of_2(E))
+        kept = prune(_gating_kernels._token_tile_configs(), {"E": E, "K": 1}, BLOCK_E=triton.next_power_of_2(E))
         assert kept and all(c.kwargs["BLOCK_T"] * triton.next_power_of_2(E) <= 16 * 32 * c.num_warps for c in kept)
-    prune = permute_mod._row_tile_prune(permute_mod._ENV_PERMUTE_FWD_CONFIG)
+    prune = _permute_kernels._row_tile_prune(permute_mod._ENV_PERMUTE_FWD_CONFIG)
     for d in (1, 60, 128, 4096, 7168):
-        kept = prune(permute_mod._row_tile_configs(), {"D": d, "K": 2})
+        kept = prune(_permute_kernels._row_tile_configs(), {"D": d, "K": 2})
         assert kept and all(c.kwargs["BLOCK_D"] <= max(64, triton.next_power_of_2(d)) for c in kept)
     monkeypatch.setenv(permute_mod._ENV_PERMUTE_FWD_CONFIG, "BLOCK_T=2,BLOCK_D=1024,num_warps=4")
-    (pinned,) = prune(permute_mod._row_tile_configs(), {"D": 4096, "K": 2})
+    (pinned,) = prune(_permute_kernels._row_tile_configs(), {"D": 4096, "K": 2})
     assert pinned.kwargs == {"BLOCK_T": 2, "BLOCK_D": 1024} and pinned.num_warps == 4
 
 

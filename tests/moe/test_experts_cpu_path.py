@@ -1,5 +1,5 @@
-"""The experts' CPU path (the references) does no work it need not, on memory it can stream (issue 38,
-the float32 layer against torchtitan's): without an input gradient no dX GEMM and no dual
+"""The experts' CPU path (the references) does no work it need not, on memory it can stream (found
+comparing the float32 layer with torchtitan's): without an input gradient no dX GEMM and no dual
 all-to-all; gate and up computed and kept as contiguous halves (kernels.reference_experts.GateUp),
 and without dX their gradient too, bit for bit the one [R, 2F] GEMM's results; one host read of
 the counts per forward without a group."""

@@ -1,5 +1,5 @@
-"""The experts' backward on the CPU path allocates its outputs and nothing per step beyond them
-(issue 38): its temporaries live in scratch memory reused from step to step. Counted, not timed: the
+"""The experts' backward on the CPU path allocates its outputs and nothing per step beyond them:
+its temporaries live in scratch memory reused from step to step. Counted, not timed: the
 bytes of every new storage an ATen op creates inside the backward."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def test_experts_backward_allocates_only_its_gradients():
         _backward_new_bytes(experts, x, None, bounds, dy)  # warm: the scratch grows to this size
         new = _backward_new_bytes(experts, x, None, bounds, dy)
         # The three gradients returned, dX [R, D], dW_gate_up [E, 2F, D], dW_down [E, D, F], and
-        # small host-bounds tensors (torch._grouped_mm's offsets: under 1 KiB). Before issue 38 the
+        # small host-bounds tensors (torch._grouped_mm's offsets: under 1 KiB). Before the scratch memory the
         # backward also made its [R, F] product, silu(g), dh * u, dg, du and a [R, 2F] concatenation:
         # 7 R F floats more.
         grads = 4 * (R * D + E * 2 * F * D + E * D * F)

@@ -1,4 +1,4 @@
-"""Adversarial cases of issue 22, part A: data loss, crashes and hangs, silent mismatches (README,
+"""Adversarial cases, part A: data loss, crashes and hangs, silent mismatches (README,
 "Reliability", second table). Each asserts that the last good checkpoint and the model in memory
 survive, or that every rank raises a named error (type, the rank, the file or the option) instead of
 dying in the backend, hanging, or going on with mismatched state.

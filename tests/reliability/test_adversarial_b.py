@@ -1,4 +1,4 @@
-"""Adversarial cases, part B (issue #22): absurd values from arguments, environment variables and
+"""Adversarial cases, part B: absurd values from arguments, environment variables and
 cache files; malformed cache files; small, empty and odd batches through ``from_hf`` and
 ``Overlapped``; the eval and generate paths of converted Hugging Face models.
 

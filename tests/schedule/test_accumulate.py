@@ -1,4 +1,4 @@
-"""Issue 12: cross-microbatch overlap (Overlapped.accumulate), the Tutel-style baseline's pipelined
+"""Cross-microbatch overlap (Overlapped.accumulate), the Tutel-style baseline's pipelined
 backward, and Lina's all-reduce behind the all-to-alls (EmulatedGroup.all_reduce, GradientSync)."""
 
 from __future__ import annotations

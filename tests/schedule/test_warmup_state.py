@@ -5,7 +5,7 @@ the next training step's gradients and update equal those of a run without warm-
 
 ``.grad`` in the three states a training loop leaves it in: None (``zero_grad()``), zeros
 (``zero_grad(set_to_none=False)``) and a partial sum between accumulated microbatches. Warm-up's
-backward once added into allocated gradients (issue 35: the next step's gradients off by up to ~10).
+backward once added into allocated gradients (the next step's gradients were off by up to ~10).
 The 2-rank gloo case is in tests/distributed/test_warmup.py (it uses :func:`warmup_case`).
 """
 

@@ -241,7 +241,7 @@ def counts_turn(moe, x: torch.Tensor) -> None:
     counts instead. Counts that share the tokens' channel queue behind the transfers in flight, so
     the turn is still given. The choice depends on the device and the group's configuration only,
     so every rank makes the same one and issues its collectives in the same order; it assumes the
-    latency is shorter than a turn (20 us on the benchmarks' emulated link, against a turn of
+    latency is shorter than a turn (the benchmarks' emulated link has tens of microseconds, a turn
     milliseconds), and an emulated latency longer than a turn makes waiting the slower choice.
     """
     if gives_counts_turn(x.device.type, getattr(moe.group, "counts_channel", "shared")):

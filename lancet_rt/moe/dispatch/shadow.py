@@ -5,9 +5,9 @@ holds every all-to-all and its expert work holds every return (the straggler;
 :class:`lancet_rt.comm.emulated_skew.SkewedGroup` models it). FasterMoE (Jiaao He et al., PPoPP'22,
 "shadowing") moves the weights instead of the tokens: a hot expert's parameters are broadcast to
 every rank, each rank computes its own tokens' rows of it, and the weight gradients are reduced back
-to the owner; it pays when the expert's tokens outweigh its parameters (their abstract: shadowing, a
-fine-grained schedule and a congestion-avoiding gate together give 1.37x-17.87x over ZeRO, GShard and
-BASE Layers on up to 64 GPUs). This module is our own implementation of the idea for lancet's layer:
+to the owner; it pays when the expert's tokens outweigh its parameters (their abstract credits
+shadowing, a fine-grained schedule and a congestion-avoiding gate together; docs/design.md quotes
+it). This module is our own implementation of the idea for lancet's layer:
 
 1. **Which experts, agreed.** With ``MoE(shadow_experts=N)`` the counts exchange carries each rank's
    kept rows of all E experts (:meth:`~lancet_rt.moe.dispatch.alltoall.AllToAll.loads`), so every rank
