@@ -28,6 +28,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 import lancet_rt
+from lancet_rt import trace as _trace
 
 
 # ---------------------------------------------------------------------------------------- the link
@@ -407,20 +408,35 @@ def _timing_flush(queue, device, out: list):
         del queue.flush
 
 
-class _StageClock:
+class _Boundary:
+    """A traced stage's span whose end also runs ``on_end`` (:class:`_StageClock`)."""
+
+    __slots__ = ("span", "on_end")
+
+    def __init__(self, span, on_end):
+        self.span, self.on_end = span, on_end
+
+    def end(self) -> None:
+        self.span.end()
+        self.on_end()
+
+
+class _StageClock(_trace.Trace):
     """Stage boundaries of each MoE layer call, on the host clock after a device synchronize.
 
-    For the one profiling step, every layer's stage methods (``dispatch``, ``compute_experts``,
-    ``combine``) are wrapped on the instance and a forward hook marks the layer's end; the device is
-    synchronized at each boundary, so asynchronous CUDA work is charged to the stage that launched it.
-    Off-rank bytes per all-to-all come from the dispatch's split sizes (rows not addressed to this
-    rank), as the emulated link counts them.
+    For the one profiling step this recording is the active trace (:func:`lancet_rt.trace.tracing`): the
+    dispatchers' stage spans (``dispatch``, ``experts``, ``combine``) mark the boundaries as they begin
+    and end, and a forward hook marks the layer's end; the device is synchronized at each boundary, so
+    asynchronous CUDA work is charged to the stage that launched it. Off-rank bytes per all-to-all come
+    from the dispatch span (rows not addressed to this rank), as the emulated link counts them.
     """
 
     def __init__(self, layers, device):
+        super().__init__()
         self.layers, self.device = list(layers), device
         self.calls: list[dict] = []
         self._undo: list = []
+        self._tracing = None
 
     def _now(self) -> float:
         _sync(self.device)
@@ -428,51 +444,38 @@ class _StageClock:
 
     def __enter__(self) -> "_StageClock":
         for m in self.layers:
-            self._wrap(m)
+            self._undo.append(m.register_forward_hook(self._layer_end).remove)
+        self._tracing = _trace.tracing(self)
+        self._tracing.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
+        self._tracing.__exit__(*exc)
         for undo in reversed(self._undo):
             undo()
         self._undo.clear()
 
-    def _wrap(self, m) -> None:
-        dispatch, experts, combine = m.dispatch, m.compute_experts, m.combine
+    def begin(self, name: str, track: str, cuda: bool = False, **args):
+        if name == "dispatch":
+            self.calls.append({"dispatch0": self._now(), "bytes": int(args.get("off_rank_bytes", 0))})
+        span = super().begin(name, track, cuda, **args)
+        on_end = {"dispatch": self._dispatched, "experts": self._experts_done, "combine": self._combined}.get(name)
+        return span if on_end is None else _Boundary(span, on_end)
 
-        def timed_dispatch(x_SD, kept_E, *a, **kw):
-            call = {"dispatch0": self._now()}
-            self.calls.append(call)
-            splits = kept_E.view(m.ep_size, -1).sum(1).tolist()
-            row_bytes = x_SD.element_size() * (x_SD[0].numel() if x_SD.dim() > 1 else 1)
-            call["bytes"] = int((sum(splits) - splits[m.ep_rank]) * row_bytes)
-            d = dispatch(x_SD, kept_E, *a, **kw)
-            call["dispatch1"] = time.perf_counter()
-            return d
+    def _dispatched(self) -> None:
+        if self.calls:
+            self.calls[-1]["dispatch1"] = time.perf_counter()
 
-        def timed_experts(*a, **kw):
-            y = experts(*a, **kw)
-            _sync(self.device)
-            return y
+    def _experts_done(self) -> None:
+        _sync(self.device)
 
-        def timed_combine(*a, **kw):
-            pending = combine(*a, **kw)
-            if self.calls:
-                self.calls[-1]["combine1"] = time.perf_counter()
-            return pending
+    def _combined(self) -> None:
+        if self.calls:
+            self.calls[-1]["combine1"] = time.perf_counter()
 
-        def hook(module, inputs, output):
-            if self.calls and "end" not in self.calls[-1]:
-                self.calls[-1]["end"] = self._now()
-
-        m.dispatch, m.compute_experts, m.combine = timed_dispatch, timed_experts, timed_combine
-        handle = m.register_forward_hook(hook)
-
-        def undo():
-            handle.remove()
-            for name in ("dispatch", "compute_experts", "combine"):
-                m.__dict__.pop(name, None)
-
-        self._undo.append(undo)
+    def _layer_end(self, module, inputs, output) -> None:
+        if self.calls and "end" not in self.calls[-1]:
+            self.calls[-1]["end"] = self._now()
 
     @property
     def complete_calls(self) -> list:

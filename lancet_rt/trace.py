@@ -104,10 +104,16 @@ class Trace:
 
 
 @contextlib.contextmanager
-def tracing():
-    """Record every stage while the context is open; yields the :class:`Trace`."""
+def tracing(trace: Optional[Trace] = None):
+    """Record every stage while the context is open; yields the :class:`Trace`.
+
+    Args:
+        trace: the recording to fill (a new :class:`Trace` by default). A subclass that overrides
+            :meth:`Trace.begin` sees every stage's start (and, through the span it returns, its end)
+            as it happens: how a profiler times the layer's stages without patching them.
+    """
     global _active
-    prev, _active = _active, Trace()
+    prev, _active = _active, Trace() if trace is None else trace
     # The context's own extent (track "tracing"): where a traced step ends, untraced work included
     # (a replay of the trace needs it); on CUDA it ends on the current stream.
     extent = _active.begin("tracing", "tracing", torch.cuda.is_available() and torch.cuda.is_initialized())

@@ -88,6 +88,34 @@ class _Scratch(threading.local):
 _scratch = _Scratch()
 
 
+def kernel_views(w_gate_up: torch.Tensor, w_down: torch.Tensor, gpt_oss: bool) -> tuple:
+    """(w_E2FD, w_EDF): the kernels' [E, 2F, D] and [E, D, F] views of the weights (GPT-OSS's are their
+    transposes)."""
+    return (w_gate_up.transpose(1, 2) if gpt_oss else w_gate_up), (w_down.transpose(1, 2) if gpt_oss else w_down)
+
+
+def expert_rows(ops, spec: _Spec, x_RD, w_E2FD, w_EDF, segments, b_gate_up, b_down, **halves) -> tuple:
+    """(y_RD, h_RF, gu_R2F): the experts' forward over rows grouped by expert (``segments``): the fused
+    gate_up GEMM and SwiGLU, then the down GEMM; ``h_RF`` and ``gu_R2F`` are what backward needs."""
+    h_RF, gu_R2F = ops.gate_up_swiglu(x_RD, w_E2FD, segments, b_gate_up, **spec.act(), **halves)
+    return ops.grouped_mm(h_RF, w_EDF, segments, b_down), h_RF, gu_R2F
+
+
+def weight_gradients(ops, gpt_oss: bool, x_RD, h_RF, dgu_R2F, dy_RD, offsets_E1, needs) -> tuple:
+    """Gradients of (gate_up, down, gate_up_bias, down_bias), each None where ``needs`` says no. In the
+    GPT-OSS layout the dW GEMMs take their operands swapped, so they write the parameters' own
+    [E, D, 2F] and [E, F, D] layouts."""
+    if gpt_oss:
+        dgate_up = ops.grouped_mm_dw(x_RD, dgu_R2F, offsets_E1) if needs[0] else None
+        ddown = ops.grouped_mm_dw(h_RF, dy_RD, offsets_E1) if needs[1] else None
+    else:
+        dgate_up = ops.grouped_mm_dw(dgu_R2F, x_RD, offsets_E1) if needs[0] else None
+        ddown = ops.grouped_mm_dw(dy_RD, h_RF, offsets_E1) if needs[1] else None
+    dgate_up_bias = ops.segment_sum(dgu_R2F, offsets_E1) if needs[2] else None
+    ddown_bias = ops.segment_sum(dy_RD, offsets_E1) if needs[3] else None
+    return dgate_up, ddown, dgate_up_bias, ddown_bias
+
+
 class _ExpertsFn(torch.autograd.Function):
     """Rows in the received (rank-major) order in and out; expert-major inside for the GEMMs."""
 
@@ -119,12 +147,10 @@ class _ExpertsFn(torch.autograd.Function):
         ctx.bounds = bounds if bounds is not None and getattr(ops, "host_offsets", False) else None
         segments = offsets_E1 if ctx.bounds is None else ctx.bounds
         # The kernels' views: [E, 2F, D] and [E, D, F] (GPT-OSS: transposes of its parameters).
-        w_E2FD = w_gate_up.transpose(1, 2) if spec.gpt_oss else w_gate_up
-        w_EDF = w_down.transpose(1, 2) if spec.gpt_oss else w_down
+        w_E2FD, w_EDF = kernel_views(w_gate_up, w_down, spec.gpt_oss)
         # (the references: gate and up as contiguous halves, for the activation's passes; GateUp)
         halves = dict(halves=True) if getattr(ops, "gate_up_halves", False) else {}
-        h_RF, gu_R2F = ops.gate_up_swiglu(x_RD, w_E2FD, segments, b_gate_up, **spec.act(), **halves)
-        y_RD = ops.grouped_mm(h_RF, w_EDF, segments, b_down)
+        y_RD, h_RF, gu_R2F = expert_rows(ops, spec, x_RD, w_E2FD, w_EDF, segments, b_gate_up, b_down, **halves)
         ctx.perms, ctx.link, ctx.spec = (to_expert, to_rank), link, spec
         ctx.save_for_backward(
             x_RD, h_RF, w_gate_up, w_down, offsets_E1, *(gu_R2F if isinstance(gu_R2F, GateUp) else (gu_R2F,))
@@ -152,8 +178,7 @@ class _ExpertsFn(torch.autograd.Function):
         ops, spec = ctx.ops, ctx.spec
         if ctx.bounds is not None:
             offsets_E1 = ctx.bounds
-        w_E2FD = gate_up.transpose(1, 2) if spec.gpt_oss else gate_up
-        w_EDF = down.transpose(1, 2) if spec.gpt_oss else down
+        w_E2FD, w_EDF = kernel_views(gate_up, down, spec.gpt_oss)
         to_expert, to_rank = ctx.perms
         deferring = False
         if ctx.wgrad is not None:
@@ -207,18 +232,7 @@ class _ExpertsFn(torch.autograd.Function):
         none = (None,) * 10
 
         def param_grads(needs):
-            """Gradients of (gate_up, down, gate_up_bias, down_bias), each None where not needed. In the
-            GPT-OSS layout the dW GEMMs take their operands swapped, so they write the parameters' own
-            [E, D, 2F] and [E, F, D] layouts."""
-            if spec.gpt_oss:
-                dgate_up = ops.grouped_mm_dw(x_RD, dgu_R2F, offsets_E1) if needs[0] else None
-                ddown = ops.grouped_mm_dw(h_RF, dy_RD, offsets_E1) if needs[1] else None
-            else:
-                dgate_up = ops.grouped_mm_dw(dgu_R2F, x_RD, offsets_E1) if needs[0] else None
-                ddown = ops.grouped_mm_dw(dy_RD, h_RF, offsets_E1) if needs[1] else None
-            dgate_up_bias = ops.segment_sum(dgu_R2F, offsets_E1) if needs[2] else None
-            ddown_bias = ops.segment_sum(dy_RD, offsets_E1) if needs[3] else None
-            return dgate_up, ddown, dgate_up_bias, ddown_bias
+            return weight_gradients(ops, spec.gpt_oss, x_RD, h_RF, dgu_R2F, dy_RD, offsets_E1, needs)
 
         if ctx.wgrad is not None:
             if deferring:

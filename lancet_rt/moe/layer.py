@@ -9,9 +9,11 @@ Stages of one forward (docs/design.md, data flow)::
     combine   y_RD -> y_SD back on the token's rank (async handle)
     unpermute y_SD -> y_TD                     gather-based weighted sum over K
 
-Between the two all-to-alls the layer yields to the overlap scheduler (:mod:`lancet_rt.schedule.scope`);
-without one the yields are no-ops. The options are validated by :class:`lancet_rt.moe.config.MoEConfig`;
-the dispatch, experts and combine are scheduled by a dispatcher (:mod:`lancet_rt.moe.dispatch`).
+The layer routes each chunk, hands it to its dispatcher (:attr:`MoE.dispatcher`, an object of
+:mod:`lancet_rt.moe.dispatch`: permute, dispatch, experts, combine, and the yields to the overlap
+scheduler of :mod:`lancet_rt.schedule.scope` between the two all-to-alls; without a scheduler the
+yields are no-ops) and unpermutes what comes back. The options are validated by
+:class:`lancet_rt.moe.config.MoEConfig`.
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from lancet_rt.comm import group as comm
 from lancet_rt.moe import library as _library
 from lancet_rt.moe.config import MoEConfig, check_modules, check_prebuilt, config_names, config_vector, role_names
 from lancet_rt.moe.dispatch import allreduce as _allreduce
-from lancet_rt.moe.dispatch import alltoall, pipelined, shadow
-from lancet_rt.moe.dispatch.common import Counts, Dispatched, Route, exchange_counts, number_layer
+from lancet_rt.moe.dispatch import registry, shadow
+from lancet_rt.moe.dispatch.base import Chunk, Dispatcher
+from lancet_rt.moe.dispatch.common import Route, number_layer
 from lancet_rt.moe.experts import Experts
-from lancet_rt.routing.functions import BatchRouting, gate, permute, unpermute
+from lancet_rt.routing.functions import BatchRouting, gate
 from lancet_rt.routing.router import Router
 from lancet_rt.schedule import recompute as _recompute
 from lancet_rt.schedule import scope as _scope
@@ -160,32 +163,47 @@ class MoE(nn.Module):
         )
         check_modules(shared_experts, shared_expert_gate, router, experts)
         names = role_names(names, self._ROLES, set(dir(type(self))) - set(self._ROLES))
+        self._join_group(cfg, ep_group)
+        self._set_options(cfg)
+        self._names = names
+        self._add_modules(cfg, router, experts, shared_experts, shared_expert_gate, device)
+        self._config_checked = self.group is None
+        self.trace_name = "moe"
+        self.layer_number = number_layer(self)  # (its counts exchanges' tag: the same layer on every rank)
+        self._clear_stats()
+
+    def _join_group(self, cfg: MoEConfig, ep_group) -> None:
+        """The expert-parallel group, checked for the options: ``group``, ``ep_size``, ``ep_rank``."""
         self.group = comm.as_group(ep_group)
         if cfg.dispatcher == "allreduce":
             _allreduce.check_group(self.group)
         world = self.group.size if self.group is not None else 1
         cfg.check_world(world)
         shadow.check_group(cfg.shadow_experts, self.group)
-        self.shadow_experts = cfg.shadow_experts
-        self.shadowed: list = []
-        self.config = cfg  # the options as given (the cross-rank check compares them all: moe.config.WIRE_FIELDS)
-        self.dispatcher = cfg.dispatcher
-        self.d_model, self.d_ffn, self.num_experts, self.top_k = d_model, d_ffn, num_experts, top_k
-        self.capacity_factor, self.score_fn, self.normalize_topk = cfg.capacity_factor, score_fn, cfg.normalize_topk
-        self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
-        self.pipeline_chunks = pipeline_chunks
-        self.expert_bias, self.n_group, self.topk_group = cfg.expert_bias, n_group, cfg.topk_group
-        self.routed_scaling_factor = cfg.routed_scaling_factor
         self.ep_size = world
         self.ep_rank = self.group.rank if self.group is not None else 0
-        self.num_local_experts = num_experts // world
 
-        self._names = names
+    def _set_options(self, cfg: MoEConfig) -> None:
+        """The options as attributes (``pipeline_chunks`` and ``shadow_experts`` may change later)."""
+        self.config = cfg  # the options as given (the cross-rank check compares them all: moe.config.WIRE_FIELDS)
+        self.shadow_experts = cfg.shadow_experts
+        self.shadowed: list = []
+        self.d_model, self.d_ffn, self.num_experts, self.top_k = cfg.d_model, cfg.d_ffn, cfg.num_experts, cfg.top_k
+        self.capacity_factor, self.score_fn, self.normalize_topk = cfg.capacity_factor, cfg.score_fn, cfg.normalize_topk
+        self.aux_loss_coef, self.z_loss_coef = cfg.aux_loss_coef, cfg.z_loss_coef
+        self.pipeline_chunks = cfg.pipeline_chunks
+        self.expert_bias, self.n_group, self.topk_group = cfg.expert_bias, cfg.n_group, cfg.topk_group
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.num_local_experts = cfg.num_experts // self.ep_size
+
+    def _add_modules(self, cfg: MoEConfig, router, experts, shared_experts, shared_expert_gate, device) -> None:
+        """The submodules, new or prebuilt (checked), registered under their role's name."""
+        D, E, dtype = cfg.d_model, cfg.num_experts, cfg.dtype
         if router is None:
-            router = Router(d_model, num_experts, bias=router_bias, expert_bias=expert_bias, device=device, dtype=dtype)
+            router = Router(D, E, bias=cfg.router_bias, expert_bias=cfg.expert_bias, device=device, dtype=dtype)
         if experts is None:
-            experts = Experts(self.num_local_experts, d_model, d_ffn, device=device, dtype=dtype)
-        check_prebuilt(router, experts, d_model, num_experts, self.num_local_experts, expert_bias)
+            experts = Experts(self.num_local_experts, D, cfg.d_ffn, device=device, dtype=dtype)
+        check_prebuilt(router, experts, D, E, self.num_local_experts, cfg.expert_bias)
         for role, module in (
             ("router", router),
             ("experts", experts),
@@ -195,10 +213,9 @@ class MoE(nn.Module):
             if module is not None:
                 # (not add_module: its "attribute exists" check would trip over the role properties)
                 self._modules[self._names[role]] = module
-        self._config_checked = self.group is None
-        self.trace_name = "moe"
-        self.layer_number = number_layer(self)  # (its counts exchanges' tag: the same layer on every rank)
 
+    def _clear_stats(self) -> None:
+        """The statistics of the last forward (none yet)."""
         self.aux_loss: Optional[torch.Tensor] = None
         self.z_loss: Optional[torch.Tensor] = None
         self.tokens_per_expert: Optional[torch.Tensor] = None
@@ -256,7 +273,7 @@ class MoE(nn.Module):
             f"d_model={self.d_model}, d_ffn={self.d_ffn}, num_experts={self.num_experts}, "
             f"top_k={self.top_k}, capacity_factor={self.capacity_factor}, score_fn={self.score_fn!r}, "
             f"ep_size={self.ep_size}{extra}"
-            + (f", dispatcher={self.dispatcher!r}" if self.dispatcher != "alltoall" else "")
+            + (f", dispatcher={self.config.dispatcher!r}" if self.config.dispatcher != "alltoall" else "")
         )
 
     # ---------------------------------------------------------------- validation
@@ -333,18 +350,6 @@ class MoE(nn.Module):
         )
         return Route(weight_TK, row_TK, kept_E)
 
-    def exchange_counts(self, kept_PE: torch.Tensor, error: Optional[Exception] = None) -> Counts:
-        """Counts first: start sending each rank the rows it will get for each of its local experts.
-
-        ``kept_PE`` holds the kept rows per expert of P pieces sent back to back. Returns a handle
-        whose ``wait()`` gives recv [P, W, E_local] on the host: this is the layer's one host
-        synchronisation point (split sizes must be on the host to size the row all-to-all), issued
-        early and waited on late. The exchange carries a status column: a rank whose input was
-        rejected (``error``) still takes part, and every rank raises instead of waiting in the row
-        all-to-all.
-        """
-        return exchange_counts(self, kept_PE, error)
-
     def fail_peers(self, error: Exception) -> None:
         """Raise ``error`` on this rank and on every peer of the group.
 
@@ -355,39 +360,15 @@ class MoE(nn.Module):
             if not self._config_checked:  # the peers' first collective is the configuration check
                 self._check_config(error)
             z = torch.zeros(self.pipeline_chunks, self.num_experts, dtype=torch.long, device=self.router.weight.device)
-            self.exchange_counts(z, error).wait()  # raises error
+            self.dispatcher.exchange_counts(z, self._compute_dtype(z), error).wait()  # raises error
         raise error
 
-    def dispatch(
-        self, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL: Optional[list], sent_WL: Optional[list]
-    ) -> Dispatched:
-        """Send each kept row to its expert's rank (async; :func:`lancet_rt.moe.dispatch.alltoall.dispatch`).
-
-        Args:
-            x_SD: [S, D] rows grouped by expert (so by destination rank).
-            kept_E: [E] kept rows per expert, on the device.
-            counts_WL, sent_WL: [W, E_local] rows received / sent per (rank, local expert), host ints
-                from :meth:`exchange_counts` (``Counts.host``; without a group None, or ``[kept_E]``
-                as host ints).
-        """
-        return alltoall.dispatch(self, x_SD, kept_E, counts_WL, sent_WL)
-
-    def compute_experts(self, x_recv: torch.Tensor, d: Dispatched, ops, link=None) -> torch.Tensor:
-        """Grouped SwiGLU experts over the received rows (rank-major in, rank-major out)."""
-        with _trace.span("experts", cuda=x_recv.is_cuda, layer=self.trace_name, rows=x_recv.shape[0]):
-            return self.experts(
-                x_recv,
-                d.segment_offsets(ops, x_recv.device),
-                ops,
-                to_expert=d.to_expert_major,
-                to_rank=d.to_rank_major,
-                link=link,
-                bounds=d.bounds_L1,
-            )
-
-    def combine(self, y_recv: torch.Tensor, d: Dispatched) -> comm.Pending:
-        """Send expert outputs back to the tokens' ranks (async)."""
-        return alltoall.combine(self, y_recv, d)
+    @property
+    def dispatcher(self) -> Dispatcher:
+        """The dispatcher for the layer's options now (:func:`lancet_rt.moe.dispatch.registry.kind`; made per
+        forward: ``pipeline_chunks`` and ``shadow_experts`` may change after construction). The option
+        ``MoE(dispatcher=...)`` stays in ``config.dispatcher``."""
+        return registry.for_layer(self, self.experts, self.shared_experts, self.shared_expert_gate)
 
     # ---------------------------------------------------------------- forward
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -413,7 +394,7 @@ class MoE(nn.Module):
     def _forward_eager(self, x: torch.Tensor) -> torch.Tensor:
         error = self._input_error(x)
         if error is None and self.shadow_experts and self.group is not None:
-            error = shadow.unsupported(self)  # (raised on every rank, as a rejected input)
+            error = shadow.unsupported(self, self.experts)  # (raised on every rank, as a rejected input)
         hook = MoE.before_collectives
         if error is None and hook is not None and self.group is not None and _scope.current() is None:
             error = hook(self, x)  # (the first forward's warm-up)
@@ -427,49 +408,26 @@ class MoE(nn.Module):
         state, replaying = self._routing_state(x_TD.shape[0], x_TD.device)
 
         scope = _scope.current()
-        chunk = scope.chunk if scope is not None else None
+        c = Chunk(x_TD, dtype, ops, scope.chunk if scope is not None else None)
         if scope is not None:
-            scope.last_combine[chunk] = None  # (set below where this layer's combine qualifies)
-        allreduce = self.dispatcher == "allreduce" and self.group is not None
-        # (under autocast the replicated tokens meet the experts in the autocast dtype)
-        x_in = _allreduce.replicated_input(x_TD.to(dtype), self.group, chunk) if allreduce else None
-        with _trace.span("route", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk, tokens=x_TD.shape[0]):
-            r = self.route(x_TD, state, ops)
+            scope.last_combine[c.index] = None  # (set by the dispatcher where this layer's combine qualifies)
+        dispatcher = self.dispatcher
+        dispatcher.before_route(c)
+        with _trace.span("route", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=c.index, tokens=x_TD.shape[0]):
+            c.route = self.route(x_TD, state, ops)
         state.next_chunk += 1
         if state.complete and not replaying:
             self._record_stats(state)
-        if allreduce:
-            y_TD = _allreduce.allreduce_forward(self, x_in, r, ops, chunk).to(x.dtype)
-            shared = self.shared_output(x_TD)
-            return (y_TD if shared is None else y_TD + shared).view(x.shape)
-        x_c = x_TD.to(dtype)  # under autocast the tokens travel and meet the experts in its dtype
-        exchange = alltoall.exchange_and_compute if self.pipeline_chunks == 1 else pipelined.exchange_and_compute
-        if self.shadow_experts and self.pipeline_chunks == 1 and self.group is not None:
-            exchange = shadow.exchange_and_compute
-        y_SD, src_S, link, shared = exchange(self, x_c, r, ops, chunk, x_TD)
-        if scope is not None and exchange is alltoall.exchange_and_compute and link is not None and y_SD.requires_grad:
-            scope.last_combine[chunk] = (y_SD, link)  # (lancet_rt.schedule.early_backward)
-        with _trace.span("unpermute", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk):
-            y_TD = unpermute(y_SD, r.row_TK, r.weight_TK, src_S, ops, link)
-        y_TD = y_TD.to(x.dtype)
-        if shared is not None:
-            y_TD = y_TD + shared
+        return self.after_route(dispatcher, c, x)
+
+    def after_route(self, dispatcher: Dispatcher, c: Chunk, x: torch.Tensor) -> torch.Tensor:
+        """The routed chunk ``c`` through ``dispatcher``'s stages, unpermuted, plus the shared experts'
+        output: y [..., D] in ``x``'s dtype (the eager forward and :func:`lancet_rt.moe.library.forward`)."""
+        exchanged = dispatcher.run(c)
+        y_TD = dispatcher.unpermute(c, exchanged).to(x.dtype)
+        if exchanged.shared is not None:
+            y_TD = y_TD + exchanged.shared
         return y_TD.view(x.shape)
-
-    def shared_output(self, x_TD: torch.Tensor) -> Optional[torch.Tensor]:
-        """The shared experts' output (gated by sigmoid(shared_expert_gate(x)) if there is a gate)."""
-        if self.shared_experts is None:
-            return None
-        with _trace.span("shared experts", cuda=x_TD.is_cuda, layer=self.trace_name):
-            y_TD = self.shared_experts(x_TD)
-            if self.shared_expert_gate is not None:
-                y_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * y_TD
-        return y_TD
-
-    def permute_rows(self, x_TD: torch.Tensor, r: Route, num_rows: int, ops, chunk) -> tuple:
-        """(x_SD, src_S): the chunk's kept rows grouped by expert (``num_rows`` of them)."""
-        with _trace.span("permute", cuda=x_TD.is_cuda, layer=self.trace_name, chunk=chunk):
-            return permute(x_TD, r.row_TK, num_rows, ops)
 
     def _routing_state(self, T: int, device) -> tuple[BatchRouting, bool]:
         """This call's routing state, and whether it replays a recorded one (a recomputation)."""

@@ -28,6 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from lancet_rt import ops as _ops
+from lancet_rt.moe.dispatch.base import Chunk, Dispatcher, Exchanged
+from lancet_rt.moe.dispatch.common import Route
+from lancet_rt.moe.experts import _Spec, expert_rows, kernel_views, weight_gradients
 from lancet_rt.routing.functions import BatchRouting, gate
 from lancet_rt.schedule import scope as _scope
 from lancet_rt.schedule import wgrad
@@ -251,9 +254,7 @@ def _expert_args(x_RD, offsets_E1, w_gate_up, w_down, padded, gpt_oss):
     bounds = offsets_E1.tolist() if padded or getattr(ops, "host_offsets", False) else None
     S = bounds[-1] if padded else x_RD.shape[0]
     segments = bounds if bounds is not None and getattr(ops, "host_offsets", False) else offsets_E1
-    w_E2FD = w_gate_up.transpose(1, 2) if gpt_oss else w_gate_up
-    w_EDF = w_down.transpose(1, 2) if gpt_oss else w_down
-    return ops, S, segments, w_E2FD, w_EDF
+    return (ops, S, segments) + kernel_views(w_gate_up, w_down, gpt_oss)
 
 
 @torch.library.custom_op("lancet::moe_experts", mutates_args=())
@@ -271,10 +272,8 @@ def _moe_experts(
     padded: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     ops, S, segments, w_E2FD, w_EDF = _expert_args(x_RD, offsets_E1, w_gate_up, w_down, padded, gpt_oss)
-    h_RF, gu_R2F = ops.gate_up_swiglu(
-        x_RD[:S], w_E2FD, segments, b_gate_up, activation=activation, interleaved=gpt_oss, alpha=alpha, limit=limit
-    )
-    y_RD = ops.grouped_mm(h_RF, w_EDF, segments, b_down)
+    spec = _Spec(activation, alpha, limit, gpt_oss)
+    y_RD, h_RF, gu_R2F = expert_rows(ops, spec, x_RD[:S], w_E2FD, w_EDF, segments, b_gate_up, b_down)
     R = x_RD.shape[0]
     return _pad(y_RD, R), _pad(gu_R2F, R), _pad(h_RF, R)
 
@@ -302,20 +301,16 @@ def _moe_experts_bwd(
     padded: bool,
     needs: list[bool],
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    # _ExpertsFn._backward's formulas; a gradient not needed is an empty tensor
+    # _ExpertsFn._backward's formulas (the weight gradients: the same function); a gradient not needed is an
+    # empty tensor
     ops, S, seg, w_E2FD, w_EDF = _expert_args(x_RD, offsets_E1, w_gate_up, w_down, padded, gpt_oss)
     R = x_RD.shape[0]
     dy_RD, x_RD, gu_R2F, h_RF = dy_RD[:S].contiguous(), x_RD[:S], gu_R2F[:S], h_RF[:S]
     dh_RF = ops.grouped_mm_dx(dy_RD, w_EDF, seg)
-    dgu_R2F = ops.swiglu_bwd(gu_R2F, dh_RF, activation=activation, interleaved=gpt_oss, alpha=alpha, limit=limit)
+    dgu_R2F = ops.swiglu_bwd(gu_R2F, dh_RF, **_Spec(activation, alpha, limit, gpt_oss).act())
     dx_RD = _pad(ops.grouped_mm_dx(dgu_R2F, w_E2FD, seg), R)
-    if gpt_oss:  # (the dW GEMMs take their operands swapped: the parameters' own layouts)
-        dw = (lambda: ops.grouped_mm_dw(x_RD, dgu_R2F, seg), lambda: ops.grouped_mm_dw(h_RF, dy_RD, seg))
-    else:
-        dw = (lambda: ops.grouped_mm_dw(dgu_R2F, x_RD, seg), lambda: ops.grouped_mm_dw(dy_RD, h_RF, seg))
-    grads = dw + (lambda: ops.segment_sum(dgu_R2F, seg), lambda: ops.segment_sum(dy_RD, seg))
-    dgate_up, ddown, dgate_up_bias, ddown_bias = (g() if need else dy_RD.new_empty(0) for g, need in zip(grads, needs))
-    return dx_RD, dgate_up, ddown, dgate_up_bias, ddown_bias
+    grads = weight_gradients(ops, gpt_oss, x_RD, h_RF, dgu_R2F, dy_RD, seg, needs)
+    return (dx_RD,) + tuple(dy_RD.new_empty(0) if g is None else g for g in grads)
 
 
 @_moe_experts_bwd.register_fake
@@ -349,17 +344,49 @@ def traceable(moe) -> bool:
     return moe.group is None and _scope.current() is None and wgrad.current() is None
 
 
+class Compiled(Dispatcher):
+    """The stages after the routing as these operators (no group, no overlap scope): the permute, the experts
+    and the unpermute of the whole batch; the shared experts are the base class's stage."""
+
+    name = "compiled"
+
+    def run(self, c: Chunk) -> Exchanged:
+        moe, r = self.moe, c.route
+        padded = moe.capacity_factor is not None
+        x_SD, src_S = _moe_permute(c.x_TD.to(c.dtype), r.row_TK, r.kept_E, padded)
+        offsets_E1 = F.pad(torch.cumsum(r.kept_E, 0), (1, 0))
+        experts = self.routed_experts
+        spec = experts._spec
+        weights = (experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias, experts.down_proj_bias)
+        weights = tuple(None if w is None else w.to(c.dtype) for w in weights)  # (as nn.Linear under autocast)
+        y_SD, _, _ = _moe_experts(
+            x_SD, offsets_E1, *weights, spec.activation, spec.alpha, spec.limit, spec.gpt_oss, padded
+        )
+        return Exchanged(y_SD, src_S, None, self.shared(c.x_TD))
+
+    def unpermute(self, c: Chunk, ex: Exchanged) -> Tensor:
+        r = c.route
+        return _moe_unpermute(ex.y_SD, r.row_TK, r.weight_TK, ex.src_S, self.moe.capacity_factor is not None)
+
+
 def forward(moe, x: Tensor) -> Tensor:
     """``MoE.forward`` of an unchunked batch without expert parallelism, as lancet custom operators.
 
     The same kernels on the same inputs as the eager layer (equal outputs and gradients), the same
-    statistics recorded (``aux_loss``, ``z_loss``, ``tokens_per_expert``, ``dropped``, ``expert_load``).
+    statistics recorded (``aux_loss``, ``z_loss``, ``tokens_per_expert``, ``dropped``, ``expert_load``),
+    the same orchestration after the routing (``MoE.after_route`` with :class:`Compiled`).
     """
     error = moe._input_error(x)
     if error is not None:
         raise error
     x_TD = x.reshape(-1, moe.d_model)
-    dtype = moe._compute_dtype(x_TD)
+    c = Chunk(x_TD, moe._compute_dtype(x_TD), None, None)
+    c.route = _route(moe, x_TD)
+    return moe.after_route(Compiled(moe, moe.experts, moe.shared_experts, moe.shared_expert_gate), c, x)
+
+
+def _route(moe, x_TD: Tensor) -> Route:
+    """The router and the gating operator over the whole batch; records the layer's statistics."""
     router = moe.router
     expert_bias = router.e_score_correction_bias if moe.expert_bias else None
     topk_group = moe.topk_group if moe.n_group > 1 else None
@@ -377,20 +404,7 @@ def forward(moe, x: Tensor) -> Tensor:
         moe.z_loss_coef,
     )
     _record_stats(moe, x_TD.shape[0], used_E, kept_E, score_sum_E, zsq_sum)
-    padded = moe.capacity_factor is not None
-    x_SD, src_S = _moe_permute(x_TD.to(dtype), row_TK, kept_E, padded)
-    offsets_E1 = F.pad(torch.cumsum(kept_E, 0), (1, 0))
-    experts, spec = moe.experts, moe.experts._spec
-    weights = (experts.gate_up_proj, experts.down_proj, experts.gate_up_proj_bias, experts.down_proj_bias)
-    weights = tuple(None if w is None else w.to(dtype) for w in weights)  # (as nn.Linear under autocast)
-    y_SD, _, _ = _moe_experts(x_SD, offsets_E1, *weights, spec.activation, spec.alpha, spec.limit, spec.gpt_oss, padded)
-    y_TD = _moe_unpermute(y_SD, row_TK, weight_TK, src_S, padded).to(x.dtype)
-    if moe.shared_experts is not None:
-        shared = moe.shared_experts(x_TD)
-        if moe.shared_expert_gate is not None:
-            shared = torch.sigmoid(moe.shared_expert_gate(x_TD)) * shared
-        y_TD = y_TD + shared
-    return y_TD.view(x.shape)
+    return Route(weight_TK, row_TK, kept_E)
 
 
 def _record_stats(moe, T: int, used_E: Tensor, kept_E: Tensor, score_sum_E: Tensor, zsq_sum: Tensor) -> None:

@@ -32,7 +32,7 @@ def check_layers(model: nn.Module, engine: str, *, shards: bool = False) -> None
         if not isinstance(m, MoE):
             continue
         where = f"{engine}: MoE layer {name or '<root>'}"
-        if m.dispatcher == "allreduce" and m.ep_size > 1:
+        if m.config.dispatcher == "allreduce" and m.ep_size > 1:
             raise ValueError(
                 f"{where} has dispatcher='allreduce', which {engine} does not support: the {m.ep_size} ranks of "
                 f"its ep_group hold the same tokens, so their expert gradients are already whole and the "

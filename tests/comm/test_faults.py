@@ -287,18 +287,23 @@ def _interrupt_in_chunk_forward(model, ov):
 
 
 def _fail_in_experts(model, ov):
-    original = type(model.blocks[0].moe).compute_experts
+    layer = model.blocks[0].moe
+    cls = type(layer.dispatcher)  # (its stage, for this layer only)
+    original, own = cls.experts, "experts" in cls.__dict__
 
-    def compute_experts(self, *a, **kw):
-        if lancet_rt.schedule.scope.current().chunk == 1:
+    def experts(self, *a, **kw):
+        if self.moe is layer and lancet_rt.schedule.scope.current().chunk == 1:
             raise RuntimeError("injected in the experts")
         return original(self, *a, **kw)
 
-    model.blocks[0].moe.compute_experts = compute_experts.__get__(model.blocks[0].moe)
+    cls.experts = experts
 
     class Undo:
         def remove(self):
-            del model.blocks[0].moe.compute_experts
+            if own:
+                cls.experts = original
+            else:
+                del cls.experts
 
     return Undo()
 

@@ -38,13 +38,14 @@ aux/z losses and every gradient equal the unsharded layer's on every rank (tests
 from __future__ import annotations
 
 import itertools
-from typing import Protocol, runtime_checkable
+from typing import Optional, Protocol, runtime_checkable
 
 import torch
 
 from lancet_rt import trace as _trace
 from lancet_rt.comm import group as comm
-from lancet_rt.moe.dispatch.common import counts_turn, to_device
+from lancet_rt.moe.dispatch.base import Chunk, Dispatcher, Exchanged
+from lancet_rt.moe.dispatch.common import Counts, counts_turn, exchange_counts, to_device
 from lancet_rt.routing.functions import permute, unpermute
 from lancet_rt.schedule import scope as _scope
 from lancet_rt.schedule import wgrad
@@ -144,64 +145,79 @@ def check_group(group) -> None:
         )
 
 
-def replicated_input(x_TD: torch.Tensor, group, chunk) -> tuple:
-    """The tokens as the experts' path sees them, and their gradient's link (call before routing, so
-    that the all-reduce, issued when the permutation's backward has run, is waited for after the
-    router's backward)."""
-    return _grad_all_reduce(x_TD, group, chunk)
+class AllReduce(Dispatcher):
+    """PPMoE's dispatch (module docstring): the tokens are replicated, each rank computes its experts'
+    rows and one all-reduce sums the outputs; the unpermute runs before the all-reduce, in :meth:`run`."""
 
+    name = "allreduce"
 
-def allreduce_forward(moe, x_in: tuple, r, ops, chunk) -> torch.Tensor:
-    """The MoE layer's stages after routing, PPMoE style (module docstring): returns y_TD.
+    def before_route(self, c: Chunk) -> None:
+        """The tokens as the experts' path sees them, and their gradient's link (before the routing, so
+        that the all-reduce, issued when the permutation's backward has run, is waited for after the
+        router's backward); under autocast the replicated tokens meet the experts in the autocast dtype."""
+        c.early = _grad_all_reduce(c.x_TD.to(c.dtype), self.moe.group, c.index)
 
-    Args:
-        moe: the :class:`lancet_rt.MoE` (its group, experts and counts exchange).
-        x_in: from :func:`replicated_input` (created before the routing): [T, D] this chunk's tokens,
-            the same on every rank of the group, and their gradient's link.
-        r: the chunk's routing (weight_TK, row_TK, kept_E), the same on every rank.
-        ops: the kernel namespace.
-        chunk: the chunk index (traces), or None.
-    """
-    (x_TD, x_link), group, L = x_in, moe.group, moe.num_local_experts
-    w_TK, w_link = _grad_all_reduce(r.weight_TK, group, chunk)  # waited for before the gating's backward
-    # Every rank's kept rows per expert (+ status), checked before the all-reduce: waiting for them
-    # now would hold this chunk's experts behind the transfers in flight (a FIFO link, one NCCL
-    # communicator), so the local counts size the permutation.
-    counts = moe.exchange_counts(r.kept_E.view(1, -1))
-    kept = r.kept_E.tolist()  # host sync: the local experts' rows size the permutation
-    # Other chunks run (and create their autograd nodes) between this chunk's routing and its experts:
-    # in backward their work then fills the window of this chunk's gradient all-reduces.
-    _scope.switch()
-    lo = sum(kept[: moe.ep_rank * L])
-    mine = kept[moe.ep_rank * L : (moe.ep_rank + 1) * L]
-    rows = sum(mine)
-    with _trace.span("permute", cuda=x_TD.is_cuda, layer=moe.trace_name, chunk=chunk):
-        row_TK = r.row_TK
-        local_TK = (row_TK >= lo) & (row_TK < lo + rows)
-        row_TK = torch.where(local_TK, row_TK - lo, torch.full_like(row_TK, -1))
-        x_SD, src_S = permute(x_TD, row_TK, rows, ops)
-    x_link.issue_after(x_SD, 0)
-    offsets = to_device(torch.tensor(list(itertools.accumulate(mine, initial=0)), dtype=torch.int64), x_TD.device)
-    with _trace.span("experts", cuda=x_TD.is_cuda, layer=moe.trace_name, rows=rows):
-        y_SD = moe.experts(x_SD, offsets, ops)
-    with _trace.span("unpermute", cuda=x_TD.is_cuda, layer=moe.trace_name, chunk=chunk):
-        y_TD = unpermute(y_SD, row_TK, w_TK, src_S, ops)
-    w_link.issue_after(y_TD, 2)
-    counts_turn(moe, y_TD)  # other chunks run while the counts arrive (where that pays); then the all-reduce
-    with _trace.span("wait", "wait", chunk=chunk, counts=True):
-        counts.wait()
-        recv_WE = counts.received()[0]
-    differ = [q for q in range(recv_WE.shape[0]) if not torch.equal(recv_WE[q], recv_WE[moe.ep_rank])]
-    if differ:  # every rank holds the same matrix, so every rank raises (before the all-reduce)
-        raise ValueError(
-            f"x must be the same on every rank of the group with dispatcher='allreduce' (the tokens "
-            f"are replicated); rank(s) {differ} route other tokens than rank {moe.ep_rank}"
-        )
-    flight = _InFlight(chunk)
-    with _trace.span("all_reduce", cuda=x_TD.is_cuda, layer=moe.trace_name, rows=x_TD.shape[0]):
-        pending = comm.Pending(_AllReduceSum.apply(y_TD, group, flight), flight)
-    _scope.switch()
-    return pending.wait()
+    def exchange_counts(self, kept_PE: torch.Tensor, dtype: torch.dtype, error: Optional[Exception] = None) -> Counts:
+        """:meth:`~lancet_rt.moe.dispatch.base.Dispatcher.exchange_counts`: every rank gets every rank's counts
+        over all E experts (they must agree)."""
+        L, W = self.moe.num_experts, self.moe.ep_size
+        P = kept_PE.shape[0]
+        counts = kept_PE.reshape(1, P * L).expand(W, -1).long()
+        return exchange_counts(self.moe, kept_PE, counts, L, None, error, dtype)
+
+    def unpermute(self, c: Chunk, ex: Exchanged) -> torch.Tensor:
+        """y_TD as :meth:`run` returned it (unpermuted before the all-reduce)."""
+        return ex.y_SD
+
+    def run(self, c: Chunk) -> Exchanged:
+        """The layer's stages after routing, PPMoE style (module docstring): y_TD [T, D] in the input's
+        dtype, and the shared experts' output, in :class:`~lancet_rt.moe.dispatch.base.Exchanged`.
+
+        ``c.early``, from :meth:`before_route`: [T, D] this chunk's tokens, the same on every rank of the
+        group, and their gradient's link; ``c.route``: the chunk's routing, the same on every rank.
+        """
+        moe, r, ops, chunk = self.moe, c.route, c.ops, c.index
+        (x_TD, x_link), group, L = c.early, moe.group, moe.num_local_experts
+        w_TK, w_link = _grad_all_reduce(r.weight_TK, group, chunk)  # waited for before the gating's backward
+        # Every rank's kept rows per expert (+ status), checked before the all-reduce: waiting for them
+        # now would hold this chunk's experts behind the transfers in flight (a FIFO link, one NCCL
+        # communicator), so the local counts size the permutation.
+        counts = self.exchange_counts(r.kept_E.view(1, -1), c.dtype)
+        kept = r.kept_E.tolist()  # host sync: the local experts' rows size the permutation
+        # Other chunks run (and create their autograd nodes) between this chunk's routing and its experts:
+        # in backward their work then fills the window of this chunk's gradient all-reduces.
+        _scope.switch()
+        lo = sum(kept[: moe.ep_rank * L])
+        mine = kept[moe.ep_rank * L : (moe.ep_rank + 1) * L]
+        rows = sum(mine)
+        with _trace.span("permute", cuda=x_TD.is_cuda, layer=moe.trace_name, chunk=chunk):
+            row_TK = r.row_TK
+            local_TK = (row_TK >= lo) & (row_TK < lo + rows)
+            row_TK = torch.where(local_TK, row_TK - lo, torch.full_like(row_TK, -1))
+            x_SD, src_S = permute(x_TD, row_TK, rows, ops)
+        x_link.issue_after(x_SD, 0)
+        offsets = to_device(torch.tensor(list(itertools.accumulate(mine, initial=0)), dtype=torch.int64), x_TD.device)
+        with _trace.span("experts", cuda=x_TD.is_cuda, layer=moe.trace_name, rows=rows):
+            y_SD = self.routed_experts(x_SD, offsets, ops)
+        with _trace.span("unpermute", cuda=x_TD.is_cuda, layer=moe.trace_name, chunk=chunk):
+            y_TD = unpermute(y_SD, row_TK, w_TK, src_S, ops)
+        w_link.issue_after(y_TD, 2)
+        counts_turn(moe, y_TD)  # other chunks run while the counts arrive (where that pays); then the all-reduce
+        with _trace.span("wait", "wait", chunk=chunk, counts=True):
+            counts.wait()
+            recv_WE = counts.received()[0]
+        differ = [q for q in range(recv_WE.shape[0]) if not torch.equal(recv_WE[q], recv_WE[moe.ep_rank])]
+        if differ:  # every rank holds the same matrix, so every rank raises (before the all-reduce)
+            raise ValueError(
+                f"x must be the same on every rank of the group with dispatcher='allreduce' (the tokens "
+                f"are replicated); rank(s) {differ} route other tokens than rank {moe.ep_rank}"
+            )
+        flight = _InFlight(chunk)
+        with _trace.span("all_reduce", cuda=x_TD.is_cuda, layer=moe.trace_name, rows=x_TD.shape[0]):
+            pending = comm.Pending(_AllReduceSum.apply(y_TD, group, flight), flight)
+        _scope.switch()
+        y_TD = pending.wait().to(c.x_TD.dtype)
+        return Exchanged(y_TD, None, None, self.shared(c.x_TD))
 
 
 def modeled_bytes(

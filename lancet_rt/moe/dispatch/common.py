@@ -152,11 +152,10 @@ def number_layer(moe) -> int:
     return len(built) - 1
 
 
-def _tag(moe, kept_PE: torch.Tensor, seq: int) -> list:
-    """This exchange's tag words (module docstring); ``kept_PE`` is on the tokens' device."""
+def _tag(moe, seq: int, dtype: torch.dtype) -> list:
+    """This exchange's tag words (module docstring); ``dtype``: the compute dtype."""
     s = _scope.current()
     backward = torch._C._current_graph_task_id() != -1  # a recomputation inside backward
-    dtype = moe._compute_dtype(kept_PE)  # (the tokens' dtype: autocast's, else the experts')
     return [
         _header.COUNTS_MAGIC,
         seq,
@@ -182,42 +181,44 @@ def describe_tag(group, tag: list) -> str:
     )
 
 
-def exchange_counts(moe, kept_PE: torch.Tensor, error: Optional[Exception] = None) -> Counts:
-    """Start sending each rank the rows it will get for each of its local experts (counts first).
+def exchange_counts(
+    moe,
+    kept_PE: torch.Tensor,
+    counts: torch.Tensor,
+    L: int,
+    loads: Optional[torch.Tensor],
+    error: Optional[Exception],
+    dtype: torch.dtype,
+) -> Counts:
+    """Start sending each rank its counts row (counts first; the dispatcher lays the row out).
 
     Args:
-        moe: the layer (its group, ``num_experts``, ``num_local_experts``, ``ep_size``, ``dispatcher``).
+        moe: the layer (its group, ``ep_size``; its number for the tag).
         kept_PE: [P, E] kept rows per expert of P pieces sent back to back.
+        counts: [W, P * L] int64, the counts each rank receives (the dispatcher's
+            ``exchange_counts``: each rank's rows of its local experts; with ``dispatcher="allreduce"`` every
+            rank's counts over all E experts, which must agree).
+        L: counts per piece in a row.
+        loads: None, or [W, E] this rank's kept rows of every expert, carried after the counts
+            (``Counts.loads``: the same global loads on every rank, from which the shadowed experts are
+            chosen; :mod:`~lancet_rt.moe.dispatch.shadow`).
         error: this rank's rejected-input error, sent as a status column so that every rank raises.
+        dtype: the compute dtype (the tokens': autocast's, else the experts'), for the tag.
 
     Returns:
-        A :class:`Counts` handle; with ``dispatcher="allreduce"`` every rank gets every rank's
-        counts over all E experts (they must agree). With ``moe.shadow_experts > 0`` each row also
-        carries the sender's kept rows of all E experts (``Counts.loads``: the same global loads on
-        every rank, from which the shadowed experts are chosen; :mod:`~lancet_rt.moe.dispatch.shadow`).
-        On a group with a monitor each row carries this call's tag, checked by ``Counts.wait``
-        (module docstring).
+        A :class:`Counts` handle. On a group with a monitor each row carries this call's tag, checked by
+        ``Counts.wait`` (module docstring).
     """
-    L, W = moe.num_local_experts, moe.ep_size
+    W = moe.ep_size
     P = kept_PE.shape[0]
-    if moe.dispatcher == "allreduce":
-        L = moe.num_experts
-        counts = kept_PE.reshape(1, P * L).expand(W, -1).long()
-    else:
-        counts = (kept_PE.view(W, L) if P == 1 else kept_PE.view(P, W, L).permute(1, 0, 2).reshape(W, P * L)).long()
     group = moe.group
     monitor = getattr(group, "monitor", None)
     tagged = monitor is not None and group.size > 1
-    loads = (
-        kept_PE.sum(0).long().view(1, -1).expand(W, -1)
-        if getattr(moe, "shadow_experts", 0) and moe.dispatcher == "alltoall"
-        else None
-    )
 
     def issue() -> Counts:
         if tagged:  # status and tag: one host row, one copy (pinned, no sync), one cat
             extra = to_device(
-                torch.tensor([faults.status_code(error)] + _tag(moe, kept_PE, monitor.issued + 1)), counts.device
+                torch.tensor([faults.status_code(error)] + _tag(moe, monitor.issued + 1, dtype)), counts.device
             )
             send = torch.cat([counts, extra.view(1, -1).expand(W, -1)] + ([] if loads is None else [loads]), dim=1)
         else:  # the status column: one pad (constant_pad_nd), not a full and a cat, per chunk and layer

@@ -1,6 +1,7 @@
 """The Tutel-style baseline (``MoE(..., pipeline_chunks=P)``, P > 1): every expert's rows cut into P
 pieces, each piece dispatched, computed and combined in turn over the all-to-all dispatcher's
-stages, so piece p's experts overlap piece p+1's transfer. The backward is pipelined the same way,
+stages (:class:`Pipelined`, an :class:`~lancet_rt.moe.dispatch.alltoall.AllToAll` with its own
+:meth:`~Pipelined.run`), so piece p's experts overlap piece p+1's transfer. The backward is pipelined the same way,
 as Tutel's is: every piece's combine gradient leaves at once (:class:`_JoinPieces`), and each
 piece's expert backward issues its dispatch gradient while the other pieces' transfers are in flight.
 """
@@ -9,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from lancet_rt.moe.dispatch.base import Exchanged
+from lancet_rt.moe.dispatch.alltoall import AllToAll
+from lancet_rt.moe.dispatch.base import Chunk, Exchanged
 from lancet_rt.moe.dispatch.common import to_device
 from lancet_rt.schedule import scope as _scope
 
@@ -33,28 +35,34 @@ def _pieces(kept: list, P: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     return order, kept_PE
 
 
-def exchange_and_compute(moe, x_TD: torch.Tensor, r, ops, chunk, x_in: torch.Tensor) -> Exchanged:
-    """The baseline's permute, P dispatches, experts and combines (a
-    :class:`~lancet_rt.moe.dispatch.base.Dispatcher`); the shared experts run while the dispatches fly."""
-    P = moe.pipeline_chunks
-    kept = r.kept_E.tolist()  # host sync: the pieces' bounds
-    x_SD, src_S = moe.permute_rows(x_TD, r, sum(kept), ops, chunk)
-    order, kept_PE = _pieces(kept, P, x_SD.device)
-    pieces = x_SD.index_select(0, order).split(kept_PE.sum(1).tolist())
-    kept_PE = to_device(kept_PE, x_SD.device)
-    if moe.group is not None:
-        exchange = moe.exchange_counts(kept_PE)
-        exchange.wait()
-        counts, sent = exchange.host  # host ints, [P][W][E_local] each
-    else:
-        counts = sent = [None] * P
-    ds = [moe.dispatch(pieces[p], kept_PE[p], counts[p], sent[p]) for p in range(P)]
-    shared = moe.shared_output(x_in)
-    _scope.switch()
-    combines = [moe.combine(moe.compute_experts(d.pending.wait(), d, ops, d.pending.link), d) for d in ds]
-    _scope.switch()
-    y_pieces = [c.wait() for c in combines]
-    return Exchanged(_JoinPieces.apply(order, [c.link for c in combines], *y_pieces), src_S, None, shared)
+class Pipelined(AllToAll):
+    """The Tutel-style baseline: the all-to-all dispatcher's stages, P pieces in turn (module docstring)."""
+
+    name = "pipelined"
+
+    def run(self, c: Chunk) -> Exchanged:
+        """The baseline's permute, P dispatches, experts and combines; the shared experts run while the
+        dispatches fly."""
+        moe, x_TD, r, ops, chunk = self.moe, c.x_TD.to(c.dtype), c.route, c.ops, c.index
+        P = moe.pipeline_chunks
+        kept = r.kept_E.tolist()  # host sync: the pieces' bounds
+        x_SD, src_S = self.permute(x_TD, r, sum(kept), ops, chunk)
+        order, kept_PE = _pieces(kept, P, x_SD.device)
+        pieces = x_SD.index_select(0, order).split(kept_PE.sum(1).tolist())
+        kept_PE = to_device(kept_PE, x_SD.device)
+        if moe.group is not None:
+            exchange = self.exchange_counts(kept_PE, c.dtype)
+            exchange.wait()
+            counts, sent = exchange.host  # host ints, [P][W][E_local] each
+        else:
+            counts = sent = [None] * P
+        ds = [self.dispatch(pieces[p], kept_PE[p], counts[p], sent[p]) for p in range(P)]
+        shared = self.shared(c.x_TD)
+        _scope.switch()
+        combines = [self.combine(self.experts(d.pending.wait(), d, ops, d.pending.link), d) for d in ds]
+        _scope.switch()
+        y_pieces = [done.wait() for done in combines]
+        return Exchanged(_JoinPieces.apply(order, [done.link for done in combines], *y_pieces), src_S, None, shared)
 
 
 class _JoinPieces(torch.autograd.Function):

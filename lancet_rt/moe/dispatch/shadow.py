@@ -10,7 +10,7 @@ shadowing, a fine-grained schedule and a congestion-avoiding gate together; docs
 it). This module is our own implementation of the idea for lancet's layer:
 
 1. **Which experts, agreed.** With ``MoE(shadow_experts=N)`` the counts exchange carries each rank's
-   kept rows of all E experts (:func:`~lancet_rt.moe.dispatch.common.exchange_counts`), so every rank
+   kept rows of all E experts (:meth:`~lancet_rt.moe.dispatch.alltoall.AllToAll.loads`), so every rank
    holds the same global loads after it and takes the same decision (:func:`hot_experts`): at most N
    experts per step: those fetched by an earlier chunk of the step (free now), then the first k of
    the experts above :data:`HOT_LOAD` x the mean load, most loaded first (ties to the lower index),
@@ -56,7 +56,8 @@ import torch
 from lancet_rt import trace as _trace
 from lancet_rt.comm.emulated import EmulatedGroup
 from lancet_rt.kernels.reference_experts import HostBounds
-from lancet_rt.moe.dispatch.base import Exchanged
+from lancet_rt.moe.dispatch.alltoall import AllToAll
+from lancet_rt.moe.dispatch.base import Chunk, Exchanged
 from lancet_rt.moe.dispatch.common import counts_turn, host_bounds, to_device
 from lancet_rt.moe.experts import _ExpertsFn
 from lancet_rt.schedule import casts
@@ -75,7 +76,7 @@ def check_group(shadow_experts: int, group) -> None:
         )
 
 
-def unsupported(moe) -> Optional[ValueError]:
+def unsupported(moe, experts) -> Optional[ValueError]:
     """Why ``moe`` (shadowing, with a group) cannot run this forward, or None: checked at each forward
     before the layer's first collective, and raised on every rank through the layer's status exchange.
 
@@ -92,7 +93,7 @@ def unsupported(moe) -> Optional[ValueError]:
             f"shadow_experts={n} cannot be combined with pipeline_chunks={moe.pipeline_chunks} (the "
             f"Tutel-style pipelined dispatch does not shadow experts); set one of them to its default"
         )
-    if _sharded(moe.experts):
+    if _sharded(experts):
         return ValueError(
             f"shadow_experts={n} cannot be combined with FSDP2 (fully_shard) on the experts: shadowing "
             f"broadcasts an expert's whole weights from its owner and FSDP2 holds a shard of them; use "
@@ -232,7 +233,7 @@ class _AwaitGrad(torch.autograd.Function):
         return (None,) + grads
 
 
-def _fetched(moe, e: int, cache: dict) -> tuple:
+def _fetched(moe, experts, e: int, cache: dict) -> tuple:
     """Expert ``e``'s parameters on this rank, [1, ...] each, fetched once per step (``cache``: expert ->
     (parameters, the fetch's box, whose ``wait()`` the first user calls))."""
     if e not in cache:
@@ -241,7 +242,7 @@ def _fetched(moe, e: int, cache: dict) -> tuple:
         # Every rank passes a slice of its own parameters (the owner: expert e's), so that every rank's
         # graph holds the fetch and every rank reaches its backward collective.
         fwd, bwd = _Box(), _Box()
-        ws = _AwaitGrad.apply(bwd, *(p[e % L : e % L + 1] for p in moe.experts._params()))
+        ws = _AwaitGrad.apply(bwd, *(p[e % L : e % L + 1] for p in experts._params()))
         with _trace.span("shadow fetch", layer=moe.trace_name, expert=e):
             cache[e] = (
                 _Fetch.apply(group, group.rank if emulated else e // L, "avg" if emulated else "sum", fwd, bwd, *ws),
@@ -286,9 +287,9 @@ def _stacked(cache: dict, hot: list, fetches: list) -> list:
     return stacked[key]
 
 
-def _shadow_compute(moe, x_HD: torch.Tensor, counts_H: list, stacked: list, ops) -> torch.Tensor:
+def _shadow_compute(moe, experts, x_HD: torch.Tensor, counts_H: list, stacked: list, ops) -> torch.Tensor:
     """The shadowed experts over this rank's rows of them (grouped by expert, ``counts_H`` each)."""
-    present = (True, True) + tuple(b is not None for b in (moe.experts.gate_up_proj_bias, moe.experts.down_proj_bias))
+    present = (True, True) + tuple(b is not None for b in (experts.gate_up_proj_bias, experts.down_proj_bias))
     it = iter(stacked)
     tensors = tuple(next(it) if has else None for has in present)
     # (one compute-dtype copy per chunked forward, as the experts' own weights: lancet_rt.schedule.casts)
@@ -297,7 +298,7 @@ def _shadow_compute(moe, x_HD: torch.Tensor, counts_H: list, stacked: list, ops)
     offsets = to_device(torch.tensor(bounds), x_HD.device)
     with _trace.span("shadow experts", cuda=x_HD.is_cuda, layer=moe.trace_name, rows=x_HD.shape[0]):
         return _ExpertsFn.apply(
-            x_HD, *tensors, weights, offsets, bounds, ops, moe.experts._spec, None, None, None, None, None
+            x_HD, *tensors, weights, offsets, bounds, ops, experts._spec, None, None, None, None, None
         )
 
 
@@ -312,50 +313,60 @@ def _zeroed(counts_WL: list, hot: list, L: int, rank: Optional[int] = None) -> l
     ]
 
 
-def exchange_and_compute(moe, x_TD: torch.Tensor, r, ops, chunk: Optional[int], x_in: torch.Tensor) -> Exchanged:
-    """:func:`lancet_rt.moe.dispatch.alltoall.exchange_and_compute` with hot-expert shadowing (module
-    docstring); the same chunk on every rank issues the same collectives. With experts shadowed, the
-    chunk's ``r.row_TK`` is replaced by the order that puts their rows last (:func:`_remap_rows`), which
-    the layer's unpermute then reads."""
-    counts = moe.exchange_counts(r.kept_E.view(1, -1))
-    counts_turn(moe, x_TD)  # other chunks run while the counts travel (where that pays)
-    with _trace.span("wait", "wait", chunk=chunk, counts=True):
-        counts.wait()
-    recv, sent = counts.host[0][0], counts.host[1][0]
-    L = moe.num_local_experts
-    sent_E = [c for row in sent for c in row]
-    cache = _step_cache(moe)
-    s = _scope.current()
-    cost = fetch_bytes(moe.group, sum(p[0].numel() * p.element_size() for p in moe.experts._params()))
-    hot = hot_experts(
-        counts.loads,
-        moe.shadow_experts,
-        L,
-        x_TD.element_size() * x_TD.shape[1],
-        cost,
-        1 if s is None else len(s.rows),
-        cache["fetched"],
-    )
-    moe.shadowed = hot
-    if not hot:
-        x_SD, src_S = moe.permute_rows(x_TD, r, sum(sent_E), ops, chunk)
-        d = moe.dispatch(x_SD, r.kept_E, recv, sent)
-    else:
-        fetches = [_fetched(moe, e, cache["fetched"]) for e in hot]  # issued now, waited before the shadowed experts
-        r.row_TK, n_keep = _remap_rows(r.row_TK, sent_E, hot)
-        x_SD, src_S = moe.permute_rows(x_TD, r, sum(sent_E), ops, chunk)
-        mine = None if isinstance(moe.group, EmulatedGroup) else moe.ep_rank
-        d = moe.dispatch(x_SD[:n_keep], r.kept_E, _zeroed(recv, hot, L, mine), _zeroed(sent, hot, L))
-    shared = moe.shared_output(x_in)
-    _scope.switch()
-    if hot:  # this rank's rows of the shadowed experts, while the dispatch flies
-        for _, box in fetches:
-            box.wait()
-        y_hot = _shadow_compute(moe, x_SD[n_keep:], [sent_E[e] for e in hot], _stacked(cache, hot, fetches), ops)
-    y_recv = moe.compute_experts(d.pending.wait(), d, ops, d.pending.link)
-    pending = moe.combine(y_recv, d)
-    _scope.switch()
-    if not hot:
-        return Exchanged(pending.wait(), src_S, pending.link, shared)
-    # (no early backward link: the combine's rows are only the first n_keep of the unpermute's)
-    return Exchanged(torch.cat([pending.wait(), y_hot]), src_S, None, shared)
+class Shadow(AllToAll):
+    """The all-to-all dispatcher with hot-expert shadowing: its own :meth:`run` (module docstring)."""
+
+    name = "shadow"
+
+    def run(self, c: Chunk) -> Exchanged:
+        """:meth:`lancet_rt.moe.dispatch.alltoall.AllToAll.run` with hot-expert shadowing (module docstring);
+        the same chunk on every rank issues the same collectives. With experts shadowed, the chunk's
+        ``r.row_TK`` is replaced by the order that puts their rows last (:func:`_remap_rows`), which the
+        unpermute then reads."""
+        moe, x_TD, r, ops, chunk = self.moe, c.x_TD.to(c.dtype), c.route, c.ops, c.index
+        counts = self.exchange_counts(r.kept_E.view(1, -1), c.dtype)
+        counts_turn(moe, x_TD)  # other chunks run while the counts travel (where that pays)
+        with _trace.span("wait", "wait", chunk=chunk, counts=True):
+            counts.wait()
+        recv, sent = counts.host[0][0], counts.host[1][0]
+        L = moe.num_local_experts
+        sent_E = [n for row in sent for n in row]
+        cache = _step_cache(moe)
+        s = _scope.current()
+        experts = self.routed_experts
+        cost = fetch_bytes(moe.group, sum(p[0].numel() * p.element_size() for p in experts._params()))
+        hot = hot_experts(
+            counts.loads,
+            moe.shadow_experts,
+            L,
+            x_TD.element_size() * x_TD.shape[1],
+            cost,
+            1 if s is None else len(s.rows),
+            cache["fetched"],
+        )
+        moe.shadowed = hot
+        if not hot:
+            x_SD, src_S = self.permute(x_TD, r, sum(sent_E), ops, chunk)
+            d = self.dispatch(x_SD, r.kept_E, recv, sent)
+        else:
+            # (issued now, waited before the shadowed experts)
+            fetches = [_fetched(moe, experts, e, cache["fetched"]) for e in hot]
+            r.row_TK, n_keep = _remap_rows(r.row_TK, sent_E, hot)
+            x_SD, src_S = self.permute(x_TD, r, sum(sent_E), ops, chunk)
+            mine = None if isinstance(moe.group, EmulatedGroup) else moe.ep_rank
+            d = self.dispatch(x_SD[:n_keep], r.kept_E, _zeroed(recv, hot, L, mine), _zeroed(sent, hot, L))
+        shared = self.shared(c.x_TD)
+        _scope.switch()
+        if hot:  # this rank's rows of the shadowed experts, while the dispatch flies
+            for _, box in fetches:
+                box.wait()
+            y_hot = _shadow_compute(
+                moe, experts, x_SD[n_keep:], [sent_E[e] for e in hot], _stacked(cache, hot, fetches), ops
+            )
+        y_recv = self.experts(d.pending.wait(), d, ops, d.pending.link)
+        pending = self.combine(y_recv, d)
+        _scope.switch()
+        if not hot:
+            return Exchanged(pending.wait(), src_S, pending.link, shared)
+        # (no early backward link: the combine's rows are only the first n_keep of the unpermute's)
+        return Exchanged(torch.cat([pending.wait(), y_hot]), src_S, None, shared)
