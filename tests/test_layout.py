@@ -30,7 +30,6 @@ FILE_EXCEPTIONS: dict[str, str] = {
     "bench/overlap.py": "laid out one argument a line by ruff format; to be split by concept"
 }
 FUNCTION_EXCEPTIONS: dict[str, str] = {
-    "lancet_rt/moe/experts.py:_backward": "laid out one argument a line by ruff format; to be split by concept",
     "lancet_rt/moe/layer.py:__init__": "laid out one argument a line by ruff format; to be split by concept",
     "bench/experts.py:_cases": "laid out one argument a line by ruff format; to be split by concept",
     "bench/fsdp_real.py:main": "laid out one argument a line by ruff format; to be split by concept",

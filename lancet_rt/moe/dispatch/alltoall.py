@@ -12,7 +12,7 @@ import torch
 
 from lancet_rt import trace as _trace
 from lancet_rt.comm import group as comm
-from lancet_rt.kernels.reference_experts import HostBounds
+from lancet_rt.kernels.cpu_backend import HostBounds
 from lancet_rt.moe.dispatch.base import Exchanged
 from lancet_rt.moe.dispatch.common import Dispatched, counts_turn, host_bounds, offsets, regroup_permutations
 from lancet_rt.schedule import scope as _scope
