@@ -97,7 +97,7 @@ def test_grouped_gemms(case, dtype, gen):
             assert not dw[e].any(), "an empty segment's dW must be zeros"
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES[:2], ids=str)  # (float16 takes bfloat16's paths: test_grouped_gemms)
 @pytest.mark.parametrize("case", SEGMENTS, ids=SEG_IDS)
 @pytest.mark.parametrize("act", ["swiglu", "swiglu_oai", "interleaved"])
 def test_gate_up_swiglu_and_its_gradient(case, dtype, act, gen):
