@@ -1,8 +1,9 @@
 """Plain PyTorch references for every lancet-rt kernel.
 
 These functions define the semantics the Triton kernels must meet (docs/design.md, routing contract),
-and they are the ``LANCET_KERNELS=torch`` path of the runtime. Tests and benchmarks import them
-from here so the baseline cannot drift.
+and they are the ``LANCET_KERNELS=torch`` path of the runtime, except the experts', whose CPU path is
+:mod:`lancet_rt.kernels.cpu_backend` (tested against them). Tests and benchmarks import them from
+here so the baseline cannot drift.
 
 Shape letters: T tokens, E experts, K top-k, D model, F expert hidden, S dispatch rows
 (kept assignments), R rows received by local experts, N/M GEMM output/input features.

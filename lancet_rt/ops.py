@@ -1,10 +1,11 @@
-"""Kernel selection: the Triton launchers or their PyTorch references, with one signature.
+"""Kernel selection: the Triton launchers or the PyTorch path, with one signature.
 
-On CUDA the layer uses Triton, on CPU the references; ``LANCET_KERNELS=triton|torch`` forces one.
-With ``TRITON_INTERPRET=1`` the Triton path runs on CPU (how CI tests it). A family whose kernels
-do not serve the layer's dtype runs its references inside the Triton namespace: float64 layers (for
-gradient checks) get float64 arithmetic from the references, as the permute kernels accumulate in
-float32 and the grouped GEMM and SwiGLU take 16- and 32-bit floats only.
+On CUDA the layer uses Triton, on CPU the PyTorch path; ``LANCET_KERNELS=triton|torch`` forces one.
+The PyTorch path is the experts' CPU backend (:mod:`lancet_rt.kernels.cpu_backend`) and the other
+families' references. With ``TRITON_INTERPRET=1`` the Triton path runs on CPU (how CI tests it). A
+family whose kernels do not serve the layer's dtype runs its PyTorch path inside the Triton namespace:
+float64 layers (for gradient checks) get float64 arithmetic from it, as the permute kernels accumulate
+in float32 and the grouped GEMM and SwiGLU take 16- and 32-bit floats only.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Optional
 import torch
 
 from lancet_rt import env
-from lancet_rt.kernels import reference, reference_dense
+from lancet_rt.kernels import cpu_backend, reference, reference_dense
 
 _OP_NAMES = {
     "gating": ["gating_fwd", "gating_bwd"],
@@ -40,13 +41,18 @@ _cache: dict[tuple, SimpleNamespace] = {}
 
 
 def _reference(names: list[str]) -> dict:
-    return {n: getattr(reference, n + "_ref", None) or getattr(reference_dense, n + "_ref") for n in names}
+    """The PyTorch path of ``names``: the CPU backend's function, else the reference."""
+    return {
+        n: getattr(cpu_backend, n, None) or getattr(reference, n + "_ref", None) or getattr(reference_dense, n + "_ref")
+        for n in names
+    }
 
 
 def _reference_ops() -> SimpleNamespace:
-    # host_offsets: the grouped GEMMs take segment bounds as host ints (the references loop over
-    # segments on the host; the kernels read device offsets). gate_up_halves: gate_up_swiglu takes
-    # ``halves=True`` and swiglu_bwd the GateUp it then gives (kernels.reference_experts.GateUp)
+    # host_offsets: the grouped GEMMs take segment bounds as host ints (the CPU backend loops over
+    # segments on the host; the kernels read device offsets) and their ``out=``/``work=``
+    # (kernels.cpu_backend.Workspace). gate_up_halves: gate_up_swiglu takes ``halves=True`` and
+    # swiglu_bwd the GateUp it then gives (kernels.cpu_backend.GateUp)
     return SimpleNamespace(
         name="torch",
         host_offsets=True,

@@ -22,15 +22,14 @@ all-to-alls.
 from __future__ import annotations
 
 import math
-import threading
 from typing import NamedTuple, Optional
 
 import torch
 from torch import nn
 
 from lancet_rt import trace as _trace
+from lancet_rt.kernels.cpu_backend import NO_WORKSPACE, GateUp, Workspace
 from lancet_rt.kernels.reference import ACTIVATIONS
-from lancet_rt.kernels.reference_experts import GateUp
 from lancet_rt.schedule import casts, wgrad
 from lancet_rt.schedule import scope as _scope
 
@@ -49,43 +48,6 @@ class _Spec(NamedTuple):
 
     def act(self) -> dict:
         return dict(activation=self.activation, interleaved=self.gpt_oss, alpha=self.alpha, limit=self.limit)
-
-
-class _Scratch(threading.local):
-    """Memory the experts' backward reuses from step to step on the reference (CPU) path: the [R, F]
-    gradient of h, the [R, 2F] gradient of gu and, with expert parallelism, dY after and dX before
-    their permutations, each a view of one flat buffer per role, dtype and device, grown to the largest
-    chunk seen.
-
-    Allocated afresh each step (tens of MB at the benchmark's size), these were returned to the OS by
-    glibc on free and faulted in again page by page, in system time every step (the counts:
-    bench/results/HISTORY.md). A buffer is handed out only for a tensor that dies inside the same
-    backward call: never one a deferred dW holds or one that leaves the call, and there is no
-    switch to other work between its write and its last read (``link.issue`` starts a collective of
-    a fresh tensor and returns). Per thread: ``Overlapped.accumulate`` runs a backward on a helper
-    thread. CUDA keeps its caching allocator and the kernels' own buffers: no scratch there.
-    """
-
-    #: Below this size of dgu the backward allocates as before: its temporaries are then at most a
-    #: few hundred pages even when faulted in again (none under 128 KiB, glibc's initial mmap
-    #: threshold), while the per-segment ``mm`` into a scratch buffer costs ATen ops per chunk (issue
-    #: 20's count, bench.host: +3.5 per extra chunk at its sizes).
-    MIN_BYTES = 1 << 20
-
-    def __init__(self):
-        self.buffers: dict = {}
-
-    def take(self, role: str, shape: tuple, like: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        n = math.prod(shape)
-        dtype = dtype or like.dtype
-        key = (role, dtype, like.device)
-        buf = self.buffers.get(key)
-        if buf is None or buf.numel() < n:
-            buf = self.buffers[key] = torch.empty(n, dtype=dtype, device=like.device)
-        return buf[:n].view(shape)
-
-
-_scratch = _Scratch()
 
 
 def kernel_views(w_gate_up: torch.Tensor, w_down: torch.Tensor, gpt_oss: bool) -> tuple:
@@ -143,12 +105,11 @@ class _ExpertsFn(torch.autograd.Function):
         # copy per chunked forward, shared by the chunks: lancet_rt.schedule.casts).
         w_gate_up, w_down, b_gate_up, b_down = weights
         x_RD = x_in if to_expert is None else x_in.index_select(0, to_expert)
-        # The references loop over host bounds: given those, they read nothing.
+        # The CPU backend loops over host bounds: given those, it reads nothing.
         ctx.bounds = bounds if bounds is not None and getattr(ops, "host_offsets", False) else None
         segments = offsets_E1 if ctx.bounds is None else ctx.bounds
-        # The kernels' views: [E, 2F, D] and [E, D, F] (GPT-OSS: transposes of its parameters).
         w_E2FD, w_EDF = kernel_views(w_gate_up, w_down, spec.gpt_oss)
-        # (the references: gate and up as contiguous halves, for the activation's passes; GateUp)
+        # (the CPU backend: gate and up as contiguous halves, for the activation's passes; GateUp)
         halves = dict(halves=True) if getattr(ops, "gate_up_halves", False) else {}
         y_RD, h_RF, gu_R2F = expert_rows(ops, spec, x_RD, w_E2FD, w_EDF, segments, b_gate_up, b_down, **halves)
         ctx.perms, ctx.link, ctx.spec = (to_expert, to_rank), link, spec
@@ -173,88 +134,111 @@ class _ExpertsFn(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, dy_out):
-        x_RD, h_RF, gate_up, down, offsets_E1, *pre = ctx.saved_tensors
-        gu_R2F = GateUp(*pre) if len(pre) == 2 else pre[0]  # [R, 2F], or its halves
-        ops, spec = ctx.ops, ctx.spec
-        if ctx.bounds is not None:
-            offsets_E1 = ctx.bounds
-        w_E2FD, w_EDF = kernel_views(gate_up, down, spec.gpt_oss)
-        to_expert, to_rank = ctx.perms
-        deferring = False
-        if ctx.wgrad is not None:
-            # params: (gate_up, down) then the biases the module has, in that order.
-            present = (True, True) + ctx.has_bias
-            it = iter(p.requires_grad for p in ctx.params)
-            needs_all = tuple(next(it) if has else False for has in present)
-            deferring = any(needs_all) and wgrad.accumulating(ctx.probe)
-        # The reference path's temporaries in reused memory (_Scratch); a deferred dW holds dgu.
-        R, F2 = gu_R2F.shape
-        scratch = (
-            getattr(ops, "host_offsets", False)
-            and dy_out.device.type == "cpu"
-            and R * F2 * h_RF.element_size() >= _Scratch.MIN_BYTES
-        )
-        out = (lambda role, shape: dict(out=_scratch.take(role, shape, h_RF))) if scratch else (lambda *_: {})
-        if to_expert is None:
-            dy_RD = dy_out.contiguous()
-        else:
-            dy_RD = torch.index_select(dy_out, 0, to_expert, **({} if deferring else out("dy", (R, dy_out.shape[1]))))
-        low = scratch and h_RF.dtype in (torch.bfloat16, torch.float16)  # (16-bit: their copies in scratch too)
-        along = (lambda role, w: dict(work=_scratch.take(role, (w.numel(),), w))) if low else (lambda *_: {})
-        dh_RF = ops.grouped_mm_dx(dy_RD, w_EDF, offsets_E1, **out("dh", (R, F2 // 2)), **along("along_dh", w_EDF))
-        # Without dX, and without a gate/up bias, the references' dgu may be contiguous halves too
-        # (GateUp): its passes and the dW GEMMs then stream (the fused dX GEMM reads one [R, 2F]).
-        halves = isinstance(gu_R2F, GateUp) and not ctx.needs_input_grad[0] and not ctx.has_bias[0]
-        dgu_out = {} if deferring else out("dgu", (2, R, F2 // 2) if halves else (R, F2))
-        if halves:
-            dgu_out = dict(halves=True, **{k: GateUp(*v) for k, v in dgu_out.items()})
-        if low:  # (the float32 copy of gu)
-            work = _scratch.take(
-                "gu32", (2, R, F2 // 2) if isinstance(gu_R2F, GateUp) else (R, F2), h_RF, torch.float32
-            )
-            dgu_out["work"] = GateUp(*work) if isinstance(gu_R2F, GateUp) else work
-        dgu_R2F = ops.swiglu_bwd(gu_R2F, dh_RF, **spec.act(), **dgu_out)
-        del dh_RF
-        dx_in = None
-        if ctx.needs_input_grad[0]:
-            # (else the rows came from tokens that need no gradient, e.g. a first layer's input: no
-            # dX GEMM and no dual all-to-all, whose forward then recorded no backward to wait for it)
-            dx_RD = ops.grouped_mm_dx(
-                dgu_R2F,
-                w_E2FD,
-                offsets_E1,
-                **along("along_dx", w_E2FD),
-                **({} if to_rank is None else out("dx", (R, x_RD.shape[1]))),
-            )
-            dx_in = dx_RD if to_rank is None else dx_RD.index_select(0, to_rank)
-            if ctx.link is not None:
-                ctx.link.issue(dx_in)  # the dispatch's backward all-to-all starts now
+        """The input-gradient chain now; the weight gradients now, or queued when deferring."""
+        saved = _Saved.load(ctx)
+        deferral = _Deferral.of(ctx)
+        memory = NO_WORKSPACE
+        if getattr(ctx.ops, "host_offsets", False) and dy_out.device.type == "cpu":
+            memory = Workspace.for_backward(saved.h_RF, saved.gu_R2F)  # (the CPU backend's scratch)
+        dy_RD, dgu_R2F, dx_in = _input_grads(ctx, saved, dy_out, memory, deferral.active)
         none = (None,) * 10
+        if ctx.wgrad is None:
+            needs = ctx.needs_input_grad[1:5]
+            grads = _param_grads(ctx, saved, dy_RD, dgu_R2F, needs)
+            return (dx_in, *(None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.grad_dtypes))) + none
+        if deferral.active:
+            deferral.push(ctx, saved, dy_RD, dgu_R2F)
+        return (dx_in, None, None, None, None) + none
 
-        def param_grads(needs):
-            return weight_gradients(ops, spec.gpt_oss, x_RD, h_RF, dgu_R2F, dy_RD, offsets_E1, needs)
 
-        if ctx.wgrad is not None:
-            if deferring:
-                flops = 3 * x_RD.shape[0] * gu_R2F.shape[1] * x_RD.shape[1]  # 2RD(2F) + 2RDF
+class _Saved(NamedTuple):
+    """What the experts' backward reads: the forward's saved tensors, the kernels' weight views
+    ([E, 2F, D] and [E, D, F]) and the segment bounds (host ints where the forward had them)."""
 
-                def weight_grads():
-                    grads = param_grads(needs_all)
-                    return tuple(g for g, has in zip(grads, present) if has)
+    x_RD: torch.Tensor
+    h_RF: torch.Tensor
+    gu_R2F: object  # [R, 2F], or its halves as a GateUp (the CPU backend)
+    w_E2FD: torch.Tensor
+    w_EDF: torch.Tensor
+    offsets_E1: object
 
-                needs = tuple(n for n, has in zip(needs_all, present) if has)
-                ctx.wgrad.push(
-                    ctx.params,
-                    needs,
-                    weight_grads,
-                    flops,
-                    wgrad.held_bytes(x_RD, *GateUp.tensors(dgu_R2F), h_RF, dy_RD),
-                    x_RD.dtype,
-                )
-            return (dx_in, None, None, None, None) + none
-        needs = ctx.needs_input_grad[1:5]
-        grads = tuple(None if g is None else g.to(dtype) for g, dtype in zip(param_grads(needs), ctx.grad_dtypes))
-        return (dx_in, *grads) + none
+    @staticmethod
+    def load(ctx) -> "_Saved":
+        x_RD, h_RF, gate_up, down, offsets_E1, *pre = ctx.saved_tensors
+        gu_R2F = GateUp(*pre) if len(pre) == 2 else pre[0]
+        bounds = offsets_E1 if ctx.bounds is None else ctx.bounds
+        return _Saved(x_RD, h_RF, gu_R2F, *kernel_views(gate_up, down, ctx.spec.gpt_oss), bounds)
+
+
+class _Deferral(NamedTuple):
+    """Whether the weight gradients go to the dW queue (``active``), and which: ``present``, the
+    parameters the module has in (gate_up, down, gate_up_bias, down_bias) order, ``needs`` those
+    whose gradient is wanted."""
+
+    active: bool
+    present: tuple = ()
+    needs: tuple = ()
+
+    @staticmethod
+    def of(ctx) -> "_Deferral":
+        if ctx.wgrad is None:
+            return _Deferral(False)
+        present = (True, True) + ctx.has_bias
+        it = iter(p.requires_grad for p in ctx.params)  # (ctx.params: the Parameters the module has)
+        needs = tuple(next(it) if has else False for has in present)
+        return _Deferral(any(needs) and wgrad.accumulating(ctx.probe), present, needs)
+
+    def push(self, ctx, saved: _Saved, dy_RD, dgu_R2F) -> None:
+        """Queue the weight gradients; they reach the Parameters when the queue runs them."""
+        x_RD, h_RF = saved.x_RD, saved.h_RF
+        flops = 3 * x_RD.shape[0] * saved.gu_R2F.shape[1] * x_RD.shape[1]  # 2RD(2F) + 2RDF
+
+        def weight_grads():
+            grads = _param_grads(ctx, saved, dy_RD, dgu_R2F, self.needs)
+            return tuple(g for g, has in zip(grads, self.present) if has)
+
+        needs = tuple(n for n, has in zip(self.needs, self.present) if has)
+        held = wgrad.held_bytes(x_RD, *GateUp.tensors(dgu_R2F), h_RF, dy_RD)
+        ctx.wgrad.push(ctx.params, needs, weight_grads, flops, held, x_RD.dtype)
+
+
+def _input_grads(ctx, saved: _Saved, dy_out, memory: Workspace, deferring: bool) -> tuple:
+    """The input-gradient chain dY -> dH -> dgu -> dX: (dy_RD, dgu_R2F) in expert order, kept for the
+    weight gradients, and dX in received order (None without an input gradient), whose dispatch
+    backward all-to-all is issued here. ``memory``: where the temporaries go (the CPU backend's
+    scratch: never a tensor a deferred dW holds or one that leaves the call)."""
+    ops, act, (to_expert, to_rank) = ctx.ops, ctx.spec.act(), ctx.perms
+    R, F2 = saved.gu_R2F.shape
+    if to_expert is None:
+        dy_RD = dy_out.contiguous()
+    else:
+        dy_scratch = {} if deferring else memory.out("dy", (R, dy_out.shape[1]))
+        dy_RD = torch.index_select(dy_out, 0, to_expert, **dy_scratch)
+    dh_scratch = {**memory.out("dh", (R, F2 // 2)), **memory.along("along_dh", saved.w_EDF)}
+    dh_RF = ops.grouped_mm_dx(dy_RD, saved.w_EDF, saved.offsets_E1, **dh_scratch)
+    # Without dX, and without a gate/up bias, the CPU backend's dgu may be contiguous halves too
+    # (GateUp): its passes and the dW GEMMs then stream (the fused dX GEMM reads one [R, 2F]).
+    halves = isinstance(saved.gu_R2F, GateUp) and not ctx.needs_input_grad[0] and not ctx.has_bias[0]
+    dgu_R2F = ops.swiglu_bwd(saved.gu_R2F, dh_RF, **act, **memory.swiglu_bwd(saved.gu_R2F, halves, deferring))
+    del dh_RF
+    if not ctx.needs_input_grad[0]:
+        # (the rows came from tokens that need no gradient, e.g. a first layer's input: no dX GEMM
+        # and no dual all-to-all, whose forward then recorded no backward to wait for it)
+        return dy_RD, dgu_R2F, None
+    dx_scratch = {**memory.along("along_dx", saved.w_E2FD)}
+    if to_rank is not None:
+        dx_scratch.update(memory.out("dx", (R, saved.x_RD.shape[1])))
+    dx_RD = ops.grouped_mm_dx(dgu_R2F, saved.w_E2FD, saved.offsets_E1, **dx_scratch)
+    dx_in = dx_RD if to_rank is None else dx_RD.index_select(0, to_rank)
+    if ctx.link is not None:
+        ctx.link.issue(dx_in)  # the dispatch's backward all-to-all starts now
+    return dy_RD, dgu_R2F, dx_in
+
+
+def _param_grads(ctx, saved: _Saved, dy_RD, dgu_R2F, needs) -> tuple:
+    """Gradients of (gate_up, down, gate_up_bias, down_bias), each None where not needed."""
+    x_RD, h_RF, offsets_E1 = saved.x_RD, saved.h_RF, saved.offsets_E1
+    return weight_gradients(ctx.ops, ctx.spec.gpt_oss, x_RD, h_RF, dgu_R2F, dy_RD, offsets_E1, needs)
 
 
 class Experts(nn.Module):
@@ -365,11 +349,11 @@ class Experts(nn.Module):
         Args:
             x_RD: [R, D] rows grouped by local expert, or in received order with ``to_expert``.
             offsets_E1: [E_local + 1] segment bounds (in expert-major order); None where ``ops`` take
-                host bounds (the references) and ``bounds`` holds them.
+                host bounds (the CPU backend) and ``bounds`` holds them.
             ops: the kernel namespace (:func:`lancet_rt.ops.get_ops`).
             to_expert, to_rank: optional row permutations received -> expert-major and back.
             link: the dispatch all-to-all that produced ``x_RD``; its backward is issued from here.
-            bounds: ``offsets_E1`` as host ints, when known (the references then read nothing).
+            bounds: ``offsets_E1`` as host ints, when known (the CPU backend then reads nothing).
         """
         if offsets_E1 is None and (bounds is None or not getattr(ops, "host_offsets", False)):
             raise ValueError("offsets_E1 may be None only with bounds and ops that take host bounds")

@@ -388,14 +388,14 @@ def test_experts_match_transformers_gpt_oss(kernels, routing, monkeypatch, gen):
 
 def test_ops_serve_the_new_ops_float64_on_references(monkeypatch, gen):
     """The kernel selection: segment_sum on both paths; float64 layers under LANCET_KERNELS=triton run
-    the grouped GEMM and SwiGLU families' references, and match GptOssExperts in float64."""
-    from lancet_rt.kernels import reference
+    the grouped GEMM and SwiGLU families' PyTorch path (the CPU backend), and match GptOssExperts in float64."""
+    from lancet_rt.kernels import cpu_backend, reference
 
     monkeypatch.setenv("LANCET_KERNELS", "triton")
     cpu = torch.device("cpu")
     assert get_ops(cpu, torch.float32).segment_sum is segment_sum
     assert get_ops(cpu, torch.float64).segment_sum is reference.segment_sum_ref
-    assert get_ops(cpu, torch.float64).gate_up_swiglu is reference.gate_up_swiglu_ref
+    assert get_ops(cpu, torch.float64).gate_up_swiglu is cpu_backend.gate_up_swiglu
     hf, ours = _gpt_oss_pair(gen)
     hf.double()
     ours.double()

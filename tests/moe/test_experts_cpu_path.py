@@ -1,6 +1,6 @@
-"""The experts' CPU path (the references) does no work it need not, on memory it can stream (found
+"""The experts' CPU path (kernels.cpu_backend) does no work it need not, on memory it can stream (found
 comparing the float32 layer with torchtitan's): without an input gradient no dX GEMM and no dual
-all-to-all; gate and up computed and kept as contiguous halves (kernels.reference_experts.GateUp),
+all-to-all; gate and up computed and kept as contiguous halves (kernels.cpu_backend.GateUp),
 and without dX their gradient too, bit for bit the one [R, 2F] GEMM's results; one host read of
 the counts per forward without a group."""
 
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from lancet_rt.kernels import reference_experts as rex
-from lancet_rt.kernels.reference_experts import GateUp
+from lancet_rt.kernels import cpu_backend as cb
+from lancet_rt.kernels.cpu_backend import GateUp
 
 import lancet_rt
 from lancet_rt import ops as ops_mod
@@ -77,30 +77,30 @@ def test_gate_up_halves_are_the_fused_gemm_bit_for_bit(dtype, bias):
     x = torch.randn(R, D, generator=g).to(dtype)
     w = (torch.randn(len(sizes), 2 * F, D, generator=g) * 0.2).to(dtype)
     b = torch.randn(len(sizes), 2 * F, generator=g).to(dtype) if bias else None
-    h, gu = rex.gate_up_swiglu_ref(x, w, bounds, b)
-    h2, halves = rex.gate_up_swiglu_ref(x, w, bounds, b, halves=True)
+    h, gu = cb.gate_up_swiglu(x, w, bounds, b)
+    h2, halves = cb.gate_up_swiglu(x, w, bounds, b, halves=True)
     assert isinstance(halves, GateUp) and halves.shape == gu.shape
     assert all(t.is_contiguous() and t.shape == (R, F) for t in halves)
     assert torch.equal(h2, h)
     assert torch.equal(halves.gate, gu[:, :F]) and torch.equal(halves.up, gu[:, F:])
     dh = torch.randn(R, F, generator=g).to(dtype)
-    want = rex.swiglu_bwd_ref(gu, dh)
-    assert torch.equal(rex.swiglu_bwd_ref(halves, dh), want)
+    want = cb.swiglu_bwd(gu, dh)
+    assert torch.equal(cb.swiglu_bwd(halves, dh), want)
     out = torch.full((R, 2 * F), float("nan"), dtype=dtype)
-    assert rex.swiglu_bwd_ref(halves, dh, out=out) is out and torch.equal(out, want)
+    assert cb.swiglu_bwd(halves, dh, out=out) is out and torch.equal(out, want)
     oai = dict(activation="swiglu_oai", alpha=1.5, limit=0.5)
-    assert torch.equal(rex.swiglu_fwd_ref(halves, **oai), rex.swiglu_fwd_ref(gu, **oai))
-    assert torch.equal(rex.swiglu_bwd_ref(halves, dh, **oai), rex.swiglu_bwd_ref(gu, dh, **oai))
+    assert torch.equal(cb.swiglu_fwd(halves, **oai), cb.swiglu_fwd(gu, **oai))
+    assert torch.equal(cb.swiglu_bwd(halves, dh, **oai), cb.swiglu_bwd(gu, dh, **oai))
     # the gradient as halves too (the layer's backward without dX), and dW from them
     for act in ({}, oai):
-        joined = rex.swiglu_bwd_ref(halves, dh, **act)
-        dgu = rex.swiglu_bwd_ref(halves, dh, halves=True, **act)
+        joined = cb.swiglu_bwd(halves, dh, **act)
+        dgu = cb.swiglu_bwd(halves, dh, halves=True, **act)
         assert isinstance(dgu, GateUp) and all(t.is_contiguous() for t in dgu)
         assert torch.equal(dgu.gate, joined[:, :F]) and torch.equal(dgu.up, joined[:, F:])
         bufs = GateUp(*torch.full((2, R, F), float("nan"), dtype=dtype))
-        assert rex.swiglu_bwd_ref(halves, dh, halves=True, out=bufs, **act) is not None
+        assert cb.swiglu_bwd(halves, dh, halves=True, out=bufs, **act) is not None
         assert torch.equal(bufs.gate, dgu.gate) and torch.equal(bufs.up, dgu.up)
-        assert torch.equal(rex.grouped_mm_dw_ref(dgu, x, bounds), rex.grouped_mm_dw_ref(joined, x, bounds))
+        assert torch.equal(cb.grouped_mm_dw(dgu, x, bounds), cb.grouped_mm_dw(joined, x, bounds))
 
 
 def test_a_silu_tail_is_why_f_must_be_a_multiple_of_the_vector_step():
@@ -126,9 +126,9 @@ def test_pre_activation_stays_one_tensor_where_halves_would_change_bits(case):
     )
     x, w = torch.randn(10, 8, dtype=dtype), torch.randn(2, 2 * F, 8, dtype=dtype)
     w.requires_grad_(case == "differentiated")
-    h, gu = rex.gate_up_swiglu_ref(x, w, [0, 4, 10], interleaved=interleaved, halves=True)
+    h, gu = cb.gate_up_swiglu(x, w, [0, 4, 10], interleaved=interleaved, halves=True)
     assert isinstance(gu, torch.Tensor) and gu.shape == (10, 2 * F)
-    assert torch.equal(h, rex.gate_up_swiglu_ref(x, w, [0, 4, 10], interleaved=interleaved)[0])
+    assert torch.equal(h, cb.gate_up_swiglu(x, w, [0, 4, 10], interleaved=interleaved)[0])
 
 
 def test_gate_up_halves_are_differentiable():
@@ -140,7 +140,7 @@ def test_gate_up_halves_are_differentiable():
     grads = []
     for halves in (False, True):
         xi, wi = x.clone().requires_grad_(), w.clone().requires_grad_()
-        h, _ = rex.gate_up_swiglu_ref(xi, wi, [0, 10, 10, 30], halves=halves)
+        h, _ = cb.gate_up_swiglu(xi, wi, [0, 10, 10, 30], halves=halves)
         h.backward(dh)
         grads.append((xi.grad, wi.grad))
     assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])

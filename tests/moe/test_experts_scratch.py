@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lancet_rt.kernels import reference_experts as rex
+from lancet_rt.kernels import cpu_backend as cb
+from lancet_rt.kernels.reference_experts import grouped_mm_dx_ref
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lancet_rt
@@ -62,7 +63,7 @@ def test_experts_backward_allocates_only_its_gradients():
     E, D, F = 4, 64, 96
     experts = lancet_rt.Experts(E, D, F)
     for R in (2048, 1400, 2048):  # a smaller chunk reuses the scratch; the same size again too
-        bounds = rex.HostBounds([0, R // 5, R // 2, R // 2, R])  # (an empty expert)
+        bounds = cb.HostBounds([0, R // 5, R // 2, R // 2, R])  # (an empty expert)
         x = torch.randn(R, D, requires_grad=True)
         dy = torch.randn(R, D)
         _backward_new_bytes(experts, x, None, bounds, dy)  # warm: the scratch grows to this size
@@ -77,7 +78,7 @@ def test_experts_backward_allocates_only_its_gradients():
 
 
 def test_scratch_grows_once_and_is_per_thread():
-    s = experts_mod._Scratch()
+    s = cb.Scratch()
     like = torch.empty(0)
     a = s.take("dh", (8, 4), like)
     b = s.take("dh", (4, 4), like)
@@ -104,11 +105,11 @@ def test_half_precision_dx_with_contiguous_weights_is_no_worse():
     for dtype in (torch.bfloat16, torch.float16):
         dy = torch.randn(R, N, dtype=dtype)
         w = torch.randn(E, N, K, dtype=dtype) * 0.1
-        ref = rex.grouped_mm_dx_ref(dy.double(), w.double(), bounds)
+        ref = grouped_mm_dx_ref(dy.double(), w.double(), bounds)
         strided = torch.cat([dy[a:b] @ w[e] for e, (a, b) in enumerate(zip(bounds, bounds[1:]))])
         for got in (
-            rex.grouped_mm_dx_ref(dy, w, bounds),
-            rex.grouped_mm_dx_ref(dy, w, bounds, out=torch.empty(R, K, dtype=dtype)),
+            cb.grouped_mm_dx(dy, w, bounds),
+            cb.grouped_mm_dx(dy, w, bounds, out=torch.empty(R, K, dtype=dtype)),
         ):
             err = ((got.double() - ref).norm() / ref.norm()).item()
             base = ((strided.double() - ref).norm() / ref.norm()).item()
@@ -125,7 +126,7 @@ def test_scratch_is_bitwise_the_fresh_path(monkeypatch, chunks, defer, x_grad, a
     of gu in scratch too): the same bits."""
 
     def run(min_bytes):
-        monkeypatch.setattr(experts_mod._Scratch, "MIN_BYTES", min_bytes)
+        monkeypatch.setattr(cb.Workspace, "MIN_BYTES", min_bytes)
         torch.manual_seed(0)
         moe = lancet_rt.MoE(32, 64, 8, 2, ep_group=lancet_rt.EmulatedGroup(4, float("inf"), 0.0))
         x = torch.randn(90, 32, generator=torch.Generator().manual_seed(1), requires_grad=x_grad)

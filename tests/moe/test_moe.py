@@ -121,7 +121,7 @@ def test_any_leading_dims(kernels):
 
 
 def test_triton_path_is_used(monkeypatch):
-    from lancet_rt.kernels import gating, grouped_gemm, reference
+    from lancet_rt.kernels import cpu_backend, gating, grouped_gemm
 
     from lancet_rt.ops import get_ops, implementation
 
@@ -143,7 +143,7 @@ def test_triton_path_is_used(monkeypatch):
         "norm",
         "linear_ce",
     )
-    assert ops64.gating_fwd is gating.gating_fwd and ops64.grouped_mm is reference.grouped_mm_ref
+    assert ops64.gating_fwd is gating.gating_fwd and ops64.grouped_mm is cpu_backend.grouped_mm
     assert get_ops(cpu, torch.bfloat16).grouped_mm is grouped_gemm.grouped_mm
     monkeypatch.setenv("LANCET_KERNELS", "torch")
     assert get_ops(cpu).name == "torch" and implementation(cuda) == "torch"

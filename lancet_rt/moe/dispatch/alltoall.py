@@ -15,7 +15,7 @@ import torch
 
 from lancet_rt import trace as _trace
 from lancet_rt.comm import group as comm
-from lancet_rt.kernels.reference_experts import HostBounds
+from lancet_rt.kernels.cpu_backend import HostBounds
 from lancet_rt.moe.dispatch.base import Chunk, Dispatcher, Exchanged
 from lancet_rt.moe.dispatch.common import (
     Counts,

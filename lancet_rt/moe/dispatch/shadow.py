@@ -55,7 +55,7 @@ import torch
 
 from lancet_rt import trace as _trace
 from lancet_rt.comm.emulated import EmulatedGroup
-from lancet_rt.kernels.reference_experts import HostBounds
+from lancet_rt.kernels.cpu_backend import HostBounds
 from lancet_rt.moe.dispatch.alltoall import AllToAll
 from lancet_rt.moe.dispatch.base import Chunk, Exchanged
 from lancet_rt.moe.dispatch.common import counts_turn, host_bounds, to_device
