@@ -29,7 +29,7 @@ transfers the trace records), and the replay rebuilds the step at N chunks on a 
    host (computation) and the link, a FIFO. The backward runs the forward's creation order in reverse
    (the autograd engine's order on one device): each backward all-to-all is issued by its gradient's
    producer (the unpermute's backward, the experts' after their dX) and waited by its own node, which
-   drains deferred dW meanwhile by the queue's own rule (:func:`lancet_rt.schedule.wgrad.best_fit` over
+   drains deferred dW meanwhile by the queue's own rule (:func:`lancet_rt.runtime.wgrad.best_fit` over
    whole items, one per stage holding weights); what is left is flushed at the end.
 
 What it cannot see: contention for the CPU and the GIL between the link's thread and the

@@ -225,7 +225,7 @@ class _Simulation:
     def backward(self) -> None:
         """Reverse creation order; all-to-alls issued by their gradient's producer, waited by their
         own node, which drains deferred dW by the runtime's own rule (best fit, whole items)."""
-        from lancet_rt.schedule.wgrad import best_fit  # the dW queue's own rule
+        from lancet_rt.runtime.wgrad import best_fit  # the dW queue's own rule
 
         profile, n = self.profile, self.n
         r, queue, bwd = {k: profile.ratio(k, n) for k in profile.ratios}, [], {}

@@ -56,7 +56,7 @@ import lancet_rt
 from bench.common import RowLog, print_table, run_metadata
 from bench.host import OpCounter
 from bench.timing import keep_freed_memory, time_interleaved
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import scope as _scope
 
 
 class _Copy(torch.autograd.Function):

@@ -49,7 +49,7 @@ from typing import Callable, Optional
 
 import torch
 
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import scope as _scope
 
 ADVICE = (
     "This expert-parallel group is out of step and cannot be used again: end the process "

@@ -19,8 +19,8 @@ from lancet_rt import env
 from lancet_rt import trace as _trace
 from lancet_rt.comm import faults
 from lancet_rt.comm.monitor import GroupMonitor
-from lancet_rt.schedule import scope as _scope
-from lancet_rt.schedule import wgrad
+from lancet_rt.runtime import scope as _scope
+from lancet_rt.runtime import wgrad
 
 
 @runtime_checkable

@@ -9,7 +9,7 @@ Stages of one forward (docs/design.md, data flow)::
     combine   y_RD -> y_SD back on the token's rank (async handle)
     unpermute y_SD -> y_TD                     gather-based weighted sum over K
 
-Between the two all-to-alls the layer yields to the overlap scheduler (:mod:`lancet_rt.schedule.scope`);
+Between the two all-to-alls the layer yields to the overlap scheduler (:mod:`lancet_rt.runtime.scope`);
 without one the yields are no-ops. The options are validated by :class:`lancet_rt.moe.config.MoEConfig`;
 the dispatch, experts and combine are scheduled by a dispatcher (:mod:`lancet_rt.moe.dispatch`).
 """
@@ -33,8 +33,8 @@ from lancet_rt.moe.dispatch.common import Counts, Dispatched, Route, exchange_co
 from lancet_rt.moe.experts import Experts
 from lancet_rt.routing.functions import BatchRouting, gate, permute, unpermute
 from lancet_rt.routing.router import Router
-from lancet_rt.schedule import recompute as _recompute
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import recompute as _recompute
+from lancet_rt.runtime import scope as _scope
 
 
 class MoE(nn.Module):

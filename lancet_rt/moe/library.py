@@ -29,8 +29,8 @@ import torch.nn.functional as F
 
 from lancet_rt import ops as _ops
 from lancet_rt.routing.functions import BatchRouting, gate
-from lancet_rt.schedule import scope as _scope
-from lancet_rt.schedule import wgrad
+from lancet_rt.runtime import scope as _scope
+from lancet_rt.runtime import wgrad
 
 Tensor = torch.Tensor
 

@@ -58,7 +58,7 @@ _probe = None
 
 
 def _flush_before_reduce(module, args, kwargs):
-    from lancet_rt.schedule import wgrad
+    from lancet_rt.runtime import wgrad
 
     global _probe
     queue = wgrad.current()
@@ -88,7 +88,7 @@ def _flush_first_at_the_end(module, args, output):
     itself, as transformers' models do; otherwise _FlushDeferred's probe covers the unit)."""
     from torch.utils._pytree import tree_leaves
 
-    from lancet_rt.schedule import wgrad
+    from lancet_rt.runtime import wgrad
 
     queue = wgrad.current()
     if queue is None or not torch.is_grad_enabled():

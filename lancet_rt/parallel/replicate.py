@@ -20,7 +20,7 @@ from torch import nn
 from lancet_rt.parallel import mesh as _mesh
 from lancet_rt.parallel import supported as _supported
 from lancet_rt.parallel.sync import GradientSync, _abort_step, expert_parameters
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import scope as _scope
 
 
 class Replicated(GradientSync):

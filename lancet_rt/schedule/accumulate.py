@@ -13,16 +13,16 @@ runs as one ``loss.backward()`` on a helper thread, and it and the host's forwar
 take turns with a baton, exactly one of them running at a time:
 
 - the forward hands the baton to the backward each time one of its chunks yields after issuing a
-  dispatch or a combine (:func:`lancet_rt.schedule.scope.switch`), and once before it starts;
+  dispatch or a combine (:func:`lancet_rt.runtime.scope.switch`), and once before it starts;
 - the backward hands it back each time one of its all-to-alls is about to wait
-  (:func:`lancet_rt.schedule.scope.backward_wait`, in the all-to-all's backward node): its transfer is in
+  (:func:`lancet_rt.runtime.scope.backward_wait`, in the all-to-all's backward node): its transfer is in
   flight, and the forward computes meanwhile.
 
 The turns are decided from the schedule alone, never from completion timing, so every rank issues
 its collectives in the same order. The forward keeps its own chunk schedule (``Overlapped``), the
 backward the engine's order. Deferred dW (``defer_wgrad=True``) fills what is left of each backward
 all-to-all's window when the backward resumes, and the forward's waits too: when the host is about
-to wait for a forward transfer (:func:`lancet_rt.schedule.scope.host_wait`), the backward's queued dW runs
+to wait for a forward transfer (:func:`lancet_rt.runtime.scope.host_wait`), the backward's queued dW runs
 meanwhile (on CPU, where the host's wait is the device's). Each backward flushes its queue before it
 ends, as a single-step backward does.
 
@@ -53,7 +53,7 @@ import torch
 from lancet_rt import trace as _trace
 from lancet_rt.comm import faults as _faults
 from lancet_rt.parallel.sync import GradientSync
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import scope as _scope
 
 
 class _Aborted(RuntimeError):
@@ -64,7 +64,7 @@ class _Backward:
     """One microbatch's backward on a helper thread, taking turns with the host.
 
     ``turn()`` (host) lets it run until its next all-to-all waits, or to its end; ``yield_()``
-    (called by :func:`lancet_rt.schedule.scope.backward_wait` on the engine's thread) gives the host back.
+    (called by :func:`lancet_rt.runtime.scope.backward_wait` on the engine's thread) gives the host back.
     Two semaphores form the baton: exactly one of the two threads runs.
     """
 

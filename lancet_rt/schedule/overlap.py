@@ -27,10 +27,10 @@ from lancet_rt import ops as _ops
 from lancet_rt import trace as _trace
 from lancet_rt.comm import faults as _faults
 from lancet_rt.moe.layer import MoE
+from lancet_rt.runtime import scope as _scope
+from lancet_rt.runtime import wgrad as _wgrad
 from lancet_rt.schedule import policy as _policy
-from lancet_rt.schedule import scope as _scope
 from lancet_rt.schedule import warmup as _warmup
-from lancet_rt.schedule import wgrad as _wgrad
 from lancet_rt.schedule.accumulate import accumulate as _accumulate
 from lancet_rt.schedule.balance import BalancedChunks
 
@@ -57,7 +57,7 @@ class Overlapped(nn.Module):
         max_deferred_bytes: with ``defer_wgrad``, a bound on the bytes the deferred dW items hold
             (their layer inputs and output gradients); past it the oldest items run at once. None:
             four times the largest item (about a layer's chunks); ``math.inf``: no bound
-            (:class:`~lancet_rt.schedule.wgrad.WGradQueue`).
+            (:class:`~lancet_rt.runtime.wgrad.WGradQueue`).
         check: verify once, on the first forward, that the chunked output equals the unchunked one
             (needs a deterministic forward: no dropout).
         balance: None (equal rows) or a :class:`lancet_rt.BalancedChunks`: chunk boundaries by the

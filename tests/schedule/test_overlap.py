@@ -230,7 +230,7 @@ def test_deferred_wgrad_complete_when_backward_returns():
     ov(torch.randn(4, 3, D)).sum().backward()
     assert not ov.wgrad_queue.items
     assert all(p.grad is not None for p in model.parameters())
-    assert any(isinstance(m, lancet_rt.schedule.wgrad.DeferredLinear) for m in model.modules())
+    assert any(isinstance(m, lancet_rt.runtime.wgrad.DeferredLinear) for m in model.modules())
 
 
 def test_deferred_wgrad_reaches_parameter_hooks(execution):
@@ -592,7 +592,7 @@ def test_scheduler_is_deterministic_and_issues_first():
 
 
 def test_best_fit_is_lancets_greedy_rule():
-    from lancet_rt.schedule.wgrad import best_fit
+    from lancet_rt.runtime.wgrad import best_fit
 
     assert best_fit([5.0, 3.0, 9.0], 3.6, 0) == 1  # closest to the time left
     assert best_fit([9.0], 4.0, 0) == 0  # the first item of a window always runs

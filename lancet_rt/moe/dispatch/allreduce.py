@@ -46,8 +46,8 @@ from lancet_rt import trace as _trace
 from lancet_rt.comm import group as comm
 from lancet_rt.moe.dispatch.common import counts_turn, to_device
 from lancet_rt.routing.functions import permute, unpermute
-from lancet_rt.schedule import scope as _scope
-from lancet_rt.schedule import wgrad
+from lancet_rt.runtime import scope as _scope
+from lancet_rt.runtime import wgrad
 
 
 @runtime_checkable

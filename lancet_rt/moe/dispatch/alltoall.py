@@ -15,7 +15,7 @@ from lancet_rt.comm import group as comm
 from lancet_rt.kernels.reference_experts import HostBounds
 from lancet_rt.moe.dispatch.base import Exchanged
 from lancet_rt.moe.dispatch.common import Dispatched, counts_turn, host_bounds, offsets, regroup_permutations
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import scope as _scope
 
 
 def dispatch(moe, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL, sent_WL) -> Dispatched:

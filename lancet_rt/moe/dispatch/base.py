@@ -2,10 +2,10 @@
 
 A dispatcher moves each chunk's permuted rows to their experts' ranks and back. Its exchanges are
 issued asynchronously and waited for later (:class:`lancet_rt.comm.group.Pending`), so that the
-overlap scheduler (:mod:`lancet_rt.schedule.scope`) can run other chunks while they fly; a
+overlap scheduler (:mod:`lancet_rt.runtime.scope`) can run other chunks while they fly; a
 dispatcher therefore calls the layer's stage methods (``exchange_counts``, ``dispatch``,
 ``compute_experts``, ``combine``), which profilers and fault tests wrap per instance, and yields
-with :func:`lancet_rt.schedule.scope.switch` between them.
+with :func:`lancet_rt.runtime.scope.switch` between them.
 
 - :mod:`~lancet_rt.moe.dispatch.alltoall`: the default expert-parallel all-to-all;
 - :mod:`~lancet_rt.moe.dispatch.pipelined`: the Tutel-style baseline (``pipeline_chunks > 1``);

@@ -11,7 +11,7 @@ import torch
 
 from lancet_rt.moe.dispatch.base import Exchanged
 from lancet_rt.moe.dispatch.common import to_device
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import scope as _scope
 
 
 def _pieces(kept: list, P: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,7 +26,7 @@ class ChunkScope:
         first_exchange: the step's first counts exchange per group (``id(group)``), which later
             chunks wait for before issuing theirs (:func:`lancet_rt.comm.faults.in_order`).
         casts: the weights' compute-dtype copies shared by the chunks
-            (:func:`lancet_rt.schedule.casts.compute_copy`).
+            (:func:`lancet_rt.runtime.casts.compute_copy`).
         last_combine: per chunk, the (output, link) of the combine all-to-all of the last MoE layer
             it ran, or None where that layer's backward cannot be started from the forward
             (:mod:`lancet_rt.schedule.early_backward`).

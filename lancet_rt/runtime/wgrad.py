@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lancet_rt import trace as _trace
-from lancet_rt.schedule import casts
+from lancet_rt.runtime import casts
 
 _active: Optional["WGradQueue"] = None
 
