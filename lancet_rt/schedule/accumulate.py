@@ -51,9 +51,9 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from lancet_rt import trace as _trace
-from lancet_rt.comm import faults as _faults
 from lancet_rt.parallel.sync import GradientSync
 from lancet_rt.runtime import scope as _scope
+from lancet_rt.schedule import guard as _guard
 
 
 class _Aborted(RuntimeError):
@@ -334,9 +334,9 @@ def accumulate(
                 raise ValueError(f"accumulate(interleave=True) on this model: {why}")
 
     # As Overlapped.forward: the schedule agreed across ranks once; an exception ends on every rank
-    # and leaves no state behind (lancet_rt.comm.faults).
-    _faults.check_schedule(overlapped)
-    with _faults.StepGuard(overlapped):
+    # and leaves no state behind (lancet_rt.schedule.guard).
+    _guard.check_schedule(overlapped)
+    with _guard.StepGuard(overlapped):
         return _step(overlapped, calls, loss_fn, interleave, grad_sync)
 
 

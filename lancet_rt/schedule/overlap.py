@@ -25,10 +25,10 @@ from torch.utils import _pytree as pytree
 
 from lancet_rt import ops as _ops
 from lancet_rt import trace as _trace
-from lancet_rt.comm import faults as _faults
 from lancet_rt.moe.layer import MoE
 from lancet_rt.runtime import scope as _scope
 from lancet_rt.runtime import wgrad as _wgrad
+from lancet_rt.schedule import guard as _guard
 from lancet_rt.schedule import policy as _policy
 from lancet_rt.schedule import warmup as _warmup
 from lancet_rt.schedule.accumulate import accumulate as _accumulate
@@ -128,7 +128,7 @@ class Overlapped(nn.Module):
         finally:
             self._step_layers = None
 
-    @_faults.guarded_step  # schedule agreed across ranks once; an exception ends on every rank, leaves no state
+    @_guard.guarded_step  # schedule agreed across ranks once; an exception ends on every rank, leaves no state
     def _guarded_forward(self, *args, **kwargs):
         if self.wgrad_queue is not None:
             self.wgrad_queue.discard_orphans()  # left by a backward that raised (e.g. out of memory)
@@ -228,7 +228,7 @@ class Overlapped(nn.Module):
                         pass
             outer.restore()
             _scope.set_current(prev)
-        _faults.check_output_rows(outputs, rows)
+        _guard.check_output_rows(outputs, rows)
         return _concat(outputs)
 
     def _or_fail(self, fn, *args):
