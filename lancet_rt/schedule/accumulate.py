@@ -51,7 +51,6 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from lancet_rt import trace as _trace
-from lancet_rt.parallel.sync import GradientSync
 from lancet_rt.runtime import scope as _scope
 from lancet_rt.schedule import guard as _guard
 
@@ -280,6 +279,12 @@ def _check_loss(loss, i: int) -> torch.Tensor:
     return loss
 
 
+class BackwardSync:
+    """What ``grad_sync`` must be: a context manager around the last microbatch's backward that
+    reduces its gradients (:class:`lancet_rt.parallel.GradientSync` is the one). Declared here so
+    the driver checks the argument without importing the data-parallel engines, which sit above it."""
+
+
 def accumulate(
     overlapped,
     microbatches: Iterable,
@@ -325,7 +330,7 @@ def accumulate(
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not isinstance(interleave, bool):
         raise TypeError(f"interleave must be a bool, got {type(interleave).__name__}")
-    if grad_sync is not None and not isinstance(grad_sync, GradientSync):
+    if grad_sync is not None and not isinstance(grad_sync, BackwardSync):
         raise TypeError(f"grad_sync must be None or a lancet_rt.parallel.GradientSync, got {type(grad_sync).__name__}")
     if interleave:  # a wrapper that cannot run a forward beside a backward says so (lancet_rt.parallel.fully_shard)
         for m in overlapped.model.modules():

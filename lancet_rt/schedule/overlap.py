@@ -209,7 +209,7 @@ class Overlapped(nn.Module):
         on_cuda = _on_cuda(leaves)
         try:
             while live:
-                c = last = _next_chunk(live, scope.waiting, last)
+                c = last = next_chunk(live, scope.waiting, last)
                 scope.chunk = c
                 if modes[c] != now:  # (the chunks share one state, mostly: nothing to restore)
                     modes[c].restore()
@@ -378,7 +378,7 @@ def not_started(n: int) -> dict:
     return {c: (c - 0.5, False) for c in range(n)}
 
 
-def _next_chunk(live: list, waiting: dict, last) -> int:
+def next_chunk(live: list, waiting: dict, last) -> int:
     """The chunk to resume next: Lancet's "issue communication as early as possible", decided
     from the schedule alone (never from completion timing), so every rank issues its collectives
     in the same order.

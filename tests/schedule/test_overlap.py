@@ -574,21 +574,21 @@ def test_overlapped_equals_model_with_triton_kernels(monkeypatch):
 
 
 def test_scheduler_is_deterministic_and_issues_first():
-    from lancet_rt.schedule.overlap import _next_chunk
+    from lancet_rt.schedule.overlap import next_chunk
 
     # Not started: chunk order. A chunk whose counts are on their way dispatches as soon as
     # another chunk has had a turn; otherwise the earliest-yielded chunk (round robin).
     waiting = {0: (-3, False), 1: (-2, False), 2: (-1, False)}
-    assert _next_chunk([0, 1, 2], waiting, None) == 0
+    assert next_chunk([0, 1, 2], waiting, None) == 0
     waiting[0] = (1, True)  # chunk 0 yielded after starting its counts exchange
-    assert _next_chunk([0, 1, 2], waiting, 0) == 1
+    assert next_chunk([0, 1, 2], waiting, 0) == 1
     waiting[1] = (2, True)
-    assert _next_chunk([0, 1, 2], waiting, 1) == 0  # 0 dispatches before 2 starts
+    assert next_chunk([0, 1, 2], waiting, 1) == 0  # 0 dispatches before 2 starts
     waiting[0] = (3, False)  # 0 dispatched and waits for its rows
-    assert _next_chunk([0, 1, 2], waiting, 0) == 1
+    assert next_chunk([0, 1, 2], waiting, 0) == 1
     waiting[1] = (4, False)
-    assert _next_chunk([0, 1, 2], waiting, 1) == 2
-    assert _next_chunk([2], {2: (5, False)}, 2) == 2  # the last live chunk runs again
+    assert next_chunk([0, 1, 2], waiting, 1) == 2
+    assert next_chunk([2], {2: (5, False)}, 2) == 2  # the last live chunk runs again
 
 
 def test_best_fit_is_lancets_greedy_rule():
