@@ -520,6 +520,28 @@ class MoE(nn.Module):
                 load = state.used_E.long()
                 self.expert_load = load if self.expert_load is None else self.expert_load + load
 
+    #: The attributes a training step changes (the agreed configuration, the statistics, the shadowed
+    #: experts) and ``group``, which warm-up swaps for an emulated link: what :meth:`step_state` saves.
+    STEP_STATE = (
+        "group",
+        "_config_checked",
+        "aux_loss",
+        "z_loss",
+        "tokens_per_expert",
+        "_dropped",
+        "expert_load",
+        "shadowed",
+    )
+
+    def step_state(self) -> dict:
+        """What a training step changes on this layer, to put back with :meth:`restore_step_state`
+        (warm-up's trial step leaves no trace). A new attribute that a step changes joins STEP_STATE."""
+        return {k: self.__dict__[k] for k in self.STEP_STATE if k in self.__dict__}
+
+    def restore_step_state(self, saved: dict) -> None:
+        """Put back what :meth:`step_state` returned."""
+        self.__dict__.update(saved)
+
 
 def _batch_tokens(T_chunk0: int, s) -> int:
     """Tokens of the whole local batch, from chunk 0's tokens per row (dim 0) of the inputs."""

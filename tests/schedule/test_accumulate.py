@@ -200,7 +200,7 @@ def test_failure_in_a_forward_beside_a_backward(execution):
     assert any(e["name"] == "backward 0" for e in tr.events()), "backward 0 must have been suspended"
     assert os.sched_getaffinity(0) == host_mask  # the step gave the host its CPUs back
     # The suspended backward was unwound: nothing waits for a turn, the helper thread is free.
-    assert lancet_rt.runtime.scope._backward_beside is None
+    assert lancet_rt.runtime.scope.PROCESS.beside is None
     worker = lancet_rt.schedule.accumulate._worker()
     done = threading.Event()
     worker.submit(done.set)
