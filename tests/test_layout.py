@@ -331,3 +331,17 @@ def test_functions_a_reader_can_hold():
                 if n > MAX_FUNCTION_LINES and key not in FUNCTION_EXCEPTIONS:
                     long[key] = n
     assert long == {}, f"functions over {MAX_FUNCTION_LINES} lines of code: {long}"
+
+
+def test_the_private_rule_sees_a_private_import_from_another_package():
+    # Within a package private names are free; from another package, a private module or name is not.
+    modules = {
+        "lancet_rt.moe.b": _write("b.py", "_x = 1\n"),
+        "lancet_rt.moe.c": _write("c.py", "from lancet_rt.moe.b import _x\n"),
+        "lancet_rt.comm._d": _write("_d.py", ""),
+        "lancet_rt.schedule.e": _write("e.py", "from lancet_rt.moe.b import _x\nfrom lancet_rt.comm import _d\n"),
+    }
+    assert _private_imports(modules) == [
+        "lancet_rt.schedule.e: lancet_rt.comm._d",
+        "lancet_rt.schedule.e: lancet_rt.moe.b._x",
+    ]
