@@ -41,6 +41,8 @@ import warnings
 from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Iterable, Optional
 
+from lancet_rt.env import autotune_cache_path
+
 try:  # POSIX; elsewhere writes are still atomic but concurrent writers may drop each other's entries
     import fcntl
 except ImportError:  # pragma: no cover - Windows
@@ -228,8 +230,6 @@ class TuneCache:
 
     def __init__(self, path: Optional[str | os.PathLike] = None, *, defaults_path: Optional[str] = DEFAULTS_PATH):
         if path is None:
-            from lancet_rt.env import autotune_cache_path
-
             path = autotune_cache_path()
         if not isinstance(path, (str, os.PathLike)):
             raise TypeError(f"path must be a file path or None, got {type(path).__name__}")

@@ -30,6 +30,8 @@ import argparse
 import json
 from typing import Optional
 
+from lancet_rt.routing.traces import parse_routing
+
 from .replay_sim import replay
 from .simulate_model import SHAPES, build_profile, link_for, shadow_skew_for, skew_for, tutel_step
 
@@ -50,7 +52,6 @@ def simulate_step(
 ) -> dict:
     """One row: the three schedules' predicted step at this scale and routing (module docstring); with
     ``shadow`` > 0 also Overlapped with ``MoE(shadow_experts=shadow)`` (``shadowed_ms``)."""
-    from lancet_rt.routing.traces import parse_routing
 
     if model not in SHAPES:
         raise ValueError(f"model must be one of {sorted(SHAPES)}, got {model!r}")

@@ -17,6 +17,7 @@ import lancet_rt
 
 from .cache import CacheKey, token_bucket
 from .gpu import DeviceIdentity, device_identity
+from .profiling import LinkModel
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,6 @@ def measured_gbps(group, device) -> Optional[float]:
     two warm-up transfers per size (a fresh process's first transfers are the slowest), the fastest
     of five timed ones, and lookups that accept a factor of 2 (:meth:`lancet_rt.autotune.cache.TuneCache.lookup`).
     """
-    from .profiling import LinkModel
 
     model = LinkModel.measure(
         group, device=device, nbytes=(1 << 20, 8 << 20), warmup=2, reps=5, agree=lambda xs: agree_max(group, xs)

@@ -22,14 +22,14 @@ transfers the trace records), and the replay rebuilds the step at N chunks on a 
    is each stage's forward time times the ratio measured for its kind (experts, post, the rest),
    deferred dW likewise.
 3. **Replay** (:func:`lancet_rt.autotune.replay_sim.replay`). The forward runs Overlapped's own
-   scheduling rules (:func:`lancet_rt.schedule.overlap._next_chunk` from
+   scheduling rules (:func:`lancet_rt.schedule.overlap.next_chunk` from
    :func:`~lancet_rt.schedule.overlap.not_started`, and the CPU's counts rule,
    :func:`lancet_rt.moe.dispatch.common.gives_counts_turn`, all imported, with the gating-in-order
    wait of :meth:`lancet_rt.MoE._routing_state`) over each chunk's stage program on two resources: the
    host (computation) and the link, a FIFO. The backward runs the forward's creation order in reverse
    (the autograd engine's order on one device): each backward all-to-all is issued by its gradient's
    producer (the unpermute's backward, the experts' after their dX) and waited by its own node, which
-   drains deferred dW meanwhile by the queue's own rule (:func:`lancet_rt.schedule.wgrad.best_fit` over
+   drains deferred dW meanwhile by the queue's own rule (:func:`lancet_rt.runtime.wgrad.best_fit` over
    whole items, one per stage holding weights); what is left is flushed at the end.
 
 What it cannot see: contention for the CPU and the GIL between the link's thread and the

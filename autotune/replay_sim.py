@@ -11,6 +11,10 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from lancet_rt.moe.dispatch.common import gives_counts_turn  # the layer's own rule
+from lancet_rt.runtime.wgrad import best_fit  # the dW queue's own rule
+from lancet_rt.schedule.overlap import next_chunk, not_started  # the scheduler's own rules
+
 from .replay_profile import ReplayProfile
 
 #: Share of the experts' backward that is dW (2 of its 4 grouped GEMMs), run after the dispatch's
@@ -134,7 +138,6 @@ class _Simulation:
         self.tokens = [T // n + (c < T % n) for c in range(n)]
         self.link = _Link(gbps, latency_ms)
         self.counts = self.link if counts_channel == "shared" else _Link(gbps, latency_ms)  # latency only: no bytes
-        from lancet_rt.moe.dispatch.common import gives_counts_turn  # the layer's own rule
 
         # The host is the device here (the CPU's rule): with counts of their own it waits for them.
         self.counts_turn = gives_counts_turn("cpu", counts_channel)
@@ -199,7 +202,6 @@ class _Simulation:
     def forward(self) -> int:
         """Overlapped.run_chunked's loop (N = 1 is the plain model: no scheduler, no yields); returns
         the scheduler's segments."""
-        from lancet_rt.schedule.overlap import _next_chunk, not_started  # the scheduler's own rules
 
         n = self.n
         gens = [self.program(c) for c in range(n)]
@@ -211,7 +213,7 @@ class _Simulation:
         live, last, yields = list(range(n)), None, 0
         waiting = not_started(n)
         while live:
-            c = last = _next_chunk(live, waiting, last)
+            c = last = next_chunk(live, waiting, last)
             segments += 1
             self.compute(self.profile.glue_per_segment_ms)
             try:
@@ -225,7 +227,6 @@ class _Simulation:
     def backward(self) -> None:
         """Reverse creation order; all-to-alls issued by their gradient's producer, waited by their
         own node, which drains deferred dW by the runtime's own rule (best fit, whole items)."""
-        from lancet_rt.schedule.wgrad import best_fit  # the dW queue's own rule
 
         profile, n = self.profile, self.n
         r, queue, bwd = {k: profile.ratio(k, n) for k in profile.ratios}, [], {}

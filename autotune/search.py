@@ -17,6 +17,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch.utils import _pytree as pytree
 
+import lancet_rt
+
 DEFAULT_CANDIDATES = (1, 2, 3, 4, 6, 8)
 DEFAULT_MIN_TOKENS_PER_CHUNK = 128
 
@@ -78,7 +80,6 @@ class StepRunner:
     """
 
     def __init__(self, overlapped, args: tuple, kwargs: Optional[dict] = None, grad_output=None):
-        import lancet_rt
 
         if not isinstance(overlapped, lancet_rt.Overlapped):
             raise TypeError(f"overlapped must be a lancet_rt.Overlapped, got {type(overlapped).__name__}")

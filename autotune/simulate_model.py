@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from lancet_rt.moe.dispatch.shadow import hot_experts
+
 from .cost_model import SimOp, simulate
 from .profiling import LinkModel
 from .replay_profile import ReplayProfile
@@ -155,7 +157,6 @@ def shadow_skew_for(source, shape: Shape, ep: int, tokens: int, limit: int) -> t
     hot rank's rows shrink; each rank computes its own rows of them), and each fetched expert's weights
     (a broadcast, and the gradients' reduce in backward) are added to the port's bytes, spread over the
     layer's all-to-alls of the pass (the replay has no such transfer of its own)."""
-    from lancet_rt.moe.dispatch.shadow import hot_experts
 
     if ep == 1 or source.kind == "balanced":
         return Skew(), 0.0

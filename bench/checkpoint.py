@@ -31,7 +31,7 @@ import time
 import torch
 
 from bench.common import RowLog, print_table, run_metadata
-from lancet_rt.checkpoint import _dcp_io
+from lancet_rt.checkpoint import dcp_io
 
 
 def _model(layers: int, d_model: int, d_ffn: int, experts: int):
@@ -44,7 +44,7 @@ def _model(layers: int, d_model: int, d_ffn: int, experts: int):
 def _checksum_gbs(nbytes: int = 1 << 28) -> float:
     data = os.urandom(1 << 24) * (nbytes // (1 << 24))
     start = time.perf_counter()
-    _dcp_io.digest(data)
+    dcp_io.digest(data)
     return len(data) / (time.perf_counter() - start) / 1e9
 
 
@@ -54,16 +54,16 @@ class _NoChecksums:
     def __enter__(self):
         from torch.distributed.checkpoint import FileSystemWriter
 
-        from lancet_rt.checkpoint import _dcp_io
+        from lancet_rt.checkpoint import dcp_io
 
-        self.saved = _dcp_io._checksum_writer
-        _dcp_io._checksum_writer = FileSystemWriter  # no checksum stored: the reader then checks nothing
+        self.saved = dcp_io._checksum_writer
+        dcp_io._checksum_writer = FileSystemWriter  # no checksum stored: the reader then checks nothing
         return self
 
     def __exit__(self, *exc):
-        from lancet_rt.checkpoint import _dcp_io
+        from lancet_rt.checkpoint import dcp_io
 
-        _dcp_io._checksum_writer = self.saved
+        dcp_io._checksum_writer = self.saved
         return False
 
 

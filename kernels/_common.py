@@ -12,22 +12,7 @@ from typing import Optional, Tuple
 import torch
 import triton
 
-#: TRITON_INTERPRET's values as Triton reads them (any case): on, and off ("" or unset: off).
-_ON, _OFF = ("1", "true", "on", "yes"), ("", "0", "false", "off", "no")
-
-
-def interpreting() -> bool:
-    """True when Triton kernels run in the CPU interpreter: ``TRITON_INTERPRET`` read as Triton reads it
-    (1, true, on or yes, any case), so the launchers and Triton never disagree (``true`` was off here and
-    on in Triton); a ValueError naming it for any other value (Triton would silently read it as off)."""
-    text = os.environ.get("TRITON_INTERPRET", "")
-    if text.lower() in _ON:
-        return True
-    if text.lower() in _OFF:
-        return False
-    raise ValueError(
-        f"TRITON_INTERPRET must be one of {', '.join(_ON)} (on) or {', '.join(_OFF[1:])} or unset (off), got {text!r}"
-    )
+from .interpret import interpreting  # the launchers' switch, beside their other helpers
 
 
 @dataclass(frozen=True)

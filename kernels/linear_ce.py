@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_out, check_tensor, interpreting
-from .reference_dense import _check_labels
+from .reference_dense import check_label_range
 
 
 @triton.jit(do_not_specialize=["C"])
@@ -102,7 +102,7 @@ def ce_grad_fwd(
     if C == 0:
         return loss
     if check_labels:
-        _check_labels("labels_C", labels_C, V, ignore_index)
+        check_label_range("labels_C", labels_C, V, ignore_index)
     block_v = min(64 if interpreting() or logits_CV.device.type != "cuda" else 4096, triton.next_power_of_2(V))
     _ce_grad_fwd_kernel[(C,)](
         logits_CV,

@@ -65,7 +65,7 @@ def add_rmsnorm_bwd_ref(
     return ds.to(s_RD.dtype), (dy * n).sum(tuple(range(s_RD.dim() - 1))).to(weight_D.dtype)
 
 
-def _bad_labels(labels: torch.Tensor, V: int, ignore_index: int) -> torch.Tensor:
+def bad_label_mask(labels: torch.Tensor, V: int, ignore_index: int) -> torch.Tensor:
     """The labels a cross-entropy over ``V`` classes refuses, without a host read.
 
     Args:
@@ -79,7 +79,7 @@ def _bad_labels(labels: torch.Tensor, V: int, ignore_index: int) -> torch.Tensor
     return (labels != ignore_index) & ((labels < 0) | (labels >= V))
 
 
-def _check_labels(name: str, labels: torch.Tensor, V: int, ignore_index: int) -> None:
+def check_label_range(name: str, labels: torch.Tensor, V: int, ignore_index: int) -> None:
     """Refuse labels outside ``[0, V)`` other than ``ignore_index``, as ``torch.nn.functional.cross_entropy``
     does. One host read on a GPU tensor; more only when raising.
 
@@ -92,7 +92,7 @@ def _check_labels(name: str, labels: torch.Tensor, V: int, ignore_index: int) ->
     Raises:
         ValueError: naming ``name``, the bad values, ``V`` and ``ignore_index``.
     """
-    bad = _bad_labels(labels, V, ignore_index)
+    bad = bad_label_mask(labels, V, ignore_index)
     if bool(bad.any()):
         values = labels[bad]
         shown = sorted(set(values.tolist()))
@@ -126,7 +126,7 @@ def ce_grad_fwd_ref(
         loss_C [C] in the logits' dtype: ``logsumexp(logits) - logits[label]``, 0 on ignored rows.
     """
     if check_labels:
-        _check_labels("labels_C", labels_C, logits_CV.shape[-1], ignore_index)
+        check_label_range("labels_C", labels_C, logits_CV.shape[-1], ignore_index)
     valid = labels_C != ignore_index
     target = torch.where(valid, labels_C, 0).long()
     lse = torch.logsumexp(logits_CV, dim=-1)

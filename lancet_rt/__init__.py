@@ -8,9 +8,9 @@ from lancet_rt.integrations.hf import from_hf
 from lancet_rt.moe.experts import Experts
 from lancet_rt.moe.layer import MoE
 from lancet_rt.routing.router import Router, update_expert_bias
+from lancet_rt.runtime.recompute import checkpoint, checkpoint_context
 from lancet_rt.schedule.balance import BalancedChunks
 from lancet_rt.schedule.overlap import Overlapped
-from lancet_rt.schedule.recompute import checkpoint, checkpoint_context
 from lancet_rt.schedule.warmup import warmup
 from lancet_rt.trace import Trace, tracing
 

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from lancet_rt import ops as _ops
-from lancet_rt.kernels.reference_dense import _bad_labels, _check_labels
+from lancet_rt.kernels.reference_dense import bad_label_mask, check_label_range
 
 
 # ------------------------------------------------------------------------------------- add + RMSNorm
@@ -191,7 +191,7 @@ def _linear_ce_chunks(hidden, weight, labels, divisor, ignore_index, chunk, need
         else weight.new_empty(0)
     )
     if d != d:  # a NaN divisor: perhaps flagged by _flag_bad_labels (raises if so)
-        _check_labels("labels", labels, weight.shape[0], ignore_index)
+        check_label_range("labels", labels, weight.shape[0], ignore_index)
     for c0 in range(0, hidden.shape[0], chunk):
         h_CD = hidden[c0 : c0 + chunk]
         logits_CV = (h_CD @ weight.t()).to(acc)  # the head in the model's dtype, the loss in float32
@@ -234,7 +234,7 @@ def _flag_bad_labels(labels_T: torch.Tensor, V: int, ignore_index: int, divisor:
     and raise ValueError naming them. So the whole batch's labels are checked with a few device ops
     and no host read of their own (on CUDA no extra sync); a label never reaches a kernel unchecked.
     """
-    bad = _bad_labels(labels_T, V, ignore_index).any()
+    bad = bad_label_mask(labels_T, V, ignore_index).any()
     return torch.where(bad, float("nan"), divisor.to(torch.float64))
 
 
@@ -415,7 +415,7 @@ class SharedHeadGrad:
             self.divisor = _flag_bad_labels(labels.reshape(-1), weight.shape[0], ignore_index, self.divisor)
         self.divisor_value = float(self.divisor)  # the one host read of the batch
         if self.labels_checked and self.divisor_value != self.divisor_value:
-            _check_labels("labels", labels, weight.shape[0], ignore_index)
+            check_label_range("labels", labels, weight.shape[0], ignore_index)
         self.rows = rows
         wants = torch.is_grad_enabled() and weight.requires_grad
         acc = torch.float64 if weight.dtype == torch.float64 else torch.float32
@@ -429,7 +429,7 @@ class SharedHeadGrad:
         labels_T = labels.reshape(-1).long().contiguous()
         chunk = _default_chunk(self.rows or h_TD.shape[0], h_TD.shape[1], self.weight.shape[0])
         if not self.labels_checked:  # labels not given to the constructor: checked here, one host read
-            _check_labels("labels", labels_T, self.weight.shape[0], self.ignore_index)
+            check_label_range("labels", labels_T, self.weight.shape[0], self.ignore_index)
         # (a frozen head, or no grad: acc is None and the term hands the hidden state its gradient alone)
         h_TD = h_TD if torch.is_grad_enabled() else h_TD.detach()
         return _ChunkTerm.apply(

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 import os
 
+from lancet_rt.kernels.interpret import interpreting
+
 #: "triton" or "torch": force the kernel implementation. Default: triton on CUDA, torch on CPU.
 KERNELS = "LANCET_KERNELS"
 #: "1": Triton kernels run in the CPU interpreter (Triton's own variable; CI sets it).
@@ -43,8 +45,6 @@ def kernels_override() -> str | None:
 def triton_interpret() -> bool:
     """``TRITON_INTERPRET`` as Triton reads it (a ValueError naming it for a value Triton would ignore): the
     kernels' reader, which ``kernels/`` keeps because it cannot import this module."""
-    from lancet_rt.kernels._common import interpreting
-
     return interpreting()
 
 

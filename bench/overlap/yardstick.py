@@ -55,7 +55,7 @@ import torch.nn.functional as F
 import lancet_rt
 from bench.common import RowLog, keep_freed_memory, print_table, run_metadata, time_interleaved
 from bench.host import OpCounter
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import scope as _scope
 
 
 class _Copy(torch.autograd.Function):

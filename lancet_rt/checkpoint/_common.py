@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lancet_rt.comm.group import TorchGroup
+from lancet_rt.checkpoint import _atomic
+from lancet_rt.comm.group import TorchGroup, as_group
 from lancet_rt.moe.layer import MoE
 
 
@@ -110,7 +111,6 @@ def _agree(
         if error is not None:
             raise error
         return
-    from lancet_rt.comm.group import as_group
 
     failed = None if error is None else (type(error).__name__, str(error), getattr(error, "errno", None))
     mine = (failed, digest, None if same is None else same[1])
@@ -198,7 +198,6 @@ def guarded_save(
     Until the swap, ``path`` holds the last good checkpoint, untouched; a failure removes the staging
     directory and releases the lock; a rank killed anywhere leaves ``path`` loadable, and its peers raise
     the monitor's PeerError naming it. A full disk is an OSError(ENOSPC) naming the path."""
-    from lancet_rt.checkpoint import _atomic
 
     rank = dist.get_rank(pg) if use_dist else 0
     error, state, digest, held = None, None, None, None

@@ -24,7 +24,7 @@ a staging directory beside the target and swaps it in only after every rank wrot
 tensors, and changes the model only once every rank read everything. DCP checkpoints carry an XXH3-64 checksum
 of every item, checked on load. The agreements and DCP's collectives go through the group's monitor
 (bounded by ``LANCET_TIMEOUT_S``, a lost peer named). The protocol and the DCP reading and writing
-are shared with :func:`lancet_rt.parallel.save_sharded` (:mod:`lancet_rt.checkpoint._dcp_io`).
+are shared with :func:`lancet_rt.parallel.save_sharded` (:mod:`lancet_rt.checkpoint.dcp_io`).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lancet_rt.checkpoint import _dcp_io
+from lancet_rt.checkpoint import dcp_io
 from lancet_rt.checkpoint._common import CheckpointError, _expert_shards, _process_group, _Shard, _tensor_id
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError"]
@@ -74,7 +74,7 @@ def refuse_fully_shard(model, call: str, instead: str) -> None:
         )
 
 
-def _dcp_state(model: nn.Module, optimizer, pg, call: str) -> _dcp_io.State:
+def _dcp_state(model: nn.Module, optimizer, pg, call: str) -> dcp_io.State:
     """The flat DCP state dict: ``model.<fqn>``, ``optim.state.<fqn>.<name>``, ``optim.param_groups``."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
@@ -90,7 +90,7 @@ def _dcp_state(model: nn.Module, optimizer, pg, call: str) -> _dcp_io.State:
         msd, osd = get_model_state_dict(model), None
     else:
         msd, osd = get_state_dict(model, optimizer)
-    state = _dcp_io.State({}, {}, [], osd is not None, planner=None)
+    state = dcp_io.State({}, {}, [], osd is not None, planner=None)
     state.planner = lambda: _row_planner(state)
     param_shard = {}
     for fqn, v in msd.items():
@@ -115,7 +115,7 @@ def _dcp_state(model: nn.Module, optimizer, pg, call: str) -> _dcp_io.State:
     return state
 
 
-def _row_planner(state: _dcp_io.State):
+def _row_planner(state: dcp_io.State):
     """DCP's default save planner, with each expert DTensor written one row (expert) per chunk."""
     import dataclasses
 
@@ -197,7 +197,7 @@ def save_checkpoint(
         PeerError, PeerTimeout: a rank died or stopped answering during the save (named).
     """
     pg, use_dist = _process_group(process_group)
-    _dcp_io.save(lambda: _dcp_state(model, optimizer, pg, "save_checkpoint"), path, pg, use_dist)
+    dcp_io.save(lambda: _dcp_state(model, optimizer, pg, "save_checkpoint"), path, pg, use_dist)
 
 
 def load_checkpoint(
@@ -236,9 +236,9 @@ def load_checkpoint(
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     pg, use_dist = _process_group(process_group)
-    state = _dcp_io.load(lambda: _dcp_state(model, optimizer, pg, "load_checkpoint"), path, pg, use_dist)
+    state = dcp_io.load(lambda: _dcp_state(model, optimizer, pg, "load_checkpoint"), path, pg, use_dist)
     if optimizer is not None:
         osd = {"state": {}, "param_groups": state.flat["optim.param_groups"]}
         for key, fqn, name in state.optim_keys:
-            osd["state"].setdefault(fqn, {})[name] = _dcp_io.local(state.flat[key])
+            osd["state"].setdefault(fqn, {})[name] = dcp_io.local(state.flat[key])
         set_optimizer_state_dict(model, optimizer, osd)

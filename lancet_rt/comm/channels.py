@@ -32,6 +32,11 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from lancet_rt import env
+from lancet_rt import trace as _trace
+from lancet_rt.comm.backend import group_store
+from lancet_rt.comm.faults import PeerTimeout
+
 
 @dataclass
 class Channels:
@@ -79,7 +84,6 @@ def _all_arrive(group: dist.ProcessGroup, ranks: list, timeout_s: float) -> None
     """Wait until every rank of ``group`` has entered its n-th split (n: this rank's count of splits
     entered, so a retry after a failed split does not meet the earlier attempt's marks), at most
     ``timeout_s``; a :class:`PeerTimeout` naming the ranks that did not otherwise."""
-    from lancet_rt.comm.backend import group_store
 
     store = group_store(group)
     if store is None or len(ranks) == 1:
@@ -97,8 +101,6 @@ def _all_arrive(group: dist.ProcessGroup, ranks: list, timeout_s: float) -> None
 
 
 def _split_timeout(me: int, ranks: list, missing: list, timeout_s: float, cause: str):
-    from lancet_rt import env
-    from lancet_rt.comm.faults import PeerTimeout
 
     names = [ranks[q] for q in missing]
     return PeerTimeout(
@@ -186,7 +188,6 @@ class Transfer:
 
 def traced_transfer(what: str) -> Optional[Transfer]:
     """A :class:`Transfer` recorded in the active trace (None when not tracing)."""
-    from lancet_rt import trace as _trace
 
     if _trace.active() is None:
         return None

@@ -33,7 +33,7 @@ import torch
 
 from lancet_rt import trace as _trace
 from lancet_rt.comm.emulated_cuda import _CudaLowWork, _CudaWork, _sleep_cycles_per_ms, link_stream
-from lancet_rt.comm.group import check_link, link_ms
+from lancet_rt.comm.group import Exchange, _side_stream, check_link, link_ms
 
 
 class _LinkWork:
@@ -448,7 +448,6 @@ class EmulatedGroup:
         """The counts exchange: by symmetry every rank receives what this one sends. It holds its
         channel for the latency (no bytes): its own channel, or with ``counts_channel="shared"``
         the tokens' FIFO, behind the transfers in flight, like a collective on their communicator."""
-        from lancet_rt.comm.group import Exchange, _side_stream
 
         if self._cpu_link is not None:
             host = send_WN.detach().to(torch.int64, copy=True)  # (a CPU link: already on the host)

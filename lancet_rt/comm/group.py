@@ -18,9 +18,10 @@ import torch.distributed as dist
 from lancet_rt import env
 from lancet_rt import trace as _trace
 from lancet_rt.comm import faults
+from lancet_rt.comm.channels import lane_all_to_all, make_channels
 from lancet_rt.comm.monitor import GroupMonitor
-from lancet_rt.schedule import scope as _scope
-from lancet_rt.schedule import wgrad
+from lancet_rt.runtime import scope as _scope
+from lancet_rt.runtime import wgrad
 
 
 @runtime_checkable
@@ -166,7 +167,6 @@ class TorchGroup:
             )
         if group in _torch_groups:
             raise ValueError("group already has a TorchGroup (as_group made one): split it before any layer uses it")
-        from lancet_rt.comm.channels import make_channels
 
         timeout = kwargs.get("timeout_s")
         made = cls(group, _channels=make_channels(group, env.timeout_s() if timeout is None else timeout), **kwargs)
@@ -218,8 +218,6 @@ class TorchGroup:
         row_in, row_out = math.prod(input.shape[1:]), math.prod(output.shape[1:])
         header = (input.dtype, [n * row_in for n in input_splits], [n * row_out for n in output_splits])
         if self.channels is not None:  # each direction on its own lane
-            from lancet_rt.comm.channels import lane_all_to_all
-
             return self.monitor.issue(
                 "all-to-all",
                 lambda: lane_all_to_all(self.channels, self._rank, output, input, output_splits, input_splits),
@@ -358,6 +356,11 @@ def _side_stream(device):
 
 
 _torch_groups: dict = {}
+
+
+def is_wrapped(pg) -> bool:
+    """Whether :func:`as_group` has made the :class:`TorchGroup` of process group ``pg`` already."""
+    return pg in _torch_groups
 
 
 def as_group(ep_group) -> Optional[ExpertParallelGroup]:

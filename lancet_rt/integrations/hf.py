@@ -39,9 +39,9 @@ from lancet_rt.integrations import hf_dense as _dense
 from lancet_rt.moe.experts import Experts
 from lancet_rt.moe.layer import MoE
 from lancet_rt.routing.router import router_logits
+from lancet_rt.runtime import recompute as _recompute
+from lancet_rt.runtime import scope as _scope
 from lancet_rt.schedule import policy as _policy
-from lancet_rt.schedule import recompute as _recompute
-from lancet_rt.schedule import scope as _scope
 from lancet_rt.schedule.overlap import Overlapped
 
 

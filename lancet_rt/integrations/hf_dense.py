@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from lancet_rt.dense import SharedHeadGrad, add_rmsnorm
+from lancet_rt.runtime import scope as _scope
 from lancet_rt.schedule import early_backward as _early
-from lancet_rt.schedule import scope as _scope
 
 _norm_classes: dict = {}
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

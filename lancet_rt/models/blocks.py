@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import lancet_rt
 from lancet_rt.dense import RMSNorm
+from lancet_rt.moe.layer import MoE
 
 
 class CausalSelfAttention(nn.Module):
@@ -35,7 +35,7 @@ class CausalSelfAttention(nn.Module):
 class Block(nn.Module):
     """x + attn(norm(x)), then x + moe(norm(x)); RMSNorm, the add before the second fused into it."""
 
-    def __init__(self, d_model: int, n_heads: int, moe: lancet_rt.MoE, *, device=None, dtype=None):
+    def __init__(self, d_model: int, n_heads: int, moe: MoE, *, device=None, dtype=None):
         super().__init__()
         self.norm1 = RMSNorm(d_model, eps=1e-5, device=device, dtype=dtype)
         self.attn = CausalSelfAttention(d_model, n_heads, device=device, dtype=dtype)
@@ -72,7 +72,7 @@ class MoEBlocks(nn.Module):
             Block(
                 d_model,
                 heads,
-                lancet_rt.MoE(d_model, device=device, dtype=dtype, **moe_kwargs),
+                MoE(d_model, device=device, dtype=dtype, **moe_kwargs),
                 device=device,
                 dtype=dtype,
             )

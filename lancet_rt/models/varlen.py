@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import lancet_rt
+from lancet_rt.moe.layer import MoE
 
 
 class VarlenAttention(nn.Module):
@@ -45,7 +45,7 @@ class VarlenAttention(nn.Module):
 class VarlenBlock(nn.Module):
     """x + attn(norm(x)), then x + moe(norm(x)), on a packed batch."""
 
-    def __init__(self, d_model: int, n_heads: int, moe: lancet_rt.MoE, *, device=None, dtype=None):
+    def __init__(self, d_model: int, n_heads: int, moe: MoE, *, device=None, dtype=None):
         super().__init__()
         self.norm1 = nn.LayerNorm(d_model, device=device, dtype=dtype)
         self.attn = VarlenAttention(d_model, n_heads, device=device, dtype=dtype)
@@ -71,7 +71,7 @@ class VarlenBlocks(nn.Module):
             VarlenBlock(
                 d_model,
                 heads,
-                lancet_rt.MoE(d_model, device=device, dtype=dtype, **moe_kwargs),
+                MoE(d_model, device=device, dtype=dtype, **moe_kwargs),
                 device=device,
                 dtype=dtype,
             )

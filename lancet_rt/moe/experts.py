@@ -30,8 +30,8 @@ from torch import nn
 from lancet_rt import trace as _trace
 from lancet_rt.kernels.cpu_backend import NO_WORKSPACE, GateUp, Workspace
 from lancet_rt.kernels.reference import ACTIVATIONS
-from lancet_rt.schedule import casts, wgrad
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import casts, wgrad
+from lancet_rt.runtime import scope as _scope
 
 #: Parameter layouts (module docstring).
 LAYOUTS = ("lancet", "gpt_oss")
@@ -102,7 +102,7 @@ class _ExpertsFn(torch.autograd.Function):
     ):
         # gate_up .. down_bias: what autograd differentiates (the Parameters; None when deferring);
         # ``weights``: the same four in the rows' dtype, detached, for the GEMMs (under autocast one
-        # copy per chunked forward, shared by the chunks: lancet_rt.schedule.casts).
+        # copy per chunked forward, shared by the chunks: lancet_rt.runtime.casts).
         w_gate_up, w_down, b_gate_up, b_down = weights
         x_RD = x_in if to_expert is None else x_in.index_select(0, to_expert)
         # The CPU backend loops over host bounds: given those, it reads nothing.

@@ -11,7 +11,7 @@ Stages of one forward (docs/design.md, data flow)::
 
 The layer routes each chunk, hands it to its dispatcher (:attr:`MoE.dispatcher`, an object of
 :mod:`lancet_rt.moe.dispatch`: permute, dispatch, experts, combine, and the yields to the overlap
-scheduler of :mod:`lancet_rt.schedule.scope` between the two all-to-alls; without a scheduler the
+scheduler of :mod:`lancet_rt.runtime.scope` between the two all-to-alls; without a scheduler the
 yields are no-ops) and unpermutes what comes back. The options are validated by
 :class:`lancet_rt.moe.config.MoEConfig`.
 """
@@ -36,8 +36,8 @@ from lancet_rt.moe.dispatch.common import Route, number_layer
 from lancet_rt.moe.experts import Experts
 from lancet_rt.routing.functions import BatchRouting, gate
 from lancet_rt.routing.router import Router
-from lancet_rt.schedule import recompute as _recompute
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import recompute as _recompute
+from lancet_rt.runtime import scope as _scope
 
 
 class MoE(nn.Module):
@@ -477,6 +477,28 @@ class MoE(nn.Module):
             if self.expert_bias and self.training:
                 load = state.used_E.long()
                 self.expert_load = load if self.expert_load is None else self.expert_load + load
+
+    #: The attributes a training step changes (the agreed configuration, the statistics, the shadowed
+    #: experts) and ``group``, which warm-up swaps for an emulated link: what :meth:`step_state` saves.
+    STEP_STATE = (
+        "group",
+        "_config_checked",
+        "aux_loss",
+        "z_loss",
+        "tokens_per_expert",
+        "_dropped",
+        "expert_load",
+        "shadowed",
+    )
+
+    def step_state(self) -> dict:
+        """What a training step changes on this layer, to put back with :meth:`restore_step_state`
+        (warm-up's trial step leaves no trace). A new attribute that a step changes joins STEP_STATE."""
+        return {k: self.__dict__[k] for k in self.STEP_STATE if k in self.__dict__}
+
+    def restore_step_state(self, saved: dict) -> None:
+        """Put back what :meth:`step_state` returned."""
+        self.__dict__.update(saved)
 
 
 def _batch_tokens(T_chunk0: int, s) -> int:

@@ -32,8 +32,8 @@ from lancet_rt.moe.dispatch.base import Chunk, Dispatcher, Exchanged
 from lancet_rt.moe.dispatch.common import Route
 from lancet_rt.moe.experts import _Spec, expert_rows, kernel_views, weight_gradients
 from lancet_rt.routing.functions import BatchRouting, gate
-from lancet_rt.schedule import scope as _scope
-from lancet_rt.schedule import wgrad
+from lancet_rt.runtime import scope as _scope
+from lancet_rt.runtime import wgrad
 
 Tensor = torch.Tensor
 

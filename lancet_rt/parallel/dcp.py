@@ -11,7 +11,7 @@ already). The keys are those of :func:`lancet_rt.save_checkpoint` (``model.<fqn>
 :func:`lancet_rt.load_checkpoint` (in one process, or expert-parallel without FSDP2).
 
 Both go through the checkpoint safety layer :func:`lancet_rt.save_checkpoint` uses
-(:mod:`lancet_rt.checkpoint._dcp_io`), over the process group of the mesh's ranks: the MoE layers'
+(:mod:`lancet_rt.checkpoint.dcp_io`), over the process group of the mesh's ranks: the MoE layers'
 groups checked against the mesh and the path agreed before anything is written, a staging directory
 swapped in once every rank wrote, XXH3-64 checksums in the metadata, files validated and read into
 new tensors before any parameter changes, every collective bounded and a lost peer named.
@@ -24,8 +24,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from lancet_rt.checkpoint import _dcp_io
+from lancet_rt.checkpoint import dcp_io
 from lancet_rt.parallel import mesh as _mesh
+from lancet_rt.parallel.sync import expert_parameters
 
 
 def _global_expert(v: torch.Tensor, mesh) -> torch.Tensor:
@@ -46,12 +47,10 @@ def _global_expert(v: torch.Tensor, mesh) -> torch.Tensor:
 
 
 def _state(model: nn.Module, optimizer, mesh):
-    """(the :class:`~lancet_rt.checkpoint._dcp_io.State`, model state dict, optimizer state dict) of a
+    """(the :class:`~lancet_rt.checkpoint.dcp_io.State`, model state dict, optimizer state dict) of a
     fully_shard model; the flat entries alias the two state dicts' tensors."""
     from torch.distributed.checkpoint import DefaultSavePlanner
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-    from lancet_rt.parallel.sync import expert_parameters
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
@@ -70,7 +69,7 @@ def _state(model: nn.Module, optimizer, mesh):
                 sharded = fqn in expert_fqns and isinstance(v, torch.Tensor) and v.dim() > 0
                 flat[f"optim.state.{fqn}.{name}"] = _global_expert(v, mesh) if sharded else v
         flat["optim.param_groups"] = osd["param_groups"]
-    state = _dcp_io.State(flat, {}, [], osd is not None, planner=lambda: DefaultSavePlanner(flatten_state_dict=False))
+    state = dcp_io.State(flat, {}, [], osd is not None, planner=lambda: DefaultSavePlanner(flatten_state_dict=False))
     return state, msd, osd
 
 
@@ -94,7 +93,7 @@ def save_sharded(model: nn.Module, mesh, path, optimizer: Optional[torch.optim.O
         PeerError, PeerTimeout: a rank died, or did not call, or stopped answering (named).
     """
     _mesh.check_mesh(mesh)
-    _dcp_io.save(
+    dcp_io.save(
         lambda: _state(model, optimizer, mesh)[0], path, _mesh.flat_group(mesh), True, "sharded checkpoint save (DCP)"
     )
 
@@ -124,7 +123,7 @@ def load_sharded(model: nn.Module, mesh, path, optimizer: Optional[torch.optim.O
         state, held["msd"], held["osd"] = _state(model, optimizer, mesh)
         return state
 
-    state = _dcp_io.load(build, path, _mesh.flat_group(mesh), True)
+    state = dcp_io.load(build, path, _mesh.flat_group(mesh), True)
     if optimizer is not None:  # the flat entries alias msd's and osd's tensors: hand them over
         held["osd"]["param_groups"] = state.flat["optim.param_groups"]
         set_state_dict(model, optimizer, model_state_dict=held["msd"], optim_state_dict=held["osd"])

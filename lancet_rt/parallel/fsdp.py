@@ -18,9 +18,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lancet_rt.moe.experts import Experts
 from lancet_rt.parallel import fsdp_comm
 from lancet_rt.parallel import mesh as _mesh
 from lancet_rt.parallel import supported as _supported
+from lancet_rt.runtime import wgrad
 
 
 def _unit_meshes(mesh):
@@ -58,7 +60,6 @@ _probe = None
 
 
 def _flush_before_reduce(module, args, kwargs):
-    from lancet_rt.schedule import wgrad
 
     global _probe
     queue = wgrad.current()
@@ -87,8 +88,6 @@ def _flush_first_at_the_end(module, args, output):
     gradient) as long as no inner unit hooked the same tensor first (a root computing its loss
     itself, as transformers' models do; otherwise _FlushDeferred's probe covers the unit)."""
     from torch.utils._pytree import tree_leaves
-
-    from lancet_rt.schedule import wgrad
 
     queue = wgrad.current()
     if queue is None or not torch.is_grad_enabled():
@@ -129,8 +128,6 @@ def fully_shard(model: nn.Module, mesh, *, blocks: Optional[Sequence[nn.Module]]
         ``model`` (now an ``FSDPModule``), as ``torch.distributed.fsdp.fully_shard`` returns it.
     """
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
-
-    from lancet_rt.moe.experts import Experts
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")

@@ -6,7 +6,10 @@ from typing import Optional
 
 from torch import nn
 
+from lancet_rt.integrations.hf import from_hf
 from lancet_rt.parallel import mesh as _mesh
+from lancet_rt.parallel.fsdp import fully_shard
+from lancet_rt.parallel.replicate import replicate
 
 #: The engines :func:`parallelize_hf` applies after the conversion.
 ENGINES = ("fully_shard", "replicate", None)
@@ -45,9 +48,6 @@ def parallelize_hf(
     Returns:
         ``model``, converted and wrapped.
     """
-    from lancet_rt.integrations.hf import from_hf
-    from lancet_rt.parallel.fsdp import fully_shard
-    from lancet_rt.parallel.replicate import replicate
 
     _mesh.check_mesh(mesh)
     if engine not in ENGINES:

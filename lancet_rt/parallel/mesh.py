@@ -20,6 +20,10 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from lancet_rt.comm.emulated import EmulatedGroup
+from lancet_rt.comm.group import TorchGroup, as_group, is_wrapped
+from lancet_rt.moe.layer import MoE
+
 #: The mesh dimension names :func:`layout` accepts: data x expert parallelism, and HSDP's (the
 #: experts replicated over "dp_replicate" and sharded over "dp" by fully_shard; dp is then both).
 MESH_DIMS = ("dp", "ep")
@@ -103,8 +107,6 @@ def new_groups(rank_lists: list, what: str) -> dist.ProcessGroup:
         return dist.group.WORLD
     mon = monitor(None)
     if mon.size > 1:
-        from lancet_rt.comm.group import as_group
-
         as_group(dist.group.WORLD).all_gather(torch.tensor([len(rank_lists)]), f"new groups ({what})")
     timeout = datetime.timedelta(seconds=mon.timeout_s)
     me = dist.get_rank()
@@ -146,7 +148,6 @@ def layout(group_or_mesh) -> Layout:
     """The :class:`Layout` of ``group_or_mesh``: None (the default group), a ProcessGroup, a
     :class:`lancet_rt.EmulatedGroup` (dp = 1: experts are only divided), or a ``("dp", "ep")`` or
     ``("dp_replicate", "dp", "ep")`` mesh (dp is then dp_replicate x dp)."""
-    from lancet_rt.comm.emulated import EmulatedGroup
 
     if is_mesh(group_or_mesh):
         check_mesh(group_or_mesh, "group")
@@ -184,8 +185,6 @@ def check_expert_groups(model, mesh, argument: str = "mesh") -> None:
     global ranks in the same order (ValueError naming both lists otherwise; no collective). A group
     of the right size over other ranks (``mesh["dp"]``: the transposed mesh) would have the engines
     broadcast one ep rank's experts over another's and reduce expert gradients over the wrong ranks."""
-    from lancet_rt.comm.group import TorchGroup
-    from lancet_rt.moe.layer import MoE
 
     want = dist.get_process_group_ranks(mesh.get_group(mesh.ndim - 1))
     for name, m in model.named_modules():
@@ -219,8 +218,6 @@ def check_one_group(model, group, argument: str = "group") -> None:
     """With one group (dp = 1) every MoE layer must be expert-parallel over exactly its ranks: a
     data-parallel group beside the layers' expert-parallel one needs the mesh (ValueError otherwise,
     the same on every rank: it reads only group memberships)."""
-    from lancet_rt.comm.group import TorchGroup
-    from lancet_rt.moe.layer import MoE
 
     if not dist.is_initialized():
         return
@@ -244,10 +241,9 @@ def monitor(group):
     (:func:`lancet_rt.comm.group.as_group`), created on first use (no collective). Its collectives are
     numbered, each wait bounded by ``LANCET_TIMEOUT_S`` (or the group's ``set_timeout``), a lost peer
     named; on gloo a header all-gather checks each checked collective's sizes first."""
-    from lancet_rt.comm.group import _torch_groups, as_group
 
     pg = dist.group.WORLD if group is None else group
-    new = pg not in _torch_groups
+    new = not is_wrapped(pg)
     mon = as_group(pg).monitor
     if new:  # only data parallelism uses it so far (an expert-parallel layer on it later shares it)
         mon.label = "data-parallel"

@@ -17,10 +17,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lancet_rt.moe.experts import Experts
 from lancet_rt.parallel import mesh as _mesh
 from lancet_rt.parallel import supported as _supported
 from lancet_rt.parallel.sync import GradientSync, _abort_step, expert_parameters
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import scope as _scope
 
 
 class Replicated(GradientSync):
@@ -96,7 +97,6 @@ class _GraphTaskEnd:
 @torch.no_grad()
 def _broadcast(model: nn.Module, lay: _mesh.Layout) -> None:
     """Dense parameters and buffers from the first rank of dp x ep, experts from the first of dp."""
-    from lancet_rt.moe.experts import Experts
 
     expert_tensors = {
         id(t) for m in model.modules() if isinstance(m, Experts) for t in list(m.parameters()) + list(m.buffers())

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from lancet_rt.moe.layer import MoE
+
 
 def check_layers(model: nn.Module, engine: str, *, shards: bool = False) -> None:
     """A ValueError naming the layer, its option and ``engine`` unless ``engine`` supports every MoE
@@ -26,7 +28,6 @@ def check_layers(model: nn.Module, engine: str, *, shards: bool = False) -> None
         engine: its name in the message (``"lancet_rt.parallel.replicate"``, ...).
         shards: the engine shards the experts (FSDP2).
     """
-    from lancet_rt.moe.layer import MoE
 
     for name, m in model.named_modules():
         if not isinstance(m, MoE):

@@ -26,6 +26,7 @@ from lancet_rt.comm.faults import GroupError, PeerError
 from lancet_rt.moe.experts import Experts
 from lancet_rt.parallel import mesh as _mesh
 from lancet_rt.parallel import supported as _supported
+from lancet_rt.schedule.accumulate import BackwardSync
 
 
 def expert_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
@@ -101,7 +102,7 @@ def sync_gradients(model: nn.Module, group=None) -> None:
                 p.grad /= lay.divisor
 
 
-class GradientSync:
+class GradientSync(BackwardSync):
     """Data-parallel gradient all-reduce during backward: bucket by bucket, in pieces, behind the
     all-to-alls (Lina, ATC'23).
 

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 
 from lancet_rt import trace as _trace
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import scope as _scope
 
 
 @dataclass

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lancet_rt.comm.group import TorchGroup, as_group
+
 
 class Router(nn.Module):
     """The router: ``logits = x @ weight.T (+ bias)`` in float32 (float64 for a float64 layer).
@@ -93,8 +95,6 @@ def update_expert_bias(model: nn.Module, rate: float = 1e-3, group=None) -> None
         ]
     )
     if group is not None:
-        from lancet_rt.comm.group import TorchGroup, as_group
-
         tg = as_group(group)
         if not isinstance(tg, TorchGroup):
             raise TypeError(

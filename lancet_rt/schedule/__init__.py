@@ -1,1 +1,1 @@
-"""The schedule: Overlapped, cross-microbatch accumulate, the chunk scope, dW deferral, balanced chunks, recompute."""
+"""The drivers of a step: Overlapped, accumulate, warm-up, the early backward, chunk policies, balance."""

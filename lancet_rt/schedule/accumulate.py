@@ -13,16 +13,16 @@ runs as one ``loss.backward()`` on a helper thread, and it and the host's forwar
 take turns with a baton, exactly one of them running at a time:
 
 - the forward hands the baton to the backward each time one of its chunks yields after issuing a
-  dispatch or a combine (:func:`lancet_rt.schedule.scope.switch`), and once before it starts;
+  dispatch or a combine (:func:`lancet_rt.runtime.scope.switch`), and once before it starts;
 - the backward hands it back each time one of its all-to-alls is about to wait
-  (:func:`lancet_rt.schedule.scope.backward_wait`, in the all-to-all's backward node): its transfer is in
+  (:func:`lancet_rt.runtime.scope.backward_wait`, in the all-to-all's backward node): its transfer is in
   flight, and the forward computes meanwhile.
 
 The turns are decided from the schedule alone, never from completion timing, so every rank issues
 its collectives in the same order. The forward keeps its own chunk schedule (``Overlapped``), the
 backward the engine's order. Deferred dW (``defer_wgrad=True``) fills what is left of each backward
 all-to-all's window when the backward resumes, and the forward's waits too: when the host is about
-to wait for a forward transfer (:func:`lancet_rt.schedule.scope.host_wait`), the backward's queued dW runs
+to wait for a forward transfer (:func:`lancet_rt.runtime.scope.host_wait`), the backward's queued dW runs
 meanwhile (on CPU, where the host's wait is the device's). Each backward flushes its queue before it
 ends, as a single-step backward does.
 
@@ -51,9 +51,8 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from lancet_rt import trace as _trace
-from lancet_rt.comm import faults as _faults
-from lancet_rt.parallel.sync import GradientSync
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import scope as _scope
+from lancet_rt.schedule import guard as _guard
 
 
 class _Aborted(RuntimeError):
@@ -64,7 +63,7 @@ class _Backward:
     """One microbatch's backward on a helper thread, taking turns with the host.
 
     ``turn()`` (host) lets it run until its next all-to-all waits, or to its end; ``yield_()``
-    (called by :func:`lancet_rt.schedule.scope.backward_wait` on the engine's thread) gives the host back.
+    (called by :func:`lancet_rt.runtime.scope.backward_wait` on the engine's thread) gives the host back.
     Two semaphores form the baton: exactly one of the two threads runs.
     """
 
@@ -280,6 +279,12 @@ def _check_loss(loss, i: int) -> torch.Tensor:
     return loss
 
 
+class BackwardSync:
+    """What ``grad_sync`` must be: a context manager around the last microbatch's backward that
+    reduces its gradients (:class:`lancet_rt.parallel.GradientSync` is the one). Declared here so
+    the driver checks the argument without importing the data-parallel engines, which sit above it."""
+
+
 def accumulate(
     overlapped,
     microbatches: Iterable,
@@ -325,7 +330,7 @@ def accumulate(
         raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
     if not isinstance(interleave, bool):
         raise TypeError(f"interleave must be a bool, got {type(interleave).__name__}")
-    if grad_sync is not None and not isinstance(grad_sync, GradientSync):
+    if grad_sync is not None and not isinstance(grad_sync, BackwardSync):
         raise TypeError(f"grad_sync must be None or a lancet_rt.parallel.GradientSync, got {type(grad_sync).__name__}")
     if interleave:  # a wrapper that cannot run a forward beside a backward says so (lancet_rt.parallel.fully_shard)
         for m in overlapped.model.modules():
@@ -334,9 +339,9 @@ def accumulate(
                 raise ValueError(f"accumulate(interleave=True) on this model: {why}")
 
     # As Overlapped.forward: the schedule agreed across ranks once; an exception ends on every rank
-    # and leaves no state behind (lancet_rt.comm.faults).
-    _faults.check_schedule(overlapped)
-    with _faults.StepGuard(overlapped):
+    # and leaves no state behind (lancet_rt.schedule.guard).
+    _guard.check_schedule(overlapped)
+    with _guard.StepGuard(overlapped):
         return _step(overlapped, calls, loss_fn, interleave, grad_sync)
 
 

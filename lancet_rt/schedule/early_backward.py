@@ -41,7 +41,7 @@ from typing import Optional
 
 import torch
 
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import scope as _scope
 
 _LEAF_SEQ = 1 << 63  # AccumulateGrad nodes carry the largest sequence number: never on the path
 

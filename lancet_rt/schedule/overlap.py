@@ -25,12 +25,12 @@ from torch.utils import _pytree as pytree
 
 from lancet_rt import ops as _ops
 from lancet_rt import trace as _trace
-from lancet_rt.comm import faults as _faults
 from lancet_rt.moe.layer import MoE
+from lancet_rt.runtime import scope as _scope
+from lancet_rt.runtime import wgrad as _wgrad
+from lancet_rt.schedule import guard as _guard
 from lancet_rt.schedule import policy as _policy
-from lancet_rt.schedule import scope as _scope
 from lancet_rt.schedule import warmup as _warmup
-from lancet_rt.schedule import wgrad as _wgrad
 from lancet_rt.schedule.accumulate import accumulate as _accumulate
 from lancet_rt.schedule.balance import BalancedChunks
 
@@ -57,7 +57,7 @@ class Overlapped(nn.Module):
         max_deferred_bytes: with ``defer_wgrad``, a bound on the bytes the deferred dW items hold
             (their layer inputs and output gradients); past it the oldest items run at once. None:
             four times the largest item (about a layer's chunks); ``math.inf``: no bound
-            (:class:`~lancet_rt.schedule.wgrad.WGradQueue`).
+            (:class:`~lancet_rt.runtime.wgrad.WGradQueue`).
         check: verify once, on the first forward, that the chunked output equals the unchunked one
             (needs a deterministic forward: no dropout).
         balance: None (equal rows) or a :class:`lancet_rt.BalancedChunks`: chunk boundaries by the
@@ -128,7 +128,7 @@ class Overlapped(nn.Module):
         finally:
             self._step_layers = None
 
-    @_faults.guarded_step  # schedule agreed across ranks once; an exception ends on every rank, leaves no state
+    @_guard.guarded_step  # schedule agreed across ranks once; an exception ends on every rank, leaves no state
     def _guarded_forward(self, *args, **kwargs):
         if self.wgrad_queue is not None:
             self.wgrad_queue.discard_orphans()  # left by a backward that raised (e.g. out of memory)
@@ -209,7 +209,7 @@ class Overlapped(nn.Module):
         on_cuda = _on_cuda(leaves)
         try:
             while live:
-                c = last = _next_chunk(live, scope.waiting, last)
+                c = last = next_chunk(live, scope.waiting, last)
                 scope.chunk = c
                 if modes[c] != now:  # (the chunks share one state, mostly: nothing to restore)
                     modes[c].restore()
@@ -228,7 +228,7 @@ class Overlapped(nn.Module):
                         pass
             outer.restore()
             _scope.set_current(prev)
-        _faults.check_output_rows(outputs, rows)
+        _guard.check_output_rows(outputs, rows)
         return _concat(outputs)
 
     def _or_fail(self, fn, *args):
@@ -378,7 +378,7 @@ def not_started(n: int) -> dict:
     return {c: (c - 0.5, False) for c in range(n)}
 
 
-def _next_chunk(live: list, waiting: dict, last) -> int:
+def next_chunk(live: list, waiting: dict, last) -> int:
     """The chunk to resume next: Lancet's "issue communication as early as possible", decided
     from the schedule alone (never from completion timing), so every rank issues its collectives
     in the same order.

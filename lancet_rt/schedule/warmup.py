@@ -51,17 +51,6 @@ from lancet_rt.moe.layer import MoE
 
 log = logging.getLogger("lancet_rt")
 
-#: Layer attributes a step changes and warm-up restores.
-_LAYER_STATE = (
-    "group",
-    "_config_checked",
-    "aux_loss",
-    "z_loss",
-    "tokens_per_expert",
-    "_dropped",
-    "expert_load",
-    "shadowed",
-)
 #: The grouped GEMMs' autotune buckets of mean rows per expert (kernels.grouped_gemm._m_bucket).
 _BUCKETS = tuple(2**b for b in range(4, 13))
 #: Per layer, the (compute dtype, grad mode) pairs whose kernels a warm-up compiled and tuned.
@@ -286,7 +275,7 @@ def _restored(runner, model: nn.Module, layers: list, inputs):
     grads = {id(t): (t, t.grad) for t in [*model.parameters(), *leaves]}
     buffers = [(m, name, b, b.clone()) for m in model.modules() for name, b in m._buffers.items() if b is not None]
     training = [(m, m.training) for m in model.modules()]
-    state = [{k: m.__dict__[k] for k in _LAYER_STATE if k in m.__dict__} for m in layers]
+    state = [m.step_state() for m in layers]
     checked = runner.__dict__.get("_checked")
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     rng = (torch.get_rng_state(), torch.cuda.get_rng_state_all() if cuda else None)
@@ -304,7 +293,7 @@ def _restored(runner, model: nn.Module, layers: list, inputs):
         for m, flag in training:
             m.training = flag
         for m, saved in zip(layers, state):
-            m.__dict__.update(saved)
+            m.restore_step_state(saved)
         if checked is not None:
             runner._checked = checked
         torch.set_rng_state(rng[0])

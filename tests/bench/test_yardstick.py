@@ -81,7 +81,7 @@ def test_lancet_step_runs_the_chunks_as_one_batch(capacity_factor):
     torch.testing.assert_close(out[3][1], out[1][1], rtol=1e-12, atol=1e-12)
     for a, b in zip(out[3][2], out[1][2]):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    assert lancet_rt.schedule.scope.current() is None  # the scope is put back
+    assert lancet_rt.runtime.scope.current() is None  # the scope is put back
 
 
 def test_rows(tmp_path):

@@ -24,7 +24,7 @@ from lancet_rt.kernels import permute as pm
 from lancet_rt.kernels import swiglu as sw
 
 import lancet_rt
-import lancet_rt.schedule.scope
+import lancet_rt.runtime.scope
 from lancet_rt import env
 from lancet_rt.models.blocks import MoEBlocks
 from tests.helpers import assert_close
@@ -72,7 +72,7 @@ def in_chunk(module, chunk, action, *, pre=True):
     """Run ``action()`` when ``module`` runs for ``chunk`` of an overlapped forward."""
 
     def hook(*_):
-        s = lancet_rt.schedule.scope.current()
+        s = lancet_rt.runtime.scope.current()
         if s is not None and s.chunk == chunk:
             action()
 
@@ -101,7 +101,7 @@ class _TokensPerChunkVary(torch.nn.Module):
         self.moe = lancet_rt.MoE(D, 8, 4, 2)
 
     def forward(self, x):
-        if lancet_rt.schedule.scope.current() is not None and lancet_rt.schedule.scope.current().chunk == 2:
+        if lancet_rt.runtime.scope.current() is not None and lancet_rt.runtime.scope.current().chunk == 2:
             x = x[:1]
         return self.moe(x)
 
@@ -292,7 +292,7 @@ def _fail_in_experts(model, ov):
     original, own = cls.experts, "experts" in cls.__dict__
 
     def experts(self, *a, **kw):
-        if self.moe is layer and lancet_rt.schedule.scope.current().chunk == 1:
+        if self.moe is layer and lancet_rt.runtime.scope.current().chunk == 1:
             raise RuntimeError("injected in the experts")
         return original(self, *a, **kw)
 
@@ -342,7 +342,7 @@ def test_recovered_after_a_failure(inject, chunks, exc, words):
         ov(x.clone().requires_grad_(True)).backward(g)
     handle.remove()
     assert type(info.value) is exc and words in str(info.value)
-    assert lancet_rt.schedule.scope.current() is None and lancet_rt.schedule.wgrad.current() is None
+    assert lancet_rt.runtime.scope.current() is None and lancet_rt.runtime.wgrad.current() is None
     if exc is not KeyboardInterrupt or chunks != 2:  # a backward that raised is found by the next step
         assert _link_idle(link), "the failed step left transfers on the emulated link"
     for p in model.parameters():

@@ -89,7 +89,7 @@ def test_early_backward_on_cuda_equals_the_backward_issuing_it():
         link = lancet_rt.EmulatedGroup(2, bandwidth_gbps=50.0, latency_us=20, device="cuda")
         lm = lancet_rt.from_hf(copy.deepcopy(hf), link, chunks=3, fused_loss=True, early_backward=early)
         out = lm(input_ids=ids, attention_mask=mask, labels=labels)
-        duals = faults._state(link).duals
+        duals = faults.backward_state(link).duals
         (out.loss * 2).backward()
         torch.cuda.synchronize()
         runs.append((duals, out.loss.detach(), dict(lm.named_parameters())))

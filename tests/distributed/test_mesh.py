@@ -98,7 +98,7 @@ def _skewed(rank, world):
     """Deferred dW delivered in a different order on every rank, rank 0 slow: the buckets still go
     out in index order everywhere and the step is exact."""
     from lancet_rt.parallel import GradientSync, replicate
-    from lancet_rt.schedule import wgrad
+    from lancet_rt.runtime import wgrad
 
     mesh = _mesh(world)
     ep_rank = mesh["ep"].get_local_rank()

@@ -86,7 +86,7 @@ def _step(model, ids, mask, labels, kind, thread=False, factor=3.0):
     model.zero_grad(set_to_none=True)
     out = model(input_ids=ids, attention_mask=mask, labels=labels, **_kwargs(kind))
     group = lancet_rt.integrations.hf.moe_layers(model)[0].group
-    from_forward = faults._state(group).duals if group is not None else 0
+    from_forward = faults.backward_state(group).duals if group is not None else 0
     loss = factor * out.loss + extra(out)
     if thread:  # the backward's nodes and hooks on a thread other than the forward's
         errors = []

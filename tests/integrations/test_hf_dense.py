@@ -299,7 +299,7 @@ def test_early_duals_keep_the_backward_closed():
     link = lancet_rt.EmulatedGroup(world_size=2)
     lm = lancet_rt.from_hf(hf, link, chunks=2, fused_loss=True)
     out = lm(input_ids=ids, attention_mask=mask, labels=labels)
-    st = faults._state(link)
+    st = faults.backward_state(link)
     assert st.duals == 2 and not st.backward_open and st.links > st.duals
     out.loss.backward()
     assert st.duals == 0 and st.links == 0 and not st.backward_open
@@ -325,7 +325,7 @@ def _early_over_gloo(rank, world, families):
             layer = lancet_rt.integrations.hf.moe_layers(lm)[0]
             lm.zero_grad(set_to_none=True)
             out = lm(input_ids=batches[rank][0], attention_mask=batches[rank][1], labels=batches[rank][2])
-            counts.append(lancet_rt.comm.faults._state(layer.group).duals)
+            counts.append(lancet_rt.comm.faults.backward_state(layer.group).duals)
             out.loss.backward()
             steps.append((out, {n: p.grad for n, p in lm.named_parameters()}))
         (out, grads), (out_b, grads_b) = steps

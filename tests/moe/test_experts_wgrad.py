@@ -23,7 +23,7 @@ import lancet_rt
 from lancet_rt import ops as ops_mod
 from lancet_rt.models.blocks import MoEBlocks
 from lancet_rt.moe import experts as experts_mod
-from lancet_rt.schedule import wgrad as wgrad_mod
+from lancet_rt.runtime import wgrad as wgrad_mod
 
 D, CHUNKS, LAYERS = 16, 2, 1
 _EXPERTS_FILE = os.path.normcase(os.path.abspath(experts_mod.__file__))

@@ -200,7 +200,7 @@ def test_failure_in_a_forward_beside_a_backward(execution):
     assert any(e["name"] == "backward 0" for e in tr.events()), "backward 0 must have been suspended"
     assert os.sched_getaffinity(0) == host_mask  # the step gave the host its CPUs back
     # The suspended backward was unwound: nothing waits for a turn, the helper thread is free.
-    assert lancet_rt.schedule.scope._backward_beside is None
+    assert lancet_rt.runtime.scope.PROCESS.beside is None
     worker = lancet_rt.schedule.accumulate._worker()
     done = threading.Event()
     worker.submit(done.set)
@@ -398,7 +398,7 @@ def test_a_forward_waiting_on_its_counts_fills_the_wait_with_dw():
     deferred dW until the copy is done, as the CPU link's work does (the CUDA path used to skip it)."""
     from types import SimpleNamespace
 
-    from lancet_rt.schedule import wgrad
+    from lancet_rt.runtime import wgrad
     from lancet_rt.schedule.accumulate import _Backward
 
     q = wgrad.WGradQueue(max_deferred_bytes=float("inf"))
@@ -418,7 +418,7 @@ def test_a_forward_waiting_on_its_counts_fills_the_wait_with_dw_cuda():
     """GPU twin: a real event behind queued work."""
     from types import SimpleNamespace
 
-    from lancet_rt.schedule import wgrad
+    from lancet_rt.runtime import wgrad
     from lancet_rt.schedule.accumulate import _Backward
 
     q = wgrad.WGradQueue(max_deferred_bytes=float("inf"))

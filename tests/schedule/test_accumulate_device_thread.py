@@ -36,7 +36,7 @@ class _GradThroughMoE(torch.nn.Module):
         self.embed = torch.nn.Linear(D, D)
 
     def forward(self, x):
-        from lancet_rt.schedule import scope
+        from lancet_rt.runtime import scope
 
         h = self.embed(x)  # the first block's input
         y = h

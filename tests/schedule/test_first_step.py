@@ -27,9 +27,9 @@ def _record(events: list):
     """Wrap the warm-up's step, the group's collectives and the layers' first collectives."""
     from lancet_rt.kernels import grouped_gemm
 
-    from lancet_rt.comm import faults, group
+    from lancet_rt.comm import group
     from lancet_rt.moe.layer import MoE
-    from lancet_rt.schedule import warmup
+    from lancet_rt.schedule import guard, warmup
 
     step = warmup._step
     warming = []
@@ -60,13 +60,13 @@ def _record(events: list):
             name,
             lambda self, *a, _m=method, _n=name, **k: (events.append(("collective", _n, None)), _m(self, *a, **k))[1],
         )
-    check_schedule = faults.check_schedule
+    check_schedule = guard.check_schedule
 
     def schedule(ov):
         check_schedule(ov)
         events.append(("schedule checked", None, None))
 
-    faults.check_schedule = schedule
+    guard.check_schedule = schedule
     for name in ("_check_config", "exchange_counts"):
         method = getattr(MoE, name)
         setattr(

@@ -230,7 +230,7 @@ def test_deferred_wgrad_complete_when_backward_returns():
     ov(torch.randn(4, 3, D)).sum().backward()
     assert not ov.wgrad_queue.items
     assert all(p.grad is not None for p in model.parameters())
-    assert any(isinstance(m, lancet_rt.schedule.wgrad.DeferredLinear) for m in model.modules())
+    assert any(isinstance(m, lancet_rt.runtime.wgrad.DeferredLinear) for m in model.modules())
 
 
 def test_deferred_wgrad_reaches_parameter_hooks(execution):
@@ -574,25 +574,25 @@ def test_overlapped_equals_model_with_triton_kernels(monkeypatch):
 
 
 def test_scheduler_is_deterministic_and_issues_first():
-    from lancet_rt.schedule.overlap import _next_chunk
+    from lancet_rt.schedule.overlap import next_chunk
 
     # Not started: chunk order. A chunk whose counts are on their way dispatches as soon as
     # another chunk has had a turn; otherwise the earliest-yielded chunk (round robin).
     waiting = {0: (-3, False), 1: (-2, False), 2: (-1, False)}
-    assert _next_chunk([0, 1, 2], waiting, None) == 0
+    assert next_chunk([0, 1, 2], waiting, None) == 0
     waiting[0] = (1, True)  # chunk 0 yielded after starting its counts exchange
-    assert _next_chunk([0, 1, 2], waiting, 0) == 1
+    assert next_chunk([0, 1, 2], waiting, 0) == 1
     waiting[1] = (2, True)
-    assert _next_chunk([0, 1, 2], waiting, 1) == 0  # 0 dispatches before 2 starts
+    assert next_chunk([0, 1, 2], waiting, 1) == 0  # 0 dispatches before 2 starts
     waiting[0] = (3, False)  # 0 dispatched and waits for its rows
-    assert _next_chunk([0, 1, 2], waiting, 0) == 1
+    assert next_chunk([0, 1, 2], waiting, 0) == 1
     waiting[1] = (4, False)
-    assert _next_chunk([0, 1, 2], waiting, 1) == 2
-    assert _next_chunk([2], {2: (5, False)}, 2) == 2  # the last live chunk runs again
+    assert next_chunk([0, 1, 2], waiting, 1) == 2
+    assert next_chunk([2], {2: (5, False)}, 2) == 2  # the last live chunk runs again
 
 
 def test_best_fit_is_lancets_greedy_rule():
-    from lancet_rt.schedule.wgrad import best_fit
+    from lancet_rt.runtime.wgrad import best_fit
 
     assert best_fit([5.0, 3.0, 9.0], 3.6, 0) == 1  # closest to the time left
     assert best_fit([9.0], 4.0, 0) == 0  # the first item of a window always runs

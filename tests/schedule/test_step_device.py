@@ -42,11 +42,11 @@ def test_bare_layer_forward_runs_on_the_inputs_gpu(monkeypatch):
 def test_overlapped_step_runs_on_the_inputs_gpu(monkeypatch):
     fake = _fake(monkeypatch)
     seen = {}
-    from lancet_rt.comm import faults
+    from lancet_rt.schedule import guard
 
-    check_schedule = faults.check_schedule
+    check_schedule = guard.check_schedule
     monkeypatch.setattr(
-        faults, "check_schedule", lambda ov: seen.setdefault("schedule", fake.current) or check_schedule(ov)
+        guard, "check_schedule", lambda ov: seen.setdefault("schedule", fake.current) or check_schedule(ov)
     )
     monkeypatch.setattr(
         Overlapped, "run_chunked", lambda self, n, args, kwargs: seen.setdefault("chunks", fake.current)

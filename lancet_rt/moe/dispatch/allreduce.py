@@ -47,8 +47,8 @@ from lancet_rt.comm import group as comm
 from lancet_rt.moe.dispatch.base import Chunk, Dispatcher, Exchanged
 from lancet_rt.moe.dispatch.common import Counts, counts_turn, exchange_counts, to_device
 from lancet_rt.routing.functions import permute, unpermute
-from lancet_rt.schedule import scope as _scope
-from lancet_rt.schedule import wgrad
+from lancet_rt.runtime import scope as _scope
+from lancet_rt.runtime import wgrad
 
 
 @runtime_checkable

@@ -26,7 +26,7 @@ from lancet_rt.moe.dispatch.common import (
     offsets,
     regroup_permutations,
 )
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import scope as _scope
 
 
 class AllToAll(Dispatcher):

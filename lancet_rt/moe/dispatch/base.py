@@ -3,8 +3,8 @@
 A dispatcher moves a chunk's permuted rows to their experts' ranks, runs the experts and brings the
 outputs back. Its exchanges are issued asynchronously and waited for later
 (:class:`lancet_rt.comm.group.Pending`), so that the overlap scheduler
-(:mod:`lancet_rt.schedule.scope`) can run other chunks while they fly; :meth:`Dispatcher.run` calls
-the stages in order and yields with :func:`lancet_rt.schedule.scope.switch` between them. Each stage
+(:mod:`lancet_rt.runtime.scope`) can run other chunks while they fly; :meth:`Dispatcher.run` calls
+the stages in order and yields with :func:`lancet_rt.runtime.scope.switch` between them. Each stage
 opens a :mod:`lancet_rt.trace` span, which is how profilers see the stages (no method is patched).
 
 The stages (this class holds the ones every dispatcher shares; a subclass adds or overrides what

@@ -27,7 +27,7 @@ import torch
 from lancet_rt.comm import faults
 from lancet_rt.comm import group as comm
 from lancet_rt.comm import header as _header
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import scope as _scope
 
 #: Tag columns after the status: magic, sequence number, layer, chunk, direction, dtype.
 TAG_WORDS = 6

@@ -13,7 +13,7 @@ import torch
 from lancet_rt.moe.dispatch.alltoall import AllToAll
 from lancet_rt.moe.dispatch.base import Chunk, Exchanged
 from lancet_rt.moe.dispatch.common import to_device
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import scope as _scope
 
 
 def _pieces(kept: list, P: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -60,9 +60,9 @@ from lancet_rt.moe.dispatch.alltoall import AllToAll
 from lancet_rt.moe.dispatch.base import Chunk, Exchanged
 from lancet_rt.moe.dispatch.common import counts_turn, host_bounds, to_device
 from lancet_rt.moe.experts import _ExpertsFn
-from lancet_rt.schedule import casts
-from lancet_rt.schedule import recompute as _recompute
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import casts
+from lancet_rt.runtime import recompute as _recompute
+from lancet_rt.runtime import scope as _scope
 
 #: An expert is hot when its load exceeds this many times the mean expert load.
 HOT_LOAD = 1.25
@@ -292,7 +292,7 @@ def _shadow_compute(moe, experts, x_HD: torch.Tensor, counts_H: list, stacked: l
     present = (True, True) + tuple(b is not None for b in (experts.gate_up_proj_bias, experts.down_proj_bias))
     it = iter(stacked)
     tensors = tuple(next(it) if has else None for has in present)
-    # (one compute-dtype copy per chunked forward, as the experts' own weights: lancet_rt.schedule.casts)
+    # (one compute-dtype copy per chunked forward, as the experts' own weights: lancet_rt.runtime.casts)
     weights = tuple(None if t is None else casts.compute_copy(t, x_HD.dtype) for t in tensors)
     bounds = HostBounds(host_bounds(counts_H))
     offsets = to_device(torch.tensor(bounds), x_HD.device)

@@ -28,19 +28,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from lancet_rt import trace as _trace
-from lancet_rt.schedule import casts
-
-_active: Optional["WGradQueue"] = None
+from lancet_rt.runtime import casts
+from lancet_rt.runtime import scope as _scope
 
 
 def current() -> Optional["WGradQueue"]:
-    """The queue that Functions created now should defer into (None: compute dW at once)."""
-    return _active
+    """The queue that Functions created now should defer into (None: compute dW at once):
+    ``PROCESS.dw_queue`` of the step context (:mod:`lancet_rt.runtime.scope`)."""
+    return _scope.PROCESS.dw_queue
 
 
 def set_current(q: Optional["WGradQueue"]) -> Optional["WGradQueue"]:
-    global _active
-    prev, _active = _active, q
+    """Make ``q`` the queue in force; returns the one it replaces (to put back)."""
+    prev, _scope.PROCESS.dw_queue = _scope.PROCESS.dw_queue, q
     return prev
 
 
@@ -343,7 +343,7 @@ class DeferredLinear(nn.Linear):
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        q = _active
+        q = _scope.PROCESS.dw_queue
         if q is None or not torch.is_grad_enabled():
             return super().forward(x)
         params = (self.weight,) if self.bias is None else (self.weight, self.bias)

@@ -1,7 +1,7 @@
 """One compute-dtype copy of each weight per chunked forward, shared by every chunk.
 
 Under ``torch.autocast`` with float32 parameters, a layer that casts its weights itself (the
-experts' grouped GEMMs, :class:`~lancet_rt.schedule.wgrad.DeferredLinear`) would cast them again
+experts' grouped GEMMs, :class:`~lancet_rt.runtime.wgrad.DeferredLinear`) would cast them again
 in every chunk, and every chunk's autograd node would save its own bfloat16 copy for backward: N
 copies at N chunks (the saved bytes measured: bench/results/HISTORY.md).
 :func:`compute_copy` makes the copy once per chunked forward (the scope of
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import scope as _scope
 
 
 def compute_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -44,6 +44,7 @@ from lancet_rt.checkpoint._common import (
     path_argument,
     write_failure,
 )
+from lancet_rt.comm.group import as_group
 
 _BLOCK = 1 << 24  # a checksum read back from a file goes in 16 MiB blocks
 #: The attribute of an item's storage info that holds its checksum, and the algorithm's name in messages.
@@ -249,7 +250,6 @@ def load(build: Callable[[], State], path, pg, use_dist: bool) -> State:
 def _rank_name(pg, use_dist: bool) -> str:
     if not use_dist:
         return "rank 0"
-    from lancet_rt.comm.group import as_group
 
     return as_group(pg).monitor.name(dist.get_rank(pg))
 
@@ -483,7 +483,6 @@ def _bounded(pg, use_dist: bool, what: str):
     """DCP's collectives bounded by the group monitor's timeout, a lost peer raised by name."""
     if not use_dist:
         return contextlib.nullcontext()
-    from lancet_rt.comm.group import as_group
 
     return as_group(pg).monitor.bounded(what)
 

@@ -10,7 +10,7 @@ import torch
 
 import lancet_rt
 from lancet_rt.models.blocks import MoEBlocks
-from lancet_rt.schedule import wgrad
+from lancet_rt.runtime import wgrad
 from tests.helpers import assert_close
 
 

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 import torch.utils.checkpoint
 
-from lancet_rt.schedule import wgrad as _wgrad
+from lancet_rt.runtime import wgrad as _wgrad
 
 # ContextVars, not globals: greenlets (the chunks of Overlapped) each have their own context, so a
 # chunk that yields inside a checkpointed region does not leak its recording into another chunk.

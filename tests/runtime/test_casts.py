@@ -1,4 +1,4 @@
-"""Weight casts once per chunked forward (lancet_rt.schedule.casts): under autocast with float32
+"""Weight casts once per chunked forward (lancet_rt.runtime.casts): under autocast with float32
 parameters, a 4-chunk step saves no more for backward than the unchunked step (each chunk used to
 save its own bfloat16 copy of the expert and deferred-linear weights), and its gradients are those of
 the unchunked step."""
@@ -12,8 +12,8 @@ import torch
 
 import lancet_rt
 from lancet_rt.models.blocks import MoEBlocks
-from lancet_rt.schedule import casts
-from lancet_rt.schedule import scope as _scope
+from lancet_rt.runtime import casts
+from lancet_rt.runtime import scope as _scope
 from tests.helpers import assert_close
 
 

@@ -1,0 +1,167 @@
+"""The step context: the state a step's layers read beside their arguments, in two objects.
+
+- :data:`THREAD` (:class:`ThreadContext`, one per host thread): the chunked forward this thread runs
+  (its :class:`ChunkScope`: the chunks' carried routing, their turns, the step's first counts
+  exchange, the weights' compute-dtype copies, the early-backward record) and the backward running
+  beside this thread's forward (cross-microbatch overlap). Per thread because the chunks of one
+  forward and the layers they run share one host thread (each chunk a greenlet on it).
+- :data:`PROCESS` (:class:`ProcessContext`, one per process): the deferred-dW queue in force and the
+  backward beside the host's forward as the autograd engine's threads see it. Process-wide because
+  backward runs on the engine's threads (a device thread per GPU), not on the host thread that set them.
+
+A MoE layer asks :func:`current` for the chunk scope; with none active it runs as one chunk and
+:func:`switch` is a no-op. (The recompute log of a checkpointed region is per chunk, not per thread:
+:mod:`lancet_rt.runtime.recompute` keeps it in context variables, which each greenlet has its own of.)
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+
+class ThreadContext(threading.local):
+    """The step context of one host thread (:data:`THREAD`). Each field is set by the driver that owns
+    it and put back when that driver's call ends:
+
+    Attributes:
+        chunks: the :class:`ChunkScope` of the chunked forward this thread runs, or None. Set by
+            :meth:`lancet_rt.Overlapped.run_chunked` for one chunked forward (the outer value restored
+            after it); None outside the chunks, where a layer runs as one chunk.
+        beside: the backward that :func:`lancet_rt.schedule.accumulate.accumulate` runs beside this
+            thread's forward (:func:`set_beside`), or None. Set for one microbatch's forward.
+    """
+
+    chunks: Optional["ChunkScope"] = None
+    beside: object = None
+
+
+class ProcessContext:
+    """The process-wide part of the step context (:data:`PROCESS`), read from any thread.
+
+    Attributes:
+        dw_queue: the :class:`lancet_rt.runtime.wgrad.WGradQueue` that autograd Functions created now
+            defer dW into, or None (dW at once). Set by the driver for its forward and backward
+            (:func:`lancet_rt.runtime.wgrad.set_current`), and by a recomputation for its rerun.
+        beside: the backward beside the host's forward, as the engine's threads see it (its
+            all-to-alls hand the host back through :func:`backward_wait`); set with ``THREAD.beside``.
+    """
+
+    def __init__(self):
+        self.dw_queue = None
+        self.beside = None
+
+
+THREAD = ThreadContext()
+PROCESS = ProcessContext()
+
+
+class ChunkScope:
+    """What a layer needs to know about the chunked forward it runs in (``THREAD.chunks``).
+
+    Lifetime: one chunked forward. :class:`lancet_rt.Overlapped` makes it before the chunks' first
+    forward and drops it after the last; what the chunks' autograd graph still needs from it (the
+    compute-dtype copies in ``casts``, the links in ``last_combine``) lives on in the graph, as long
+    as the backward needs it. A recomputation in backward runs outside any scope.
+
+    Args:
+        rows: rows (along dim 0) of each chunk.
+        switch: yields control to the scheduler; returns when this chunk is resumed.
+
+    Attributes:
+        layer_state: each MoE call's carried routing state (``call_key``: the n-th call of a layer),
+            shared by the chunks, which pass the gating in order.
+        waiting: for each chunk, (the order in which it yielded, whether its next step issues a
+            transfer); the scheduler decides from these alone, so every rank runs the same schedule
+            and issues its collectives in the same order.
+        first_exchange: the step's first counts exchange per group (``id(group)``), which later
+            chunks wait for before issuing theirs (:func:`lancet_rt.comm.faults.in_order`).
+        casts: the weights' compute-dtype copies shared by the chunks
+            (:func:`lancet_rt.runtime.casts.compute_copy`).
+        last_combine: per chunk, the (output, link) of the combine all-to-all of the last MoE layer
+            it ran, or None where that layer's backward cannot be started from the forward
+            (:mod:`lancet_rt.schedule.early_backward`).
+    """
+
+    def __init__(self, rows: list[int], switch: Callable[[], None]):
+        self.rows = rows
+        self.total_rows = sum(rows)
+        self.chunk = 0
+        self._switch = switch
+        self.layer_state: dict = {}
+        self._calls: dict = {}
+        self.waiting: dict = {}
+        self.first_exchange: dict = {}
+        self.casts: dict = {}
+        self.last_combine: dict = {}
+        self._yields = 0
+
+    def switch(self, issues_next: bool = False) -> None:
+        """Yield; ``issues_next``: this chunk's next step, once resumed, issues a transfer."""
+        self._yields += 1
+        self.waiting[self.chunk] = (self._yields, issues_next)
+        self._switch()
+
+    def call_key(self, layer) -> tuple:
+        """A key for this call of ``layer`` that is equal across chunks (the n-th call is the n-th)."""
+        k = (self.chunk, id(layer))
+        n = self._calls.get(k, 0)
+        self._calls[k] = n + 1
+        return id(layer), n
+
+
+def current() -> Optional[ChunkScope]:
+    """The chunk scope of the forward this thread runs (None: not chunked)."""
+    return THREAD.chunks
+
+
+def set_current(scope: Optional[ChunkScope]) -> None:
+    THREAD.chunks = scope
+
+
+def switch(issues_next: bool = False) -> None:
+    """Give the other chunks a turn (after issuing a collective); no-op outside a chunk scope.
+
+    ``issues_next``: this chunk's next step issues a transfer (its counts are on their way), so the
+    scheduler resumes it as soon as another chunk has had a turn. Otherwise a backward running
+    beside this forward (:func:`set_beside`) takes a turn first.
+    """
+    beside = THREAD.beside
+    if beside is not None and not issues_next:
+        beside.turn()
+    s = current()
+    if s is not None:
+        s.switch(issues_next)
+
+
+# Cross-microbatch overlap (lancet_rt.schedule.accumulate): the backward of one microbatch runs on a helper
+# thread beside the forward of the next, and the two take turns. The forward gives the backward a
+# turn each time it yields after issuing a transfer (``THREAD.beside``); the backward gives the host
+# back each time one of its all-to-alls is about to wait (backward_wait, called by the autograd
+# engine's thread, so it reads ``PROCESS.beside``).
+def set_beside(backward) -> None:
+    """Run ``backward`` beside the forward that this thread runs from now on (None: nothing).
+
+    ``backward`` has ``turn()`` (run until its next all-to-all waits), ``yield_()`` (called there,
+    on the engine's thread) and ``fill(work)`` (the host is about to wait for ``work``)."""
+    THREAD.beside = backward
+    PROCESS.beside = backward
+
+
+def backward_wait() -> None:
+    """A backward all-to-all is about to wait: a forward running beside this backward takes its turn."""
+    b = PROCESS.beside
+    if b is not None:
+        b.yield_()
+
+
+def beside_active() -> bool:
+    """Whether a backward runs beside the forward of this thread (:func:`set_beside`)."""
+    return THREAD.beside is not None
+
+
+def host_wait(work) -> None:
+    """The host is about to wait for ``work``: a backward beside this forward runs deferred dW meanwhile."""
+    beside = THREAD.beside
+    if beside is not None:
+        beside.fill(work)
