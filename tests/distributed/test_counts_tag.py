@@ -5,7 +5,9 @@ how NCCL runs) and on, instead of a silently wrong forward, a gloo abort or a ha
 Real gloo processes (2 ranks, and 4 for the naming of the odd rank out), each case on a process group
 of its own (a mismatch leaves its group unusable), one spawn per header setting, under the hang guard
 of ``run_ranks``. The groups' timeout is 60 s, so a ``CollectiveMismatch`` was found by the check, not
-by a rank giving up on its peers.
+by a rank giving up on its peers. The same faults on process groups given to the layers as they are (the
+default transport: the group split at its first collective, the counts on its control group), in both
+execution modes (CUDA semantics: backward on a device thread, the header check off).
 """
 
 from __future__ import annotations
