@@ -59,10 +59,10 @@ def make_channels(group: dist.ProcessGroup, timeout_s: float, watch: Optional[Ca
     import datetime
 
     ranks = dist.get_process_group_ranks(group)
-    _all_arrive(group, ranks, timeout_s, watch)
+    n = _all_arrive(group, ranks, timeout_s, watch)
     td = datetime.timedelta(seconds=timeout_s)
     try:
-        made = [dist.new_group(ranks, backend="gloo", timeout=td, use_local_synchronization=True) for _ in range(4)]
+        made = [_new_group(ranks, td, f"lancet_rt_lanes_{getattr(group, 'group_name', '')}_{n}_{i}") for i in range(4)]
     except RuntimeError as exc:  # a peer that checked in and then stopped (died, or left the call)
         me = dist.get_rank(group)
         raise _split_timeout(
@@ -76,26 +76,48 @@ def make_channels(group: dist.ProcessGroup, timeout_s: float, watch: Optional[Ca
     return Channels(*made)
 
 
+def _new_group(ranks: list, timeout, name: str) -> dist.ProcessGroup:
+    """A gloo group of ``ranks`` made by them alone (local synchronization), named ``name`` (the same on every
+    rank: the split's parent group and attempt). torch.distributed would name it after the ranks and the count
+    of groups the process holds, which differs between ranks that made other groups on subsets of them (a
+    model on a subgroup of some ranks only), and then the group's rendezvous never meets; its private naming
+    function is replaced for the call (where it is missing, torch's name: ``_all_arrive`` compares the counts)."""
+    c10d = dist.distributed_c10d
+    original = getattr(c10d, "_process_group_name", None)
+    if original is None:
+        return dist.new_group(ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
+    with _NAMING:
+        c10d._process_group_name = lambda *args, **kwargs: name
+        try:
+            return dist.new_group(ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
+        finally:
+            c10d._process_group_name = original
+
+
+_NAMING = threading.Lock()
+
 #: Seconds between two looks at the store while waiting for the peers of a split.
 _ARRIVE_POLL_S = 0.05
 
 
-def _all_arrive(group: dist.ProcessGroup, ranks: list, timeout_s: float, watch: Optional[Callable] = None) -> None:
+def _all_arrive(group: dist.ProcessGroup, ranks: list, timeout_s: float, watch: Optional[Callable] = None) -> int:
     """Wait until every rank of ``group`` has entered its n-th split (n: this rank's count of splits
     entered, so a retry after a failed split does not meet the earlier attempt's marks), at most
-    ``timeout_s``; a :class:`PeerTimeout` naming the ranks that did not otherwise (or ``watch``'s error)."""
+    ``timeout_s``; a :class:`PeerTimeout` naming the ranks that did not otherwise (or ``watch``'s error).
+    Returns n (0 without a store or alone)."""
     from lancet_rt.comm.backend import group_store
 
     store = group_store(group)
     if store is None or len(ranks) == 1:
-        return
+        return 0
     me = dist.get_rank(group)
-    # gloo names a group made with local synchronization after its ranks and the count of groups the process
-    # has: the ranks must agree on that count, or the groups' rendezvous never meet (a "Wait timeout")
-    have = len(dist.distributed_c10d._world.pg_names)
+    # without torch's naming function to replace (_new_group), a group is named after the count of groups its
+    # process holds: the ranks must agree on it, or the groups' rendezvous never meet (a "Wait timeout")
+    named = getattr(dist.distributed_c10d, "_process_group_name", None) is not None
+    have = "any" if named else len(dist.distributed_c10d._world.pg_names)
     entered = store.add(f"lancet_rt/split/{me}", 0)
     if entered is None:  # (the store is unreachable: the groups' construction times out by itself)
-        return
+        return 0
     n = entered + 1
     store.put(f"lancet_rt/split/{me}/{n}/groups", str(have))
     store.add(f"lancet_rt/split/{me}", 1)
@@ -110,7 +132,7 @@ def _all_arrive(group: dist.ProcessGroup, ranks: list, timeout_s: float, watch: 
             error = None if watch is None else watch([], waited)
             if error is not None:
                 raise error
-            return
+            return n
         if watch is not None:
             error = watch(missing, waited)
             if error is not None:
