@@ -292,6 +292,8 @@ def _build_model(args, device, group, rank: int, world: int) -> MoELanguageModel
     split``: on the split group of ``group``, which the layers and the gradient sync find by as_group)."""
     if group is not None and args.channels == "split" and device.type == "cpu":
         lancet_rt.TorchGroup.split(group)
+    elif group is not None:  # (a ProcessGroup given as ep_group is split at its first collective by default)
+        os.environ[lancet_rt.env.EP_TRANSPORT] = "plain"
     torch.manual_seed(0)
     moe_kwargs = dict(
         d_ffn=args.d_ffn,

@@ -26,6 +26,11 @@ MAX_TIMEOUT_S = 1e7
 #: for gloo, off for NCCL, where it costs a host sync per collective). Tests set "0" on gloo ranks to see
 #: collectives as NCCL does.
 CHECK_HEADERS = "LANCET_CHECK_HEADERS"
+#: "split" or "plain": what a gloo ProcessGroup given as a MoE layer's ``ep_group`` carries its traffic on.
+#: Default "split": the process groups ``TorchGroup.split`` makes (the counts and header checks on a control
+#: group, each direction of the tokens on a lane of its own), built at the group's first collective. "plain":
+#: the group as it is. NCCL groups are never split (this variable does not apply to them).
+EP_TRANSPORT = "LANCET_EP_TRANSPORT"
 #: CUDA's own variable: how many hardware work queues the streams of a process share (CUDA's default 8).
 #: At 1 every stream funnels into one queue in launch order, so a wait on a side stream (a collective's
 #: completion, the counts' copy to the host) holds back all compute launched after it: Overlapped's
@@ -80,6 +85,17 @@ def check_headers(backend: str) -> bool:
     if text not in ("0", "1"):
         raise ValueError(f"{CHECK_HEADERS} must be '1', '0' or unset, got {text!r}")
     return text == "1"
+
+
+def ep_transport() -> str:
+    """``LANCET_EP_TRANSPORT``: "split" (the default, also when unset) or "plain"; a ValueError naming it for
+    any other value."""
+    text = os.environ.get(EP_TRANSPORT, "").strip().lower()
+    if not text:
+        return "split"
+    if text not in ("split", "plain"):
+        raise ValueError(f"{EP_TRANSPORT} must be 'split', 'plain' or unset, got {text!r}")
+    return text
 
 
 def cuda_device_max_connections() -> int | None:

@@ -145,6 +145,8 @@ def main(argv=None) -> dict:
     ep_rank = mesh["ep"].get_local_rank()
     if args.channels == "split":
         lancet_rt.TorchGroup.split(mesh["ep"].get_group())  # parallelize_hf's layers find it (as_group)
+    else:  # (a ProcessGroup given as ep_group is split at its first collective by default)
+        os.environ[lancet_rt.env.EP_TRANSPORT] = "plain"
 
     ids, labels = _batch(args.model, world, args.rows, args.seq)
     mine = slice(rank * args.rows, (rank + 1) * args.rows)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from lancet_rt import env
 from lancet_rt import trace as _trace
 from lancet_rt.comm.backend import group_store
-from lancet_rt.comm.faults import PeerTimeout
+from lancet_rt.comm.faults import CollectiveMismatch, PeerTimeout
 
 
 @dataclass
@@ -51,19 +51,24 @@ class Channels:
         return [self.control, self.up, self.down, self.bulk]
 
 
-def make_channels(group: dist.ProcessGroup, timeout_s: float) -> Channels:
+def make_channels(group: dist.ProcessGroup, timeout_s: float, watch: Optional[Callable] = None) -> Channels:
     """Four gloo groups of ``group``'s ranks (a collective call: every rank of ``group``, same order).
 
     Every rank first checks in on ``group``'s store (:func:`_all_arrive`), so a rank that calls it alone
     gets a :class:`lancet_rt.comm.faults.PeerTimeout` naming the ranks that did not, after
-    ``timeout_s``, instead of the gloo constructor's bare "Wait timeout"."""
+    ``timeout_s``, instead of the gloo constructor's bare "Wait timeout".
+
+    ``watch``: None for :meth:`lancet_rt.TorchGroup.split` (the user's call); for a group split at its first
+    collective (:meth:`lancet_rt.TorchGroup.split_at_first_use`), ``watch(missing, waited_s)`` is asked while
+    the peers are awaited and returns the error to raise (a peer's failure record, a peer whose process
+    exited, the group's timeout) or None: a peer lost before the first collective is named as in any other."""
     import datetime
 
     ranks = dist.get_process_group_ranks(group)
-    _all_arrive(group, ranks, timeout_s)
+    n = _all_arrive(group, ranks, timeout_s, watch)
     td = datetime.timedelta(seconds=timeout_s)
     try:
-        made = [dist.new_group(ranks, backend="gloo", timeout=td, use_local_synchronization=True) for _ in range(4)]
+        made = [_new_group(ranks, td, f"lancet_rt_lanes_{getattr(group, 'group_name', '')}_{n}_{i}") for i in range(4)]
     except RuntimeError as exc:  # a peer that checked in and then stopped (died, or left the call)
         me = dist.get_rank(group)
         raise _split_timeout(
@@ -72,44 +77,108 @@ def make_channels(group: dist.ProcessGroup, timeout_s: float) -> Channels:
             [q for q in range(len(ranks)) if q != me],
             timeout_s,
             f"; backend error: {str(exc).strip()[:200]}",
+            watch is not None,
         ) from None
     return Channels(*made)
 
+
+def _new_group(ranks: list, timeout, name: str) -> dist.ProcessGroup:
+    """A gloo group of ``ranks`` made by them alone (local synchronization), named ``name`` (the same on every
+    rank: the split's parent group and attempt). torch.distributed would name it after the ranks and the count
+    of groups the process holds, which differs between ranks that made other groups on subsets of them (a
+    model on a subgroup of some ranks only), and then the group's rendezvous never meets; its private naming
+    function is replaced for the call (where it is missing, torch's name: ``_all_arrive`` compares the counts)."""
+    c10d = dist.distributed_c10d
+    original = getattr(c10d, "_process_group_name", None)
+    if original is None:
+        return dist.new_group(ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
+    with _NAMING:
+        c10d._process_group_name = lambda *args, **kwargs: name
+        try:
+            return dist.new_group(ranks, backend="gloo", timeout=timeout, use_local_synchronization=True)
+        finally:
+            c10d._process_group_name = original
+
+
+_NAMING = threading.Lock()
 
 #: Seconds between two looks at the store while waiting for the peers of a split.
 _ARRIVE_POLL_S = 0.05
 
 
-def _all_arrive(group: dist.ProcessGroup, ranks: list, timeout_s: float) -> None:
+def _all_arrive(group: dist.ProcessGroup, ranks: list, timeout_s: float, watch: Optional[Callable] = None) -> int:
     """Wait until every rank of ``group`` has entered its n-th split (n: this rank's count of splits
     entered, so a retry after a failed split does not meet the earlier attempt's marks), at most
-    ``timeout_s``; a :class:`PeerTimeout` naming the ranks that did not otherwise."""
+    ``timeout_s``; a :class:`PeerTimeout` naming the ranks that did not otherwise (or ``watch``'s error).
+    Returns n (0 without a store or alone)."""
 
     store = group_store(group)
     if store is None or len(ranks) == 1:
-        return
+        return 0
     me = dist.get_rank(group)
-    n = store.add(f"lancet_rt/split/{me}", 1)
-    deadline = time.monotonic() + timeout_s
+    # without torch's naming function to replace (_new_group), a group is named after the count of groups its
+    # process holds: the ranks must agree on it, or the groups' rendezvous never meet (a "Wait timeout")
+    named = getattr(dist.distributed_c10d, "_process_group_name", None) is not None
+    have = "any" if named else len(dist.distributed_c10d._world.pg_names)
+    entered = store.add(f"lancet_rt/split/{me}", 0)
+    if entered is None:  # (the store is unreachable: the groups' construction times out by itself)
+        return 0
+    n = entered + 1
+    store.put(f"lancet_rt/split/{me}/{n}/groups", str(have))
+    store.add(f"lancet_rt/split/{me}", 1)
+    start = time.monotonic()
     while True:
         missing = [q for q in range(len(ranks)) if q != me and store.add(f"lancet_rt/split/{q}", 0) < n]
+        waited = time.monotonic() - start
         if not missing:
-            return
-        if time.monotonic() >= deadline:
+            _same_group_counts(store, me, ranks, n, have)  # (first: every rank finds the same)
+            # a peer that entered this split and gave up on it before we came wrote its failure record:
+            # raise it here rather than wait for that peer in the groups' construction
+            error = None if watch is None else watch([], waited)
+            if error is not None:
+                raise error
+            return n
+        if watch is not None:
+            error = watch(missing, waited)
+            if error is not None:
+                raise error
+        elif waited >= timeout_s:
             raise _split_timeout(me, ranks, missing, timeout_s, "")
         time.sleep(_ARRIVE_POLL_S)
 
 
-def _split_timeout(me: int, ranks: list, missing: list, timeout_s: float, cause: str):
-
-    names = [ranks[q] for q in missing]
-    return PeerTimeout(
-        f"TorchGroup.split on rank {ranks[me]}: rank(s) {names} of the group (ranks {ranks}) did not join "
-        f"within {timeout_s:g} s (timeout_s, or {env.TIMEOUT}){cause}. TorchGroup.split is a collective "
-        f"call: call it on every rank of the group, in the same order",
-        missing,
-        global_ranks=names,
+def _same_group_counts(store, me: int, ranks: list, n: int, have: int) -> None:
+    """A :class:`lancet_rt.comm.faults.CollectiveMismatch` on every rank if the ranks hold different numbers of
+    process groups at their ``n``-th split (module note in :func:`_all_arrive`)."""
+    counts = [have if q == me else store.get(f"lancet_rt/split/{q}/{n}/groups") for q in range(len(ranks))]
+    if len({str(c) for c in counts}) == 1:
+        return
+    raise CollectiveMismatch(
+        f"splitting the process group of ranks {ranks} (seen on rank {ranks[me]}): the ranks hold different numbers "
+        f"of torch.distributed process groups ({', '.join(f'rank {r}: {c}' for r, c in zip(ranks, counts))}), so "
+        f"the split's groups, named after that number, cannot meet. Create (and destroy) the same process groups "
+        f"on every rank of the group before its first collective",
+        list(range(len(ranks))),
+        global_ranks=list(ranks),
     )
+
+
+def _split_timeout(me: int, ranks: list, missing: list, timeout_s: float, cause: str, first_use: bool = False):
+    names = [ranks[q] for q in missing]
+    if first_use:
+        text = (
+            f"expert-parallel rank {ranks[me]}: rank(s) {names} of the group (ranks {ranks}) did not reach its first "
+            f"collective within {timeout_s:g} s (timeout {timeout_s:g} s, {env.TIMEOUT}){cause}, where every rank "
+            f"builds the group's split lanes ({env.EP_TRANSPORT}; 'plain' keeps the group as it is). The ranks ran "
+            f"different steps (a rank that stopped or skipped its first step)"
+        )
+    else:
+        text = (
+            f"TorchGroup.split on rank {ranks[me]}: rank(s) {names} of the group (ranks {ranks}) did not join "
+            f"within {timeout_s:g} s (timeout_s, or {env.TIMEOUT}){cause}. TorchGroup.split is a collective "
+            f"call: call it on every rank of the group, in the same order"
+        )
+    return PeerTimeout(text, missing, global_ranks=names)
 
 
 class Both:

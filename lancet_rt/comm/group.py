@@ -173,6 +173,25 @@ class TorchGroup:
         _torch_groups[group] = made
         return made
 
+    def split_at_first_use(self) -> None:
+        """Split this group as :meth:`split` does, at its next collective instead of now: every rank builds
+        the lanes where it issues that collective (the same one on every rank: the ranks run the same
+        collectives), so a layer's construction needs no collective and the layers sharing the group share
+        one split. What a gloo ProcessGroup given as ``ep_group`` gets (:func:`as_group`); nothing for a
+        group already split, a group of one rank, an NCCL group or with ``LANCET_EP_TRANSPORT=plain``. A
+        peer that does not come is named as in any collective: its failure record, its process gone, or
+        a :class:`lancet_rt.comm.faults.PeerTimeout` after the group's timeout."""
+        if self.channels is not None or self._size == 1 or "gloo" not in self.backend:
+            return
+        if env.ep_transport() == "plain" or self.counts_group is not self.group:
+            return
+        self.monitor.before_next(self._split_now)
+
+    def _split_now(self) -> None:
+        ch = make_channels(self.group, self.timeout_s, watch=self.monitor.watch_arrival)
+        self.channels, self.counts_group, self._bulk, self._small = ch, ch.control, ch.bulk, ch.control
+        self.monitor.use_channels(ch)
+
     @property
     def counts_channel(self) -> str:
         """ "own" with a counts group of its own, else "shared" (as :class:`lancet_rt.EmulatedGroup`'s)."""
@@ -217,6 +236,7 @@ class TorchGroup:
     def all_to_all(self, output, input, output_splits, input_splits) -> Work:
         row_in, row_out = math.prod(input.shape[1:]), math.prod(output.shape[1:])
         header = (input.dtype, [n * row_in for n in input_splits], [n * row_out for n in output_splits])
+        self.monitor.prepare("all-to-all")  # (a split at first use: its lanes exist from here on)
         if self.channels is not None:  # each direction on its own lane
             return self.monitor.issue(
                 "all-to-all",
@@ -363,16 +383,24 @@ def is_wrapped(pg) -> bool:
     return pg in _torch_groups
 
 
-def as_group(ep_group) -> Optional[ExpertParallelGroup]:
+def as_group(ep_group, *, expert_parallel: bool = False) -> Optional[ExpertParallelGroup]:
     """Normalise the ``ep_group`` argument: None, a ProcessGroup, or an ExpertParallelGroup.
 
     Every layer given the same ProcessGroup shares one :class:`TorchGroup`, so a link model set on
-    it (:meth:`TorchGroup.set_link`) holds for all of them."""
+    it (:meth:`TorchGroup.set_link`) holds for all of them. ``expert_parallel`` (a MoE layer's
+    ``ep_group``, as the user gave it): a gloo ProcessGroup is split at its first collective
+    (:meth:`TorchGroup.split_at_first_use`; ``LANCET_EP_TRANSPORT=plain``, or a :class:`TorchGroup` of
+    the group passed instead, keeps it as it is). ``LANCET_EP_TRANSPORT`` is read here: a bad value is a
+    ValueError before any collective."""
     if ep_group is None:
         return None
     if isinstance(ep_group, dist.ProcessGroup):
+        if expert_parallel:
+            env.ep_transport()
         if ep_group not in _torch_groups:
             _torch_groups[ep_group] = TorchGroup(ep_group)
+        if expert_parallel:
+            _torch_groups[ep_group].split_at_first_use()
         return _torch_groups[ep_group]
     if isinstance(ep_group, ExpertParallelGroup):
         return ep_group

@@ -108,17 +108,70 @@ class GroupMonitor:
         self._lock = threading.Lock()
         self._break_lock = threading.Lock()
         self._issuer, self._told = None, False  # (_told: the host has raised a failure of this group)
+        # Run before the next collective, once (TorchGroup.split_at_first_use: building the split lanes)
+        self._before_next: Optional[Callable[[], None]] = None
+        self._before_lock = threading.Lock()
         if channels is not None:
-            # each channel's gloo backend keeps the group's timeout as its operation timeout (set_timeout)
-            self._gloo = self._counts_gloo = None
-            self._issuer = Issuer(
-                self._check_header, lambda fn, seq, what: self._launch(None, fn, seq, what), lambda: self.broken
-            )
+            self.use_channels(channels)
         self._thread: Optional[threading.Thread] = None
         self._events_seen = 0
         self._published_at, self._published_what = -1, ""
         if size > 1:
             self._store.put(f"who/{rank}", _processes.identity())
+
+    def use_channels(self, channels) -> None:
+        """Carry this group's checked collectives on ``channels`` (a split group's process groups) from now
+        on: headers on the control group, each collective checked and launched by the group's thread."""
+        self.channels = channels
+        self.header_group = self.counts_group = channels.control
+        # each channel's gloo backend keeps the group's timeout as its operation timeout (set_timeout)
+        self._gloo = self._counts_gloo = None
+        self._issuer = Issuer(
+            self._check_header, lambda fn, seq, what: self._launch(None, fn, seq, what), lambda: self.broken
+        )
+        self.set_timeout(self.timeout_s)
+
+    def before_next(self, fn: Optional[Callable[[], None]]) -> None:
+        """Run ``fn()`` before this group's next collective (:meth:`prepare`), on the thread that issues it."""
+        self._before_next = fn
+
+    def prepare(self, what: str = "collective") -> None:
+        """Run what :meth:`before_next` left, once, as part of the next collective (``what``): a
+        :class:`GroupError` it raises breaks the group (the peers read it in the store). Every collective of
+        the monitor calls it first."""
+        if self._before_next is None:
+            return
+        with self._before_lock:
+            fn, self._before_next = self._before_next, None
+            if fn is None:
+                return
+            self._refuse_if_broken()
+            self._arriving = (self.issued + 1, what)
+            self._publish_at(self.issued + 1, what=what)
+            try:
+                fn()
+            except GroupError as exc:
+                raise self.break_(exc) from None
+
+    def watch_arrival(self, missing: list, waited: float) -> Optional[GroupError]:
+        """While :meth:`prepare`'s work waits ``waited`` seconds for ``missing`` peers (a split built at the
+        first collective), the error :meth:`wait` would raise in that collective: a peer's failure record,
+        a peer whose process has exited, or the timeout with the roll call's diagnosis; None otherwise."""
+        seq, what = self._arriving
+        err = self._peer_failure(seq, what)
+        if err is None and waited >= POLL_S:
+            gone = [q for q in missing if _processes.state(self._store.get(f"who/{q}")) == "exited"]
+            if gone:
+                err = self.error(
+                    PeerError,
+                    f"{self.label} {self.names(gone)} failed or stopped answering before collective #{seq} "
+                    f"({what}); {self.name(self.rank)} was waiting for it there "
+                    f"({'; '.join(f'{self.name(q)}: its process has exited' for q in gone)}). {self._advice()}",
+                    gone,
+                )
+        if err is None and waited >= self.timeout_s:
+            err = self._timed_out(seq, what, waited)
+        return err
 
     def _advice(self) -> str:
         return ADVICE.replace("expert-parallel", self.label, 1)
@@ -162,6 +215,7 @@ class GroupMonitor:
         small fixed-size collective and every rank raises :class:`CollectiveMismatch` if they
         disagree, so mismatched messages never reach the backend (gloo aborts the process on them).
         """
+        self.prepare(what)
         self._refuse_if_broken()
         self.issued += 1
         seq = self.issued
@@ -191,6 +245,7 @@ class GroupMonitor:
         ``check_headers`` off): every rank raises :class:`CollectiveMismatch` if the ranks' (sequence
         number, kind, dtype, sizes) differ. For a plan checked once before collectives issued
         unchecked, where waiting for the peers before each one could deadlock (gradient buckets)."""
+        self.prepare(what)
         self._refuse_if_broken()
         if self.check_headers and self.size > 1:
             self.issued += 1
@@ -249,6 +304,7 @@ class GroupMonitor:
         bounded by gloo's operation timeout set to this group's, and a failed one raised as the
         :class:`PeerError`/:class:`PeerTimeout` naming the lost ranks (NCCL: the process group's own
         timeout applies)."""
+        self.prepare(what)
         if self.broken is not None:
             raise self.error(
                 GroupError, f"process group unusable since an earlier failure: {self.broken}", self.broken.ranks

@@ -459,7 +459,8 @@ def from_hf(
             from one ``from_pretrained`` or state dict) and keeps its own experts.
         ep_group: None (all experts local), a torch.distributed ProcessGroup or an
             :class:`~lancet_rt.comm.group.ExpertParallelGroup` (e.g. :class:`lancet_rt.EmulatedGroup`).
-            Expert e lives on rank e // (E / W); every rank passes its own batch.
+            Expert e lives on rank e // (E / W); every rank passes its own batch. A gloo ProcessGroup is
+            split at its first collective, as for :class:`lancet_rt.MoE`.
         chunks: >= 1, "auto" (after ``import lancet_rt.autotune``) or another chunk policy, as for
             :class:`lancet_rt.Overlapped`: cut the base model's batch into this many chunks and overlap their
             computation with the all-to-alls (:class:`lancet_rt.Overlapped`).
@@ -492,7 +493,7 @@ def from_hf(
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a transformers model (an nn.Module), got {type(model).__name__}")
     _check_options(chunks, defer_wgrad, router_dtype, fused_loss, early_backward)
-    group = comm.as_group(ep_group)
+    group = comm.as_group(ep_group, expert_parallel=True)
     converted = _convert_blocks(model, group, capacity_factor)
     layers = [m for m in model.modules() if isinstance(m, HFMoE)]
     if not layers:

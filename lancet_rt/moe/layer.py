@@ -60,7 +60,9 @@ class MoE(nn.Module):
         z_loss_coef: scale of the router z-loss, likewise.
         ep_group: None (all experts local, even if a default process group exists), a
             torch.distributed ProcessGroup, or an :class:`~lancet_rt.comm.group.ExpertParallelGroup`
-            such as :class:`lancet_rt.EmulatedGroup`. Expert e lives on rank e // (E / W).
+            such as :class:`lancet_rt.EmulatedGroup`. Expert e lives on rank e // (E / W). A gloo
+            ProcessGroup is split at its first collective (:meth:`lancet_rt.TorchGroup.split_at_first_use`;
+            ``LANCET_EP_TRANSPORT=plain`` or a :class:`lancet_rt.TorchGroup` of it keeps it as it is).
         pipeline_chunks: split the dispatch, the experts and the combine of this layer into this
             many pieces and pipeline them (the Tutel-style baseline; 1 = off).
         router_bias: the router has a learned logit bias [E] (GPT-OSS).
@@ -174,7 +176,7 @@ class MoE(nn.Module):
 
     def _join_group(self, cfg: MoEConfig, ep_group) -> None:
         """The expert-parallel group, checked for the options: ``group``, ``ep_size``, ``ep_rank``."""
-        self.group = comm.as_group(ep_group)
+        self.group = comm.as_group(ep_group, expert_parallel=True)
         if cfg.dispatcher == "allreduce":
             _allreduce.check_group(self.group)
         world = self.group.size if self.group is not None else 1

@@ -5,7 +5,9 @@ how NCCL runs) and on, instead of a silently wrong forward, a gloo abort or a ha
 Real gloo processes (2 ranks, and 4 for the naming of the odd rank out), each case on a process group
 of its own (a mismatch leaves its group unusable), one spawn per header setting, under the hang guard
 of ``run_ranks``. The groups' timeout is 60 s, so a ``CollectiveMismatch`` was found by the check, not
-by a rank giving up on its peers.
+by a rank giving up on its peers. The same faults on process groups given to the layers as they are (the
+default transport: the group split at its first collective, the counts on its control group), in both
+execution modes (CUDA semantics: backward on a device thread, the header check off).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from torch import nn
 import lancet_rt
 from lancet_rt import env
 from lancet_rt.models.blocks import Block
+from tests import cuda_semantics  # noqa: F401 - the execution modes, in the ranks too
 from tests.dist import assert_raised, outcome, run_ranks
 
 D, F, E = 8, 6, 4
@@ -261,3 +264,65 @@ def test_a_row_that_is_not_a_counts_exchange_s_is_named_as_such():
 
     assert "not a counts exchange's" in describe_tag(None, [7] * TAG_WORDS)
     assert "not a counts exchange's" in describe_tag(None, [])
+
+
+def _as_given(rank, world) -> dict:
+    """The ranks out of step on gloo ProcessGroups given as ``ep_group`` as they are (the default transport: split
+    at the first collective), each case on a group of its own; {case: outcome on this rank}."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(rank)
+    x, gy = torch.randn(2, 3, D, generator=gen), torch.randn(2, 3, D, generator=gen)
+
+    def model():
+        g = dist.new_group()
+        lancet_rt.comm.group.as_group(g).set_timeout(TIMEOUT_S)
+        return _TwoMoE(g)
+
+    def skip_layer():
+        m = model()
+        m.skip = (0,) if rank == 1 else ()
+        return list(m(x).shape)
+
+    def skip_backward():
+        m = model()
+        y = m(x)
+        if rank == 0:
+            y.backward(gy)
+        return list(m(x).shape)
+
+    def in_step():
+        m = model()
+        m(x).backward(gy)
+        m(x).backward(gy)
+        return m.blocks[0].moe.group.counts_channel
+
+    return {"in step": outcome(in_step), "skip a layer": outcome(skip_layer), "skip a backward": outcome(skip_backward)}
+
+
+def test_a_process_group_given_as_it_is_raises_collective_mismatch_on_every_rank(execution):
+    """With the header check off (CUDA-semantics mode: backward on a device thread), a rank's skipped backward on a
+    plain gloo group made gloo abort the other rank on the sizes; the default transport puts the counts on a group
+    of their own, where the tag or the blocked ranks' positions find it."""
+    results = run_ranks(_as_given, 2, timeout=300)
+    for r in (0, 1):
+        assert results[r][0] == "ok", results[r][1]
+        res = results[r][1]
+        assert res["in step"] == ["ok", "own", None], res["in step"]
+        assert_raised(
+            res["skip a layer"],
+            "CollectiveMismatch",
+            "rank 0 ran MoE layer #0",
+            "rank 1 ran MoE layer #1",
+            "no token was sent",
+            ranks=[0, 1],
+        )
+        assert_raised(
+            res["skip a backward"],
+            "CollectiveMismatch",
+            "does not match across expert-parallel ranks",
+            "counts exchange",
+            "all-to-all",
+            ranks=[0, 1],
+        )

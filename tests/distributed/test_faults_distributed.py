@@ -6,8 +6,10 @@ Each case asserts the exception type and that the message names the rank (README
 Two spawns go through their faults in sequence, each fault on its own process group where the
 group breaks, so one spawn checks many faults; the rank that dies is the last fault of its spawn.
 Every spawn has a hard timeout (a hang fails, never waits). The 3-rank faults run twice: on plain
-gloo groups and on split ones (``TorchGroup.split``: header checks and launches on a thread of the
-group, the tokens on a lane per direction), which must detect and name the same faults.
+gloo groups (``LANCET_EP_TRANSPORT=plain``) and on split ones (``TorchGroup.split``: header checks and
+launches on a thread of the group, the tokens on a lane per direction), which must detect and name the
+same faults; the 2-rank faults run on process groups given as they are (the default: split at their
+first collective).
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ def _group(timeout_s=None, split=False):
 def _three_ranks(rank, world, out_dir, split=False):
     """The 3-rank faults in sequence; returns {case: outcome on this rank}. Rank 2 is the rank at
     fault in every case that breaks a group, and dies in the last one. ``split``: every group a split
-    TorchGroup."""
+    TorchGroup; else every group as it is (``LANCET_EP_TRANSPORT=plain``: not the default split)."""
+    if not split:
+        os.environ[env.EP_TRANSPORT] = "plain"
     torch.set_num_threads(1)
     gen = torch.Generator().manual_seed(rank)
     x, g = torch.randn(4, 3, D, generator=gen), torch.randn(4, 3, D, generator=gen)
@@ -266,6 +270,8 @@ def _two_ranks(rank, world, out_dir):
     res["timeout from LANCET_TIMEOUT_S"] = ["ok", lancet_rt.comm.group.as_group(healthy).timeout_s, None]
     res["chunks 2 and 4"] = outcome(lambda: _step(lancet_rt.Overlapped(make_model(healthy), chunks=2 + 2 * rank), x))
     res["set_timeout(0)"] = outcome(lambda: lancet_rt.comm.group.as_group(healthy).set_timeout(0))
+    dead = lancet_rt.Overlapped(make_model(_group()), chunks=2)  # (split by its first step, before the watchdog
+    _step(dead, x, g)  # below aborts a group on rank 0 only: the ranks then hold different numbers of groups)
 
     late = _group()
     if rank == 1:  # never starts the step until rank 0 has given up on it
@@ -278,7 +284,9 @@ def _two_ranks(rank, world, out_dir):
     monitor = lancet_rt.comm.group.as_group(watched).monitor
     monitor._watchdog = True
     monitor.check_headers = False  # as on NCCL, where the header check is off (it would be a host sync)
+    os.environ[env.EP_TRANSPORT] = "plain"  # (as on NCCL, whose groups are never split)
     wd = lancet_rt.Overlapped(make_model(watched), chunks=3)
+    del os.environ[env.EP_TRANSPORT]
     if rank == 1:
         in_chunk(wd.model.blocks[1], 2, lambda: raise_(RuntimeError("injected under the watchdog")))
     res["watchdog finds a failure"] = outcome(lambda: _step(wd, x))
@@ -286,7 +294,6 @@ def _two_ranks(rank, world, out_dir):
 
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(res, f)
-    dead = lancet_rt.Overlapped(make_model(_group()), chunks=2)
     if rank == 1:
         dead.model.blocks[0].register_forward_hook(
             lambda m, a, y: [y.register_hook(lambda grad: os.kill(os.getpid(), signal.SIGKILL))] and None

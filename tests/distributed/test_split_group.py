@@ -123,3 +123,74 @@ def test_split_group_equals_the_plain_group_and_issues_off_the_host(world):
             "raised once": ["found on the group's thread"]
             + ["expert-parallel group unusable since an earlier failure"] * 3,
         }, res
+
+
+def _default_cases(rank, world):
+    """A gloo ProcessGroup given as ``ep_group`` as it is: split at its first collective, once for every layer
+    on it, the step bitwise the plain group's; ``LANCET_EP_TRANSPORT=plain`` or a TorchGroup of it keeps it
+    plain."""
+    import os
+
+    import torch.distributed as dist
+
+    from lancet_rt import env
+    from lancet_rt.comm.group import as_group
+
+    torch.set_num_threads(1)
+    gen = torch.Generator().manual_seed(10 + rank)
+    x, g = torch.randn(4, 3, D, generator=gen), torch.randn(4, 3, D, generator=gen)
+    out, steps = {}, []
+    pg = dist.new_group()
+    model = make_model(pg, E=2 * world, capacity_factor=None)  # two MoE layers on one group
+    tg = as_group(pg)
+    store = tg.monitor._store  # (splits entered by each rank: lancet_rt.comm.channels._all_arrive)
+    out["built lazily"] = (tg.channels is None, store.add(f"lancet_rt/split/{rank}", 0))
+    steps.append(train_step(lancet_rt.Overlapped(model, chunks=3, defer_wgrad=True), model, x, g))
+    steps.append(train_step(model, model, x, g))
+    out["split once for both layers"] = (
+        tg.channels is not None,
+        tg.counts_channel,
+        store.add(f"lancet_rt/split/{rank}", 0),
+        all(m.group is tg for m in model.moe_layers()),
+    )
+    kept = lancet_rt.TorchGroup(dist.new_group())  # a TorchGroup given as ep_group: as it is
+    os.environ[env.EP_TRANSPORT] = "plain"
+    plain_pg = dist.new_group()
+    for group in (kept, plain_pg):
+        m = make_model(group, E=2 * world, capacity_factor=None)
+        steps.append(train_step(lancet_rt.Overlapped(m, chunks=3, defer_wgrad=True), m, x, g))
+        steps.append(train_step(m, m, x, g))
+    out["plain kept plain"] = (kept.channels, as_group(plain_pg).channels, as_group(plain_pg).counts_channel)
+    out["bitwise as plain"] = all(_equal(steps[i], steps[i + 2]) and _equal(steps[i], steps[i + 4]) for i in (0, 1))
+    os.environ[env.EP_TRANSPORT] = "lanes"
+    try:
+        make_model(dist.new_group(), E=2 * world)
+        out["bad value"] = None
+    except ValueError as exc:
+        out["bad value"] = str(exc)
+    return out
+
+
+def test_a_gloo_process_group_given_as_ep_group_is_split_at_its_first_collective():
+    for res in assert_all_ok(run_ranks(_default_cases, 2, timeout=240)):
+        assert res == {
+            "built lazily": (True, 0),
+            "split once for both layers": (True, "own", 1, True),
+            "plain kept plain": (None, None, "shared"),
+            "bitwise as plain": True,
+            "bad value": "LANCET_EP_TRANSPORT must be 'split', 'plain' or unset, got 'lanes'",
+        }, res
+
+
+def test_an_nccl_group_given_as_ep_group_is_not_split():
+    """NCCL keeps its default (the counts on the tokens' communicator): nothing is left for its first collective."""
+
+    class _Monitor:
+        def before_next(self, fn):
+            raise AssertionError("an NCCL group was marked for a split")
+
+    tg = lancet_rt.TorchGroup.__new__(lancet_rt.TorchGroup)  # (no NCCL here: the fields split_at_first_use reads)
+    tg.channels, tg._size, tg.backend, tg.monitor = None, 2, "nccl", _Monitor()
+    tg.group = tg.counts_group = object()
+    tg.split_at_first_use()
+    assert tg.channels is None and tg.counts_channel == "shared"

@@ -243,8 +243,13 @@ def _until_given_up(group, ranks):
 
 def _collective_cases(rank, world, root, split=False):
     """The crash, hang and mismatch cases in sequence; returns {case: outcome on this rank}. ``split``:
-    every group's TorchGroup a split one (its checks on a thread of its own must detect the same)."""
+    every group's TorchGroup a split one (its checks on a thread of its own must detect the same); else every
+    group as it is (``LANCET_EP_TRANSPORT=plain``: not the default split at the first collective)."""
     import functools
+    import os
+
+    if not split:
+        os.environ[lancet_rt.env.EP_TRANSPORT] = "plain"
 
     _new_group_ = functools.partial(_new_group, split=split)
     torch.set_num_threads(1)
