@@ -28,6 +28,7 @@ def _record(events: list):
     from lancet_rt.kernels import grouped_gemm
 
     from lancet_rt.comm import group
+    from lancet_rt.moe.dispatch.alltoall import AllToAll
     from lancet_rt.moe.layer import MoE
     from lancet_rt.schedule import guard, warmup
 
@@ -67,16 +68,17 @@ def _record(events: list):
         events.append(("schedule checked", None, None))
 
     guard.check_schedule = schedule
-    for name in ("_check_config", "exchange_counts"):
-        method = getattr(MoE, name)
+    # (the layer's config check, its dispatcher's counts exchange; not the warm-up's own)
+    for cls, name, layer_of in ((MoE, "_check_config", lambda s: s), (AllToAll, "exchange_counts", lambda s: s.moe)):
+        method = getattr(cls, name)
         setattr(
-            MoE,
+            cls,
             name,
-            lambda self, *a, _m=method, _n=name, **k: (
-                warming or events.append(("layer", _n, id(self))),
+            lambda self, *a, _m=method, _n=name, _l=layer_of, **k: (
+                warming or events.append(("layer", _n, id(_l(self)))),
                 _m(self, *a, **k),
             )[1],
-        )  # (not the warm-up's own)
+        )
 
 
 def _steps(rank, world, overlapped: bool):
