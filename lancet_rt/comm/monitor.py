@@ -431,6 +431,15 @@ class GroupMonitor:
                 f"it waited in collective #{seq} ({what}) (by {told}){cause}. {self._advice()}",
                 at_fault,
             )
+        if all(rec.get("kind") == "CollectiveMismatch" for rec in records.values()):
+            # (a group-wide finding: whichever rank saw it first, every rank raises it, also one whose
+            # collective was cut short by the finder's exit before its own check ran)
+            return self.error(
+                CollectiveMismatch,
+                f"{self.label} ranks out of step: {told}; {self.name(self.rank)} was waiting in collective "
+                f"#{seq} ({what}){cause}. {self._advice()}",
+                at_fault,
+            )
         timeout = all(rec.get("kind") == "PeerTimeout" for rec in records.values())
         return self.error(
             PeerTimeout if timeout else PeerError,

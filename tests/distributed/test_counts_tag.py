@@ -326,3 +326,27 @@ def test_a_process_group_given_as_it_is_raises_collective_mismatch_on_every_rank
             "all-to-all",
             ranks=[0, 1],
         )
+
+
+def _finder_exits(rank, world) -> str:
+    """Rank 0 finds a mismatch (its record written) and exits at once; rank 1 waits in a collective that the
+    exit cuts short (gloo: connection closed) or that times out: it raises the same finding, not a PeerError."""
+    import os
+
+    from lancet_rt.comm.faults import CollectiveMismatch
+
+    os.environ[env.CHECK_HEADERS] = "0"
+    tg = _group("plain")
+    tg.set_timeout(20.0)
+    if rank == 0:
+        monitor = tg.monitor
+        monitor.break_(monitor.error(CollectiveMismatch, "collective #1 does not match (planted)", [0, 1]))
+        os._exit(0)  # (no farewell: the peer's collective ends by a closed connection)
+    return outcome(lambda: tg.all_gather(torch.zeros(2)))
+
+
+def test_a_peers_mismatch_is_raised_as_a_mismatch_when_its_exit_cuts_the_collective_short():
+    out = run_ranks(_finder_exits, 2, may_die=(0,))
+    assert_raised(
+        out[1][1], "CollectiveMismatch", "collective #1 does not match (planted)", "was waiting in collective"
+    )
