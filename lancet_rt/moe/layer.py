@@ -359,7 +359,13 @@ class MoE(nn.Module):
         raise error
 
     def dispatch(
-        self, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL: Optional[list], sent_WL: Optional[list]
+        self,
+        x_SD: torch.Tensor,
+        kept_E: torch.Tensor,
+        counts_WL: Optional[list],
+        sent_WL: Optional[list],
+        ops=None,
+        received: Optional[torch.Tensor] = None,
     ) -> Dispatched:
         """Send each kept row to its expert's rank (async; :func:`lancet_rt.moe.dispatch.alltoall.dispatch`).
 
@@ -369,8 +375,10 @@ class MoE(nn.Module):
             counts_WL, sent_WL: [W, E_local] rows received / sent per (rank, local expert), host ints
                 from :meth:`exchange_counts` (``Counts.host``; without a group None, or ``[kept_E]``
                 as host ints).
+            ops, received: the kernel namespace and ``Counts.received``: the row maps made on the device
+                where the kernels run (:func:`lancet_rt.moe.dispatch.alltoall.dispatch`).
         """
-        return alltoall.dispatch(self, x_SD, kept_E, counts_WL, sent_WL)
+        return alltoall.dispatch(self, x_SD, kept_E, counts_WL, sent_WL, ops, received)
 
     def compute_experts(self, x_recv: torch.Tensor, d: Dispatched, ops, link=None) -> torch.Tensor:
         """Grouped SwiGLU experts over the received rows (rank-major in, rank-major out)."""

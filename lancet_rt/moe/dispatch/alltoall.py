@@ -18,7 +18,7 @@ from lancet_rt.moe.dispatch.common import Dispatched, counts_turn, host_bounds, 
 from lancet_rt.schedule import scope as _scope
 
 
-def dispatch(moe, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL, sent_WL) -> Dispatched:
+def dispatch(moe, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL, sent_WL, ops=None, received=None) -> Dispatched:
     """Send each kept row to its expert's rank (async).
 
     Args:
@@ -29,6 +29,10 @@ def dispatch(moe, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL, sent_WL) 
             ints (nested lists, from :attr:`~lancet_rt.moe.dispatch.common.Counts.host`: nothing is
             read here). Without a group: None, or W = 1 rows of the kept rows per expert (the
             experts' segment bounds, so that the references read nothing).
+        ops, received: the kernel namespace and the received counts as they arrived (``Counts.received``,
+            [W, E_local + ...] on the rows' device): on the kernels' path the row maps and the experts'
+            bounds are then made there in one launch (``ops.regroup_rows``); else (None, or the
+            references) from the host ints.
 
     Returns:
         The chunk's :class:`~lancet_rt.moe.dispatch.common.Dispatched` layout; its ``pending`` is
@@ -43,8 +47,18 @@ def dispatch(moe, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL, sent_WL) 
     recv_splits = [sum(row) for row in counts_WL]
     with _trace.span("dispatch", cuda=x_SD.is_cuda, layer=moe.trace_name, rows=x_SD.shape[0]):
         pending = comm.all_to_all(x_SD, moe.group, recv_splits, send_splits)
-    to_expert, to_rank = regroup_permutations(counts_WL, x_SD.device)
     bounds_L1 = HostBounds(host_bounds([sum(col) for col in zip(*counts_WL)]))
+    L = len(counts_WL[0])
+    if (
+        received is not None
+        and not getattr(ops, "host_offsets", True)
+        and received.device == x_SD.device
+        and len(counts_WL) > 1
+        and L > 1
+    ):
+        to_expert, to_rank, offsets_L1 = ops.regroup_rows(received, sum(recv_splits), L)
+        return Dispatched(pending, offsets_L1, bounds_L1, send_splits, recv_splits, to_expert, to_rank)
+    to_expert, to_rank = regroup_permutations(counts_WL, x_SD.device)
     # (the device offsets are made where the kernels need them: MoE.compute_experts)
     return Dispatched(pending, None, bounds_L1, send_splits, recv_splits, to_expert, to_rank)
 
@@ -80,7 +94,7 @@ def exchange_and_compute(moe, x_TD: torch.Tensor, r, ops, chunk, x_in: torch.Ten
             counts.wait()
         recv, sent = counts.host[0][0], counts.host[1][0]
         x_SD, src_S = moe.permute_rows(x_TD, r, sum(map(sum, sent)), ops, chunk)
-        d = moe.dispatch(x_SD, r.kept_E, recv, sent)
+        d = moe.dispatch(x_SD, r.kept_E, recv, sent, ops, counts.received)
     shared = moe.shared_output(x_in)
     _scope.switch()
     y_recv = moe.compute_experts(d.pending.wait(), d, ops, d.pending.link)
