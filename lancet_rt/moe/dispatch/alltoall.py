@@ -89,12 +89,14 @@ def exchange_and_compute(moe, x_TD: torch.Tensor, r, ops, chunk, x_in: torch.Ten
         d = moe.dispatch(x_SD, r.kept_E, [kept], [kept])
     else:
         counts = moe.exchange_counts(r.kept_E.view(1, -1))
+        counts.keep_received = not getattr(ops, "host_offsets", True)  # (the kernels make the row maps from them)
         counts_turn(moe, x_TD)  # other chunks run while the counts travel (where that pays)
         with _trace.span("wait", "wait", chunk=chunk, counts=True):
             counts.wait()
         recv, sent = counts.host[0][0], counts.host[1][0]
         x_SD, src_S = moe.permute_rows(x_TD, r, sum(map(sum, sent)), ops, chunk)
-        d = moe.dispatch(x_SD, r.kept_E, recv, sent, ops, counts.received)
+        received, counts.received = counts.received, None  # (held no longer than the dispatch needs it)
+        d = moe.dispatch(x_SD, r.kept_E, recv, sent, ops, received)
     shared = moe.shared_output(x_in)
     _scope.switch()
     y_recv = moe.compute_experts(d.pending.wait(), d, ops, d.pending.link)
