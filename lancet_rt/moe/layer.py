@@ -375,7 +375,7 @@ class MoE(nn.Module):
             counts_WL, sent_WL: [W, E_local] rows received / sent per (rank, local expert), host ints
                 from :meth:`exchange_counts` (``Counts.host``; without a group None, or ``[kept_E]``
                 as host ints).
-            ops, received: the kernel namespace and ``Counts.received``: the row maps made on the device
+            ops, received: the kernel namespace and ``Counts.arrived``: the row maps made on the device
                 where the kernels run (:func:`lancet_rt.moe.dispatch.alltoall.dispatch`).
         """
         return alltoall.dispatch(self, x_SD, kept_E, counts_WL, sent_WL, ops, received)

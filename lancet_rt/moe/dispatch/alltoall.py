@@ -29,7 +29,7 @@ def dispatch(moe, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL, sent_WL, 
             ints (nested lists, from :attr:`~lancet_rt.moe.dispatch.common.Counts.host`: nothing is
             read here). Without a group: None, or W = 1 rows of the kept rows per expert (the
             experts' segment bounds, so that the references read nothing).
-        ops, received: the kernel namespace and the received counts as they arrived (``Counts.received``,
+        ops, received: the kernel namespace and the received counts as they arrived (``Counts.arrived``,
             [W, E_local + ...] on the rows' device): on the kernels' path the row maps and the experts'
             bounds are then made there in one launch (``ops.regroup_rows``); else (None, or the
             references) from the host ints.
@@ -89,13 +89,13 @@ def exchange_and_compute(moe, x_TD: torch.Tensor, r, ops, chunk, x_in: torch.Ten
         d = moe.dispatch(x_SD, r.kept_E, [kept], [kept])
     else:
         counts = moe.exchange_counts(r.kept_E.view(1, -1))
-        counts.keep_received = not getattr(ops, "host_offsets", True)  # (the kernels make the row maps from them)
+        counts.keep_arrived = not getattr(ops, "host_offsets", True)  # (the kernels make the row maps from them)
         counts_turn(moe, x_TD)  # other chunks run while the counts travel (where that pays)
         with _trace.span("wait", "wait", chunk=chunk, counts=True):
             counts.wait()
         recv, sent = counts.host[0][0], counts.host[1][0]
         x_SD, src_S = moe.permute_rows(x_TD, r, sum(map(sum, sent)), ops, chunk)
-        received, counts.received = counts.received, None  # (held no longer than the dispatch needs it)
+        received, counts.arrived = counts.arrived, None  # (held no longer than the dispatch needs it)
         d = moe.dispatch(x_SD, r.kept_E, recv, sent, ops, received)
     shared = moe.shared_output(x_in)
     _scope.switch()
