@@ -227,9 +227,15 @@ class Step:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
         row: dict = {}
-        with OpCounter() as ops, LaunchCounter() as launches, saved_bytes(self.params) as saved:
+        # The saved bytes on a forward of their own: autograd's pack hook adds ops of its own (a detach
+        # per saved tensor) that a step without the hook does not run, so the counted forward has none.
+        with saved_bytes(self.params) as saved:
+            self.forward(n).backward()
+        self.model.zero_grad(set_to_none=True)
+        row["saved_bytes"] = saved["bytes"]
+        with OpCounter() as ops, LaunchCounter() as launches:
             loss = self.forward(n)
-        row.update(fwd_ops=ops.total, fwd_reads=ops.reads, fwd_launches=launches.count, saved_bytes=saved["bytes"])
+        row.update(fwd_ops=ops.total, fwd_reads=ops.reads, fwd_launches=launches.count)
         fwd_ops = ops.ops
         with OpCounter() as ops, LaunchCounter() as launches:
             loss.backward()
@@ -320,8 +326,11 @@ def measure(args, device: torch.device) -> list[dict]:
     rows = []
     for n in sorted({1, *args.chunks}):
         row = dict(chunks=n, **step.count(n))
-        row.update(step.host_us(n, args.reps))
-        if n > 1:  # the same ops without the schedule: what remains is the schedule's own cost
+        if args.count_only:  # (no timed steps: the counts alone, quick on the Triton interpreter)
+            row.update(fwd_us=float("nan"), bwd_us=float("nan"), minflt=float("nan"))
+        else:
+            row.update(step.host_us(n, args.reps))
+        if n > 1 and not args.count_only:  # the same ops without the schedule: what remains is the schedule's own cost
             plain = step.host_us(n, args.reps, plain=True)
             row["plain_us"] = plain["fwd_us"] + plain["bwd_us"]
         row["ops"], row["reads"] = row["fwd_ops"] + row["bwd_ops"], row["fwd_reads"] + row["bwd_reads"]
@@ -331,7 +340,8 @@ def measure(args, device: torch.device) -> list[dict]:
             per = step.layers * (n - 1)
             for k in _PER_CHUNK + ("ops", "reads"):
                 row[f"{k}_per_chunk"] = (row[k] - base[k]) / per
-            row["plain_us_per_chunk"] = (row["plain_us"] - base["fwd_us"] - base["bwd_us"]) / per
+            if "plain_us" in row:
+                row["plain_us_per_chunk"] = (row["plain_us"] - base["fwd_us"] - base["bwd_us"]) / per
             row["saved_x"] = row["saved_bytes"] / base["saved_bytes"] if base["saved_bytes"] else float("nan")
             if "peak_mb" in row:
                 row["peak_x"] = row["peak_mb"] / base["peak_mb"]
@@ -385,6 +395,12 @@ def main(argv: Optional[list] = None) -> list[dict]:
         help="every combination of dropless / capacity 1.25, autocast none / bf16, defer_wgrad off / on",
     )
     p.add_argument("--reps", type=int_in(1), default=20, help="timed steps per chunk count (host time)")
+    p.add_argument(
+        "--count-only",
+        action="store_true",
+        help="count ops, reads and launches only, no timed steps (the counts do not depend on the token count: "
+        "with a small --batch/--seq the Triton interpreter's count takes a minute or two)",
+    )
     p.add_argument("--top", type=int_in(0), default=0, help="print the N op names each extra chunk adds most")
     p.add_argument("--threads", type=int_in(1, 1024), default=1)
     p.add_argument("--json", default=None)

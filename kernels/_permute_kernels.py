@@ -232,41 +232,75 @@ def _unpermute_bwd_kernel(
         tl.store(grad_w_out_ptr + offs_t64 * K + k, tl.where(mask_r, b_dot, 0.0), mask=mask_t)
 
 
-@triton.jit
-def _dispatch_base_kernel(
-    # Pointers
-    kept_ptr,  # [E] int kept assignments per expert in this chunk
-    used_ptr,  # [E] int carried used capacity before this chunk
-    base_ptr,  # [E] int32 out: first row of expert e minus used_E[e]
-    # Sizes
-    E,
-    # Meta-parameters
-    BLOCK_E: tl.constexpr,
-):
-    # -- single phase: exclusive scan of the kept counts, minus the carried capacity --
-    offs_e = tl.arange(0, BLOCK_E)
-    mask_e = offs_e < E
-    b_kept = tl.load(kept_ptr + offs_e, mask=mask_e, other=0).to(tl.int32)
-    b_used = tl.load(used_ptr + offs_e, mask=mask_e, other=0).to(tl.int32)
-    tl.store(base_ptr + offs_e, tl.cumsum(b_kept, axis=0) - b_kept - b_used, mask=mask_e)
-
-
 @triton.jit(do_not_specialize=["N"])  # row counts: one compiled variant for any chunk
 def _dispatch_rows_kernel(
     # Pointers
     expert_ptr,  # [T * K] int32
     slot_ptr,  # [T * K] int32 slot, -1 when dropped
-    base_ptr,  # [E] int32 first row of expert e minus used_E[e]
+    kept_ptr,  # [E] int kept assignments per expert in this chunk
+    used_ptr,  # [E] int carried used capacity before this chunk
     row_ptr,  # [T * K] int32 out: dispatch row, -1 when dropped
     # Sizes
     N,
+    E,
     # Meta-parameters
     BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr,
 ):
-    # -- single phase: row = base[e] + slot for kept assignments, -1 for dropped ones --
+    # -- each program: base[e] = first row of expert e minus used_E[e] (an exclusive scan of the kept
+    # counts, E <= 1024 in registers: no [E] buffer and no second launch), then
+    # row = base[e] + slot for kept assignments, -1 for dropped ones --
+    offs_e = tl.arange(0, BLOCK_E)
+    mask_e = offs_e < E
+    b_kept = tl.load(kept_ptr + offs_e, mask=mask_e, other=0).to(tl.int32)
+    b_used = tl.load(used_ptr + offs_e, mask=mask_e, other=0).to(tl.int32)
+    base = tl.cumsum(b_kept, axis=0) - b_kept - b_used
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # int32: N = T * K < 2^31
     mask = offs < N
     b_slot = tl.load(slot_ptr + offs, mask=mask, other=-1)
     b_e = tl.load(expert_ptr + offs, mask=mask & (b_slot >= 0), other=0)
-    b_base = tl.load(base_ptr + b_e, mask=mask & (b_slot >= 0), other=0)
+    b_base = tl.gather(base, b_e, 0)
     tl.store(row_ptr + offs, tl.where(b_slot >= 0, b_base + b_slot, -1), mask=mask)
+
+
+@triton.jit
+def _regroup_rows_kernel(
+    # Pointers
+    counts_ptr,  # [W, L] int rows received from rank w for local expert l (any strides)
+    to_expert_ptr,  # [R] int64 out: received row of each grouped (expert-major) row
+    to_rank_ptr,  # [R] int64 out: grouped row of each received (rank-major) row
+    offsets_ptr,  # [L + 1] int64 out: the experts' segment bounds in the grouped order
+    # Sizes
+    W,
+    L,
+    stride_w,
+    stride_l,
+    # Meta-parameters
+    BLOCK_B: tl.constexpr,  # >= W * L
+    BLOCK_L: tl.constexpr,  # >= L + 1
+    BLOCK: tl.constexpr,  # rows per step
+):
+    # -- one program per (w, l) block: its start in the received order (blocks (w, l) in row-major
+    # order) and in the grouped order (blocks (l, w)), from all W * L counts; then its rows --
+    b = tl.program_id(0)
+    w = b // L
+    lb = b % L
+    offs_b = tl.arange(0, BLOCK_B)
+    mask_b = offs_b < W * L
+    iw = offs_b // L
+    il = offs_b % L
+    c = tl.load(counts_ptr + iw * stride_w + il * stride_l, mask=mask_b, other=0).to(tl.int64)
+    start = tl.sum(tl.where(offs_b < b, c, 0), axis=0)
+    first = tl.sum(tl.where((il < lb) | ((il == lb) & (iw < w)), c, 0), axis=0)
+    n = tl.sum(tl.where(offs_b == b, c, 0), axis=0)
+    for j0 in range(0, n, BLOCK):
+        j = j0 + tl.arange(0, BLOCK).to(tl.int64)
+        m = j < n
+        tl.store(to_expert_ptr + first + j, start + j, mask=m)
+        tl.store(to_rank_ptr + start + j, first + j, mask=m)
+    # -- the first program also writes the bounds: offsets[l] = rows of the experts before l --
+    offs_l = tl.arange(0, BLOCK_L)
+    before = il[None, :] < offs_l[:, None]
+    bounds = tl.sum(tl.where(before, c[None, :], 0), axis=1)
+    last = tl.where(b == 0, L, -1)  # (the other programs store nothing)
+    tl.store(offsets_ptr + offs_l, bounds, mask=offs_l <= last)

@@ -184,10 +184,18 @@ def _grouped_mm(
     out: Optional[torch.Tensor],
     allow_tf32: bool,
     bias_EN: Optional[torch.Tensor] = None,
+    transposed: bool = False,
 ) -> torch.Tensor:
-    """y[r] = x[r] @ w[e].T (+ bias[e]) over segments; w is any [E, N, K] view (dx passes w[e].T)."""
+    """y[r] = x[r] @ w[e].T (+ bias[e]) over segments; w is any [E, N, K] view, or with ``transposed``
+    an [E, K, N] tensor read as its [E, N, K] transpose through swapped strides (dx: w[e].T, no
+    transpose op dispatched)."""
     R, K = x_RK.shape
-    E, N, _ = w_ENK.shape
+    if transposed:
+        E, _, N = w_ENK.shape
+        w_strides = (w_ENK.stride(0), w_ENK.stride(2), w_ENK.stride(1))
+    else:
+        E, N, _ = w_ENK.shape
+        w_strides = w_ENK.stride()
     y = _check_out(out, (R, N), x_RK.dtype, x_RK.device)
     if R == 0 or N == 0:
         return y
@@ -208,9 +216,7 @@ def _grouped_mm(
         _m_bucket(R, E),
         x_RK.stride(0),
         x_RK.stride(1),
-        w_ENK.stride(0),
-        w_ENK.stride(1),
-        w_ENK.stride(2),
+        *w_strides,
         *b_strides,
         y.stride(0),
         y.stride(1),
@@ -303,7 +309,7 @@ def grouped_mm_dx(
         )
     _check_offsets(offsets_E1, w_ENK.shape[0], dy_RN.shape[0], dy_RN.device)
     # dx = dy @ w[e] is the forward kernel on the [E, K, N] view w[e].T: only the strides change.
-    return _grouped_mm("dx", dy_RN, w_ENK.transpose(1, 2), offsets_E1, out, allow_tf32)
+    return _grouped_mm("dx", dy_RN, w_ENK, offsets_E1, out, allow_tf32, transposed=True)
 
 
 @on_tensor_device

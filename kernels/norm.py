@@ -28,8 +28,27 @@ def _rows(D: int, device: torch.device) -> Tuple[int, int, int]:
 
 def _check_rows(name: str, t, like: torch.Tensor) -> None:
     check_tensor(name, t, shape=like.shape, dtypes=(like.dtype,), device=like.device)
+    _row_stride(name, t)
+
+
+def _check_lead(name: str, t) -> None:
+    """``t`` is [R, D] rows, or [..., D] rows (contiguous): the caller's shape, no reshape to 2-D."""
+    check_tensor(name, t, dtypes=_FLOATS)
+    if t.dim() < 2:
+        raise ValueError(f"{name} must be [R, D] or [..., D] (2-D or more), got shape {tuple(t.shape)}")
+    _row_stride(name, t)
+
+
+def _row_stride(name: str, t) -> int:
+    """The stride between ``t``'s rows of D: its first dimension's for [R, D] (unit stride along D), D
+    for a contiguous [..., D] (its leading dimensions flattened, as ``reshape(-1, D)`` would)."""
     if t.stride(-1) != 1:
         raise ValueError(f"{name} must have unit stride along D")
+    if t.dim() == 2:
+        return t.stride(0)
+    if not t.is_contiguous():
+        raise ValueError(f"{name} with more than 2 dimensions must be contiguous, got strides {t.stride()}")
+    return t.shape[-1]
 
 
 @on_tensor_device
@@ -45,7 +64,8 @@ def add_rmsnorm_fwd(
     """Fused ``s = x + residual``; ``y = s * rsqrt(mean(s^2) + eps) * weight``.
 
     Args:
-        x_RD: [R, D] bf16/fp16/fp32, unit stride along D.
+        x_RD: [R, D] bf16/fp16/fp32, unit stride along D; or contiguous [..., D], whose leading dimensions
+            are the rows (y and s then have its shape, rstd is [R] over the flattened rows: no reshape).
         residual_RD: [R, D] like x, or None (plain RMSNorm; the returned sum is x itself).
         weight_D: [D] float weight (any float dtype; read in float32).
         eps: added to the mean square.
@@ -54,23 +74,23 @@ def add_rmsnorm_fwd(
     Returns:
         (y_RD, s_RD, rstd_R float32).
     """
-    check_tensor("x_RD", x_RD, ndim=2, dtypes=_FLOATS)
-    if x_RD.stride(-1) != 1:
-        raise ValueError("x_RD must have unit stride along D")
+    _check_lead("x_RD", x_RD)
+    stride_x = _row_stride("x_RD", x_RD)
     if residual_RD is not None:
         _check_rows("residual_RD", residual_RD, x_RD)
-    R, D = x_RD.shape
+    D = x_RD.shape[-1]
     if D == 0:
         raise ValueError("x_RD must have D >= 1 features, got shape (R, 0)")
+    R = x_RD.numel() // D
     check_tensor("weight_D", weight_D, shape=(D,), dtypes=_FLOATS, device=x_RD.device)
     y = torch.empty_like(x_RD, memory_format=torch.contiguous_format) if out is None else out
     if out is not None:
-        check_out("out", out, (R, D), x_RD.dtype, x_RD.device)
+        check_out("out", out, x_RD.shape, x_RD.dtype, x_RD.device)
     s = x_RD
     if residual_RD is not None:
         s = torch.empty_like(y) if out_sum is None else out_sum
         if out_sum is not None:
-            check_out("out_sum", out_sum, (R, D), x_RD.dtype, x_RD.device)
+            check_out("out_sum", out_sum, x_RD.shape, x_RD.dtype, x_RD.device)
     rstd = torch.empty(R, device=x_RD.device, dtype=torch.float32)
     if R == 0:
         return y, s, rstd
@@ -86,10 +106,10 @@ def add_rmsnorm_fwd(
         R,
         D,
         float(eps),
-        x_RD.stride(0),
-        r.stride(0),
-        y.stride(0),
-        s.stride(0),
+        stride_x,
+        _row_stride("residual_RD", r),
+        _row_stride("out", y),
+        _row_stride("out_sum", s),
         BLOCK_R=block_r,
         BLOCK_D=block_d,
         HAS_RESIDUAL=residual_RD is not None,
@@ -109,7 +129,7 @@ def add_rmsnorm_bwd(
     """Gradients of :func:`add_rmsnorm_fwd`.
 
     Args:
-        grad_y_RD: [R, D] gradient of y, s's dtype.
+        grad_y_RD: [R, D] gradient of y, s's dtype (or [..., D], s's shape, as the forward took).
         grad_s_RD: [R, D] gradient of the returned sum, or None.
         s_RD, rstd_R: saved by the forward.
         weight_D: [D] weight.
@@ -117,13 +137,12 @@ def add_rmsnorm_bwd(
     Returns:
         (grad_s_RD: the gradient of x and of the residual, in s's dtype; grad_weight_D in weight's dtype).
     """
-    check_tensor("s_RD", s_RD, ndim=2, dtypes=_FLOATS)
-    if s_RD.stride(-1) != 1:
-        raise ValueError("s_RD must have unit stride along D")
+    _check_lead("s_RD", s_RD)
     _check_rows("grad_y_RD", grad_y_RD, s_RD)
     if grad_s_RD is not None:
         _check_rows("grad_s_RD", grad_s_RD, s_RD)
-    R, D = s_RD.shape
+    D = s_RD.shape[-1]
+    R = s_RD.numel() // D if D else 0
     check_tensor("rstd_R", rstd_R, shape=(R,), dtypes=(torch.float32,), device=s_RD.device)
     check_tensor("weight_D", weight_D, shape=(D,), dtypes=_FLOATS, device=s_RD.device)
     ds = torch.empty_like(s_RD, memory_format=torch.contiguous_format)
@@ -145,10 +164,10 @@ def add_rmsnorm_bwd(
         dw,
         R,
         D,
-        grad_y_RD.stride(0),
-        g.stride(0),
-        s_RD.stride(0),
-        ds.stride(0),
+        _row_stride("grad_y_RD", grad_y_RD),
+        _row_stride("grad_s_RD", g),
+        _row_stride("s_RD", s_RD),
+        _row_stride("ds", ds),
         BLOCK_R=block_r,
         BLOCK_D=block_d,
         HAS_DS=grad_s_RD is not None,

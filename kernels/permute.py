@@ -55,14 +55,14 @@ from ._permute_kernels import (
     _ENV_PERMUTE_FWD_CONFIG,
     _ENV_UNPERMUTE_BWD_CONFIG,
     _ENV_UNPERMUTE_FWD_CONFIG,
-    _dispatch_base_kernel,
     _dispatch_rows_kernel,
     _permute_fwd_kernel,
+    _regroup_rows_kernel,
     _unpermute_bwd_kernel,
     _unpermute_fwd_kernel,
 )
 
-__all__ = ["dispatch_rows", "permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd"]
+__all__ = ["dispatch_rows", "permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd", "regroup_rows"]
 
 _INT32_MAX = 2**31 - 1
 _FLAT_BLOCK = 1024  # assignments per program of the flat [T * K] dispatch-row kernel
@@ -321,17 +321,70 @@ def dispatch_rows(
         return out
     expert_TK = expert_TK.to(torch.int32).contiguous()
     slot_TK = slot_TK.to(torch.int32).contiguous()
-    base_E = torch.empty(E, dtype=torch.int32, device=dev)
-    if E > 0:
-        _dispatch_base_kernel[(1,)](
-            kept_E.contiguous(), used_E.contiguous(), base_E, E, BLOCK_E=triton.next_power_of_2(E)
-        )
     _dispatch_rows_kernel[(triton.cdiv(T * K, _FLAT_BLOCK),)](
         expert_TK,
         slot_TK,
-        base_E,
+        kept_E.contiguous(),
+        used_E.contiguous(),
         out,
         T * K,
+        E,
         BLOCK=_FLAT_BLOCK,
+        BLOCK_E=triton.next_power_of_2(E),
     )
     return out
+
+
+_REGROUP_BLOCK = 256  # rows per step of a regroup program
+
+
+@on_tensor_device
+def regroup_rows(
+    counts_WL: torch.Tensor, total: int, experts: Optional[int] = None, *, out: Optional[torch.Tensor] = None
+):
+    """Row maps between the received (rank-major) and the grouped (expert-major) order, in one launch.
+
+    Same semantics as :func:`lancet_rt.kernels.reference.regroup_rows_ref`, made on the device from the
+    received counts where they arrived (no host-built index tensors, no host-to-device copies).
+
+    Args:
+        counts_WL: integer [W, L] rows per (rank, local expert), any strides (e.g. a view of the
+            exchanged counts).
+        total: R, the sum of the counts (a host int: the received split sizes).
+        experts: L, when ``counts_WL`` has more columns (other words riding along the counts, read
+            from its first L columns without a slice); None: all of them.
+        out: optional contiguous int64 [2 R + L + 1] buffer the three maps are views of.
+
+    Returns:
+        (to_expert [R], to_rank [R], offsets_L1 [L + 1]), int64 views of one buffer.
+    """
+    _check_tensor("counts_WL", counts_WL, ndim=2, dtypes=_INT_DTYPES)
+    dev = counts_WL.device
+    W, L = counts_WL.shape
+    if experts is not None:
+        if isinstance(experts, bool) or not isinstance(experts, int) or not 0 <= experts <= L:
+            raise ValueError(f"experts must be an int in [0, {L}] (counts_WL's columns), got {experts!r}")
+        L = experts
+    if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+        raise ValueError(f"total must be an int >= 0, got {total!r}")
+    n = 2 * total + L + 1
+    if out is None:
+        out = torch.empty(n, dtype=torch.int64, device=dev)
+    else:
+        _check_out("out", out, (n,), torch.int64, dev)
+    to_expert, to_rank, offsets_L1 = out.split_with_sizes((total, total, L + 1))
+    if W * L == 0:
+        return to_expert, to_rank, offsets_L1.zero_()
+    _regroup_rows_kernel[(W * L,)](
+        counts_WL,
+        to_expert,
+        to_rank,
+        offsets_L1,
+        W,
+        L,
+        *counts_WL.stride(),
+        BLOCK_B=triton.next_power_of_2(W * L),
+        BLOCK_L=triton.next_power_of_2(L + 1),
+        BLOCK=_REGROUP_BLOCK,
+    )
+    return to_expert, to_rank, offsets_L1

@@ -405,3 +405,37 @@ def unpermute_bwd_ref(
     if weight_TK.dtype == torch.float64:
         grad_w = grad_w.to(torch.float64)
     return grad_y_SD, grad_w
+
+
+def regroup_rows_ref(counts_WL: torch.Tensor, total: int, experts: Optional[int] = None):
+    """Row maps between the received (rank-major) and the grouped (expert-major) order of an all-to-all.
+
+    Row j of block (w, l) (rows received from rank w for local expert l) is received at
+    ``start[w, l] + j`` (blocks in (w, l) order) and grouped at ``first[l, w] + j`` (blocks in
+    (l, w) order).
+
+    Args:
+        counts_WL: integer [W, L] rows per (rank, local expert), on the rows' device (any strides).
+        total: R, the sum of the counts (known on the host: the received split sizes).
+        experts: L when only the first L columns are counts (None: all).
+
+    Returns:
+        (to_expert [R], to_rank [R], offsets_L1 [L + 1]), int64: ``to_expert[g]`` the received row of
+        grouped row g, ``to_rank`` its inverse, ``offsets_L1`` the local experts' segment bounds in the
+        grouped order.
+    """
+    if experts is not None:
+        counts_WL = counts_WL[:, :experts]
+    W, L = counts_WL.shape
+    dev = counts_WL.device
+    c_B = counts_WL.long().reshape(-1)  # (w, l) blocks
+    start_B = torch.cumsum(c_B, 0) - c_B
+    c_LW = counts_WL.long().t().reshape(-1)  # (l, w) blocks
+    first_B = (torch.cumsum(c_LW, 0) - c_LW).view(L, W).t().reshape(-1)
+    block_R = torch.repeat_interleave(torch.arange(W * L, device=dev), c_B, output_size=total)
+    rows = torch.arange(total, device=dev)
+    to_rank = first_B[block_R] + rows - start_B[block_R]
+    to_expert = torch.empty_like(to_rank).index_put_((to_rank,), rows)
+    offsets_L1 = torch.zeros(L + 1, dtype=torch.int64, device=dev)
+    torch.cumsum(counts_WL.long().sum(0), 0, out=offsets_L1[1:])
+    return to_expert, to_rank, offsets_L1

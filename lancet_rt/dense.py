@@ -105,6 +105,14 @@ def add_rmsnorm(x: torch.Tensor, residual: Optional[torch.Tensor], weight: torch
         # eager on the references, which take [..., D] as it is: the same arithmetic without the
         # custom-op dispatch and the reshapes (host time, paid once per chunk)
         return _AddRMSNormFn.apply(x, residual, weight, float(eps))
+    if (
+        not torch.compiler.is_compiling()
+        and x.dim() > 2
+        and x.is_contiguous()
+        and (residual is None or residual.is_contiguous())
+    ):  # the kernels take contiguous [..., D] rows as they are: no reshape to [N, D] and back (4 views
+        # a call, forward and backward)
+        return _AddRMSNormFn.apply(x, residual, weight, float(eps))
     D = x.shape[-1]
     x2 = x.reshape(-1, D).contiguous()
     r2 = None if residual is None else residual.reshape(-1, D).contiguous()

@@ -22,7 +22,7 @@ from lancet_rt.kernels import cpu_backend, reference, reference_dense
 
 _OP_NAMES = {
     "gating": ["gating_fwd", "gating_bwd"],
-    "permute": ["dispatch_rows", "permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd"],
+    "permute": ["dispatch_rows", "permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd", "regroup_rows"],
     "grouped_gemm": ["grouped_mm", "grouped_mm_dx", "grouped_mm_dw", "gate_up_swiglu", "segment_sum"],
     "swiglu": ["swiglu_fwd", "swiglu_bwd"],
     "norm": ["add_rmsnorm_fwd", "add_rmsnorm_bwd"],

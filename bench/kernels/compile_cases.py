@@ -266,16 +266,16 @@ def _gating_slot(case):
     return gating._gating_slot_kernel, args, dict(BLOCK=gating._FLAT_BLOCK)
 
 
-def _dispatch_base(case):
-    _, permute, *_ = _modules()
-    args = (_buf("i32"), _buf("i32"), _buf("i32"), 64)
-    return permute._dispatch_base_kernel, args, dict(BLOCK_E=64)
-
-
 def _dispatch_rows(case):
     _, permute, *_ = _modules()
-    args = (_buf("i32"), _buf("i32"), _buf("i32"), _buf("i32"), _T * _GATING_K)
-    return permute._dispatch_rows_kernel, args, dict(BLOCK=permute._FLAT_BLOCK)
+    args = (_buf("i32"), _buf("i32"), _buf("i32"), _buf("i32"), _buf("i32"), _T * _GATING_K, 64)
+    return permute._dispatch_rows_kernel, args, dict(BLOCK=permute._FLAT_BLOCK, BLOCK_E=64)
+
+
+def _regroup_rows(case):
+    _, permute, *_ = _modules()
+    args = (_buf("i64"), _buf("i64"), _buf("i64"), _buf("i64"), 8, 16, 17, 1)
+    return permute._regroup_rows_kernel, args, dict(BLOCK_B=128, BLOCK_L=32, BLOCK=permute._REGROUP_BLOCK)
 
 
 def _permute_fwd(case):
@@ -511,8 +511,8 @@ _SPECS: Dict[str, Tuple[Callable, Callable, List[Tuple[str, tuple]]]] = {
     "gating.bwd": (_gating_bwd, _gating_tile_configs("_ENV_BWD_CONFIG"), [(f"E={e} fp32", (e,)) for e in _GATING_E]),
     "gating.scan": (_gating_scan, _fixed, [("fp32", ())]),
     "gating.slot": (_gating_slot, _fixed, [("i32", ())]),
-    "permute.dispatch_base": (_dispatch_base, _fixed, [("i32", ())]),
     "permute.dispatch_rows": (_dispatch_rows, _fixed, [("i32", ())]),
+    "permute.regroup_rows": (_regroup_rows, _fixed, [("i64", ())]),
     "permute.fwd": (
         _permute_fwd,
         _row_tile_configs("_ENV_PERMUTE_FWD_CONFIG"),

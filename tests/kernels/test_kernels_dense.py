@@ -71,6 +71,35 @@ def test_add_rmsnorm(gen, R, D, dtype, residual, grad_s):
     _norm_case(gen, R, D, dtype, residual, grad_s)
 
 
+@pytest.mark.parametrize("lead", [(3, 7), (2, 1, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "residual,grad_s", [(True, True), (True, False), (False, False)], ids=["res+ds", "res", "plain"]
+)
+def test_add_rmsnorm_leading_dims(gen, lead, dtype, residual, grad_s):
+    """Contiguous [..., D] rows as they are (no reshape by the caller): bitwise the [R, D] call's
+    outputs and gradients, in the caller's shape (rstd over the flattened rows); NaN-filled buffers."""
+    D = 60
+    x = _rand(gen, *lead, D, dtype=dtype)
+    r = _rand(gen, *lead, D, dtype=dtype) if residual else None
+    w = _rand(gen, D, dtype=dtype) + 1.0
+    dy = _rand(gen, *lead, D, dtype=dtype)
+    dsn = _rand(gen, *lead, D, dtype=dtype) if grad_s else None
+    y_buf, s_buf = nan_like(x), nan_like(x)
+    y, s, rstd = add_rmsnorm_fwd(x, r, w, 1e-5, out=y_buf, out_sum=s_buf if residual else None)
+    assert y is y_buf and y.shape == x.shape and s.shape == x.shape and rstd.shape == (x.numel() // D,)
+    flat = lambda t: None if t is None else t.reshape(-1, D)
+    y2, s2, rstd2 = add_rmsnorm_fwd(flat(x), flat(r), w, 1e-5)
+    assert torch.equal(y.reshape(-1, D), y2) and torch.equal(s.reshape(-1, D), s2) and torch.equal(rstd, rstd2)
+    ds, dw = add_rmsnorm_bwd(dy, dsn, s, rstd, w)
+    ds2, dw2 = add_rmsnorm_bwd(flat(dy), flat(dsn), s2, rstd2, w)
+    assert ds.shape == x.shape and torch.equal(ds.reshape(-1, D), ds2) and torch.equal(dw, dw2)
+    y_ref, _, _ = add_rmsnorm_fwd_ref(s.double(), None, w.double(), 1e-5)
+    assert_close("y", y, y_ref)
+    with pytest.raises(ValueError, match="contiguous"):
+        add_rmsnorm_fwd(_rand(gen, 4, 3, D, dtype=dtype).transpose(0, 1), None, w)
+
+
 def test_add_rmsnorm_no_rows_and_bad_input(gen):
     x = _rand(gen, 0, 60)
     y, s, rstd = add_rmsnorm_fwd(x, None, torch.ones(60, device=DEVICE))

@@ -45,7 +45,9 @@ class AllToAll(Dispatcher):
         loads = kept_PE.sum(0).long().view(1, -1).expand(W, -1) if moe.shadow_experts else None
         return exchange_counts(moe, kept_PE, counts, L, loads, error, dtype)
 
-    def dispatch(self, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL, sent_WL) -> Dispatched:
+    def dispatch(
+        self, x_SD: torch.Tensor, kept_E: torch.Tensor, counts_WL, sent_WL, ops=None, received=None
+    ) -> Dispatched:
         """Send each kept row to its expert's rank (async).
 
         Args:
@@ -55,6 +57,10 @@ class AllToAll(Dispatcher):
                 ints (nested lists, from :attr:`~lancet_rt.moe.dispatch.common.Counts.host`: nothing is
                 read here). Without a group: None, or W = 1 rows of the kept rows per expert (the
                 experts' segment bounds, so that the references read nothing).
+            ops, received: the kernel namespace and the received counts as they arrived (``Counts.arrived``,
+                [W, E_local + ...] on the rows' device): on the kernels' path the row maps and the experts'
+                bounds are then made there in one launch (``ops.regroup_rows``); else (None, or the
+                references) from the host ints.
 
         Returns:
             The chunk's :class:`~lancet_rt.moe.dispatch.common.Dispatched` layout; its ``pending`` is
@@ -73,8 +79,18 @@ class AllToAll(Dispatcher):
             "dispatch", cuda=x_SD.is_cuda, layer=moe.trace_name, rows=x_SD.shape[0], off_rank_bytes=off_rank
         ):
             pending = comm.all_to_all(x_SD, moe.group, recv_splits, send_splits)
-        to_expert, to_rank = regroup_permutations(counts_WL, x_SD.device)
         bounds_L1 = HostBounds(host_bounds([sum(col) for col in zip(*counts_WL)]))
+        L = len(counts_WL[0])
+        if (
+            received is not None
+            and not getattr(ops, "host_offsets", True)
+            and received.device == x_SD.device
+            and len(counts_WL) > 1
+            and L > 1
+        ):
+            to_expert, to_rank, offsets_L1 = ops.regroup_rows(received, sum(recv_splits), L)
+            return Dispatched(pending, offsets_L1, bounds_L1, send_splits, recv_splits, to_expert, to_rank)
+        to_expert, to_rank = regroup_permutations(counts_WL, x_SD.device)
         # (the device offsets are made where the kernels need them: the experts stage, Dispatcher.experts)
         return Dispatched(pending, None, bounds_L1, send_splits, recv_splits, to_expert, to_rank)
 
@@ -103,12 +119,14 @@ class AllToAll(Dispatcher):
             d = self.dispatch(x_SD, r.kept_E, [kept], [kept])
         else:
             counts = self.exchange_counts(r.kept_E.view(1, -1), c.dtype)
+            counts.keep_arrived = not getattr(ops, "host_offsets", True)  # (the kernels make the row maps from them)
             counts_turn(moe, x_TD)  # other chunks run while the counts travel (where that pays)
             with _trace.span("wait", "wait", chunk=chunk, counts=True):
                 counts.wait()
             recv, sent = counts.host[0][0], counts.host[1][0]
             x_SD, src_S = self.permute(x_TD, r, sum(map(sum, sent)), ops, chunk)
-            d = self.dispatch(x_SD, r.kept_E, recv, sent)
+            received, counts.arrived = counts.arrived, None  # (held no longer than the dispatch needs it)
+            d = self.dispatch(x_SD, r.kept_E, recv, sent, ops, received)
         shared = self.shared(c.x_TD)
         _scope.switch()
         y_recv = self.experts(d.pending.wait(), d, ops, d.pending.link)

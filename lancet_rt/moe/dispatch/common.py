@@ -80,6 +80,9 @@ class Counts:
         self._tag = TAG_WORDS if tagged else 0
         self._mismatch: Optional[Exception] = None
         self.host: Optional[tuple[list, list]] = None  # (recv, sent), each [P][W][E_local] ints
+        # keep_arrived: keep the received counts [W, P * E_local + ...] where they arrived (``arrived``)
+        # for row maps made there (the kernels' path; the references' path keeps nothing)
+        self.keep_arrived, self.arrived = False, None
         self.loads: Optional[list] = None  # [W][E] each rank's kept rows per expert (hot-expert shadowing)
 
     def wait(self) -> None:
@@ -99,6 +102,8 @@ class Counts:
             else:
                 faults.raise_on_bad_status([row[P * L] for row in rows_recv], self._error, self._group)
             self.host = (_by_piece(rows_recv, P, L), _by_piece(rows_sent, P, L))
+            if self.keep_arrived:
+                self.arrived = recv
             if len(rows_recv[0]) > P * L + 1 + self._tag:  # the senders' whole kept_E rode along (shadowing)
                 self.loads = [row[P * L + 1 + self._tag :] for row in rows_recv]
 
