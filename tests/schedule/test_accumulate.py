@@ -275,6 +275,7 @@ def _accumulate_gloo(rank, world):
             TorchGroup(dist.group.WORLD, counts_group=bad)
         except (TypeError, ValueError) as e:
             refused.append(f"{type(e).__name__}: {e}")
+    dist.barrier()  # (no rank exits while a peer still connects the group above: gloo's "connection closed")
     return drops, sync.issued, len(sync._buckets), group.monitor.exchanges, refused
 
 
