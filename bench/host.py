@@ -7,7 +7,9 @@ and the compute's own work is left), a training step is run unchunked and under
 * ATen ops (a ``TorchDispatchMode`` sees every op the step dispatches, views included);
 * host reads of tensor values (``aten._local_scalar_dense``: ``.item()``, ``.tolist()``, ``int(t)``;
   on a GPU each read of a device tensor is a host sync);
-* Triton launches (on the kernel path: ``LANCET_KERNELS=triton``, on CPU with ``TRITON_INTERPRET=1``);
+* Triton launches (on the kernel path: ``LANCET_KERNELS=triton``, on CPU with ``TRITON_INTERPRET=1``),
+  and on CUDA ``launch_us``: a launch's own host cost, the mean host time inside Triton's launcher
+  over the counted step (its kernels compiled and cached by the warm-up step before it);
 * minor page faults per step (``minflt``, the median over the timed steps: memory returned to the OS
   and faulted in again; ``getrusage``);
 * host microseconds (the median wall time of the phase; on a GPU, the time to enqueue it), and
@@ -44,6 +46,7 @@ import copy
 import gc
 import resource
 import statistics
+import time
 from typing import Optional
 
 import torch
@@ -114,13 +117,17 @@ class OpCounter(TorchDispatchMode):
 
 
 class LaunchCounter:
-    """Counts Triton kernel launches (compiled or interpreted) while active; ``inside`` is true during
-    a launch (the interpreter runs a kernel as tensor ops, which are not the host's ops)."""
+    """Counts Triton kernel launches (compiled or interpreted) while active, and the host seconds spent
+    in them (``seconds``: on a GPU a launch is asynchronous, so this is the launch's own host cost, the
+    JIT's argument binding and the driver call; under the interpreter it is the kernel's execution);
+    ``inside`` is true during a launch (the interpreter runs a kernel as tensor ops, which are not the
+    host's ops)."""
 
     inside = False
 
     def __init__(self):
         self.count = 0
+        self.seconds = 0.0
         self._patched: list = []
 
     def __enter__(self):
@@ -132,13 +139,16 @@ class LaunchCounter:
             original = cls.run
 
             def run(fn_self, *args, _original=original, **kwargs):
-                if not kwargs.get("warmup", False) and not LaunchCounter.inside:
-                    self.count += 1
+                counted = not kwargs.get("warmup", False) and not LaunchCounter.inside
                 outer, LaunchCounter.inside = LaunchCounter.inside, True
+                start = time.perf_counter()
                 try:
                     return _original(fn_self, *args, **kwargs)
                 finally:
                     LaunchCounter.inside = outer
+                    if counted:
+                        self.count += 1
+                        self.seconds += time.perf_counter() - start
 
             cls.run = run
             self._patched.append((cls, original))
@@ -236,10 +246,13 @@ class Step:
         with OpCounter() as ops, LaunchCounter() as launches:
             loss = self.forward(n)
         row.update(fwd_ops=ops.total, fwd_reads=ops.reads, fwd_launches=launches.count)
-        fwd_ops = ops.ops
+        fwd_ops, fwd_seconds = ops.ops, launches.seconds
         with OpCounter() as ops, LaunchCounter() as launches:
             loss.backward()
         row.update(bwd_ops=ops.total, bwd_reads=ops.reads, bwd_launches=launches.count)
+        launched = row["fwd_launches"] + launches.count
+        if self.device.type == "cuda" and launched:  # (under the interpreter a launch runs the kernel)
+            row["launch_us"] = (fwd_seconds + launches.seconds) / launched * 1e6
         if self.device.type == "cuda":
             torch.cuda.synchronize()
             row["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
@@ -436,6 +449,7 @@ def _print(rows: list[dict], top: int) -> None:
         "fwd_us_per_chunk",
         "bwd_us_per_chunk",
         "plain_us_per_chunk",
+        "launch_us",
         "saved_x",
         "peak_x",
         "minflt",

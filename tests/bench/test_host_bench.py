@@ -3,6 +3,8 @@ a regression test (host reads and saved bytes per extra chunk; ATen ops on the C
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -73,3 +75,24 @@ def test_cuda_row_carries_gpu_time_and_the_ratio():
         assert r["host_over_gpu"] == pytest.approx(r["host_us"] / r["gpu_us"])
         # the GPU's span of a step starts when the host starts it and ends after the host's last enqueue
         assert r["host_over_gpu"] <= 1.05
+
+
+def test_the_launch_counter_counts_and_times_each_launch_once(monkeypatch):
+    """Launches are counted and timed once each (a launch inside a launch is the kernel's own work), and
+    the time spent in them is summed; a warm-up call is not a launch."""
+    pytest.importorskip("triton")
+    from triton.runtime import jit
+
+    def fake_run(fn_self, *args, **kwargs):
+        if kwargs.pop("nested", False):
+            jit.JITFunction.run(fn_self)  # (as the interpreter would: a launch inside the outer one)
+        time.sleep(0.002)
+
+    monkeypatch.setattr(jit.JITFunction, "run", fake_run)
+    with host.LaunchCounter() as launches:
+        jit.JITFunction.run(None)
+        jit.JITFunction.run(None, nested=True)
+        jit.JITFunction.run(None, warmup=True)
+    assert launches.count == 2
+    assert 0.006 <= launches.seconds < 1.0  # (the outer launch's time holds the inner one's)
+    assert jit.JITFunction.run is fake_run  # (restored on exit)
