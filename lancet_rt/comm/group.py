@@ -4,10 +4,15 @@ all-to-all as an autograd Function whose backward is the dual all-to-all.
 Collectives here are asynchronous: they return a handle, and the consumer waits on it, never the
 producer. The backward of an all-to-all gives the weight-gradient queue (``wgrad``) the time the
 collective is in flight.
+
+Each collective is handed to the group's monitor as data, the ``torch.distributed`` call with its
+arguments bound (``functools.partial``), which the monitor (or a split group's issuer thread) launches
+after its checks: the monitor calls torch, never back into this module.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import pickle
 from typing import Optional, Protocol, Sequence, runtime_checkable
@@ -19,6 +24,7 @@ from lancet_rt import env
 from lancet_rt import trace as _trace
 from lancet_rt.comm import faults
 from lancet_rt.comm.channels import lane_all_to_all, make_channels
+from lancet_rt.comm.link import check_link, link_ms
 from lancet_rt.comm.monitor import GroupMonitor
 from lancet_rt.runtime import scope as _scope
 from lancet_rt.runtime import wgrad
@@ -65,20 +71,6 @@ class ExpertParallelGroup(Protocol):
 
     def all_gather(self, vec_N: torch.Tensor) -> torch.Tensor:
         """Blocking all-gather of a fixed-size int64 vector: returns [W, N]."""
-
-
-def check_link(bandwidth_gbps, latency_us) -> tuple[float, float]:
-    """A link model's parameters as floats, or a ValueError naming the bad one."""
-    if isinstance(bandwidth_gbps, bool) or not isinstance(bandwidth_gbps, (int, float)) or not bandwidth_gbps > 0:
-        raise ValueError(f"bandwidth_gbps must be a number > 0 (math.inf: free), got {bandwidth_gbps!r}")
-    if isinstance(latency_us, bool) or not isinstance(latency_us, (int, float)) or not latency_us >= 0:
-        raise ValueError(f"latency_us must be a number >= 0, got {latency_us!r}")
-    return float(bandwidth_gbps), float(latency_us)
-
-
-def link_ms(off_rank_bytes: int, bandwidth_gbps: float, latency_us: float) -> float:
-    """One collective's time on a link of ``bandwidth_gbps`` (GB/s for off-rank bytes) and ``latency_us``."""
-    return latency_us * 1e-3 + off_rank_bytes / (bandwidth_gbps * 1e9) * 1e3
 
 
 class TorchGroup:
@@ -240,13 +232,21 @@ class TorchGroup:
         if self.channels is not None:  # each direction on its own lane
             return self.monitor.issue(
                 "all-to-all",
-                lambda: lane_all_to_all(self.channels, self._rank, output, input, output_splits, input_splits),
+                functools.partial(
+                    lane_all_to_all, self.channels, self._rank, output, input, output_splits, input_splits
+                ),
                 header,
             )
         return self.monitor.issue(
             "all-to-all",
-            lambda: dist.all_to_all_single(
-                output, input, list(output_splits), list(input_splits), group=self.group, async_op=True
+            functools.partial(
+                dist.all_to_all_single,
+                output,
+                input,
+                list(output_splits),
+                list(input_splits),
+                group=self.group,
+                async_op=True,
             ),
             header,
         )
@@ -257,7 +257,9 @@ class TorchGroup:
             raise ValueError(f"op must be 'sum', got {op!r}")
         header = (tensor.dtype, [tensor.numel()] * self._size, [tensor.numel()] * self._size)
         return self.monitor.issue(
-            what, lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._bulk, async_op=True), header
+            what,
+            functools.partial(dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=self._bulk, async_op=True),
+            header,
         )
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str = "broadcast") -> Work:
@@ -265,7 +267,7 @@ class TorchGroup:
         header = (tensor.dtype, [tensor.numel()] * self._size, [tensor.numel()] * self._size)
         root = dist.get_global_rank(self.group, src)
         return self.monitor.issue(
-            what, lambda: dist.broadcast(tensor, src=root, group=self._bulk, async_op=True), header
+            what, functools.partial(dist.broadcast, tensor, src=root, group=self._bulk, async_op=True), header
         )
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: str = "sum", what: str = "reduce") -> Work:
@@ -276,7 +278,9 @@ class TorchGroup:
         header = (tensor.dtype, [tensor.numel()] * self._size, [tensor.numel()] * self._size)
         root = dist.get_global_rank(self.group, dst)
         return self.monitor.issue(
-            what, lambda: dist.reduce(tensor, dst=root, op=dist.ReduceOp.SUM, group=self._bulk, async_op=True), header
+            what,
+            functools.partial(dist.reduce, tensor, dst=root, op=dist.ReduceOp.SUM, group=self._bulk, async_op=True),
+            header,
         )
 
     def exchange(self, send_WN: torch.Tensor) -> "Exchange":
@@ -285,7 +289,7 @@ class TorchGroup:
         n = send.numel() // max(self._size, 1)
         work = self.monitor.issue(
             "counts exchange",
-            lambda: dist.all_to_all_single(recv, send, group=self.counts_group, async_op=True),
+            functools.partial(dist.all_to_all_single, recv, send, group=self.counts_group, async_op=True),
             (send.dtype, [n] * self._size, [n] * self._size),
         )
         if not recv.is_cuda:
@@ -309,7 +313,9 @@ class TorchGroup:
         vec = vec_N.to(self._small_device(), torch.int64).contiguous()
         out = [torch.empty_like(vec) for _ in range(self._size)]
         header = (vec.dtype, [vec.numel()] * self._size, [vec.numel()] * self._size)
-        self.monitor.issue(what, lambda: dist.all_gather(out, vec, group=self._small, async_op=True), header).wait()
+        self.monitor.issue(
+            what, functools.partial(dist.all_gather, out, vec, group=self._small, async_op=True), header
+        ).wait()
         return self.monitor.block(lambda: torch.stack(out).cpu())
 
     def all_gather_object(self, obj, what: str = "object all-gather") -> list:
@@ -321,7 +327,9 @@ class TorchGroup:
         buf[: data.numel()] = data.to(buf.device)
         out = [torch.empty_like(buf) for _ in range(self._size)]
         header = (buf.dtype, [buf.numel()] * self._size, [buf.numel()] * self._size)
-        self.monitor.issue(what, lambda: dist.all_gather(out, buf, group=self._bulk, async_op=True), header).wait()
+        self.monitor.issue(
+            what, functools.partial(dist.all_gather, out, buf, group=self._bulk, async_op=True), header
+        ).wait()
         host = self.monitor.block(lambda: [t.cpu() for t in out])
         return [pickle.loads(t.numpy()[:n].tobytes()) for t, n in zip(host, sizes)]
 

@@ -75,7 +75,7 @@ class ChunkScope:
             transfer); the scheduler decides from these alone, so every rank runs the same schedule
             and issues its collectives in the same order.
         first_exchange: the step's first counts exchange per group (``id(group)``), which later
-            chunks wait for before issuing theirs (:func:`lancet_rt.comm.faults.in_order`).
+            chunks wait for before issuing theirs (:func:`lancet_rt.comm.faults.wait_first_exchange`).
         casts: the weights' compute-dtype copies shared by the chunks
             (:func:`lancet_rt.runtime.casts.compute_copy`).
         last_combine: per chunk, the (output, link) of the combine all-to-all of the last MoE layer
