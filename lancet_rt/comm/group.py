@@ -8,6 +8,15 @@ collective is in flight.
 Each collective is handed to the group's monitor as data, the ``torch.distributed`` call with its
 arguments bound (``functools.partial``), which the monitor (or a split group's issuer thread) launches
 after its checks: the monitor calls torch, never back into this module.
+
+An all-to-all's :class:`BackwardLink` keeps the state of its dual (backward) all-to-all on itself,
+not in the step context (:mod:`lancet_rt.runtime.scope`): ``early``, the dual issued before this
+node's backward ran (by its consumer's backward, or from the forward), and ``scaled_by``, the loss
+gradient's factor of a dual issued from the forward. Both belong to one autograd node: made in the
+forward, read by that node's backward after the forward's chunk scope has ended, on whichever thread
+the engine runs it, and gone with the graph. A context would need them keyed by link and cleared
+by hand after every backward, including one that raised. Which partial backward issues a dual from
+the forward is the step context's (``PROCESS.dual_from_forward``): it lasts one call.
 """
 
 from __future__ import annotations
@@ -465,7 +474,15 @@ def finish_backward(link, grad, queue, window_ms) -> torch.Tensor:
 
 
 class BackwardLink:
-    """One all-to-all's plan, shared by its forward handle and its consumer's backward."""
+    """One all-to-all's plan, shared by its forward handle and its consumer's backward.
+
+    Attributes:
+        early: (result, work) of the dual all-to-all once issued ahead of this node's backward
+            (:meth:`issue`), until that backward takes it; None before.
+        scaled_by: the :class:`lancet_rt.schedule.early_backward.GradScale` of a dual issued from the
+            forward (for a loss gradient of 1), whose factor the node's backward multiplies the result
+            by; None otherwise. (Module docstring: why these live here.)
+    """
 
     def __init__(self, group, output_splits: Sequence[int], input_splits: Sequence[int]):
         self.group = group
@@ -473,14 +490,14 @@ class BackwardLink:
         self.work: Work = Done()
         self.early = None
         self.chunk = _scope.current().chunk if _scope.current() is not None else None
-        # Issued from the forward (lancet_rt.schedule.early_backward): ``from_forward`` is set for the
-        # partial backward that issues it, ``scaled_by`` then gives the real loss gradient's factor.
-        self.from_forward = None
         self.scaled_by = None
 
     def issue(self, grad_out: torch.Tensor) -> None:
         """Start the backward (dual) all-to-all of ``grad_out`` now."""
-        early, self.from_forward = self.from_forward, None
+        early = None
+        pending = _scope.PROCESS.dual_from_forward  # (a partial backward issuing this dual from the forward)
+        if pending is not None and pending[0] is self:
+            early, _scope.PROCESS.dual_from_forward = pending[1], None
         faults.note_dual(self.group, early=early is not None)
         grad_out = grad_out.contiguous()
         grad_in = grad_out.new_empty((sum(self.input_splits),) + tuple(grad_out.shape[1:]))
