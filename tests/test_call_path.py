@@ -5,10 +5,10 @@ files on the call stack. A call **re-enters** a file when that file is already o
 another of our files, so the callee called back into it (a callback, or a call upwards); calls within
 one file and returns to the caller do not count. Frames of other code (torch, the autograd engine, this
 test) are stepped over, so a callback passed through ``torch.autograd.Function.apply`` still counts.
-Under greenlets each greenlet has its own stack, and under :class:`lancet_rt.Overlapped` only the
-chunks' greenlets count: the scheduler's switches resume a chunk where it stopped, they call nothing.
-The driver of the step (the main greenlet: the step guard, warm-up, the chunking) is not one chunk's
-path and is left out.
+Under greenlets each greenlet has its own stack: the scheduler's switches resume a chunk where it
+stopped, they call nothing. Under :class:`lancet_rt.Overlapped` the MoE files' order is read from the
+chunks' greenlets only (one chunk's path); the re-entries are counted over the whole step, the
+driver's frames too (the main greenlet: the step guard, warm-up, the chunking, the scheduler).
 
 What is traced: one forward of a MoE layer of the default dispatcher on an ``EmulatedGroup(2)`` and on a
 real 2-rank gloo group (``TorchGroup``: the split lanes its ``ep_group`` gets by default, whose issuer
@@ -127,9 +127,10 @@ def test_one_chunk_under_overlapped():
     moe, x = _layer(lancet_rt.EmulatedGroup(world_size=2))
     step = lancet_rt.Overlapped(moe, chunks=2, defer_wgrad=True)
     step(x).sum().backward()
-    fwd, y = trace(lambda: step(x), chunks_only=True)
-    assert_no_reentry(fwd, "Overlapped forward (the chunks' greenlets)")
-    assert_moe_order(fwd, "Overlapped forward (the chunks' greenlets)")
+    chunks, _ = trace(lambda: step(x), chunks_only=True)
+    assert_moe_order(chunks, "Overlapped forward (the chunks' greenlets)")
+    fwd, y = trace(lambda: step(x))
+    assert_no_reentry(fwd, "Overlapped forward (the driver and the chunks)")
     bwd, _ = trace(lambda: y.sum().backward())
     assert_no_reentry(bwd, "Overlapped backward")
 
