@@ -33,7 +33,8 @@ import torch
 
 from lancet_rt import trace as _trace
 from lancet_rt.comm.emulated_cuda import _CudaLowWork, _CudaWork, _sleep_cycles_per_ms, link_stream
-from lancet_rt.comm.group import Exchange, _side_stream, check_link, link_ms
+from lancet_rt.comm.group import Exchange, _side_stream
+from lancet_rt.comm.link import check_link, link_ms
 
 
 class _LinkWork:

@@ -8,7 +8,7 @@ each ends fast, on every rank, with an error that names the rank at fault (READM
   in the model before the step's first counts exchange): the failing rank still takes part in that
   exchange with a failure status (or in the configuration/schedule all-gather), every rank raises
   there, and the group stays usable. To make "before" well defined, a chunk does not issue its
-  counts exchange until the step's first one has been waited (:func:`in_order`): no rank runs ahead
+  counts exchange until the step's first one has been waited (:func:`wait_first_exchange`): no rank runs ahead
   into a second exchange that a failing rank would never match.
 - **After they started** (an exception in chunk 2 of 4, in backward, a KeyboardInterrupt): the
   ranks are out of step for good. The failing rank writes a failure record to the process group's
@@ -44,7 +44,7 @@ no collective is added per chunk.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -123,24 +123,37 @@ def raise_on_bad_status(status_W, local_error: Optional[BaseException], group=No
     raise agreed(error)
 
 
-def in_order(group, issue: Callable[[], object]):
-    """Issue a counts exchange, but first wait for the step's first one on ``group`` (real groups).
+def _step_orders(group):
+    """The step's chunk scope where its counts exchanges on ``group`` are ordered (a real group of
+    several ranks inside a chunked forward), else None."""
+    s = _scope.current()
+    if s is None or getattr(group, "monitor", None) is None or group.size == 1:
+        return None
+    return s
+
+
+def wait_first_exchange(group) -> None:
+    """Before issuing a counts exchange on ``group``: wait for the step's first one, if it was issued.
 
     A rank that fails before the step's collectives reports it on that first exchange; a peer that
     had already issued a second exchange would wait in it forever. Waiting the first exchange before
     issuing the second costs nothing in the steady state: it is waited right after anyway, and the
-    other chunk's computation has been queued meanwhile.
+    other chunk's computation has been queued meanwhile. Raises there if a rank reported a failure.
+    The caller then issues its exchange and hands it to :func:`note_exchange`: two plain calls in
+    sequence, so this module never calls back into the dispatcher.
     """
-    s = _scope.current()
-    if s is None or getattr(group, "monitor", None) is None or group.size == 1:
-        return issue()
-    first = s.first_exchange.get(id(group))
+    s = _step_orders(group)
+    first = None if s is None else s.first_exchange.get(id(group))
     if first is not None:
-        first.wait()  # raises here if a rank reported a failure
-        return issue()
-    handle = issue()
-    s.first_exchange[id(group)] = handle
-    return handle
+        first.wait()
+
+
+def note_exchange(group, handle) -> None:
+    """After issuing a counts exchange on ``group``: keep it as the step's first if none was issued yet
+    (:func:`wait_first_exchange` waits for it before the next one)."""
+    s = _step_orders(group)
+    if s is not None:
+        s.first_exchange.setdefault(id(group), handle)
 
 
 # ------------------------------------------------------------------------------ per-group state

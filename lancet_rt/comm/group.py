@@ -4,10 +4,24 @@ all-to-all as an autograd Function whose backward is the dual all-to-all.
 Collectives here are asynchronous: they return a handle, and the consumer waits on it, never the
 producer. The backward of an all-to-all gives the weight-gradient queue (``wgrad``) the time the
 collective is in flight.
+
+Each collective is handed to the group's monitor as data, the ``torch.distributed`` call with its
+arguments bound (``functools.partial``), which the monitor (or a split group's issuer thread) launches
+after its checks: the monitor calls torch, never back into this module.
+
+An all-to-all's :class:`BackwardLink` keeps the state of its dual (backward) all-to-all on itself,
+not in the step context (:mod:`lancet_rt.runtime.scope`): ``early``, the dual issued before this
+node's backward ran (by its consumer's backward, or from the forward), and ``scaled_by``, the loss
+gradient's factor of a dual issued from the forward. Both belong to one autograd node: made in the
+forward, read by that node's backward after the forward's chunk scope has ended, on whichever thread
+the engine runs it, and gone with the graph. A context would need them keyed by link and cleared
+by hand after every backward, including one that raised. Which partial backward issues a dual from
+the forward is the step context's (``PROCESS.dual_from_forward``): it lasts one call.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import pickle
 from typing import Optional, Protocol, Sequence, runtime_checkable
@@ -19,6 +33,7 @@ from lancet_rt import env
 from lancet_rt import trace as _trace
 from lancet_rt.comm import faults
 from lancet_rt.comm.channels import lane_all_to_all, make_channels
+from lancet_rt.comm.link import check_link, link_ms
 from lancet_rt.comm.monitor import GroupMonitor
 from lancet_rt.runtime import scope as _scope
 from lancet_rt.runtime import wgrad
@@ -65,20 +80,6 @@ class ExpertParallelGroup(Protocol):
 
     def all_gather(self, vec_N: torch.Tensor) -> torch.Tensor:
         """Blocking all-gather of a fixed-size int64 vector: returns [W, N]."""
-
-
-def check_link(bandwidth_gbps, latency_us) -> tuple[float, float]:
-    """A link model's parameters as floats, or a ValueError naming the bad one."""
-    if isinstance(bandwidth_gbps, bool) or not isinstance(bandwidth_gbps, (int, float)) or not bandwidth_gbps > 0:
-        raise ValueError(f"bandwidth_gbps must be a number > 0 (math.inf: free), got {bandwidth_gbps!r}")
-    if isinstance(latency_us, bool) or not isinstance(latency_us, (int, float)) or not latency_us >= 0:
-        raise ValueError(f"latency_us must be a number >= 0, got {latency_us!r}")
-    return float(bandwidth_gbps), float(latency_us)
-
-
-def link_ms(off_rank_bytes: int, bandwidth_gbps: float, latency_us: float) -> float:
-    """One collective's time on a link of ``bandwidth_gbps`` (GB/s for off-rank bytes) and ``latency_us``."""
-    return latency_us * 1e-3 + off_rank_bytes / (bandwidth_gbps * 1e9) * 1e3
 
 
 class TorchGroup:
@@ -240,13 +241,21 @@ class TorchGroup:
         if self.channels is not None:  # each direction on its own lane
             return self.monitor.issue(
                 "all-to-all",
-                lambda: lane_all_to_all(self.channels, self._rank, output, input, output_splits, input_splits),
+                functools.partial(
+                    lane_all_to_all, self.channels, self._rank, output, input, output_splits, input_splits
+                ),
                 header,
             )
         return self.monitor.issue(
             "all-to-all",
-            lambda: dist.all_to_all_single(
-                output, input, list(output_splits), list(input_splits), group=self.group, async_op=True
+            functools.partial(
+                dist.all_to_all_single,
+                output,
+                input,
+                list(output_splits),
+                list(input_splits),
+                group=self.group,
+                async_op=True,
             ),
             header,
         )
@@ -257,7 +266,9 @@ class TorchGroup:
             raise ValueError(f"op must be 'sum', got {op!r}")
         header = (tensor.dtype, [tensor.numel()] * self._size, [tensor.numel()] * self._size)
         return self.monitor.issue(
-            what, lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self._bulk, async_op=True), header
+            what,
+            functools.partial(dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=self._bulk, async_op=True),
+            header,
         )
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str = "broadcast") -> Work:
@@ -265,7 +276,7 @@ class TorchGroup:
         header = (tensor.dtype, [tensor.numel()] * self._size, [tensor.numel()] * self._size)
         root = dist.get_global_rank(self.group, src)
         return self.monitor.issue(
-            what, lambda: dist.broadcast(tensor, src=root, group=self._bulk, async_op=True), header
+            what, functools.partial(dist.broadcast, tensor, src=root, group=self._bulk, async_op=True), header
         )
 
     def reduce(self, tensor: torch.Tensor, dst: int, op: str = "sum", what: str = "reduce") -> Work:
@@ -276,7 +287,9 @@ class TorchGroup:
         header = (tensor.dtype, [tensor.numel()] * self._size, [tensor.numel()] * self._size)
         root = dist.get_global_rank(self.group, dst)
         return self.monitor.issue(
-            what, lambda: dist.reduce(tensor, dst=root, op=dist.ReduceOp.SUM, group=self._bulk, async_op=True), header
+            what,
+            functools.partial(dist.reduce, tensor, dst=root, op=dist.ReduceOp.SUM, group=self._bulk, async_op=True),
+            header,
         )
 
     def exchange(self, send_WN: torch.Tensor) -> "Exchange":
@@ -285,7 +298,7 @@ class TorchGroup:
         n = send.numel() // max(self._size, 1)
         work = self.monitor.issue(
             "counts exchange",
-            lambda: dist.all_to_all_single(recv, send, group=self.counts_group, async_op=True),
+            functools.partial(dist.all_to_all_single, recv, send, group=self.counts_group, async_op=True),
             (send.dtype, [n] * self._size, [n] * self._size),
         )
         if not recv.is_cuda:
@@ -309,7 +322,9 @@ class TorchGroup:
         vec = vec_N.to(self._small_device(), torch.int64).contiguous()
         out = [torch.empty_like(vec) for _ in range(self._size)]
         header = (vec.dtype, [vec.numel()] * self._size, [vec.numel()] * self._size)
-        self.monitor.issue(what, lambda: dist.all_gather(out, vec, group=self._small, async_op=True), header).wait()
+        self.monitor.issue(
+            what, functools.partial(dist.all_gather, out, vec, group=self._small, async_op=True), header
+        ).wait()
         return self.monitor.block(lambda: torch.stack(out).cpu())
 
     def all_gather_object(self, obj, what: str = "object all-gather") -> list:
@@ -321,7 +336,9 @@ class TorchGroup:
         buf[: data.numel()] = data.to(buf.device)
         out = [torch.empty_like(buf) for _ in range(self._size)]
         header = (buf.dtype, [buf.numel()] * self._size, [buf.numel()] * self._size)
-        self.monitor.issue(what, lambda: dist.all_gather(out, buf, group=self._bulk, async_op=True), header).wait()
+        self.monitor.issue(
+            what, functools.partial(dist.all_gather, out, buf, group=self._bulk, async_op=True), header
+        ).wait()
         host = self.monitor.block(lambda: [t.cpu() for t in out])
         return [pickle.loads(t.numpy()[:n].tobytes()) for t, n in zip(host, sizes)]
 
@@ -457,7 +474,15 @@ def finish_backward(link, grad, queue, window_ms) -> torch.Tensor:
 
 
 class BackwardLink:
-    """One all-to-all's plan, shared by its forward handle and its consumer's backward."""
+    """One all-to-all's plan, shared by its forward handle and its consumer's backward.
+
+    Attributes:
+        early: (result, work) of the dual all-to-all once issued ahead of this node's backward
+            (:meth:`issue`), until that backward takes it; None before.
+        scaled_by: the :class:`lancet_rt.schedule.early_backward.GradScale` of a dual issued from the
+            forward (for a loss gradient of 1), whose factor the node's backward multiplies the result
+            by; None otherwise. (Module docstring: why these live here.)
+    """
 
     def __init__(self, group, output_splits: Sequence[int], input_splits: Sequence[int]):
         self.group = group
@@ -465,14 +490,14 @@ class BackwardLink:
         self.work: Work = Done()
         self.early = None
         self.chunk = _scope.current().chunk if _scope.current() is not None else None
-        # Issued from the forward (lancet_rt.schedule.early_backward): ``from_forward`` is set for the
-        # partial backward that issues it, ``scaled_by`` then gives the real loss gradient's factor.
-        self.from_forward = None
         self.scaled_by = None
 
     def issue(self, grad_out: torch.Tensor) -> None:
         """Start the backward (dual) all-to-all of ``grad_out`` now."""
-        early, self.from_forward = self.from_forward, None
+        early = None
+        pending = _scope.PROCESS.dual_from_forward  # (a partial backward issuing this dual from the forward)
+        if pending is not None and pending[0] is self:
+            early, _scope.PROCESS.dual_from_forward = pending[1], None
         faults.note_dual(self.group, early=early is not None)
         grad_out = grad_out.contiguous()
         grad_in = grad_out.new_empty((sum(self.input_splits),) + tuple(grad_out.shape[1:]))

@@ -10,13 +10,18 @@ the recomputation replays them in the same order. The replayed layer issues the 
 the forward (counts, dispatch, combine), in the same order on every rank, since every rank recomputes
 the same regions in the autograd engine's deterministic order; it records no statistics.
 
+Where the state lives: the log being recorded or replayed now is the step context's
+(``scope.CHUNK.recording`` / ``scope.CHUNK.replaying``, per chunk: each greenlet has its own); the
+log itself, and the deferred-dW queue in force in the region's forward, belong to one checkpointed
+region and live in its two context objects, which ``torch.utils.checkpoint`` keeps with the region's
+saved tensors: they die with that part of the autograd graph.
+
 A MoE layer recomputed without this context (the reentrant checkpoint, or ``context_fn`` left out)
 raises a RuntimeError that says what to pass, instead of routing differently.
 """
 
 from __future__ import annotations
 
-import contextvars
 from collections import deque
 from dataclasses import dataclass
 from typing import Optional
@@ -24,12 +29,8 @@ from typing import Optional
 import torch
 import torch.utils.checkpoint
 
+from lancet_rt.runtime import scope as _scope
 from lancet_rt.runtime import wgrad as _wgrad
-
-# ContextVars, not globals: greenlets (the chunks of Overlapped) each have their own context, so a
-# chunk that yields inside a checkpointed region does not leak its recording into another chunk.
-_recording: contextvars.ContextVar[Optional[list]] = contextvars.ContextVar("lancet_recording", default=None)
-_replaying: contextvars.ContextVar[Optional[deque]] = contextvars.ContextVar("lancet_replaying", default=None)
 
 
 @dataclass
@@ -48,10 +49,10 @@ class _Recording:
 
     def __enter__(self):
         self._queues.append(_wgrad.current())
-        self._token = _recording.set(self._log)
+        self._token = _scope.CHUNK.recording.set(self._log)
 
     def __exit__(self, *exc):
-        _recording.reset(self._token)
+        _scope.CHUNK.recording.reset(self._token)
 
 
 class _Replaying:
@@ -59,14 +60,14 @@ class _Replaying:
         self._log, self._queues = log, queues
 
     def __enter__(self):
-        self._token = _replaying.set(deque(self._log))
+        self._token = _scope.CHUNK.replaying.set(deque(self._log))
         # The rerun must take the code paths the forward took (deferred dW or not), so that it saves
         # the same tensors: the queue in force then is in force now.
         self._prev_queue = _wgrad.set_current(self._queues[0] if self._queues else None)
 
     def __exit__(self, *exc):
         _wgrad.set_current(self._prev_queue)
-        _replaying.reset(self._token)
+        _scope.CHUNK.replaying.reset(self._token)
 
 
 def checkpoint_context():
@@ -94,12 +95,12 @@ def checkpoint(function, *args, **kwargs):
 
 def recording() -> bool:
     """Whether a checkpointed region's forward is recording MoE calls now."""
-    return _recording.get() is not None
+    return _scope.CHUNK.recording.get() is not None
 
 
 def record(snapshot: Snapshot) -> None:
     """Called by a MoE layer before its gating: keep its starting state if a region records."""
-    log = _recording.get()
+    log = _scope.CHUNK.recording.get()
     if log is not None:
         log.append(snapshot)
 
@@ -109,7 +110,7 @@ def replayed() -> Optional[Snapshot]:
 
     Raises RuntimeError when the call is a recomputation in backward that no context replays.
     """
-    pending = _replaying.get()
+    pending = _scope.CHUNK.replaying.get()
     if pending is not None:
         if not pending:
             raise RuntimeError(

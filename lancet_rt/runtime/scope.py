@@ -1,22 +1,33 @@
-"""The step context: the state a step's layers read beside their arguments, in two objects.
+"""The step context: the state a step's layers read beside their arguments, in three objects.
 
 - :data:`THREAD` (:class:`ThreadContext`, one per host thread): the chunked forward this thread runs
   (its :class:`ChunkScope`: the chunks' carried routing, their turns, the step's first counts
   exchange, the weights' compute-dtype copies, the early-backward record) and the backward running
   beside this thread's forward (cross-microbatch overlap). Per thread because the chunks of one
   forward and the layers they run share one host thread (each chunk a greenlet on it).
-- :data:`PROCESS` (:class:`ProcessContext`, one per process): the deferred-dW queue in force and the
-  backward beside the host's forward as the autograd engine's threads see it. Process-wide because
-  backward runs on the engine's threads (a device thread per GPU), not on the host thread that set them.
+- :data:`CHUNK` (:class:`ChunkContext`, one per execution context: each greenlet, so each chunk, has
+  its own): the activation-checkpointing log being recorded or replayed (:mod:`lancet_rt.runtime.recompute`).
+  Per chunk because a chunk may yield inside a checkpointed region, and its recording must not leak
+  into the chunk that runs next on the same thread.
+- :data:`PROCESS` (:class:`ProcessContext`, one per process): the deferred-dW queue in force, the
+  backward beside the host's forward as the autograd engine's threads see it, and the dual all-to-all
+  that a partial backward issues from the forward. Process-wide because backward runs on the
+  engine's threads (a device thread per GPU), not on the host thread that set them.
 
 A MoE layer asks :func:`current` for the chunk scope; with none active it runs as one chunk and
-:func:`switch` is a no-op. (The recompute log of a checkpointed region is per chunk, not per thread:
-:mod:`lancet_rt.runtime.recompute` keeps it in context variables, which each greenlet has its own of.)
+:func:`switch` is a no-op.
+
+What stays outside: state that belongs to one autograd node and dies with it, which the step's
+backward reaches through the graph after the forward's scope has ended: an all-to-all's
+:class:`lancet_rt.comm.group.BackwardLink` (its dual issued early, and that dual's loss-gradient
+factor), a checkpointed region's log (held by the region's recomputation context), the casts' copies.
 """
 
 from __future__ import annotations
 
+import contextvars
 import threading
+from collections import deque
 from typing import Callable, Optional
 
 
@@ -36,6 +47,25 @@ class ThreadContext(threading.local):
     beside: object = None
 
 
+class ChunkContext:
+    """The part of the step context that each execution context has its own of (:data:`CHUNK`): a
+    greenlet (a chunk of :class:`lancet_rt.Overlapped`) or a thread. Its fields are context variables
+    (``get()``; ``set()`` returns the token that ``reset()`` takes to put the outer value back).
+
+    Attributes:
+        recording: the snapshot log (a list of :class:`lancet_rt.runtime.recompute.Snapshot`) of the
+            checkpointed region whose forward this context runs, or None. Set by the region's forward
+            context (:func:`lancet_rt.runtime.recompute.checkpoint_context`) for that forward; each MoE
+            call in it appends where its routing started.
+        replaying: the snapshots still to replay (a deque, oldest first) in the recomputation this
+            context runs, or None. Set by the region's recomputation context for one rerun, in backward;
+            each recomputed MoE call takes the next one.
+    """
+
+    recording: "contextvars.ContextVar[Optional[list]]" = contextvars.ContextVar("lancet_recording", default=None)
+    replaying: "contextvars.ContextVar[Optional[deque]]" = contextvars.ContextVar("lancet_replaying", default=None)
+
+
 class ProcessContext:
     """The process-wide part of the step context (:data:`PROCESS`), read from any thread.
 
@@ -45,14 +75,23 @@ class ProcessContext:
             (:func:`lancet_rt.runtime.wgrad.set_current`), and by a recomputation for its rerun.
         beside: the backward beside the host's forward, as the engine's threads see it (its
             all-to-alls hand the host back through :func:`backward_wait`); set with ``THREAD.beside``.
+        dual_from_forward: (link, scale) while a chunk's partial backward runs to issue that
+            :class:`lancet_rt.comm.group.BackwardLink`'s dual from the forward, for a loss gradient of 1
+            scaled later by ``scale`` (a :class:`lancet_rt.schedule.early_backward.GradScale`), or None.
+            Set by :func:`lancet_rt.schedule.early_backward.issue_from_forward` for that one
+            ``autograd.grad`` call; taken (set back to None) by the link's ``issue``, which keeps the
+            scale on the link for the step's backward. One at a time: the early backward is off where a
+            backward runs beside the forward.
     """
 
     def __init__(self):
         self.dw_queue = None
         self.beside = None
+        self.dual_from_forward: Optional[tuple] = None
 
 
 THREAD = ThreadContext()
+CHUNK = ChunkContext()
 PROCESS = ProcessContext()
 
 
@@ -75,7 +114,7 @@ class ChunkScope:
             transfer); the scheduler decides from these alone, so every rank runs the same schedule
             and issues its collectives in the same order.
         first_exchange: the step's first counts exchange per group (``id(group)``), which later
-            chunks wait for before issuing theirs (:func:`lancet_rt.comm.faults.in_order`).
+            chunks wait for before issuing theirs (:func:`lancet_rt.comm.faults.wait_first_exchange`).
         casts: the weights' compute-dtype copies shared by the chunks
             (:func:`lancet_rt.runtime.casts.compute_copy`).
         last_combine: per chunk, the (output, link) of the combine all-to-all of the last MoE layer

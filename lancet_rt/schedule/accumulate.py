@@ -340,8 +340,9 @@ def accumulate(
 
     # As Overlapped.forward: the schedule agreed across ranks once; an exception ends on every rank
     # and leaves no state behind (lancet_rt.schedule.guard).
-    _guard.check_schedule(overlapped)
-    with _guard.StepGuard(overlapped):
+    layers = overlapped.moe_layers()
+    _guard.check_schedule(overlapped, layers)
+    with _guard.StepGuard(layers):
         return _step(overlapped, calls, loss_fn, interleave, grad_sync)
 
 

@@ -207,11 +207,11 @@ def issue_from_forward(hidden: torch.Tensor, term: torch.Tensor, scale: GradScal
     path = _path(term.grad_fn, y_SD.grad_fn)
     if path is None:
         return False
-    link.from_forward = scale
+    _scope.PROCESS.dual_from_forward = (link, scale)  # (the step context's: for this one partial backward)
     try:
         torch.autograd.grad(hidden, y_SD, scale.grad_hidden.view(hidden.shape), retain_graph=True, allow_unused=True)
     finally:
-        link.from_forward = None
+        _scope.PROCESS.dual_from_forward = None
     if link.scaled_by is not scale:
         return False
     scale.watch = PathWatch(*path, link)

@@ -6,16 +6,17 @@ the chunks' outputs checked to concatenate to the unchunked model's.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch.utils import _pytree as pytree
 
 from lancet_rt.comm import faults as _faults
 
 
-def check_schedule(overlapped) -> None:
+def check_schedule(overlapped, layers: list) -> None:
     """Compare ``chunks``, ``defer_wgrad`` and ``check`` across each expert-parallel group once.
+
+    ``overlapped``: the :class:`lancet_rt.Overlapped` (its schedule's fields are read, the agreed one
+    kept on it); ``layers``: its MoE layers, whose groups are compared.
 
     One all-gather per group with peers, on the first forward and again if the schedule changes
     (it must change on every rank). Ranks with different schedules would issue different
@@ -25,7 +26,7 @@ def check_schedule(overlapped) -> None:
     mine = (chunks if isinstance(chunks, int) else 0, int(overlapped.defer_wgrad), int(overlapped.check))
     if getattr(overlapped, "_agreed_schedule", None) == mine:
         return
-    for group in _groups(overlapped):
+    for group in _groups(layers):
         if group.size == 1:
             continue
         rows = group.all_gather(torch.tensor(mine, dtype=torch.int64)).tolist()
@@ -71,11 +72,13 @@ def check_output_rows(outputs: list, rows: list) -> None:
 
 class StepGuard:
     """Around one step of :class:`lancet_rt.Overlapped`: find a backward that raised before this
-    step, and make an exception in this step end cleanly on every rank (module docstring)."""
+    step, and make an exception in this step end cleanly on every rank (module docstring).
 
-    def __init__(self, overlapped):
-        self.overlapped = overlapped
-        self.groups = _groups(overlapped)
+    ``layers``: the step's MoE layers (data, so the guard never calls the driver back)."""
+
+    def __init__(self, layers: list):
+        self.layers = layers
+        self.groups = _groups(layers)
         self.marks: dict = {}
 
     def __enter__(self):
@@ -116,7 +119,7 @@ class StepGuard:
             if monitor.exchanges == mark:
                 # No counts exchange of this step yet: the peers wait in the first one (or will).
                 exc._lancet_status = 2
-                layer = next(m for m in self.overlapped.moe_layers() if m.group is g)
+                layer = next(m for m in self.layers if m.group is g)
                 layer.fail_peers(exc)  # raises on every rank
             monitor.break_(
                 monitor.error(
@@ -133,22 +136,9 @@ class StepGuard:
         return False
 
 
-def guarded_step(forward):
-    """Decorates :meth:`lancet_rt.Overlapped.forward`: :func:`check_schedule`, then the step under a
-    :class:`StepGuard`."""
-
-    @functools.wraps(forward)
-    def step(overlapped, *args, **kwargs):
-        check_schedule(overlapped)
-        with StepGuard(overlapped):
-            return forward(overlapped, *args, **kwargs)
-
-    return step
-
-
-def _groups(overlapped) -> list:
+def _groups(layers: list) -> list:
     seen = []
-    for m in overlapped.moe_layers():
+    for m in layers:
         if m.group is not None and all(m.group is not g for g in seen):
             seen.append(m.group)
     return seen

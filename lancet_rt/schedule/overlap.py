@@ -121,18 +121,18 @@ class Overlapped(nn.Module):
         return [m for m in self.model.modules() if isinstance(m, MoE)]
 
     def forward(self, *args, **kwargs):
-        self._step_layers = self.moe_layers()  # (the tree does not change during a step)
+        layers = self._step_layers = self.moe_layers()  # (the tree does not change during a step)
         try:
             with _ops.on_device(_input_device(args, kwargs)):  # (the schedule check's all-gather included)
-                return self._guarded_forward(*args, **kwargs)
+                # The step guard: the schedule agreed across ranks once; an exception ends on every rank
+                # and leaves no state (lancet_rt.schedule.guard, given the layers: it calls nothing back).
+                _guard.check_schedule(self, layers)
+                with _guard.StepGuard(layers):
+                    if self.wgrad_queue is not None:
+                        self.wgrad_queue.discard_orphans()  # left by a backward that raised (e.g. out of memory)
+                    return self.forward_chunked(self._resolve_chunks(args, kwargs), args, kwargs)
         finally:
             self._step_layers = None
-
-    @_guard.guarded_step  # schedule agreed across ranks once; an exception ends on every rank, leaves no state
-    def _guarded_forward(self, *args, **kwargs):
-        if self.wgrad_queue is not None:
-            self.wgrad_queue.discard_orphans()  # left by a backward that raised (e.g. out of memory)
-        return self.forward_chunked(self._resolve_chunks(args, kwargs), args, kwargs)
 
     def accumulate(self, microbatches, loss_fn, **options):
         """One training step over M microbatches, the backward of microbatch i interleaved with the
@@ -156,7 +156,7 @@ class Overlapped(nn.Module):
         """This step's chunk count. First (every step starts here, ``accumulate``'s too) the start of step
         checks and the first-step warm-up, before the layers' first collective and the policy's."""
         with _ops.on_device(_input_device(args, kwargs)):
-            _warmup.before_step(self, args, kwargs)
+            _warmup.before_step(self, self.moe_layers(), args, kwargs)
             return self._chunk_count(args, kwargs)
 
     def _chunk_count(self, args, kwargs) -> int:

@@ -89,16 +89,17 @@ def warmup(model: nn.Module, *args, chunks: Optional[int] = None, **kwargs) -> d
     return dict(layers=len(layers), chunks=chunks, buckets=buckets, seconds=time.perf_counter() - t0)
 
 
-def before_step(overlapped, args: tuple, kwargs: dict) -> None:
+def before_step(overlapped, layers: list, args: tuple, kwargs: dict) -> None:
     """What :class:`lancet_rt.Overlapped` runs at the start of every step (a forward, or ``accumulate``),
     before its layers' first collective: :func:`check_connections`, then, on the step that first runs a
     layer cold, the warm-up of the whole model (the first-step warm-up of the module docstring).
 
     Args:
-        overlapped: the :class:`lancet_rt.Overlapped`.
+        overlapped: the :class:`lancet_rt.Overlapped` (run only by the warm-up of a cold first step).
+        layers: its MoE layers.
         args, kwargs: the step's inputs (those of its first microbatch under ``accumulate``).
     """
-    peers = [m for m in overlapped.moe_layers() if _has_peers(m)]
+    peers = [m for m in layers if _has_peers(m)]
     device = _first_device(args, kwargs) if peers else None
     if device is None:
         return

@@ -1,7 +1,9 @@
-"""The step context's two parts: THREAD per host thread, PROCESS shared with the engine's threads."""
+"""The step context's three parts: THREAD per host thread, CHUNK per greenlet (each chunk), PROCESS shared
+with the engine's threads."""
 
 import threading
 
+import pytest
 import torch
 
 from lancet_rt.moe.layer import MoE
@@ -41,3 +43,21 @@ def test_a_layer_puts_back_what_a_step_changed():
     assert moe.aux_loss is not saved["aux_loss"]
     moe.restore_step_state(saved)
     assert all(moe.__dict__[k] is v for k, v in saved.items())
+
+
+def test_the_recompute_log_is_per_chunk_and_the_dual_from_forward_per_process():
+    greenlet = pytest.importorskip("greenlet")
+    log, seen = [], {}
+    token = scope.CHUNK.recording.set(log)
+    scope.PROCESS.dual_from_forward = marker = (object(), object())
+    try:
+        greenlet.greenlet(lambda: seen.setdefault("other chunk", scope.CHUNK.recording.get())).switch()
+        t = threading.Thread(target=lambda: seen.setdefault("engine thread", scope.PROCESS.dual_from_forward))
+        t.start()
+        t.join()
+        assert scope.CHUNK.recording.get() is log
+    finally:
+        scope.CHUNK.recording.reset(token)
+        scope.PROCESS.dual_from_forward = None
+    assert seen == {"other chunk": None, "engine thread": marker}
+    assert scope.CHUNK.recording.get() is None and scope.CHUNK.replaying.get() is None

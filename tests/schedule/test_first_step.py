@@ -63,8 +63,8 @@ def _record(events: list):
         )
     check_schedule = guard.check_schedule
 
-    def schedule(ov):
-        check_schedule(ov)
+    def schedule(ov, layers):
+        check_schedule(ov, layers)
         events.append(("schedule checked", None, None))
 
     guard.check_schedule = schedule

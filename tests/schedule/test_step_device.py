@@ -46,7 +46,9 @@ def test_overlapped_step_runs_on_the_inputs_gpu(monkeypatch):
 
     check_schedule = guard.check_schedule
     monkeypatch.setattr(
-        guard, "check_schedule", lambda ov: seen.setdefault("schedule", fake.current) or check_schedule(ov)
+        guard,
+        "check_schedule",
+        lambda ov, layers: seen.setdefault("schedule", fake.current) or check_schedule(ov, layers),
     )
     monkeypatch.setattr(
         Overlapped, "run_chunked", lambda self, n, args, kwargs: seen.setdefault("chunks", fake.current)

@@ -220,19 +220,18 @@ def exchange_counts(
     monitor = getattr(group, "monitor", None)
     tagged = monitor is not None and group.size > 1
 
-    def issue() -> Counts:
-        if tagged:  # status and tag: one host row, one copy (pinned, no sync), one cat
-            extra = to_device(
-                torch.tensor([faults.status_code(error)] + _tag(moe, monitor.issued + 1, dtype)), counts.device
-            )
-            send = torch.cat([counts, extra.view(1, -1).expand(W, -1)] + ([] if loads is None else [loads]), dim=1)
-        else:  # the status column: one pad (constant_pad_nd), not a full and a cat, per chunk and layer
-            send = torch.nn.functional.pad(counts, (0, 1), value=faults.status_code(error))
-            if loads is not None:
-                send = torch.cat([send, loads], dim=1)
-        return Counts(group.exchange(send), P, W, L, error, group, tagged)
-
-    return faults.in_order(group, issue)
+    faults.wait_first_exchange(group)  # the step's first exchange first (faults: no rank runs ahead)
+    status = faults.status_code(error)
+    if tagged:  # status and tag: one host row, one copy (pinned, no sync), one cat
+        extra = to_device(torch.tensor([status] + _tag(moe, monitor.issued + 1, dtype)), counts.device)
+        send = torch.cat([counts, extra.view(1, -1).expand(W, -1)] + ([] if loads is None else [loads]), dim=1)
+    else:  # the status column: one pad (constant_pad_nd), not a full and a cat, per chunk and layer
+        send = torch.nn.functional.pad(counts, (0, 1), value=status)
+        if loads is not None:
+            send = torch.cat([send, loads], dim=1)
+    handle = Counts(group.exchange(send), P, W, L, error, group, tagged)
+    faults.note_exchange(group, handle)
+    return handle
 
 
 def counts_turn(moe, x: torch.Tensor) -> None:
