@@ -282,7 +282,7 @@ def _permute_fwd(case):
     _, permute, *_ = _modules()
     (D,) = case
     args = (_buf("bf16"), _buf("i32"), _buf("bf16"), _buf("i32"), _T, D, _GATING_K, _T * _GATING_K, D, 1)
-    return permute._permute_fwd_kernel.fn, args, {}
+    return permute._permute_fwd_kernel.fn, args, dict(HAS_SRC=True)
 
 
 def _unpermute_fwd(case):
