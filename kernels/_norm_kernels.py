@@ -12,6 +12,14 @@ import triton
 import triton.language as tl
 
 
+@triton.jit
+def _row_rstd(b_sf, D, eps):
+    """1 / rms of each row of the float32 [BLOCK_R, BLOCK_D] tile ``b_sf`` (zero past D): one
+    expression for both kernels, so the backward's recomputation equals the forward's value on the
+    same tile shape."""
+    return 1.0 / tl.sqrt(tl.sum(b_sf * b_sf, axis=1) / D + eps)
+
+
 @triton.jit(do_not_specialize=["R"])
 def _add_rmsnorm_fwd_kernel(
     # pointers
@@ -20,7 +28,7 @@ def _add_rmsnorm_fwd_kernel(
     w_ptr,  # [D] weight
     y_ptr,  # [R, D] output: normalised and scaled
     s_ptr,  # [R, D] output: x + residual (unused without HAS_RESIDUAL)
-    rstd_ptr,  # [R] float32 output: 1 / rms(s)
+    rstd_ptr,  # [R] float32 output: 1 / rms(s) (unused without HAS_RSTD)
     # sizes
     R,
     D,
@@ -34,8 +42,10 @@ def _add_rmsnorm_fwd_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    HAS_RSTD: tl.constexpr,
 ):
-    """s = x + r rounded to s's dtype (as the model adds), y = s * rstd * w in float32."""
+    """s = x + r rounded to s's dtype (as the model adds), y = s * rstd * w in float32; rstd stored
+    with HAS_RSTD (else the backward recomputes it from s, bit for bit: :func:`_row_rstd`)."""
     pid_r = tl.program_id(0)
     offs_r = (pid_r * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -47,8 +57,9 @@ def _add_rmsnorm_fwd_kernel(
         b_s = (b_s.to(tl.float32) + b_r.to(tl.float32)).to(s_ptr.dtype.element_ty)
         tl.store(s_ptr + offs_r[:, None] * stride_sr + offs_d[None, :], b_s, mask=mask)
     b_sf = b_s.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(b_sf * b_sf, axis=1) / D + eps)
-    tl.store(rstd_ptr + offs_r, rstd, mask=mask_r)
+    rstd = _row_rstd(b_sf, D, eps)
+    if HAS_RSTD:
+        tl.store(rstd_ptr + offs_r, rstd, mask=mask_r)
     b_w = tl.load(w_ptr + offs_d, mask=offs_d < D, other=0.0).to(tl.float32)
     b_y = b_sf * rstd[:, None] * b_w[None, :]
     tl.store(y_ptr + offs_r[:, None] * stride_yr + offs_d[None, :], b_y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -60,13 +71,14 @@ def _add_rmsnorm_bwd_kernel(
     dy_ptr,  # [R, D] gradient of y
     dsn_ptr,  # [R, D] gradient of the returned sum (unused without HAS_DS)
     s_ptr,  # [R, D] saved sum
-    rstd_ptr,  # [R] float32 saved 1 / rms(s)
+    rstd_ptr,  # [R] float32 saved 1 / rms(s) (unused with RECOMPUTE)
     w_ptr,  # [D] weight
     ds_ptr,  # [R, D] output: gradient of x (and of the residual)
     dw_ptr,  # [P, D] float32 output: one partial dweight per program
     # sizes
     R,
     D,
+    eps,  # (read with RECOMPUTE only)
     # strides
     stride_dyr,
     stride_dsnr,
@@ -76,9 +88,11 @@ def _add_rmsnorm_bwd_kernel(
     BLOCK_R: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_DS: tl.constexpr,
+    RECOMPUTE: tl.constexpr,
 ):
     """ds = rstd * (dy w - n mean(dy w n)) + dsn with n = s rstd; dw partial = sum over the program's
-    rows of dy n. Grid-stride over row tiles, so the partials are [programs, D], not [R, D]."""
+    rows of dy n. Grid-stride over row tiles, so the partials are [programs, D], not [R, D]. With
+    RECOMPUTE, rstd comes from the tile of s as the forward computed it (no saved statistics)."""
     pid_r = tl.program_id(0)
     offs_d = tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
@@ -90,7 +104,10 @@ def _add_rmsnorm_bwd_kernel(
         mask = mask_r[:, None] & mask_d[None, :]
         b_s = tl.load(s_ptr + offs_r[:, None] * stride_sr + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
         b_dy = tl.load(dy_ptr + offs_r[:, None] * stride_dyr + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + offs_r, mask=mask_r, other=0.0)
+        if RECOMPUTE:
+            rstd = _row_rstd(b_s, D, eps)
+        else:
+            rstd = tl.load(rstd_ptr + offs_r, mask=mask_r, other=0.0)
         b_n = b_s * rstd[:, None]
         b_dn = b_dy * b_w[None, :]
         mean = tl.sum(b_dn * b_n, axis=1) / D

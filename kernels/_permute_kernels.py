@@ -71,7 +71,7 @@ def _permute_fwd_kernel(
     x_ptr,  # [T, D] tokens (strided)
     row_ptr,  # [T, K] int32 dispatch row of each assignment, -1 when dropped (contiguous)
     x_out_ptr,  # [S, D] out: rows in dispatch order (contiguous)
-    src_ptr,  # [S] int32 out: flat assignment t * K + k of each row
+    src_ptr,  # [S] int32 out: flat assignment t * K + k of each row (unused without HAS_SRC)
     # Sizes
     T,
     D,
@@ -83,6 +83,7 @@ def _permute_fwd_kernel(
     # Meta-parameters
     BLOCK_T: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SRC: tl.constexpr,
 ):
     # -- phase 1: the program's [BLOCK_T, BLOCK_D] tile of tokens, loaded once --
     pid_t = tl.program_id(0)
@@ -104,7 +105,8 @@ def _permute_fwd_kernel(
         tl.store(
             x_out_ptr + b_row.to(tl.int64)[:, None] * D + offs_d[None, :], b_x, mask=mask_r[:, None] & mask_d[None, :]
         )
-        tl.store(src_ptr + b_row, offs_t * K + k, mask=mask_r & mask_src)
+        if HAS_SRC:
+            tl.store(src_ptr + b_row, offs_t * K + k, mask=mask_r & mask_src)
 
 
 @triton.autotune(

@@ -60,7 +60,8 @@ def add_rmsnorm_fwd(
     *,
     out: Optional[torch.Tensor] = None,
     out_sum: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with_rstd: bool = True,
+) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Fused ``s = x + residual``; ``y = s * rsqrt(mean(s^2) + eps) * weight``.
 
     Args:
@@ -70,9 +71,11 @@ def add_rmsnorm_fwd(
         weight_D: [D] float weight (any float dtype; read in float32).
         eps: added to the mean square.
         out, out_sum: optional contiguous [R, D] buffers for y and s.
+        with_rstd: False: no rstd is stored (None returned in its place); :func:`add_rmsnorm_bwd` then
+            recomputes it from s, the same value, with one allocation less in the forward.
 
     Returns:
-        (y_RD, s_RD, rstd_R float32).
+        (y_RD, s_RD, rstd_R float32, or None without ``with_rstd``).
     """
     _check_lead("x_RD", x_RD)
     stride_x = _row_stride("x_RD", x_RD)
@@ -91,7 +94,9 @@ def add_rmsnorm_fwd(
         s = torch.empty_like(y) if out_sum is None else out_sum
         if out_sum is not None:
             check_out("out_sum", out_sum, x_RD.shape, x_RD.dtype, x_RD.device)
-    rstd = torch.empty(R, device=x_RD.device, dtype=torch.float32)
+    if not isinstance(with_rstd, bool):
+        raise TypeError(f"with_rstd must be a bool, got {type(with_rstd).__name__}")
+    rstd = torch.empty(R, device=x_RD.device, dtype=torch.float32) if with_rstd else None
     if R == 0:
         return y, s, rstd
     block_r, block_d, num_warps = _rows(D, x_RD.device)
@@ -102,7 +107,7 @@ def add_rmsnorm_fwd(
         weight_D.contiguous(),
         y,
         s,
-        rstd,
+        y if rstd is None else rstd,
         R,
         D,
         float(eps),
@@ -113,6 +118,7 @@ def add_rmsnorm_fwd(
         BLOCK_R=block_r,
         BLOCK_D=block_d,
         HAS_RESIDUAL=residual_RD is not None,
+        HAS_RSTD=with_rstd,
         num_warps=num_warps,
     )
     return y, s, rstd
@@ -123,16 +129,20 @@ def add_rmsnorm_bwd(
     grad_y_RD: torch.Tensor,
     grad_s_RD: Optional[torch.Tensor],
     s_RD: torch.Tensor,
-    rstd_R: torch.Tensor,
+    rstd_R: Optional[torch.Tensor],
     weight_D: torch.Tensor,
+    *,
+    eps: Optional[float] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`add_rmsnorm_fwd`.
 
     Args:
         grad_y_RD: [R, D] gradient of y, s's dtype (or [..., D], s's shape, as the forward took).
         grad_s_RD: [R, D] gradient of the returned sum, or None.
-        s_RD, rstd_R: saved by the forward.
+        s_RD, rstd_R: saved by the forward; rstd_R None (a forward without ``with_rstd``): recomputed
+            from s with ``eps``, bit for bit the forward's value.
         weight_D: [D] weight.
+        eps: the forward's eps, when rstd_R is None (and only then).
 
     Returns:
         (grad_s_RD: the gradient of x and of the residual, in s's dtype; grad_weight_D in weight's dtype).
@@ -143,7 +153,13 @@ def add_rmsnorm_bwd(
         _check_rows("grad_s_RD", grad_s_RD, s_RD)
     D = s_RD.shape[-1]
     R = s_RD.numel() // D if D else 0
-    check_tensor("rstd_R", rstd_R, shape=(R,), dtypes=(torch.float32,), device=s_RD.device)
+    if rstd_R is None:
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+            raise TypeError(f"eps must be a float when rstd_R is None, got {type(eps).__name__}")
+    elif eps is not None:
+        raise ValueError("eps is read only to recompute rstd: pass rstd_R=None with it")
+    else:
+        check_tensor("rstd_R", rstd_R, shape=(R,), dtypes=(torch.float32,), device=s_RD.device)
     check_tensor("weight_D", weight_D, shape=(D,), dtypes=_FLOATS, device=s_RD.device)
     ds = torch.empty_like(s_RD, memory_format=torch.contiguous_format)
     if R == 0:
@@ -158,12 +174,13 @@ def add_rmsnorm_bwd(
         grad_y_RD,
         g,
         s_RD,
-        rstd_R,
+        s_RD if rstd_R is None else rstd_R,
         weight_D.contiguous(),
         ds,
         dw,
         R,
         D,
+        0.0 if eps is None else float(eps),
         _row_stride("grad_y_RD", grad_y_RD),
         _row_stride("grad_s_RD", g),
         _row_stride("s_RD", s_RD),
@@ -171,6 +188,7 @@ def add_rmsnorm_bwd(
         BLOCK_R=block_r,
         BLOCK_D=block_d,
         HAS_DS=grad_s_RD is not None,
+        RECOMPUTE=rstd_R is None,
         num_warps=num_warps,
     )
     return ds, dw.sum(0).to(weight_D.dtype)

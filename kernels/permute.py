@@ -2,7 +2,8 @@
 
 Semantics are those of :func:`lancet_rt.kernels.reference.permute_fwd_ref`, ``permute_bwd_ref``,
 ``unpermute_fwd_ref`` and ``unpermute_bwd_ref``; the launchers here have the same signatures (plus
-an optional keyword-only ``out=``) and return the same types.
+an optional keyword-only ``out=``, and ``permute_fwd``'s ``with_src=False``: no ``src_S``, which
+only the references' ``unpermute_bwd`` reads) and return the same types.
 
 ``row_TK[t, k]`` is the dispatch row of assignment ``(t, k)`` (-1 when dropped); the kept rows are a
 bijection onto ``range(S)``. :func:`dispatch_rows` makes it from the gating's expert and slot
@@ -14,7 +15,7 @@ the token side, so no kernel needs atomics and every result is deterministic:
 * ``permute_fwd``: a program loads a ``[BLOCK_T, BLOCK_D]`` tile of tokens once and writes it to
   the K rows it feeds. Each dispatch row has exactly one writer (bijection), so this scatter of
   copies is race-free, and it reads every token once instead of K times as a gather through
-  ``src_S`` would. ``src_S[row] = t * K + k`` is written on the way.
+  ``src_S`` would. ``src_S[row] = t * K + k`` is written on the way (unless ``with_src=False``).
 * ``permute_bwd`` / ``unpermute_fwd`` (one kernel, ``HAS_WEIGHT`` off / on): a gather-reduce,
   ``out[t] = sum_k w[t, k] * rows[row_TK[t, k]]`` over the kept k, in k order, in float32, so
   there is no scatter-add and no atomics.
@@ -94,8 +95,9 @@ def permute_fwd(
     row_TK: torch.Tensor,
     num_rows: int,
     *,
-    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+    out: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None,
+    with_src: bool = True,
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Copy token rows into the dispatch layout.
 
     Args:
@@ -103,10 +105,12 @@ def permute_fwd(
         row_TK: int32 [T, K] destination row of each assignment, -1 when dropped. Kept rows must be
             a bijection onto ``range(num_rows)``.
         num_rows: S, the number of kept assignments.
-        out: optional contiguous ``(x_SD, src_S)`` buffers.
+        out: optional contiguous ``(x_SD, src_S)`` buffers (``(x_SD, None)`` without ``with_src``).
+        with_src: False: no src_S is made (None returned in its place), one allocation less;
+            :func:`unpermute_bwd`, its only reader on the kernels, does not need it.
 
     Returns:
-        (x_SD [S, D] in x's dtype, src_S int32 [S]): the rows, and for each row the flat
+        (x_SD [S, D] in x's dtype, src_S int32 [S] or None): the rows, and for each row the flat
         assignment index t * K + k it came from.
     """
     _check_tensor("x_TD", x_TD, ndim=2, dtypes=_ROW_DTYPES)
@@ -118,23 +122,28 @@ def permute_fwd(
         raise ValueError(f"row_TK must have T={T} rows, got {row_TK.shape[0]}")
     if isinstance(num_rows, bool) or not isinstance(num_rows, int) or not 0 <= num_rows <= T * K:
         raise ValueError(f"num_rows must be an int in [0, T*K={T * K}], got {num_rows!r}")
+    if not isinstance(with_src, bool):
+        raise TypeError(f"with_src must be a bool, got {type(with_src).__name__}")
     S = num_rows
     if out is None:
         x_SD = torch.empty(S, D, dtype=x_TD.dtype, device=dev)
-        src_S = torch.empty(S, dtype=torch.int32, device=dev)
+        src_S = torch.empty(S, dtype=torch.int32, device=dev) if with_src else None
     else:
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise TypeError("out must be a pair (x_SD, src_S)")
         x_SD, src_S = out
         _check_out("out[0] (x_SD)", x_SD, (S, D), x_TD.dtype, dev)
-        _check_out("out[1] (src_S)", src_S, (S,), torch.int32, dev)
+        if with_src:
+            _check_out("out[1] (src_S)", src_S, (S,), torch.int32, dev)
+        elif src_S is not None:
+            raise ValueError("out[1] (src_S) must be None with with_src=False")
     if S == 0:
         return x_SD, src_S
     run_autotuned(
         _permute_fwd_kernel,
         _row_grid(T, D),
-        (x_TD, row_TK, x_SD, src_S, T, D, K, S, *x_TD.stride()),
-        {},
+        (x_TD, row_TK, x_SD, x_SD if src_S is None else src_S, T, D, K, S, *x_TD.stride()),
+        dict(HAS_SRC=with_src),
         _ENV_PERMUTE_FWD_CONFIG,
     )
     return x_SD, src_S
@@ -218,7 +227,7 @@ def unpermute_bwd(
     y_SD: torch.Tensor,
     row_TK: torch.Tensor,
     weight_TK: torch.Tensor,
-    src_S: torch.Tensor,
+    src_S: Optional[torch.Tensor],
     *,
     out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -230,7 +239,7 @@ def unpermute_bwd(
         row_TK: int32 [T, K] dispatch row of each assignment, -1 when dropped.
         weight_TK: float [T, K] combine weights.
         src_S: int32 [S] inverse map from :func:`permute_fwd` (checked, not needed: each row's
-            gradient is written from its token).
+            gradient is written from its token), or None (a :func:`permute_fwd` without ``with_src``).
         out: optional contiguous ``(grad_y_SD, grad_weight_TK)`` buffers.
 
     Returns:
@@ -248,7 +257,8 @@ def unpermute_bwd(
     if row_TK.shape[0] != T:
         raise ValueError(f"row_TK must have T={T} rows, got {row_TK.shape[0]}")
     _check_tensor("weight_TK", weight_TK, shape=(T, K), dtypes=_ROW_DTYPES, device=dev)
-    _check_tensor("src_S", src_S, shape=(S,), dtypes=_INT_DTYPES, device=dev)
+    if src_S is not None:
+        _check_tensor("src_S", src_S, shape=(S,), dtypes=_INT_DTYPES, device=dev)
     if out is None:
         grad_y_SD = torch.empty(S, D, dtype=y_SD.dtype, device=dev)
         grad_w_TK = torch.empty(T, K, dtype=torch.float32, device=dev)

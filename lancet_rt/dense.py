@@ -134,8 +134,13 @@ class _AddRMSNormFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps):
-        y, s, rstd = _ops.get_ops(x.device, x.dtype).add_rmsnorm_fwd(x, residual, weight, eps)
+        ops = _ops.get_ops(x.device, x.dtype)
+        # The kernels recompute rstd from s in the backward (the same value): no [R] statistics
+        # allocated and saved. The references (the CPU path) save it, as before.
+        kernels = "norm" not in getattr(ops, "reference_families", ("norm",))
+        y, s, rstd = ops.add_rmsnorm_fwd(x, residual, weight, eps, **({"with_rstd": False} if kernels else {}))
         ctx.save_for_backward(s, rstd, weight)
+        ctx.eps = eps
         ctx.residual = residual is not None
         ctx.set_materialize_grads(False)
         return (y, s) if ctx.residual else y
@@ -146,7 +151,12 @@ class _AddRMSNormFn(torch.autograd.Function):
         if grad_y is None:  # (only the sum is used downstream)
             grad_y = torch.zeros_like(s)
         ds, dw = _ops.get_ops(s.device, s.dtype).add_rmsnorm_bwd(
-            grad_y.contiguous(), None if grad_s is None else grad_s.contiguous(), s, rstd, weight
+            grad_y.contiguous(),
+            None if grad_s is None else grad_s.contiguous(),
+            s,
+            rstd,
+            weight,
+            **({"eps": ctx.eps} if rstd is None else {}),
         )
         return ds, ds if ctx.residual else None, dw, None
 

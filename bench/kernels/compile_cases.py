@@ -72,8 +72,8 @@ _DEFAULT_VARIANTS = {
     },
     "swiglu.fwd": {"F=2048 bf16", "F=2048 bf16 gpt_oss"},
     "swiglu.bwd": {"F=2048 bf16", "F=2048 bf16 gpt_oss"},
-    "norm.fwd": {"D=4096 bf16 residual=False", "D=7168 fp32 residual=True"},
-    "norm.bwd": {"D=4096 bf16 grad_s=False", "D=7168 fp32 grad_s=True"},
+    "norm.fwd": {"D=4096 bf16 residual=False rstd=recomputed", "D=7168 fp32 residual=True rstd=saved"},
+    "norm.bwd": {"D=4096 bf16 grad_s=False rstd=recomputed", "D=7168 fp32 grad_s=True rstd=saved"},
 }
 
 
@@ -282,7 +282,7 @@ def _permute_fwd(case):
     _, permute, *_ = _modules()
     (D,) = case
     args = (_buf("bf16"), _buf("i32"), _buf("bf16"), _buf("i32"), _T, D, _GATING_K, _T * _GATING_K, D, 1)
-    return permute._permute_fwd_kernel.fn, args, {}
+    return permute._permute_fwd_kernel.fn, args, dict(HAS_SRC=True)
 
 
 def _unpermute_fwd(case):
@@ -461,12 +461,12 @@ def _norm(direction: str):
         _modules()  # first: with the interpreter off
         from lancet_rt.kernels import norm
 
-        D, dtype, flag = case
+        D, dtype, flag, rstd = case
         if direction == "fwd":
             args = (*[_buf(dtype)] * 5, _buf("fp32"), _T, D, 1e-6, D, D, D, D)
-            return norm._add_rmsnorm_fwd_kernel, args, dict(HAS_RESIDUAL=flag)
-        args = (*[_buf(dtype)] * 3, _buf("fp32"), _buf(dtype), _buf(dtype), _buf("fp32"), _T, D, D, D, D, D)
-        return norm._add_rmsnorm_bwd_kernel, args, dict(HAS_DS=flag)
+            return norm._add_rmsnorm_fwd_kernel, args, dict(HAS_RESIDUAL=flag, HAS_RSTD=rstd == "saved")
+        args = (*[_buf(dtype)] * 3, _buf("fp32"), _buf(dtype), _buf(dtype), _buf("fp32"), _T, D, 1e-6, D, D, D, D)
+        return norm._add_rmsnorm_bwd_kernel, args, dict(HAS_DS=flag, RECOMPUTE=rstd == "recomputed")
 
     def configs(case):
         import torch
@@ -550,10 +550,11 @@ _SPECS: Dict[str, Tuple[Callable, Callable, List[Tuple[str, tuple]]]] = {
         f"norm.{d}": (
             *_norm(d),
             [
-                (f"D={D} {dt} {'residual' if d == 'fwd' else 'grad_s'}={flag}", (D, dt, flag))
+                (f"D={D} {dt} {'residual' if d == 'fwd' else 'grad_s'}={flag} rstd={rstd}", (D, dt, flag, rstd))
                 for D in (_D, 7168)
                 for dt in ("bf16", "fp32")
                 for flag in (True, False)
+                for rstd in ("saved", "recomputed")  # (the eager layer's kernels recompute it)
             ],
         )
         for d in ("fwd", "bwd")

@@ -201,10 +201,13 @@ def gate(
 class _Permute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_TD, row_TK, num_rows, ops):
-        x_SD, src_S = ops.permute_fwd(x_TD, row_TK, num_rows)
+        # The kernels' unpermute_bwd needs no src_S: not made there (None). The references read it.
+        kernels = "permute" not in getattr(ops, "reference_families", ("permute",))
+        x_SD, src_S = ops.permute_fwd(x_TD, row_TK, num_rows, **({"with_src": False} if kernels else {}))
         ctx.save_for_backward(row_TK)
         ctx.ops = ops
-        ctx.mark_non_differentiable(src_S)
+        if src_S is not None:
+            ctx.mark_non_differentiable(src_S)
         ctx.set_materialize_grads(False)
         return x_SD, src_S
 
@@ -217,7 +220,8 @@ class _Permute(torch.autograd.Function):
 
 
 def permute(x_TD, row_TK, num_rows, ops):
-    """x_TD rows into the dispatch layout. Returns (x_SD, src_S)."""
+    """x_TD rows into the dispatch layout. Returns (x_SD, src_S); src_S is None on the kernels (whose
+    unpermute backward does not read it)."""
     return _Permute.apply(x_TD, row_TK, num_rows, ops)
 
 

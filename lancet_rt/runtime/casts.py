@@ -12,7 +12,10 @@ leaf weights for as long as its context is open.)
 
 The copies are detached: the layers take the parameters as the tensors they differentiate against
 and return float32 gradients, so each chunk's weight gradient is summed in the parameter's dtype,
-as before (a shared differentiable cast would sum the chunks' gradients in bfloat16 first).
+as before (a shared differentiable cast would sum the chunks' gradients in bfloat16 first). A
+weight already in the compute dtype is not copied: its detached alias (never the parameter itself,
+which the GEMMs' autograd Functions would then see as an input) is made once per chunked forward
+too, and shared.
 """
 
 from __future__ import annotations
@@ -28,15 +31,14 @@ def compute_copy(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     The copy is keyed by the tensor and its version counter, so an in-place update between two
     calls (none happens inside one forward) makes a fresh one.
     """
-    if t.dtype == dtype:
-        return t.detach()
     scope = _scope.current()
     if scope is None:
-        return t.detach().to(dtype)
+        return t.detach() if t.dtype == dtype else t.detach().to(dtype)
     key = (id(t), dtype)
     held = scope.casts.get(key)
     if held is not None and held[0] is t and held[1] == t._version:
         return held[2]
-    copy = t.detach().to(dtype)
+    # (already in ``dtype``: the detached alias, also made once and shared by the chunks)
+    copy = t.detach() if t.dtype == dtype else t.detach().to(dtype)
     scope.casts[key] = (t, t._version, copy)
     return copy

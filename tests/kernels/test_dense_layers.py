@@ -50,6 +50,30 @@ def test_add_rmsnorm_layer(gen, kernels, residual):
     assert_close("grad weight", grads[1], wd.grad)
 
 
+@pytest.mark.parametrize("residual", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rmsnorm_layer_recomputes_rstd_on_the_kernels(gen, monkeypatch, residual, dtype):
+    """The eager layer on the kernels saves no rstd (its backward recomputes it from s): bitwise the
+    launchers' outputs and gradients with the stored rstd."""
+    from lancet_rt.kernels.norm import add_rmsnorm_bwd, add_rmsnorm_fwd
+
+    monkeypatch.setenv("LANCET_KERNELS", "triton")
+    x = torch.randn(3, 7, 60, generator=gen).to(dtype).requires_grad_(True)
+    r = torch.randn(3, 7, 60, generator=gen).to(dtype).requires_grad_(True) if residual else None
+    w = (torch.randn(60, generator=gen) + 1).to(dtype).requires_grad_(True)
+    out = add_rmsnorm(x, r, w, 1e-5)
+    y, s = out if residual else (out, None)
+    assert y.grad_fn.saved_tensors[1] is None  # (s, rstd, weight): no rstd
+    gy = torch.randn(y.shape, generator=gen).to(dtype)
+    gs = torch.randn(y.shape, generator=gen).to(dtype)
+    torch.autograd.backward([y, s] if residual else [y], [gy, gs] if residual else [gy])
+    y_k, s_k, rstd_k = add_rmsnorm_fwd(x.detach(), None if r is None else r.detach(), w.detach(), 1e-5)
+    ds_k, dw_k = add_rmsnorm_bwd(gy, gs if residual else None, s_k, rstd_k, w.detach())
+    assert torch.equal(y, y_k) and torch.equal(x.grad, ds_k) and torch.equal(w.grad, dw_k)
+    if residual:
+        assert torch.equal(s, s_k) and torch.equal(r.grad, ds_k)
+
+
 def test_rmsnorm_module_matches_transformers_formula(gen, kernels):
     norm = RMSNorm(60, eps=1e-6)
     with torch.no_grad():

@@ -3,7 +3,8 @@
 
 CPU lane: under TRITON_INTERPRET=1 (tests/conftest.py), odd shapes (R in {1, 63, 70}, D in {60, 100},
 V in {1, 97, 130}), float32 / bfloat16 / float16 rows, with and without the residual and the incoming
-gradient of the sum; output buffers NaN-filled before the launch; the cross-entropy with ignored
+gradient of the sum, with the stored rstd and without it (recomputed by the backward: bitwise the same);
+output buffers NaN-filled before the launch; the cross-entropy with ignored
 rows, a chunk whose rows are all ignored, and labels at both ends of the vocabulary. The references are
 computed in float64 from the same (rounded) inputs. GPU lane (``-m gpu``): the same at real sizes.
 """
@@ -46,6 +47,12 @@ def _norm_case(gen, R, D, dtype, residual, grad_s):
     )
     assert_close("grad x", ds, ds_ref)
     assert_close("grad weight", dw, dw_ref)
+    # without the stored rstd (the backward recomputes it from s): bitwise the same outputs and gradients
+    y_buf, s_buf = nan_like(x), nan_like(x)
+    y2, s2, none = add_rmsnorm_fwd(x, r, w, 1e-5, out=y_buf, out_sum=s_buf if residual else None, with_rstd=False)
+    assert none is None and y2 is y_buf and torch.equal(y2, y) and torch.equal(s2, s)
+    ds2, dw2 = add_rmsnorm_bwd(dy, dsn, s2, None, w, eps=1e-5)
+    assert torch.equal(ds2, ds) and torch.equal(dw2, dw)
     # against autograd of the plain formula: the reference's gradient is the formula's
     xa = x.double().requires_grad_(True)
     ra = r.double().requires_grad_(True) if residual else None
@@ -110,6 +117,19 @@ def test_add_rmsnorm_no_rows_and_bad_input(gen):
         add_rmsnorm_fwd(_rand(gen, 3, 60).long(), None, torch.ones(60, device=DEVICE))
     with pytest.raises(ValueError, match="weight_D"):
         add_rmsnorm_fwd(_rand(gen, 3, 60), None, torch.ones(59, device=DEVICE))
+    # without the stored rstd
+    y, s, rstd = add_rmsnorm_fwd(x, None, torch.ones(60, device=DEVICE), with_rstd=False)
+    assert y.shape == (0, 60) and rstd is None
+    ds, dw = add_rmsnorm_bwd(x, None, x, None, torch.ones(60, device=DEVICE), eps=1e-6)
+    assert ds.shape == (0, 60) and torch.equal(dw, torch.zeros(60, device=DEVICE))
+    x3, w3 = _rand(gen, 3, 60), torch.ones(60, device=DEVICE)
+    with pytest.raises(TypeError, match="with_rstd"):
+        add_rmsnorm_fwd(x3, None, w3, with_rstd=None)
+    _, s3, rstd3 = add_rmsnorm_fwd(x3, None, w3)
+    with pytest.raises(TypeError, match="eps"):
+        add_rmsnorm_bwd(x3, None, s3, None, w3)
+    with pytest.raises(ValueError, match="eps"):
+        add_rmsnorm_bwd(x3, None, s3, rstd3, w3, eps=1e-6)
 
 
 def _ce_case(gen, C, V, ignored):

@@ -4,9 +4,10 @@ references (lancet_rt.kernels.reference), outputs and gradients.
 CPU lane: the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py) on small odd shapes
 (T in {0, 1, 63, 257}, D in {60, 100}), dropless and dropping row maps from the reference gating,
 every token on one expert, all assignments dropped, split D tiles pinned through the config
-environment variables, strided inputs; every output buffer is poisoned before the launch
-(NaN for floats, a value no kernel writes for integers), so an unwritten element fails; integer
-outputs must match exactly. GPU lane (``-m gpu``): T = 16384, D = 4096, bf16 rows.
+environment variables, strided inputs, permute_fwd without src_S (and unpermute_bwd given None for
+it); every output buffer is poisoned before the launch (NaN for floats, a value no kernel writes
+for integers), so an unwritten element fails; integer outputs must match exactly. GPU lane
+(``-m gpu``): T = 16384, D = 4096, bf16 rows.
 """
 
 from __future__ import annotations
@@ -91,6 +92,11 @@ def _check_permute_family(gen, row_TK, S, weight_TK, dtype, D):
     x_SD_ref, src_S_ref = permute_fwd_ref(x, row_TK, S)
     assert torch.equal(src_S, src_S_ref), "permute_fwd.src_S"
     assert torch.equal(x_SD, x_SD_ref), "permute_fwd.x_SD (a copy: must be exact)"
+    # without src_S: the same rows, no src made (the kernels' unpermute_bwd takes None for it)
+    x_SD2, none = permute_fwd(x, row_TK, S, out=(_poison(x.new_empty(S, D)), None), with_src=False)
+    assert none is None and torch.equal(x_SD2, x_SD_ref), "permute_fwd(with_src=False)"
+    x_SD3, none = permute_fwd(x, row_TK, S, with_src=False)
+    assert none is None and torch.equal(x_SD3, x_SD_ref)
 
     grad_x_SD = torch.randn(S, D, generator=gen).to(DEVICE, dtype)
     assert_close("permute_bwd", permute_bwd(grad_x_SD, row_TK, out=_poison(x)), permute_bwd_ref(grad_x_SD, row_TK))
@@ -111,6 +117,9 @@ def _check_permute_family(gen, row_TK, S, weight_TK, dtype, D):
     # summation order differs.
     assert_close("unpermute_bwd.grad_weight_TK", grad_w, grad_w_ref, torch.float32)
     assert bool((grad_w[row_TK < 0] == 0).all()), "dropped assignments must get zero weight gradient"
+    out = (_poison(y_SD), _poison(weight_TK))
+    grad_y_SD2, grad_w2 = unpermute_bwd(grad_y, y_SD, row_TK, weight_TK, None, out=out)
+    assert torch.equal(grad_y_SD2, grad_y_SD) and torch.equal(grad_w2, grad_w), "unpermute_bwd(src_S=None)"
 
 
 @pytest.mark.parametrize("case", PERMUTE_CASES, ids=lambda c: "T{}-E{}-K{}-cf{}-{}".format(*c[:4], str(c[4])[6:]))
@@ -232,6 +241,20 @@ def test_permute_zero_tokens_and_all_dropped(gen):
         torch.randn(T, D, generator=gen).to(DEVICE), empty, row, w, src, out=(empty.clone(), _poison(w))
     )
     assert torch.equal(gw, torch.zeros(T, 2, device=DEVICE))
+    x_SD, none = permute_fwd(torch.randn(T, D, generator=gen).to(DEVICE), row, 0, with_src=False)
+    assert x_SD.shape == (0, D) and none is None
+
+
+def test_permute_fwd_with_src_bad_input(gen):
+    T, E, K = 9, 4, 2
+    row_TK, S, _ = _routing(gen, T, E, K, None)
+    x = torch.randn(T, D, generator=gen).to(DEVICE)
+    with pytest.raises(TypeError, match="with_src"):
+        permute_fwd(x, row_TK, S, with_src=0)
+    with pytest.raises(ValueError, match="src_S"):
+        permute_fwd(x, row_TK, S, out=(x.new_empty(S, D), row_TK.new_empty(S)), with_src=False)
+    with pytest.raises(TypeError, match="src_S"):
+        permute_fwd(x, row_TK, S, out=(x.new_empty(S, D), None))  # with_src: the buffer is needed
 
 
 def test_kernels_are_deterministic(gen, monkeypatch):

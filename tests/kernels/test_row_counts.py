@@ -39,12 +39,16 @@ def _specialization(kernel, *args, **meta) -> list:
 
 def _norm_fwd_args(R):
     x = torch.empty(64, 32)
-    return (x, x, x[0], x, x, x[:, 0], R, 32, 1e-6, 32, 32, 32, 32), dict(BLOCK_R=16, BLOCK_D=32, HAS_RESIDUAL=True)
+    return (x, x, x[0], x, x, x[:, 0], R, 32, 1e-6, 32, 32, 32, 32), dict(
+        BLOCK_R=16, BLOCK_D=32, HAS_RESIDUAL=True, HAS_RSTD=True
+    )
 
 
 def _norm_bwd_args(R):
     x = torch.empty(64, 32)
-    return (x, x, x, x[:, 0], x[0], x, x, R, 32, 32, 32, 32, 32), dict(BLOCK_R=16, BLOCK_D=32, HAS_DS=True)
+    return (x, x, x, x[:, 0], x[0], x, x, R, 32, 1e-6, 32, 32, 32, 32), dict(
+        BLOCK_R=16, BLOCK_D=32, HAS_DS=True, RECOMPUTE=False
+    )
 
 
 def _ce_args(C):
@@ -89,6 +93,8 @@ def test_one_compiled_kernel_for_two_row_residues():
         x = torch.randn(R, 256, device=dev)
         y, s, rstd = add_rmsnorm_fwd(x, x, w)
         add_rmsnorm_bwd(y, None, s, rstd, w)
+        y, s, _ = add_rmsnorm_fwd(x, x, w, with_rstd=False)  # (rstd recomputed by the backward)
+        add_rmsnorm_bwd(y, None, s, None, w, eps=1e-6)
         ce_grad_fwd(torch.randn(R, 512, device=dev), torch.randint(0, 512, (R,), device=dev), 0.5)
         now = [len(k.device_caches[index][0]) for k in kernels]
         counts = counts or now

@@ -82,3 +82,24 @@ def test_compute_copy_is_shared_inside_a_scope_and_fresh_after_an_update():
         assert c is not a and torch.equal(c, w.detach().to(torch.bfloat16))
     finally:
         _scope.set_current(prev)
+
+
+def test_compute_copy_in_the_weights_dtype_is_one_detached_alias_per_scope():
+    """A weight already in the compute dtype: its detached alias (same storage, no copy), made once
+    inside a scope and shared by the chunks; fresh after an in-place update; never the parameter."""
+    w = torch.randn(4, 4, requires_grad=True)
+    a, b = casts.compute_copy(w, torch.float32), casts.compute_copy(w, torch.float32)
+    assert a is not b and a is not w  # no scope: an alias per call
+    prev = _scope.current()
+    _scope.set_current(_scope.ChunkScope([2, 2], switch=lambda: None))
+    try:
+        a, b = casts.compute_copy(w, torch.float32), casts.compute_copy(w, torch.float32)
+        assert a is b and a is not w and not a.requires_grad and a.grad_fn is None
+        assert a.data_ptr() == w.data_ptr() and a.dtype == torch.float32
+        with torch.no_grad():
+            w.add_(1.0)  # an update bumps the version (shared with the alias)
+        c = casts.compute_copy(w, torch.float32)
+        assert c is not a and c is not w and torch.equal(c, w.detach())
+        assert casts.compute_copy(w, torch.bfloat16) is not c  # another dtype: its own entry
+    finally:
+        _scope.set_current(prev)
