@@ -379,11 +379,10 @@ class EmulatedGroup:
             raise ValueError("EmulatedGroup: a symmetric world sends and receives the same splits")
         row_bytes = input.element_size() * math.prod(input.shape[1:])
         off_rank = (sum(input_splits) - input_splits[0]) * row_bytes
-        # The link moves data outside autograd, like a collective: detached tensors, so the copy
-        # (made where the caller is, grad mode on or off) never enters the graph.
-        src, dst = _detached(input), _detached(output)
-        copy = (lambda: dst.copy_(src)) if src.numel() else None
-        return self._submit(off_rank, copy, (src, dst))
+        # The link moves data outside autograd, like a collective: the copy runs with grad mode off
+        # (wherever it runs), so it never enters the graph, and costs no detach, as NCCL's does not.
+        copy = (lambda: _copy_untracked(output, input)) if input.numel() else None
+        return self._submit(off_rank, copy, (input, output))
 
     def all_reduce(self, tensor: torch.Tensor, op="sum", *, low_priority: bool = False):
         """Start an all-reduce of ``tensor`` in place over the emulated world; returns a handle whose
@@ -451,7 +450,7 @@ class EmulatedGroup:
         the tokens' FIFO, behind the transfers in flight, like a collective on their communicator."""
 
         if self._cpu_link is not None:
-            host = send_WN.detach().to(torch.int64, copy=True)  # (a CPU link: already on the host)
+            host = _detached(send_WN).to(torch.int64, copy=True)  # (a CPU link: already on the host)
             return Exchange(host, self._submit(0, kind="exchange"), host)
         done = self._submit(0, kind="exchange")  # on its channel's stream
         side = _side_stream(send_WN.device)
@@ -474,6 +473,12 @@ class EmulatedGroup:
             f"latency_us={self.latency_us}, device={self.device}, counts_channel={self.counts_channel!r}, "
             f"handshake_us={self.handshake_us})"
         )
+
+
+def _copy_untracked(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` outside autograd, as a collective writes its output."""
+    with torch.no_grad():
+        dst.copy_(src)
 
 
 def _detached(t: torch.Tensor) -> torch.Tensor:
