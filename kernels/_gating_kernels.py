@@ -43,9 +43,9 @@ Crossing spans needs a scan over the programs. It is done without atomics, in th
 * ``_gating_slot_kernel`` (grid over ``T * K``): ``slot = span_start[span, e] + rank``, then
   ``-1`` at or past the capacity.
 
-With ``HAS_TOTALS`` the launch that writes the call's counts and sums (the single program, or the
-scan) also adds the kept rows and the sums to a batch's running totals, in place (``_add_totals``):
-the caller's additions after the call, done where the values already are.
+The launch that writes the call's counts and sums (the single program, or the scan) also writes the
+kept rows per expert (``HAS_KEPT``) and adds them and the sums to a batch's running totals in place
+(``HAS_TOTALS``; ``_store_kept``): the caller's ops after the call, done where the values already are.
 
 Integer results are exact and every float reduction has a fixed order, so outputs are
 bit-identical run to run for a given config (a different tuned ``BLOCK_T`` or span changes
@@ -145,14 +145,20 @@ def _token_tile_prune(env_var):
 # Kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _add_totals(tot_kept_ptr, tot_score_ptr, offs_e, mask_e, b_used, b_counts, b_score, capacity):
-    """Add a call's kept rows (its counts, up to the room ``capacity`` leaves above the carried
-    ``used``: min(counts, max(capacity - used, 0))) and its score sums to the running totals, in
-    place: the same int64 and float additions the caller would make after the call."""
-    b_room = tl.maximum(capacity - b_used.to(tl.int64), 0)
-    b_kept = tl.minimum(b_counts.to(tl.int64), b_room)
-    tl.store(tot_kept_ptr + offs_e, tl.load(tot_kept_ptr + offs_e, mask=mask_e, other=0) + b_kept, mask=mask_e)
-    tl.store(tot_score_ptr + offs_e, tl.load(tot_score_ptr + offs_e, mask=mask_e, other=0.0) + b_score, mask=mask_e)
+def _store_kept(
+    kept_ptr, tot_kept_ptr, tot_score_ptr, offs_e, mask_e, b_used, b_counts, b_score, capacity, HAS_KEPT, HAS_TOTALS
+):
+    """The call's kept rows (its counts, up to the room ``capacity`` leaves above the carried ``used``:
+    min(counts, max(capacity - used, 0)), in int64) into ``kept_ptr`` (HAS_KEPT), and with its score
+    sums added to the running totals in place (HAS_TOTALS): the same int64 and float additions the
+    caller would make after the call."""
+    b_kept = tl.minimum(b_counts.to(tl.int64), tl.maximum(capacity - b_used.to(tl.int64), 0))
+    if HAS_KEPT:
+        tl.store(kept_ptr + offs_e, b_kept.to(tl.int32), mask=mask_e)
+    if HAS_TOTALS:
+        tl.store(tot_kept_ptr + offs_e, tl.load(tot_kept_ptr + offs_e, mask=mask_e, other=0) + b_kept, mask=mask_e)
+        b_tot = tl.load(tot_score_ptr + offs_e, mask=mask_e, other=0.0)
+        tl.store(tot_score_ptr + offs_e, b_tot + b_score, mask=mask_e)
 
 
 @triton.autotune(
@@ -174,6 +180,7 @@ def _gating_fwd_kernel(
     used_out_ptr,  # [E] int32 out: used_E + counts_E (SINGLE_PROGRAM only)
     score_ptr,  # SINGLE_PROGRAM: [E] score_sum_E; else [NB, E] span partial sums
     zsq_ptr,  # SINGLE_PROGRAM: [] zsq_sum; else [NB] span partial sums
+    kept_ptr,  # [E] int32 out: the call's kept rows (SINGLE_PROGRAM and HAS_KEPT only)
     tot_kept_ptr,  # [E] int64 in/out: running kept rows (SINGLE_PROGRAM and HAS_TOTALS only)
     tot_score_ptr,  # [E] in/out: running score_sum_E, logits dtype (idem)
     tot_zsq_ptr,  # [] in/out: running zsq_sum, logits dtype (idem)
@@ -198,6 +205,7 @@ def _gating_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     GROUPED: tl.constexpr,
+    HAS_KEPT: tl.constexpr,  # write the call's kept rows
     HAS_TOTALS: tl.constexpr,  # add the call's kept rows, score_sum_E and zsq_sum to the tot_* sums
     BLOCK_G: tl.constexpr,  # next_pow2(n_group) (1 unless GROUPED)
     BLOCK_GS: tl.constexpr,  # next_pow2(group_size) (unused unless GROUPED)
@@ -324,8 +332,21 @@ def _gating_fwd_kernel(
         tl.store(used_out_ptr + offs_e, b_used + b_run, mask=mask_e)
         tl.store(score_ptr + offs_e, b_score_acc, mask=mask_e)
         tl.store(zsq_ptr, b_zsq)
+        if HAS_KEPT or HAS_TOTALS:
+            _store_kept(
+                kept_ptr,
+                tot_kept_ptr,
+                tot_score_ptr,
+                offs_e,
+                mask_e,
+                b_used,
+                b_run,
+                b_score_acc,
+                capacity,
+                HAS_KEPT,
+                HAS_TOTALS,
+            )
         if HAS_TOTALS:
-            _add_totals(tot_kept_ptr, tot_score_ptr, offs_e, mask_e, b_used, b_run, b_score_acc, capacity)
             tl.store(tot_zsq_ptr, tl.load(tot_zsq_ptr) + b_zsq)
     else:
         tl.store(count_ptr + pid * E + offs_e, b_run, mask=mask_e)
@@ -344,6 +365,7 @@ def _gating_scan_kernel(
     used_out_ptr,  # [E] int32 out: used_E + counts_E
     score_ptr,  # [E] out: score_sum_E
     zsq_ptr,  # [] out: zsq_sum
+    kept_ptr,  # [E] int32 out: the call's kept rows (HAS_KEPT only)
     tot_kept_ptr,  # [E] int64 in/out: running kept rows (HAS_TOTALS only)
     tot_score_ptr,  # [E] in/out: running score_sum_E (idem)
     tot_zsq_ptr,  # [] in/out: running zsq_sum (idem)
@@ -352,6 +374,7 @@ def _gating_scan_kernel(
     E,
     capacity,  # slots per expert (INT32_MAX when dropless)
     # Meta-parameters
+    HAS_KEPT: tl.constexpr,
     HAS_TOTALS: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_E: tl.constexpr,
@@ -375,8 +398,20 @@ def _gating_scan_kernel(
     tl.store(count_ptr + offs_e, b_carry - b_used, mask=mask_e)
     tl.store(used_out_ptr + offs_e, b_carry, mask=mask_e)
     tl.store(score_ptr + offs_e, b_score, mask=mask_e)
-    if HAS_TOTALS:
-        _add_totals(tot_kept_ptr, tot_score_ptr, offs_e, mask_e, b_used, b_carry - b_used, b_score, capacity)
+    if HAS_KEPT or HAS_TOTALS:
+        _store_kept(
+            kept_ptr,
+            tot_kept_ptr,
+            tot_score_ptr,
+            offs_e,
+            mask_e,
+            b_used,
+            b_carry - b_used,
+            b_score,
+            capacity,
+            HAS_KEPT,
+            HAS_TOTALS,
+        )
 
     # -- phase 2: the z-loss partials, reduced in span order by one program --
     if pid_e == 0:

@@ -8,9 +8,10 @@ spaces are in :mod:`lancet_rt.kernels._gating_kernels`.
 
 The forward reads the logits once: one program per span of tokens (all of them when the call is
 small, then a single launch), else a scan over the spans' counts and a slot fix-up (three launches,
-no atomics, no host synchronisation). With ``totals=`` the last of them also adds the call's kept
-rows and aux/z sums to a batch's running sums (:class:`GatingTotals`), so a caller carrying them
-across chunks dispatches no ops for it. The backward is one pass over token tiles.
+no atomics, no host synchronisation). The last of them can also write the rows the call keeps per
+expert (``kept_E=``) and add them and the aux/z sums to a batch's running sums (``totals=``,
+:class:`GatingTotals`), so a caller carrying them across chunks dispatches no ops for it. The
+backward is one pass over token tiles.
 ``LANCET_GATING_FWD_CONFIG`` / ``LANCET_GATING_BWD_CONFIG`` pin a config, e.g.
 ``"BLOCK_T=16,num_warps=4"``.
 """
@@ -162,20 +163,26 @@ def _check_totals(totals, logits_TE: torch.Tensor) -> GatingTotals:
     return totals
 
 
-def _no_alias(totals: GatingTotals, out: GatingOutput) -> None:
-    """The totals are read and written by the last launch: no output may share their memory."""
-    mine = {t.data_ptr() for t in totals}
-    if len(mine) < 3 or any(t.data_ptr() in mine for t in out if t.numel()):
-        raise ValueError("totals must not alias each other nor any field of out")
+def _no_alias(kept_E, totals, out: GatingOutput) -> None:
+    """``kept_E`` and the totals are written by the last launch (the totals read, too): no two of them,
+    nor a field of ``out``, may share memory."""
+    if kept_E is None and totals is None:
+        return
+    mine = [kept_E] if kept_E is not None else []
+    mine += list(totals) if totals is not None else []
+    ptrs = {t.data_ptr() for t in mine}
+    if len(ptrs) < len(mine) or any(t.data_ptr() in ptrs for t in out if t.numel()):
+        raise ValueError("kept_E and totals must not alias each other nor any field of out")
 
 
-def _launch_fwd(logits_TE, bias, used_E, out: GatingOutput, K, span, sizes, meta, totals) -> None:
+def _launch_fwd(logits_TE, bias, used_E, out: GatingOutput, K, span, sizes, meta, kept_E, totals) -> None:
     """One fused program when one span holds the call, else spans, then the scan and the slot fix-up;
     the totals (if any) are added by the single program, else by the scan."""
     (T, E), dev = logits_TE.shape, logits_TE.device
     n_spans = triton.cdiv(T, span)
-    tot = (used_E,) * 3 if totals is None else tuple(totals)  # (used_E: a stand-in, never read)
-    has_totals = totals is not None
+    # (used_E: the stand-in for an absent kept_E or totals, never read)
+    tot = (used_E if kept_E is None else kept_E, *((used_E,) * 3 if totals is None else totals))
+    flags = dict(HAS_KEPT=kept_E is not None, HAS_TOTALS=totals is not None)
     if n_spans == 1:
         args = (
             logits_TE,
@@ -191,7 +198,7 @@ def _launch_fwd(logits_TE, bias, used_E, out: GatingOutput, K, span, sizes, meta
             *tot,
             *sizes,
         )
-        meta = dict(SINGLE_PROGRAM=True, HAS_TOTALS=has_totals, **meta)
+        meta = dict(SINGLE_PROGRAM=True, **flags, **meta)
         run_autotuned(_gating_fwd_kernel, (1,), args, meta, _ENV_FWD_CONFIG)
         return
     span_count = torch.empty(n_spans, E, dtype=torch.int32, device=dev)
@@ -208,10 +215,10 @@ def _launch_fwd(logits_TE, bias, used_E, out: GatingOutput, K, span, sizes, meta
         out.used_E,
         span_score,
         span_zsq,
-        *(used_E,) * 3,
+        *(used_E,) * 4,
         *sizes,
     )
-    meta = dict(SINGLE_PROGRAM=False, HAS_TOTALS=False, **meta)
+    meta = dict(SINGLE_PROGRAM=False, HAS_KEPT=False, HAS_TOTALS=False, **meta)
     run_autotuned(_gating_fwd_kernel, (n_spans,), args, meta, _ENV_FWD_CONFIG)
     _gating_scan_kernel[(triton.cdiv(E, _SCAN_BLOCK_E),)](
         span_count,
@@ -226,7 +233,7 @@ def _launch_fwd(logits_TE, bias, used_E, out: GatingOutput, K, span, sizes, meta
         n_spans,
         E,
         sizes[4],  # sizes[4]: the capacity
-        HAS_TOTALS=has_totals,
+        **flags,
         BLOCK_B=_SCAN_BLOCK_B,
         BLOCK_E=_SCAN_BLOCK_E,
     )
@@ -256,6 +263,7 @@ def gating_fwd(
     topk_group: Optional[int] = None,
     scaling: float = 1.0,
     out: Optional[GatingOutput] = None,
+    kept_E: Optional[torch.Tensor] = None,
     totals: Optional[GatingTotals] = None,
 ) -> GatingOutput:
     """Scores, top-k, capacity slots and aux/z statistics for one chunk of router logits.
@@ -277,6 +285,8 @@ def gating_fwd(
         scaling: finite factor > 0 on the K weights, after the normalisation.
         out: optional preallocated :class:`GatingOutput` (contiguous, the dtypes and shapes
             below) written in place; ``out.used_E`` must not alias ``used_E``.
+        kept_E: optional contiguous int32 [E] written with the rows the call keeps per expert,
+            ``min(counts_E, max(capacity - used_E, 0))`` (the counts when dropless).
         totals: optional :class:`GatingTotals` (or a tuple of its three tensors; contiguous, sharing
             no memory with each other or ``out``) to which this call's kept rows, ``score_sum_E`` and
             ``zsq_sum`` are added in place.
@@ -300,17 +310,20 @@ def gating_fwd(
         _check_tensor("used_E", used_E, shape=(E,), dtypes=_INT_DTYPES, device=dev)
         used_E = used_E.to(torch.int32).contiguous()
     cap = _INT32_MAX if capacity is None else min(capacity, _INT32_MAX)
+    if kept_E is not None:
+        _check_out("kept_E", kept_E, (E,), torch.int32, dev)
     if totals is not None:
         totals = _check_totals(totals, logits_TE)
     out = _fwd_outputs(logits_TE, K, used_E, out)
-    if totals is not None:
-        _no_alias(totals, out)
+    _no_alias(kept_E, totals, out)
 
     if T == 0:
         out.counts_E.zero_()
         out.used_E.copy_(used_E)
         out.score_sum_E.zero_()
         out.zsq_sum.zero_()
+        if kept_E is not None:
+            kept_E.zero_()
         if totals is not None:  # (no row kept; the float sums as a caller's additions leave them)
             totals.score_sum_E.add_(out.score_sum_E)
             totals.zsq_sum.add_(out.zsq_sum)
@@ -328,7 +341,7 @@ def gating_fwd(
         BLOCK_E=block_e,
     )
     sizes = (T, E, K, span, cap, n_group, E // n_group, topk_group, scale_hi, scale_lo, *logits_TE.stride())
-    _launch_fwd(logits_TE, bias, used_E, out, K, span, sizes, meta, totals)
+    _launch_fwd(logits_TE, bias, used_E, out, K, span, sizes, meta, kept_E, totals)
     return out
 
 

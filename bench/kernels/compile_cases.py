@@ -156,7 +156,8 @@ def _gating_fwd(case):
         _buf("i32"),
         _buf("fp32"),
         _buf("fp32"),
-        _buf("i32"),  # (the totals' stand-ins: HAS_TOTALS is off on the multi-span path)
+        _buf("i32"),  # (the kept rows' and totals' stand-ins: off on the multi-span path)
+        _buf("i32"),
         _buf("i32"),
         _buf("i32"),
         _T,
@@ -183,6 +184,7 @@ def _gating_fwd(case):
         HAS_BIAS=biased,
         HAS_SCALE=biased,
         GROUPED=grouped,
+        HAS_KEPT=False,
         HAS_TOTALS=False,
         BLOCK_G=block_g,
         BLOCK_GS=block_gs,
@@ -258,6 +260,7 @@ def _gating_scan(case):
         _buf("i32"),
         _buf("fp32"),
         _buf("fp32"),
+        _buf("i32"),
         _buf("i64"),
         _buf("fp32"),
         _buf("fp32"),
@@ -265,8 +268,8 @@ def _gating_scan(case):
         64,
         2**31 - 1,
     )
-    # With the running totals (the layer's path): the most work per column.
-    const = dict(HAS_TOTALS=True, BLOCK_B=gating._SCAN_BLOCK_B, BLOCK_E=gating._SCAN_BLOCK_E)
+    # With the kept rows and the running totals (the layer's path with a capacity): the most work per column.
+    const = dict(HAS_KEPT=True, HAS_TOTALS=True, BLOCK_B=gating._SCAN_BLOCK_B, BLOCK_E=gating._SCAN_BLOCK_E)
     return gating._gating_scan_kernel, args, const
 
 

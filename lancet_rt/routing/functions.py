@@ -74,13 +74,14 @@ class BatchRouting:
     def z_loss(self) -> torch.Tensor:
         return self.zsq_sum / max(self.total_tokens, 1)
 
-    def gating_buffers(self, T: int, dtype: torch.dtype) -> tuple:
-        """``out=`` and ``totals=`` for the Triton gating of the next chunk (T tokens, logits of
-        ``dtype``): fresh expert, weight and count tensors (the chunk's results), and buffers of the
-        batch reused from chunk to chunk for what only this forward reads (the slots, the chunk's aux/z
-        sums, the next carried counter: the one the previous chunk read, see :meth:`recycle`). The
-        totals are this state's sums, which the kernel adds the chunk to in place (in ``dtype``, as
-        the unfused path's additions convert them)."""
+    def gating_buffers(self, T: int, dtype: torch.dtype) -> dict:
+        """``out=``, ``totals=`` and (with a capacity) ``kept_E=`` for the Triton gating of the next
+        chunk (T tokens, logits of ``dtype``): fresh tensors for the chunk's results (experts, weights,
+        and its kept rows: the counts when dropless, else ``kept_E``), and buffers of the batch reused
+        from chunk to chunk for what only this forward reads (the slots, the counts with a capacity, the
+        chunk's aux/z sums, the next carried counter: the one the previous chunk read, see
+        :meth:`recycle`). The totals are this state's sums, which the kernel adds the chunk to in place
+        (in ``dtype``, as the unfused path's additions convert them)."""
         E, K, dev = self.num_experts, self.top_k, self.device
         if self.score_sum_E.dtype != dtype:
             self.score_sum_E, self.zsq_sum = self.score_sum_E.to(dtype), self.zsq_sum.to(dtype)
@@ -90,15 +91,21 @@ class BatchRouting:
         if spare.get("sums") is None or spare["sums"][0].dtype != dtype:
             spare["sums"] = (torch.empty(E, dtype=dtype, device=dev), torch.empty((), dtype=dtype, device=dev))
         used = spare.pop("used_E", None)
+        kept = torch.empty(E, dtype=torch.int32, device=dev)
+        if self.capacity is not None and spare.get("counts_E") is None:
+            spare["counts_E"] = torch.empty(E, dtype=torch.int32, device=dev)
         out = GatingOutput(
             torch.empty(T, K, dtype=torch.int32, device=dev),
             torch.empty(T, K, dtype=dtype, device=dev),
             spare["slot_TK"],
-            torch.empty(E, dtype=torch.int32, device=dev),
+            kept if self.capacity is None else spare["counts_E"],
             torch.empty(E, dtype=torch.int32, device=dev) if used is None else used,
             *spare["sums"],
         )
-        return out, (self.kept_E, self.score_sum_E, self.zsq_sum)
+        buffers = dict(out=out, totals=(self.kept_E, self.score_sum_E, self.zsq_sum))
+        if self.capacity is not None:
+            buffers["kept_E"] = kept
+        return buffers
 
     def recycle(self, used_E: torch.Tensor) -> None:
         """Keep a carried counter no longer current (the one a chunk read; its forward is done with it)
@@ -151,9 +158,7 @@ class _Gate(torch.autograd.Function):
         used_in = state.used_E
         # The Triton gating writes into the state's buffers and adds the chunk to its sums itself
         fused = _fused_gating(ops)
-        buffers = {}
-        if fused:
-            buffers["out"], buffers["totals"] = state.gating_buffers(logits_TE.shape[0], logits_TE.dtype)
+        buffers = state.gating_buffers(logits_TE.shape[0], logits_TE.dtype) if fused else {}
         out = ops.gating_fwd(
             logits_TE,
             state.top_k,
@@ -169,9 +174,14 @@ class _Gate(torch.autograd.Function):
         )
         C = state.capacity
         # Rows this chunk keeps per expert (int32): its counts, up to the room the capacity leaves after
-        # the earlier chunks (min(used_in + counts, C) - min(used_in, C), in three ops).
-        # (torch.rsub: ``C - used_in`` would go through Tensor.__rsub__, a Python wrapper)
-        kept_E = out.counts_E if C is None else torch.minimum(out.counts_E, torch.rsub(used_in, C).clamp_(min=0))
+        # the earlier chunks (min(used_in + counts, C) - min(used_in, C)): the kernel's when fused, else in
+        # three ops (torch.rsub: ``C - used_in`` would go through Tensor.__rsub__, a Python wrapper)
+        if fused:
+            kept_E = buffers.get("kept_E", out.counts_E)
+        elif C is None:
+            kept_E = out.counts_E
+        else:
+            kept_E = torch.minimum(out.counts_E, torch.rsub(used_in, C).clamp_(min=0))
         state.used_E = out.used_E
         if not fused:
             state.kept_E += kept_E

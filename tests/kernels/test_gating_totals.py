@@ -1,8 +1,9 @@
-"""gating_fwd(totals=...): the batch's running sums (kept rows, score_sum_E, zsq_sum) added in place by
-the last launch, against the additions a caller makes after a call without them (bitwise: the same
-float additions in the same order), on the single-program and the scan path, dropless, dropping and
-capacity 0, float32 and float64, T = 0; the launcher's checks of ``totals``; and the layer's gate
-(lancet_rt.routing.functions) on the Triton path against the reference path, chunk by chunk.
+"""gating_fwd(kept_E=..., totals=...): the call's kept rows per expert, and the batch's running sums (kept
+rows, score_sum_E, zsq_sum) added in place, by the last launch, against the ops a caller makes after a
+call without them (bitwise: the same float additions in the same order), on the single-program and the
+scan path, dropless, dropping and capacity 0, float32 and float64, T = 0; the launcher's checks of
+``kept_E`` and ``totals``; and the layer's gate (lancet_rt.routing.functions) on the Triton path against
+the reference path, chunk by chunk.
 
 CPU lane: the kernels run under TRITON_INTERPRET=1 (tests/conftest.py); every output and total is
 poisoned before the launch so an unwritten element fails.
@@ -16,7 +17,7 @@ from lancet_rt.kernels import gating as gating_mod
 from lancet_rt.kernels.gating import GatingTotals, gating_fwd
 from lancet_rt.kernels.reference import gating_fwd_ref
 
-from tests.routing_inputs import DEVICE, _assert_gating_equal, _capacity, _logits, _poisoned_gating_out
+from tests.routing_inputs import DEVICE, _assert_gating_equal, _capacity, _kept_E, _logits, _poisoned_gating_out
 
 
 def _totals(gen, E, dtype) -> GatingTotals:
@@ -51,13 +52,16 @@ def test_totals_add_the_call(gen, shape, mode, dtype):
     totals = _clone(before)
 
     plain = gating_fwd(logits, K, used, out=_poisoned_gating_out(T, E, K, dtype), **kw)
-    got = gating_fwd(logits, K, used, out=_poisoned_gating_out(T, E, K, dtype), totals=totals, **kw)
+    kept_out = torch.full((E,), -7777, dtype=torch.int32, device=DEVICE)
+    got = gating_fwd(logits, K, used, out=_poisoned_gating_out(T, E, K, dtype), kept_E=kept_out, totals=totals, **kw)
     _assert_gating_equal("gating_fwd[totals]", got, gating_fwd_ref(logits, K, used, **kw))
     for a, b in zip(got, plain):
         assert torch.equal(a, b) or torch.equal(a.isnan(), b.isnan())
 
     C = plain.counts_E if capacity is None else (capacity - used.long()).clamp(min=0)
     kept = torch.minimum(plain.counts_E.long(), C.long())
+    assert torch.equal(kept_out, kept.int())
+    assert torch.equal(kept_out, _kept_E(got.expert_TK, got.slot_TK, E))
     assert torch.equal(totals.kept_E, before.kept_E + kept)
     assert torch.equal(totals.score_sum_E, before.score_sum_E + plain.score_sum_E)
     assert torch.equal(totals.zsq_sum, before.zsq_sum + plain.zsq_sum)
@@ -77,6 +81,9 @@ def test_totals_scan_path_forced(gen, monkeypatch, path):
     ref = gating_fwd_ref(logits, K, used, capacity=14)
     _assert_gating_equal(f"gating_fwd[totals,{path}]", got, ref)
     kept = torch.minimum(got.counts_E.long(), (14 - used.long()).clamp(min=0))
+    alone = torch.full((E,), -7777, dtype=torch.int32, device=DEVICE)  # kept_E without totals
+    gating_fwd(logits, K, used, capacity=14, out=_poisoned_gating_out(T, E, K, logits.dtype), kept_E=alone)
+    assert torch.equal(alone, kept.int())
     assert torch.equal(totals.kept_E, before.kept_E + kept)
     assert torch.equal(totals.score_sum_E, before.score_sum_E + got.score_sum_E)
     assert torch.equal(totals.zsq_sum, before.zsq_sum + got.zsq_sum)
@@ -88,8 +95,10 @@ def test_totals_zero_tokens(gen):
     logits = torch.empty(0, E, device=DEVICE)
     before = _totals(gen, E, torch.float32)
     totals = _clone(before)
-    gating_fwd(logits, K, out=_poisoned_gating_out(0, E, K, logits.dtype), totals=tuple(totals))
+    kept = torch.full((E,), -7777, dtype=torch.int32, device=DEVICE)
+    gating_fwd(logits, K, out=_poisoned_gating_out(0, E, K, logits.dtype), kept_E=kept, totals=tuple(totals))
     assert all(torch.equal(a, b) for a, b in zip(totals, before))
+    assert bool((kept == 0).all())
 
 
 def test_totals_are_validated(gen):
@@ -113,6 +122,11 @@ def test_totals_are_validated(gen):
     out = _poisoned_gating_out(T, E, K, logits.dtype)
     with pytest.raises(ValueError, match="alias"):
         gating_fwd(logits, K, out=out, totals=good._replace(score_sum_E=out.score_sum_E))
+    with pytest.raises(ValueError, match="alias"):
+        gating_fwd(logits, K, out=out, kept_E=out.counts_E)
+    for exc, kept in [(TypeError, good.kept_E), (ValueError, torch.zeros(E + 1, dtype=torch.int32))]:
+        with pytest.raises(exc, match="kept_E"):
+            gating_fwd(logits, K, kept_E=kept.to(DEVICE))
     assert bool((out.expert_TK == -7777).all())
 
 
