@@ -190,3 +190,30 @@ def test_gate_triton_path_state_is_the_unfused_sums(gen, monkeypatch):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     for name in ("used_E", "kept_E", "score_sum_E", "zsq_sum"):
         assert torch.equal(getattr(s1, name), getattr(s2, name)), name
+
+
+def test_autotuner_restores_the_totals():
+    """On CUDA the forward is autotuned: its timing runs add to the totals too, so the tuner restores them
+    (the GPU twin below checks the sums after a first, tuned call)."""
+    tuner = gating_mod._gating_fwd_kernel
+    assert {"tot_kept_ptr", "tot_score_ptr", "tot_zsq_ptr"} <= set(tuner.restore_value)
+
+
+@pytest.mark.gpu
+def test_gpu_totals_after_tuning(gen):
+    """A single-program call on a key no other test tunes (E = 24, K = 3): the timing runs of its
+    first call leave the totals as one call's additions make them."""
+    T, E, K = 96, 24, 3
+    logits = _logits(gen, T, E)
+    used = torch.randint(0, 8, (E,), generator=gen, dtype=torch.int32).to(DEVICE)
+    before = _totals(gen, E, torch.float32)
+    totals = _clone(before)
+    kept = torch.full((E,), -7777, dtype=torch.int32, device=DEVICE)
+    got = gating_fwd(logits, K, used, capacity=20, kept_E=kept, totals=totals)
+    plain = gating_fwd(logits, K, used, capacity=20)
+    _assert_gating_equal("gpu gating_fwd[totals]", got, gating_fwd_ref(logits, K, used, capacity=20))
+    want = torch.minimum(plain.counts_E.long(), (20 - used.long()).clamp(min=0))
+    assert torch.equal(kept, want.int())
+    assert torch.equal(totals.kept_E, before.kept_E + want)
+    assert torch.equal(totals.score_sum_E, before.score_sum_E + plain.score_sum_E)
+    assert torch.equal(totals.zsq_sum, before.zsq_sum + plain.zsq_sum)
