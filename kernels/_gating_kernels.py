@@ -43,6 +43,10 @@ Crossing spans needs a scan over the programs. It is done without atomics, in th
 * ``_gating_slot_kernel`` (grid over ``T * K``): ``slot = span_start[span, e] + rank``, then
   ``-1`` at or past the capacity.
 
+The launch that writes the call's counts and sums (the single program, or the scan) also writes the
+kept rows per expert (``HAS_KEPT``) and adds them and the sums to a batch's running totals in place
+(``HAS_TOTALS``; ``_store_kept``): the caller's ops after the call, done where the values already are.
+
 Integer results are exact and every float reduction has a fixed order, so outputs are
 bit-identical run to run for a given config (a different tuned ``BLOCK_T`` or span changes
 only the float summation order of ``score_sum_E`` / ``zsq_sum``). When the whole call fits
@@ -140,10 +144,28 @@ def _token_tile_prune(env_var):
 # ----------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------
+@triton.jit
+def _store_kept(
+    kept_ptr, tot_kept_ptr, tot_score_ptr, offs_e, mask_e, b_used, b_counts, b_score, capacity, HAS_KEPT, HAS_TOTALS
+):
+    """The call's kept rows (its counts, up to the room ``capacity`` leaves above the carried ``used``:
+    min(counts, max(capacity - used, 0)), in int64) into ``kept_ptr`` (HAS_KEPT), and with its score
+    sums added to the running totals in place (HAS_TOTALS): the same int64 and float additions the
+    caller would make after the call."""
+    b_kept = tl.minimum(b_counts.to(tl.int64), tl.maximum(capacity - b_used.to(tl.int64), 0))
+    if HAS_KEPT:
+        tl.store(kept_ptr + offs_e, b_kept.to(tl.int32), mask=mask_e)
+    if HAS_TOTALS:
+        tl.store(tot_kept_ptr + offs_e, tl.load(tot_kept_ptr + offs_e, mask=mask_e, other=0) + b_kept, mask=mask_e)
+        b_tot = tl.load(tot_score_ptr + offs_e, mask=mask_e, other=0.0)
+        tl.store(tot_score_ptr + offs_e, b_tot + b_score, mask=mask_e)
+
+
 @triton.autotune(
     configs=_token_tile_configs(),
     key=["E", "K", "SINGLE_PROGRAM", "BLOCK_E", "BLOCK_G"],
     prune_configs_by={"early_config_prune": _token_tile_prune(_ENV_FWD_CONFIG)},
+    restore_value=["tot_kept_ptr", "tot_score_ptr", "tot_zsq_ptr"],  # (timing runs add to the totals too)
 )
 @triton.jit(do_not_specialize=["T", "span", "capacity"])  # row counts: one compiled variant for any chunk
 def _gating_fwd_kernel(
@@ -158,6 +180,10 @@ def _gating_fwd_kernel(
     used_out_ptr,  # [E] int32 out: used_E + counts_E (SINGLE_PROGRAM only)
     score_ptr,  # SINGLE_PROGRAM: [E] score_sum_E; else [NB, E] span partial sums
     zsq_ptr,  # SINGLE_PROGRAM: [] zsq_sum; else [NB] span partial sums
+    kept_ptr,  # [E] int32 out: the call's kept rows (SINGLE_PROGRAM and HAS_KEPT only)
+    tot_kept_ptr,  # [E] int64 in/out: running kept rows (SINGLE_PROGRAM and HAS_TOTALS only)
+    tot_score_ptr,  # [E] in/out: running score_sum_E, logits dtype (idem)
+    tot_zsq_ptr,  # [] in/out: running zsq_sum, logits dtype (idem)
     # Sizes
     T,
     E,
@@ -179,6 +205,8 @@ def _gating_fwd_kernel(
     HAS_BIAS: tl.constexpr,
     HAS_SCALE: tl.constexpr,
     GROUPED: tl.constexpr,
+    HAS_KEPT: tl.constexpr,  # write the call's kept rows
+    HAS_TOTALS: tl.constexpr,  # add the call's kept rows, score_sum_E and zsq_sum to the tot_* sums
     BLOCK_G: tl.constexpr,  # next_pow2(n_group) (1 unless GROUPED)
     BLOCK_GS: tl.constexpr,  # next_pow2(group_size) (unused unless GROUPED)
     BLOCK_E: tl.constexpr,  # expert lanes: next_pow2(E), or BLOCK_G * BLOCK_GS if GROUPED
@@ -299,10 +327,27 @@ def _gating_fwd_kernel(
 
     # -- phase 7: write the span's (or, single program, the call's) counts and sums --
     if SINGLE_PROGRAM:
+        b_zsq = tl.sum(b_zsq_acc, axis=0)
         tl.store(count_ptr + offs_e, b_run, mask=mask_e)
         tl.store(used_out_ptr + offs_e, b_used + b_run, mask=mask_e)
         tl.store(score_ptr + offs_e, b_score_acc, mask=mask_e)
-        tl.store(zsq_ptr, tl.sum(b_zsq_acc, axis=0))
+        tl.store(zsq_ptr, b_zsq)
+        if HAS_KEPT or HAS_TOTALS:
+            _store_kept(
+                kept_ptr,
+                tot_kept_ptr,
+                tot_score_ptr,
+                offs_e,
+                mask_e,
+                b_used,
+                b_run,
+                b_score_acc,
+                capacity,
+                HAS_KEPT,
+                HAS_TOTALS,
+            )
+        if HAS_TOTALS:
+            tl.store(tot_zsq_ptr, tl.load(tot_zsq_ptr) + b_zsq)
     else:
         tl.store(count_ptr + pid * E + offs_e, b_run, mask=mask_e)
         tl.store(score_ptr + pid * E + offs_e, b_score_acc, mask=mask_e)
@@ -320,10 +365,17 @@ def _gating_scan_kernel(
     used_out_ptr,  # [E] int32 out: used_E + counts_E
     score_ptr,  # [E] out: score_sum_E
     zsq_ptr,  # [] out: zsq_sum
+    kept_ptr,  # [E] int32 out: the call's kept rows (HAS_KEPT only)
+    tot_kept_ptr,  # [E] int64 in/out: running kept rows (HAS_TOTALS only)
+    tot_score_ptr,  # [E] in/out: running score_sum_E (idem)
+    tot_zsq_ptr,  # [] in/out: running zsq_sum (idem)
     # Sizes
     NB,
     E,
+    capacity,  # slots per expert (INT32_MAX when dropless)
     # Meta-parameters
+    HAS_KEPT: tl.constexpr,
+    HAS_TOTALS: tl.constexpr,
     BLOCK_B: tl.constexpr,
     BLOCK_E: tl.constexpr,
 ):
@@ -346,6 +398,20 @@ def _gating_scan_kernel(
     tl.store(count_ptr + offs_e, b_carry - b_used, mask=mask_e)
     tl.store(used_out_ptr + offs_e, b_carry, mask=mask_e)
     tl.store(score_ptr + offs_e, b_score, mask=mask_e)
+    if HAS_KEPT or HAS_TOTALS:
+        _store_kept(
+            kept_ptr,
+            tot_kept_ptr,
+            tot_score_ptr,
+            offs_e,
+            mask_e,
+            b_used,
+            b_carry - b_used,
+            b_score,
+            capacity,
+            HAS_KEPT,
+            HAS_TOTALS,
+        )
 
     # -- phase 2: the z-loss partials, reduced in span order by one program --
     if pid_e == 0:
@@ -353,7 +419,10 @@ def _gating_scan_kernel(
         for b0 in range(0, NB, BLOCK_B):
             offs_b = b0 + tl.arange(0, BLOCK_B)
             b_zsq += tl.load(span_zsq_ptr + offs_b, mask=offs_b < NB, other=0.0)
-        tl.store(zsq_ptr, tl.sum(b_zsq, axis=0))
+        b_zsq_sum = tl.sum(b_zsq, axis=0)
+        tl.store(zsq_ptr, b_zsq_sum)
+        if HAS_TOTALS:
+            tl.store(tot_zsq_ptr, tl.load(tot_zsq_ptr) + b_zsq_sum)
 
 
 @triton.jit(do_not_specialize=["N"])  # row counts: one compiled variant for any chunk

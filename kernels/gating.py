@@ -8,7 +8,10 @@ spaces are in :mod:`lancet_rt.kernels._gating_kernels`.
 
 The forward reads the logits once: one program per span of tokens (all of them when the call is
 small, then a single launch), else a scan over the spans' counts and a slot fix-up (three launches,
-no atomics, no host synchronisation). The backward is one pass over token tiles.
+no atomics, no host synchronisation). The last of them can also write the rows the call keeps per
+expert (``kept_E=``) and add them and the aux/z sums to a batch's running sums (``totals=``,
+:class:`GatingTotals`), so a caller carrying them across chunks dispatches no ops for it. The
+backward is one pass over token tiles.
 ``LANCET_GATING_FWD_CONFIG`` / ``LANCET_GATING_BWD_CONFIG`` pin a config, e.g.
 ``"BLOCK_T=16,num_warps=4"``.
 """
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import struct
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import triton
@@ -35,7 +38,7 @@ from ._gating_kernels import (
 )
 from .reference import GatingOutput, check_router_args, check_scaling
 
-__all__ = ["gating_fwd", "gating_bwd", "GatingOutput"]
+__all__ = ["gating_fwd", "gating_bwd", "GatingOutput", "GatingTotals"]
 
 _INT32_MAX = 2**31 - 1
 _FLOAT32_MAX = 3.4028234663852886e38
@@ -49,6 +52,24 @@ _PROGRAMS_PER_SM = 4
 # tokens, and at most this many logits. Tests lower the first to force the multi-program path.
 _SINGLE_PROGRAM_MAX_T = 128
 _SINGLE_PROGRAM_MAX_ELEMENTS = 16384
+
+
+class GatingTotals(NamedTuple):
+    """Running sums over the chunks of one batch, to which :func:`gating_fwd` (``totals=``) adds a
+    call's results in place, in its last launch: the additions a caller carrying the batch's routing
+    state would make after each call (the same ones, so the same bits), without host ops of its own.
+
+    Attributes:
+        kept_E: int64 [E], += the rows the call keeps per expert, ``min(counts_E, max(capacity -
+            used_E, 0))`` with ``used_E`` the carried counter given to the call (``counts_E`` when
+            dropless).
+        score_sum_E: [E] in the logits' dtype, += the call's ``score_sum_E``.
+        zsq_sum: [] in the logits' dtype, += the call's ``zsq_sum``.
+    """
+
+    kept_E: torch.Tensor
+    score_sum_E: torch.Tensor
+    zsq_sum: torch.Tensor
 
 
 # ----------------------------------------------------------------------------------------------
@@ -130,10 +151,38 @@ def _fwd_outputs(logits_TE: torch.Tensor, K: int, used_E: torch.Tensor, out: Opt
     return out
 
 
-def _launch_fwd(logits_TE, bias, used_E, out: GatingOutput, K: int, span: int, sizes: tuple, meta: dict) -> None:
-    """One fused program when one span holds the call, else spans, then the scan and the slot fix-up."""
+def _check_totals(totals, logits_TE: torch.Tensor) -> GatingTotals:
+    """``totals=``: a :class:`GatingTotals` of contiguous tensors of the right shapes and dtypes."""
+    if not isinstance(totals, tuple) or len(totals) != 3:
+        raise TypeError(f"totals must be a GatingTotals (or a tuple of its three tensors), got {type(totals).__name__}")
+    totals = GatingTotals(*totals)
+    (_, E), dev, dtype = logits_TE.shape, logits_TE.device, logits_TE.dtype
+    _check_out("totals.kept_E", totals.kept_E, (E,), torch.int64, dev)
+    _check_out("totals.score_sum_E", totals.score_sum_E, (E,), dtype, dev)
+    _check_out("totals.zsq_sum", totals.zsq_sum, (), dtype, dev)
+    return totals
+
+
+def _no_alias(kept_E, totals, out: GatingOutput) -> None:
+    """``kept_E`` and the totals are written by the last launch (the totals read, too): no two of them,
+    nor a field of ``out``, may share memory."""
+    if kept_E is None and totals is None:
+        return
+    mine = [kept_E] if kept_E is not None else []
+    mine += list(totals) if totals is not None else []
+    ptrs = {t.data_ptr() for t in mine}
+    if len(ptrs) < len(mine) or any(t.data_ptr() in ptrs for t in out if t.numel()):
+        raise ValueError("kept_E and totals must not alias each other nor any field of out")
+
+
+def _launch_fwd(logits_TE, bias, used_E, out: GatingOutput, K, span, sizes, meta, kept_E, totals) -> None:
+    """One fused program when one span holds the call, else spans, then the scan and the slot fix-up;
+    the totals (if any) are added by the single program, else by the scan."""
     (T, E), dev = logits_TE.shape, logits_TE.device
     n_spans = triton.cdiv(T, span)
+    # (used_E: the stand-in for an absent kept_E or totals, never read)
+    tot = (used_E if kept_E is None else kept_E, *((used_E,) * 3 if totals is None else totals))
+    flags = dict(HAS_KEPT=kept_E is not None, HAS_TOTALS=totals is not None)
     if n_spans == 1:
         args = (
             logits_TE,
@@ -146,9 +195,11 @@ def _launch_fwd(logits_TE, bias, used_E, out: GatingOutput, K: int, span: int, s
             out.used_E,
             out.score_sum_E,
             out.zsq_sum,
+            *tot,
             *sizes,
         )
-        run_autotuned(_gating_fwd_kernel, (1,), args, dict(SINGLE_PROGRAM=True, **meta), _ENV_FWD_CONFIG)
+        meta = dict(SINGLE_PROGRAM=True, **flags, **meta)
+        run_autotuned(_gating_fwd_kernel, (1,), args, meta, _ENV_FWD_CONFIG)
         return
     span_count = torch.empty(n_spans, E, dtype=torch.int32, device=dev)
     span_score = torch.empty(n_spans, E, dtype=logits_TE.dtype, device=dev)
@@ -164,9 +215,11 @@ def _launch_fwd(logits_TE, bias, used_E, out: GatingOutput, K: int, span: int, s
         out.used_E,
         span_score,
         span_zsq,
+        *(used_E,) * 4,
         *sizes,
     )
-    run_autotuned(_gating_fwd_kernel, (n_spans,), args, dict(SINGLE_PROGRAM=False, **meta), _ENV_FWD_CONFIG)
+    meta = dict(SINGLE_PROGRAM=False, HAS_KEPT=False, HAS_TOTALS=False, **meta)
+    run_autotuned(_gating_fwd_kernel, (n_spans,), args, meta, _ENV_FWD_CONFIG)
     _gating_scan_kernel[(triton.cdiv(E, _SCAN_BLOCK_E),)](
         span_count,
         span_score,
@@ -176,8 +229,11 @@ def _launch_fwd(logits_TE, bias, used_E, out: GatingOutput, K: int, span: int, s
         out.used_E,
         out.score_sum_E,
         out.zsq_sum,
+        *tot,
         n_spans,
         E,
+        sizes[4],  # sizes[4]: the capacity
+        **flags,
         BLOCK_B=_SCAN_BLOCK_B,
         BLOCK_E=_SCAN_BLOCK_E,
     )
@@ -207,6 +263,8 @@ def gating_fwd(
     topk_group: Optional[int] = None,
     scaling: float = 1.0,
     out: Optional[GatingOutput] = None,
+    kept_E: Optional[torch.Tensor] = None,
+    totals: Optional[GatingTotals] = None,
 ) -> GatingOutput:
     """Scores, top-k, capacity slots and aux/z statistics for one chunk of router logits.
 
@@ -227,6 +285,11 @@ def gating_fwd(
         scaling: finite factor > 0 on the K weights, after the normalisation.
         out: optional preallocated :class:`GatingOutput` (contiguous, the dtypes and shapes
             below) written in place; ``out.used_E`` must not alias ``used_E``.
+        kept_E: optional contiguous int32 [E] written with the rows the call keeps per expert,
+            ``min(counts_E, max(capacity - used_E, 0))`` (the counts when dropless).
+        totals: optional :class:`GatingTotals` (or a tuple of its three tensors; contiguous, sharing
+            no memory with each other or ``out``) to which this call's kept rows, ``score_sum_E`` and
+            ``zsq_sum`` are added in place.
 
     Returns:
         :class:`GatingOutput`: expert_TK int32 [T, K], weight_TK [T, K], slot_TK int32 [T, K],
@@ -247,13 +310,23 @@ def gating_fwd(
         _check_tensor("used_E", used_E, shape=(E,), dtypes=_INT_DTYPES, device=dev)
         used_E = used_E.to(torch.int32).contiguous()
     cap = _INT32_MAX if capacity is None else min(capacity, _INT32_MAX)
+    if kept_E is not None:
+        _check_out("kept_E", kept_E, (E,), torch.int32, dev)
+    if totals is not None:
+        totals = _check_totals(totals, logits_TE)
     out = _fwd_outputs(logits_TE, K, used_E, out)
+    _no_alias(kept_E, totals, out)
 
     if T == 0:
         out.counts_E.zero_()
         out.used_E.copy_(used_E)
         out.score_sum_E.zero_()
         out.zsq_sum.zero_()
+        if kept_E is not None:
+            kept_E.zero_()
+        if totals is not None:  # (no row kept; the float sums as a caller's additions leave them)
+            totals.score_sum_E.add_(out.score_sum_E)
+            totals.zsq_sum.add_(out.zsq_sum)
         return out
 
     span = _plan_span(T, block_e, dev)
@@ -268,7 +341,7 @@ def gating_fwd(
         BLOCK_E=block_e,
     )
     sizes = (T, E, K, span, cap, n_group, E // n_group, topk_group, scale_hi, scale_lo, *logits_TE.stride())
-    _launch_fwd(logits_TE, bias, used_E, out, K, span, sizes, meta)
+    _launch_fwd(logits_TE, bias, used_E, out, K, span, sizes, meta, kept_E, totals)
     return out
 
 

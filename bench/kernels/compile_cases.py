@@ -156,6 +156,10 @@ def _gating_fwd(case):
         _buf("i32"),
         _buf("fp32"),
         _buf("fp32"),
+        _buf("i32"),  # (the kept rows' and totals' stand-ins: off on the multi-span path)
+        _buf("i32"),
+        _buf("i32"),
+        _buf("i32"),
         _T,
         E,
         _GATING_K,
@@ -180,6 +184,8 @@ def _gating_fwd(case):
         HAS_BIAS=biased,
         HAS_SCALE=biased,
         GROUPED=grouped,
+        HAS_KEPT=False,
+        HAS_TOTALS=False,
         BLOCK_G=block_g,
         BLOCK_GS=block_gs,
         BLOCK_E=block_g * block_gs if grouped else _next_pow2(E),
@@ -254,10 +260,17 @@ def _gating_scan(case):
         _buf("i32"),
         _buf("fp32"),
         _buf("fp32"),
+        _buf("i32"),
+        _buf("i64"),
+        _buf("fp32"),
+        _buf("fp32"),
         nb,
         64,
+        2**31 - 1,
     )
-    return gating._gating_scan_kernel, args, dict(BLOCK_B=gating._SCAN_BLOCK_B, BLOCK_E=gating._SCAN_BLOCK_E)
+    # With the kept rows and the running totals (the layer's path with a capacity): the most work per column.
+    const = dict(HAS_KEPT=True, HAS_TOTALS=True, BLOCK_B=gating._SCAN_BLOCK_B, BLOCK_E=gating._SCAN_BLOCK_E)
+    return gating._gating_scan_kernel, args, const
 
 
 def _gating_slot(case):

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from lancet_rt import trace as _trace
+from lancet_rt.kernels.reference import GatingOutput
 from lancet_rt.runtime import scope as _scope
 
 
@@ -42,6 +43,9 @@ class BatchRouting:
     routed_tokens: int = 0
     next_chunk: int = 0
     _loss_grads: Optional[tuple] = field(default=None, init=False, repr=False)
+    # The Triton gating's per-batch buffers (gating_buffers): the spare carried counter, the chunk's slots
+    # (by shape) and its aux/z sums (by dtype), each reused from chunk to chunk
+    _spare: dict = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self):
         E = self.num_experts
@@ -69,6 +73,44 @@ class BatchRouting:
 
     def z_loss(self) -> torch.Tensor:
         return self.zsq_sum / max(self.total_tokens, 1)
+
+    def gating_buffers(self, T: int, dtype: torch.dtype) -> dict:
+        """``out=``, ``totals=`` and (with a capacity) ``kept_E=`` for the Triton gating of the next
+        chunk (T tokens, logits of ``dtype``): fresh tensors for the chunk's results (experts, weights,
+        and its kept rows: the counts when dropless, else ``kept_E``), and buffers of the batch reused
+        from chunk to chunk for what only this forward reads (the slots, the counts with a capacity, the
+        chunk's aux/z sums, the next carried counter: the one the previous chunk read, see
+        :meth:`recycle`). The totals are this state's sums, which the kernel adds the chunk to in place
+        (in ``dtype``, as the unfused path's additions convert them)."""
+        E, K, dev = self.num_experts, self.top_k, self.device
+        if self.score_sum_E.dtype != dtype:
+            self.score_sum_E, self.zsq_sum = self.score_sum_E.to(dtype), self.zsq_sum.to(dtype)
+        spare = self._spare
+        if spare.get("slot_TK") is None or spare["slot_TK"].shape[0] != T:
+            spare["slot_TK"] = torch.empty(T, K, dtype=torch.int32, device=dev)
+        if spare.get("sums") is None or spare["sums"][0].dtype != dtype:
+            spare["sums"] = (torch.empty(E, dtype=dtype, device=dev), torch.empty((), dtype=dtype, device=dev))
+        used = spare.pop("used_E", None)
+        kept = torch.empty(E, dtype=torch.int32, device=dev)
+        if self.capacity is not None and spare.get("counts_E") is None:
+            spare["counts_E"] = torch.empty(E, dtype=torch.int32, device=dev)
+        out = GatingOutput(
+            torch.empty(T, K, dtype=torch.int32, device=dev),
+            torch.empty(T, K, dtype=dtype, device=dev),
+            spare["slot_TK"],
+            kept if self.capacity is None else spare["counts_E"],
+            torch.empty(E, dtype=torch.int32, device=dev) if used is None else used,
+            *spare["sums"],
+        )
+        buffers = dict(out=out, totals=(self.kept_E, self.score_sum_E, self.zsq_sum))
+        if self.capacity is not None:
+            buffers["kept_E"] = kept
+        return buffers
+
+    def recycle(self, used_E: torch.Tensor) -> None:
+        """Keep a carried counter no longer current (the one a chunk read; its forward is done with it)
+        as the next chunk's output buffer (:meth:`gating_buffers`)."""
+        self._spare["used_E"] = used_E
 
     def loss_grads(self, dtype: torch.dtype, aux_coef: float, z_coef: float) -> tuple:
         """(gradient of ``score_sum_E``, of ``zsq_sum``; None where the coefficient is 0) that the aux
@@ -114,6 +156,9 @@ class _Gate(torch.autograd.Function):
         scaling,
     ):
         used_in = state.used_E
+        # The Triton gating writes into the state's buffers and adds the chunk to its sums itself
+        fused = _fused_gating(ops)
+        buffers = state.gating_buffers(logits_TE.shape[0], logits_TE.dtype) if fused else {}
         out = ops.gating_fwd(
             logits_TE,
             state.top_k,
@@ -125,18 +170,27 @@ class _Gate(torch.autograd.Function):
             n_group=n_group,
             topk_group=topk_group,
             scaling=scaling,
+            **buffers,
         )
         C = state.capacity
         # Rows this chunk keeps per expert (int32): its counts, up to the room the capacity leaves after
-        # the earlier chunks (min(used_in + counts, C) - min(used_in, C), in three ops).
-        # (torch.rsub: ``C - used_in`` would go through Tensor.__rsub__, a Python wrapper)
-        kept_E = out.counts_E if C is None else torch.minimum(out.counts_E, torch.rsub(used_in, C).clamp_(min=0))
+        # the earlier chunks (min(used_in + counts, C) - min(used_in, C)): the kernel's when fused, else in
+        # three ops (torch.rsub: ``C - used_in`` would go through Tensor.__rsub__, a Python wrapper)
+        if fused:
+            kept_E = buffers.get("kept_E", out.counts_E)
+        elif C is None:
+            kept_E = out.counts_E
+        else:
+            kept_E = torch.minimum(out.counts_E, torch.rsub(used_in, C).clamp_(min=0))
         state.used_E = out.used_E
-        state.kept_E += kept_E
-        state.score_sum_E = state.score_sum_E.to(out.score_sum_E.dtype) + out.score_sum_E
-        state.zsq_sum = state.zsq_sum.to(out.zsq_sum.dtype) + out.zsq_sum
+        if not fused:
+            state.kept_E += kept_E
+            state.score_sum_E = state.score_sum_E.to(out.score_sum_E.dtype) + out.score_sum_E
+            state.zsq_sum = state.zsq_sum.to(out.zsq_sum.dtype) + out.zsq_sum
         state.routed_tokens += logits_TE.shape[0]
         row_TK = ops.dispatch_rows(out.expert_TK, out.slot_TK, used_in, kept_E)
+        if fused:
+            state.recycle(used_in)
 
         ctx.save_for_backward(logits_TE, out.expert_TK)
         ctx.state, ctx.ops, ctx.score_fn, ctx.normalize, ctx.scaling = state, ops, score_fn, normalize_topk, scaling
@@ -160,6 +214,12 @@ class _Gate(torch.autograd.Function):
             scaling=ctx.scaling,
         )
         return grad_logits, None, None, None, None, None, None, None, None, None, None
+
+
+def _fused_gating(ops) -> bool:
+    """Whether ``ops`` run the Triton gating (its ``out=`` and ``totals=``): the references' path keeps its
+    own allocations and additions."""
+    return getattr(ops, "name", None) == "triton" and "gating" not in getattr(ops, "reference_families", ())
 
 
 def gate(

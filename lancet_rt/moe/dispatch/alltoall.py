@@ -41,7 +41,8 @@ class AllToAll(Dispatcher):
         moe = self.moe
         L, W = moe.num_local_experts, moe.ep_size
         P = kept_PE.shape[0]
-        counts = (kept_PE.view(W, L) if P == 1 else kept_PE.view(P, W, L).permute(1, 0, 2).reshape(W, P * L)).long()
+        # (in kept_PE's dtype: the row is made int64 where the status column joins it, common.exchange_counts)
+        counts = kept_PE.view(W, L) if P == 1 else kept_PE.view(P, W, L).permute(1, 0, 2).reshape(W, P * L)
         loads = kept_PE.sum(0).long().view(1, -1).expand(W, -1) if moe.shadow_experts else None
         return exchange_counts(moe, kept_PE, counts, L, loads, error, dtype)
 

@@ -18,6 +18,7 @@ one process) send no tag.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from dataclasses import dataclass
 from typing import Optional
@@ -93,7 +94,11 @@ class Counts:
         if self._mismatch is not None:
             raise self._mismatch
         if self.host is None:
-            rows_recv, rows_sent = torch.stack((recv, self._exchange.sent)).tolist()  # the one read
+            sent = self._exchange.sent
+            if sent is recv:  # (an emulated group: every rank receives what it sends)
+                rows_recv = rows_sent = recv.tolist()  # the one read
+            else:
+                rows_recv, rows_sent = torch.stack((recv, sent)).tolist()  # the one read
             if self._tag:  # (another collective's data in a row: its status word is garbage too)
                 tags = [row[P * L + 1 : P * L + 1 + self._tag] for row in rows_recv]
                 if all(t[0] == _header.COUNTS_MAGIC for t in tags):
@@ -200,7 +205,7 @@ def exchange_counts(
     Args:
         moe: the layer (its group, ``ep_size``; its number for the tag).
         kept_PE: [P, E] kept rows per expert of P pieces sent back to back.
-        counts: [W, P * L] int64, the counts each rank receives (the dispatcher's
+        counts: [W, P * L] int32 or int64, the counts each rank receives (the dispatcher's
             ``exchange_counts``: each rank's rows of its local experts; with ``dispatcher="allreduce"`` every
             rank's counts over all E experts, which must agree).
         L: counts per piece in a row.
@@ -222,16 +227,22 @@ def exchange_counts(
 
     faults.wait_first_exchange(group)  # the step's first exchange first (faults: no rank runs ahead)
     status = faults.status_code(error)
+    # The int64 row is made by the one cat that appends the status (int32 counts promote)
     if tagged:  # status and tag: one host row, one copy (pinned, no sync), one cat
         extra = to_device(torch.tensor([status] + _tag(moe, monitor.issued + 1, dtype)), counts.device)
         send = torch.cat([counts, extra.view(1, -1).expand(W, -1)] + ([] if loads is None else [loads]), dim=1)
-    else:  # the status column: one pad (constant_pad_nd), not a full and a cat, per chunk and layer
-        send = torch.nn.functional.pad(counts, (0, 1), value=status)
-        if loads is not None:
-            send = torch.cat([send, loads], dim=1)
+    else:  # the status column: the group's, made once (one cat per chunk and layer, no pad and cast)
+        send = torch.cat([counts, _status_column(W, status, counts.device)] + ([] if loads is None else [loads]), dim=1)
     handle = Counts(group.exchange(send), P, W, L, error, group, tagged)
     faults.note_exchange(group, handle)
     return handle
+
+
+@functools.lru_cache(maxsize=64)
+def _status_column(W: int, code: int, device: torch.device) -> torch.Tensor:
+    """The int64 [W, 1] status column of an untagged counts row (read only: every row of a W-rank
+    group with this status shares it)."""
+    return torch.full((W, 1), code, dtype=torch.int64, device=device)
 
 
 def counts_turn(moe, x: torch.Tensor) -> None:
