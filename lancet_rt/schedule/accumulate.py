@@ -276,8 +276,9 @@ class Microbatches:
 
     @contextlib.contextmanager
     def running(self):
-        """Around the step: host autograd calls finish a parked backward first
-        (:func:`_autograd_from_the_host`), and the host's core is given back however the step ends."""
+        """Around the microbatches (their forwards and backwards): host autograd calls finish a parked
+        backward first (:func:`_autograd_from_the_host`), and the host's core is given back however
+        the step ends."""
         with _autograd_from_the_host():
             try:
                 yield self

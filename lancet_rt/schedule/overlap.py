@@ -157,14 +157,15 @@ class Overlapped(nn.Module):
             # leaves no state behind (lancet_rt.schedule.guard). The step's pieces below this driver
             # (the guard, the microbatches' interleaving) get what they need as data.
             _guard.check_schedule(self, layers)
-            with _guard.StepGuard(layers), step.running():
+            with _guard.StepGuard(layers):
                 if self.wgrad_queue is not None:
                     self.wgrad_queue.discard_orphans()  # left by a backward that raised
                 n = self._resolve_chunks(*step.calls[0])
-                for i, (args, kwargs) in enumerate(step.calls):
-                    with step.microbatch(i) as forward:  # the backward of microbatch i - 1 runs beside it
-                        forward.output = self.forward_chunked(n, args, kwargs)
-                return step.end()
+                with step.running():
+                    for i, (args, kwargs) in enumerate(step.calls):
+                        with step.microbatch(i) as forward:  # the backward of microbatch i - 1 runs beside it
+                            forward.output = self.forward_chunked(n, args, kwargs)
+                    return step.end()
         finally:
             self._step_layers = None
 
