@@ -13,8 +13,14 @@ driver's frames too (the main greenlet: the step guard, warm-up, the chunking, t
 What is traced: one forward of a MoE layer of the default dispatcher on an ``EmulatedGroup(2)`` and on a
 real 2-rank gloo group (``TorchGroup``: the split lanes its ``ep_group`` gets by default, whose issuer
 thread is not traced, and the plain group, ``LANCET_EP_TRANSPORT=plain``, whose monitor launches each
-collective on the calling thread as on NCCL), the backward of that forward, and one step of ``Overlapped(chunks=2)``
-(forward and backward, with deferred dW). No call re-enters a file, and the forward first visits the MoE
+collective on the calling thread as on NCCL), the backward of that forward, one step of ``Overlapped(chunks=2)``
+(forward and backward, with deferred dW), and one ``Overlapped.accumulate`` step of 2 microbatches
+(with deferred dW and without) on both of its threads: the host (the driver, the forwards, the last
+backward and its dW flush) and the helper thread that runs the first microbatch's backward beside
+the second's forward, handing the baton back at its all-to-alls. The deferred dW items are closures
+(the rest of a Function's backward, holding its operands), which the queue runs from an all-to-all's
+window or the flush; they need no exemption: no Function's file is on the stack when they run. No
+call re-enters a file, and the forward first visits the MoE
 files in the order of :data:`MOE_ORDER`: the layer (validation, routing state, route), the registry
 (the lookup), ``base.py`` (the dispatcher's constructor), ``alltoall.py`` (``AllToAll.run``: counts,
 permute, dispatch, experts, combine), ``common.py`` (the counts exchange, the layout) and the experts.
@@ -24,8 +30,10 @@ dispatcher's ``common.py`` back, as the counts exchange's ordering once did).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 import types
 
 import pytest
@@ -34,6 +42,7 @@ import torch
 import lancet_rt
 from lancet_rt.comm import faults
 from lancet_rt.moe.dispatch import common
+from lancet_rt.schedule import accumulate
 from tests.dist import assert_all_ok, run_ranks
 
 try:
@@ -133,6 +142,41 @@ def test_one_chunk_under_overlapped():
     assert_no_reentry(fwd, "Overlapped forward (the driver and the chunks)")
     bwd, _ = trace(lambda: y.sum().backward())
     assert_no_reentry(bwd, "Overlapped backward")
+
+
+@contextlib.contextmanager
+def _traced_helper(path: CallPath):
+    """Trace ``path`` on accumulate's helper thread too (``sys.setprofile`` is per thread: set there)."""
+    worker, done = accumulate._worker(), threading.Event()
+
+    def profile(fn):
+        done.clear()
+        worker.submit(lambda: (sys.setprofile(fn), done.set()))
+        assert done.wait(30), "accumulate's helper thread did not take the job"
+
+    profile(path._profile)
+    try:
+        yield path
+    finally:
+        profile(None)
+
+
+@pytest.mark.parametrize("defer_wgrad", [False, True])
+def test_an_accumulate_step(defer_wgrad):
+    moe, x = _layer(lancet_rt.EmulatedGroup(world_size=2))
+    step = lancet_rt.Overlapped(moe, chunks=2, defer_wgrad=defer_wgrad)
+    micro = [x.detach(), x.detach() + 1]
+    loss_fn = lambda out, i: out.sum()
+    step.accumulate(micro, loss_fn)  # warm
+    with _traced_helper(CallPath()) as helper:
+        host, _ = trace(lambda: step.accumulate(micro, loss_fn))
+    assert_no_reentry(host, f"accumulate (defer_wgrad={defer_wgrad}), the host")
+    assert_no_reentry(helper, f"accumulate (defer_wgrad={defer_wgrad}), the backward beside the forward")
+    # What was traced: the backward on the helper thread, its all-to-alls handing the baton back; and
+    # with deferred dW, the queue (drained in windows and flushed) on both threads.
+    assert {"schedule/accumulate.py", "comm/group.py", "runtime/scope.py", "runtime/beside.py"} <= set(helper.order)
+    assert "runtime/beside.py" in host.order
+    assert ("runtime/wgrad.py" in helper.order and "runtime/wgrad.py" in host.order) == defer_wgrad
 
 
 def _gloo_paths(rank, world, transport):

@@ -39,8 +39,9 @@ class ThreadContext(threading.local):
         chunks: the :class:`ChunkScope` of the chunked forward this thread runs, or None. Set by
             :meth:`lancet_rt.Overlapped.run_chunked` for one chunked forward (the outer value restored
             after it); None outside the chunks, where a layer runs as one chunk.
-        beside: the backward that :func:`lancet_rt.schedule.accumulate.accumulate` runs beside this
-            thread's forward (:func:`set_beside`), or None. Set for one microbatch's forward.
+        beside: the backward (a :class:`lancet_rt.runtime.beside.BackwardBeside`) that
+            :meth:`lancet_rt.Overlapped.accumulate` runs beside this thread's forward
+            (:func:`set_beside`), or None. Set for one microbatch's forward.
     """
 
     chunks: Optional["ChunkScope"] = None

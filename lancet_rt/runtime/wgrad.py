@@ -115,6 +115,13 @@ def _device_flops_per_ms(device: torch.device, dtype: torch.dtype = torch.bfloat
     return _device_rates[key]
 
 
+#: ``torch.autograd.backward`` as torch defines it, which the flush delivers the dW sums with. That
+#: nested backward finishes the engine's own accumulation, inside the backward being flushed; it is no
+#: autograd call of the host's, so a driver's wrapper of the host's calls does not apply to it
+#: (``Overlapped.accumulate`` wraps them while its step runs, to finish a backward parked beside the
+#: host first: :mod:`lancet_rt.schedule.accumulate`), and the flush calls nothing above this module.
+_engine_backward = torch.autograd.backward
+
 #: With ``max_deferred_bytes=None``: the held inputs are capped at this many times the largest item
 #: of the running backward (the items of about one layer's chunks wait for the next windows).
 AUTO_CAP_ITEMS = 4
@@ -280,7 +287,7 @@ class WGradQueue:
             params, grads = zip(*self._sums.values())
             self._sums.clear()
             # Into each parameter's AccumulateGrad, once, as the engine would have done: its hooks run.
-            torch.autograd.backward(list(params), list(grads))
+            _engine_backward(list(params), list(grads))
 
 
 def accumulating(probe: torch.Tensor) -> bool:

@@ -10,7 +10,8 @@ interleaved: while one pass's tokens travel, the other computes (the schedule of
 How. The autograd engine cannot be suspended mid-backward from Python (on CUDA its device threads
 run the nodes, and greenlets are per thread), but a node can block. So the backward of microbatch i
 runs as one ``loss.backward()`` on a helper thread, and it and the host's forward of microbatch i+1
-take turns with a baton, exactly one of them running at a time:
+take turns with a baton (:class:`lancet_rt.runtime.beside.BackwardBeside`, below the driver and the
+layers, which hand it over), exactly one of them running at a time:
 
 - the forward hands the baton to the backward each time one of its chunks yields after issuing a
   dispatch or a combine (:func:`lancet_rt.runtime.scope.switch`), and once before it starts;
@@ -51,122 +52,41 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 
 from lancet_rt import trace as _trace
+from lancet_rt.runtime import beside as _beside
 from lancet_rt.runtime import scope as _scope
-from lancet_rt.schedule import guard as _guard
 
 
-class _Aborted(RuntimeError):
-    """Raised inside a suspended backward when the forward beside it failed: it unwinds the engine."""
+def _start_backward(loss: torch.Tensor, index: int, dw_queue) -> _beside.BackwardBeside:
+    """Start the backward of ``loss`` (microbatch ``index``, its deferred dW into ``dw_queue``) on the
+    helper thread, beside the host: it waits for its first turn (the baton,
+    :class:`lancet_rt.runtime.beside.BackwardBeside`)."""
+    beside = _beside.BackwardBeside(index, dw_queue, loss.is_cuda)
+    _worker().submit(lambda: _run_backward(beside, loss))
+    return beside
 
 
-class _Backward:
-    """One microbatch's backward on a helper thread, taking turns with the host.
-
-    ``turn()`` (host) lets it run until its next all-to-all waits, or to its end; ``yield_()``
-    (called by :func:`lancet_rt.runtime.scope.backward_wait` on the engine's thread) gives the host back.
-    Two semaphores form the baton: exactly one of the two threads runs.
-    """
-
-    def __init__(self, loss: torch.Tensor, index: int, queue=None):
-        self.index = index
-        self.queue = queue
-        self.turns = 0
-        self.done = False
-        self.error: Optional[BaseException] = None
-        self._abort = False
-        self._task: Optional[int] = None  # the engine's id of this backward's graph task, once it runs
-        self._host = threading.current_thread()
-        self._cuda = loss.is_cuda
-        self._go = threading.Semaphore(0)  # the backward may run
-        self._back = threading.Semaphore(0)  # the host may run
-        _worker().submit(lambda: self._main(loss))
-
-    def _main(self, loss: torch.Tensor) -> None:
-        self._go.acquire()
-        try:
-            if not self._abort:
-                if loss.is_cuda:  # host-side work of this backward on the loss's device, as on the host
-                    torch.cuda.set_device(loss.device)
-                # The loss's node runs first, on whichever thread the engine runs this backward (on
-                # CUDA its device thread): it names the graph task that may give the host its turns.
-                handle = loss.grad_fn.register_prehook(self._note_task) if loss.grad_fn is not None else None
-                try:
-                    loss.backward()
-                finally:
-                    if handle is not None:
-                        handle.remove()
-        except BaseException as e:  # handed to the host, which raises it
-            self.error = e
-        finally:
-            self.done = True
-            self._back.release()
-
-    def turn(self) -> None:
-        """Run the backward until its next all-to-all waits (or it ends); raise what it raised."""
-        if self.done:
-            return
-        self.turns += 1
-        with _trace.span(f"backward {self.index}", "compute", self._cuda, microbatch=self.index):
-            self._go.release()
-            self._back.acquire()
-        if self.error is not None and not self._abort:
-            raise self.error
-
-    def _note_task(self, grad_outputs):
-        self._task = torch._C._current_graph_task_id()
-
-    def yield_(self) -> None:
-        """Engine thread, at a backward all-to-all's wait: the host runs until it gives a turn back.
-
-        Only inside this backward's own graph task, while it runs. Any other autograd call that
-        reaches an all-to-all's backward (the host's own, or a user's gradient penalty, which on CUDA
-        runs on the device thread too, after this backward ended) runs through: the host is waiting
-        for that call, so giving it a turn would block both forever."""
-        if self.done or self._task is None or torch._C._current_graph_task_id() != self._task:
-            return
-        if self._abort:
-            raise _Aborted("lancet_rt.schedule.accumulate: the forward beside this backward failed")
-        self._back.release()
-        self._go.acquire()
-        if self._abort:
-            raise _Aborted("lancet_rt.schedule.accumulate: the forward beside this backward failed")
-
-    def fill(self, work) -> None:
-        """Host, about to wait for ``work``: run the backward's deferred dW until it arrives.
-
-        dW is compute only, so how many items run may depend on timing without changing the order
-        of any collective. On CUDA ``work`` is the counts copy's event: the items run while it has not
-        completed (their kernels queue behind the forward's, which the host would otherwise idle on).
-        """
-        if self.queue is not None and self.queue.items and not self.done:
-            with torch.no_grad(), _trace.span("dW", "compute", microbatch=self.index):
-                self.queue.drain_during(_as_work(work))  # (as the engine would: the forward runs with grad on)
-
-    def finish(self) -> None:
-        """Run the rest of the backward alone (nothing beside it yields to)."""
-        while not self.done:
-            self.turn()
-
-    def abort(self) -> None:
-        """Unwind the backward (its next all-to-all wait raises) and wait for its thread."""
-        self._abort = True
-        while not self.done:
-            self._go.release()
-            self._back.acquire()
-
-
-class _EventWork:
-    """A CUDA event seen as a collective's work handle (``is_completed``), for the dW queue's drain."""
-
-    def __init__(self, event):
-        self.is_completed = event.query
-
-
-def _as_work(work):
-    """``work`` as the dW queue drains during it: an event (``query`` only) gets ``is_completed``."""
-    if not hasattr(work, "is_completed") and hasattr(work, "query"):
-        return _EventWork(work)
-    return work
+def _run_backward(beside: _beside.BackwardBeside, loss: torch.Tensor) -> None:
+    """The helper thread's job: ``loss.backward()`` from its first turn; its end (and what it raised)
+    reported to the baton. Its turns are handed over below it, by the step context
+    (:func:`lancet_rt.runtime.scope.backward_wait`), so this job only starts and ends the backward."""
+    run = beside.first_turn()
+    error = None
+    try:
+        if run:
+            if loss.is_cuda:  # host-side work of this backward on the loss's device, as on the host
+                torch.cuda.set_device(loss.device)
+            # The loss's node runs first, on whichever thread the engine runs this backward (on
+            # CUDA its device thread): it names the graph task that may give the host its turns.
+            handle = loss.grad_fn.register_prehook(beside.note_task) if loss.grad_fn is not None else None
+            try:
+                loss.backward()
+            finally:
+                if handle is not None:
+                    handle.remove()
+    except BaseException as e:  # handed to the host, which raises it
+        error = e
+    finally:
+        beside.ended(error)
 
 
 class _Worker:
@@ -285,20 +205,18 @@ class BackwardSync:
     the driver checks the argument without importing the data-parallel engines, which sit above it."""
 
 
-def accumulate(
-    overlapped,
-    microbatches: Iterable,
-    loss_fn: Callable[[Any, int], torch.Tensor],
-    *,
-    interleave: bool = True,
-    grad_sync=None,
-) -> torch.Tensor:
-    """Forward and backward of M microbatches, gradients accumulated into ``.grad``: one training step.
+class Microbatches:
+    """The M microbatches of one :meth:`lancet_rt.Overlapped.accumulate` step, and what runs around
+    their forwards: the backward of microbatch i - 1 beside the forward of microbatch i
+    (:meth:`microbatch`), the last backward after the last forward (:meth:`end`).
 
-    With ``interleave=True`` the backward of microbatch i runs interleaved with the forward of
-    microbatch i+1 (see the module docstring), so each pass's all-to-alls hide behind the other
-    pass's computation. Gradients equal those of ``for i, mb: loss_fn(overlapped(*mb), i).backward()``
-    (``interleave=False`` runs exactly that); capacity and the aux/z losses are per microbatch.
+    The driver, :meth:`lancet_rt.Overlapped.accumulate`, runs the step (the step guard, the chunk
+    count, each microbatch's chunked forward) and calls this, below it, around each forward; what it
+    needs from the driver comes as data (the model, its dW queue, each forward's output), so nothing
+    here calls the driver back.
+
+    Gradients equal those of ``for i, mb: loss_fn(overlapped(*mb), i).backward()`` (``interleave=False``
+    runs exactly that); capacity and the aux/z losses are per microbatch.
 
     Requirements beyond :class:`lancet_rt.Overlapped`'s: the forward and ``loss_fn`` run no backward
     of their own, and they do not modify tensors the previous microbatch's backward still needs
@@ -306,8 +224,8 @@ def accumulate(
     before the previous backward has ended); use ``grad_sync`` for data-parallel gradients.
 
     Args:
-        overlapped: the :class:`lancet_rt.Overlapped` model; its ``chunks`` and ``defer_wgrad`` hold
-            for every microbatch (a chunk policy such as ``"auto"`` is asked once per call, on the first one).
+        model: the model the :class:`lancet_rt.Overlapped` runs (a wrapper that cannot run a forward
+            beside a backward says so in ``lancet_interleave_refused``: :func:`lancet_rt.parallel.fully_shard`).
         microbatches: M >= 1 microbatches, each the model's arguments: a tensor, a tuple/list of
             positional arguments, or a dict of keyword arguments.
         loss_fn: ``loss_fn(output, i)`` -> the one-element loss of microbatch i, whose ``backward()``
@@ -315,40 +233,115 @@ def accumulate(
         interleave: False runs the microbatches one after another (the reference schedule).
         grad_sync: a :class:`lancet_rt.parallel.GradientSync` that all-reduces the gradients during
             the last microbatch's backward (None: no data-parallel reduction).
-
-    Returns:
-        [M] the losses, detached.
+        dw_queue: the Overlapped's dW queue (None: dW at once), which a backward beside a forward
+            drains while the host waits.
     """
-    if not _is_overlapped(overlapped):
-        raise TypeError(f"overlapped must be a lancet_rt.Overlapped, got {type(overlapped).__name__}")
-    if isinstance(microbatches, (torch.Tensor, dict)) or not isinstance(microbatches, Iterable):
-        raise TypeError(f"microbatches must be a sequence of microbatches, got {type(microbatches).__name__}")
-    calls = [_as_call(mb, i) for i, mb in enumerate(microbatches)]
-    if not calls:
-        raise ValueError("microbatches must hold at least one microbatch, got none")
-    if not callable(loss_fn):
-        raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
-    if not isinstance(interleave, bool):
-        raise TypeError(f"interleave must be a bool, got {type(interleave).__name__}")
-    if grad_sync is not None and not isinstance(grad_sync, BackwardSync):
-        raise TypeError(f"grad_sync must be None or a lancet_rt.parallel.GradientSync, got {type(grad_sync).__name__}")
-    if interleave:  # a wrapper that cannot run a forward beside a backward says so (lancet_rt.parallel.fully_shard)
-        for m in overlapped.model.modules():
-            why = getattr(m, "lancet_interleave_refused", None)
-            if why:
-                raise ValueError(f"accumulate(interleave=True) on this model: {why}")
 
-    # As Overlapped.forward: the schedule agreed across ranks once; an exception ends on every rank
-    # and leaves no state behind (lancet_rt.schedule.guard).
-    layers = overlapped.moe_layers()
-    _guard.check_schedule(overlapped, layers)
-    with _guard.StepGuard(layers):
-        return _step(overlapped, calls, loss_fn, interleave, grad_sync)
+    def __init__(
+        self,
+        model,
+        microbatches: Iterable,
+        loss_fn: Callable[[Any, int], torch.Tensor],
+        *,
+        interleave: bool = True,
+        grad_sync=None,
+        dw_queue=None,
+    ):
+        if isinstance(microbatches, (torch.Tensor, dict)) or not isinstance(microbatches, Iterable):
+            raise TypeError(f"microbatches must be a sequence of microbatches, got {type(microbatches).__name__}")
+        calls = [_as_call(mb, i) for i, mb in enumerate(microbatches)]
+        if not calls:
+            raise ValueError("microbatches must hold at least one microbatch, got none")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable, got {type(loss_fn).__name__}")
+        if not isinstance(interleave, bool):
+            raise TypeError(f"interleave must be a bool, got {type(interleave).__name__}")
+        if grad_sync is not None and not isinstance(grad_sync, BackwardSync):
+            raise TypeError(
+                f"grad_sync must be None or a lancet_rt.parallel.GradientSync, got {type(grad_sync).__name__}"
+            )
+        if interleave:  # a wrapper that cannot run a forward beside a backward says so (lancet_rt.parallel.fully_shard)
+            for m in model.modules():
+                why = getattr(m, "lancet_interleave_refused", None)
+                if why:
+                    raise ValueError(f"accumulate(interleave=True) on this model: {why}")
+        self.calls: list[tuple[tuple, dict]] = calls  # each microbatch's (args, kwargs)
+        self.loss_fn = loss_fn
+        self.interleave = interleave
+        self.grad_sync = grad_sync
+        self.dw_queue = dw_queue
+        self.losses: list[torch.Tensor] = []
+        self.pending: Optional[torch.Tensor] = None  # the loss whose backward has not run yet
+        self._one_core = _OneCore()
+
+    @contextlib.contextmanager
+    def running(self):
+        """Around the microbatches (their forwards and backwards): host autograd calls finish a parked
+        backward first (:func:`_autograd_from_the_host`), and the host's core is given back however
+        the step ends."""
+        with _autograd_from_the_host():
+            try:
+                yield self
+            finally:
+                self._one_core.release()
+
+    @contextlib.contextmanager
+    def microbatch(self, i: int):
+        """Around the forward of microbatch i, with the backward of microbatch i - 1 beside it.
+
+        The body runs the forward and sets the yielded :class:`Forward`'s ``output``; after it, still
+        beside the backward, ``loss_fn`` gives the microbatch's loss. An exception unwinds the
+        backward beside (its thread ends) and propagates."""
+        args, kwargs = self.calls[i]
+        pending, beside = self.pending, None
+        if pending is not None:
+            if self.interleave:
+                if not pending.is_cuda:
+                    self._one_core.pin()
+                beside = _start_backward(pending, i - 1, self.dw_queue)
+                _live.append(beside)
+            else:
+                _host_backward(pending, i - 1, None)
+        forward = Forward()
+        try:
+            on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in (*args, *kwargs.values()))
+            with _trace.span(f"forward {i}", "compute", on_cuda, microbatch=i):
+                _scope.set_beside(beside)
+                try:
+                    if beside is not None:
+                        beside.turn()  # the backward's first all-to-all leaves before the forward starts
+                    yield forward
+                finally:
+                    _scope.set_beside(None)
+                loss = _check_loss(self.loss_fn(forward.output, i), i)
+        except BaseException:
+            if beside is not None:
+                beside.abort()
+                _live.remove(beside)
+            raise
+        if beside is not None:
+            beside.finish()
+            _live.remove(beside)
+            if beside.error is not None:
+                raise beside.error
+        self.pending = loss
+        self.losses.append(loss.detach().reshape(()))
+
+    def end(self) -> torch.Tensor:
+        """After the last forward: its backward, alone on the host (``grad_sync`` around it).
+
+        Returns:
+            [M] the losses, detached.
+        """
+        self._one_core.release()  # the last backward runs alone
+        _host_backward(self.pending, len(self.calls) - 1, self.grad_sync)
+        return torch.stack(self.losses)
 
 
-def _is_overlapped(obj) -> bool:
-    # Overlapped is checked by its interface: schedule.overlap imports this module, not the other way.
-    return all(callable(getattr(obj, name, None)) for name in ("forward_chunked", "_resolve_chunks", "moe_layers"))
+class Forward:
+    """One microbatch's forward as :meth:`Microbatches.microbatch` gets it from the driver: its ``output``."""
+
+    output: Any = None
 
 
 _live: list = []  # the backward beside the host's forward, while it is parked (at most one)
@@ -363,7 +356,7 @@ def _finishing_live_backward(fn):
 
     def call(*args, **kwargs):
         for b in list(_live):
-            if not b.done and threading.current_thread() is b._host:
+            if not b.done and b.on_host():
                 b.finish()
         return fn(*args, **kwargs)
 
@@ -379,73 +372,6 @@ def _autograd_from_the_host():
         yield
     finally:
         torch.autograd.backward, torch.autograd.grad = backward, grad
-
-
-def _step(overlapped, calls: list, loss_fn, interleave: bool, grad_sync) -> torch.Tensor:
-    with _autograd_from_the_host():
-        return _steps(overlapped, calls, loss_fn, interleave, grad_sync)
-
-
-def _steps(overlapped, calls: list, loss_fn, interleave: bool, grad_sync) -> torch.Tensor:
-    if overlapped.wgrad_queue is not None:
-        overlapped.wgrad_queue.discard_orphans()  # left by a backward that raised
-    n = overlapped._resolve_chunks(*calls[0])
-    losses = []
-    pending: Optional[torch.Tensor] = None  # the loss whose backward has not run yet
-    one_core = _OneCore()
-    try:
-        for i, (args, kwargs) in enumerate(calls):
-            pending = _microbatch(overlapped, n, i, args, kwargs, loss_fn, pending, interleave, one_core)
-            losses.append(pending.detach().reshape(()))
-    finally:
-        one_core.release()  # the last backward runs alone
-    _host_backward(pending, len(calls) - 1, grad_sync)
-    return torch.stack(losses)
-
-
-def _microbatch(
-    overlapped,
-    n: int,
-    i: int,
-    args: tuple,
-    kwargs: dict,
-    loss_fn,
-    pending: Optional[torch.Tensor],
-    interleave: bool,
-    one_core: _OneCore,
-) -> torch.Tensor:
-    """Forward of microbatch i (and its loss), with the backward of ``pending`` (i - 1) beside it."""
-    beside = None
-    if pending is not None:
-        if interleave:
-            if not pending.is_cuda:
-                one_core.pin()
-            beside = _Backward(pending, i - 1, overlapped.wgrad_queue)
-            _live.append(beside)
-        else:
-            _host_backward(pending, i - 1, None)
-    try:
-        on_cuda = any(isinstance(v, torch.Tensor) and v.is_cuda for v in (*args, *kwargs.values()))
-        with _trace.span(f"forward {i}", "compute", on_cuda, microbatch=i):
-            _scope.set_beside(beside)
-            try:
-                if beside is not None:
-                    beside.turn()  # the backward's first all-to-all leaves before the forward starts
-                out = overlapped.forward_chunked(n, args, kwargs)
-            finally:
-                _scope.set_beside(None)
-            loss = _check_loss(loss_fn(out, i), i)
-    except BaseException:
-        if beside is not None:
-            beside.abort()
-            _live.remove(beside)
-        raise
-    if beside is not None:
-        beside.finish()
-        _live.remove(beside)
-        if beside.error is not None:
-            raise beside.error
-    return loss
 
 
 def _host_backward(loss: torch.Tensor, i: int, grad_sync) -> None:

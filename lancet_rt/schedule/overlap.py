@@ -28,10 +28,10 @@ from lancet_rt import trace as _trace
 from lancet_rt.moe.layer import MoE
 from lancet_rt.runtime import scope as _scope
 from lancet_rt.runtime import wgrad as _wgrad
+from lancet_rt.schedule import accumulate as _accumulate
 from lancet_rt.schedule import guard as _guard
 from lancet_rt.schedule import policy as _policy
 from lancet_rt.schedule import warmup as _warmup
-from lancet_rt.schedule.accumulate import accumulate as _accumulate
 from lancet_rt.schedule.balance import BalancedChunks
 
 try:  # greenlet is a dependency; imported lazily so `import lancet_rt` never fails without it
@@ -115,7 +115,7 @@ class Overlapped(nn.Module):
                 m.trace_name = name or "moe"
 
     def moe_layers(self) -> list[MoE]:
-        """The model's :class:`lancet_rt.MoE` layers (walked once per step while a forward runs)."""
+        """The model's :class:`lancet_rt.MoE` layers (walked once per step while a step runs)."""
         if self._step_layers is not None:
             return self._step_layers
         return [m for m in self.model.modules() if isinstance(m, MoE)]
@@ -134,10 +134,40 @@ class Overlapped(nn.Module):
         finally:
             self._step_layers = None
 
-    def accumulate(self, microbatches, loss_fn, **options):
-        """One training step over M microbatches, the backward of microbatch i interleaved with the
-        forward of microbatch i+1 (:func:`lancet_rt.accumulate.accumulate`, which documents it)."""
-        return _accumulate(self, microbatches, loss_fn, **options)
+    def accumulate(self, microbatches, loss_fn, *, interleave: bool = True, grad_sync=None) -> torch.Tensor:
+        """Forward and backward of M microbatches, gradients accumulated into ``.grad``: one training step.
+
+        With ``interleave=True`` the backward of microbatch i runs interleaved with the forward of
+        microbatch i+1 (:mod:`lancet_rt.schedule.accumulate`), so each pass's all-to-alls hide behind
+        the other pass's computation. Gradients equal those of ``for i, mb: loss_fn(self(*mb), i).backward()``
+        (``interleave=False`` runs exactly that); capacity and the aux/z losses are per microbatch.
+        ``chunks`` and ``defer_wgrad`` hold for every microbatch (a chunk policy such as ``"auto"`` is
+        asked once per call, on the first one). The arguments and requirements:
+        :class:`lancet_rt.schedule.accumulate.Microbatches`.
+
+        Returns:
+            [M] the losses, detached.
+        """
+        step = _accumulate.Microbatches(
+            self.model, microbatches, loss_fn, interleave=interleave, grad_sync=grad_sync, dw_queue=self.wgrad_queue
+        )
+        layers = self._step_layers = self.moe_layers()
+        try:
+            # As forward: the schedule agreed across ranks once; an exception ends on every rank and
+            # leaves no state behind (lancet_rt.schedule.guard). The step's pieces below this driver
+            # (the guard, the microbatches' interleaving) get what they need as data.
+            _guard.check_schedule(self, layers)
+            with _guard.StepGuard(layers):
+                if self.wgrad_queue is not None:
+                    self.wgrad_queue.discard_orphans()  # left by a backward that raised
+                n = self._resolve_chunks(*step.calls[0])
+                with step.running():
+                    for i, (args, kwargs) in enumerate(step.calls):
+                        with step.microbatch(i) as forward:  # the backward of microbatch i - 1 runs beside it
+                            forward.output = self.forward_chunked(n, args, kwargs)
+                    return step.end()
+        finally:
+            self._step_layers = None
 
     def forward_chunked(self, n: int, args: tuple, kwargs: dict):
         """The forward on ``n`` chunks (``forward`` once the chunk count is known)."""

@@ -13,7 +13,6 @@ import torch
 
 import lancet_rt
 from lancet_rt.parallel import GradientSync, sync_gradients
-from lancet_rt.schedule.accumulate import accumulate
 from tests import cuda_semantics  # noqa: F401 - the execution modes, in the ranks too
 from tests.dist import assert_all_ok, run_ranks
 from tests.helpers import assert_close
@@ -158,8 +157,6 @@ def test_accumulate_rejects_bad_arguments():
     ov = lancet_rt.Overlapped(make_model(None), chunks=2)
     loss = lambda out, i: out.sum()
     x = torch.randn(4, 3, D)
-    with pytest.raises(TypeError, match="overlapped"):
-        accumulate(make_model(None), [x], loss)
     with pytest.raises(ValueError, match="at least one"):
         ov.accumulate([], loss)
     with pytest.raises(TypeError, match="microbatches must be a sequence"):
@@ -400,7 +397,7 @@ def test_a_forward_waiting_on_its_counts_fills_the_wait_with_dw():
     from types import SimpleNamespace
 
     from lancet_rt.runtime import wgrad
-    from lancet_rt.schedule.accumulate import _Backward
+    from lancet_rt.runtime.beside import BackwardBeside
 
     q = wgrad.WGradQueue(max_deferred_bytes=float("inf"))
     p = torch.nn.Parameter(torch.zeros(3))
@@ -409,7 +406,7 @@ def test_a_forward_waiting_on_its_counts_fills_the_wait_with_dw():
     for i in range(5):
         q.push((p,), (True,), lambda i=i: (ran.append(i) or torch.ones(3),), 1, 0)
     backward = SimpleNamespace(queue=q, done=False, index=0)
-    _Backward.fill(backward, _CountsCopy(after=3))
+    BackwardBeside.fill(backward, _CountsCopy(after=3))
     assert ran == [0, 1, 2]  # one item per poll while the copy was pending, in order
     assert len(q.items) == 2 and q.ran_in_windows == 3
 
@@ -420,7 +417,7 @@ def test_a_forward_waiting_on_its_counts_fills_the_wait_with_dw_cuda():
     from types import SimpleNamespace
 
     from lancet_rt.runtime import wgrad
-    from lancet_rt.schedule.accumulate import _Backward
+    from lancet_rt.runtime.beside import BackwardBeside
 
     q = wgrad.WGradQueue(max_deferred_bytes=float("inf"))
     p = torch.nn.Parameter(torch.zeros(3, device="cuda"))
@@ -433,7 +430,7 @@ def test_a_forward_waiting_on_its_counts_fills_the_wait_with_dw_cuda():
     ran = []
     for i in range(4):
         q.push((p,), (True,), lambda i=i: (ran.append(i) or torch.ones(3, device="cuda"),), 1, 0)
-    _Backward.fill(SimpleNamespace(queue=q, done=False, index=0), event)
+    BackwardBeside.fill(SimpleNamespace(queue=q, done=False, index=0), event)
     event.synchronize()
     assert ran == list(range(len(ran))) and q.ran_in_windows == len(ran)
 
