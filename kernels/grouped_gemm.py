@@ -25,6 +25,12 @@ and the gate/up order of gate_up's weight rows, bias and gu: gate first, or ``in
 up 2j + 1; ``INTERLEAVED``). Weights may be any strided view, so GPT-OSS's transposed parameters
 (``gate_up_proj [E, D, 2F]``, ``down_proj [E, F, D]``) pass as their transposes, not copies.
 
+Row maps: the rows may be read from, or written to, another row order through an int32/int64 [R]
+permutation of [0, R) (``x_rows``/``dy_rows``: grouped row g reads row ``rows[g]`` of the operand;
+``out_rows``: grouped row g is written to row ``out_rows[g]`` of the output), so rows received in
+rank-major order are computed expert-major without an ``index_select`` either way. The results are
+those of the launch on the regrouped rows, bit for bit (only addresses change).
+
 The kernels and their algorithm are in :mod:`lancet_rt.kernels._grouped_gemm_kernels`.
 
 Tuning
@@ -73,6 +79,7 @@ from ._expert_checks import (
     _check_ndim,
     _check_offsets,
     _check_out,
+    _check_rows,
     _check_same_dtype,
 )
 from ._gemm_space import _TILE_NAMES, CONFIG_ENV, _gemm_configs, _make_config, _pinned_config, _prune_configs, _tile_of
@@ -185,10 +192,12 @@ def _grouped_mm(
     allow_tf32: bool,
     bias_EN: Optional[torch.Tensor] = None,
     transposed: bool = False,
+    x_rows: Optional[torch.Tensor] = None,
+    out_rows: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """y[r] = x[r] @ w[e].T (+ bias[e]) over segments; w is any [E, N, K] view, or with ``transposed``
     an [E, K, N] tensor read as its [E, N, K] transpose through swapped strides (dx: w[e].T, no
-    transpose op dispatched)."""
+    transpose op dispatched); x's and y's rows through their row maps where given."""
     R, K = x_RK.shape
     if transposed:
         E, _, N = w_ENK.shape
@@ -209,6 +218,8 @@ def _grouped_mm(
         b,
         y,
         offsets_E1,
+        offsets_E1 if x_rows is None else x_rows,  # (unread without a row map)
+        offsets_E1 if out_rows is None else out_rows,
         R,
         N,
         K,
@@ -228,6 +239,8 @@ def _grouped_mm(
         x_RK.device,
         BLOCK_E=max(16, triton.next_power_of_2(E)),
         HAS_BIAS=bias_EN is not None,
+        GATHER_X=x_rows is not None,
+        SCATTER_Y=out_rows is not None,
         **_dot_meta(x_RK.dtype, allow_tf32),
     )
     return y
@@ -240,6 +253,8 @@ def grouped_mm(
     offsets_E1: torch.Tensor,
     bias_EN: Optional[torch.Tensor] = None,
     *,
+    x_rows: Optional[torch.Tensor] = None,
+    out_rows: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     allow_tf32: bool = False,
 ) -> torch.Tensor:
@@ -253,6 +268,9 @@ def grouped_mm(
             offsets[E] = R, non-decreasing (not checked: that would synchronise).
         bias_EN: optional [E, N] per-expert bias in x's dtype, added to the fp32 accumulator
             before the one rounding to x's dtype.
+        x_rows: optional int32/int64 [R] row map (a permutation of [0, R), not checked): grouped
+            row r is ``x_RK[x_rows[r]]`` (x in another row order, e.g. rank-major).
+        out_rows: optional int32/int64 [R] row map: grouped row r is written to ``y[out_rows[r]]``.
         out: optional [R, N] output buffer in x's dtype.
         allow_tf32: fp32 inputs only: use TF32 tensor cores (about 1e-3 relative error).
 
@@ -272,7 +290,9 @@ def grouped_mm(
         )
     _check_offsets(offsets_E1, w_ENK.shape[0], x_RK.shape[0], x_RK.device)
     _check_bias("bias_EN", bias_EN, w_ENK.shape[:2], x_RK.dtype, x_RK.device, "x_RK")
-    return _grouped_mm("fwd", x_RK, w_ENK, offsets_E1, out, allow_tf32, bias_EN)
+    _check_rows("x_rows", x_rows, x_RK.shape[0], x_RK.device)
+    _check_rows("out_rows", out_rows, x_RK.shape[0], x_RK.device)
+    return _grouped_mm("fwd", x_RK, w_ENK, offsets_E1, out, allow_tf32, bias_EN, x_rows=x_rows, out_rows=out_rows)
 
 
 @on_tensor_device
@@ -281,6 +301,8 @@ def grouped_mm_dx(
     w_ENK: torch.Tensor,
     offsets_E1: torch.Tensor,
     *,
+    dy_rows: Optional[torch.Tensor] = None,
+    out_rows: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     allow_tf32: bool = False,
 ) -> torch.Tensor:
@@ -290,6 +312,8 @@ def grouped_mm_dx(
         dy_RN: [R, N] output gradient, rows grouped by expert.
         w_ENK: [E, N, K] forward weights, dy's dtype.
         offsets_E1: int32/int64 [E + 1] segment bounds (as in :func:`grouped_mm`).
+        dy_rows: optional int32/int64 [R] row map: grouped row r is ``dy_RN[dy_rows[r]]``.
+        out_rows: optional int32/int64 [R] row map: grouped row r is written to ``dx[out_rows[r]]``.
         out: optional [R, K] output buffer in dy's dtype.
         allow_tf32: fp32 inputs only: use TF32 tensor cores.
 
@@ -308,8 +332,12 @@ def grouped_mm_dx(
             f"w_ENK must be [E, N, K] with N = dy_RN.shape[1] = {dy_RN.shape[1]}, got shape {tuple(w_ENK.shape)}"
         )
     _check_offsets(offsets_E1, w_ENK.shape[0], dy_RN.shape[0], dy_RN.device)
+    _check_rows("dy_rows", dy_rows, dy_RN.shape[0], dy_RN.device)
+    _check_rows("out_rows", out_rows, dy_RN.shape[0], dy_RN.device)
     # dx = dy @ w[e] is the forward kernel on the [E, K, N] view w[e].T: only the strides change.
-    return _grouped_mm("dx", dy_RN, w_ENK, offsets_E1, out, allow_tf32, transposed=True)
+    return _grouped_mm(
+        "dx", dy_RN, w_ENK, offsets_E1, out, allow_tf32, transposed=True, x_rows=dy_rows, out_rows=out_rows
+    )
 
 
 @on_tensor_device
@@ -318,6 +346,8 @@ def grouped_mm_dw(
     x_RK: torch.Tensor,
     offsets_E1: torch.Tensor,
     *,
+    dy_rows: Optional[torch.Tensor] = None,
+    x_rows: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     allow_tf32: bool = False,
 ) -> torch.Tensor:
@@ -327,6 +357,8 @@ def grouped_mm_dw(
         dy_RN: [R, N] output gradient, rows grouped by expert.
         x_RK: [R, K] forward input, dy's dtype.
         offsets_E1: int32/int64 [E + 1] segment bounds; E is taken from its length.
+        dy_rows: optional int32/int64 [R] row map: grouped row r is ``dy_RN[dy_rows[r]]``.
+        x_rows: optional int32/int64 [R] row map: grouped row r is ``x_RK[x_rows[r]]``.
         out: optional [E, N, K] output buffer in x's dtype (every element is written).
         allow_tf32: fp32 inputs only: use TF32 tensor cores.
 
@@ -348,6 +380,8 @@ def grouped_mm_dw(
     R, K = x_RK.shape
     N = dy_RN.shape[1]
     _check_offsets(offsets_E1, E, R, x_RK.device)
+    _check_rows("dy_rows", dy_rows, R, x_RK.device)
+    _check_rows("x_rows", x_rows, R, x_RK.device)
     dw = _check_out(out, (E, N, K), x_RK.dtype, x_RK.device)
     if E == 0 or N == 0 or K == 0:
         return dw
@@ -357,6 +391,8 @@ def grouped_mm_dw(
         x_RK,
         dw,
         offsets_E1,
+        offsets_E1 if dy_rows is None else dy_rows,  # (unread without a row map)
+        offsets_E1 if x_rows is None else x_rows,
         R,
         N,
         K,
@@ -370,8 +406,19 @@ def grouped_mm_dw(
         dw.stride(1),
         dw.stride(2),
     )
-    _launch_gemm("dw", grid, args, x_RK.device, **_dot_meta(x_RK.dtype, allow_tf32))
+    meta = dict(GATHER_DY=dy_rows is not None, GATHER_X=x_rows is not None, **_dot_meta(x_RK.dtype, allow_tf32))
+    _launch_gemm("dw", grid, args, x_RK.device, **meta)
     return dw
+
+
+def _gate_up_outs(out, R: int, F: int, dtype: torch.dtype, device: torch.device) -> tuple:
+    """(h [R, F], gu [R, 2F]): gate_up_swiglu's ``out`` pair checked, or new buffers."""
+    if out is None:
+        out = (None, None)
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError("out must be None or a pair (h_RF, gu_R2F)")
+    h = _check_out(out[0], (R, F), dtype, device, "out[0] (h_RF)")
+    return h, _check_out(out[1], (R, 2 * F), dtype, device, "out[1] (gu_R2F)")
 
 
 @on_tensor_device
@@ -381,6 +428,7 @@ def gate_up_swiglu(
     offsets_E1: torch.Tensor,
     bias_E2F: Optional[torch.Tensor] = None,
     *,
+    x_rows: Optional[torch.Tensor] = None,
     activation: str = "swiglu",
     interleaved: bool = False,
     alpha: float = 1.702,
@@ -397,6 +445,8 @@ def gate_up_swiglu(
             passes as its transpose view, no copy).
         offsets_E1: int32/int64 [E + 1] segment bounds (as in :func:`grouped_mm`).
         bias_E2F: optional [E, 2F] bias in w's row order, x's dtype, added before the rounding.
+        x_rows: optional int32/int64 [R] row map: grouped row r is ``x_RD[x_rows[r]]`` (h and gu
+            are in grouped order).
         activation: "swiglu": h = silu(gate) * up; "swiglu_oai" (GPT-OSS): with g = min(gate, limit)
             and u = clamp(up, -limit, limit), h = (u + 1) * g * sigmoid(alpha * g).
         interleaved: w's rows, the bias and gu alternate gate and up (GPT-OSS) instead of gate first.
@@ -425,13 +475,9 @@ def gate_up_swiglu(
         )
     _check_offsets(offsets_E1, E, R, x_RD.device)
     _check_bias("bias_E2F", bias_E2F, (E, F2), x_RD.dtype, x_RD.device, "x_RD")
+    _check_rows("x_rows", x_rows, R, x_RD.device)
     F = F2 // 2
-    if out is None:
-        out = (None, None)
-    if not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise TypeError("out must be None or a pair (h_RF, gu_R2F)")
-    h = _check_out(out[0], (R, F), x_RD.dtype, x_RD.device, "out[0] (h_RF)")
-    gu = _check_out(out[1], (R, F2), x_RD.dtype, x_RD.device, "out[1] (gu_R2F)")
+    h, gu = _gate_up_outs(out, R, F, x_RD.dtype, x_RD.device)
     if R == 0 or F == 0:
         return h, gu
     if D == 0 and bias_E2F is None:  # gu = 0, and both activations map (0, 0) to 0
@@ -445,6 +491,7 @@ def gate_up_swiglu(
         h,
         gu,
         offsets_E1,
+        offsets_E1 if x_rows is None else x_rows,  # (unread without a row map)
         R,
         F,
         D,
@@ -472,6 +519,7 @@ def gate_up_swiglu(
         HAS_BIAS=bias_E2F is not None,
         INTERLEAVED=bool(interleaved),
         ACTIVATION=activation,
+        GATHER_X=x_rows is not None,
         **_dot_meta(x_RD.dtype, allow_tf32),
     )
     return h, gu

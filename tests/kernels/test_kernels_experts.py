@@ -112,6 +112,91 @@ def test_grouped_mm_dw(case, dtype, gen):
 
 
 # ------------------------------------------------------------------------------------------------
+# Row maps: operands read, outputs written, through a permutation (rows in received order)
+# ------------------------------------------------------------------------------------------------
+def _row_map(gen, R, dtype):
+    """A random permutation of [0, R) (grouped row g <-> received row map[g]) in ``dtype``."""
+    return torch.randperm(R, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+def _scattered(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Grouped rows ``t`` put in received order: row rows[g] is t[g]."""
+    out = torch.empty_like(t)
+    out[rows.long()] = t
+    return out
+
+
+@pytest.mark.parametrize("map_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", SEGMENTS, ids=SEG_IDS)
+def test_row_maps(case, dtype, map_dtype, gen):
+    """Every launcher's row maps: the reference on the regrouped rows, and bit for bit the launch on
+    rows regrouped beforehand (index_select) and regrouped after (outputs NaN-filled first)."""
+    _, counts, K, N = case
+    x, w, off = _problem(gen, counts, K, N, dtype)
+    R = x.shape[0]
+    rows = _row_map(gen, R, map_dtype)
+    x_in = _scattered(x, rows)  # received order: grouped row g is x_in[rows[g]]
+    dy = _randn(gen, R, N, dtype=dtype)
+    dy_in = _scattered(dy, rows)
+    bias = _randn(gen, len(counts), N, dtype=dtype)
+
+    y = gg.grouped_mm(x_in, w, off, bias, x_rows=rows, out=nan_like(dy))
+    assert_close("mapped y", y, grouped_mm_ref(x.double(), w.double(), off, bias.double()))
+    assert torch.equal(y, gg.grouped_mm(x, w, off, bias))
+    y_in = gg.grouped_mm(x, w, off, bias, out_rows=rows, out=nan_like(y))
+    assert torch.equal(y_in, _scattered(gg.grouped_mm(x, w, off, bias), rows))
+    both = gg.grouped_mm(x_in, w, off, x_rows=rows, out_rows=rows, out=nan_like(y))
+    assert torch.equal(both, _scattered(gg.grouped_mm(x, w, off), rows))
+
+    dx = gg.grouped_mm_dx(dy_in, w, off, dy_rows=rows, out=nan_like(x))
+    assert_close("mapped dx", dx, grouped_mm_dx_ref(dy.double(), w.double(), off))
+    assert torch.equal(dx, gg.grouped_mm_dx(dy, w, off))
+    dx_in = gg.grouped_mm_dx(dy, w, off, out_rows=rows, out=nan_like(x))
+    assert torch.equal(dx_in, _scattered(gg.grouped_mm_dx(dy, w, off), rows))
+
+    dw_plain = gg.grouped_mm_dw(dy, x, off)
+    assert_close("mapped dw", gg.grouped_mm_dw(dy_in, x_in, off, dy_rows=rows, x_rows=rows), dw_plain.double())
+    for kw, a, b in (({"dy_rows": rows}, dy_in, x), ({"x_rows": rows}, dy, x_in)):
+        dw = gg.grouped_mm_dw(a, b, off, **kw, out=nan_like(dw_plain))
+        assert torch.equal(dw, dw_plain), f"dw with {sorted(kw)}"
+    assert torch.equal(gg.grouped_mm_dw(dy_in, x_in, off, dy_rows=rows, x_rows=rows), dw_plain)
+    assert_close("mapped dw vs reference", dw_plain, grouped_mm_dw_ref(dy.double(), x.double(), off))
+
+    for interleaved in (False, True):
+        w2 = _randn(gen, len(counts), 2 * N, K, dtype=dtype, scale=K**-0.5)
+        b2 = _randn(gen, len(counts), 2 * N, dtype=dtype)
+        act = dict(activation="swiglu_oai" if interleaved else "swiglu", interleaved=interleaved)
+        out = (nan_like(y), nan_like(torch.cat([y, y], 1)))
+        h, gu = gg.gate_up_swiglu(x_in, w2, off, b2, x_rows=rows, out=out, **act)
+        h0, gu0 = gg.gate_up_swiglu(x, w2, off, b2, **act)
+        assert torch.equal(h, h0) and torch.equal(gu, gu0), f"gate_up interleaved={interleaved}"
+        assert_close("mapped gate_up gu", gu, grouped_mm_ref(x.double(), w2.double(), off, b2.double()))
+
+
+def test_row_map_validation(gen):
+    x, w, off = _problem(gen, [2, 3], 16, 8, torch.float32)
+    rows = _row_map(gen, 5, torch.int64)
+    dy, w2 = _randn(gen, 5, 8), _randn(gen, 2, 16, 16)
+    with pytest.raises(TypeError, match="x_rows"):
+        gg.grouped_mm(x, w, off, x_rows=rows.float())
+    with pytest.raises(TypeError, match="x_rows"):
+        gg.grouped_mm(x, w, off, x_rows=[4, 3, 2, 1, 0])
+    with pytest.raises(ValueError, match="out_rows"):
+        gg.grouped_mm(x, w, off, out_rows=rows[:4])
+    with pytest.raises(ValueError, match="dy_rows"):
+        gg.grouped_mm_dx(dy, w, off, dy_rows=rows[None])
+    with pytest.raises(TypeError, match="out_rows"):
+        gg.grouped_mm_dx(dy, w, off, out_rows=rows.to(torch.int16))
+    with pytest.raises(ValueError, match="dy_rows"):
+        gg.grouped_mm_dw(dy, x, off, dy_rows=torch.cat([rows, rows]))
+    with pytest.raises(TypeError, match="x_rows"):
+        gg.grouped_mm_dw(dy, x, off, x_rows=rows.double())
+    with pytest.raises(ValueError, match="x_rows"):
+        gg.gate_up_swiglu(x, w2, off, x_rows=rows[:3])
+
+
+# ------------------------------------------------------------------------------------------------
 # Fused gate/up + SwiGLU, and the elementwise SwiGLU kernels
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
