@@ -47,6 +47,12 @@ hold the same registers; the split epilogue needs more (sm_90 builds of the bf16
 per SM either way, as its 144 KiB of shared memory allow), and fp32 configs are capped at 64
 accumulator registers (:mod:`lancet_rt.kernels._gemm_space`).
 
+*Fused activation gradient* (``grouped_mm_dx`` with ``gu_R2F``, ``GLU_GRAD``). The down projection's dX
+is dH, which only the activation's gradient reads: the epilogue rounds the dH tile to the output dtype
+(as a stored dH would be), loads the tile's gate and up columns of the saved gu and stores
+``swiglu_bwd(gu, dH)`` into dgu instead, with the elementwise kernel's own arithmetic (``_glu_grad``),
+so dgu is the two launches' bit for bit, without dH's buffer or its second pass.
+
 *Bias gradient* (``segment_sum``, :mod:`lancet_rt.kernels.segment_sum`): per-expert sums of the output gradient's
 rows, one deterministic launch.
 
@@ -174,12 +180,16 @@ def _grouped_gemm_fwd_kernel(
     offsets_ptr,  # [E + 1] int32/int64 segment bounds
     xr_ptr,  # [R] int32/int64 row map of x (read only with GATHER_X): grouped row g is x[xr[g]]
     yr_ptr,  # [R] int32/int64 row map of y (read only with SCATTER_Y): grouped row g goes to y[yr[g]]
+    gu_ptr,  # [R, 2N] grouped pre-activation (read only with GLU_GRAD; y is then its gradient dgu)
     # sizes
     R,
     N,
     K,
     E,
     M_BUCKET,  # autotune key only: power-of-two bucket of the mean rows per expert
+    # activation constants (GLU_GRAD with "swiglu_oai" only)
+    alpha,
+    limit,
     # strides
     stride_xm,
     stride_xk,
@@ -190,6 +200,8 @@ def _grouped_gemm_fwd_kernel(
     stride_bn,
     stride_ym,
     stride_yn,
+    stride_gm,
+    stride_gf,
     # meta-parameters
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -203,6 +215,9 @@ def _grouped_gemm_fwd_kernel(
     TILE_I64: tl.constexpr = False,  # BLOCK_K x a K stride reaches 2^31: in-tile K offsets, K steps in int64
     GATHER_X: tl.constexpr = False,  # x's rows through xr
     SCATTER_Y: tl.constexpr = False,  # y's rows through yr
+    GLU_GRAD: tl.constexpr = False,  # the product is dH: store dgu = the activation's gradient into y
+    INTERLEAVED: tl.constexpr = False,  # (GLU_GRAD) gu's gate and up columns alternate
+    ACTIVATION: tl.constexpr = "swiglu",  # (GLU_GRAD) see _glu_grad
 ):
     """y[r, n] = sum_k x[r, k] * w[e(r), n, k] (+ b[e(r), n]), one BLOCK_M x BLOCK_N tile per program
     (r a grouped row; x's and y's rows through their row maps where given)."""
@@ -244,9 +259,29 @@ def _grouped_gemm_fwd_kernel(
     if HAS_BIAS:
         b_b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_wn.to(tl.int64) * stride_bn)
         acc += b_b.to(tl.float32)[None, :]
-    y_rows = _mapped_rows(yr_ptr, offs_m, mask_m, R, SCATTER_Y)
-    y_ptrs = y_ptr + y_rows[:, None] * stride_ym + offs_n.to(tl.int64)[None, :] * stride_yn
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n[None, :] < N))
+    mask_out = mask_m[:, None] & (offs_n[None, :] < N)
+    if GLU_GRAD:  # (grouped rows: dgu and gu are kept for the weight gradients)
+        _glu_grad_epilogue(
+            acc,
+            gu_ptr,
+            y_ptr,
+            offs_m,
+            offs_n,
+            mask_out,
+            N,
+            alpha,
+            limit,
+            stride_gm,
+            stride_gf,
+            stride_ym,
+            stride_yn,
+            INTERLEAVED,
+            ACTIVATION,
+        )
+    else:
+        y_rows = _mapped_rows(yr_ptr, offs_m, mask_m, R, SCATTER_Y)
+        y_ptrs = y_ptr + y_rows[:, None] * stride_ym + offs_n.to(tl.int64)[None, :] * stride_yn
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_out)
 
 
 @triton.jit
@@ -263,6 +298,62 @@ def _glu(g, u, alpha, limit, ACTIVATION: tl.constexpr):
     else:
         h = g / (1.0 + tl.exp(-g)) * u
     return h
+
+
+@triton.jit
+def _glu_grad(g, u, dh, alpha, limit, ACTIVATION: tl.constexpr):
+    """(dgate, dup) of fp32 gate and up values and the gradient dh of the activation (_glu), in fp32.
+    "swiglu": dgate = dh * u * s * (1 + g * (1 - s)), dup = dh * g * s with s = sigmoid(g).
+    "swiglu_oai", with gc = min(g, limit), uc = clamp(u, -limit, limit), s = sigmoid(alpha * gc):
+    dgate = dh * (uc + 1) * s * (1 + alpha * gc * (1 - s)) where g <= limit, else 0;
+    dup = dh * gc * s where -limit <= u <= limit, else 0 (torch.clamp's gradient)."""
+    if ACTIVATION == "swiglu_oai":
+        gc = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+        uc = tl.maximum(
+            tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL), -limit, propagate_nan=tl.PropagateNan.ALL
+        )
+        s = 1.0 / (1.0 + tl.exp(-alpha * gc))
+        dg = tl.where(g <= limit, dh * (uc + 1.0) * s * (1.0 + alpha * gc * (1.0 - s)), 0.0)
+        du = tl.where((u >= -limit) & (u <= limit), dh * gc * s, 0.0)
+    else:
+        s = 1.0 / (1.0 + tl.exp(-g))
+        dg = dh * u * s * (1.0 + g * (1.0 - s))
+        du = dh * g * s
+    return dg, du
+
+
+@triton.jit
+def _glu_grad_epilogue(
+    acc,
+    gu_ptr,
+    dgu_ptr,
+    offs_m,
+    offs_n,
+    mask_out,
+    F,
+    alpha,
+    limit,
+    stride_gm,
+    stride_gf,
+    stride_dgm,
+    stride_dgf,
+    INTERLEAVED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+):
+    """Store the activation's gradient of the dH tile ``acc`` (rows offs_m, columns offs_n of h) into
+    dgu: dH rounded to dgu's dtype, gate and up read from gu (columns j and F + j, or 2j and 2j + 1)."""
+    out_ty = dgu_ptr.dtype.element_ty
+    dh = acc.to(out_ty).to(tl.float32)
+    offs_n64 = offs_n.to(tl.int64)
+    gate_col = 2 * offs_n64 if INTERLEAVED else offs_n64
+    up_col = 2 * offs_n64 + 1 if INTERLEAVED else offs_n64 + F
+    gu_rows = gu_ptr + offs_m.to(tl.int64)[:, None] * stride_gm
+    g = tl.load(gu_rows + gate_col[None, :] * stride_gf, mask=mask_out, other=0.0).to(tl.float32)
+    u = tl.load(gu_rows + up_col[None, :] * stride_gf, mask=mask_out, other=0.0).to(tl.float32)
+    dg, du = _glu_grad(g, u, dh, alpha, limit, ACTIVATION)
+    dgu_rows = dgu_ptr + offs_m.to(tl.int64)[:, None] * stride_dgm
+    tl.store(dgu_rows + gate_col[None, :] * stride_dgf, dg.to(out_ty), mask=mask_out)
+    tl.store(dgu_rows + up_col[None, :] * stride_dgf, du.to(out_ty), mask=mask_out)
 
 
 @triton.jit(do_not_specialize=["R"])  # row counts: one compiled variant for any chunk

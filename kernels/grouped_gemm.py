@@ -9,6 +9,7 @@ launcher          computes                                reference             
 ================  ======================================  =========================  =============
 grouped_mm        y[r] = x[r] @ w[e].T (+ b[e])           grouped_mm_ref             2 R N K
 grouped_mm_dx     dx[r] = dy[r] @ w[e]                    grouped_mm_dx_ref          2 R N K
+  with gu_R2F     dgu = swiglu_bwd(gu, dy @ w[e])         swiglu_bwd_ref of dx_ref   2 R N K
 grouped_mm_dw     dw[e] = dy_seg.T @ x_seg (0 if empty)   grouped_mm_dw_ref          2 R N K
 gate_up_swiglu    gu = x @ w[e].T (+ b[e]), h = act(g, u) gate_up_swiglu_ref         2 R (2F) D
 segment_sum       s[e] = sum of g_seg's rows (0 if empty) segment_sum_ref            memory-bound
@@ -128,7 +129,9 @@ _DW = triton.heuristics({"TILE_I64": _tile_i64("BLOCK_M", "stride_dym", "stride_
 def _autotuned(op: str):
     kernel = {"fwd": _FWD, "dx": _FWD, "gate_up": _GATE_UP, "dw": _DW}[op]
     # The gate_up key holds the weight layout: interleaved loads one [BK, 2 BN] tile, not two [BK, BN].
-    keys = {"gate_up": ["F", "D", "E", "M_BUCKET", "INTERLEAVED"]}.get(op, ["N", "K", "E", "M_BUCKET"])
+    # dx's key holds whether the activation's gradient is fused into its epilogue (the down projection's).
+    keys = {"gate_up": ["F", "D", "E", "M_BUCKET", "INTERLEAVED"], "dx": ["N", "K", "E", "M_BUCKET", "GLU_GRAD"]}
+    keys = keys.get(op, ["N", "K", "E", "M_BUCKET"])
     # Keep tuned choices on disk across processes where this Triton supports it (3.2+).
     extra = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
     # One autotuner per op (fwd and dx share a kernel but not a cache: their strides differ).
@@ -194,10 +197,12 @@ def _grouped_mm(
     transposed: bool = False,
     x_rows: Optional[torch.Tensor] = None,
     out_rows: Optional[torch.Tensor] = None,
+    glu: Optional[tuple] = None,
 ) -> torch.Tensor:
     """y[r] = x[r] @ w[e].T (+ bias[e]) over segments; w is any [E, N, K] view, or with ``transposed``
     an [E, K, N] tensor read as its [E, N, K] transpose through swapped strides (dx: w[e].T, no
-    transpose op dispatched); x's and y's rows through their row maps where given."""
+    transpose op dispatched); x's and y's rows through their row maps where given. ``glu``: (gu_R2N,
+    activation, interleaved, alpha, limit): y [R, 2N] is then swiglu_bwd(gu, the product)."""
     R, K = x_RK.shape
     if transposed:
         E, _, N = w_ENK.shape
@@ -205,11 +210,12 @@ def _grouped_mm(
     else:
         E, N, _ = w_ENK.shape
         w_strides = w_ENK.stride()
-    y = _check_out(out, (R, N), x_RK.dtype, x_RK.device)
+    y = _check_out(out, (R, N if glu is None else 2 * N), x_RK.dtype, x_RK.device)
     if R == 0 or N == 0:
         return y
-    if K == 0 and bias_EN is None:
+    if K == 0 and bias_EN is None:  # (with glu too: both activations' gradients of dh = 0 are 0)
         return y.zero_()
+    gu, activation, interleaved, alpha, limit = (y, "swiglu", False, 0.0, 1.0) if glu is None else glu
     grid = lambda META: ((triton.cdiv(R, META["BLOCK_M"]) + E - 1) * triton.cdiv(N, META["BLOCK_N"]),)
     b, b_strides = (w_ENK, (0, 0)) if bias_EN is None else (bias_EN, bias_EN.stride())  # unread without bias
     args = (
@@ -220,17 +226,22 @@ def _grouped_mm(
         offsets_E1,
         offsets_E1 if x_rows is None else x_rows,  # (unread without a row map)
         offsets_E1 if out_rows is None else out_rows,
+        gu,  # (unread without glu)
         R,
         N,
         K,
         E,
         _m_bucket(R, E),
+        float(alpha),
+        float(limit),
         x_RK.stride(0),
         x_RK.stride(1),
         *w_strides,
         *b_strides,
         y.stride(0),
         y.stride(1),
+        gu.stride(0),
+        gu.stride(1),
     )
     _launch_gemm(
         op,
@@ -241,6 +252,9 @@ def _grouped_mm(
         HAS_BIAS=bias_EN is not None,
         GATHER_X=x_rows is not None,
         SCATTER_Y=out_rows is not None,
+        GLU_GRAD=glu is not None,
+        INTERLEAVED=bool(interleaved),
+        ACTIVATION=activation,
         **_dot_meta(x_RK.dtype, allow_tf32),
     )
     return y
@@ -303,22 +317,34 @@ def grouped_mm_dx(
     *,
     dy_rows: Optional[torch.Tensor] = None,
     out_rows: Optional[torch.Tensor] = None,
+    gu_R2F: Optional[torch.Tensor] = None,
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
     out: Optional[torch.Tensor] = None,
     allow_tf32: bool = False,
 ) -> torch.Tensor:
     """dx[r] = dy[r] @ w[e] for the rows of segment e: the input gradient of :func:`grouped_mm`.
+
+    With ``gu_R2F`` (the down projection's dX is dH, the activation's output gradient) the activation's
+    gradient is fused into the epilogue: the result is ``swiglu_bwd(gu_R2F, dx)`` [R, 2K] (dx rounded to
+    dy's dtype first, as stored), bit for bit the two launches', without dx's buffer.
 
     Args:
         dy_RN: [R, N] output gradient, rows grouped by expert.
         w_ENK: [E, N, K] forward weights, dy's dtype.
         offsets_E1: int32/int64 [E + 1] segment bounds (as in :func:`grouped_mm`).
         dy_rows: optional int32/int64 [R] row map: grouped row r is ``dy_RN[dy_rows[r]]``.
-        out_rows: optional int32/int64 [R] row map: grouped row r is written to ``dx[out_rows[r]]``.
-        out: optional [R, K] output buffer in dy's dtype.
+        out_rows: optional int32/int64 [R] row map: grouped row r is written to ``dx[out_rows[r]]``
+            (not with ``gu_R2F``: dgu is grouped, as gu).
+        gu_R2F: optional [R, 2K] grouped pre-activation in dy's dtype (gate_up_swiglu's gu).
+        activation, interleaved, alpha, limit: with ``gu_R2F``, as in :func:`swiglu.swiglu_bwd`.
+        out: optional [R, K] (with ``gu_R2F``: [R, 2K]) output buffer in dy's dtype.
         allow_tf32: fp32 inputs only: use TF32 tensor cores.
 
     Returns:
-        dx_RK [R, K] in dy's dtype.
+        dx_RK [R, K] in dy's dtype, or with ``gu_R2F`` dgu_R2K [R, 2K] in gu's column order.
     """
     _check_float("dy_RN", dy_RN)
     _check_float("w_ENK", w_ENK)
@@ -334,10 +360,26 @@ def grouped_mm_dx(
     _check_offsets(offsets_E1, w_ENK.shape[0], dy_RN.shape[0], dy_RN.device)
     _check_rows("dy_rows", dy_rows, dy_RN.shape[0], dy_RN.device)
     _check_rows("out_rows", out_rows, dy_RN.shape[0], dy_RN.device)
+    glu = None
+    if gu_R2F is not None:
+        _check_glu_grad(gu_R2F, dy_RN, w_ENK.shape[2], out_rows, activation, alpha, limit)
+        glu = (gu_R2F, activation, bool(interleaved), alpha, limit)
     # dx = dy @ w[e] is the forward kernel on the [E, K, N] view w[e].T: only the strides change.
     return _grouped_mm(
-        "dx", dy_RN, w_ENK, offsets_E1, out, allow_tf32, transposed=True, x_rows=dy_rows, out_rows=out_rows
+        "dx", dy_RN, w_ENK, offsets_E1, out, allow_tf32, transposed=True, x_rows=dy_rows, out_rows=out_rows, glu=glu
     )
+
+
+def _check_glu_grad(gu_R2F, dy_RN: torch.Tensor, K: int, out_rows, activation, alpha, limit) -> None:
+    """grouped_mm_dx's fused activation gradient: gu [R, 2K] in dy's dtype and device, no out_rows."""
+    _check_float("gu_R2F", gu_R2F)
+    _check_same_dtype("gu_R2F", gu_R2F, dy_RN.dtype, "dy_RN")
+    _check_device("gu_R2F", gu_R2F, dy_RN.device)
+    if tuple(gu_R2F.shape) != (dy_RN.shape[0], 2 * K):
+        raise ValueError(f"gu_R2F must have shape [R, 2K] = [{dy_RN.shape[0]}, {2 * K}], got {tuple(gu_R2F.shape)}")
+    if out_rows is not None:
+        raise ValueError("out_rows cannot be given with gu_R2F (dgu is written in grouped order, as gu)")
+    _check_activation(activation, alpha, limit)
 
 
 @on_tensor_device

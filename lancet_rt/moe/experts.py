@@ -23,6 +23,8 @@ expert-major. The CPU backend regroups them with ``index_select`` both ways; the
 write through the permutation instead (their row maps: ``x_rows``, ``dy_rows``, ``out_rows``), so the
 regrouping costs no copy and no op, with the same results bit for bit: the forward saves the received
 rows, and backward's GEMMs (the deferred dW ones too) read them and the received dY through the map.
+There too the activation's gradient is computed in the dH GEMM's epilogue (``grouped_mm_dx(...,
+gu_R2F=)``), bit for bit the SwiGLU backward kernel's, so dH is never stored.
 """
 
 from __future__ import annotations
@@ -62,10 +64,16 @@ def kernel_views(w_gate_up: torch.Tensor, w_down: torch.Tensor, gpt_oss: bool) -
     return (w_gate_up.transpose(1, 2) if gpt_oss else w_gate_up), (w_down.transpose(1, 2) if gpt_oss else w_down)
 
 
+def triton_gemms(ops) -> bool:
+    """Whether ``ops``' grouped GEMMs are the Triton kernels (not the CPU backend, not a family fallen
+    back to its references): they take row maps and fuse the activation's gradient into dH's GEMM."""
+    return getattr(ops, "name", None) == "triton" and not getattr(ops, "host_offsets", True)
+
+
 def row_maps(ops, to_expert) -> bool:
-    """Whether ``ops``' grouped GEMMs take row maps (the Triton kernels': not the CPU backend, not a
-    family fallen back to its references), so rows in received order need no regrouping op."""
-    return to_expert is not None and getattr(ops, "name", None) == "triton" and not getattr(ops, "host_offsets", True)
+    """Whether rows in received order (``to_expert``) reach the GEMMs through their row maps, with no
+    regrouping op (:func:`triton_gemms`)."""
+    return to_expert is not None and triton_gemms(ops)
 
 
 def expert_rows(ops, spec: _Spec, x_RD, w_E2FD, w_EDF, segments, b_gate_up, b_down, rows=None, **halves) -> tuple:
@@ -244,13 +252,16 @@ def _input_grads(ctx, saved: _Saved, dy_out, memory: Workspace, deferring: bool)
     else:
         dy_scratch = {} if deferring else memory.out("dy", (R, dy_out.shape[1]))
         dy_RD, dh_scratch = torch.index_select(dy_out, 0, to_expert, **dy_scratch), {}
-    dh_scratch.update({**memory.out("dh", (R, F2 // 2)), **memory.along("along_dh", saved.w_EDF)})
-    dh_RF = ops.grouped_mm_dx(dy_RD, saved.w_EDF, saved.offsets_E1, **dh_scratch)
-    # Without dX, and without a gate/up bias, the CPU backend's dgu may be contiguous halves too
-    # (GateUp): its passes and the dW GEMMs then stream (the fused dX GEMM reads one [R, 2F]).
-    halves = isinstance(saved.gu_R2F, GateUp) and not ctx.needs_input_grad[0] and not ctx.has_bias[0]
-    dgu_R2F = ops.swiglu_bwd(saved.gu_R2F, dh_RF, **act, **memory.swiglu_bwd(saved.gu_R2F, halves, deferring))
-    del dh_RF
+    if triton_gemms(ops):  # dH -> dgu in the dH GEMM's epilogue: one launch, no dH buffer
+        dgu_R2F = ops.grouped_mm_dx(dy_RD, saved.w_EDF, saved.offsets_E1, gu_R2F=saved.gu_R2F, **act, **dh_scratch)
+    else:
+        dh_scratch.update({**memory.out("dh", (R, F2 // 2)), **memory.along("along_dh", saved.w_EDF)})
+        dh_RF = ops.grouped_mm_dx(dy_RD, saved.w_EDF, saved.offsets_E1, **dh_scratch)
+        # Without dX, and without a gate/up bias, the CPU backend's dgu may be contiguous halves too
+        # (GateUp): its passes and the dW GEMMs then stream (the fused dX GEMM reads one [R, 2F]).
+        halves = isinstance(saved.gu_R2F, GateUp) and not ctx.needs_input_grad[0] and not ctx.has_bias[0]
+        dgu_R2F = ops.swiglu_bwd(saved.gu_R2F, dh_RF, **act, **memory.swiglu_bwd(saved.gu_R2F, halves, deferring))
+        del dh_RF
     if not ctx.needs_input_grad[0]:
         # (the rows came from tokens that need no gradient, e.g. a first layer's input: no dX GEMM
         # and no dual all-to-all, whose forward then recorded no backward to wait for it)

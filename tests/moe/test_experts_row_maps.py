@@ -1,10 +1,12 @@
-"""On the Triton path the experts regroup their rows through the kernels' row maps, not index_select.
+"""On the Triton path the experts regroup their rows through the kernels' row maps, not index_select,
+and compute the activation's gradient in the dH GEMM's epilogue.
 
 The rows arrive in received (rank-major) order; the grouped GEMMs read x and dY through the dispatch's
-permutation and write y and dX through it (lancet_rt.moe.experts.row_maps). Checked under the
-interpreter against the same layer regrouping with index_select around the same kernels: the output,
-the input gradient and every parameter gradient bit for bit, in both layouts (GPT-OSS's with biases)
-and chunked, and four index_select fewer per experts call (two forward, two backward).
+permutation and write y and dX through it (lancet_rt.moe.experts.row_maps), and dgu comes out of the
+dH GEMM (``grouped_mm_dx(gu_R2F=)``). Checked under the interpreter against the same layer on the same
+kernels regrouping with index_select and storing dH for a SwiGLU backward launch: the output, the
+input gradient and every parameter gradient bit for bit, in both layouts (GPT-OSS's with biases) and
+chunked, and four index_select fewer per experts call (two forward, two backward).
 """
 
 from __future__ import annotations
@@ -58,15 +60,15 @@ def test_row_maps_are_exact_and_replace_index_select(layout, chunks, monkeypatch
     monkeypatch.setenv("LANCET_KERNELS", "triton")  # the interpreter on CPU (tests/conftest.py)
     mapped = _step(_moe(layout), chunks)
     calls = []
-    real = experts_mod.row_maps
+    real = experts_mod.triton_gemms
 
-    def spied(ops, to_expert):
-        calls.append(real(ops, to_expert))
-        return False  # the index_select path around the same kernels
+    def spied(ops):
+        calls.append(real(ops))
+        return False  # index_select and the unfused dH -> dgu around the same kernels
 
-    monkeypatch.setattr(experts_mod, "row_maps", spied)
+    monkeypatch.setattr(experts_mod, "triton_gemms", spied)
     regrouped = _step(_moe(layout), chunks)
-    assert calls and all(calls), "the Triton path takes row maps"
+    assert calls and all(calls), "the Triton path takes row maps and fuses dgu"
     assert torch.equal(mapped[0], regrouped[0]) and torch.equal(mapped[1], regrouped[1])
     assert mapped[2].keys() == regrouped[2].keys()
     for n, g in regrouped[2].items():
