@@ -54,6 +54,20 @@ def _check_offsets(offsets: torch.Tensor, E: int, R: int, device: torch.device) 
     _check_device("offsets_E1", offsets, device)
 
 
+def _check_rows(name: str, rows, R: int, device: torch.device) -> None:
+    """A row map: None, or an int32/int64 [R] tensor on ``device`` (a permutation of [0, R): not
+    checked, that would synchronise)."""
+    if rows is None:
+        return
+    if not isinstance(rows, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(rows).__name__}")
+    if rows.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name} must be int32 or int64, got {rows.dtype}")
+    if tuple(rows.shape) != (R,):
+        raise ValueError(f"{name} must have shape [R] = [{R}], got {tuple(rows.shape)}")
+    _check_device(name, rows, device)
+
+
 def _check_out(out, shape: tuple, dtype: torch.dtype, device: torch.device, name: str = "out") -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=dtype, device=device)

@@ -76,6 +76,11 @@ def _gemm_configs(op: str) -> list:
 # and at 4 warps in every dtype (bf16 128 x 64 spilled even without bias). The spills and register
 # counts per Triton version: bench/results/HISTORY.md.
 _FP32_ACC_REGS = 64
+# dH's GEMM with the activation's gradient in its epilogue (dx with GLU_GRAD) holds the gate, up and
+# their gradients' fp32 tiles next to the accumulator: sm_90 builds with 128 or 64 accumulator
+# registers spilled (bf16, and interleaved gate/up in fp32), with 32 none; as many values per thread
+# as the standalone SwiGLU backward kernel's tiles hold.
+_GLU_ACC_REGS = 32
 
 
 def _acc_regs(op: str, cfg: triton.Config) -> int:
@@ -112,8 +117,9 @@ def _prune_configs(op: str):
     """The autotuner's early_config_prune for one op: :func:`_config_fits` for the input's element
     size and the device's shared memory, at most :data:`_FP32_ACC_REGS` accumulator registers where
     fp32 operands live in registers (no TF32, dW, the interleaved gate_up) and for the interleaved
-    gate_up at 4 warps, and no tile much larger than the problem (tile rows against the mean rows per
-    expert, tile columns against the output width)."""
+    gate_up at 4 warps, :data:`_GLU_ACC_REGS` for dx with the activation's gradient fused, and no
+    tile much larger than the problem (tile rows against the mean rows per expert, tile columns
+    against the output width)."""
 
     def prune(configs, named_args, **kwargs):
         args = {**named_args, **kwargs}
@@ -124,7 +130,11 @@ def _prune_configs(op: str):
             op == "dw" or args.get("INPUT_PRECISION", "ieee") == "ieee" or interleaved
         )
 
+        glu = op == "dx" and bool(args.get("GLU_GRAD", False))
+
         def max_acc(cfg) -> int:
+            if glu:
+                return _GLU_ACC_REGS
             return _FP32_ACC_REGS if fp32_in_regs or (interleaved and cfg.num_warps < 8) else 128
 
         if op == "dw":

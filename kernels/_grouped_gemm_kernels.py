@@ -20,6 +20,15 @@ L2 swizzle): consecutive programs share the same weight columns (one expert's w[
 same GROUP_M row blocks, so both operands are mostly read from L2.
 ``grouped_mm_dx`` is the same kernel on the transposed weight view ``w[e].T`` (only strides change).
 
+*Row maps* (``GATHER_X``, ``SCATTER_Y``; in dW ``GATHER_DY``, ``GATHER_X``). The tiles walk the rows
+in grouped (expert-major) order; a row map lets an operand or the output keep another row order: grouped
+row g loads operand row ``rows[g]`` or stores to output row ``rows[g]``. The experts receive their rows
+in rank-major order and return them so, and the map between the two orders is a permutation the
+dispatch made on the device: read through it, the regrouping costs no copy. Only addresses change, so
+the results are those of the kernels on the regrouped rows, bit for bit. The map is trusted to be a
+permutation of [0, R) (checking would need a host sync); its entries are clamped to [0, R) so a bad map
+cannot fault.
+
 *Fused gate/up + SwiGLU* (``gate_up_swiglu``). ``w_E2FD`` holds the gate rows [0, F) and the up rows
 [F, 2F). A program owns output columns j of h and computes the gate tile (weight rows j) and the up
 tile (rows F + j) with two fp32 accumulators from the same x tile, so x is read once for both halves.
@@ -37,6 +46,12 @@ hold the same registers; the split epilogue needs more (sm_90 builds of the bf16
 128 x 128 tile with bias and "swiglu_oai", counts per Triton version in bench/results/HISTORY.md; one block
 per SM either way, as its 144 KiB of shared memory allow), and fp32 configs are capped at 64
 accumulator registers (:mod:`lancet_rt.kernels._gemm_space`).
+
+*Fused activation gradient* (``grouped_mm_dx`` with ``gu_R2F``, ``GLU_GRAD``). The down projection's dX
+is dH, which only the activation's gradient reads: the epilogue rounds the dH tile to the output dtype
+(as a stored dH would be), loads the tile's gate and up columns of the saved gu and stores
+``swiglu_bwd(gu, dH)`` into dgu instead, with the elementwise kernel's own arithmetic (``_glu_grad``),
+so dgu is the two launches' bit for bit, without dH's buffer or its second pass.
 
 *Bias gradient* (``segment_sum``, :mod:`lancet_rt.kernels.segment_sum`): per-expert sums of the output gradient's
 rows, one deterministic launch.
@@ -84,6 +99,15 @@ def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, acc=acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def _mapped_rows(rows_ptr, offs_m, mask_m, R, MAPPED: tl.constexpr):
+    """int64 rows of the grouped rows offs_m: through the row map (clamped to [0, R)) if MAPPED."""
+    if MAPPED:
+        rows = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+        return tl.minimum(tl.maximum(rows, 0), R - 1)
+    return offs_m.to(tl.int64)
 
 
 @triton.jit
@@ -154,12 +178,18 @@ def _grouped_gemm_fwd_kernel(
     b_ptr,  # [E, N] bias (read only with HAS_BIAS)
     y_ptr,  # [R, N] output, x's dtype
     offsets_ptr,  # [E + 1] int32/int64 segment bounds
+    xr_ptr,  # [R] int32/int64 row map of x (read only with GATHER_X): grouped row g is x[xr[g]]
+    yr_ptr,  # [R] int32/int64 row map of y (read only with SCATTER_Y): grouped row g goes to y[yr[g]]
+    gu_ptr,  # [R, 2N] grouped pre-activation (read only with GLU_GRAD; y is then its gradient dgu)
     # sizes
     R,
     N,
     K,
     E,
     M_BUCKET,  # autotune key only: power-of-two bucket of the mean rows per expert
+    # activation constants (GLU_GRAD with "swiglu_oai" only)
+    alpha,
+    limit,
     # strides
     stride_xm,
     stride_xk,
@@ -170,6 +200,8 @@ def _grouped_gemm_fwd_kernel(
     stride_bn,
     stride_ym,
     stride_yn,
+    stride_gm,
+    stride_gf,
     # meta-parameters
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -181,8 +213,14 @@ def _grouped_gemm_fwd_kernel(
     DOT_FP32: tl.constexpr,  # interpreter-only bf16 workaround, see _dot
     HAS_BIAS: tl.constexpr = False,  # add b[e] to the fp32 accumulator before rounding
     TILE_I64: tl.constexpr = False,  # BLOCK_K x a K stride reaches 2^31: in-tile K offsets, K steps in int64
+    GATHER_X: tl.constexpr = False,  # x's rows through xr
+    SCATTER_Y: tl.constexpr = False,  # y's rows through yr
+    GLU_GRAD: tl.constexpr = False,  # the product is dH: store dgu = the activation's gradient into y
+    INTERLEAVED: tl.constexpr = False,  # (GLU_GRAD) gu's gate and up columns alternate
+    ACTIVATION: tl.constexpr = "swiglu",  # (GLU_GRAD) see _glu_grad
 ):
-    """y[r, n] = sum_k x[r, k] * w[e(r), n, k] (+ b[e(r), n]), one BLOCK_M x BLOCK_N tile per program."""
+    """y[r, n] = sum_k x[r, k] * w[e(r), n, k] (+ b[e(r), n]), one BLOCK_M x BLOCK_N tile per program
+    (r a grouped row; x's and y's rows through their row maps where given)."""
     # -- phase 1: map the program to (expert, M tile, N tile); exit past the real tiles --
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(R, BLOCK_M) + E - 1  # upper bound on sum_e cdiv(n_e, BLOCK_M)
@@ -202,7 +240,8 @@ def _grouped_gemm_fwd_kernel(
 
     # Index x stride products in int64; those bounded by BLOCK_K x a stride where needed (module docstring).
     offs_kk = offs_k.to(tl.int64) if TILE_I64 else offs_k
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_kk[None, :] * stride_xk  # [BM, BK]
+    x_rows = _mapped_rows(xr_ptr, offs_m, mask_m, R, GATHER_X)
+    x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_kk[None, :] * stride_xk  # [BM, BK]
     w_ptrs = (
         w_ptr
         + expert.to(tl.int64) * stride_we
@@ -220,8 +259,29 @@ def _grouped_gemm_fwd_kernel(
     if HAS_BIAS:
         b_b = tl.load(b_ptr + expert.to(tl.int64) * stride_be + offs_wn.to(tl.int64) * stride_bn)
         acc += b_b.to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m.to(tl.int64)[:, None] * stride_ym + offs_n.to(tl.int64)[None, :] * stride_yn
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n[None, :] < N))
+    mask_out = mask_m[:, None] & (offs_n[None, :] < N)
+    if GLU_GRAD:  # (grouped rows: dgu and gu are kept for the weight gradients)
+        _glu_grad_epilogue(
+            acc,
+            gu_ptr,
+            y_ptr,
+            offs_m,
+            offs_n,
+            mask_out,
+            N,
+            alpha,
+            limit,
+            stride_gm,
+            stride_gf,
+            stride_ym,
+            stride_yn,
+            INTERLEAVED,
+            ACTIVATION,
+        )
+    else:
+        y_rows = _mapped_rows(yr_ptr, offs_m, mask_m, R, SCATTER_Y)
+        y_ptrs = y_ptr + y_rows[:, None] * stride_ym + offs_n.to(tl.int64)[None, :] * stride_yn
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask_out)
 
 
 @triton.jit
@@ -240,6 +300,62 @@ def _glu(g, u, alpha, limit, ACTIVATION: tl.constexpr):
     return h
 
 
+@triton.jit
+def _glu_grad(g, u, dh, alpha, limit, ACTIVATION: tl.constexpr):
+    """(dgate, dup) of fp32 gate and up values and the gradient dh of the activation (_glu), in fp32.
+    "swiglu": dgate = dh * u * s * (1 + g * (1 - s)), dup = dh * g * s with s = sigmoid(g).
+    "swiglu_oai", with gc = min(g, limit), uc = clamp(u, -limit, limit), s = sigmoid(alpha * gc):
+    dgate = dh * (uc + 1) * s * (1 + alpha * gc * (1 - s)) where g <= limit, else 0;
+    dup = dh * gc * s where -limit <= u <= limit, else 0 (torch.clamp's gradient)."""
+    if ACTIVATION == "swiglu_oai":
+        gc = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
+        uc = tl.maximum(
+            tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL), -limit, propagate_nan=tl.PropagateNan.ALL
+        )
+        s = 1.0 / (1.0 + tl.exp(-alpha * gc))
+        dg = tl.where(g <= limit, dh * (uc + 1.0) * s * (1.0 + alpha * gc * (1.0 - s)), 0.0)
+        du = tl.where((u >= -limit) & (u <= limit), dh * gc * s, 0.0)
+    else:
+        s = 1.0 / (1.0 + tl.exp(-g))
+        dg = dh * u * s * (1.0 + g * (1.0 - s))
+        du = dh * g * s
+    return dg, du
+
+
+@triton.jit
+def _glu_grad_epilogue(
+    acc,
+    gu_ptr,
+    dgu_ptr,
+    offs_m,
+    offs_n,
+    mask_out,
+    F,
+    alpha,
+    limit,
+    stride_gm,
+    stride_gf,
+    stride_dgm,
+    stride_dgf,
+    INTERLEAVED: tl.constexpr,
+    ACTIVATION: tl.constexpr,
+):
+    """Store the activation's gradient of the dH tile ``acc`` (rows offs_m, columns offs_n of h) into
+    dgu: dH rounded to dgu's dtype, gate and up read from gu (columns j and F + j, or 2j and 2j + 1)."""
+    out_ty = dgu_ptr.dtype.element_ty
+    dh = acc.to(out_ty).to(tl.float32)
+    offs_n64 = offs_n.to(tl.int64)
+    gate_col = 2 * offs_n64 if INTERLEAVED else offs_n64
+    up_col = 2 * offs_n64 + 1 if INTERLEAVED else offs_n64 + F
+    gu_rows = gu_ptr + offs_m.to(tl.int64)[:, None] * stride_gm
+    g = tl.load(gu_rows + gate_col[None, :] * stride_gf, mask=mask_out, other=0.0).to(tl.float32)
+    u = tl.load(gu_rows + up_col[None, :] * stride_gf, mask=mask_out, other=0.0).to(tl.float32)
+    dg, du = _glu_grad(g, u, dh, alpha, limit, ACTIVATION)
+    dgu_rows = dgu_ptr + offs_m.to(tl.int64)[:, None] * stride_dgm
+    tl.store(dgu_rows + gate_col[None, :] * stride_dgf, dg.to(out_ty), mask=mask_out)
+    tl.store(dgu_rows + up_col[None, :] * stride_dgf, du.to(out_ty), mask=mask_out)
+
+
 @triton.jit(do_not_specialize=["R"])  # row counts: one compiled variant for any chunk
 def _gate_up_swiglu_fwd_kernel(
     # pointers
@@ -249,6 +365,7 @@ def _gate_up_swiglu_fwd_kernel(
     h_ptr,  # [R, F] output: the activation
     gu_ptr,  # [R, 2F] output: the pre-activation in w's row order, kept for backward
     offsets_ptr,  # [E + 1] int32/int64 segment bounds
+    xr_ptr,  # [R] int32/int64 row map of x (read only with GATHER_X): grouped row g is x[xr[g]]
     # sizes
     R,
     F,
@@ -283,6 +400,7 @@ def _gate_up_swiglu_fwd_kernel(
     INTERLEAVED: tl.constexpr = False,  # gate and up alternate along 2F (the GPT-OSS layout)
     ACTIVATION: tl.constexpr = "swiglu",  # or "swiglu_oai", see _glu
     TILE_I64: tl.constexpr = False,
+    GATHER_X: tl.constexpr = False,  # x's rows through xr (h and gu stay in grouped order)
 ):
     """gu = x @ w[e].T (+ b[e]) over one tile of h's columns j and their gate and up columns of gu,
     h[:, j] = act(gate_j, up_j)."""
@@ -302,7 +420,8 @@ def _gate_up_swiglu_fwd_kernel(
     offs_k = tl.arange(0, BLOCK_K)
 
     offs_kk = offs_k.to(tl.int64) if TILE_I64 else offs_k
-    x_ptrs = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm + offs_kk[None, :] * stride_xd  # [BM, BK]
+    x_rows = _mapped_rows(xr_ptr, offs_m, mask_m, R, GATHER_X)
+    x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_kk[None, :] * stride_xd  # [BM, BK]
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_kk[:, None] * stride_wd
     x_step = (tl.cast(stride_xd, tl.int64) if TILE_I64 else stride_xd) * BLOCK_K
     w_step = (tl.cast(stride_wd, tl.int64) if TILE_I64 else stride_wd) * BLOCK_K
@@ -380,6 +499,8 @@ def _grouped_gemm_dw_kernel(
     x_ptr,  # [R, K] forward input
     dw_ptr,  # [E, N, K] output: dw[e] = dy_seg.T @ x_seg, x's dtype
     offsets_ptr,  # [E + 1] int32/int64 segment bounds
+    dyr_ptr,  # [R] int32/int64 row map of dy (read only with GATHER_DY): grouped row g is dy[dyr[g]]
+    xr_ptr,  # [R] int32/int64 row map of x (read only with GATHER_X): grouped row g is x[xr[g]]
     # sizes
     R,
     N,
@@ -402,8 +523,11 @@ def _grouped_gemm_dw_kernel(
     INPUT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
     TILE_I64: tl.constexpr = False,  # BLOCK_M x a row stride reaches 2^31: row steps in int64
+    GATHER_DY: tl.constexpr = False,  # dy's rows through dyr
+    GATHER_X: tl.constexpr = False,  # x's rows through xr
 ):
-    """dw[e, n, k] = sum over rows r of segment e of dy[r, n] * x[r, k]; zeros for an empty segment."""
+    """dw[e, n, k] = sum over rows r of segment e of dy[r, n] * x[r, k]; zeros for an empty segment
+    (r a grouped row; dy's and x's rows through their row maps where given)."""
     # -- phase 1: map the program to (expert, N tile, K tile) and load its segment bounds --
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -434,6 +558,12 @@ def _grouped_gemm_dw_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for m in range(0, tl.cdiv(row_end - row_start, BLOCK_M)):
         mask_m = offs_m < row_end - row_start - m * BLOCK_M
+        if GATHER_DY:  # this step's rows of dy through the row map
+            dy_rows = _mapped_rows(dyr_ptr, row_start + m * BLOCK_M + offs_m, mask_m, R, True)
+            dy_ptrs = dy_ptr + dy_rows[None, :] * stride_dym + offs_yn.to(tl.int64)[:, None] * stride_dyn
+        if GATHER_X:
+            x_rows = _mapped_rows(xr_ptr, row_start + m * BLOCK_M + offs_m, mask_m, R, True)
+            x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_xk.to(tl.int64)[None, :] * stride_xk
         b_dyt = tl.load(dy_ptrs, mask=mask_m[None, :], other=0.0)
         b_x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
         acc = _dot(b_dyt, b_x, acc, INPUT_PRECISION, DOT_FP32)

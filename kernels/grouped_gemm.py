@@ -9,6 +9,7 @@ launcher          computes                                reference             
 ================  ======================================  =========================  =============
 grouped_mm        y[r] = x[r] @ w[e].T (+ b[e])           grouped_mm_ref             2 R N K
 grouped_mm_dx     dx[r] = dy[r] @ w[e]                    grouped_mm_dx_ref          2 R N K
+  with gu_R2F     dgu = swiglu_bwd(gu, dy @ w[e])         swiglu_bwd_ref of dx_ref   2 R N K
 grouped_mm_dw     dw[e] = dy_seg.T @ x_seg (0 if empty)   grouped_mm_dw_ref          2 R N K
 gate_up_swiglu    gu = x @ w[e].T (+ b[e]), h = act(g, u) gate_up_swiglu_ref         2 R (2F) D
 segment_sum       s[e] = sum of g_seg's rows (0 if empty) segment_sum_ref            memory-bound
@@ -24,6 +25,12 @@ Expert variants (GPT-OSS's experts are all three): an optional per-expert bias o
 and the gate/up order of gate_up's weight rows, bias and gu: gate first, or ``interleaved`` (gate 2j,
 up 2j + 1; ``INTERLEAVED``). Weights may be any strided view, so GPT-OSS's transposed parameters
 (``gate_up_proj [E, D, 2F]``, ``down_proj [E, F, D]``) pass as their transposes, not copies.
+
+Row maps: the rows may be read from, or written to, another row order through an int32/int64 [R]
+permutation of [0, R) (``x_rows``/``dy_rows``: grouped row g reads row ``rows[g]`` of the operand;
+``out_rows``: grouped row g is written to row ``out_rows[g]`` of the output), so rows received in
+rank-major order are computed expert-major without an ``index_select`` either way. The results are
+those of the launch on the regrouped rows, bit for bit (only addresses change).
 
 The kernels and their algorithm are in :mod:`lancet_rt.kernels._grouped_gemm_kernels`.
 
@@ -73,6 +80,7 @@ from ._expert_checks import (
     _check_ndim,
     _check_offsets,
     _check_out,
+    _check_rows,
     _check_same_dtype,
 )
 from ._gemm_space import _TILE_NAMES, CONFIG_ENV, _gemm_configs, _make_config, _pinned_config, _prune_configs, _tile_of
@@ -121,7 +129,9 @@ _DW = triton.heuristics({"TILE_I64": _tile_i64("BLOCK_M", "stride_dym", "stride_
 def _autotuned(op: str):
     kernel = {"fwd": _FWD, "dx": _FWD, "gate_up": _GATE_UP, "dw": _DW}[op]
     # The gate_up key holds the weight layout: interleaved loads one [BK, 2 BN] tile, not two [BK, BN].
-    keys = {"gate_up": ["F", "D", "E", "M_BUCKET", "INTERLEAVED"]}.get(op, ["N", "K", "E", "M_BUCKET"])
+    # dx's key holds whether the activation's gradient is fused into its epilogue (the down projection's).
+    keys = {"gate_up": ["F", "D", "E", "M_BUCKET", "INTERLEAVED"], "dx": ["N", "K", "E", "M_BUCKET", "GLU_GRAD"]}
+    keys = keys.get(op, ["N", "K", "E", "M_BUCKET"])
     # Keep tuned choices on disk across processes where this Triton supports it (3.2+).
     extra = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
     # One autotuner per op (fwd and dx share a kernel but not a cache: their strides differ).
@@ -185,10 +195,14 @@ def _grouped_mm(
     allow_tf32: bool,
     bias_EN: Optional[torch.Tensor] = None,
     transposed: bool = False,
+    x_rows: Optional[torch.Tensor] = None,
+    out_rows: Optional[torch.Tensor] = None,
+    glu: Optional[tuple] = None,
 ) -> torch.Tensor:
     """y[r] = x[r] @ w[e].T (+ bias[e]) over segments; w is any [E, N, K] view, or with ``transposed``
     an [E, K, N] tensor read as its [E, N, K] transpose through swapped strides (dx: w[e].T, no
-    transpose op dispatched)."""
+    transpose op dispatched); x's and y's rows through their row maps where given. ``glu``: (gu_R2N,
+    activation, interleaved, alpha, limit): y [R, 2N] is then swiglu_bwd(gu, the product)."""
     R, K = x_RK.shape
     if transposed:
         E, _, N = w_ENK.shape
@@ -196,11 +210,12 @@ def _grouped_mm(
     else:
         E, N, _ = w_ENK.shape
         w_strides = w_ENK.stride()
-    y = _check_out(out, (R, N), x_RK.dtype, x_RK.device)
+    y = _check_out(out, (R, N if glu is None else 2 * N), x_RK.dtype, x_RK.device)
     if R == 0 or N == 0:
         return y
-    if K == 0 and bias_EN is None:
+    if K == 0 and bias_EN is None:  # (with glu too: both activations' gradients of dh = 0 are 0)
         return y.zero_()
+    gu, activation, interleaved, alpha, limit = (y, "swiglu", False, 0.0, 1.0) if glu is None else glu
     grid = lambda META: ((triton.cdiv(R, META["BLOCK_M"]) + E - 1) * triton.cdiv(N, META["BLOCK_N"]),)
     b, b_strides = (w_ENK, (0, 0)) if bias_EN is None else (bias_EN, bias_EN.stride())  # unread without bias
     args = (
@@ -209,17 +224,24 @@ def _grouped_mm(
         b,
         y,
         offsets_E1,
+        offsets_E1 if x_rows is None else x_rows,  # (unread without a row map)
+        offsets_E1 if out_rows is None else out_rows,
+        gu,  # (unread without glu)
         R,
         N,
         K,
         E,
         _m_bucket(R, E),
+        float(alpha),
+        float(limit),
         x_RK.stride(0),
         x_RK.stride(1),
         *w_strides,
         *b_strides,
         y.stride(0),
         y.stride(1),
+        gu.stride(0),
+        gu.stride(1),
     )
     _launch_gemm(
         op,
@@ -228,6 +250,11 @@ def _grouped_mm(
         x_RK.device,
         BLOCK_E=max(16, triton.next_power_of_2(E)),
         HAS_BIAS=bias_EN is not None,
+        GATHER_X=x_rows is not None,
+        SCATTER_Y=out_rows is not None,
+        GLU_GRAD=glu is not None,
+        INTERLEAVED=bool(interleaved),
+        ACTIVATION=activation,
         **_dot_meta(x_RK.dtype, allow_tf32),
     )
     return y
@@ -240,6 +267,8 @@ def grouped_mm(
     offsets_E1: torch.Tensor,
     bias_EN: Optional[torch.Tensor] = None,
     *,
+    x_rows: Optional[torch.Tensor] = None,
+    out_rows: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     allow_tf32: bool = False,
 ) -> torch.Tensor:
@@ -253,6 +282,9 @@ def grouped_mm(
             offsets[E] = R, non-decreasing (not checked: that would synchronise).
         bias_EN: optional [E, N] per-expert bias in x's dtype, added to the fp32 accumulator
             before the one rounding to x's dtype.
+        x_rows: optional int32/int64 [R] row map (a permutation of [0, R), not checked): grouped
+            row r is ``x_RK[x_rows[r]]`` (x in another row order, e.g. rank-major).
+        out_rows: optional int32/int64 [R] row map: grouped row r is written to ``y[out_rows[r]]``.
         out: optional [R, N] output buffer in x's dtype.
         allow_tf32: fp32 inputs only: use TF32 tensor cores (about 1e-3 relative error).
 
@@ -272,7 +304,9 @@ def grouped_mm(
         )
     _check_offsets(offsets_E1, w_ENK.shape[0], x_RK.shape[0], x_RK.device)
     _check_bias("bias_EN", bias_EN, w_ENK.shape[:2], x_RK.dtype, x_RK.device, "x_RK")
-    return _grouped_mm("fwd", x_RK, w_ENK, offsets_E1, out, allow_tf32, bias_EN)
+    _check_rows("x_rows", x_rows, x_RK.shape[0], x_RK.device)
+    _check_rows("out_rows", out_rows, x_RK.shape[0], x_RK.device)
+    return _grouped_mm("fwd", x_RK, w_ENK, offsets_E1, out, allow_tf32, bias_EN, x_rows=x_rows, out_rows=out_rows)
 
 
 @on_tensor_device
@@ -281,20 +315,36 @@ def grouped_mm_dx(
     w_ENK: torch.Tensor,
     offsets_E1: torch.Tensor,
     *,
+    dy_rows: Optional[torch.Tensor] = None,
+    out_rows: Optional[torch.Tensor] = None,
+    gu_R2F: Optional[torch.Tensor] = None,
+    activation: str = "swiglu",
+    interleaved: bool = False,
+    alpha: float = 1.702,
+    limit: float = 7.0,
     out: Optional[torch.Tensor] = None,
     allow_tf32: bool = False,
 ) -> torch.Tensor:
     """dx[r] = dy[r] @ w[e] for the rows of segment e: the input gradient of :func:`grouped_mm`.
 
+    With ``gu_R2F`` (the down projection's dX is dH, the activation's output gradient) the activation's
+    gradient is fused into the epilogue: the result is ``swiglu_bwd(gu_R2F, dx)`` [R, 2K] (dx rounded to
+    dy's dtype first, as stored), bit for bit the two launches', without dx's buffer.
+
     Args:
         dy_RN: [R, N] output gradient, rows grouped by expert.
         w_ENK: [E, N, K] forward weights, dy's dtype.
         offsets_E1: int32/int64 [E + 1] segment bounds (as in :func:`grouped_mm`).
-        out: optional [R, K] output buffer in dy's dtype.
+        dy_rows: optional int32/int64 [R] row map: grouped row r is ``dy_RN[dy_rows[r]]``.
+        out_rows: optional int32/int64 [R] row map: grouped row r is written to ``dx[out_rows[r]]``
+            (not with ``gu_R2F``: dgu is grouped, as gu).
+        gu_R2F: optional [R, 2K] grouped pre-activation in dy's dtype (gate_up_swiglu's gu).
+        activation, interleaved, alpha, limit: with ``gu_R2F``, as in :func:`swiglu.swiglu_bwd`.
+        out: optional [R, K] (with ``gu_R2F``: [R, 2K]) output buffer in dy's dtype.
         allow_tf32: fp32 inputs only: use TF32 tensor cores.
 
     Returns:
-        dx_RK [R, K] in dy's dtype.
+        dx_RK [R, K] in dy's dtype, or with ``gu_R2F`` dgu_R2K [R, 2K] in gu's column order.
     """
     _check_float("dy_RN", dy_RN)
     _check_float("w_ENK", w_ENK)
@@ -308,8 +358,28 @@ def grouped_mm_dx(
             f"w_ENK must be [E, N, K] with N = dy_RN.shape[1] = {dy_RN.shape[1]}, got shape {tuple(w_ENK.shape)}"
         )
     _check_offsets(offsets_E1, w_ENK.shape[0], dy_RN.shape[0], dy_RN.device)
+    _check_rows("dy_rows", dy_rows, dy_RN.shape[0], dy_RN.device)
+    _check_rows("out_rows", out_rows, dy_RN.shape[0], dy_RN.device)
+    glu = None
+    if gu_R2F is not None:
+        _check_glu_grad(gu_R2F, dy_RN, w_ENK.shape[2], out_rows, activation, alpha, limit)
+        glu = (gu_R2F, activation, bool(interleaved), alpha, limit)
     # dx = dy @ w[e] is the forward kernel on the [E, K, N] view w[e].T: only the strides change.
-    return _grouped_mm("dx", dy_RN, w_ENK, offsets_E1, out, allow_tf32, transposed=True)
+    return _grouped_mm(
+        "dx", dy_RN, w_ENK, offsets_E1, out, allow_tf32, transposed=True, x_rows=dy_rows, out_rows=out_rows, glu=glu
+    )
+
+
+def _check_glu_grad(gu_R2F, dy_RN: torch.Tensor, K: int, out_rows, activation, alpha, limit) -> None:
+    """grouped_mm_dx's fused activation gradient: gu [R, 2K] in dy's dtype and device, no out_rows."""
+    _check_float("gu_R2F", gu_R2F)
+    _check_same_dtype("gu_R2F", gu_R2F, dy_RN.dtype, "dy_RN")
+    _check_device("gu_R2F", gu_R2F, dy_RN.device)
+    if tuple(gu_R2F.shape) != (dy_RN.shape[0], 2 * K):
+        raise ValueError(f"gu_R2F must have shape [R, 2K] = [{dy_RN.shape[0]}, {2 * K}], got {tuple(gu_R2F.shape)}")
+    if out_rows is not None:
+        raise ValueError("out_rows cannot be given with gu_R2F (dgu is written in grouped order, as gu)")
+    _check_activation(activation, alpha, limit)
 
 
 @on_tensor_device
@@ -318,6 +388,8 @@ def grouped_mm_dw(
     x_RK: torch.Tensor,
     offsets_E1: torch.Tensor,
     *,
+    dy_rows: Optional[torch.Tensor] = None,
+    x_rows: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
     allow_tf32: bool = False,
 ) -> torch.Tensor:
@@ -327,6 +399,8 @@ def grouped_mm_dw(
         dy_RN: [R, N] output gradient, rows grouped by expert.
         x_RK: [R, K] forward input, dy's dtype.
         offsets_E1: int32/int64 [E + 1] segment bounds; E is taken from its length.
+        dy_rows: optional int32/int64 [R] row map: grouped row r is ``dy_RN[dy_rows[r]]``.
+        x_rows: optional int32/int64 [R] row map: grouped row r is ``x_RK[x_rows[r]]``.
         out: optional [E, N, K] output buffer in x's dtype (every element is written).
         allow_tf32: fp32 inputs only: use TF32 tensor cores.
 
@@ -348,6 +422,8 @@ def grouped_mm_dw(
     R, K = x_RK.shape
     N = dy_RN.shape[1]
     _check_offsets(offsets_E1, E, R, x_RK.device)
+    _check_rows("dy_rows", dy_rows, R, x_RK.device)
+    _check_rows("x_rows", x_rows, R, x_RK.device)
     dw = _check_out(out, (E, N, K), x_RK.dtype, x_RK.device)
     if E == 0 or N == 0 or K == 0:
         return dw
@@ -357,6 +433,8 @@ def grouped_mm_dw(
         x_RK,
         dw,
         offsets_E1,
+        offsets_E1 if dy_rows is None else dy_rows,  # (unread without a row map)
+        offsets_E1 if x_rows is None else x_rows,
         R,
         N,
         K,
@@ -370,8 +448,19 @@ def grouped_mm_dw(
         dw.stride(1),
         dw.stride(2),
     )
-    _launch_gemm("dw", grid, args, x_RK.device, **_dot_meta(x_RK.dtype, allow_tf32))
+    meta = dict(GATHER_DY=dy_rows is not None, GATHER_X=x_rows is not None, **_dot_meta(x_RK.dtype, allow_tf32))
+    _launch_gemm("dw", grid, args, x_RK.device, **meta)
     return dw
+
+
+def _gate_up_outs(out, R: int, F: int, dtype: torch.dtype, device: torch.device) -> tuple:
+    """(h [R, F], gu [R, 2F]): gate_up_swiglu's ``out`` pair checked, or new buffers."""
+    if out is None:
+        out = (None, None)
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError("out must be None or a pair (h_RF, gu_R2F)")
+    h = _check_out(out[0], (R, F), dtype, device, "out[0] (h_RF)")
+    return h, _check_out(out[1], (R, 2 * F), dtype, device, "out[1] (gu_R2F)")
 
 
 @on_tensor_device
@@ -381,6 +470,7 @@ def gate_up_swiglu(
     offsets_E1: torch.Tensor,
     bias_E2F: Optional[torch.Tensor] = None,
     *,
+    x_rows: Optional[torch.Tensor] = None,
     activation: str = "swiglu",
     interleaved: bool = False,
     alpha: float = 1.702,
@@ -397,6 +487,8 @@ def gate_up_swiglu(
             passes as its transpose view, no copy).
         offsets_E1: int32/int64 [E + 1] segment bounds (as in :func:`grouped_mm`).
         bias_E2F: optional [E, 2F] bias in w's row order, x's dtype, added before the rounding.
+        x_rows: optional int32/int64 [R] row map: grouped row r is ``x_RD[x_rows[r]]`` (h and gu
+            are in grouped order).
         activation: "swiglu": h = silu(gate) * up; "swiglu_oai" (GPT-OSS): with g = min(gate, limit)
             and u = clamp(up, -limit, limit), h = (u + 1) * g * sigmoid(alpha * g).
         interleaved: w's rows, the bias and gu alternate gate and up (GPT-OSS) instead of gate first.
@@ -425,13 +517,9 @@ def gate_up_swiglu(
         )
     _check_offsets(offsets_E1, E, R, x_RD.device)
     _check_bias("bias_E2F", bias_E2F, (E, F2), x_RD.dtype, x_RD.device, "x_RD")
+    _check_rows("x_rows", x_rows, R, x_RD.device)
     F = F2 // 2
-    if out is None:
-        out = (None, None)
-    if not isinstance(out, (tuple, list)) or len(out) != 2:
-        raise TypeError("out must be None or a pair (h_RF, gu_R2F)")
-    h = _check_out(out[0], (R, F), x_RD.dtype, x_RD.device, "out[0] (h_RF)")
-    gu = _check_out(out[1], (R, F2), x_RD.dtype, x_RD.device, "out[1] (gu_R2F)")
+    h, gu = _gate_up_outs(out, R, F, x_RD.dtype, x_RD.device)
     if R == 0 or F == 0:
         return h, gu
     if D == 0 and bias_E2F is None:  # gu = 0, and both activations map (0, 0) to 0
@@ -445,6 +533,7 @@ def gate_up_swiglu(
         h,
         gu,
         offsets_E1,
+        offsets_E1 if x_rows is None else x_rows,  # (unread without a row map)
         R,
         F,
         D,
@@ -472,6 +561,7 @@ def gate_up_swiglu(
         HAS_BIAS=bias_E2F is not None,
         INTERLEAVED=bool(interleaved),
         ACTIVATION=activation,
+        GATHER_X=x_rows is not None,
         **_dot_meta(x_RD.dtype, allow_tf32),
     )
     return h, gu

@@ -1,8 +1,9 @@
 """Elementwise expert activations and their gradients over [R, 2F] pre-activations.
 
 The expert forward fuses the activation into the gate_up GEMM's epilogue
-(``lancet_rt.kernels.grouped_gemm.gate_up_swiglu``); these standalone kernels serve the backward
-(``swiglu_bwd``, from the saved gu) and any caller holding gu. Two activations
+(``lancet_rt.kernels.grouped_gemm.gate_up_swiglu``), and the experts' backward its gradient into the
+dH GEMM's (``grouped_mm_dx(..., gu_R2F=)``, the same arithmetic: ``_glu_grad``); these standalone
+kernels serve any caller holding gu and dH. Two activations
 (``lancet_rt.kernels._grouped_gemm_kernels._glu``): "swiglu", silu(gate) * up, and "swiglu_oai",
 GPT-OSS's clamped variant; and two column orders: gate columns first, or
 ``interleaved`` (gate 2j, up 2j + 1, GPT-OSS's), which a program reads and writes as one contiguous
@@ -29,7 +30,7 @@ from ._expert_checks import (
     _check_out,
     _check_same_dtype,
 )
-from ._grouped_gemm_kernels import _glu
+from ._grouped_gemm_kernels import _glu, _glu_grad
 
 
 @triton.jit
@@ -133,18 +134,7 @@ def _swiglu_bwd_kernel(
     dh = tl.load(dh_ptr + offs_r[:, None] * stride_dhm + offs_f64[None, :] * stride_dhf, mask=mask, other=0.0).to(
         tl.float32
     )
-    if ACTIVATION == "swiglu_oai":
-        gc = tl.minimum(g, limit, propagate_nan=tl.PropagateNan.ALL)
-        uc = tl.maximum(
-            tl.minimum(u, limit, propagate_nan=tl.PropagateNan.ALL), -limit, propagate_nan=tl.PropagateNan.ALL
-        )
-        s = 1.0 / (1.0 + tl.exp(-alpha * gc))
-        dg = tl.where(g <= limit, dh * (uc + 1.0) * s * (1.0 + alpha * gc * (1.0 - s)), 0.0)
-        du = tl.where((u >= -limit) & (u <= limit), dh * gc * s, 0.0)
-    else:
-        s = 1.0 / (1.0 + tl.exp(-g))
-        dg = dh * u * s * (1.0 + g * (1.0 - s))
-        du = dh * g * s
+    dg, du = _glu_grad(g, u, dh, alpha, limit, ACTIVATION)
     out_ty = dgu_ptr.dtype.element_ty
     dgu_rows = dgu_ptr + offs_r[:, None] * stride_dgm
     if INTERLEAVED:

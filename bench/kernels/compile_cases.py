@@ -34,11 +34,20 @@ _GEMM_OPS = ("fwd", "dx", "gate_up", "dw")
 # activation (for the fwd op: the down projection, bias and transposed weight); the other labels
 # cover the remaining combinations in bf16.
 _GPT_OSS = dict(HAS_BIAS=True, INTERLEAVED=True, ACTIVATION="swiglu_oai")
+# "rows": the row maps the experts use on received rows (gate_up reads x through one, the down
+# projection writes y through one, dH reads dY and dX writes through one, dW reads x and dY through
+# them); "dgu": dH's GEMM with the activation's gradient in its epilogue (GLU_GRAD).
+_DGU = dict(GLU_GRAD=True, GATHER_X=True)
 _GEMM_VARIANTS = {
-    "fwd": (("", {}), ("gpt_oss", dict(HAS_BIAS=True))),
-    "dx": (("", {}),),
-    "dw": (("", {}),),
-    "gate_up": (("", {}), ("gpt_oss", _GPT_OSS)),
+    "fwd": (("", {}), ("gpt_oss", dict(HAS_BIAS=True)), ("rows", dict(SCATTER_Y=True))),
+    "dx": (
+        ("", {}),
+        ("rows", dict(SCATTER_Y=True)),
+        ("dgu rows", _DGU),
+        ("gpt_oss dgu rows", dict(_DGU, INTERLEAVED=True, ACTIVATION="swiglu_oai")),
+    ),
+    "dw": (("", {}), ("rows", dict(GATHER_X=True, GATHER_DY=True))),
+    "gate_up": (("", {}), ("gpt_oss", _GPT_OSS), ("rows", dict(GATHER_X=True))),
 }
 _GEMM_EXTRA = {
     "gate_up": (
@@ -58,8 +67,19 @@ _SWIGLU_VARIANTS = (
 # the dtypes whose registers are tightest (fp32 on the FMA units and with TF32, bf16 the common case).
 # ``--all-configs`` compiles every case.
 _DEFAULT_VARIANTS = {
-    **{f"grouped_gemm.{op}": {"bf16", "fp16", "fp32", "fp32 tf32"} for op in _GEMM_OPS},
-    "grouped_gemm.fwd": {"bf16", "fp16", "fp32", "fp32 tf32", "bf16 gpt_oss"},
+    **{f"grouped_gemm.{op}": {"bf16", "fp16", "fp32", "fp32 tf32", "bf16 rows"} for op in _GEMM_OPS},
+    "grouped_gemm.fwd": {"bf16", "fp16", "fp32", "fp32 tf32", "bf16 gpt_oss", "bf16 rows"},
+    "grouped_gemm.dx": {
+        "bf16",
+        "fp16",
+        "fp32",
+        "fp32 tf32",
+        "bf16 rows",
+        "bf16 dgu rows",
+        "fp32 dgu rows",
+        "bf16 gpt_oss dgu rows",
+        "fp32 gpt_oss dgu rows",
+    },
     "grouped_gemm.gate_up": {
         "bf16",
         "fp16",
@@ -69,6 +89,7 @@ _DEFAULT_VARIANTS = {
         "fp32 gpt_oss",
         "fp32 tf32 gpt_oss",
         "bf16 bias swiglu_oai",
+        "bf16 rows",
     },
     "swiglu.fwd": {"F=2048 bf16", "F=2048 bf16 gpt_oss"},
     "swiglu.bwd": {"F=2048 bf16", "F=2048 bf16 gpt_oss"},
@@ -356,11 +377,14 @@ def _gemm(op: str):
         block_e = max(16, _next_pow2(E))
         if op == "fwd":  # down projection: y[R, D] = h[R, F] @ w[e].T, w [E, D, F] (GPT-OSS: [E, F, D] transposed)
             w_strides = (F * D, 1, D) if flags.get("HAS_BIAS") else (D * F, F, 1)
-            args = (x, w, b, y, off, R, D, F, E, 4096, F, 1, *w_strides, D, 1, D, 1)
+            args = (x, w, b, y, off, off, off, y, R, D, F, E, 4096, 1.702, 7.0, F, 1, *w_strides, D, 1, D, 1, D, 1)
             return gg._grouped_gemm_fwd_kernel, args, dict(BLOCK_E=block_e, **precision, **flags), F
         if op == "dx":  # dh[R, F] = dy[R, D] @ w[e] through the view w[e].T: [E, F, D], strides (D*F, 1, F)
-            args = (x, w, b, y, off, R, F, D, E, 4096, D, 1, D * F, 1, F, 0, 0, F, 1)
-            return gg._grouped_gemm_fwd_kernel, args, dict(BLOCK_E=block_e, **precision), D
+            # (GLU_GRAD: y is dgu [R, 2F] = swiglu_bwd(gu [R, 2F], dh))
+            y_stride = 2 * F if flags.get("GLU_GRAD") else F
+            gu_args = (_buf(dtype), R, F, D, E, 4096, 1.702, 7.0, D, 1, D * F, 1, F, 0, 0, y_stride, 1, 2 * F, 1)
+            args = (x, w, b, y, off, off, off) + gu_args
+            return gg._grouped_gemm_fwd_kernel, args, dict(BLOCK_E=block_e, **precision, **flags), D
         if op == "gate_up":  # h, gu = act(x[R, D] @ w[e].T + b[e]), w [E, 2F, D] (GPT-OSS: [E, D, 2F] transposed)
             w_strides = (2 * F * D, 1, 2 * F) if flags.get("INTERLEAVED") else (2 * F * D, D, 1)
             args = (
@@ -369,6 +393,7 @@ def _gemm(op: str):
                 b,
                 y,
                 _buf(dtype),
+                off,
                 off,
                 R,
                 F,
@@ -389,8 +414,8 @@ def _gemm(op: str):
             )
             return gg._gate_up_swiglu_fwd_kernel, args, dict(BLOCK_E=block_e, **precision, **flags), D
         # dw[e] = dy_seg.T @ x_seg for the down projection: dy [R, D], x [R, F], dw [E, D, F]
-        args = (x, w, y, off, R, D, F, E, 4096, D, 1, F, 1, D * F, F, 1)
-        return gg._grouped_gemm_dw_kernel, args, dict(**precision), None
+        args = (x, w, y, off, off, off, R, D, F, E, 4096, D, 1, F, 1, D * F, F, 1)
+        return gg._grouped_gemm_dw_kernel, args, dict(**precision, **flags), None
 
     def kernel(case):
         fn, args, const, k_dim = build(case)

@@ -17,6 +17,14 @@ parameter's own layout (``grouped_mm_dw(x, dgu)`` is ``[E, D, 2F]``). One launch
 all local experts' variable-size row segments; the weight and bias gradients (grouped dW GEMMs and
 per-expert segment sums) are separate launches the overlap runtime may defer into the backward
 all-to-alls.
+
+Rows arrive in the dispatch's received (rank-major) order and leave in it; the GEMMs walk them
+expert-major. The CPU backend regroups them with ``index_select`` both ways; the Triton kernels read and
+write through the permutation instead (their row maps: ``x_rows``, ``dy_rows``, ``out_rows``), so the
+regrouping costs no copy and no op, with the same results bit for bit: the forward saves the received
+rows, and backward's GEMMs (the deferred dW ones too) read them and the received dY through the map.
+There too the activation's gradient is computed in the dH GEMM's epilogue (``grouped_mm_dx(...,
+gu_R2F=)``), bit for bit the SwiGLU backward kernel's, so dH is never stored.
 """
 
 from __future__ import annotations
@@ -56,24 +64,46 @@ def kernel_views(w_gate_up: torch.Tensor, w_down: torch.Tensor, gpt_oss: bool) -
     return (w_gate_up.transpose(1, 2) if gpt_oss else w_gate_up), (w_down.transpose(1, 2) if gpt_oss else w_down)
 
 
-def expert_rows(ops, spec: _Spec, x_RD, w_E2FD, w_EDF, segments, b_gate_up, b_down, **halves) -> tuple:
+def triton_gemms(ops) -> bool:
+    """Whether ``ops``' grouped GEMMs are the Triton kernels (not the CPU backend, not a family fallen
+    back to its references): they take row maps and fuse the activation's gradient into dH's GEMM."""
+    return getattr(ops, "name", None) == "triton" and not getattr(ops, "host_offsets", True)
+
+
+def row_maps(ops, to_expert) -> bool:
+    """Whether rows in received order (``to_expert``) reach the GEMMs through their row maps, with no
+    regrouping op (:func:`triton_gemms`)."""
+    return to_expert is not None and triton_gemms(ops)
+
+
+def expert_rows(ops, spec: _Spec, x_RD, w_E2FD, w_EDF, segments, b_gate_up, b_down, rows=None, **halves) -> tuple:
     """(y_RD, h_RF, gu_R2F): the experts' forward over rows grouped by expert (``segments``): the fused
-    gate_up GEMM and SwiGLU, then the down GEMM; ``h_RF`` and ``gu_R2F`` are what backward needs."""
-    h_RF, gu_R2F = ops.gate_up_swiglu(x_RD, w_E2FD, segments, b_gate_up, **spec.act(), **halves)
-    return ops.grouped_mm(h_RF, w_EDF, segments, b_down), h_RF, gu_R2F
+    gate_up GEMM and SwiGLU, then the down GEMM; ``h_RF`` and ``gu_R2F`` are what backward needs.
+    With ``rows`` (the kernels' row map, :func:`row_maps`) x and y are in received order, grouped
+    row g being received row ``rows[g]``; h and gu are grouped."""
+    if rows is None:
+        h_RF, gu_R2F = ops.gate_up_swiglu(x_RD, w_E2FD, segments, b_gate_up, **spec.act(), **halves)
+        return ops.grouped_mm(h_RF, w_EDF, segments, b_down), h_RF, gu_R2F
+    h_RF, gu_R2F = ops.gate_up_swiglu(x_RD, w_E2FD, segments, b_gate_up, x_rows=rows, **spec.act())
+    return ops.grouped_mm(h_RF, w_EDF, segments, b_down, out_rows=rows), h_RF, gu_R2F
 
 
-def weight_gradients(ops, gpt_oss: bool, x_RD, h_RF, dgu_R2F, dy_RD, offsets_E1, needs) -> tuple:
+def weight_gradients(ops, gpt_oss: bool, x_RD, h_RF, dgu_R2F, dy_RD, offsets_E1, needs, rows=None) -> tuple:
     """Gradients of (gate_up, down, gate_up_bias, down_bias), each None where ``needs`` says no. In the
     GPT-OSS layout the dW GEMMs take their operands swapped, so they write the parameters' own
-    [E, D, 2F] and [E, F, D] layouts."""
+    [E, D, 2F] and [E, F, D] layouts. With ``rows`` (a row map, :func:`expert_rows`) ``x_RD`` and
+    ``dy_RD`` are in received order and the dW GEMMs read them through it."""
+    xr = {} if rows is None else dict(x_rows=rows)
+    dyr = {} if rows is None else dict(dy_rows=rows)
     if gpt_oss:
-        dgate_up = ops.grouped_mm_dw(x_RD, dgu_R2F, offsets_E1) if needs[0] else None
-        ddown = ops.grouped_mm_dw(h_RF, dy_RD, offsets_E1) if needs[1] else None
+        dgate_up = ops.grouped_mm_dw(x_RD, dgu_R2F, offsets_E1, **dyr) if needs[0] else None
+        ddown = ops.grouped_mm_dw(h_RF, dy_RD, offsets_E1, **xr) if needs[1] else None
     else:
-        dgate_up = ops.grouped_mm_dw(dgu_R2F, x_RD, offsets_E1) if needs[0] else None
-        ddown = ops.grouped_mm_dw(dy_RD, h_RF, offsets_E1) if needs[1] else None
+        dgate_up = ops.grouped_mm_dw(dgu_R2F, x_RD, offsets_E1, **xr) if needs[0] else None
+        ddown = ops.grouped_mm_dw(dy_RD, h_RF, offsets_E1, **dyr) if needs[1] else None
     dgate_up_bias = ops.segment_sum(dgu_R2F, offsets_E1) if needs[2] else None
+    if needs[3] and rows is not None:  # (the segment sums take grouped rows)
+        dy_RD = dy_RD.index_select(0, rows)
     ddown_bias = ops.segment_sum(dy_RD, offsets_E1) if needs[3] else None
     return dgate_up, ddown, dgate_up_bias, ddown_bias
 
@@ -104,15 +134,18 @@ class _ExpertsFn(torch.autograd.Function):
         # ``weights``: the same four in the rows' dtype, detached, for the GEMMs (under autocast one
         # copy per chunked forward, shared by the chunks: lancet_rt.runtime.casts).
         w_gate_up, w_down, b_gate_up, b_down = weights
-        x_RD = x_in if to_expert is None else x_in.index_select(0, to_expert)
+        # With the kernels' row maps x_RD stays in received order (saved so: backward reads it through
+        # the map); else it is regrouped here.
+        rows = to_expert if row_maps(ops, to_expert) else None
+        x_RD = x_in if to_expert is None or rows is not None else x_in.index_select(0, to_expert)
         # The CPU backend loops over host bounds: given those, it reads nothing.
         ctx.bounds = bounds if bounds is not None and getattr(ops, "host_offsets", False) else None
         segments = offsets_E1 if ctx.bounds is None else ctx.bounds
         w_E2FD, w_EDF = kernel_views(w_gate_up, w_down, spec.gpt_oss)
         # (the CPU backend: gate and up as contiguous halves, for the activation's passes; GateUp)
         halves = dict(halves=True) if getattr(ops, "gate_up_halves", False) else {}
-        y_RD, h_RF, gu_R2F = expert_rows(ops, spec, x_RD, w_E2FD, w_EDF, segments, b_gate_up, b_down, **halves)
-        ctx.perms, ctx.link, ctx.spec = (to_expert, to_rank), link, spec
+        y_RD, h_RF, gu_R2F = expert_rows(ops, spec, x_RD, w_E2FD, w_EDF, segments, b_gate_up, b_down, rows, **halves)
+        ctx.perms, ctx.rows, ctx.link, ctx.spec = (to_expert, to_rank), rows, link, spec
         ctx.save_for_backward(
             x_RD, h_RF, w_gate_up, w_down, offsets_E1, *(gu_R2F if isinstance(gu_R2F, GateUp) else (gu_R2F,))
         )
@@ -125,7 +158,7 @@ class _ExpertsFn(torch.autograd.Function):
         ctx.params, ctx.probe = params, probe
         ctx.wgrad = wgrad.current() if params is not None else None
         ctx.chunk = _scope.current().chunk if _scope.current() is not None else None
-        return y_RD if to_rank is None else y_RD.index_select(0, to_rank)
+        return y_RD if to_rank is None or rows is not None else y_RD.index_select(0, to_rank)
 
     @staticmethod
     def backward(ctx, dy_out):
@@ -153,7 +186,8 @@ class _ExpertsFn(torch.autograd.Function):
 
 class _Saved(NamedTuple):
     """What the experts' backward reads: the forward's saved tensors, the kernels' weight views
-    ([E, 2F, D] and [E, D, F]) and the segment bounds (host ints where the forward had them)."""
+    ([E, 2F, D] and [E, D, F]), the segment bounds (host ints where the forward had them) and the row
+    map (``rows``: x_RD is then in received order, read through it; else None)."""
 
     x_RD: torch.Tensor
     h_RF: torch.Tensor
@@ -161,13 +195,14 @@ class _Saved(NamedTuple):
     w_E2FD: torch.Tensor
     w_EDF: torch.Tensor
     offsets_E1: object
+    rows: Optional[torch.Tensor]
 
     @staticmethod
     def load(ctx) -> "_Saved":
         x_RD, h_RF, gate_up, down, offsets_E1, *pre = ctx.saved_tensors
         gu_R2F = GateUp(*pre) if len(pre) == 2 else pre[0]
         bounds = offsets_E1 if ctx.bounds is None else ctx.bounds
-        return _Saved(x_RD, h_RF, gu_R2F, *kernel_views(gate_up, down, ctx.spec.gpt_oss), bounds)
+        return _Saved(x_RD, h_RF, gu_R2F, *kernel_views(gate_up, down, ctx.spec.gpt_oss), bounds, ctx.rows)
 
 
 class _Deferral(NamedTuple):
@@ -203,33 +238,41 @@ class _Deferral(NamedTuple):
 
 
 def _input_grads(ctx, saved: _Saved, dy_out, memory: Workspace, deferring: bool) -> tuple:
-    """The input-gradient chain dY -> dH -> dgu -> dX: (dy_RD, dgu_R2F) in expert order, kept for the
-    weight gradients, and dX in received order (None without an input gradient), whose dispatch
-    backward all-to-all is issued here. ``memory``: where the temporaries go (the CPU backend's
-    scratch: never a tensor a deferred dW holds or one that leaves the call)."""
-    ops, act, (to_expert, to_rank) = ctx.ops, ctx.spec.act(), ctx.perms
+    """The input-gradient chain dY -> dH -> dgu -> dX: (dy_RD, dgu_R2F), kept for the weight gradients
+    (dy_RD in expert order, or with a row map the received dY, read through it), and dX in received
+    order (None without an input gradient), whose dispatch backward all-to-all is issued here.
+    ``memory``: where the temporaries go (the CPU backend's scratch: never a tensor a deferred dW holds
+    or one that leaves the call)."""
+    ops, act, (to_expert, to_rank), rows = ctx.ops, ctx.spec.act(), ctx.perms, saved.rows
     R, F2 = saved.gu_R2F.shape
-    if to_expert is None:
-        dy_RD = dy_out.contiguous()
+    if rows is not None:
+        dy_RD, dh_scratch = dy_out, dict(dy_rows=rows)  # (the kernels read dY through the row map)
+    elif to_expert is None:
+        dy_RD, dh_scratch = dy_out.contiguous(), {}
     else:
         dy_scratch = {} if deferring else memory.out("dy", (R, dy_out.shape[1]))
-        dy_RD = torch.index_select(dy_out, 0, to_expert, **dy_scratch)
-    dh_scratch = {**memory.out("dh", (R, F2 // 2)), **memory.along("along_dh", saved.w_EDF)}
-    dh_RF = ops.grouped_mm_dx(dy_RD, saved.w_EDF, saved.offsets_E1, **dh_scratch)
-    # Without dX, and without a gate/up bias, the CPU backend's dgu may be contiguous halves too
-    # (GateUp): its passes and the dW GEMMs then stream (the fused dX GEMM reads one [R, 2F]).
-    halves = isinstance(saved.gu_R2F, GateUp) and not ctx.needs_input_grad[0] and not ctx.has_bias[0]
-    dgu_R2F = ops.swiglu_bwd(saved.gu_R2F, dh_RF, **act, **memory.swiglu_bwd(saved.gu_R2F, halves, deferring))
-    del dh_RF
+        dy_RD, dh_scratch = torch.index_select(dy_out, 0, to_expert, **dy_scratch), {}
+    if triton_gemms(ops):  # dH -> dgu in the dH GEMM's epilogue: one launch, no dH buffer
+        dgu_R2F = ops.grouped_mm_dx(dy_RD, saved.w_EDF, saved.offsets_E1, gu_R2F=saved.gu_R2F, **act, **dh_scratch)
+    else:
+        dh_scratch.update({**memory.out("dh", (R, F2 // 2)), **memory.along("along_dh", saved.w_EDF)})
+        dh_RF = ops.grouped_mm_dx(dy_RD, saved.w_EDF, saved.offsets_E1, **dh_scratch)
+        # Without dX, and without a gate/up bias, the CPU backend's dgu may be contiguous halves too
+        # (GateUp): its passes and the dW GEMMs then stream (the fused dX GEMM reads one [R, 2F]).
+        halves = isinstance(saved.gu_R2F, GateUp) and not ctx.needs_input_grad[0] and not ctx.has_bias[0]
+        dgu_R2F = ops.swiglu_bwd(saved.gu_R2F, dh_RF, **act, **memory.swiglu_bwd(saved.gu_R2F, halves, deferring))
+        del dh_RF
     if not ctx.needs_input_grad[0]:
         # (the rows came from tokens that need no gradient, e.g. a first layer's input: no dX GEMM
         # and no dual all-to-all, whose forward then recorded no backward to wait for it)
         return dy_RD, dgu_R2F, None
     dx_scratch = {**memory.along("along_dx", saved.w_E2FD)}
-    if to_rank is not None:
+    if rows is not None:
+        dx_scratch.update(out_rows=rows)  # (dX written in received order)
+    elif to_rank is not None:
         dx_scratch.update(memory.out("dx", (R, saved.x_RD.shape[1])))
     dx_RD = ops.grouped_mm_dx(dgu_R2F, saved.w_E2FD, saved.offsets_E1, **dx_scratch)
-    dx_in = dx_RD if to_rank is None else dx_RD.index_select(0, to_rank)
+    dx_in = dx_RD if to_rank is None or rows is not None else dx_RD.index_select(0, to_rank)
     if ctx.link is not None:
         ctx.link.issue(dx_in)  # the dispatch's backward all-to-all starts now
     return dy_RD, dgu_R2F, dx_in
@@ -238,7 +281,7 @@ def _input_grads(ctx, saved: _Saved, dy_out, memory: Workspace, deferring: bool)
 def _param_grads(ctx, saved: _Saved, dy_RD, dgu_R2F, needs) -> tuple:
     """Gradients of (gate_up, down, gate_up_bias, down_bias), each None where not needed."""
     x_RD, h_RF, offsets_E1 = saved.x_RD, saved.h_RF, saved.offsets_E1
-    return weight_gradients(ctx.ops, ctx.spec.gpt_oss, x_RD, h_RF, dgu_R2F, dy_RD, offsets_E1, needs)
+    return weight_gradients(ctx.ops, ctx.spec.gpt_oss, x_RD, h_RF, dgu_R2F, dy_RD, offsets_E1, needs, saved.rows)
 
 
 class Experts(nn.Module):

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from lancet_rt import ops as _ops
 from lancet_rt.moe.dispatch.base import Chunk, Dispatcher, Exchanged
 from lancet_rt.moe.dispatch.common import Route
-from lancet_rt.moe.experts import _Spec, expert_rows, kernel_views, weight_gradients
+from lancet_rt.moe.experts import _Spec, expert_rows, kernel_views, triton_gemms, weight_gradients
 from lancet_rt.routing.functions import BatchRouting, gate
 from lancet_rt.runtime import scope as _scope
 from lancet_rt.runtime import wgrad
@@ -306,8 +306,11 @@ def _moe_experts_bwd(
     ops, S, seg, w_E2FD, w_EDF = _expert_args(x_RD, offsets_E1, w_gate_up, w_down, padded, gpt_oss)
     R = x_RD.shape[0]
     dy_RD, x_RD, gu_R2F, h_RF = dy_RD[:S].contiguous(), x_RD[:S], gu_R2F[:S], h_RF[:S]
-    dh_RF = ops.grouped_mm_dx(dy_RD, w_EDF, seg)
-    dgu_R2F = ops.swiglu_bwd(gu_R2F, dh_RF, **_Spec(activation, alpha, limit, gpt_oss).act())
+    act = _Spec(activation, alpha, limit, gpt_oss).act()
+    if triton_gemms(ops):  # the activation's gradient in the dH GEMM's epilogue (as _ExpertsFn)
+        dgu_R2F = ops.grouped_mm_dx(dy_RD, w_EDF, seg, gu_R2F=gu_R2F, **act)
+    else:
+        dgu_R2F = ops.swiglu_bwd(gu_R2F, ops.grouped_mm_dx(dy_RD, w_EDF, seg), **act)
     dx_RD = _pad(ops.grouped_mm_dx(dgu_R2F, w_E2FD, seg), R)
     grads = weight_gradients(ops, gpt_oss, x_RD, h_RF, dgu_R2F, dy_RD, seg, needs)
     return (dx_RD,) + tuple(dy_RD.new_empty(0) if g is None else g for g in grads)

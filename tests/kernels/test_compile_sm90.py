@@ -40,7 +40,16 @@ def _jit_kernels():
 
 
 # The expert variants' constexprs and the values each must be compiled with (kernels declaring them).
-_VARIANT_VALUES = {"HAS_BIAS": {False, True}, "INTERLEAVED": {False, True}, "ACTIVATION": set(ACTIVATIONS)}
+_VARIANT_VALUES = {
+    "HAS_BIAS": {False, True},
+    "INTERLEAVED": {False, True},
+    "ACTIVATION": set(ACTIVATIONS),
+    # the grouped GEMMs' row maps and dH's fused activation gradient
+    "GATHER_X": {False, True},
+    "SCATTER_Y": {False, True},
+    "GATHER_DY": {False, True},
+    "GLU_GRAD": {False, True},
+}
 
 
 def _variant_constexprs():
@@ -91,7 +100,8 @@ def test_every_kernel_is_checked(report):
 
 @pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
 def test_every_expert_variant_is_checked(report):
-    """Each value of the expert kernels' variant constexprs (bias, interleaved gate/up, activation) is
+    """Each value of the expert kernels' variant constexprs (bias, interleaved gate/up, activation, row
+    maps, the fused activation gradient) is
     compiled at least once: a branch the CPU lane interprets but that does not build for sm_90 fails here."""
     data, _ = report
     declared = _variant_constexprs()

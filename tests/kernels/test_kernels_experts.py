@@ -112,6 +112,124 @@ def test_grouped_mm_dw(case, dtype, gen):
 
 
 # ------------------------------------------------------------------------------------------------
+# Row maps: operands read, outputs written, through a permutation (rows in received order)
+# ------------------------------------------------------------------------------------------------
+def _row_map(gen, R, dtype):
+    """A random permutation of [0, R) (grouped row g <-> received row map[g]) in ``dtype``."""
+    return torch.randperm(R, generator=gen).to(device=DEVICE, dtype=dtype)
+
+
+def _scattered(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Grouped rows ``t`` put in received order: row rows[g] is t[g]."""
+    out = torch.empty_like(t)
+    out[rows.long()] = t
+    return out
+
+
+@pytest.mark.parametrize("map_dtype", [torch.int32, torch.int64], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", SEGMENTS, ids=SEG_IDS)
+def test_row_maps(case, dtype, map_dtype, gen):
+    """Every launcher's row maps: the reference on the regrouped rows, and bit for bit the launch on
+    rows regrouped beforehand (index_select) and regrouped after (outputs NaN-filled first)."""
+    _, counts, K, N = case
+    x, w, off = _problem(gen, counts, K, N, dtype)
+    R = x.shape[0]
+    rows = _row_map(gen, R, map_dtype)
+    x_in = _scattered(x, rows)  # received order: grouped row g is x_in[rows[g]]
+    dy = _randn(gen, R, N, dtype=dtype)
+    dy_in = _scattered(dy, rows)
+    bias = _randn(gen, len(counts), N, dtype=dtype)
+
+    y = gg.grouped_mm(x_in, w, off, bias, x_rows=rows, out=nan_like(dy))
+    assert_close("mapped y", y, grouped_mm_ref(x.double(), w.double(), off, bias.double()))
+    assert torch.equal(y, gg.grouped_mm(x, w, off, bias))
+    y_in = gg.grouped_mm(x, w, off, bias, out_rows=rows, out=nan_like(y))
+    assert torch.equal(y_in, _scattered(gg.grouped_mm(x, w, off, bias), rows))
+    both = gg.grouped_mm(x_in, w, off, x_rows=rows, out_rows=rows, out=nan_like(y))
+    assert torch.equal(both, _scattered(gg.grouped_mm(x, w, off), rows))
+
+    dx = gg.grouped_mm_dx(dy_in, w, off, dy_rows=rows, out=nan_like(x))
+    assert_close("mapped dx", dx, grouped_mm_dx_ref(dy.double(), w.double(), off))
+    assert torch.equal(dx, gg.grouped_mm_dx(dy, w, off))
+    dx_in = gg.grouped_mm_dx(dy, w, off, out_rows=rows, out=nan_like(x))
+    assert torch.equal(dx_in, _scattered(gg.grouped_mm_dx(dy, w, off), rows))
+
+    dw_plain = gg.grouped_mm_dw(dy, x, off)
+    assert_close("mapped dw", gg.grouped_mm_dw(dy_in, x_in, off, dy_rows=rows, x_rows=rows), dw_plain.double())
+    for kw, a, b in (({"dy_rows": rows}, dy_in, x), ({"x_rows": rows}, dy, x_in)):
+        dw = gg.grouped_mm_dw(a, b, off, **kw, out=nan_like(dw_plain))
+        assert torch.equal(dw, dw_plain), f"dw with {sorted(kw)}"
+    assert torch.equal(gg.grouped_mm_dw(dy_in, x_in, off, dy_rows=rows, x_rows=rows), dw_plain)
+    assert_close("mapped dw vs reference", dw_plain, grouped_mm_dw_ref(dy.double(), x.double(), off))
+
+    for interleaved in (False, True):
+        w2 = _randn(gen, len(counts), 2 * N, K, dtype=dtype, scale=K**-0.5)
+        b2 = _randn(gen, len(counts), 2 * N, dtype=dtype)
+        act = dict(activation="swiglu_oai" if interleaved else "swiglu", interleaved=interleaved)
+        out = (nan_like(y), nan_like(torch.cat([y, y], 1)))
+        h, gu = gg.gate_up_swiglu(x_in, w2, off, b2, x_rows=rows, out=out, **act)
+        h0, gu0 = gg.gate_up_swiglu(x, w2, off, b2, **act)
+        assert torch.equal(h, h0) and torch.equal(gu, gu0), f"gate_up interleaved={interleaved}"
+        assert_close("mapped gate_up gu", gu, grouped_mm_ref(x.double(), w2.double(), off, b2.double()))
+
+
+@pytest.mark.parametrize("act", ["swiglu", "swiglu_oai-interleaved", "swiglu_oai"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", SEGMENTS, ids=SEG_IDS)
+def test_dx_with_the_activation_gradient(case, dtype, act, gen):
+    """grouped_mm_dx(gu_R2F=): swiglu_bwd of the dx in the epilogue, bit for bit the two launches
+    (dx stored, then swiglu_bwd), also with dy read through a row map; against the references."""
+    _, counts, D, F = case
+    _, w, off = _problem(gen, counts, F, D, dtype)  # w_EDF [E, D, F]: dH = dy @ w[e]
+    R = sum(counts)
+    dy = _randn(gen, R, D, dtype=dtype)
+    gu = _randn(gen, R, 2 * F, dtype=dtype, scale=3.0)  # past limit = 2 in places: both clamps bite
+    kw = dict(activation=act.split("-")[0], interleaved=act.endswith("interleaved"), alpha=1.702, limit=2.0)
+    two = swiglu.swiglu_bwd(gu, gg.grouped_mm_dx(dy, w, off), **kw)
+    dgu = gg.grouped_mm_dx(dy, w, off, gu_R2F=gu, **kw, out=nan_like(gu))
+    assert dgu.shape == gu.shape and dgu.dtype == dtype
+    assert torch.equal(dgu, two)
+    rows = _row_map(gen, R, torch.int32)
+    assert torch.equal(gg.grouped_mm_dx(_scattered(dy, rows), w, off, dy_rows=rows, gu_R2F=gu, **kw), two)
+    dh_ref = grouped_mm_dx_ref(dy.double(), w.double(), off).to(dtype)  # rounded as the kernel's dH
+    assert_close("fused dgu", dgu, swiglu_bwd_ref(gu.double(), dh_ref.double(), **kw))
+
+
+def test_row_map_validation(gen):
+    x, w, off = _problem(gen, [2, 3], 16, 8, torch.float32)
+    rows = _row_map(gen, 5, torch.int64)
+    dy, w2 = _randn(gen, 5, 8), _randn(gen, 2, 16, 16)
+    with pytest.raises(TypeError, match="x_rows"):
+        gg.grouped_mm(x, w, off, x_rows=rows.float())
+    with pytest.raises(TypeError, match="x_rows"):
+        gg.grouped_mm(x, w, off, x_rows=[4, 3, 2, 1, 0])
+    with pytest.raises(ValueError, match="out_rows"):
+        gg.grouped_mm(x, w, off, out_rows=rows[:4])
+    with pytest.raises(ValueError, match="dy_rows"):
+        gg.grouped_mm_dx(dy, w, off, dy_rows=rows[None])
+    with pytest.raises(TypeError, match="out_rows"):
+        gg.grouped_mm_dx(dy, w, off, out_rows=rows.to(torch.int16))
+    with pytest.raises(ValueError, match="dy_rows"):
+        gg.grouped_mm_dw(dy, x, off, dy_rows=torch.cat([rows, rows]))
+    with pytest.raises(TypeError, match="x_rows"):
+        gg.grouped_mm_dw(dy, x, off, x_rows=rows.double())
+    with pytest.raises(ValueError, match="x_rows"):
+        gg.gate_up_swiglu(x, w2, off, x_rows=rows[:3])
+    gu = _randn(gen, 5, 32)  # dx of w [2, 8, 16] is [5, 16]: gu [5, 32]
+    with pytest.raises(ValueError, match="gu_R2F"):
+        gg.grouped_mm_dx(dy, w, off, gu_R2F=gu[:, :30])
+    with pytest.raises(TypeError, match="gu_R2F"):
+        gg.grouped_mm_dx(dy, w, off, gu_R2F=gu.double())
+    with pytest.raises(ValueError, match="out_rows"):
+        gg.grouped_mm_dx(dy, w, off, gu_R2F=gu, out_rows=rows)
+    with pytest.raises(ValueError, match="activation"):
+        gg.grouped_mm_dx(dy, w, off, gu_R2F=gu, activation="gelu")
+    with pytest.raises(ValueError, match="out"):
+        gg.grouped_mm_dx(dy, w, off, gu_R2F=gu, out=torch.empty(5, 16, device=DEVICE))
+
+
+# ------------------------------------------------------------------------------------------------
 # Fused gate/up + SwiGLU, and the elementwise SwiGLU kernels
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -512,6 +630,19 @@ def test_cuda_search_space(op, dtype):
                 assert rows <= max(64, m_bucket)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_cuda_search_space_of_dx_with_the_activation_gradient(dtype):
+    """dx with GLU_GRAD keeps only tiles whose accumulator leaves registers for the epilogue's gate,
+    up and gradient tiles (the sm_90 builds of larger ones spilled), and always some."""
+    x = torch.empty(1, 1, dtype=dtype)
+    for interleaved in (False, True):
+        args = dict(x_ptr=x, N=2048, K=4096, M_BUCKET=4096, GLU_GRAD=True, INTERLEAVED=interleaved)
+        kept = space._prune_configs("dx")(space._gemm_configs("dx"), args)
+        assert kept and all(space._acc_regs("dx", cfg) <= space._GLU_ACC_REGS for cfg in kept)
+    plain = space._prune_configs("dx")(space._gemm_configs("dx"), dict(x_ptr=x, N=2048, K=4096, M_BUCKET=4096))
+    assert max(space._acc_regs("dx", cfg) for cfg in plain) > space._GLU_ACC_REGS
+
+
 # ------------------------------------------------------------------------------------------------
 # GPU lane: real sizes, bf16
 # ------------------------------------------------------------------------------------------------
@@ -615,3 +746,26 @@ def test_gpu_down_dw_swiglu(F, routing):
     _assert_close_sampled("gpu swiglu h", h2, swiglu_fwd_ref(gu.float()), torch.bfloat16, counts)
     dgu = swiglu.swiglu_bwd(gu, dh, out=_nan(R, 2 * F))
     _assert_close_sampled("gpu swiglu dgu", dgu, swiglu_bwd_ref(gu.float(), dh.float()), torch.bfloat16, counts)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("F,routing", GPU_CASES, ids=GPU_IDS)
+def test_gpu_row_maps_and_dx_with_the_activation_gradient(F, routing):
+    """The experts' backward on received rows: dgu = swiglu_bwd(gu, dy @ w[e]) with dy read through a
+    row map, dX written through it, dW reading through it."""
+    counts, R, off, randn = _gpu_problem(routing, 5)
+    rows = torch.randperm(R, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    w_down, dy_in = randn(E_LOCAL, D_MODEL, F, scale=F**-0.5), randn(R, D_MODEL)
+    gu = randn(R, 2 * F, scale=2.0)
+    dgu = gg.grouped_mm_dx(dy_in, w_down, off, dy_rows=rows, gu_R2F=gu, out=_nan(R, 2 * F))
+    dy = dy_in[rows]
+    dh_ref = grouped_mm_dx_ref(dy.float(), w_down.float(), off).to(torch.bfloat16)
+    _assert_close_sampled("gpu fused dgu", dgu, swiglu_bwd_ref(gu.float(), dh_ref.float()), torch.bfloat16, counts)
+    w_gu = randn(E_LOCAL, 2 * F, D_MODEL, scale=D_MODEL**-0.5)
+    dx_in = gg.grouped_mm_dx(dgu, w_gu, off, out_rows=rows, out=_nan(R, D_MODEL))
+    dx_ref = grouped_mm_dx_ref(dgu.float(), w_gu.float(), off)
+    _assert_close_sampled("gpu mapped dx", dx_in[rows], dx_ref, torch.bfloat16, counts)
+    del dx_in, dx_ref
+    h = randn(R, F)
+    dw = gg.grouped_mm_dw(dy_in, h, off, dy_rows=rows, out=_nan(E_LOCAL, D_MODEL, F))
+    _assert_close_sampled("gpu mapped dw", dw, grouped_mm_dw_ref(dy.float(), h.float(), off), torch.bfloat16)
