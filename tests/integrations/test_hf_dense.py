@@ -210,11 +210,13 @@ def _early_step(model, ids, mask, labels, monkeypatch, factor=2.0, **kw):
     """One step whose loss is scaled by ``factor``; returns (output, duals issued from the forward,
     every BackwardLink issued)."""
     from lancet_rt.comm import group as comm
+    from lancet_rt.runtime import scope
 
     issued, inner = [], comm.BackwardLink.issue
 
     def issue(link, grad):
-        issued.append((link, link.from_forward is not None))
+        pending = scope.PROCESS.dual_from_forward  # (the dual a partial backward issues from the forward)
+        issued.append((link, pending is not None and pending[0] is link))
         return inner(link, grad)
 
     monkeypatch.setattr(comm.BackwardLink, "issue", issue)
