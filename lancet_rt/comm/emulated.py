@@ -450,7 +450,8 @@ class EmulatedGroup:
         the tokens' FIFO, behind the transfers in flight, like a collective on their communicator."""
 
         if self._cpu_link is not None:
-            host = _detached(send_WN).to(torch.int64, copy=True)  # (a CPU link: already on the host)
+            # (a CPU link: already on the host; a fresh int64 row is received as it is, without a copy)
+            host = _detached(send_WN).to(torch.int64)
             return Exchange(host, self._submit(0, kind="exchange"), host)
         done = self._submit(0, kind="exchange")  # on its channel's stream
         side = _side_stream(send_WN.device)
