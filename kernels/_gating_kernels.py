@@ -46,6 +46,10 @@ Crossing spans needs a scan over the programs. It is done without atomics, in th
 The launch that writes the call's counts and sums (the single program, or the scan) also writes the
 kept rows per expert (``HAS_KEPT``) and adds them and the sums to a batch's running totals in place
 (``HAS_TOTALS``; ``_store_kept``): the caller's ops after the call, done where the values already are.
+The launch that writes the final slots (the single program, after a barrier, in a pass over the call's
+``T * K`` assignments; or the slot fix-up) can also write the dispatch rows (``HAS_ROWS``): ``base[e] +
+slot``, ``base`` the exclusive scan of the kept rows per expert less the carried counter, made in
+registers from the ``E`` counts as ``permute.dispatch_rows`` makes it, so the same int32 arithmetic.
 
 Integer results are exact and every float reduction has a fixed order, so outputs are
 bit-identical run to run for a given config (a different tuned ``BLOCK_T`` or span changes
@@ -367,14 +371,15 @@ def _gating_fwd_kernel(
             tl.store(tot_zsq_ptr, tl.load(tot_zsq_ptr) + b_zsq)
         if HAS_ROWS:
             # -- phase 8: the dispatch rows, from the expert and slot this program stored (the barrier
-            # makes every thread's stores visible to the others) and the call's kept rows --
+            # makes every thread's stores visible to the others; the loads read them from L2, not a
+            # cached line) and the call's kept rows --
             tl.debug_barrier()
             b_base = _rows_base(b_used, b_run, capacity)
             for i0 in range(0, T * K, BLOCK_T * BLOCK_E):
                 offs = i0 + tl.arange(0, BLOCK_T * BLOCK_E)  # int32: T * K < 2^31
                 mask = offs < T * K
-                b_sl = tl.load(slot_ptr + offs, mask=mask, other=-1)
-                b_ex = tl.load(expert_ptr + offs, mask=mask & (b_sl >= 0), other=0)
+                b_sl = tl.load(slot_ptr + offs, mask=mask, other=-1, cache_modifier=".cg")
+                b_ex = tl.load(expert_ptr + offs, mask=mask & (b_sl >= 0), other=0, cache_modifier=".cg")
                 if GROUPED:  # (expert e's lane: group-major, BLOCK_GS lanes per group)
                     b_ex = (b_ex // group_size) * BLOCK_GS + b_ex % group_size
                 tl.store(row_ptr + offs, _rows_of_slots(b_base, b_ex, b_sl), mask=mask)
