@@ -46,6 +46,10 @@ Crossing spans needs a scan over the programs. It is done without atomics, in th
 The launch that writes the call's counts and sums (the single program, or the scan) also writes the
 kept rows per expert (``HAS_KEPT``) and adds them and the sums to a batch's running totals in place
 (``HAS_TOTALS``; ``_store_kept``): the caller's ops after the call, done where the values already are.
+The launch that writes the final slots (the single program, after a barrier, in a pass over the call's
+``T * K`` assignments; or the slot fix-up) can also write the dispatch rows (``HAS_ROWS``): ``base[e] +
+slot``, ``base`` the exclusive scan of the kept rows per expert less the carried counter, made in
+registers from the ``E`` counts as ``permute.dispatch_rows`` makes it, so the same int32 arithmetic.
 
 Integer results are exact and every float reduction has a fixed order, so outputs are
 bit-identical run to run for a given config (a different tuned ``BLOCK_T`` or span changes
@@ -161,6 +165,21 @@ def _store_kept(
         tl.store(tot_score_ptr + offs_e, b_tot + b_score, mask=mask_e)
 
 
+@triton.jit
+def _rows_base(b_used, b_counts, capacity):
+    """``base[e]``: the dispatch row of slot 0 of expert e (the rows of experts < e this call keeps, an
+    exclusive scan of the kept rows ``min(counts, max(capacity - used, 0))``, less the carried ``used``),
+    in int32 over the given expert lanes (padded lanes: counts 0), as ``dispatch_rows`` makes it."""
+    b_kept = tl.minimum(b_counts.to(tl.int64), tl.maximum(capacity - b_used.to(tl.int64), 0)).to(tl.int32)
+    return tl.cumsum(b_kept, axis=0) - b_kept - b_used
+
+
+@triton.jit
+def _rows_of_slots(b_base, b_lane, b_slot):
+    """Row of each assignment from its final slot (-1: dropped) and its expert's lane in ``b_base``."""
+    return tl.where(b_slot >= 0, tl.gather(b_base, b_lane, 0) + b_slot, -1)
+
+
 @triton.autotune(
     configs=_token_tile_configs(),
     key=["E", "K", "SINGLE_PROGRAM", "BLOCK_E", "BLOCK_G"],
@@ -184,6 +203,7 @@ def _gating_fwd_kernel(
     tot_kept_ptr,  # [E] int64 in/out: running kept rows (SINGLE_PROGRAM and HAS_TOTALS only)
     tot_score_ptr,  # [E] in/out: running score_sum_E, logits dtype (idem)
     tot_zsq_ptr,  # [] in/out: running zsq_sum, logits dtype (idem)
+    row_ptr,  # [T, K] int32 out: dispatch rows, -1 when dropped (SINGLE_PROGRAM and HAS_ROWS only)
     # Sizes
     T,
     E,
@@ -207,6 +227,7 @@ def _gating_fwd_kernel(
     GROUPED: tl.constexpr,
     HAS_KEPT: tl.constexpr,  # write the call's kept rows
     HAS_TOTALS: tl.constexpr,  # add the call's kept rows, score_sum_E and zsq_sum to the tot_* sums
+    HAS_ROWS: tl.constexpr,  # write the dispatch rows (a pass over the call's expert and slot outputs)
     BLOCK_G: tl.constexpr,  # next_pow2(n_group) (1 unless GROUPED)
     BLOCK_GS: tl.constexpr,  # next_pow2(group_size) (unused unless GROUPED)
     BLOCK_E: tl.constexpr,  # expert lanes: next_pow2(E), or BLOCK_G * BLOCK_GS if GROUPED
@@ -348,6 +369,20 @@ def _gating_fwd_kernel(
             )
         if HAS_TOTALS:
             tl.store(tot_zsq_ptr, tl.load(tot_zsq_ptr) + b_zsq)
+        if HAS_ROWS:
+            # -- phase 8: the dispatch rows, from the expert and slot this program stored (the barrier
+            # makes every thread's stores visible to the others; the loads read them from L2, not a
+            # cached line) and the call's kept rows --
+            tl.debug_barrier()
+            b_base = _rows_base(b_used, b_run, capacity)
+            for i0 in range(0, T * K, BLOCK_T * BLOCK_E):
+                offs = i0 + tl.arange(0, BLOCK_T * BLOCK_E)  # int32: T * K < 2^31
+                mask = offs < T * K
+                b_sl = tl.load(slot_ptr + offs, mask=mask, other=-1, cache_modifier=".cg")
+                b_ex = tl.load(expert_ptr + offs, mask=mask & (b_sl >= 0), other=0, cache_modifier=".cg")
+                if GROUPED:  # (expert e's lane: group-major, BLOCK_GS lanes per group)
+                    b_ex = (b_ex // group_size) * BLOCK_GS + b_ex % group_size
+                tl.store(row_ptr + offs, _rows_of_slots(b_base, b_ex, b_sl), mask=mask)
     else:
         tl.store(count_ptr + pid * E + offs_e, b_run, mask=mask_e)
         tl.store(score_ptr + pid * E + offs_e, b_score_acc, mask=mask_e)
@@ -431,22 +466,36 @@ def _gating_slot_kernel(
     expert_ptr,  # [T * K] int32
     slot_ptr,  # [T * K] int32 in: rank within the span; out: slot, -1 when dropped
     span_start_ptr,  # [NB, E] int32 first slot of each span
+    used_ptr,  # [E] int32 carried used capacity (HAS_ROWS only)
+    count_ptr,  # [E] int32 counts_E (HAS_ROWS only)
+    row_ptr,  # [T * K] int32 out: dispatch rows, -1 when dropped (HAS_ROWS only)
     # Sizes
     N,
     E,
     span_k,  # assignments per span: span * K
     capacity,
     # Meta-parameters
+    HAS_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    BLOCK_E: tl.constexpr,  # >= E (HAS_ROWS only)
 ):
-    # -- single phase: slot = first slot of the span + rank within it, -1 past capacity --
+    # -- phase 1: slot = first slot of the span + rank within it, -1 past capacity --
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # int32: N = T * K < 2^31
     mask = offs < N
     b_e = tl.load(expert_ptr + offs, mask=mask, other=0)
     b_rank = tl.load(slot_ptr + offs, mask=mask, other=0)
     b_span = offs // span_k
     b_slot = tl.load(span_start_ptr + b_span * E + b_e, mask=mask, other=0) + b_rank
-    tl.store(slot_ptr + offs, tl.where(b_slot < capacity, b_slot, -1), mask=mask)
+    b_slot = tl.where(b_slot < capacity, b_slot, -1)
+    tl.store(slot_ptr + offs, b_slot, mask=mask)
+    # -- phase 2: the dispatch rows (each program scans the E kept rows in registers) --
+    if HAS_ROWS:
+        offs_e = tl.arange(0, BLOCK_E)
+        mask_e = offs_e < E
+        b_used = tl.load(used_ptr + offs_e, mask=mask_e, other=0)
+        b_counts = tl.load(count_ptr + offs_e, mask=mask_e, other=0)
+        b_base = _rows_base(b_used, b_counts, capacity)
+        tl.store(row_ptr + offs, _rows_of_slots(b_base, tl.where(b_slot >= 0, b_e, 0), b_slot), mask=mask)
 
 
 @triton.autotune(

@@ -3,7 +3,8 @@
 Semantics are those of :func:`lancet_rt.kernels.reference.gating_fwd_ref` and ``gating_bwd_ref``
 (docs/design.md, routing contract); the launchers here have the same signatures (plus an optional
 keyword-only ``out=``) and return the same types. Turning slots into dispatch rows is the permute
-family's (:func:`lancet_rt.kernels.permute.dispatch_rows`). The kernels, the algorithm and the config
+family's (:func:`lancet_rt.kernels.permute.dispatch_rows`), which the forward can also do in its last
+launch (``row_TK=``), where the experts, slots and kept rows already are. The kernels, the algorithm and the config
 spaces are in :mod:`lancet_rt.kernels._gating_kernels`.
 
 The forward reads the logits once: one program per span of tokens (all of them when the call is
@@ -163,26 +164,28 @@ def _check_totals(totals, logits_TE: torch.Tensor) -> GatingTotals:
     return totals
 
 
-def _no_alias(kept_E, totals, out: GatingOutput) -> None:
-    """``kept_E`` and the totals are written by the last launch (the totals read, too): no two of them,
-    nor a field of ``out``, may share memory."""
-    if kept_E is None and totals is None:
-        return
-    mine = [kept_E] if kept_E is not None else []
+def _no_alias(kept_E, totals, row_TK, out: GatingOutput) -> None:
+    """``kept_E``, the totals and ``row_TK`` are written by the last launch (the totals read, too): no two
+    of them, nor a field of ``out``, may share memory."""
+    mine = [t for t in (kept_E, row_TK) if t is not None and t.numel()]
     mine += list(totals) if totals is not None else []
+    if not mine:
+        return
     ptrs = {t.data_ptr() for t in mine}
     if len(ptrs) < len(mine) or any(t.data_ptr() in ptrs for t in out if t.numel()):
         raise ValueError("kept_E and totals must not alias each other nor any field of out")
 
 
-def _launch_fwd(logits_TE, bias, used_E, out: GatingOutput, K, span, sizes, meta, kept_E, totals) -> None:
+def _launch_fwd(logits_TE, bias, used_E, out: GatingOutput, K, span, sizes, meta, kept_E, totals, row_TK) -> None:
     """One fused program when one span holds the call, else spans, then the scan and the slot fix-up;
-    the totals (if any) are added by the single program, else by the scan."""
+    the totals (if any) are added by the single program, else by the scan; the rows (if any) written by
+    the single program, else by the slot fix-up."""
     (T, E), dev = logits_TE.shape, logits_TE.device
     n_spans = triton.cdiv(T, span)
     # (used_E: the stand-in for an absent kept_E or totals, never read)
     tot = (used_E if kept_E is None else kept_E, *((used_E,) * 3 if totals is None else totals))
     flags = dict(HAS_KEPT=kept_E is not None, HAS_TOTALS=totals is not None)
+    rows = out.slot_TK if row_TK is None else row_TK  # (the stand-in for an absent row_TK, never written)
     if n_spans == 1:
         args = (
             logits_TE,
@@ -196,9 +199,10 @@ def _launch_fwd(logits_TE, bias, used_E, out: GatingOutput, K, span, sizes, meta
             out.score_sum_E,
             out.zsq_sum,
             *tot,
+            rows,
             *sizes,
         )
-        meta = dict(SINGLE_PROGRAM=True, **flags, **meta)
+        meta = dict(SINGLE_PROGRAM=True, HAS_ROWS=row_TK is not None, **flags, **meta)
         run_autotuned(_gating_fwd_kernel, (1,), args, meta, _ENV_FWD_CONFIG)
         return
     span_count = torch.empty(n_spans, E, dtype=torch.int32, device=dev)
@@ -216,9 +220,10 @@ def _launch_fwd(logits_TE, bias, used_E, out: GatingOutput, K, span, sizes, meta
         span_score,
         span_zsq,
         *(used_E,) * 4,
+        rows,
         *sizes,
     )
-    meta = dict(SINGLE_PROGRAM=False, HAS_KEPT=False, HAS_TOTALS=False, **meta)
+    meta = dict(SINGLE_PROGRAM=False, HAS_KEPT=False, HAS_TOTALS=False, HAS_ROWS=False, **meta)
     run_autotuned(_gating_fwd_kernel, (n_spans,), args, meta, _ENV_FWD_CONFIG)
     _gating_scan_kernel[(triton.cdiv(E, _SCAN_BLOCK_E),)](
         span_count,
@@ -241,11 +246,16 @@ def _launch_fwd(logits_TE, bias, used_E, out: GatingOutput, K, span, sizes, meta
         out.expert_TK,
         out.slot_TK,
         span_count,
+        used_E,
+        out.counts_E,
+        rows,
         T * K,
         E,
         span * K,
         sizes[4],  # sizes[4]: the capacity
+        HAS_ROWS=row_TK is not None,
         BLOCK=_FLAT_BLOCK,
+        BLOCK_E=triton.next_power_of_2(E),
     )
 
 
@@ -265,6 +275,7 @@ def gating_fwd(
     out: Optional[GatingOutput] = None,
     kept_E: Optional[torch.Tensor] = None,
     totals: Optional[GatingTotals] = None,
+    row_TK: Optional[torch.Tensor] = None,
 ) -> GatingOutput:
     """Scores, top-k, capacity slots and aux/z statistics for one chunk of router logits.
 
@@ -290,6 +301,10 @@ def gating_fwd(
         totals: optional :class:`GatingTotals` (or a tuple of its three tensors; contiguous, sharing
             no memory with each other or ``out``) to which this call's kept rows, ``score_sum_E`` and
             ``zsq_sum`` are added in place.
+        row_TK: optional contiguous int32 [T, K] written with the dispatch rows, bitwise those of
+            :func:`lancet_rt.kernels.permute.dispatch_rows` given this call's ``expert_TK``, ``slot_TK``,
+            the carried ``used_E`` and the kept rows above (-1 where dropped); it shares no memory with
+            ``out``, ``kept_E`` or the totals.
 
     Returns:
         :class:`GatingOutput`: expert_TK int32 [T, K], weight_TK [T, K], slot_TK int32 [T, K],
@@ -314,8 +329,10 @@ def gating_fwd(
         _check_out("kept_E", kept_E, (E,), torch.int32, dev)
     if totals is not None:
         totals = _check_totals(totals, logits_TE)
+    if row_TK is not None:
+        _check_out("row_TK", row_TK, (T, K), torch.int32, dev)
     out = _fwd_outputs(logits_TE, K, used_E, out)
-    _no_alias(kept_E, totals, out)
+    _no_alias(kept_E, totals, row_TK, out)
 
     if T == 0:
         out.counts_E.zero_()
@@ -341,7 +358,7 @@ def gating_fwd(
         BLOCK_E=block_e,
     )
     sizes = (T, E, K, span, cap, n_group, E // n_group, topk_group, scale_hi, scale_lo, *logits_TE.stride())
-    _launch_fwd(logits_TE, bias, used_E, out, K, span, sizes, meta, kept_E, totals)
+    _launch_fwd(logits_TE, bias, used_E, out, K, span, sizes, meta, kept_E, totals, row_TK)
     return out
 
 

@@ -165,7 +165,8 @@ def _cfg_meta(cfg) -> Dict[str, object]:
 
 def _gating_fwd(case):
     gating, *_ = _modules()
-    E, n_group, topk_group, biased = case
+    E, n_group, topk_group, biased, *single = case
+    single = bool(single and single[0])
     args = (
         _buf("fp32"),
         _buf("fp32"),
@@ -177,7 +178,8 @@ def _gating_fwd(case):
         _buf("i32"),
         _buf("fp32"),
         _buf("fp32"),
-        _buf("i32"),  # (the kept rows' and totals' stand-ins: off on the multi-span path)
+        _buf("i32"),  # (the kept rows', totals' and rows' stand-ins: off on the multi-span path)
+        _buf("i32"),
         _buf("i32"),
         _buf("i32"),
         _buf("i32"),
@@ -196,17 +198,19 @@ def _gating_fwd(case):
     )
     # The multi-span path with normalized weights: the common case at real T. Plain routing is
     # softmax; biased routing is DeepSeek-V3's (sigmoid, expert bias, groups if any, scaled weights).
+    # ``single``: the one-program path with the kept rows, totals and dispatch rows (the layer's small chunks).
     grouped = n_group > 1
     block_g, block_gs = (_next_pow2(n_group), _next_pow2(E // n_group)) if grouped else (1, 1)
     const = dict(
         SIGMOID=biased,
         NORMALIZE=True,
-        SINGLE_PROGRAM=False,
+        SINGLE_PROGRAM=single,
         HAS_BIAS=biased,
         HAS_SCALE=biased,
         GROUPED=grouped,
-        HAS_KEPT=False,
-        HAS_TOTALS=False,
+        HAS_KEPT=single,
+        HAS_TOTALS=single,
+        HAS_ROWS=single,
         BLOCK_G=block_g,
         BLOCK_GS=block_gs,
         BLOCK_E=block_g * block_gs if grouped else _next_pow2(E),
@@ -296,8 +300,9 @@ def _gating_scan(case):
 
 def _gating_slot(case):
     gating, *_ = _modules()
-    args = (_buf("i32"), _buf("i32"), _buf("i32"), _T * _GATING_K, 64, 128 * _GATING_K, 2**31 - 1)
-    return gating._gating_slot_kernel, args, dict(BLOCK=gating._FLAT_BLOCK)
+    args = (*(_buf("i32") for _ in range(6)), _T * _GATING_K, 64, 128 * _GATING_K, 2**31 - 1)
+    # With the dispatch rows (the layer's path): the most work per assignment.
+    return gating._gating_slot_kernel, args, dict(HAS_ROWS=True, BLOCK=gating._FLAT_BLOCK, BLOCK_E=64)
 
 
 def _dispatch_rows(case):
@@ -545,6 +550,11 @@ _SPECS: Dict[str, Tuple[Callable, Callable, List[Tuple[str, tuple]]]] = {
         _gating_fwd,
         _gating_tile_configs("_ENV_FWD_CONFIG"),
         [(f"E={e} n_group={g} topk_group={kg} fp32", (e, g, kg, True)) for e, g, kg in _GATING_BIASED],
+    ),
+    "gating.fwd_single": (
+        _gating_fwd,
+        _gating_tile_configs("_ENV_FWD_CONFIG"),
+        [("E=64 fp32", (64, 1, 1, False, True)), ("E=256 n_group=8 topk_group=4 fp32", (256, 8, 4, True, True))],
     ),
     "gating.bwd": (_gating_bwd, _gating_tile_configs("_ENV_BWD_CONFIG"), [(f"E={e} fp32", (e,)) for e in _GATING_E]),
     "gating.scan": (_gating_scan, _fixed, [("fp32", ())]),

@@ -75,13 +75,13 @@ class BatchRouting:
         return self.zsq_sum / max(self.total_tokens, 1)
 
     def gating_buffers(self, T: int, dtype: torch.dtype) -> dict:
-        """``out=``, ``totals=`` and (with a capacity) ``kept_E=`` for the Triton gating of the next
-        chunk (T tokens, logits of ``dtype``): fresh tensors for the chunk's results (experts, weights,
-        and its kept rows: the counts when dropless, else ``kept_E``), and buffers of the batch reused
-        from chunk to chunk for what only this forward reads (the slots, the counts with a capacity, the
-        chunk's aux/z sums, the next carried counter: the one the previous chunk read, see
-        :meth:`recycle`). The totals are this state's sums, which the kernel adds the chunk to in place
-        (in ``dtype``, as the unfused path's additions convert them)."""
+        """``out=``, ``totals=``, ``row_TK=`` and (with a capacity) ``kept_E=`` for the Triton gating of
+        the next chunk (T tokens, logits of ``dtype``): fresh tensors for the chunk's results (experts,
+        weights, dispatch rows, and its kept rows: the counts when dropless, else ``kept_E``), and
+        buffers of the batch reused from chunk to chunk for what only this forward reads (the slots, the
+        counts with a capacity, the chunk's aux/z sums, the next carried counter: the one the previous
+        chunk read, see :meth:`recycle`). The totals are this state's sums, which the kernel adds the
+        chunk to in place (in ``dtype``, as the unfused path's additions convert them)."""
         E, K, dev = self.num_experts, self.top_k, self.device
         if self.score_sum_E.dtype != dtype:
             self.score_sum_E, self.zsq_sum = self.score_sum_E.to(dtype), self.zsq_sum.to(dtype)
@@ -102,7 +102,8 @@ class BatchRouting:
             torch.empty(E, dtype=torch.int32, device=dev) if used is None else used,
             *spare["sums"],
         )
-        buffers = dict(out=out, totals=(self.kept_E, self.score_sum_E, self.zsq_sum))
+        row_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
+        buffers = dict(out=out, totals=(self.kept_E, self.score_sum_E, self.zsq_sum), row_TK=row_TK)
         if self.capacity is not None:
             buffers["kept_E"] = kept
         return buffers
@@ -175,7 +176,8 @@ class _Gate(torch.autograd.Function):
         C = state.capacity
         # Rows this chunk keeps per expert (int32): its counts, up to the room the capacity leaves after
         # the earlier chunks (min(used_in + counts, C) - min(used_in, C)): the kernel's when fused, else in
-        # three ops (torch.rsub: ``C - used_in`` would go through Tensor.__rsub__, a Python wrapper)
+        # three ops (torch.rsub: ``C - used_in`` would go through Tensor.__rsub__, a Python wrapper).
+        # The dispatch rows too: the kernel's when fused, else dispatch_rows
         if fused:
             kept_E = buffers.get("kept_E", out.counts_E)
         elif C is None:
@@ -188,9 +190,11 @@ class _Gate(torch.autograd.Function):
             state.score_sum_E = state.score_sum_E.to(out.score_sum_E.dtype) + out.score_sum_E
             state.zsq_sum = state.zsq_sum.to(out.zsq_sum.dtype) + out.zsq_sum
         state.routed_tokens += logits_TE.shape[0]
-        row_TK = ops.dispatch_rows(out.expert_TK, out.slot_TK, used_in, kept_E)
         if fused:
+            row_TK = buffers["row_TK"]
             state.recycle(used_in)
+        else:
+            row_TK = ops.dispatch_rows(out.expert_TK, out.slot_TK, used_in, kept_E)
 
         ctx.save_for_backward(logits_TE, out.expert_TK)
         ctx.state, ctx.ops, ctx.score_fn, ctx.normalize, ctx.scaling = state, ops, score_fn, normalize_topk, scaling
