@@ -47,6 +47,7 @@ from torch.utils import _pytree as pytree
 from lancet_rt import env as _env
 from lancet_rt import ops as _ops
 from lancet_rt.comm.emulated import EmulatedGroup
+from lancet_rt.moe.experts import expert_rows, kernel_views, triton_gemms, weight_gradients
 from lancet_rt.moe.layer import MoE
 
 log = logging.getLogger("lancet_rt")
@@ -335,23 +336,21 @@ def _warm_buckets(layers: list, device: torch.device, tokens: Optional[int]) -> 
 
 
 def _launch_experts(m: MoE, ops, rows: int, dtype, device) -> None:
-    """The experts' four grouped GEMMs on ``rows`` zero rows spread evenly over the local experts."""
+    """The experts' grouped GEMMs on ``rows`` zero rows spread evenly over the local experts, as a step
+    launches them (:mod:`lancet_rt.moe.experts`' own functions, with the same variants): the forward,
+    dH with the activation's gradient in its epilogue, dX, and the two dW; with an expert-parallel
+    group of several local experts through a row map (received rows, read and written through it)."""
     e = m.experts
     L, D = m.num_local_experts, m.d_model
     off = torch.arange(L + 1, device=device) * (rows // L)
-    w_gu = e.gate_up_proj.detach().to(dtype)
-    w_dn = e.down_proj.detach().to(dtype)
-    w_E2FD = w_gu.transpose(1, 2) if e.layout == "gpt_oss" else w_gu
-    w_EDF = w_dn.transpose(1, 2) if e.layout == "gpt_oss" else w_dn
+    spec = e._spec
+    w_E2FD, w_EDF = kernel_views(e.gate_up_proj.detach().to(dtype), e.down_proj.detach().to(dtype), spec.gpt_oss)
     b_gu, b_dn = (None if b is None else b.detach().to(dtype) for b in (e.gate_up_proj_bias, e.down_proj_bias))
+    regrouped = m.group is not None and m.ep_size > 1 and L > 1 and m.config.dispatcher != "allreduce"
+    row_map = torch.arange(rows, device=device) if regrouped and triton_gemms(ops) else None
     x = torch.zeros(rows, D, device=device, dtype=dtype)
-    h, gu = ops.gate_up_swiglu(x, w_E2FD, off, b_gu, **e._spec.act())
-    y = ops.grouped_mm(h, w_EDF, off, b_dn)
-    ops.grouped_mm_dx(y, w_EDF, off)
-    ops.grouped_mm_dx(gu, w_E2FD, off)
-    if e.layout == "gpt_oss":  # (its dW GEMMs take their operands swapped: lancet_rt.moe.experts)
-        ops.grouped_mm_dw(x, gu, off)
-        ops.grouped_mm_dw(h, y, off)
-    else:
-        ops.grouped_mm_dw(gu, x, off)
-        ops.grouped_mm_dw(y, h, off)
+    y, h, gu = expert_rows(ops, spec, x, w_E2FD, w_EDF, off, b_gu, b_dn, row_map)
+    dy = {} if row_map is None else dict(dy_rows=row_map)
+    dgu = ops.grouped_mm_dx(y, w_EDF, off, gu_R2F=gu, **spec.act(), **dy)
+    ops.grouped_mm_dx(dgu, w_E2FD, off, **({} if row_map is None else dict(out_rows=row_map)))
+    weight_gradients(ops, spec.gpt_oss, x, h, dgu, y, off, (True, True, False, False), row_map)

@@ -28,12 +28,22 @@ def _keys(monkeypatch_target, record):
 
     launch_gemm, run_autotuned = grouped_gemm._launch_gemm, _common.run_autotuned
 
-    # where each grouped GEMM launcher puts its autotune key: the row bucket, then (N, K, E)
-    where = {"fwd": (9, 6), "dx": (9, 6), "dw": (8, 5), "gate_up": (10, 7)}
+    # each grouped GEMM's autotune key by its arguments' names: the row bucket, then (N, K, E) or (F, D, E)
+    kernels = {
+        "fwd": grouped_gemm._FWD,
+        "dx": grouped_gemm._FWD,
+        "dw": grouped_gemm._DW,
+        "gate_up": grouped_gemm._GATE_UP,
+    }
 
     def gemm(op, grid, args, device, **const):
-        bucket, sizes = where[op]
-        record(("gemm", op, args[bucket], *args[sizes : sizes + 3], str(args[0].dtype), tuple(sorted(const.items()))))
+        jit = kernels[op]
+        while not hasattr(jit, "arg_names"):  # (under the heuristics wrapper)
+            jit = jit.fn
+        named = dict(zip(jit.arg_names, args))
+        sizes = ("F", "D", "E") if op == "gate_up" else ("N", "K", "E")
+        key = (named["M_BUCKET"], *(named[s] for s in sizes))
+        record(("gemm", op, *key, str(args[0].dtype), tuple(sorted(const.items()))))
         return launch_gemm(op, grid, args, device, **const)
 
     def tuned(tuner, grid, args, meta, env_var):
