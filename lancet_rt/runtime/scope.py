@@ -30,6 +30,8 @@ import threading
 from collections import deque
 from typing import Callable, Optional
 
+import torch
+
 
 class ThreadContext(threading.local):
     """The step context of one host thread (:data:`THREAD`). Each field is set by the driver that owns
@@ -121,6 +123,8 @@ class ChunkScope:
         last_combine: per chunk, the (output, link) of the combine all-to-all of the last MoE layer
             it ran, or None where that layer's backward cannot be started from the forward
             (:mod:`lancet_rt.schedule.early_backward`).
+        batch_outputs: the batch-sized output buffers of :meth:`piece`, per (site, n-th call), each
+            split into the chunks' pieces; an entry goes once its last piece is handed out.
     """
 
     def __init__(self, rows: list[int], switch: Callable[[], None]):
@@ -134,6 +138,8 @@ class ChunkScope:
         self.first_exchange: dict = {}
         self.casts: dict = {}
         self.last_combine: dict = {}
+        self.batch_outputs: dict = {}
+        self._piece_calls: dict = {}
         self._yields = 0
 
     def switch(self, issues_next: bool = False) -> None:
@@ -148,6 +154,60 @@ class ChunkScope:
         n = self._calls.get(k, 0)
         self._calls[k] = n + 1
         return id(layer), n
+
+    def piece(self, site, shape: tuple, dtype: torch.dtype, device) -> Optional[torch.Tensor]:
+        """This chunk's piece (contiguous, uninitialised, ``shape``) of the batch-sized buffer of the
+        output made at ``site`` (any hashable naming the call site; the n-th call of a site in a chunk
+        is the n-th in every chunk), or None where the chunks' sizes are unknown: the caller allocates.
+
+        The first chunk to reach a (site, n) allocates one buffer for all the chunks, dim 0 sized by
+        their rows (its own dim 0 per row of its own, times each chunk's rows), and splits it once:
+        2 host ops for the batch instead of one allocation per chunk. Each piece is handed out once,
+        to its own chunk: a chunk whose shape, dtype or device differs from the buffer's gets None.
+        The pieces are plain tensors (split below autograd's view tracking: each has its own version
+        counter, and a custom Function may return it as a fresh output, modifiable in place), sharing
+        the buffer's memory: the buffer lives until the last piece dies (e.g. the last chunk's piece
+        saved for backward), not the scope.
+        """
+        c = self.chunk
+        k = (c, site)
+        n = self._piece_calls.get(k, 0)
+        self._piece_calls[k] = n + 1
+        rows = self.rows
+        if len(rows) < 2:
+            return None
+        key = (site, n)
+        entry = self.batch_outputs.get(key)
+        if entry is None:
+            lead, r = shape[0], rows[c]
+            if r == 0 or lead % r:
+                return None
+            sizes = [lead // r * q for q in rows]
+            buf = torch.empty((sum(sizes), *shape[1:]), dtype=dtype, device=device)
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                pieces = list(buf.split(sizes))
+            entry = self.batch_outputs[key] = [pieces, len(rows)]
+        pieces = entry[0]
+        p = pieces[c]
+        if p is None or p.shape != tuple(shape) or p.dtype != dtype or p.device != torch.device(device):
+            return None
+        pieces[c] = None
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.batch_outputs[key]
+        return p
+
+
+def chunk_empty(site, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised ``shape`` tensor for this chunk's output made at ``site``: its piece of one
+    batch-sized buffer inside a chunked forward (:meth:`ChunkScope.piece`), else ``torch.empty``
+    (outside a scope, in a recomputation, or where the chunks' sizes are unknown)."""
+    s = THREAD.chunks
+    if s is not None and CHUNK.replaying.get() is None:
+        p = s.piece(site, shape, dtype, device)
+        if p is not None:
+            return p
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 def current() -> Optional[ChunkScope]:
