@@ -143,9 +143,11 @@ class _AddRMSNormFn(torch.autograd.Function):
         # (scope.chunk_empty: one allocation per batch, not per chunk)
         kw = {}
         if kernels:
-            kw = dict(with_rstd=False, out=_scope.chunk_empty("add_rmsnorm.y", x.shape, x.dtype, x.device))
-            if residual is not None:
-                kw["out_sum"] = _scope.chunk_empty("add_rmsnorm.s", x.shape, x.dtype, x.device)
+            kw = dict(with_rstd=False)
+            if residual is None:
+                kw["out"] = _scope.chunk_empty("rmsnorm.y", x.shape, x.dtype, x.device)
+            else:
+                kw["out"], kw["out_sum"] = _scope.chunk_empty("add_rmsnorm.y_s", x.shape, x.dtype, x.device, count=2)
         y, s, rstd = ops.add_rmsnorm_fwd(x, residual, weight, eps, **kw)
         ctx.save_for_backward(s, rstd, weight)
         ctx.eps = eps

@@ -96,15 +96,15 @@ class BatchRouting:
         kept = torch.empty(E, dtype=torch.int32, device=dev)
         if self.capacity is not None and spare.get("counts_E") is None:
             spare["counts_E"] = torch.empty(E, dtype=torch.int32, device=dev)
+        expert_TK, row_TK = _scope.chunk_empty("gate.expert_row_TK", (T, K), torch.int32, dev, count=2)
         out = GatingOutput(
-            _scope.chunk_empty("gate.expert_TK", (T, K), torch.int32, dev),
+            expert_TK,
             _scope.chunk_empty("gate.weight_TK", (T, K), dtype, dev),
             spare["slot_TK"],
             kept if self.capacity is None else spare["counts_E"],
             torch.empty(E, dtype=torch.int32, device=dev) if used is None else used,
             *spare["sums"],
         )
-        row_TK = _scope.chunk_empty("gate.row_TK", (T, K), torch.int32, dev)
         buffers = dict(out=out, totals=(self.kept_E, self.score_sum_E, self.zsq_sum), row_TK=row_TK)
         if self.capacity is not None:
             buffers["kept_E"] = kept

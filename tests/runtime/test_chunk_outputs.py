@@ -1,4 +1,4 @@
-"""Per-chunk outputs as pieces of one batch-sized buffer (scope.chunk_empty / ChunkScope.piece): the
+"""Per-chunk outputs as pieces of one batch-sized buffer (scope.chunk_empty / ChunkScope.pieces): the
 pieces, their sizes, the fallbacks (outside a scope, unknown sizes, a recomputation), and that a
 chunked forward on the kernels gives the same bits with and without them."""
 
@@ -117,18 +117,53 @@ def test_pieces_give_the_same_bits_on_the_kernels(monkeypatch, chunks, capacity_
     model = make_model(capacity_factor)
     twin = copy.deepcopy(model)
     used = []
-    piece = scope.ChunkScope.piece
+    piece = scope.ChunkScope.pieces
 
     def counted(self, *args):
         p = piece(self, *args)
         used.append(p is not None)
         return p
 
-    monkeypatch.setattr(scope.ChunkScope, "piece", lambda self, *args: None)
+    monkeypatch.setattr(scope.ChunkScope, "pieces", lambda self, *args: None)
     ref = _run(model, chunks, capacity_factor, defer_wgrad, checkpointed)
-    monkeypatch.setattr(scope.ChunkScope, "piece", counted)
+    monkeypatch.setattr(scope.ChunkScope, "pieces", counted)
     got = _run(twin, chunks, capacity_factor, defer_wgrad, checkpointed)
     assert any(used)
     assert len(ref) == len(got)
     for a, b in zip(ref, got):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_count_outputs_share_one_buffer_each_chunk_its_own():
+    s = _in_scope([1, 2])
+    y0, s0 = scope.chunk_empty("site", (2, 3), torch.float32, "cpu", count=2)
+    s.chunk = 1
+    y1, s1 = scope.chunk_empty("site", (4, 3), torch.float32, "cpu", count=2)
+    base = y0.data_ptr()
+    # one [2 * 6, 3] buffer: the first output of every chunk, then the second's
+    assert [p.data_ptr() - base for p in (y0, y1, s0, s1)] == [0, 2 * 12, 6 * 12, 8 * 12]
+    assert [p.shape for p in (y0, y1, s0, s1)] == [(2, 3), (4, 3), (2, 3), (4, 3)]
+    assert not s.batch_outputs
+    scope.set_current(None)
+    a, b = scope.chunk_empty("site", (2, 3), torch.float32, "cpu", count=2)
+    assert a.data_ptr() != b.data_ptr()
+
+
+def test_a_norm_output_piece_may_be_modified_in_place(monkeypatch):
+    # the pieces are not views for autograd: a custom Function returns them as fresh outputs
+    monkeypatch.setenv("LANCET_KERNELS", "triton")
+    from lancet_rt.dense import add_rmsnorm
+
+    s = _in_scope([1, 1])
+    w = torch.ones(8, requires_grad=True)
+    outs = []
+    for c in range(2):
+        s.chunk = c
+        x, r = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8)
+        y, h = add_rmsnorm(x, r, w)
+        outs.append((x, y * 1.0, h))
+    assert outs[1][2].data_ptr() - outs[0][2].data_ptr() == 3 * 8 * 4  # the sums: pieces of one buffer
+    scope.set_current(None)
+    outs[1][2].mul_(2.0)  # in place on chunk 1's output leaves chunk 0's graph intact
+    outs[0][1].sum().backward()
+    assert outs[0][0].grad is not None
