@@ -21,6 +21,7 @@ from torch import nn
 
 from lancet_rt import ops as _ops
 from lancet_rt.kernels.reference_dense import bad_label_mask, check_label_range
+from lancet_rt.runtime import scope as _scope
 
 
 # ------------------------------------------------------------------------------------- add + RMSNorm
@@ -138,7 +139,16 @@ class _AddRMSNormFn(torch.autograd.Function):
         # The kernels recompute rstd from s in the backward (the same value): no [R] statistics
         # allocated and saved. The references (the CPU path) save it, as before.
         kernels = "norm" not in getattr(ops, "reference_families", ("norm",))
-        y, s, rstd = ops.add_rmsnorm_fwd(x, residual, weight, eps, **({"with_rstd": False} if kernels else {}))
+        # On the kernels, y and s are this chunk's pieces of batch-sized buffers in a chunked forward
+        # (scope.chunk_empty: one allocation per batch, not per chunk)
+        kw = {}
+        if kernels:
+            kw = dict(with_rstd=False)
+            if residual is None:
+                kw["out"] = _scope.chunk_empty("rmsnorm.y", x.shape, x.dtype, x.device)
+            else:
+                kw["out"], kw["out_sum"] = _scope.chunk_empty("add_rmsnorm.y_s", x.shape, x.dtype, x.device, count=2)
+        y, s, rstd = ops.add_rmsnorm_fwd(x, residual, weight, eps, **kw)
         ctx.save_for_backward(s, rstd, weight)
         ctx.eps = eps
         ctx.residual = residual is not None

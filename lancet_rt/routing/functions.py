@@ -77,7 +77,9 @@ class BatchRouting:
     def gating_buffers(self, T: int, dtype: torch.dtype) -> dict:
         """``out=``, ``totals=``, ``row_TK=`` and (with a capacity) ``kept_E=`` for the Triton gating of
         the next chunk (T tokens, logits of ``dtype``): fresh tensors for the chunk's results (experts,
-        weights, dispatch rows, and its kept rows: the counts when dropless, else ``kept_E``), and
+        weights, dispatch rows: in a chunked forward each the chunk's piece of one batch-sized buffer,
+        :func:`lancet_rt.runtime.scope.chunk_empty`, which lives until the last chunk's piece dies; and
+        its kept rows: the counts when dropless, else ``kept_E``), and
         buffers of the batch reused from chunk to chunk for what only this forward reads (the slots, the
         counts with a capacity, the chunk's aux/z sums, the next carried counter: the one the previous
         chunk read, see :meth:`recycle`). The totals are this state's sums, which the kernel adds the
@@ -94,15 +96,15 @@ class BatchRouting:
         kept = torch.empty(E, dtype=torch.int32, device=dev)
         if self.capacity is not None and spare.get("counts_E") is None:
             spare["counts_E"] = torch.empty(E, dtype=torch.int32, device=dev)
+        expert_TK, row_TK = _scope.chunk_empty("gate.expert_row_TK", (T, K), torch.int32, dev, count=2)
         out = GatingOutput(
-            torch.empty(T, K, dtype=torch.int32, device=dev),
-            torch.empty(T, K, dtype=dtype, device=dev),
+            expert_TK,
+            _scope.chunk_empty("gate.weight_TK", (T, K), dtype, dev),
             spare["slot_TK"],
             kept if self.capacity is None else spare["counts_E"],
             torch.empty(E, dtype=torch.int32, device=dev) if used is None else used,
             *spare["sums"],
         )
-        row_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
         buffers = dict(out=out, totals=(self.kept_E, self.score_sum_E, self.zsq_sum), row_TK=row_TK)
         if self.capacity is not None:
             buffers["kept_E"] = kept
@@ -295,6 +297,10 @@ class _Unpermute(torch.autograd.Function):
         ctx.save_for_backward(y_SD, row_TK, weight_TK, src_S)
         ctx.ops, ctx.link = ops, link
         ctx.chunk = _scope.current().chunk if _scope.current() is not None else None
+        if getattr(ops, "name", None) == "triton" and "permute" not in getattr(ops, "reference_families", ()):
+            # the chunk's piece of one batch-sized output (scope.chunk_empty); the references allocate their own
+            out = _scope.chunk_empty("unpermute.y_TD", (row_TK.shape[0], y_SD.shape[-1]), y_SD.dtype, y_SD.device)
+            return ops.unpermute_fwd(y_SD, row_TK, weight_TK, out=out)
         return ops.unpermute_fwd(y_SD, row_TK, weight_TK)
 
     @staticmethod

@@ -2,7 +2,8 @@
 
 - :data:`THREAD` (:class:`ThreadContext`, one per host thread): the chunked forward this thread runs
   (its :class:`ChunkScope`: the chunks' carried routing, their turns, the step's first counts
-  exchange, the weights' compute-dtype copies, the early-backward record) and the backward running
+  exchange, the weights' compute-dtype copies, the early-backward record, the batch-sized buffers
+  of the chunks' outputs: :func:`chunk_empty`) and the backward running
   beside this thread's forward (cross-microbatch overlap). Per thread because the chunks of one
   forward and the layers they run share one host thread (each chunk a greenlet on it).
 - :data:`CHUNK` (:class:`ChunkContext`, one per execution context: each greenlet, so each chunk, has
@@ -29,6 +30,8 @@ import contextvars
 import threading
 from collections import deque
 from typing import Callable, Optional
+
+import torch
 
 
 class ThreadContext(threading.local):
@@ -101,8 +104,9 @@ class ChunkScope:
 
     Lifetime: one chunked forward. :class:`lancet_rt.Overlapped` makes it before the chunks' first
     forward and drops it after the last; what the chunks' autograd graph still needs from it (the
-    compute-dtype copies in ``casts``, the links in ``last_combine``) lives on in the graph, as long
-    as the backward needs it. A recomputation in backward runs outside any scope.
+    compute-dtype copies in ``casts``, the links in ``last_combine``, the chunks' output pieces of
+    :meth:`pieces`) lives on in the graph, as long as the backward needs it. A recomputation in
+    backward runs outside any scope (and inside one, :func:`chunk_empty` gives it fresh memory).
 
     Args:
         rows: rows (along dim 0) of each chunk.
@@ -121,6 +125,8 @@ class ChunkScope:
         last_combine: per chunk, the (output, link) of the combine all-to-all of the last MoE layer
             it ran, or None where that layer's backward cannot be started from the forward
             (:mod:`lancet_rt.schedule.early_backward`).
+        batch_outputs: the batch-sized output buffers of :meth:`pieces`, per (site, n-th call), each
+            split into the chunks' pieces; an entry goes once its last piece is handed out.
     """
 
     def __init__(self, rows: list[int], switch: Callable[[], None]):
@@ -134,6 +140,8 @@ class ChunkScope:
         self.first_exchange: dict = {}
         self.casts: dict = {}
         self.last_combine: dict = {}
+        self.batch_outputs: dict = {}
+        self._piece_calls: dict = {}
         self._yields = 0
 
     def switch(self, issues_next: bool = False) -> None:
@@ -148,6 +156,68 @@ class ChunkScope:
         n = self._calls.get(k, 0)
         self._calls[k] = n + 1
         return id(layer), n
+
+    def pieces(self, site, count: int, shape: tuple, dtype: torch.dtype, device) -> Optional[tuple]:
+        """This chunk's ``count`` pieces (each contiguous, uninitialised, ``shape``) of the batch-sized
+        buffer of the outputs made at ``site`` (any hashable naming the call site; the n-th call of a
+        site in a chunk is the n-th in every chunk), or None where the chunks' sizes are unknown: the
+        caller allocates.
+
+        The first chunk to reach a (site, n) allocates one buffer for the ``count`` outputs of all the
+        chunks, dim 0 sized by their rows (its own dim 0 per row of its own, times each chunk's rows),
+        and splits it once: 2 host ops for the batch instead of ``count`` allocations per chunk. Each
+        chunk's pieces are handed out once, to that chunk: a chunk whose shape, dtype or device differs
+        from the buffer's gets None. The pieces are plain tensors (split below autograd's view
+        tracking: each has its own version counter, and a custom Function may return it as a fresh
+        output, modifiable in place), sharing the buffer's memory: the buffer lives until the last
+        piece dies (e.g. the last chunk's piece saved for backward), not until the scope ends.
+        """
+        c = self.chunk
+        k = (c, site)
+        n = self._piece_calls.get(k, 0)
+        self._piece_calls[k] = n + 1
+        rows = self.rows
+        N = len(rows)
+        if N < 2:
+            return None
+        key = (site, n)
+        entry = self.batch_outputs.get(key)
+        if entry is None:
+            lead, r = shape[0], rows[c]
+            if r == 0 or lead % r:
+                return None
+            sizes = [lead // r * q for q in rows] * count
+            buf = torch.empty((sum(sizes), *shape[1:]), dtype=dtype, device=device)
+            with torch._C._AutoDispatchBelowADInplaceOrView():
+                split = list(buf.split(sizes))
+            entry = self.batch_outputs[key] = [split, N]
+        split = entry[0]
+        mine = split[c]
+        if mine is None or mine.shape != tuple(shape) or mine.dtype != dtype or mine.device != torch.device(device):
+            return None
+        if len(split) != count * N:
+            return None
+        got = tuple(split[c + i * N] for i in range(count))
+        for i in range(count):
+            split[c + i * N] = None
+        entry[1] -= 1
+        if entry[1] == 0:
+            del self.batch_outputs[key]
+        return got
+
+
+def chunk_empty(site, shape: tuple, dtype: torch.dtype, device, count: int = 1):
+    """An uninitialised ``shape`` tensor (``count`` > 1: a tuple of ``count``) for this chunk's output
+    made at ``site``: its piece of one batch-sized buffer inside a chunked forward
+    (:meth:`ChunkScope.pieces`), else ``torch.empty`` (outside a scope, in a recomputation, or where
+    the chunks' sizes are unknown)."""
+    s = THREAD.chunks
+    got = None
+    if s is not None and CHUNK.replaying.get() is None:
+        got = s.pieces(site, count, shape, dtype, device)
+    if got is None:
+        got = tuple(torch.empty(shape, dtype=dtype, device=device) for _ in range(count))
+    return got[0] if count == 1 else got
 
 
 def current() -> Optional[ChunkScope]:

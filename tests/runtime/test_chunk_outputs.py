@@ -1,0 +1,201 @@
+"""Per-chunk outputs as pieces of one batch-sized buffer (scope.chunk_empty / ChunkScope.pieces): the
+pieces, their sizes, the fallbacks (outside a scope, unknown sizes, a recomputation), and that a
+chunked forward on the kernels gives the same bits with and without them."""
+
+import copy
+from collections import deque
+
+import pytest
+import torch
+
+import lancet_rt
+from lancet_rt.runtime import scope
+from tests.schedule.test_overlap import make_model
+
+
+def _in_scope(rows):
+    s = scope.ChunkScope(rows, switch=lambda: None)
+    scope.set_current(s)
+    return s
+
+
+@pytest.fixture(autouse=True)
+def _no_scope_left():
+    yield
+    scope.set_current(None)
+
+
+def test_each_chunk_gets_its_own_piece_of_one_buffer_sized_by_the_rows():
+    s = _in_scope([3, 3, 1])
+    got = []
+    for c, lead in enumerate([6, 6, 2]):  # two tokens per row
+        s.chunk = c
+        got.append(scope.chunk_empty("site", (lead, 5), torch.float32, "cpu"))
+    base = got[0].untyped_storage().data_ptr()
+    assert [p.shape for p in got] == [(6, 5), (6, 5), (2, 5)]
+    assert [p.data_ptr() - base for p in got] == [0, 6 * 5 * 4, 12 * 5 * 4]
+    assert all(p.is_contiguous() and not p._is_view() for p in got)
+    assert not s.batch_outputs  # every piece handed out: the scope holds no buffer
+    # each piece is a tensor of its own for autograd: in place on one leaves the others' versions
+    got[1].fill_(1.0)
+    assert got[0]._version == 0 and got[2]._version == 0
+
+
+def test_the_nth_call_of_a_site_in_a_chunk_is_the_nth_in_every_chunk():
+    s = _in_scope([1, 1])
+    a0, b0 = (scope.chunk_empty("site", (n, 2), torch.int32, "cpu") for n in (4, 3))
+    s.chunk = 1
+    a1, b1 = (scope.chunk_empty("site", (n, 2), torch.int32, "cpu") for n in (4, 3))
+    assert a1.data_ptr() == a0.data_ptr() + 4 * 2 * 4 and b1.data_ptr() == b0.data_ptr() + 3 * 2 * 4
+
+
+def test_fresh_tensors_where_the_pieces_do_not_apply():
+    # outside a scope
+    assert scope.chunk_empty("site", (4, 2), torch.float32, "cpu").shape == (4, 2)
+    # one chunk: a plain allocation, no split
+    s = _in_scope([2])
+    assert scope.chunk_empty("site", (4, 2), torch.float32, "cpu").shape == (4, 2) and not s.batch_outputs
+    # unknown sizes: the leading size not a whole multiple of the chunk's rows, or a chunk of no rows
+    s = _in_scope([3, 1])
+    assert scope.chunk_empty("site", (4, 2), torch.float32, "cpu").shape == (4, 2) and not s.batch_outputs
+    s = _in_scope([0, 2])
+    assert scope.chunk_empty("site", (0, 2), torch.float32, "cpu").shape == (0, 2) and not s.batch_outputs
+    # another chunk's shape or dtype than the buffer's: fresh, and the buffer's piece stays unused
+    s = _in_scope([1, 1])
+    p0 = scope.chunk_empty("site", (2, 2), torch.float32, "cpu")
+    s.chunk = 1
+    for shape, dtype in (((3, 2), torch.float32), ((2, 3), torch.float32), ((2, 2), torch.float64)):
+        p = scope.chunk_empty("site", shape, dtype, "cpu")
+        assert p.shape == shape and p.dtype == dtype
+        assert not (p.untyped_storage().data_ptr() == p0.untyped_storage().data_ptr())
+
+
+def test_a_recomputation_in_a_scope_gets_fresh_memory():
+    s = _in_scope([1, 1])
+    p0 = scope.chunk_empty("site", (2, 2), torch.float32, "cpu")
+    s.chunk = 1
+    token = scope.CHUNK.replaying.set(deque())
+    try:
+        fresh = scope.chunk_empty("site", (2, 2), torch.float32, "cpu")
+    finally:
+        scope.CHUNK.replaying.reset(token)
+    assert fresh.untyped_storage().data_ptr() != p0.untyped_storage().data_ptr()
+    # the chunk's own piece is still there for its forward
+    assert scope.chunk_empty("site", (2, 2), torch.float32, "cpu").data_ptr() == p0.data_ptr() + 16
+
+
+def test_a_piece_outlives_the_scope_and_its_siblings():
+    s = _in_scope([1, 1])
+    p0 = scope.chunk_empty("site", (2, 3), torch.float32, "cpu")
+    s.chunk = 1
+    p1 = scope.chunk_empty("site", (2, 3), torch.float32, "cpu")
+    scope.set_current(None)
+    del s, p0
+    p1.fill_(2.0)  # the buffer lives while a piece does
+    assert torch.equal(p1, torch.full((2, 3), 2.0))
+
+
+def _run(model, chunks, capacity_factor, defer_wgrad, checkpointed):
+    torch.manual_seed(1)
+    x, g = torch.randn(6, 3, 16), torch.randn(6, 3, 16)
+    x.requires_grad_(True)
+    if checkpointed:  # each block recomputed in backward (outside the scope: fresh memory)
+        for block in model.blocks:
+            fwd = block.forward
+            block.forward = lambda h, fwd=fwd: lancet_rt.checkpoint(fwd, h)
+    runner = lancet_rt.Overlapped(model, chunks=chunks, defer_wgrad=defer_wgrad)
+    y = runner(x)
+    y.backward(g)
+    return [y.detach(), x.grad] + [p.grad for p in model.parameters()]
+
+
+@pytest.mark.parametrize("chunks", [2, 3])
+@pytest.mark.parametrize("capacity_factor", [None, 1.25])
+@pytest.mark.parametrize("defer_wgrad,checkpointed", [(False, False), (True, False), (False, True)])
+def test_pieces_give_the_same_bits_on_the_kernels(monkeypatch, chunks, capacity_factor, defer_wgrad, checkpointed):
+    monkeypatch.setenv("LANCET_KERNELS", "triton")
+    model = make_model(capacity_factor)
+    twin = copy.deepcopy(model)
+    used = []
+    piece = scope.ChunkScope.pieces
+
+    def counted(self, *args):
+        p = piece(self, *args)
+        used.append(p is not None)
+        return p
+
+    monkeypatch.setattr(scope.ChunkScope, "pieces", lambda self, *args: None)
+    ref = _run(model, chunks, capacity_factor, defer_wgrad, checkpointed)
+    monkeypatch.setattr(scope.ChunkScope, "pieces", counted)
+    got = _run(twin, chunks, capacity_factor, defer_wgrad, checkpointed)
+    assert any(used)
+    assert len(ref) == len(got)
+    for a, b in zip(ref, got):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_count_outputs_share_one_buffer_each_chunk_its_own():
+    s = _in_scope([1, 2])
+    y0, s0 = scope.chunk_empty("site", (2, 3), torch.float32, "cpu", count=2)
+    s.chunk = 1
+    y1, s1 = scope.chunk_empty("site", (4, 3), torch.float32, "cpu", count=2)
+    base = y0.data_ptr()
+    # one [2 * 6, 3] buffer: the first output of every chunk, then the second's
+    assert [p.data_ptr() - base for p in (y0, y1, s0, s1)] == [0, 2 * 12, 6 * 12, 8 * 12]
+    assert [p.shape for p in (y0, y1, s0, s1)] == [(2, 3), (4, 3), (2, 3), (4, 3)]
+    assert not s.batch_outputs
+    scope.set_current(None)
+    a, b = scope.chunk_empty("site", (2, 3), torch.float32, "cpu", count=2)
+    assert a.data_ptr() != b.data_ptr()
+
+
+def test_a_norm_output_piece_may_be_modified_in_place(monkeypatch):
+    # the pieces are not views for autograd: a custom Function returns them as fresh outputs
+    monkeypatch.setenv("LANCET_KERNELS", "triton")
+    from lancet_rt.dense import add_rmsnorm
+
+    s = _in_scope([1, 1])
+    w = torch.ones(8, requires_grad=True)
+    outs = []
+    for c in range(2):
+        s.chunk = c
+        x, r = torch.randn(3, 8, requires_grad=True), torch.randn(3, 8)
+        y, h = add_rmsnorm(x, r, w)
+        outs.append((x, y * 1.0, h))
+    assert outs[1][2].data_ptr() - outs[0][2].data_ptr() == 3 * 8 * 4  # the sums: pieces of one buffer
+    scope.set_current(None)
+    outs[1][2].mul_(2.0)  # in place on chunk 1's output leaves chunk 0's graph intact
+    outs[0][1].sum().backward()
+    assert outs[0][0].grad is not None
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.25])
+def test_pieces_give_the_same_bits_over_accumulated_microbatches(monkeypatch, capacity_factor):
+    # a new scope, so new buffers, for each microbatch's forward, its backward interleaved with the next
+    monkeypatch.setenv("LANCET_KERNELS", "triton")
+    torch.manual_seed(1)
+    mbs = [(torch.randn(4, 3, 16),) for _ in range(3)]
+    gs = [torch.randn(4, 3, 16) for _ in range(3)]
+
+    def step(model):
+        ov = lancet_rt.Overlapped(model, chunks=2, defer_wgrad=True)
+        losses = ov.accumulate(mbs, lambda y, i: (y * gs[i]).sum(), interleave=True)
+        return [losses] + [p.grad for p in model.parameters()]
+
+    model = make_model(capacity_factor)
+    twin = copy.deepcopy(model)
+    piece = scope.ChunkScope.pieces
+    used = []
+
+    def counted(self, *args):
+        p = piece(self, *args)
+        used.append(p is not None)
+        return p
+
+    monkeypatch.setattr(scope.ChunkScope, "pieces", lambda self, *args: None)
+    ref = step(model)
+    monkeypatch.setattr(scope.ChunkScope, "pieces", counted)
+    got = step(twin)
+    assert any(used)
+    for a, b in zip(ref, got, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
