@@ -1,14 +1,22 @@
 """bench.host's counts, which do not depend on the machine: the acceptance of the work on chunking's cost as
-a regression test (host reads and saved bytes per extra chunk; ATen ops on the CPU path)."""
+a regression test (host reads and saved bytes per extra chunk; ATen ops on the CPU path, host operations on
+the Triton path)."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 from bench import host
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.parametrize("extra", [[], ["--capacity-factor", "1.25", "--autocast", "bf16", "--defer-wgrad"]])
@@ -96,3 +104,21 @@ def test_the_launch_counter_counts_and_times_each_launch_once(monkeypatch):
     assert launches.count == 2
     assert 0.006 <= launches.seconds < 1.0  # (the outer launch's time holds the inner one's)
     assert jit.JITFunction.run is fake_run  # (restored on exit)
+
+
+def test_the_triton_path_stays_within_its_host_operation_count():
+    """The GPU path's host operations per layer per extra chunk (ATen ops + Triton launches), counted on
+    the CPU through its own sequence (the Triton interpreter), one layer, 2 chunks: at most what they are
+    (102 ATen ops + 17 launches, docs/benchmarks.md), with one host read."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, LANCET_KERNELS="triton", TRITON_INTERPRET="1")
+    argv = ["--device", "cpu", "--chunks", "2", "--layers", "1", "--batch", "2", "--seq", "4", "--count-only"]
+    code = f"import json; from bench import host; print(json.dumps(host.main({argv!r})[-1]))"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=REPO, check=True
+    )
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    host_ops = row["ops_per_chunk"] + row["fwd_launches_per_chunk"] + row["bwd_launches_per_chunk"]
+    assert row["fwd_launches_per_chunk"] + row["bwd_launches_per_chunk"] > 0  # (the kernels ran)
+    assert host_ops <= 119, host_ops
+    assert row["reads_per_chunk"] <= 1
