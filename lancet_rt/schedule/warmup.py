@@ -346,8 +346,7 @@ def _launch_experts(m: MoE, ops, rows: int, dtype, device) -> None:
     spec = e._spec
     w_E2FD, w_EDF = kernel_views(e.gate_up_proj.detach().to(dtype), e.down_proj.detach().to(dtype), spec.gpt_oss)
     b_gu, b_dn = (None if b is None else b.detach().to(dtype) for b in (e.gate_up_proj_bias, e.down_proj_bias))
-    regrouped = m.group is not None and m.ep_size > 1 and L > 1 and m.config.dispatcher != "allreduce"
-    row_map = torch.arange(rows, device=device) if regrouped and triton_gemms(ops) else None
+    row_map = torch.arange(rows, device=device) if m.dispatcher.regroups_rows and triton_gemms(ops) else None
     x = torch.zeros(rows, D, device=device, dtype=dtype)
     y, h, gu = expert_rows(ops, spec, x, w_E2FD, w_EDF, off, b_gu, b_dn, row_map)
     dy = {} if row_map is None else dict(dy_rows=row_map)

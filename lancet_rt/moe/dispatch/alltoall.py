@@ -34,6 +34,12 @@ class AllToAll(Dispatcher):
 
     name = "alltoall"
 
+    @property
+    def regroups_rows(self) -> bool:
+        """Rows from several ranks for several local experts arrive rank-major (:meth:`dispatch`)."""
+        moe = self.moe
+        return moe.group is not None and moe.ep_size > 1 and moe.num_local_experts > 1
+
     def exchange_counts(self, kept_PE: torch.Tensor, dtype: torch.dtype, error: Optional[Exception] = None) -> Counts:
         """:meth:`~lancet_rt.moe.dispatch.base.Dispatcher.exchange_counts`: each rank gets the rows it will
         receive for each of its local experts; with ``shadow_experts`` every row also carries the sender's kept

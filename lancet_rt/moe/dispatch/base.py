@@ -109,6 +109,12 @@ class Dispatcher:
         self.moe = moe
         self.routed_experts, self.shared_experts, self.shared_expert_gate = experts, shared_experts, shared_expert_gate
 
+    @property
+    def regroups_rows(self) -> bool:
+        """Whether the experts get the rows in received order with a permutation to expert order
+        (``Dispatched.to_expert_major``: the kernels then read and write through it as a row map)."""
+        return False
+
     # ---------------------------------------------------------------- stages
     def before_route(self, c: Chunk) -> None:
         """Work issued before the chunk's routing (sets ``c.early``); none by default."""
