@@ -125,8 +125,8 @@ class ChunkScope:
         last_combine: per chunk, the (output, link) of the combine all-to-all of the last MoE layer
             it ran, or None where that layer's backward cannot be started from the forward
             (:mod:`lancet_rt.schedule.early_backward`).
-        batch_outputs: the batch-sized output buffers of :meth:`pieces`, per (site, n-th call), each
-            split into the chunks' pieces; an entry goes once its last piece is handed out.
+        sites: the :class:`ChunkSite` of each (site, n-th call): what the chunks share there (the
+            batch-sized buffers of :meth:`pieces`, among others).
     """
 
     def __init__(self, rows: list[int], switch: Callable[[], None]):
@@ -140,8 +140,8 @@ class ChunkScope:
         self.first_exchange: dict = {}
         self.casts: dict = {}
         self.last_combine: dict = {}
-        self.batch_outputs: dict = {}
-        self._piece_calls: dict = {}
+        self.sites: dict = {}
+        self._site_calls: dict = {}
         self._yields = 0
 
     def switch(self, issues_next: bool = False) -> None:
@@ -157,53 +157,87 @@ class ChunkScope:
         self._calls[k] = n + 1
         return id(layer), n
 
-    def pieces(self, site, count: int, shape: tuple, dtype: torch.dtype, device) -> Optional[tuple]:
-        """This chunk's ``count`` pieces (each contiguous, uninitialised, ``shape``) of the batch-sized
-        buffer of the outputs made at ``site`` (any hashable naming the call site; the n-th call of a
-        site in a chunk is the n-th in every chunk), or None where the chunks' sizes are unknown: the
-        caller allocates.
+    def site(self, site) -> "ChunkSite":
+        """The :class:`ChunkSite` the chunks share at their n-th call of ``site`` (any hashable naming the
+        call site; the n-th call of a site in a chunk is the n-th in every chunk), made by the first chunk
+        to get there."""
+        k = (self.chunk, site)
+        n = self._site_calls.get(k, 0)
+        self._site_calls[k] = n + 1
+        key = (site, n)
+        got = self.sites.get(key)
+        if got is None:
+            got = self.sites[key] = ChunkSite(self.rows)
+        return got
 
-        The first chunk to reach a (site, n) allocates one buffer for the ``count`` outputs of all the
-        chunks, dim 0 sized by their rows (its own dim 0 per row of its own, times each chunk's rows),
-        and splits it once: 2 host ops for the batch instead of ``count`` allocations per chunk. Each
-        chunk's pieces are handed out once, to that chunk: a chunk whose shape, dtype or device differs
-        from the buffer's gets None. The pieces are plain tensors (split below autograd's view
-        tracking: each has its own version counter, and a custom Function may return it as a fresh
-        output, modifiable in place), sharing the buffer's memory: the buffer lives until the last
-        piece dies (e.g. the last chunk's piece saved for backward), not until the scope ends.
+    def pieces(self, site, count: int, shape: tuple, dtype: torch.dtype, device) -> Optional[tuple]:
+        """This chunk's ``count`` pieces of the batch-sized buffer of the outputs made at ``site``
+        (:meth:`ChunkSite.take`), or None where the caller allocates."""
+        return self.site(site).take(self.chunk, count, shape, dtype, device)
+
+
+class ChunkSite:
+    """What the chunks' n-th calls of one site share (:meth:`ChunkScope.site`). Made in the forward by the
+    first chunk to reach the site; a chunk's autograd node may hold it to share with the other chunks in
+    backward too, after the forward's scope has ended (e.g. :meth:`take` for the gradients' pieces: its
+    first caller allocates for all the chunks, whichever chunk's backward runs first).
+
+    Attributes:
+        rows: rows (along dim 0) of each chunk of the forward that made it.
+    """
+
+    def __init__(self, rows: list[int]):
+        self.rows = rows
+        self._split: Optional[list] = None
+
+    def take(self, chunk: int, count: int, shape: tuple, dtype: torch.dtype, device) -> Optional[tuple]:
+        """Chunk ``chunk``'s ``count`` pieces (each contiguous, uninitialised, ``shape``) of one batch-sized
+        buffer, or None where the chunks' sizes are unknown or the pieces were taken: the caller allocates.
+
+        The first caller allocates one buffer for the ``count`` outputs of all the chunks, dim 0 sized by
+        their rows (its own dim 0 per row of its own, times each chunk's rows), and splits it once: 2 host
+        ops for the batch instead of ``count`` allocations per chunk. Each chunk's pieces are handed out
+        once, to that chunk: a chunk whose shape, dtype or device differs from the buffer's gets None.
+        The pieces are plain tensors (split below autograd's view tracking: each has its own version
+        counter, and a custom Function may return it as a fresh output, modifiable in place), sharing
+        the buffer's memory: the buffer lives until the last piece dies (e.g. the last chunk's piece
+        saved for backward), not until the site does.
         """
-        c = self.chunk
-        k = (c, site)
-        n = self._piece_calls.get(k, 0)
-        self._piece_calls[k] = n + 1
         rows = self.rows
         N = len(rows)
         if N < 2:
             return None
-        key = (site, n)
-        entry = self.batch_outputs.get(key)
-        if entry is None:
-            lead, r = shape[0], rows[c]
+        split = self._split
+        if split is None:
+            lead, r = shape[0], rows[chunk]
             if r == 0 or lead % r:
                 return None
             sizes = [lead // r * q for q in rows] * count
             buf = torch.empty((sum(sizes), *shape[1:]), dtype=dtype, device=device)
             with torch._C._AutoDispatchBelowADInplaceOrView():
-                split = list(buf.split(sizes))
-            entry = self.batch_outputs[key] = [split, N]
-        split = entry[0]
-        mine = split[c]
-        if mine is None or mine.shape != tuple(shape) or mine.dtype != dtype or mine.device != torch.device(device):
-            return None
+                split = self._split = list(buf.split(sizes))
         if len(split) != count * N:
             return None
-        got = tuple(split[c + i * N] for i in range(count))
+        mine = split[chunk]
+        if mine is None or mine.shape != tuple(shape) or mine.dtype != dtype or mine.device != torch.device(device):
+            return None
+        got = tuple(split[chunk + i * N] for i in range(count))
         for i in range(count):
-            split[c + i * N] = None
-        entry[1] -= 1
-        if entry[1] == 0:
-            del self.batch_outputs[key]
+            split[chunk + i * N] = None
         return got
+
+    def holds(self) -> bool:
+        """Whether pieces of a buffer are still to be handed out here (keeping the buffer alive)."""
+        return self._split is not None and any(p is not None for p in self._split)
+
+
+def chunk_site(site) -> Optional[ChunkSite]:
+    """The :class:`ChunkSite` this chunk shares with the others at ``site`` (:meth:`ChunkScope.site`), or
+    None outside a chunked forward and in a recomputation (which runs one chunk's forward again alone)."""
+    s = THREAD.chunks
+    if s is None or CHUNK.replaying.get() is not None:
+        return None
+    return s.site(site)
 
 
 def chunk_empty(site, shape: tuple, dtype: torch.dtype, device, count: int = 1):

@@ -13,6 +13,11 @@ from lancet_rt.runtime import scope
 from tests.schedule.test_overlap import make_model
 
 
+def _holds(s) -> bool:
+    """Whether any site of ``s`` still holds pieces (and so a buffer) not handed out."""
+    return any(site.holds() for site in s.sites.values())
+
+
 def _in_scope(rows):
     s = scope.ChunkScope(rows, switch=lambda: None)
     scope.set_current(s)
@@ -35,7 +40,7 @@ def test_each_chunk_gets_its_own_piece_of_one_buffer_sized_by_the_rows():
     assert [p.shape for p in got] == [(6, 5), (6, 5), (2, 5)]
     assert [p.data_ptr() - base for p in got] == [0, 6 * 5 * 4, 12 * 5 * 4]
     assert all(p.is_contiguous() and not p._is_view() for p in got)
-    assert not s.batch_outputs  # every piece handed out: the scope holds no buffer
+    assert not _holds(s)  # every piece handed out: the scope holds no buffer
     # each piece is a tensor of its own for autograd: in place on one leaves the others' versions
     got[1].fill_(1.0)
     assert got[0]._version == 0 and got[2]._version == 0
@@ -54,12 +59,12 @@ def test_fresh_tensors_where_the_pieces_do_not_apply():
     assert scope.chunk_empty("site", (4, 2), torch.float32, "cpu").shape == (4, 2)
     # one chunk: a plain allocation, no split
     s = _in_scope([2])
-    assert scope.chunk_empty("site", (4, 2), torch.float32, "cpu").shape == (4, 2) and not s.batch_outputs
+    assert scope.chunk_empty("site", (4, 2), torch.float32, "cpu").shape == (4, 2) and not _holds(s)
     # unknown sizes: the leading size not a whole multiple of the chunk's rows, or a chunk of no rows
     s = _in_scope([3, 1])
-    assert scope.chunk_empty("site", (4, 2), torch.float32, "cpu").shape == (4, 2) and not s.batch_outputs
+    assert scope.chunk_empty("site", (4, 2), torch.float32, "cpu").shape == (4, 2) and not _holds(s)
     s = _in_scope([0, 2])
-    assert scope.chunk_empty("site", (0, 2), torch.float32, "cpu").shape == (0, 2) and not s.batch_outputs
+    assert scope.chunk_empty("site", (0, 2), torch.float32, "cpu").shape == (0, 2) and not _holds(s)
     # another chunk's shape or dtype than the buffer's: fresh, and the buffer's piece stays unused
     s = _in_scope([1, 1])
     p0 = scope.chunk_empty("site", (2, 2), torch.float32, "cpu")
@@ -152,7 +157,7 @@ def test_count_outputs_share_one_buffer_each_chunk_its_own():
     # one [2 * 6, 3] buffer: the first output of every chunk, then the second's
     assert [p.data_ptr() - base for p in (y0, y1, s0, s1)] == [0, 2 * 12, 6 * 12, 8 * 12]
     assert [p.shape for p in (y0, y1, s0, s1)] == [(2, 3), (4, 3), (2, 3), (4, 3)]
-    assert not s.batch_outputs
+    assert not _holds(s)
     scope.set_current(None)
     a, b = scope.chunk_empty("site", (2, 3), torch.float32, "cpu", count=2)
     assert a.data_ptr() != b.data_ptr()
