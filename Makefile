@@ -63,9 +63,13 @@ bench-link: setup peers
 	$(BIN)/python -m bench.reallink.acceptance $(BENCH_LINK_ARGS)
 
 # The test suite (CPU lane; Triton kernels in the interpreter); its header states the versions it ran
-# with. Exit code 5 (no tests) is not a failure.
+# with. Exit code 5 (no tests) is not a failure. TEST_WORKERS pytest-xdist processes (default 2: the
+# suite spends a fifth of its time waiting on ranks and commands it starts; each file runs in one
+# worker, so a file's module fixtures are made once); TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+TEST_ARGS = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 test: setup peers
-	$(BIN)/python -m pytest; rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(BIN)/python -m pytest $(TEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 # The suite on pyproject.toml's lower bounds, pinned (tests/lower_bounds.py turns every `name>=X` into
 # `name==X`) in a venv of their own, with the peers: the oldest supported set is a tested one. `make
@@ -78,7 +82,7 @@ test-oldest:
 	$(OLDEST)/bin/python -m tests.lower_bounds > $(OLDEST)/constraints.txt
 	$(OLDEST)/bin/python -m pip install -q -c $(OLDEST)/constraints.txt -e ".[test,bench]"
 	$(call install_peers,$(OLDEST))
-	$(OLDEST)/bin/python -m pytest -p no:cacheprovider $(OLDEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
+	$(OLDEST)/bin/python -m pytest -p no:cacheprovider $(TEST_ARGS) $(OLDEST_ARGS); rc=$$?; [ $$rc -eq 5 ] && rc=0; exit $$rc
 
 # The GPU lane, on a CUDA machine.
 test-gpu: setup

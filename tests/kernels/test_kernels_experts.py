@@ -126,9 +126,22 @@ def _scattered(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return out
 
 
-@pytest.mark.parametrize("map_dtype", [torch.int32, torch.int64], ids=str)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", SEGMENTS, ids=SEG_IDS)
+# Each segment case, each dtype and each row-map dtype at least once, the mixed case in every dtype
+# (the full product repeats the same launches at several times the interpreter's time).
+_C = dict(zip(SEG_IDS, SEGMENTS))
+ROW_MAP_CASES = [
+    (_C["mixed"], torch.float32, torch.int32),
+    (_C["mixed"], torch.bfloat16, torch.int64),
+    (_C["mixed"], torch.float16, torch.int32),
+    (_C["one_expert"], torch.bfloat16, torch.int32),
+    (_C["single"], torch.float16, torch.int64),
+    (_C["aligned"], torch.float32, torch.int64),
+]
+
+
+@pytest.mark.parametrize(
+    "case, dtype, map_dtype", ROW_MAP_CASES, ids=[f"{c[0]}-{d}-{m}".replace("torch.", "") for c, d, m in ROW_MAP_CASES]
+)
 def test_row_maps(case, dtype, map_dtype, gen):
     """Every launcher's row maps: the reference on the regrouped rows, and bit for bit the launch on
     rows regrouped beforehand (index_select) and regrouped after (outputs NaN-filled first)."""
@@ -174,9 +187,14 @@ def test_row_maps(case, dtype, map_dtype, gen):
         assert_close("mapped gate_up gu", gu, grouped_mm_ref(x.double(), w2.double(), off, b2.double()))
 
 
-@pytest.mark.parametrize("act", ["swiglu", "swiglu_oai-interleaved", "swiglu_oai"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("case", SEGMENTS, ids=SEG_IDS)
+# Every segment case with every activation; the dtypes in turn (each dtype with each activation)
+ACTS = ["swiglu", "swiglu_oai-interleaved", "swiglu_oai"]
+DX_ACT_CASES = [(case, DTYPES[(i + j) % 3], act) for i, case in enumerate(SEGMENTS) for j, act in enumerate(ACTS)]
+
+
+@pytest.mark.parametrize(
+    "case, dtype, act", DX_ACT_CASES, ids=[f"{c[0]}-{d}-{a}".replace("torch.", "") for c, d, a in DX_ACT_CASES]
+)
 def test_dx_with_the_activation_gradient(case, dtype, act, gen):
     """grouped_mm_dx(gu_R2F=): swiglu_bwd of the dx in the epilogue, bit for bit the two launches
     (dx stored, then swiglu_bwd), also with dy read through a row map; against the references."""

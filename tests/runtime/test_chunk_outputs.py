@@ -114,16 +114,14 @@ def _run(model, chunks, capacity_factor, defer_wgrad, checkpointed):
     return [y.detach(), x.grad] + [p.grad for p in model.parameters()]
 
 
-# (each option with both chunk counts and both capacities somewhere: 6 of the 12 combinations, for CI's time)
+# (each option on and off, each chunk count and each capacity twice: 4 of the 16 combinations, for CI's time)
 @pytest.mark.parametrize(
     "chunks,capacity_factor,defer_wgrad,checkpointed",
     [
         (3, None, False, False),
-        (2, 1.25, False, False),
-        (2, None, True, False),
-        (3, 1.25, True, False),
-        (2, 1.25, False, True),
-        (3, None, False, True),
+        (2, 1.25, True, False),
+        (2, None, False, True),
+        (3, 1.25, True, True),
     ],
 )
 def test_pieces_give_the_same_bits_on_the_kernels(monkeypatch, chunks, capacity_factor, defer_wgrad, checkpointed):
@@ -183,7 +181,7 @@ def test_a_norm_output_piece_may_be_modified_in_place(monkeypatch):
     assert outs[0][0].grad is not None
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 1.25])
+@pytest.mark.parametrize("capacity_factor", [1.25])  # (dropless: the kernels' test above, for CI's time)
 def test_pieces_give_the_same_bits_over_accumulated_microbatches(monkeypatch, capacity_factor):
     # a new scope, so new buffers, for each microbatch's forward, its backward interleaved with the next
     monkeypatch.setenv("LANCET_KERNELS", "triton")
