@@ -4,7 +4,9 @@ For the blocks model on an emulated expert-parallel link (an infinitely fast one
 and the compute's own work is left), a training step is run unchunked and under
 ``lancet_rt.Overlapped(chunks=N)``, and each phase is counted:
 
-* ATen ops (a ``TorchDispatchMode`` sees every op the step dispatches, views included);
+* ATen ops (a ``TorchDispatchMode`` sees every op the step dispatches, views included; ``aten::detach``
+  from a profiled run of the same step with no mode, as the mode makes autograd dispatch detaches of
+  its own: :meth:`Step._detaches`);
 * host reads of tensor values (``aten._local_scalar_dense``: ``.item()``, ``.tolist()``, ``int(t)``;
   on a GPU each read of a device tensor is a host sync);
 * Triton launches (on the kernel path: ``LANCET_KERNELS=triton``, on CPU with ``TRITON_INTERPRET=1``),
@@ -58,6 +60,8 @@ from lancet_rt.cli import float_in, int_in, list_of
 from lancet_rt.models.blocks import MoEBlocks
 
 _READ = torch.ops.aten._local_scalar_dense.default
+#: Counted by the profiler, not the dispatch mode (:meth:`Step._detaches`).
+_DETACH = "aten::detach"
 
 
 #: Tensor methods that read values to the host without dispatching an ATen op on CPU (``tolist``
@@ -105,6 +109,10 @@ class OpCounter(TorchDispatchMode):
             setattr(torch.Tensor, name, original)
         self._saved.clear()
         return super().__exit__(*exc)
+
+    def set_count(self, name: str, count: int) -> None:
+        """Put ``count`` for the op ``name`` (measured another way: :meth:`Step._detaches`)."""
+        self.ops[name] = count
 
     @property
     def total(self) -> int:
@@ -243,12 +251,15 @@ class Step:
             self.forward(n).backward()
         self.model.zero_grad(set_to_none=True)
         row["saved_bytes"] = saved["bytes"]
+        detaches = self._detaches(n)
         with OpCounter() as ops, LaunchCounter() as launches:
             loss = self.forward(n)
+        ops.set_count(_DETACH, detaches[0])
         row.update(fwd_ops=ops.total, fwd_reads=ops.reads, fwd_launches=launches.count)
         fwd_ops, fwd_seconds = ops.ops, launches.seconds
         with OpCounter() as ops, LaunchCounter() as launches:
             loss.backward()
+        ops.set_count(_DETACH, detaches[1])
         row.update(bwd_ops=ops.total, bwd_reads=ops.reads, bwd_launches=launches.count)
         launched = row["fwd_launches"] + launches.count
         if self.device.type == "cuda" and launched:  # (under the interpreter a launch runs the kernel)
@@ -258,6 +269,23 @@ class Step:
             row["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
         row["by_name"] = fwd_ops + ops.ops
         return row
+
+    def _detaches(self, n: int) -> tuple[int, int]:
+        """The ``aten::detach`` a step dispatches, forward and backward, counted by the profiler with no
+        dispatch mode active. Under :class:`OpCounter` (a Python dispatch mode) autograd makes the shallow
+        copy of each tensor a Function saves of its own outputs, and unpacks in backward, through the
+        dispatcher (a detach each), which it does in C++ without one otherwise: those detaches are the
+        counter's, not the step's."""
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            loss = self.forward(n)
+        fwd = sum(e.name == _DETACH for e in prof.events())
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            loss.backward()
+        bwd = sum(e.name == _DETACH for e in prof.events())
+        self.model.zero_grad(set_to_none=True)
+        return fwd, bwd
 
     def host_us(self, n: int, reps: int, plain: bool = False) -> dict:
         """Median wall time of the forward and of the backward, in microseconds (GC paused; the device
