@@ -179,10 +179,15 @@ def test_the_experts_sum_their_chunks_dw_in_the_gemms_with_the_same_bits(
         assert (a is None and b is None) or torch.equal(a, b)
 
 
-def test_the_experts_return_their_dw_once_for_the_chunks(monkeypatch):
-    # the engine gets one gradient per weight: the last chunk's backward returns the sum, the others None
+def test_the_experts_return_their_dw_once_for_the_chunks(monkeypatch, execution):
+    # the engine gets one gradient per weight: the last chunk's backward returns the sum, the others
+    # None; with CUDA's semantics too (backward on the engine's device thread, not the forward's)
     monkeypatch.setenv("LANCET_KERNELS", "triton")
     model = make_model(None)
+    twin = copy.deepcopy(model)
+    with monkeypatch.context() as m:
+        m.setattr(_experts, "dw_sum_site", lambda *args: None)
+        ref = _step(twin, 3, False)
     returned = []
     backward = _experts._ExpertsFn._backward
 
@@ -192,7 +197,9 @@ def test_the_experts_return_their_dw_once_for_the_chunks(monkeypatch):
         return got
 
     monkeypatch.setattr(_experts._ExpertsFn, "_backward", staticmethod(counted))
-    _step(model, 3, False)
+    got = _step(model, 3, False)
+    for a, b in zip(ref, got, strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)
     layers = len(list(model.moe_layers()))
     assert len(returned) == 3 * layers
     assert returned.count((True, True)) == layers and returned.count((False, False)) == 2 * layers
