@@ -59,7 +59,10 @@ rows, one deterministic launch.
 *Weight gradient* (``grouped_mm_dw``). A reduction over each segment's rows, so it is its own launch:
 the grid is E x cdiv(N, BN) x cdiv(K, BK) output tiles (sizes known on the host), experts outermost;
 each program loops over its segment's rows in BLOCK_M steps (bounds read from the device) and writes
-its [BN, BK] tile once. An empty segment runs no iteration and writes zeros.
+its [BN, BK] tile once. An empty segment runs no iteration and writes zeros. With ``accumulate``
+(``ACCUMULATE``) the tile is added to the output's old value instead, in the output's dtype as
+PyTorch's ``a + b`` of two gradients: so the chunks of a chunked step sum their gradients of one
+weight in its dW launches, with no buffer per chunk and no separate add, bit for bit the engine's sum.
 
 All kernels accumulate in fp32 and write the input dtype (bf16, fp16 or fp32). fp32 inputs use exact
 fp32 products by default (``allow_tf32=False``, ``input_precision="ieee"``) so they match an fp32
@@ -99,6 +102,21 @@ def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, acc=acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
+def _added(a, b, DTYPE: tl.constexpr):
+    """a + b for two DTYPE tiles, as PyTorch adds them: in float32, then rounded to DTYPE to nearest,
+    ties to even. bfloat16 is rounded on the bits: the CPU interpreter's float32 -> bfloat16 cast
+    truncates (and its "rtne" rounds ties up), while PyTorch's ``a + b`` rounds to even; a NaN gives
+    PyTorch's quiet NaN (0x7FC0)."""
+    s = a.to(tl.float32) + b.to(tl.float32)
+    if DTYPE == tl.bfloat16:
+        u = s.to(tl.uint32, bitcast=True)
+        hi = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        hi = tl.where(s != s, 0x7FC0, hi)
+        return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return s.to(DTYPE)
 
 
 @triton.jit
@@ -497,7 +515,7 @@ def _grouped_gemm_dw_kernel(
     # pointers
     dy_ptr,  # [R, N] output gradient, rows grouped by expert
     x_ptr,  # [R, K] forward input
-    dw_ptr,  # [E, N, K] output: dw[e] = dy_seg.T @ x_seg, x's dtype
+    dw_ptr,  # [E, N, K] output: dw[e] = dy_seg.T @ x_seg (added to it with ACCUMULATE), x's dtype
     offsets_ptr,  # [E + 1] int32/int64 segment bounds
     dyr_ptr,  # [R] int32/int64 row map of dy (read only with GATHER_DY): grouped row g is dy[dyr[g]]
     xr_ptr,  # [R] int32/int64 row map of x (read only with GATHER_X): grouped row g is x[xr[g]]
@@ -525,9 +543,12 @@ def _grouped_gemm_dw_kernel(
     TILE_I64: tl.constexpr = False,  # BLOCK_M x a row stride reaches 2^31: row steps in int64
     GATHER_DY: tl.constexpr = False,  # dy's rows through dyr
     GATHER_X: tl.constexpr = False,  # x's rows through xr
+    ACCUMULATE: tl.constexpr = False,  # dw += the tile rounded to dw's dtype (dw's old value read)
 ):
     """dw[e, n, k] = sum over rows r of segment e of dy[r, n] * x[r, k]; zeros for an empty segment
-    (r a grouped row; dy's and x's rows through their row maps where given)."""
+    (r a grouped row; dy's and x's rows through their row maps where given). With ACCUMULATE, dw[e, n, k]
+    becomes round(dw[e, n, k] + round(that sum)) instead: the two gradients' sum in dw's dtype, as
+    ``a + b`` in PyTorch gives it (both rounded to dw's dtype, added in float32, rounded once)."""
     # -- phase 1: map the program to (expert, N tile, K tile) and load its segment bounds --
     pid = tl.program_id(0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -578,4 +599,7 @@ def _grouped_gemm_dw_kernel(
         + offs_k.to(tl.int64)[None, :] * stride_dwk
     )
     mask_out = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    tl.store(dw_ptrs, acc.to(dw_ptr.dtype.element_ty), mask=mask_out)
+    b_dw = acc.to(dw_ptr.dtype.element_ty)  # (rounded as an overwriting launch stores it)
+    if ACCUMULATE:
+        b_dw = _added(tl.load(dw_ptrs, mask=mask_out, other=0.0), b_dw, dw_ptr.dtype.element_ty)
+    tl.store(dw_ptrs, b_dw, mask=mask_out)

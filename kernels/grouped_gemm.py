@@ -11,6 +11,7 @@ grouped_mm        y[r] = x[r] @ w[e].T (+ b[e])           grouped_mm_ref        
 grouped_mm_dx     dx[r] = dy[r] @ w[e]                    grouped_mm_dx_ref          2 R N K
   with gu_R2F     dgu = swiglu_bwd(gu, dy @ w[e])         swiglu_bwd_ref of dx_ref   2 R N K
 grouped_mm_dw     dw[e] = dy_seg.T @ x_seg (0 if empty)   grouped_mm_dw_ref          2 R N K
+  accumulate      out[e] += dw[e] (in out's dtype)        out + grouped_mm_dw_ref    2 R N K
 gate_up_swiglu    gu = x @ w[e].T (+ b[e]), h = act(g, u) gate_up_swiglu_ref         2 R (2F) D
 segment_sum       s[e] = sum of g_seg's rows (0 if empty) segment_sum_ref            memory-bound
 swiglu_fwd/_bwd   elementwise act and its gradient        swiglu_fwd_ref / _bwd_ref  memory-bound
@@ -134,6 +135,10 @@ def _autotuned(op: str):
     keys = keys.get(op, ["N", "K", "E", "M_BUCKET"])
     # Keep tuned choices on disk across processes where this Triton supports it (3.2+).
     extra = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+    # dW's search reruns the launch: an accumulating one must find its output as it was. Its key holds
+    # no ACCUMULATE: the chunks' accumulating launches take the config of the overwriting one.
+    if op == "dw":
+        extra["restore_value"] = ["dw_ptr"]
     # One autotuner per op (fwd and dx share a kernel but not a cache: their strides differ).
     return triton.autotune(
         configs=_gemm_configs(op), key=keys, prune_configs_by={"early_config_prune": _prune_configs(op)}, **extra
@@ -391,6 +396,7 @@ def grouped_mm_dw(
     dy_rows: Optional[torch.Tensor] = None,
     x_rows: Optional[torch.Tensor] = None,
     out: Optional[torch.Tensor] = None,
+    accumulate: bool = False,
     allow_tf32: bool = False,
 ) -> torch.Tensor:
     """dw[e] = dy_seg.T @ x_seg over segment e, zeros for an empty segment: the weight gradient.
@@ -402,10 +408,13 @@ def grouped_mm_dw(
         dy_rows: optional int32/int64 [R] row map: grouped row r is ``dy_RN[dy_rows[r]]``.
         x_rows: optional int32/int64 [R] row map: grouped row r is ``x_RK[x_rows[r]]``.
         out: optional [E, N, K] output buffer in x's dtype (every element is written).
+        accumulate: add to ``out`` (required then) instead of overwriting it: ``out`` becomes
+            ``out + dw`` bit for bit as PyTorch adds two [E, N, K] tensors of x's dtype (dw rounded to
+            that dtype first), e.g. the running sum of the chunks' gradients of one weight.
         allow_tf32: fp32 inputs only: use TF32 tensor cores.
 
     Returns:
-        dw_ENK [E, N, K] in x's dtype.
+        dw_ENK [E, N, K] in x's dtype (``out`` where given).
     """
     _check_float("dy_RN", dy_RN)
     _check_float("x_RK", x_RK)
@@ -424,6 +433,10 @@ def grouped_mm_dw(
     _check_offsets(offsets_E1, E, R, x_RK.device)
     _check_rows("dy_rows", dy_rows, R, x_RK.device)
     _check_rows("x_rows", x_rows, R, x_RK.device)
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
+    if accumulate and out is None:
+        raise ValueError("accumulate=True needs out (the tensor to add to)")
     dw = _check_out(out, (E, N, K), x_RK.dtype, x_RK.device)
     if E == 0 or N == 0 or K == 0:
         return dw
@@ -448,7 +461,12 @@ def grouped_mm_dw(
         dw.stride(1),
         dw.stride(2),
     )
-    meta = dict(GATHER_DY=dy_rows is not None, GATHER_X=x_rows is not None, **_dot_meta(x_RK.dtype, allow_tf32))
+    meta = dict(
+        GATHER_DY=dy_rows is not None,
+        GATHER_X=x_rows is not None,
+        ACCUMULATE=accumulate,
+        **_dot_meta(x_RK.dtype, allow_tf32),
+    )
     _launch_gemm("dw", grid, args, x_RK.device, **meta)
     return dw
 

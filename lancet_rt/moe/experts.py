@@ -88,24 +88,45 @@ def expert_rows(ops, spec: _Spec, x_RD, w_E2FD, w_EDF, segments, b_gate_up, b_do
     return ops.grouped_mm(h_RF, w_EDF, segments, b_down, out_rows=rows), h_RF, gu_R2F
 
 
-def weight_gradients(ops, gpt_oss: bool, x_RD, h_RF, dgu_R2F, dy_RD, offsets_E1, needs, rows=None) -> tuple:
+def weight_gradients(
+    ops, gpt_oss: bool, x_RD, h_RF, dgu_R2F, dy_RD, offsets_E1, needs, rows=None, into=(None, None)
+) -> tuple:
     """Gradients of (gate_up, down, gate_up_bias, down_bias), each None where ``needs`` says no. In the
     GPT-OSS layout the dW GEMMs take their operands swapped, so they write the parameters' own
     [E, D, 2F] and [E, F, D] layouts. With ``rows`` (a row map, :func:`expert_rows`) ``x_RD`` and
-    ``dy_RD`` are in received order and the dW GEMMs read them through it."""
+    ``dy_RD`` are in received order and the dW GEMMs read them through it. ``into``: for gate_up's and
+    down's dW, a tensor in x's dtype that the dW GEMM adds its gradient to (and returns), or None
+    (Triton GEMMs only: :func:`triton_gemms`)."""
     xr = {} if rows is None else dict(x_rows=rows)
     dyr = {} if rows is None else dict(dy_rows=rows)
+    gu_to, down_to = ({} if t is None else dict(out=t, accumulate=True) for t in into)
     if gpt_oss:
-        dgate_up = ops.grouped_mm_dw(x_RD, dgu_R2F, offsets_E1, **dyr) if needs[0] else None
-        ddown = ops.grouped_mm_dw(h_RF, dy_RD, offsets_E1, **xr) if needs[1] else None
+        dgate_up = ops.grouped_mm_dw(x_RD, dgu_R2F, offsets_E1, **dyr, **gu_to) if needs[0] else None
+        ddown = ops.grouped_mm_dw(h_RF, dy_RD, offsets_E1, **xr, **down_to) if needs[1] else None
     else:
-        dgate_up = ops.grouped_mm_dw(dgu_R2F, x_RD, offsets_E1, **xr) if needs[0] else None
-        ddown = ops.grouped_mm_dw(dy_RD, h_RF, offsets_E1, **dyr) if needs[1] else None
+        dgate_up = ops.grouped_mm_dw(dgu_R2F, x_RD, offsets_E1, **xr, **gu_to) if needs[0] else None
+        ddown = ops.grouped_mm_dw(dy_RD, h_RF, offsets_E1, **dyr, **down_to) if needs[1] else None
     dgate_up_bias = ops.segment_sum(dgu_R2F, offsets_E1) if needs[2] else None
     if needs[3] and rows is not None:  # (the segment sums take grouped rows)
         dy_RD = dy_RD.index_select(0, rows)
     ddown_bias = ops.segment_sum(dy_RD, offsets_E1) if needs[3] else None
     return dgate_up, ddown, dgate_up_bias, ddown_bias
+
+
+def dw_sum_site(ops, tensors: tuple, dtype: torch.dtype) -> Optional[_scope.ChunkSite]:
+    """The site at which the chunks of a chunked forward sum their gradients of gate_up and down in
+    their dW GEMMs (:meth:`lancet_rt.runtime.scope.ChunkSite.sum_gradients`), so the autograd engine
+    gets one gradient per weight, not one per chunk to add; None where each chunk returns its own:
+    outside a chunked forward or in a recomputation, without grad, off the Triton GEMMs (which add
+    into a sum: :func:`triton_gemms`), with biases, or where the gradients' dtype is not the GEMMs'
+    (autocast's float32 weights of bfloat16 rows: their dW are converted before the engine adds).
+    ``tensors``: (gate_up, down, gate_up_bias, down_bias), the Parameters; ``dtype``: the rows'."""
+    gate_up, down, b_gate_up, b_down = tensors
+    if not torch.is_grad_enabled() or not triton_gemms(ops) or b_gate_up is not None or b_down is not None:
+        return None
+    if gate_up.dtype != dtype or down.dtype != dtype:
+        return None
+    return _scope.chunk_site(("experts dW", id(gate_up)))
 
 
 class _ExpertsFn(torch.autograd.Function):
@@ -129,6 +150,7 @@ class _ExpertsFn(torch.autograd.Function):
         link,
         probe,
         params,
+        dw_site=None,
     ):
         # gate_up .. down_bias: what autograd differentiates (the Parameters; None when deferring);
         # ``weights``: the same four in the rows' dtype, detached, for the GEMMs (under autocast one
@@ -158,6 +180,10 @@ class _ExpertsFn(torch.autograd.Function):
         ctx.params, ctx.probe = params, probe
         ctx.wgrad = wgrad.current() if params is not None else None
         ctx.chunk = _scope.current().chunk if _scope.current() is not None else None
+        # The chunks' dW of each weight summed in their dW GEMMs (dw_sum_site), through this site.
+        ctx.dw_site = dw_site
+        if dw_site is not None:
+            dw_site.join_sum(ctx.chunk, ctx)
         return y_RD if to_rank is None or rows is not None else y_RD.index_select(0, to_rank)
 
     @staticmethod
@@ -174,10 +200,16 @@ class _ExpertsFn(torch.autograd.Function):
         if getattr(ctx.ops, "host_offsets", False) and dy_out.device.type == "cpu":
             memory = Workspace.for_backward(saved.h_RF, saved.gu_R2F)  # (the CPU backend's scratch)
         dy_RD, dgu_R2F, dx_in = _input_grads(ctx, saved, dy_out, memory, deferral.active)
-        none = (None,) * 10
+        none = (None,) * 11
         if ctx.wgrad is None:
             needs = ctx.needs_input_grad[1:5]
-            grads = _param_grads(ctx, saved, dy_RD, dgu_R2F, needs)
+            if ctx.dw_site is None:
+                grads = _param_grads(ctx, saved, dy_RD, dgu_R2F, needs)
+            else:  # the weights' gradients summed over the chunks: the last chunk's backward returns them
+                summed = ctx.dw_site.sum_gradients(
+                    ctx.chunk, lambda into: _param_grads(ctx, saved, dy_RD, dgu_R2F, needs, into)[:2]
+                )
+                grads = (None, None, None, None) if summed is None else (*summed, None, None)
             return (dx_in, *(None if g is None else g.to(dtype) for g, dtype in zip(grads, ctx.grad_dtypes))) + none
         if deferral.active:
             deferral.push(ctx, saved, dy_RD, dgu_R2F)
@@ -228,13 +260,18 @@ class _Deferral(NamedTuple):
         x_RD, h_RF = saved.x_RD, saved.h_RF
         flops = 3 * x_RD.shape[0] * saved.gu_R2F.shape[1] * x_RD.shape[1]  # 2RD(2F) + 2RDF
 
-        def weight_grads():
-            grads = _param_grads(ctx, saved, dy_RD, dgu_R2F, self.needs)
+        summing = triton_gemms(ctx.ops)
+
+        def weight_grads(sums=(None, None)):
+            # The queue's running sums of gate_up's and down's dW (the earlier chunks'): the dW GEMMs
+            # add into those in x's dtype (not into a float32 sum of bfloat16 gradients, autocast's).
+            into = tuple(None if t is None or t.dtype != x_RD.dtype else t for t in sums[:2])
+            grads = _param_grads(ctx, saved, dy_RD, dgu_R2F, self.needs, into)
             return tuple(g for g, has in zip(grads, self.present) if has)
 
         needs = tuple(n for n, has in zip(self.needs, self.present) if has)
         held = wgrad.held_bytes(x_RD, *GateUp.tensors(dgu_R2F), h_RF, dy_RD)
-        ctx.wgrad.push(ctx.params, needs, weight_grads, flops, held, x_RD.dtype)
+        ctx.wgrad.push(ctx.params, needs, weight_grads, flops, held, x_RD.dtype, sums=summing)
 
 
 def _input_grads(ctx, saved: _Saved, dy_out, memory: Workspace, deferring: bool) -> tuple:
@@ -278,10 +315,13 @@ def _input_grads(ctx, saved: _Saved, dy_out, memory: Workspace, deferring: bool)
     return dy_RD, dgu_R2F, dx_in
 
 
-def _param_grads(ctx, saved: _Saved, dy_RD, dgu_R2F, needs) -> tuple:
-    """Gradients of (gate_up, down, gate_up_bias, down_bias), each None where not needed."""
+def _param_grads(ctx, saved: _Saved, dy_RD, dgu_R2F, needs, into=(None, None)) -> tuple:
+    """Gradients of (gate_up, down, gate_up_bias, down_bias), each None where not needed; gate_up's and
+    down's added into ``into``'s tensors where given (:func:`weight_gradients`)."""
     x_RD, h_RF, offsets_E1 = saved.x_RD, saved.h_RF, saved.offsets_E1
-    return weight_gradients(ctx.ops, ctx.spec.gpt_oss, x_RD, h_RF, dgu_R2F, dy_RD, offsets_E1, needs, saved.rows)
+    return weight_gradients(
+        ctx.ops, ctx.spec.gpt_oss, x_RD, h_RF, dgu_R2F, dy_RD, offsets_E1, needs, saved.rows, into or (None, None)
+    )
 
 
 class Experts(nn.Module):
@@ -423,8 +463,9 @@ class Experts(nn.Module):
                 q.probe,
                 self._params(),
             )
+        site = dw_sum_site(ops, tensors, x_RD.dtype)
         return _ExpertsFn.apply(
-            x_RD, *tensors, weights, offsets_E1, bounds, ops, self._spec, to_expert, to_rank, link, None, None
+            x_RD, *tensors, weights, offsets_E1, bounds, ops, self._spec, to_expert, to_rank, link, None, None, site
         )
 
     def extra_repr(self) -> str:

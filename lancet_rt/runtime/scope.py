@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import weakref
 from collections import deque
 from typing import Callable, Optional
 
@@ -189,6 +190,8 @@ class ChunkSite:
     def __init__(self, rows: list[int]):
         self.rows = rows
         self._split: Optional[list] = None
+        self._sum_nodes: dict = {}  # chunk -> weakref of its autograd node (join_sum)
+        self._sum: Optional[list] = None  # [graph task, chunks summed (None: each its own), the sums]
 
     def take(self, chunk: int, count: int, shape: tuple, dtype: torch.dtype, device) -> Optional[tuple]:
         """Chunk ``chunk``'s ``count`` pieces (each contiguous, uninitialised, ``shape``) of one batch-sized
@@ -229,6 +232,50 @@ class ChunkSite:
     def holds(self) -> bool:
         """Whether pieces of a buffer are still to be handed out here (keeping the buffer alive)."""
         return self._split is not None and any(p is not None for p in self._split)
+
+    def join_sum(self, chunk: int, node) -> None:
+        """Enrol chunk ``chunk``'s autograd node (a custom Function's ``ctx``, from its forward) in the
+        chunks' gradient sum here (:meth:`sum_gradients`). Held weakly: the site never keeps a graph alive."""
+        self._sum_nodes[chunk] = weakref.ref(node)
+
+    def sum_gradients(self, chunk: int, compute: Callable[[Optional[tuple]], tuple]) -> Optional[tuple]:
+        """Chunk ``chunk``'s turn in the sum over the chunks of gradients of the same tensors, called from
+        its node's backward, on whatever thread runs it.
+
+        ``compute(into)`` gives this chunk's gradients (a tuple, None where one is not wanted): fresh
+        tensors where ``into`` is None; else added into ``into`` (the running sums: what the previous
+        turn's ``compute`` returned), the same tensors returned. The first chunk whose backward runs
+        writes, the later ones add (in the order their backward runs, as the autograd engine would add
+        the gradients the chunks returned), and the last gets the sums, to return for all the chunks;
+        the others get None (nothing for the engine to add). The sums are dropped then, so a retained
+        graph's next backward starts afresh.
+
+        Where that cannot be done, each chunk gets ``compute(None)``, its own gradients: outside a
+        backward, with fewer than 2 chunks, or where a chunk's node did not join (:meth:`join_sum`) or
+        does not run in this backward (one that reaches some chunks only). Decided once per backward
+        (graph task) at its first turn here, so a backward that raised leaves nothing behind for the next.
+        """
+        task = torch._C._current_graph_task_id()
+        state = self._sum
+        if state is None or state[0] != task:
+            nodes = [ref() for ref in self._sum_nodes.values()]
+            whole = (
+                task != -1
+                and len(self.rows) >= 2
+                and len(nodes) == len(self.rows)
+                and all(n is not None and torch._C._will_engine_execute_node(n) for n in nodes)
+            )
+            state = self._sum = [task, set() if whole else None, None]
+        done = state[1]
+        if done is None or chunk in done:
+            return compute(None)
+        sums = compute(state[2])
+        done.add(chunk)
+        if len(done) < len(self.rows):
+            state[2] = sums
+            return None
+        self._sum = None
+        return sums
 
 
 def chunk_site(site) -> Optional[ChunkSite]:

@@ -52,6 +52,7 @@ class _Item:
     flops: int
     nbytes: int = 0  # what the closure holds (its GEMMs' operands) until it runs
     dtype: Optional[torch.dtype] = None  # the dtype its GEMMs run in (priced at that rate)
+    sums: bool = False  # compute takes the params' running sums (WGradQueue.push)
 
 
 def held_bytes(*tensors) -> int:
@@ -168,15 +169,29 @@ class WGradQueue:
         self.flushed = 0
         self._callback_queued = False
 
-    def push(self, params, needs, compute, flops: int, nbytes: int = 0, dtype: Optional[torch.dtype] = None) -> None:
-        """Queue a dW closure; ``nbytes``: what it holds until it runs, ``dtype``: its GEMMs' dtype."""
+    def push(
+        self,
+        params,
+        needs,
+        compute,
+        flops: int,
+        nbytes: int = 0,
+        dtype: Optional[torch.dtype] = None,
+        sums: bool = False,
+    ) -> None:
+        """Queue a dW closure; ``nbytes``: what it holds until it runs, ``dtype``: its GEMMs' dtype.
+
+        ``sums``: ``compute`` takes the running sums of ``params``' gradients (a tuple, None for a
+        parameter with none yet) and may add its gradient into a sum itself, returning that very
+        tensor (then not added again), as the experts' dW GEMMs do: no gradient buffer and no add
+        per item for the chunks after the first."""
         if not self._callback_queued:
             torch.autograd.Variable._execution_engine.queue_callback(self.flush)
             self._callback_queued = True
             self.ran_in_windows = self.flushed = self.forced = 0
             self.peak_held_bytes = self.held_bytes
             self._largest = 0
-        item = _Item(tuple(params), tuple(needs), compute, int(flops), int(nbytes), dtype)
+        item = _Item(tuple(params), tuple(needs), compute, int(flops), int(nbytes), dtype, sums)
         self._largest = max(self._largest, item.nbytes)
         cap = self.cap()
         while self.items and self.held_bytes + item.nbytes > cap:
@@ -227,11 +242,16 @@ class WGradQueue:
 
     def _run(self, item: _Item) -> float:
         t0 = time.perf_counter()
-        grads = item.compute()
+        if item.sums:
+            grads = item.compute(tuple(self._sums.get(id(p), (None, None))[1] for p in item.params))
+        else:
+            grads = item.compute()
         item.compute = None  # the closure's operands go now
         for p, g, need in zip(item.params, grads, item.needs):
             if need and g is not None:
                 held = self._sums.get(id(p))
+                if held is not None and g is held[1]:
+                    continue  # (added into the sum by compute)
                 self._sums[id(p)] = (p, g.to(p.dtype) if held is None else held[1].add_(g))
         ms = (time.perf_counter() - t0) * 1e3
         on_cuda = any(p.is_cuda for p in item.params)

@@ -111,6 +111,57 @@ def test_grouped_mm_dw(case, dtype, gen):
             assert torch.equal(dw[e], torch.zeros_like(dw[e])), f"dw[{e}] of an empty segment is not zero"
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", SEGMENTS, ids=SEG_IDS)
+def test_grouped_mm_dw_accumulate(case, dtype, gen):
+    """accumulate=True: out becomes out + dW bit for bit as PyTorch adds the two in out's dtype (the
+    chunks' gradients of one weight summed in their dW launches), with and without row maps, on a
+    strided out; the reference within the dtype's tolerance; empty segments leave out as it was."""
+    _, counts, K, N = case
+    x, _, off = _problem(gen, counts, K, N, dtype)
+    R = x.shape[0]
+    dy = _randn(gen, R, N, dtype=dtype)
+    first = gg.grouped_mm_dw(dy, x, off)
+    second_dy, second_x = _randn(gen, R, N, dtype=dtype), _randn(gen, R, K, dtype=dtype)
+    second = gg.grouped_mm_dw(second_dy, second_x, off)
+    total = gg.grouped_mm_dw(second_dy, second_x, off, out=first.clone(), accumulate=True)
+    assert torch.equal(total, first + second)
+    expected = grouped_mm_dw_ref(dy.double(), x.double(), off).to(dtype).double()
+    expected += grouped_mm_dw_ref(second_dy.double(), second_x.double(), off).to(dtype).double()
+    assert_close("accumulated dw", total, expected)
+    for e, n in enumerate(counts):
+        if n == 0:
+            assert torch.equal(total[e], first[e]), f"dw[{e}] of an empty segment changed"
+    # through row maps, into a column-major out (a NaN in out stays NaN: every element is read)
+    rows = _row_map(gen, R, torch.int32)
+    out = first.transpose(1, 2).contiguous().transpose(1, 2)
+    out[0, 0, 0] = float("nan")
+    mapped = gg.grouped_mm_dw(
+        _scattered(second_dy, rows),
+        _scattered(second_x, rows),
+        off,
+        dy_rows=rows,
+        x_rows=rows,
+        out=out,
+        accumulate=True,
+    )
+    assert mapped is out
+    want = first + second
+    want[0, 0, 0] = float("nan")
+    assert torch.equal(mapped.isnan(), want.isnan()) and torch.equal(mapped.nan_to_num(), want.nan_to_num())
+
+
+def test_grouped_mm_dw_accumulate_validation(gen):
+    x, _, off = _problem(gen, [2, 3], 16, 8, torch.float32)
+    dy = _randn(gen, 5, 8)
+    with pytest.raises(ValueError, match="accumulate"):
+        gg.grouped_mm_dw(dy, x, off, accumulate=True)  # nothing to add to
+    with pytest.raises(TypeError, match="accumulate"):
+        gg.grouped_mm_dw(dy, x, off, out=torch.zeros(2, 8, 16, device=DEVICE), accumulate=1)
+    with pytest.raises(ValueError, match="out"):
+        gg.grouped_mm_dw(dy, x, off, out=torch.zeros(2, 8, 16, device=DEVICE, dtype=torch.bfloat16), accumulate=True)
+
+
 # ------------------------------------------------------------------------------------------------
 # Row maps: operands read, outputs written, through a permutation (rows in received order)
 # ------------------------------------------------------------------------------------------------
