@@ -1,6 +1,8 @@
 """Per-chunk outputs as pieces of one batch-sized buffer (scope.chunk_empty / ChunkScope.pieces): the
 pieces, their sizes, the fallbacks (outside a scope, unknown sizes, a recomputation), and that a
-chunked forward on the kernels gives the same bits with and without them."""
+chunked forward on the kernels gives the same bits with and without them. In backward, through the
+ChunkSite an autograd node keeps (the norm's): the chunks' gradient pieces and a scratch buffer lent in
+turn (ChunkSite.lend), the same bits, and a backward run twice or for some chunks only."""
 
 import copy
 import threading
