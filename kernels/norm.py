@@ -7,7 +7,7 @@ References: :func:`lancet_rt.kernels.reference_dense.add_rmsnorm_fwd_ref` / ``ad
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import triton
@@ -133,6 +133,8 @@ def add_rmsnorm_bwd(
     weight_D: torch.Tensor,
     *,
     eps: Optional[float] = None,
+    out: Optional[torch.Tensor] = None,
+    partials: Optional[Callable[[tuple], Optional[torch.Tensor]]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Gradients of :func:`add_rmsnorm_fwd`.
 
@@ -143,6 +145,12 @@ def add_rmsnorm_bwd(
             from s with ``eps``, bit for bit the forward's value.
         weight_D: [D] weight.
         eps: the forward's eps, when rstd_R is None (and only then).
+        out: optional contiguous buffer for grad_s, s's shape and dtype.
+        partials: optional callable taking the shape ``(programs, D)`` of the weight gradient's float32
+            partial sums (one row per program, summed here before returning) and giving a contiguous
+            float32 tensor of that shape for them, or None to have them allocated here: e.g. one buffer
+            that calls running one after the other in stream order share (each reads its partials
+            before the next call writes them).
 
     Returns:
         (grad_s_RD: the gradient of x and of the residual, in s's dtype; grad_weight_D in weight's dtype).
@@ -161,14 +169,22 @@ def add_rmsnorm_bwd(
     else:
         check_tensor("rstd_R", rstd_R, shape=(R,), dtypes=(torch.float32,), device=s_RD.device)
     check_tensor("weight_D", weight_D, shape=(D,), dtypes=_FLOATS, device=s_RD.device)
-    ds = torch.empty_like(s_RD, memory_format=torch.contiguous_format)
+    if out is not None:
+        check_out("out", out, s_RD.shape, s_RD.dtype, s_RD.device)
+    if partials is not None and not callable(partials):
+        raise TypeError(f"partials must be a callable or None, got {type(partials).__name__}")
+    ds = torch.empty_like(s_RD, memory_format=torch.contiguous_format) if out is None else out
     if R == 0:
         return ds, torch.zeros_like(weight_D)
     block_r, block_d, num_warps = _rows(D, s_RD.device)
     # Grid-stride: a bounded number of programs (about 4 per SM on an H100; 3 when interpreted, so the
     # tests run the loop), each summing its rows' dweight.
     programs = min(triton.cdiv(R, block_r), 3 if interpreting() or s_RD.device.type != "cuda" else 528)
-    dw = torch.empty(programs, D, device=s_RD.device, dtype=torch.float32)
+    dw = None if partials is None else partials((programs, D))
+    if dw is None:
+        dw = torch.empty(programs, D, device=s_RD.device, dtype=torch.float32)
+    else:
+        check_out("partials", dw, (programs, D), torch.float32, s_RD.device)
     g = grad_s_RD if grad_s_RD is not None else grad_y_RD
     _add_rmsnorm_bwd_kernel[(programs,)](
         grad_y_RD,

@@ -151,6 +151,10 @@ class _AddRMSNormFn(torch.autograd.Function):
         y, s, rstd = ops.add_rmsnorm_fwd(x, residual, weight, eps, **kw)
         ctx.save_for_backward(s, rstd, weight)
         ctx.eps = eps
+        # On the kernels in a chunked forward, what the chunks' backward share here (its ChunkSite):
+        # the gradient's pieces of one batch-sized buffer and one dweight partials buffer used in turn
+        ctx.site = _scope.chunk_site("rmsnorm.bwd" if residual is None else "add_rmsnorm.bwd") if kernels else None
+        ctx.chunk = _scope.current().chunk if ctx.site is not None else None
         ctx.residual = residual is not None
         ctx.set_materialize_grads(False)
         return (y, s) if ctx.residual else y
@@ -160,13 +164,15 @@ class _AddRMSNormFn(torch.autograd.Function):
         s, rstd, weight = ctx.saved_tensors
         if grad_y is None:  # (only the sum is used downstream)
             grad_y = torch.zeros_like(s)
+        kw = {} if rstd is not None else {"eps": ctx.eps}
+        site = ctx.site
+        if site is not None:  # this chunk's piece of the chunks' ds (None: allocated by the kernel's launcher)
+            got = site.take(ctx.chunk, 1, s.shape, s.dtype, s.device)
+            if got is not None:
+                kw["out"] = got[0]
+            kw["partials"] = lambda shape: site.lend(shape, torch.float32, s.device)
         ds, dw = _ops.get_ops(s.device, s.dtype).add_rmsnorm_bwd(
-            grad_y.contiguous(),
-            None if grad_s is None else grad_s.contiguous(),
-            s,
-            rstd,
-            weight,
-            **({"eps": ctx.eps} if rstd is None else {}),
+            grad_y.contiguous(), None if grad_s is None else grad_s.contiguous(), s, rstd, weight, **kw
         )
         return ds, ds if ctx.residual else None, dw, None
 

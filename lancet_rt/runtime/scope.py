@@ -181,7 +181,8 @@ class ChunkSite:
     """What the chunks' n-th calls of one site share (:meth:`ChunkScope.site`). Made in the forward by the
     first chunk to reach the site; a chunk's autograd node may hold it to share with the other chunks in
     backward too, after the forward's scope has ended (e.g. :meth:`take` for the gradients' pieces: its
-    first caller allocates for all the chunks, whichever chunk's backward runs first).
+    first caller allocates for all the chunks, whichever chunk's backward runs first; :meth:`lend` for
+    a scratch buffer the chunks' backward use in turn).
 
     Attributes:
         rows: rows (along dim 0) of each chunk of the forward that made it.
@@ -192,6 +193,9 @@ class ChunkSite:
         self._split: Optional[list] = None
         self._sum_nodes: dict = {}  # chunk -> weakref of its autograd node (join_sum)
         self._sum: Optional[list] = None  # [graph task, chunks summed (None: each its own), the sums]
+        self._lent: Optional[torch.Tensor] = None
+        self._loans = 0
+        self._lender: Optional[int] = None
 
     def take(self, chunk: int, count: int, shape: tuple, dtype: torch.dtype, device) -> Optional[tuple]:
         """Chunk ``chunk``'s ``count`` pieces (each contiguous, uninitialised, ``shape``) of one batch-sized
@@ -228,6 +232,31 @@ class ChunkSite:
         for i in range(count):
             split[chunk + i * N] = None
         return got
+
+    def lend(self, shape: tuple, dtype: torch.dtype, device) -> Optional[torch.Tensor]:
+        """A scratch buffer (contiguous, uninitialised, ``shape``) that the chunks' calls here use one
+        after the other, each reading what it wrote before it returns (e.g. a backward's partial sums):
+        the first caller allocates it and each chunk's call gets that same memory, 1 allocation per
+        batch instead of one per chunk. None where the caller allocates: with one chunk, for another
+        shape, dtype or device than the buffer's, on a thread other than the first caller's (calls on
+        one thread run one after the other, and their work in stream order), and past one call per
+        chunk (a second backward), when the site has let the buffer go.
+        """
+        N = len(self.rows)
+        if N < 2 or self._loans >= N:
+            return None
+        self._loans += 1
+        buf, me = self._lent, threading.get_ident()
+        if self._lender is None:
+            self._lender = me
+            buf = self._lent = torch.empty(shape, dtype=dtype, device=device)
+        if self._loans == N:  # the last chunk's call: the buffer lives while the caller holds it
+            self._lent = None
+        if buf is None or me != self._lender:
+            return None
+        if buf.shape != tuple(shape) or buf.dtype != dtype or buf.device != torch.device(device):
+            return None
+        return buf
 
     def holds(self) -> bool:
         """Whether pieces of a buffer are still to be handed out here (keeping the buffer alive)."""

@@ -132,6 +132,57 @@ def test_add_rmsnorm_no_rows_and_bad_input(gen):
         add_rmsnorm_bwd(x3, None, s3, rstd3, w3, eps=1e-6)
 
 
+@pytest.mark.parametrize("shape", [(1, 60), (63, 100), (70, 60), (2, 35, 60)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("grad_s", [True, False], ids=["ds", "no-ds"])
+def test_add_rmsnorm_bwd_into_given_buffers(gen, shape, dtype, grad_s):
+    """``out=`` (ds) and ``partials=`` (the dweight partials' memory, asked for by shape): NaN-filled
+    before the launch, bitwise the outputs of the call that allocates them, against the reference; one
+    partials buffer used by two calls in turn; a callable giving None: allocated as without one."""
+    D = shape[-1]
+    x, r, w = _rand(gen, *shape, dtype=dtype), _rand(gen, *shape, dtype=dtype), _rand(gen, D, dtype=dtype) + 1.0
+    _, s, _ = add_rmsnorm_fwd(x, r, w, 1e-5, with_rstd=False)
+    asked, lent = [], {}
+
+    def partials(pshape):
+        asked.append(pshape)
+        if "buf" not in lent:
+            lent["buf"] = torch.full(pshape, float("nan"), device=DEVICE)
+        return lent["buf"]
+
+    for _ in range(2):  # two calls in turn on one partials buffer, each with its own gradients
+        dy = _rand(gen, *shape, dtype=dtype)
+        dsn = _rand(gen, *shape, dtype=dtype) if grad_s else None
+        ds_fresh, dw_fresh = add_rmsnorm_bwd(dy, dsn, s, None, w, eps=1e-5)
+        out = nan_like(s)
+        ds, dw = add_rmsnorm_bwd(dy, dsn, s, None, w, eps=1e-5, out=out, partials=partials)
+        assert ds is out and torch.equal(ds, ds_fresh) and torch.equal(dw, dw_fresh) and dw.dtype == w.dtype
+        _, _, rstd_ref = add_rmsnorm_fwd_ref(s.double(), None, w.double(), 1e-5)
+        ds_ref, dw_ref = add_rmsnorm_bwd_ref(
+            dy.double(), None if dsn is None else dsn.double(), s.double(), rstd_ref, w.double()
+        )
+        assert_close("grad x (into out)", ds, ds_ref)
+        assert_close("grad weight (into partials)", dw, dw_ref)
+        ds2, dw2 = add_rmsnorm_bwd(dy, dsn, s, None, w, eps=1e-5, partials=lambda pshape: None)
+        assert torch.equal(ds2, ds_fresh) and torch.equal(dw2, dw_fresh)
+    R = x.numel() // D
+    programs = min(-(-R // 16), 3) if DEVICE == "cpu" else asked[0][0]
+    assert asked == [(programs, D)] * 2
+
+
+def test_add_rmsnorm_bwd_bad_buffers(gen):
+    x, w = _rand(gen, 5, 60), torch.ones(60, device=DEVICE)
+    _, s, rstd = add_rmsnorm_fwd(x, None, w)
+    for bad in (nan_like(s)[:4], nan_like(s).double(), torch.empty(60, 5, device=DEVICE).t()):
+        with pytest.raises((ValueError, TypeError), match="out"):
+            add_rmsnorm_bwd(x, None, s, rstd, w, out=bad)
+    with pytest.raises(TypeError, match="partials"):
+        add_rmsnorm_bwd(x, None, s, rstd, w, partials=torch.empty(1, 60, device=DEVICE))
+    for bad in (torch.empty(7, 60, device=DEVICE), torch.empty(1, 60, device=DEVICE, dtype=torch.float64)):
+        with pytest.raises((ValueError, TypeError), match="partials"):
+            add_rmsnorm_bwd(x, None, s, rstd, w, partials=lambda pshape, bad=bad: bad)
+
+
 def _ce_case(gen, C, V, ignored):
     logits = _rand(gen, C, V, scale=3.0)
     labels = torch.randint(0, V, (C,), generator=gen).to(DEVICE)

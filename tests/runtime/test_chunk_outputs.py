@@ -1,8 +1,11 @@
 """Per-chunk outputs as pieces of one batch-sized buffer (scope.chunk_empty / ChunkScope.pieces): the
 pieces, their sizes, the fallbacks (outside a scope, unknown sizes, a recomputation), and that a
-chunked forward on the kernels gives the same bits with and without them."""
+chunked forward on the kernels gives the same bits with and without them. In backward, through the
+ChunkSite an autograd node keeps (the norm's): the chunks' gradient pieces and a scratch buffer lent in
+turn (ChunkSite.lend), the same bits, and a backward run twice or for some chunks only."""
 
 import copy
+import threading
 from collections import deque
 
 import pytest
@@ -211,3 +214,96 @@ def test_pieces_give_the_same_bits_over_accumulated_microbatches(monkeypatch, ca
     assert any(used)
     for a, b in zip(ref, got, strict=True):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+def test_lend_gives_the_chunks_one_buffer_in_turn_then_lets_it_go():
+    site = scope.ChunkSite([2, 2, 1])
+    first = site.lend((3, 4), torch.float32, "cpu")
+    assert first is not None and first.shape == (3, 4) and first.is_contiguous()
+    assert site.lend((3, 4), torch.float32, "cpu") is first
+    assert site.lend((3, 4), torch.float32, "cpu") is first  # the last chunk's call
+    # past one call per chunk (a second backward): the site has let the buffer go, the caller allocates
+    assert site.lend((3, 4), torch.float32, "cpu") is None
+
+
+def test_lend_where_the_caller_allocates():
+    assert scope.ChunkSite([4]).lend((3, 4), torch.float32, "cpu") is None  # one chunk
+    site = scope.ChunkSite([1, 1, 1, 1])
+    buf = site.lend((3, 4), torch.float32, "cpu")
+    assert site.lend((2, 4), torch.float32, "cpu") is None  # another shape (another program count)
+    assert site.lend((3, 4), torch.float64, "cpu") is None  # another dtype
+    got = []
+    other = threading.Thread(target=lambda: got.append(site.lend((3, 4), torch.float32, "cpu")))
+    other.start()
+    other.join()
+    assert got == [None]  # another thread than the first caller's: its calls might interleave with theirs
+    assert site.lend((3, 4), torch.float32, "cpu") is None and buf is not None  # past one call per chunk
+
+
+_TAKE, _LEND = scope.ChunkSite.take, scope.ChunkSite.lend
+
+
+def _norm_chunks(monkeypatch, rows, residual, shared):
+    """Chunks of add_rmsnorm on the kernels in a chunk scope (``shared``: with the ChunkSite's pieces and
+    loans, else each call allocating): per chunk its inputs, outputs and their gradients; the sites'
+    hand-outs from then on (the backward's), recorded."""
+    monkeypatch.setenv("LANCET_KERNELS", "triton")
+    from lancet_rt.dense import add_rmsnorm
+
+    handed = []
+
+    def record(kind, fn):
+        return lambda self, *a: handed.append((kind, fn(self, *a))) or handed[-1][1]
+
+    monkeypatch.setattr(scope.ChunkSite, "take", record("take", _TAKE) if shared else lambda self, *a: None)
+    monkeypatch.setattr(scope.ChunkSite, "lend", record("lend", _LEND) if shared else lambda self, *a: None)
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(60, generator=g) + 1).requires_grad_(True)
+    s = _in_scope(rows)
+    chunks = []
+    for c, b in enumerate(rows):
+        s.chunk = c
+        x = torch.randn(b, 5, 60, generator=g, requires_grad=True)
+        r = torch.randn(b, 5, 60, generator=g, requires_grad=True) if residual else None
+        out = add_rmsnorm(x, r, w, 1e-5)
+        outs = list(out) if residual else [out]
+        grads = [torch.randn(o.shape, generator=g) for o in outs]
+        chunks.append(([x, w] + ([r] if residual else []), outs, grads))
+    scope.set_current(None)
+    handed.clear()  # (the forward's pieces)
+    return chunks, handed
+
+
+@pytest.mark.parametrize("residual", [True, False])
+def test_norm_backward_shares_the_chunks_buffers_same_bits(monkeypatch, residual):
+    # rows [4, 1, 2] of 5 tokens: 20 / 5 / 10 rows, so the first chunk's program count differs (its
+    # partials allocated afresh); backward in reverse chunk order, as a step runs it
+    ref, _ = _norm_chunks(monkeypatch, [4, 1, 2], residual, shared=False)
+    want = [torch.autograd.grad(outs, ins, g) for ins, outs, g in reversed(ref)]
+    got, handed = _norm_chunks(monkeypatch, [4, 1, 2], residual, shared=True)
+    have = [torch.autograd.grad(outs, ins, g) for ins, outs, g in reversed(got)]
+    for a, b in zip(want, have, strict=True):
+        assert all(torch.equal(p, q) for p, q in zip(a, b, strict=True))
+    pieces = [h[0] for kind, h in handed if kind == "take" and h is not None]
+    loans = [h for kind, h in handed if kind == "lend"]
+    # each chunk's ds its piece of one buffer (chunk 2's backward first allocated it for all)
+    assert len(pieces) == 3
+    base = pieces[0].untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == base for p in pieces)
+    assert sorted(p.data_ptr() - base for p in pieces) == [0, 20 * 60 * 4, 25 * 60 * 4]
+    # the partials: one buffer lent to chunks 2 and 1; chunk 0 (another program count) allocates its own
+    assert len(loans) == 3 and loans[0] is not None and loans[1] is loans[0] and loans[2] is None
+
+
+def test_norm_backward_twice_or_for_some_chunks_only(monkeypatch):
+    ref, _ = _norm_chunks(monkeypatch, [1, 2], True, shared=False)
+    want = [torch.autograd.grad(outs, ins, g) for ins, outs, g in ref]
+    got, handed = _norm_chunks(monkeypatch, [1, 2], True, shared=True)
+    # chunk 1 alone, twice (retain_graph): the second run gets no piece and no loan, and allocates
+    ins, outs, g = got[1]
+    for _ in range(2):
+        assert all(map(torch.equal, torch.autograd.grad(outs, ins, g, retain_graph=True), want[1]))
+    # then chunk 0, its piece still waiting for it
+    ins, outs, g = got[0]
+    assert all(map(torch.equal, torch.autograd.grad(outs, ins, g), want[0]))
+    assert [h is not None for kind, h in handed if kind == "take"] == [True, False, True]
