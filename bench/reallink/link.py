@@ -261,9 +261,7 @@ class RealLink:
             env = {**os.environ, **(extra_env or {}), **self.env(r)}
             env.setdefault("OMP_NUM_THREADS", "1")
             self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, *argv], env=env, preexec_fn=_enter(self.ns(r)), start_new_session=True
-                )
+                _spawn([sys.executable, *argv], env=env, preexec_fn=_enter(self.ns(r)), start_new_session=True)
             )
         try:
             return supervise(self.procs, timeout_s, grace_s)
@@ -278,7 +276,7 @@ class RealLink:
     def teardown(self) -> None:
         """End the ranks, then delete every namespace made (their veths and qdiscs go with them).
         Idempotent; SIGINT/SIGTERM are held off until it is done."""
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM, signal.SIGHUP})
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, _ENDING)
         try:
             self.stop_ranks()
             self.procs.clear()
@@ -348,12 +346,32 @@ def launch_loopback(world: int, argv: Sequence[str], timeout_s: float, extra_env
                 "GLOO_SOCKET_IFNAME": "lo",
             }
             env.setdefault("OMP_NUM_THREADS", "1")
-            procs.append(
-                subprocess.Popen([sys.executable, *argv], env=env, start_new_session=True, preexec_fn=_die_with_parent)
-            )
+            procs.append(_spawn([sys.executable, *argv], env=env, start_new_session=True, preexec_fn=_die_with_parent))
         return supervise(procs, timeout_s)
     finally:
         stop(procs)
+
+
+#: The signals that end the launcher (:func:`signals_raise`).
+_ENDING = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+
+
+def _spawn(argv: list, preexec_fn, **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(argv, preexec_fn=preexec_fn, ...)`` with the ending signals held off in this
+    process while it forks: a SIGINT that lands in the interpreter's fork handlers (a preexec_fn forks
+    in Python) is reported and dropped there, and the launcher would wait out its timeout instead of
+    tearing down. Held, it is raised once the child exists (in :func:`supervise`'s loop or before). The
+    child starts with the launcher's own mask (unblocked in ``preexec_fn``'s wrapper)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, _ENDING)
+
+    def child():
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+        preexec_fn()
+
+    try:
+        return subprocess.Popen(argv, preexec_fn=child, **kwargs)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _die_with_parent():
