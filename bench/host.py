@@ -37,6 +37,7 @@ is a flag: dropless or a capacity factor, autocast, deferred dW.
     python -m bench.host --device cpu                      # the issue's configurations, one table
     python -m bench.host --autocast bf16 --defer-wgrad     # one configuration
     python -m bench.host --top 15                          # and the ops each extra chunk adds, by name
+    python -m bench.host --shape fine                      # a fine-grained MoE's shape (SHAPES)
 """
 
 from __future__ import annotations
@@ -401,6 +402,21 @@ def _top_added(base: collections.Counter, now: collections.Counter, per: int, to
 #: The model's shape, in every row.
 SHAPE = ("world_size", "experts", "top_k", "layers", "d_model", "d_ffn", "heads", "batch", "seq")
 
+#: ``--shape``'s presets: the model's shape and the chunk counts. ``fine``: a fine-grained MoE like
+#: Qwen3-30B-A3B (128 experts of d_ffn 768, top-8, d_model 2048, 32 heads), a 16k-token microbatch
+#: (4 x 4096) in 4 chunks of 4096 tokens, on the default world size. The host's ops depend on the
+#: routing's structure (experts, top-k, world size) and the token counts (which pick the gating's
+#: single-program or scan path), not on d_model, d_ffn or heads: under the Triton interpreter, where its
+#: GEMMs do not finish, count it with small ones (docs/benchmarks.md).
+SHAPES = {
+    "default": dict(
+        world_size=4, experts=16, layers=2, d_model=64, d_ffn=128, heads=4, top_k=2, batch=8, seq=32, chunks=[2, 4]
+    ),
+    "fine": dict(
+        world_size=4, experts=128, layers=2, d_model=2048, d_ffn=768, heads=32, top_k=8, batch=4, seq=4096, chunks=[4]
+    ),
+}
+
 
 def configurations(args) -> list[dict]:
     """The configurations one run covers: the one given, or with ``--sweep`` the issue's set."""
@@ -417,16 +433,24 @@ def configurations(args) -> list[dict]:
 def main(argv: Optional[list] = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
-    p.add_argument("--world-size", type=int_in(1, 1024), default=4)
-    p.add_argument("--experts", type=int_in(1), default=16)
-    p.add_argument("--layers", type=int_in(1), default=2)
-    p.add_argument("--d-model", type=int_in(1), default=64)
-    p.add_argument("--d-ffn", type=int_in(1), default=128)
-    p.add_argument("--heads", type=int_in(1), default=4)
-    p.add_argument("--top-k", type=int_in(1), default=2)
-    p.add_argument("--batch", type=int_in(1), default=8)
-    p.add_argument("--seq", type=int_in(1), default=32)
-    p.add_argument("--chunks", type=list_of(int_in(1, 64)), default=[2, 4])
+    p.add_argument(
+        "--shape",
+        choices=tuple(SHAPES),
+        default="default",
+        help="the model's shape and chunks (SHAPES; each flag below given overrides it): 'fine' is a fine-grained "
+        "MoE like Qwen3-30B-A3B (128 experts of d_ffn 768, top-8, d_model 2048, 32 heads) on 4 chunks of a "
+        "16k-token microbatch",
+    )
+    p.add_argument("--world-size", type=int_in(1, 1024), default=None)
+    p.add_argument("--experts", type=int_in(1), default=None)
+    p.add_argument("--layers", type=int_in(1), default=None)
+    p.add_argument("--d-model", type=int_in(1), default=None)
+    p.add_argument("--d-ffn", type=int_in(1), default=None)
+    p.add_argument("--heads", type=int_in(1), default=None)
+    p.add_argument("--top-k", type=int_in(1), default=None)
+    p.add_argument("--batch", type=int_in(1), default=None)
+    p.add_argument("--seq", type=int_in(1), default=None)
+    p.add_argument("--chunks", type=list_of(int_in(1, 64)), default=None)
     p.add_argument("--capacity-factor", type=float_in(0, above=True), default=None, help="None: dropless")
     p.add_argument("--autocast", choices=("none", "bf16", "fp16"), default="none")
     p.add_argument("--defer-wgrad", action="store_true")
@@ -446,6 +470,9 @@ def main(argv: Optional[list] = None) -> list[dict]:
     p.add_argument("--threads", type=int_in(1, 1024), default=1)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    for k, v in SHAPES[args.shape].items():  # (the preset's value where the flag is not given)
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     log = RowLog(args.json)

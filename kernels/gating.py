@@ -176,7 +176,24 @@ def _no_alias(kept_E, totals, row_TK, out: GatingOutput) -> None:
         raise ValueError("kept_E and totals must not alias each other nor any field of out")
 
 
-def _launch_fwd(logits_TE, bias, used_E, out: GatingOutput, K, span, sizes, meta, kept_E, totals, row_TK) -> None:
+def _span_buffers(scratch: Optional[dict], n_spans: int, E: int, dtype: torch.dtype, dev) -> tuple:
+    """The multi-span path's per-span counts, score sums and z sums: ``scratch``'s where it holds them at
+    these shapes (kept there when made), else fresh. Only the launches of one call read and write them."""
+    shapes = (((n_spans, E), torch.int32), ((n_spans, E), dtype), ((n_spans,), dtype))
+    got = None if scratch is None else scratch.get("spans")
+    if got is None or any(
+        not isinstance(t, torch.Tensor) or t.shape != s or t.dtype != d or t.device != dev or not t.is_contiguous()
+        for t, (s, d) in zip(got, shapes)
+    ):
+        got = tuple(torch.empty(s, dtype=d, device=dev) for s, d in shapes)
+        if scratch is not None:
+            scratch["spans"] = got
+    return got
+
+
+def _launch_fwd(
+    logits_TE, bias, used_E, out: GatingOutput, K, span, sizes, meta, kept_E, totals, row_TK, scratch
+) -> None:
     """One fused program when one span holds the call, else spans, then the scan and the slot fix-up;
     the totals (if any) are added by the single program, else by the scan; the rows (if any) written by
     the single program, else by the slot fix-up."""
@@ -205,9 +222,7 @@ def _launch_fwd(logits_TE, bias, used_E, out: GatingOutput, K, span, sizes, meta
         meta = dict(SINGLE_PROGRAM=True, HAS_ROWS=row_TK is not None, **flags, **meta)
         run_autotuned(_gating_fwd_kernel, (1,), args, meta, _ENV_FWD_CONFIG)
         return
-    span_count = torch.empty(n_spans, E, dtype=torch.int32, device=dev)
-    span_score = torch.empty(n_spans, E, dtype=logits_TE.dtype, device=dev)
-    span_zsq = torch.empty(n_spans, dtype=logits_TE.dtype, device=dev)
+    span_count, span_score, span_zsq = _span_buffers(scratch, n_spans, E, logits_TE.dtype, dev)
     args = (
         logits_TE,
         bias,
@@ -276,6 +291,7 @@ def gating_fwd(
     kept_E: Optional[torch.Tensor] = None,
     totals: Optional[GatingTotals] = None,
     row_TK: Optional[torch.Tensor] = None,
+    scratch: Optional[dict] = None,
 ) -> GatingOutput:
     """Scores, top-k, capacity slots and aux/z statistics for one chunk of router logits.
 
@@ -305,6 +321,10 @@ def gating_fwd(
             :func:`lancet_rt.kernels.permute.dispatch_rows` given this call's ``expert_TK``, ``slot_TK``,
             the carried ``used_E`` and the kept rows above (-1 where dropped); it shares no memory with
             ``out``, ``kept_E`` or the totals.
+        scratch: optional dict in which a call of several spans keeps the per-span buffers its launches
+            share (made at the first such call, reused by the next ones of the same shapes; nothing else
+            is read from it): a caller running the chunks of one batch in stream order passes one dict
+            and allocates them once, not per chunk.
 
     Returns:
         :class:`GatingOutput`: expert_TK int32 [T, K], weight_TK [T, K], slot_TK int32 [T, K],
@@ -327,6 +347,8 @@ def gating_fwd(
     cap = _INT32_MAX if capacity is None else min(capacity, _INT32_MAX)
     if kept_E is not None:
         _check_out("kept_E", kept_E, (E,), torch.int32, dev)
+    if scratch is not None and not isinstance(scratch, dict):
+        raise TypeError(f"scratch must be None or a dict, got {type(scratch).__name__}")
     if totals is not None:
         totals = _check_totals(totals, logits_TE)
     if row_TK is not None:
@@ -358,7 +380,7 @@ def gating_fwd(
         BLOCK_E=block_e,
     )
     sizes = (T, E, K, span, cap, n_group, E // n_group, topk_group, scale_hi, scale_lo, *logits_TE.stride())
-    _launch_fwd(logits_TE, bias, used_E, out, K, span, sizes, meta, kept_E, totals, row_TK)
+    _launch_fwd(logits_TE, bias, used_E, out, K, span, sizes, meta, kept_E, totals, row_TK, scratch)
     return out
 
 

@@ -75,15 +75,16 @@ class BatchRouting:
         return self.zsq_sum / max(self.total_tokens, 1)
 
     def gating_buffers(self, T: int, dtype: torch.dtype) -> dict:
-        """``out=``, ``totals=``, ``row_TK=`` and (with a capacity) ``kept_E=`` for the Triton gating of
-        the next chunk (T tokens, logits of ``dtype``): fresh tensors for the chunk's results (experts,
-        weights, dispatch rows: in a chunked forward each the chunk's piece of one batch-sized buffer,
-        :func:`lancet_rt.runtime.scope.chunk_empty`, which lives until the last chunk's piece dies; and
-        its kept rows: the counts when dropless, else ``kept_E``), and
-        buffers of the batch reused from chunk to chunk for what only this forward reads (the slots, the
-        counts with a capacity, the chunk's aux/z sums, the next carried counter: the one the previous
-        chunk read, see :meth:`recycle`). The totals are this state's sums, which the kernel adds the
-        chunk to in place (in ``dtype``, as the unfused path's additions convert them)."""
+        """``out=``, ``totals=``, ``row_TK=``, ``scratch=`` and (with a capacity) ``kept_E=`` for the Triton
+        gating of the next chunk (T tokens, logits of ``dtype``): fresh tensors for the chunk's results
+        (experts, weights, dispatch rows: in a chunked forward each the chunk's piece of one batch-sized
+        buffer, :func:`lancet_rt.runtime.scope.chunk_empty`, which lives until the last chunk's piece dies;
+        and its kept rows: the counts when dropless, else ``kept_E``), and buffers of the batch reused from
+        chunk to chunk for what only this forward reads (the slots, the counts with a capacity, the chunk's
+        aux/z sums, the next carried counter: the one the previous chunk read, see :meth:`recycle`; the
+        per-span buffers of a call of several spans, kept in ``scratch``). The totals are this state's
+        sums, which the kernel adds the chunk to in place (in ``dtype``, as the unfused path's additions
+        convert them)."""
         E, K, dev = self.num_experts, self.top_k, self.device
         if self.score_sum_E.dtype != dtype:
             self.score_sum_E, self.zsq_sum = self.score_sum_E.to(dtype), self.zsq_sum.to(dtype)
@@ -105,7 +106,8 @@ class BatchRouting:
             torch.empty(E, dtype=torch.int32, device=dev) if used is None else used,
             *spare["sums"],
         )
-        buffers = dict(out=out, totals=(self.kept_E, self.score_sum_E, self.zsq_sum), row_TK=row_TK)
+        totals = (self.kept_E, self.score_sum_E, self.zsq_sum)
+        buffers = dict(out=out, totals=totals, row_TK=row_TK, scratch=spare.setdefault("scratch", {}))
         if self.capacity is not None:
             buffers["kept_E"] = kept
         return buffers
@@ -200,6 +202,7 @@ class _Gate(torch.autograd.Function):
 
         ctx.save_for_backward(logits_TE, out.expert_TK)
         ctx.state, ctx.ops, ctx.score_fn, ctx.normalize, ctx.scaling = state, ops, score_fn, normalize_topk, scaling
+        ctx.grads = _GradPieces("gate.grad_logits_TE") if fused else None
         ctx.aux_coef, ctx.z_coef = aux_coef, z_coef
         ctx.mark_non_differentiable(out.expert_TK, row_TK, kept_E)
         ctx.set_materialize_grads(False)  # (no zero gradients made for the three integer outputs)
@@ -218,14 +221,49 @@ class _Gate(torch.autograd.Function):
             score_fn=ctx.score_fn,
             normalize_topk=ctx.normalize,
             scaling=ctx.scaling,
+            **_out(ctx.grads, 0, logits_TE.shape, logits_TE.dtype, logits_TE.device),
         )
         return grad_logits, None, None, None, None, None, None, None, None, None, None
+
+
+class _GradPieces:
+    """Where a routing Function's backward gets its per-token gradients ([T, ...] each): the chunk's pieces
+    of batch-sized buffers shared by the chunks' n-th calls of the Function in one chunked forward, one
+    :class:`lancet_rt.runtime.scope.ChunkSite` per output (its first caller in backward allocates for all
+    the chunks, whichever chunk's backward runs first: 2 host ops per batch instead of one allocation
+    per chunk). Made in the forward and kept on the Function's ctx, since the backward runs after the
+    forward's scope has ended, maybe on another thread. Each chunk's piece is handed out once: a
+    backward run again (``retain_graph``), a recomputation (no scope), a chunk whose shape differs,
+    and the references' path allocate as before (:func:`_out`: no ``out=``)."""
+
+    def __init__(self, *sites: str):
+        scope = _scope.current()
+        self.chunk = None if scope is None else scope.chunk
+        self.sites = tuple(_scope.chunk_site(site) for site in sites)
+
+    def take(self, i: int, shape, dtype: torch.dtype, device) -> Optional[torch.Tensor]:
+        """This chunk's piece for output ``i``, or None (the kernel allocates)."""
+        site = self.sites[i]
+        got = None if site is None else site.take(self.chunk, 1, tuple(shape), dtype, device)
+        return None if got is None else got[0]
+
+
+def _out(grads: Optional[_GradPieces], i: int, shape, dtype: torch.dtype, device) -> dict:
+    """``out=`` for a kernel's gradient from ``grads`` (its piece for output ``i``), or no argument."""
+    piece = None if grads is None else grads.take(i, shape, dtype, device)
+    return {} if piece is None else {"out": piece}
+
+
+def _kernels(ops, family: str) -> bool:
+    """Whether ``ops`` run ``family``'s Triton kernels (their ``out=``): the references' and the CPU backend's
+    paths keep their own allocations."""
+    return getattr(ops, "name", None) == "triton" and family not in getattr(ops, "reference_families", ())
 
 
 def _fused_gating(ops) -> bool:
     """Whether ``ops`` run the Triton gating (its ``out=`` and ``totals=``): the references' path keeps its
     own allocations and additions."""
-    return getattr(ops, "name", None) == "triton" and "gating" not in getattr(ops, "reference_families", ())
+    return _kernels(ops, "gating")
 
 
 def gate(
@@ -272,6 +310,7 @@ class _Permute(torch.autograd.Function):
         x_SD, src_S = ops.permute_fwd(x_TD, row_TK, num_rows, **({"with_src": False} if kernels else {}))
         ctx.save_for_backward(row_TK)
         ctx.ops = ops
+        ctx.grads = _GradPieces("permute.grad_x_TD") if _kernels(ops, "permute") else None
         if src_S is not None:
             ctx.mark_non_differentiable(src_S)
         ctx.set_materialize_grads(False)
@@ -282,7 +321,9 @@ class _Permute(torch.autograd.Function):
         if grad_x_SD is None:
             return None, None, None, None
         (row_TK,) = ctx.saved_tensors
-        return ctx.ops.permute_bwd(grad_x_SD.contiguous(), row_TK), None, None, None
+        shape = (row_TK.shape[0], grad_x_SD.shape[-1])
+        out = _out(ctx.grads, 0, shape, grad_x_SD.dtype, grad_x_SD.device)
+        return ctx.ops.permute_bwd(grad_x_SD.contiguous(), row_TK, **out), None, None, None
 
 
 def permute(x_TD, row_TK, num_rows, ops):
@@ -293,11 +334,16 @@ def permute(x_TD, row_TK, num_rows, ops):
 
 class _Unpermute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y_SD, row_TK, weight_TK, src_S, ops, link):
+    def forward(ctx, y_SD, row_TK, weight_TK, src_S, ops, link, dropless):
         ctx.save_for_backward(y_SD, row_TK, weight_TK, src_S)
         ctx.ops, ctx.link = ops, link
         ctx.chunk = _scope.current().chunk if _scope.current() is not None else None
-        if getattr(ops, "name", None) == "triton" and "permute" not in getattr(ops, "reference_families", ()):
+        ctx.grads = None
+        if _kernels(ops, "permute"):
+            # The gradients' pieces: the weights' [T, K], and the rows' [S, D] where S = T K in every chunk
+            # (dropless: proportional to the chunk's tokens too; else the kernel allocates them)
+            ctx.grads = _GradPieces("unpermute.grad_weight_TK", "unpermute.grad_y_SD")
+            ctx.rows_piece = dropless and y_SD.shape[0] == row_TK.shape[0] * row_TK.shape[1]
             # the chunk's piece of one batch-sized output (scope.chunk_empty); the references allocate their own
             out = _scope.chunk_empty("unpermute.y_TD", (row_TK.shape[0], y_SD.shape[-1]), y_SD.dtype, y_SD.device)
             return ops.unpermute_fwd(y_SD, row_TK, weight_TK, out=out)
@@ -306,16 +352,26 @@ class _Unpermute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y_TD):
         y_SD, row_TK, weight_TK, src_S = ctx.saved_tensors
+        grads, kw = ctx.grads, {}
+        if grads is not None:
+            grad_w = grads.take(0, row_TK.shape, torch.float32, y_SD.device)
+            if grad_w is not None:
+                grad_y_SD = grads.take(1, y_SD.shape, y_SD.dtype, y_SD.device) if ctx.rows_piece else None
+                if grad_y_SD is None:
+                    grad_y_SD = torch.empty(y_SD.shape, dtype=y_SD.dtype, device=y_SD.device)
+                kw["out"] = (grad_y_SD, grad_w)
         with _trace.span("unpermute bwd", chunk=ctx.chunk):
-            grad_y_SD, grad_w = ctx.ops.unpermute_bwd(grad_y_TD.contiguous(), y_SD, row_TK, weight_TK, src_S)
+            grad_y_SD, grad_w = ctx.ops.unpermute_bwd(grad_y_TD.contiguous(), y_SD, row_TK, weight_TK, src_S, **kw)
         if ctx.link is not None and ctx.link.early is None:  # (None: not issued from the forward)
             ctx.link.issue(grad_y_SD)  # the combine's backward all-to-all starts now
-        return grad_y_SD, None, grad_w, None, None, None
+        return grad_y_SD, None, grad_w, None, None, None, None
 
 
-def unpermute(y_SD, row_TK, weight_TK, src_S, ops, link=None):
+def unpermute(y_SD, row_TK, weight_TK, src_S, ops, link=None, dropless=False):
     """Weighted sum over K of the expert outputs back into token order: y_TD.
 
     ``link``: the combine all-to-all whose output ``y_SD`` is; its backward is issued from here.
+    ``dropless``: every assignment is kept in every chunk (``y_SD`` has T K rows), so the rows' gradient
+    is a per-token piece of one batch-sized buffer too (:class:`_GradPieces`).
     """
-    return _Unpermute.apply(y_SD, row_TK, weight_TK, src_S, ops, link)
+    return _Unpermute.apply(y_SD, row_TK, weight_TK, src_S, ops, link, dropless)

@@ -71,6 +71,20 @@ def test_cpu_rows_carry_the_shape_and_no_gpu_fields(tmp_path):
         assert not {"gpu_us", "host_over_gpu", "fwd_gpu_us", "host_us"} & set(r)
 
 
+def test_the_fine_shape_preset_and_the_flags_that_override_it():
+    threads = torch.get_num_threads()
+    small = ["--d-model", "16", "--d-ffn", "8", "--heads", "2", "--layers", "1", "--batch", "2", "--seq", "8"]
+    try:
+        rows = host.main(["--device", "cpu", "--shape", "fine", "--count-only", *small])
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["chunks"] for r in rows] == [1, 4]  # (the preset's 4 chunks, against unchunked)
+    for r in rows:  # the preset's routing, the flags' sizes
+        assert (r["world_size"], r["experts"], r["top_k"]) == (4, 128, 8)
+        assert (r["d_model"], r["d_ffn"], r["heads"], r["layers"], r["batch"], r["seq"]) == (16, 8, 2, 1, 2, 8)
+    assert host.SHAPES["fine"]["d_model"] == 2048 and host.SHAPES["fine"]["batch"] * host.SHAPES["fine"]["seq"] == 16384
+
+
 @pytest.mark.gpu
 def test_cuda_row_carries_gpu_time_and_the_ratio():
     """GPU twin: a CUDA row has each phase's CUDA-event time beside its host time, per layer-chunk."""

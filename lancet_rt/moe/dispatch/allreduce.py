@@ -161,7 +161,7 @@ class AllReduce(Dispatcher):
         """:meth:`~lancet_rt.moe.dispatch.base.Dispatcher.exchange_counts`: every rank gets every rank's counts
         over all E experts (they must agree)."""
         L, W = self.moe.num_experts, self.moe.ep_size
-        P = kept_PE.shape[0]
+        P = 1 if kept_PE.dim() == 1 else kept_PE.shape[0]
         counts = kept_PE.reshape(1, P * L).expand(W, -1).long()
         return exchange_counts(self.moe, kept_PE, counts, L, None, error, dtype)
 
@@ -182,7 +182,7 @@ class AllReduce(Dispatcher):
         # Every rank's kept rows per expert (+ status), checked before the all-reduce: waiting for them
         # now would hold this chunk's experts behind the transfers in flight (a FIFO link, one NCCL
         # communicator), so the local counts size the permutation.
-        counts = self.exchange_counts(r.kept_E.view(1, -1), c.dtype)
+        counts = self.exchange_counts(r.kept_E, c.dtype)
         kept = r.kept_E.tolist()  # host sync: the local experts' rows size the permutation
         # Other chunks run (and create their autograd nodes) between this chunk's routing and its experts:
         # in backward their work then fills the window of this chunk's gradient all-reduces.

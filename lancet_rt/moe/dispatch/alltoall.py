@@ -46,10 +46,13 @@ class AllToAll(Dispatcher):
         rows of all E experts (the global loads hot-expert shadowing chooses from)."""
         moe = self.moe
         L, W = moe.num_local_experts, moe.ep_size
-        P = kept_PE.shape[0]
+        one = kept_PE.dim() == 1  # (a chunk's kept_E [E] as it is: one piece, no [1, E] view made for it)
+        P = 1 if one else kept_PE.shape[0]
         # (in kept_PE's dtype: the row is made int64 where the status column joins it, common.exchange_counts)
         counts = kept_PE.view(W, L) if P == 1 else kept_PE.view(P, W, L).permute(1, 0, 2).reshape(W, P * L)
-        loads = kept_PE.sum(0).long().view(1, -1).expand(W, -1) if moe.shadow_experts else None
+        loads = None
+        if moe.shadow_experts:
+            loads = (kept_PE.long() if one else kept_PE.sum(0).long()).view(1, -1).expand(W, -1)
         return exchange_counts(moe, kept_PE, counts, L, loads, error, dtype)
 
     def dispatch(
@@ -125,7 +128,7 @@ class AllToAll(Dispatcher):
             x_SD, src_S = self.permute(x_TD, r, sum(kept), ops, chunk)
             d = self.dispatch(x_SD, r.kept_E, [kept], [kept])
         else:
-            counts = self.exchange_counts(r.kept_E.view(1, -1), c.dtype)
+            counts = self.exchange_counts(r.kept_E, c.dtype)
             counts.keep_arrived = not getattr(ops, "host_offsets", True)  # (the kernels make the row maps from them)
             counts_turn(moe, x_TD)  # other chunks run while the counts travel (where that pays)
             with _trace.span("wait", "wait", chunk=chunk, counts=True):

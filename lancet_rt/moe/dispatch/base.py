@@ -85,6 +85,7 @@ class Layer(Protocol):
     group: Optional[comm.ExpertParallelGroup]
     num_experts: int
     num_local_experts: int
+    capacity_factor: Optional[float]
     ep_size: int
     ep_rank: int
     pipeline_chunks: int
@@ -122,7 +123,8 @@ class Dispatcher:
     def exchange_counts(self, kept_PE: torch.Tensor, dtype: torch.dtype, error: Optional[Exception] = None) -> Counts:
         """Counts first: start sending each rank the rows it will get for each of its local experts.
 
-        ``kept_PE`` holds the kept rows per expert of P pieces sent back to back; ``dtype`` is the compute
+        ``kept_PE`` holds the kept rows per expert of P pieces sent back to back ([P, E]; a chunk's
+        ``kept_E`` [E] as it is for one piece: every exchanging dispatcher takes both); ``dtype`` is the compute
         dtype (the exchange's tag names it). Returns a handle whose ``wait()`` gives recv [P, W, E_local] on
         the host: this is the layer's one host synchronisation point (split sizes must be on the host to
         size the row all-to-all), issued early and waited on late. The exchange carries a status column: a
@@ -164,7 +166,8 @@ class Dispatcher:
         """y_TD [T, D] in the compute dtype: the rows back in token order, weighted over K."""
         r = c.route
         with _trace.span("unpermute", cuda=c.x_TD.is_cuda, layer=self.moe.trace_name, chunk=c.index):
-            return unpermute(ex.y_SD, r.row_TK, r.weight_TK, ex.src_S, c.ops, ex.link)
+            dropless = self.moe.capacity_factor is None
+            return unpermute(ex.y_SD, r.row_TK, r.weight_TK, ex.src_S, c.ops, ex.link, dropless)
 
     # ---------------------------------------------------------------- orchestration
     def run(self, c: Chunk) -> Exchanged:

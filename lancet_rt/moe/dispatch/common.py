@@ -204,7 +204,7 @@ def exchange_counts(
 
     Args:
         moe: the layer (its group, ``ep_size``; its number for the tag).
-        kept_PE: [P, E] kept rows per expert of P pieces sent back to back.
+        kept_PE: [P, E] kept rows per expert of P pieces sent back to back ([E]: one piece).
         counts: [W, P * L] int32 or int64, the counts each rank receives (the dispatcher's
             ``exchange_counts``: each rank's rows of its local experts; with ``dispatcher="allreduce"`` every
             rank's counts over all E experts, which must agree).
@@ -220,7 +220,7 @@ def exchange_counts(
         ``Counts.wait`` (module docstring).
     """
     W = moe.ep_size
-    P = kept_PE.shape[0]
+    P = 1 if kept_PE.dim() == 1 else kept_PE.shape[0]
     group = moe.group
     monitor = getattr(group, "monitor", None)
     tagged = monitor is not None and group.size > 1

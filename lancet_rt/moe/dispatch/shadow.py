@@ -324,7 +324,7 @@ class Shadow(AllToAll):
         ``r.row_TK`` is replaced by the order that puts their rows last (:func:`_remap_rows`), which the
         unpermute then reads."""
         moe, x_TD, r, ops, chunk = self.moe, c.x_TD.to(c.dtype), c.route, c.ops, c.index
-        counts = self.exchange_counts(r.kept_E.view(1, -1), c.dtype)
+        counts = self.exchange_counts(r.kept_E, c.dtype)
         counts_turn(moe, x_TD)  # other chunks run while the counts travel (where that pays)
         with _trace.span("wait", "wait", chunk=chunk, counts=True):
             counts.wait()
