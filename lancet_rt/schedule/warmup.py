@@ -338,7 +338,8 @@ def _warm_buckets(layers: list, device: torch.device, tokens: Optional[int]) -> 
 def _launch_experts(m: MoE, ops, rows: int, dtype, device) -> None:
     """The experts' grouped GEMMs on ``rows`` zero rows spread evenly over the local experts, as a step
     launches them (:mod:`lancet_rt.moe.experts`' own functions, with the same variants): the forward,
-    dH with the activation's gradient in its epilogue, dX, and the two dW; with an expert-parallel
+    dH with the activation's gradient in its epilogue, dX, and the two dW, writing and (the chunks' sum
+    of dW, without biases) adding; with an expert-parallel
     group of several local experts through a row map (received rows, read and written through it)."""
     e = m.experts
     L, D = m.num_local_experts, m.d_model
@@ -352,4 +353,6 @@ def _launch_experts(m: MoE, ops, rows: int, dtype, device) -> None:
     dy = {} if row_map is None else dict(dy_rows=row_map)
     dgu = ops.grouped_mm_dx(y, w_EDF, off, gu_R2F=gu, **spec.act(), **dy)
     ops.grouped_mm_dx(dgu, w_E2FD, off, **({} if row_map is None else dict(out_rows=row_map)))
-    weight_gradients(ops, spec.gpt_oss, x, h, dgu, y, off, (True, True, False, False), row_map)
+    dw = weight_gradients(ops, spec.gpt_oss, x, h, dgu, y, off, (True, True, False, False), row_map)
+    if triton_gemms(ops) and b_gu is None and b_dn is None:  # the chunks after the first add into the sum
+        weight_gradients(ops, spec.gpt_oss, x, h, dgu, y, off, (True, True, False, False), row_map, into=dw[:2])
