@@ -451,7 +451,8 @@ def pass_bound(row: dict, step_tx_bytes: Optional[float], fwd_tx_bytes: Optional
 
     for n in names:
         fwd = row.get(f"{n}_forward_compute_ms")
-        if fwd is not None and n != "sequential":  # (the sequential step overlaps nothing: no bound of its own)
+        # (the sequential step overlaps nothing; a peer's all-to-alls run on another transport than the rate's)
+        if fwd is not None and n != "sequential" and not n.startswith("peer_"):
             fields("pass_bound", max(fwd, fwd_link) + max(row[f"{n}_compute_ms"] - fwd, bwd_link), n)
     if "accumulate_compute_ms" in row:
         fields("bound", max(row["accumulate_compute_ms"], fwd_link + bwd_link), "accumulate")
