@@ -311,17 +311,7 @@ def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: st
                 flush=True,
             )
     me.set_rate(rate)
-    step_tx = fwd_tx = None
-    if kind == "real":  # what the busiest port carries in one sequential step (wire bytes, the shaper's count)
-        at_forward_end: list = []
-        runner.on_forward_end = lambda: at_forward_end.append(me.tx_bytes())
-        before = me.tx_bytes()
-        me.timed(runner, "sequential")
-        runner.on_forward_end = None
-        after = me.tx_bytes()
-        t = torch.tensor([after - before, at_forward_end[0] - before], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=me.sync)  # (the busiest port of each pass)
-        step_tx, fwd_tx = float(t[0]), float(t[1])
+    step_tx, fwd_tx = _step_bytes(runner, me) if kind == "real" else (None, None)
     link_numbers = reallink_probe.probe() if kind == "real" else {}
     if getattr(group, "channels", None) is not None and kind == "real":
         link_numbers["lanes_a2a_mbit"] = _lanes_rate(group, me)
@@ -374,6 +364,21 @@ def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: st
         _report(row, names)
         RowLog(args.json).add(row)
     return row
+
+
+def _step_bytes(runner: RealRunner, me: _Rank) -> tuple[float, float]:
+    """What the busiest port carries in one sequential step and in its forward (wire bytes, the shaper's
+    count; the busiest port of each)."""
+    at_forward_end: list = []
+    runner.on_forward_end = lambda: at_forward_end.append(me.tx_bytes())
+    before = me.tx_bytes()
+    try:
+        me.timed(runner, "sequential")
+    finally:
+        runner.on_forward_end = None
+    t = torch.tensor([me.tx_bytes() - before, at_forward_end[0] - before], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=me.sync)
+    return float(t[0]), float(t[1])
 
 
 def _report_peers(row: dict) -> None:
