@@ -176,6 +176,45 @@ def _store_kept(
 
 
 @triton.jit
+def _store_sums(
+    count_ptr,
+    used_out_ptr,
+    score_ptr,
+    kept_ptr,
+    tot_kept_ptr,
+    tot_score_ptr,
+    offs_e,
+    mask_e,
+    b_used,
+    b_counts,
+    b_score,
+    capacity,
+    HAS_KEPT,
+    HAS_TOTALS,
+):
+    """The call's results per expert, by whichever program holds them (the single program, or a sums program
+    of the finish launch): its counts, its counter after it (``used + counts``) and its score sums, then the
+    kept rows and the running totals (:func:`_store_kept`)."""
+    tl.store(count_ptr + offs_e, b_counts, mask=mask_e)
+    tl.store(used_out_ptr + offs_e, b_used + b_counts, mask=mask_e)
+    tl.store(score_ptr + offs_e, b_score, mask=mask_e)
+    if HAS_KEPT or HAS_TOTALS:
+        _store_kept(
+            kept_ptr,
+            tot_kept_ptr,
+            tot_score_ptr,
+            offs_e,
+            mask_e,
+            b_used,
+            b_counts,
+            b_score,
+            capacity,
+            HAS_KEPT,
+            HAS_TOTALS,
+        )
+
+
+@triton.jit
 def _rows_base(b_used, b_counts, capacity):
     """``base[e]``: the dispatch row of slot 0 of expert e (the rows of experts < e this call keeps, an
     exclusive scan of the kept rows ``min(counts, max(capacity - used, 0))``, less the carried ``used``),
@@ -359,24 +398,23 @@ def _gating_fwd_kernel(
     # -- phase 7: write the span's (or, single program, the call's) counts and sums --
     if SINGLE_PROGRAM:
         b_zsq = tl.sum(b_zsq_acc, axis=0)
-        tl.store(count_ptr + offs_e, b_run, mask=mask_e)
-        tl.store(used_out_ptr + offs_e, b_used + b_run, mask=mask_e)
-        tl.store(score_ptr + offs_e, b_score_acc, mask=mask_e)
         tl.store(zsq_ptr, b_zsq)
-        if HAS_KEPT or HAS_TOTALS:
-            _store_kept(
-                kept_ptr,
-                tot_kept_ptr,
-                tot_score_ptr,
-                offs_e,
-                mask_e,
-                b_used,
-                b_run,
-                b_score_acc,
-                capacity,
-                HAS_KEPT,
-                HAS_TOTALS,
-            )
+        _store_sums(
+            count_ptr,
+            used_out_ptr,
+            score_ptr,
+            kept_ptr,
+            tot_kept_ptr,
+            tot_score_ptr,
+            offs_e,
+            mask_e,
+            b_used,
+            b_run,
+            b_score_acc,
+            capacity,
+            HAS_KEPT,
+            HAS_TOTALS,
+        )
         if HAS_TOTALS:
             tl.store(tot_zsq_ptr, tl.load(tot_zsq_ptr) + b_zsq)
         if HAS_ROWS:
@@ -452,23 +490,22 @@ def _gating_finish_kernel(
             offs = offs_b[:, None] * E + offs_e[None, :]
             b_carry += tl.sum(tl.load(span_count_ptr + offs, mask=mask, other=0), axis=0)
             b_score += tl.sum(tl.load(span_score_ptr + offs, mask=mask, other=0.0), axis=0)
-        tl.store(count_ptr + offs_e, b_carry - b_used, mask=mask_e)
-        tl.store(used_out_ptr + offs_e, b_carry, mask=mask_e)
-        tl.store(score_ptr + offs_e, b_score, mask=mask_e)
-        if HAS_KEPT or HAS_TOTALS:
-            _store_kept(
-                kept_ptr,
-                tot_kept_ptr,
-                tot_score_ptr,
-                offs_e,
-                mask_e,
-                b_used,
-                b_carry - b_used,
-                b_score,
-                capacity,
-                HAS_KEPT,
-                HAS_TOTALS,
-            )
+        _store_sums(
+            count_ptr,
+            used_out_ptr,
+            score_ptr,
+            kept_ptr,
+            tot_kept_ptr,
+            tot_score_ptr,
+            offs_e,
+            mask_e,
+            b_used,
+            b_carry - b_used,
+            b_score,
+            capacity,
+            HAS_KEPT,
+            HAS_TOTALS,
+        )
         # The z-loss partials, reduced in span order by the first sums program.
         if pid == 0:
             b_zsq = tl.zeros([SCAN_BLOCK_B], dtype=span_zsq_ptr.dtype.element_ty)
