@@ -48,7 +48,7 @@ Crossing spans needs a scan over the programs. It is done without atomics, in tw
 
 The launch that writes the call's counts and sums (the single program, or the sums programs) also writes
 the kept rows per expert (``HAS_KEPT``) and adds them and the sums to a batch's running totals in place
-(``HAS_TOTALS``; ``_store_kept``): the caller's ops after the call, done where the values already are.
+(``HAS_TOTALS``; ``_store_sums``): the caller's ops after the call, done where the values already are.
 The launch that writes the final slots (the single program, after a barrier, in a pass over the call's
 ``T * K`` assignments; or the slot programs) can also write the dispatch rows (``HAS_ROWS``): ``base[e] +
 slot``, ``base`` the exclusive scan of the kept rows per expert less the carried counter, made in
@@ -159,23 +159,6 @@ def _token_tile_prune(env_var):
 # Kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _store_kept(
-    kept_ptr, tot_kept_ptr, tot_score_ptr, offs_e, mask_e, b_used, b_counts, b_score, capacity, HAS_KEPT, HAS_TOTALS
-):
-    """The call's kept rows (its counts, up to the room ``capacity`` leaves above the carried ``used``:
-    min(counts, max(capacity - used, 0)), in int64) into ``kept_ptr`` (HAS_KEPT), and with its score
-    sums added to the running totals in place (HAS_TOTALS): the same int64 and float additions the
-    caller would make after the call."""
-    b_kept = tl.minimum(b_counts.to(tl.int64), tl.maximum(capacity - b_used.to(tl.int64), 0))
-    if HAS_KEPT:
-        tl.store(kept_ptr + offs_e, b_kept.to(tl.int32), mask=mask_e)
-    if HAS_TOTALS:
-        tl.store(tot_kept_ptr + offs_e, tl.load(tot_kept_ptr + offs_e, mask=mask_e, other=0) + b_kept, mask=mask_e)
-        b_tot = tl.load(tot_score_ptr + offs_e, mask=mask_e, other=0.0)
-        tl.store(tot_score_ptr + offs_e, b_tot + b_score, mask=mask_e)
-
-
-@triton.jit
 def _store_sums(
     count_ptr,
     used_out_ptr,
@@ -193,25 +176,21 @@ def _store_sums(
     HAS_TOTALS,
 ):
     """The call's results per expert, by whichever program holds them (the single program, or a sums program
-    of the finish launch): its counts, its counter after it (``used + counts``) and its score sums, then the
-    kept rows and the running totals (:func:`_store_kept`)."""
+    of the finish launch): its counts, its counter after it (``used + counts``) and its score sums; then its
+    kept rows (its counts, up to the room ``capacity`` leaves above the carried ``used``: min(counts,
+    max(capacity - used, 0)), in int64) into ``kept_ptr`` (HAS_KEPT), and with its score sums added to the
+    running totals in place (HAS_TOTALS): the same int64 and float additions the caller would make after
+    the call."""
     tl.store(count_ptr + offs_e, b_counts, mask=mask_e)
     tl.store(used_out_ptr + offs_e, b_used + b_counts, mask=mask_e)
     tl.store(score_ptr + offs_e, b_score, mask=mask_e)
-    if HAS_KEPT or HAS_TOTALS:
-        _store_kept(
-            kept_ptr,
-            tot_kept_ptr,
-            tot_score_ptr,
-            offs_e,
-            mask_e,
-            b_used,
-            b_counts,
-            b_score,
-            capacity,
-            HAS_KEPT,
-            HAS_TOTALS,
-        )
+    b_kept = tl.minimum(b_counts.to(tl.int64), tl.maximum(capacity - b_used.to(tl.int64), 0))
+    if HAS_KEPT:
+        tl.store(kept_ptr + offs_e, b_kept.to(tl.int32), mask=mask_e)
+    if HAS_TOTALS:
+        tl.store(tot_kept_ptr + offs_e, tl.load(tot_kept_ptr + offs_e, mask=mask_e, other=0) + b_kept, mask=mask_e)
+        b_tot = tl.load(tot_score_ptr + offs_e, mask=mask_e, other=0.0)
+        tl.store(tot_score_ptr + offs_e, b_tot + b_score, mask=mask_e)
 
 
 @triton.jit
