@@ -23,7 +23,9 @@ launches; one config serves both (tuned on both problems' sizes, pinned by dW's 
 the bytes the two launches move: each program reads its expert's rows of its problem's two operands
 (the columns of its tile) and writes its tile once (reading it first with ``accumulate``); only the
 second launch's fixed host cost goes. Like the single kernel it uses no atomics and never waits on
-another program.
+another program. Each branch's main loop has its own pipelined operand buffers in shared memory (sm_90
+builds: twice the single kernel's at the same config), so the pair's configs are pruned for twice the
+stages (:mod:`lancet_rt.kernels._gemm_space`).
 """
 
 import triton

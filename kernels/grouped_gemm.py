@@ -54,7 +54,9 @@ pruned by :func:`_prune_configs` (registers, fewer where fp32 operands sit in re
 (N, K, E, a power-of-two bucket of the mean rows per expert) and the dtypes, never the raw row count,
 so chunked runs with varying R do not retune. ``LANCET_GEMM_CONFIG="BM,BN,BK,num_warps,num_stages"``
 pins one config for all four (``LANCET_GEMM_CONFIG_<FWD|DX|GATE_UP|DW>`` for one of them; ``_DW`` pins
-the dW pair too, so a pinned config gives the pair the two launches' bits); for dW
+the dW pair too, so a pinned config gives the pair the two launches' bits; the pair's kernel holds
+one set of operand stages per problem in shared memory, twice a single dW's, so on CUDA a pinned
+config whose stages do not fit twice runs the pair as its two launches); for dW
 the triple reads (output rows of N, output cols of K, reduction rows), i.e. it is always
 "output tile rows, output tile cols, reduction step". Under ``TRITON_INTERPRET=1`` (the CPU lane) one
 small fixed config is used, because the interpreter's cost grows with the tile size.
@@ -96,7 +98,17 @@ from ._expert_checks import (
     _check_rows,
     _check_same_dtype,
 )
-from ._gemm_space import _TILE_NAMES, CONFIG_ENV, _gemm_configs, _make_config, _pinned_config, _prune_configs, _tile_of
+from ._gemm_space import (
+    _TILE_NAMES,
+    CONFIG_ENV,
+    _gemm_configs,
+    _make_config,
+    _pinned_config,
+    _prune_configs,
+    _smem_bytes,
+    _smem_fits,
+    _tile_of,
+)
 from ._grouped_gemm_dw_kernels import _grouped_gemm_dw_kernel, _grouped_gemm_dw_pair_kernel
 from ._grouped_gemm_kernels import _gate_up_swiglu_fwd_kernel, _grouped_gemm_fwd_kernel
 from .segment_sum import segment_sum  # the bias gradients: in the grouped_gemm op family (lancet_rt.ops)
@@ -504,6 +516,17 @@ def grouped_mm_dw(
     return dw
 
 
+def _pair_fits(x_RK: torch.Tensor) -> bool:
+    """Whether the dW pair can run as one launch: always, except on CUDA with a pinned config (dW's) whose
+    operand stages do not fit twice in a block's shared memory (the pair's kernel holds one set per
+    problem; the autotuner's space is pruned for that)."""
+    pinned = _pinned_config("dw_pair")
+    if pinned is None or x_RK.device.type != "cuda" or _INTERPRET:
+        return True
+    cfg = _make_config("dw_pair", *pinned)
+    return _smem_fits("dw_pair", cfg, elt_bytes=x_RK.element_size(), smem_bytes=_smem_bytes(x_RK.device))
+
+
 def _pair_of(name: str, value) -> tuple:
     """grouped_mm_dw_pair's per-problem ``name`` argument as a tuple of two (each checked with its problem)."""
     if not isinstance(value, (tuple, list)) or len(value) != 2:
@@ -545,6 +568,9 @@ def grouped_mm_dw_pair(
 
     Returns:
         (dw_ENK, dw_b_ENK) in x's dtype (the ``out`` tensors where given).
+
+    On CUDA with a pinned config whose operand stages do not fit twice in a block's shared memory
+    (module docstring, Tuning), the two launches run instead: the same results.
     """
     out = _pair_of("out", out)
     accumulate = _pair_of("accumulate", accumulate)
@@ -560,6 +586,15 @@ def grouped_mm_dw_pair(
     E = offsets_E1.shape[0] - 1
     if E == 0 or (N * K == 0 and N_b * K_b == 0):
         return dw, dw_b
+    if not _pair_fits(x_RK):  # a pinned config too large for the pair: the two launches, the same bits
+        kw = dict(allow_tf32=allow_tf32)
+        a = grouped_mm_dw(
+            dy_RN, x_RK, offsets_E1, dy_rows=dy_rows, x_rows=x_rows, out=dw, accumulate=accumulate[0], **kw
+        )
+        b = grouped_mm_dw(
+            dy_b_RN, x_b_RK, offsets_E1, dy_rows=dy_b_rows, x_rows=x_b_rows, out=dw_b, accumulate=accumulate[1], **kw
+        )
+        return a, b
 
     def grid(META):
         bn, bk = META["BLOCK_N"], META["BLOCK_K"]

@@ -167,13 +167,39 @@ def test_pair_is_pinned_by_the_dw_variable(monkeypatch, gen):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_pair_search_space(dtype):
-    """The pair's CUDA configs are dW's, pruned for the larger of its two problems."""
+    """The pair's CUDA configs are dW's for the larger of its two problems whose operand stages fit twice
+    in a block's shared memory (one set per problem in the pair's kernel)."""
     x = torch.empty(1, 1, dtype=dtype)
-    small = dict(x_ptr=x, N=64, K=64, M_BUCKET=4096)
-    large = dict(x_ptr=x, N=4096, K=2048, M_BUCKET=4096)
-    tiles = lambda op, args: {
-        (*space._tile_of(op, c), c.num_warps, c.num_stages)
-        for c in space._prune_configs(op)(space._gemm_configs(op), args)
+    smem = space._smem_bytes(x.device)
+
+    def tiles(op, args):
+        kept = space._prune_configs(op)(space._gemm_configs(op), args)
+        return {(*space._tile_of(op, c), c.num_warps, c.num_stages): c for c in kept}
+
+    pair = tiles("dw_pair", dict(x_ptr=x, N=64, K=64, N_B=4096, K_B=2048, M_BUCKET=4096))
+    single = tiles("dw", dict(x_ptr=x, N=4096, K=2048, M_BUCKET=4096))
+    assert pair and set(pair) <= set(single)
+    fits_twice = {
+        t for t, c in single.items() if space._smem_fits("dw_pair", c, elt_bytes=x.element_size(), smem_bytes=smem)
     }
-    pair = dict(x_ptr=x, N=64, K=64, N_B=4096, K_B=2048, M_BUCKET=4096)
-    assert tiles("dw_pair", pair) == tiles("dw", large) != tiles("dw", small)
+    assert set(pair) == fits_twice
+    # the GPU lane's bf16 dW pin, 128 x 256 x 64 in 3 stages, fits one dW, not the pair
+    lane = space._make_config("dw_pair", 128, 256, 64, 8, 3)
+    assert space._smem_fits("dw", lane, elt_bytes=2, smem_bytes=227 * 1024)
+    assert not space._smem_fits("dw_pair", lane, elt_bytes=2, smem_bytes=227 * 1024)
+
+
+def test_a_pair_that_does_not_fit_runs_as_the_two_launches(monkeypatch, gen):
+    """Where the pinned config does not fit the pair (CUDA only: _pair_fits), the launcher runs the two
+    dW launches instead, with the same results and ``out``/``accumulate`` per problem."""
+    dy, x, dy_b, x_b, off = _operands(gen, [4, 9, 0], (20, 33), (33, 9), torch.float32)
+    want = gg.grouped_mm_dw_pair(dy, x, dy_b, x_b, off, out=(None, torch.ones(3, 33, 9)), accumulate=(False, True))
+    launched = []
+    launch = gg._launch_gemm
+    monkeypatch.setattr(gg, "_launch_gemm", lambda op, *a, **k: (launched.append(op), launch(op, *a, **k))[1])
+    monkeypatch.setattr(gg, "_pair_fits", lambda x_RK: False)
+    sums = torch.ones(3, 33, 9)
+    got = gg.grouped_mm_dw_pair(dy, x, dy_b, x_b, off, out=(None, sums), accumulate=(False, True))
+    assert launched == ["dw", "dw"] and got[1] is sums
+    _same("dw", got[0], want[0])
+    _same("dw_b", got[1], want[1])
