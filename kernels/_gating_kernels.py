@@ -33,21 +33,24 @@ lanes (``BLOCK_E = next_pow2(n_group) * BLOCK_GS``; the same as ``next_pow2(E)``
 DeepSeek-V3's 256 = 8 x 32), so a reshape to ``[BLOCK_T, n_group, BLOCK_GS]`` gives the group
 scores (top-two sums) as two row maxima, with no loop over groups (:mod:`lancet_rt.kernels._topk`).
 
-Crossing spans needs a scan over the programs. It is done without atomics, in three launches:
+Crossing spans needs a scan over the programs. It is done without atomics, in two launches:
 
-* ``_gating_fwd_kernel``  (grid ``NB = cdiv(T, span)``): the above; writes the rank within the
+* ``_gating_fwd_kernel`` (grid ``NB = cdiv(T, span)``): the above; writes the rank within the
   span into ``slot_TK`` and per-span counts / score sums / lse^2 sums into ``[NB, E]`` scratch;
-* ``_gating_scan_kernel`` (grid ``cdiv(E, 32)``): per expert column, an exclusive scan of the
-  span counts in program order, seeded with the carried ``used_E``; overwrites the counts with
-  each span's first slot, and reduces the float partials in a fixed order;
-* ``_gating_slot_kernel`` (grid over ``T * K``): ``slot = span_start[span, e] + rank``, then
-  ``-1`` at or past the capacity.
+* ``_gating_finish_kernel``: ``cdiv(E, 32)`` *sums* programs, then the *slot* programs, each over a
+  contiguous range of the ``T * K`` assignments. A sums program reduces its 32 expert columns of the span
+  counts and sums in span order (``counts_E``, ``used_E``, ``score_sum_E``, the kept rows and totals; the
+  first also ``zsq_sum``). A slot program makes the first slot of each span it touches itself, from the
+  raw span counts: one pass over them (``used[e] + sum_{b' < b} count[b', e]`` for its first span ``b``,
+  and with the rows every column's sum, ``counts_E``), then span by span, gathered on each assignment's
+  expert lane; ``slot = first slot of the span + rank``, ``-1`` at or past the capacity. The sums
+  programs write nothing the slot programs read, so neither waits for the other.
 
-The launch that writes the call's counts and sums (the single program, or the scan) also writes the
-kept rows per expert (``HAS_KEPT``) and adds them and the sums to a batch's running totals in place
+The launch that writes the call's counts and sums (the single program, or the sums programs) also writes
+the kept rows per expert (``HAS_KEPT``) and adds them and the sums to a batch's running totals in place
 (``HAS_TOTALS``; ``_store_kept``): the caller's ops after the call, done where the values already are.
 The launch that writes the final slots (the single program, after a barrier, in a pass over the call's
-``T * K`` assignments; or the slot fix-up) can also write the dispatch rows (``HAS_ROWS``): ``base[e] +
+``T * K`` assignments; or the slot programs) can also write the dispatch rows (``HAS_ROWS``): ``base[e] +
 slot``, ``base`` the exclusive scan of the kept rows per expert less the carried counter, made in
 registers from the ``E`` counts as ``permute.dispatch_rows`` makes it, so the same int32 arithmetic.
 
@@ -57,14 +60,21 @@ only the float summation order of ``score_sum_E`` / ``zsq_sum``). When the whole
 one program (small T, e.g. a decode step or a tiny chunk) the scan is fused and the forward
 is a single launch. No launcher synchronises with the host.
 
-A decoupled look-back scan (CUB style) would fuse the three launches, but it spins on flags
+A decoupled look-back scan (CUB style) would fuse the two launches, but it spins on flags
 written by other programs, relies on forward progress of earlier programs and cannot be
-checked in the interpreter; the scan here costs two small launches touching ``O(NB * E + T * K)``
-integers.
+checked in the interpreter. Instead each slot program re-reads the span counts it needs, which
+costs reads, not a launch: ``NB * E`` int32 per slot program with the rows (up to its first span
+without them), from L2. The launcher gives a slot program as many 1024-assignment steps as keep
+the slot programs at most ``span`` in number, so these reads stay at most about the logits' own
+``T * E * 4`` bytes. At T = 16384 tokens, E = 128, K = 8 on 132 SMs: spans of 32 tokens, NB = 512,
+a 256 KiB count table; 4 sums programs read it and the score table once (512 KiB); 32 slot
+programs of 4096 assignments read it once each (8 MiB in all, as the 8 MiB of logits).
 
 Bytes moved (the floor the benchmark divides by), with ``f`` the logits element size:
   forward   ``T*E*f`` (logits) + ``T*K*(4 + f + 4)`` (expert, weight, slot) + small ``O(E)``;
-            the multi-program path adds ``T*K*12`` (slot fix-up) + ``NB*E*(12 + 2f)`` (scan);
+            the multi-program path adds ``T*K*12`` (slot fix-up; ``+4`` with the rows) +
+            ``NB*E*(8 + 2f)`` (span counts and sums, written and read once) + ``P*NB*E*4`` (the
+            ``P <= span`` slot programs' passes over the counts, at most about ``T*E*4``);
   backward  ``T*E*2f`` (logits in, grad out) + ``T*K*(4 + 4)`` (experts, grad weights) + ``O(E)``.
 
 Backward
@@ -389,10 +399,12 @@ def _gating_fwd_kernel(
         tl.store(zsq_ptr + pid, tl.sum(b_zsq_acc, axis=0))
 
 
-@triton.jit
-def _gating_scan_kernel(
+@triton.jit(do_not_specialize=["N", "NB", "span_k", "per_prog", "capacity"])  # row counts: one variant
+def _gating_finish_kernel(
     # Pointers
-    span_count_ptr,  # [NB, E] int32 in: span counts; out: first slot of each span (exclusive scan + used)
+    expert_ptr,  # [T * K] int32
+    slot_ptr,  # [T * K] int32 in: rank within the span; out: slot, -1 when dropped
+    span_count_ptr,  # [NB, E] int32 span counts (read only)
     span_score_ptr,  # [NB, E] span partial score sums
     span_zsq_ptr,  # [NB] span partial lse^2 sums
     used_ptr,  # [E] int32 carried used capacity
@@ -404,98 +416,121 @@ def _gating_scan_kernel(
     tot_kept_ptr,  # [E] int64 in/out: running kept rows (HAS_TOTALS only)
     tot_score_ptr,  # [E] in/out: running score_sum_E (idem)
     tot_zsq_ptr,  # [] in/out: running zsq_sum (idem)
+    row_ptr,  # [T * K] int32 out: dispatch rows, -1 when dropped (HAS_ROWS only)
     # Sizes
-    NB,
+    N,  # assignments: T * K
+    NB,  # spans
     E,
+    span_k,  # assignments per span: span * K
+    per_prog,  # assignments per slot program (a multiple of BLOCK)
     capacity,  # slots per expert (INT32_MAX when dropless)
     # Meta-parameters
     HAS_KEPT: tl.constexpr,
     HAS_TOTALS: tl.constexpr,
-    BLOCK_B: tl.constexpr,
-    BLOCK_E: tl.constexpr,
-):
-    # -- phase 1: exclusive scan of the span counts, per expert column, seeded with used_E --
-    pid_e = tl.program_id(0)
-    offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
-    mask_e = offs_e < E
-
-    b_used = tl.load(used_ptr + offs_e, mask=mask_e, other=0)
-    b_carry = b_used
-    b_score = tl.zeros([BLOCK_E], dtype=span_score_ptr.dtype.element_ty)
-    for b0 in range(0, NB, BLOCK_B):
-        offs_b = b0 + tl.arange(0, BLOCK_B)
-        mask = (offs_b < NB)[:, None] & mask_e[None, :]
-        offs = offs_b[:, None] * E + offs_e[None, :]
-        b_cnt = tl.load(span_count_ptr + offs, mask=mask, other=0)
-        tl.store(span_count_ptr + offs, b_carry[None, :] + tl.cumsum(b_cnt, axis=0) - b_cnt, mask=mask)
-        b_carry += tl.sum(b_cnt, axis=0)
-        b_score += tl.sum(tl.load(span_score_ptr + offs, mask=mask, other=0.0), axis=0)
-    tl.store(count_ptr + offs_e, b_carry - b_used, mask=mask_e)
-    tl.store(used_out_ptr + offs_e, b_carry, mask=mask_e)
-    tl.store(score_ptr + offs_e, b_score, mask=mask_e)
-    if HAS_KEPT or HAS_TOTALS:
-        _store_kept(
-            kept_ptr,
-            tot_kept_ptr,
-            tot_score_ptr,
-            offs_e,
-            mask_e,
-            b_used,
-            b_carry - b_used,
-            b_score,
-            capacity,
-            HAS_KEPT,
-            HAS_TOTALS,
-        )
-
-    # -- phase 2: the z-loss partials, reduced in span order by one program --
-    if pid_e == 0:
-        b_zsq = tl.zeros([BLOCK_B], dtype=span_zsq_ptr.dtype.element_ty)
-        for b0 in range(0, NB, BLOCK_B):
-            offs_b = b0 + tl.arange(0, BLOCK_B)
-            b_zsq += tl.load(span_zsq_ptr + offs_b, mask=offs_b < NB, other=0.0)
-        b_zsq_sum = tl.sum(b_zsq, axis=0)
-        tl.store(zsq_ptr, b_zsq_sum)
-        if HAS_TOTALS:
-            tl.store(tot_zsq_ptr, tl.load(tot_zsq_ptr) + b_zsq_sum)
-
-
-@triton.jit(do_not_specialize=["N"])  # row counts: one compiled variant for any chunk
-def _gating_slot_kernel(
-    # Pointers
-    expert_ptr,  # [T * K] int32
-    slot_ptr,  # [T * K] int32 in: rank within the span; out: slot, -1 when dropped
-    span_start_ptr,  # [NB, E] int32 first slot of each span
-    used_ptr,  # [E] int32 carried used capacity (HAS_ROWS only)
-    count_ptr,  # [E] int32 counts_E (HAS_ROWS only)
-    row_ptr,  # [T * K] int32 out: dispatch rows, -1 when dropped (HAS_ROWS only)
-    # Sizes
-    N,
-    E,
-    span_k,  # assignments per span: span * K
-    capacity,
-    # Meta-parameters
     HAS_ROWS: tl.constexpr,
-    BLOCK: tl.constexpr,
-    BLOCK_E: tl.constexpr,  # >= E (HAS_ROWS only)
+    SCAN_BLOCK_B: tl.constexpr,  # spans per step of a sums program
+    SCAN_BLOCK_E: tl.constexpr,  # expert columns per sums program
+    BLOCK: tl.constexpr,  # assignments per step of a slot program
+    BLOCK_B: tl.constexpr,  # spans per step of a slot program's pass over the span counts
+    BLOCK_E: tl.constexpr,  # next_pow2(E): a slot program's expert lanes
 ):
-    # -- phase 1: slot = first slot of the span + rank within it, -1 past capacity --
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)  # int32: N = T * K < 2^31
-    mask = offs < N
-    b_e = tl.load(expert_ptr + offs, mask=mask, other=0)
-    b_rank = tl.load(slot_ptr + offs, mask=mask, other=0)
-    b_span = offs // span_k
-    b_slot = tl.load(span_start_ptr + b_span * E + b_e, mask=mask, other=0) + b_rank
-    b_slot = tl.where(b_slot < capacity, b_slot, -1)
-    tl.store(slot_ptr + offs, b_slot, mask=mask)
-    # -- phase 2: the dispatch rows (each program scans the E kept rows in registers) --
-    if HAS_ROWS:
-        offs_e = tl.arange(0, BLOCK_E)
+    # The first cdiv(E, SCAN_BLOCK_E) programs are sums programs, the others slot programs. The sums
+    # programs write nothing the slot programs read, so they need no order between them.
+    pid = tl.program_id(0)
+    n_sums = tl.cdiv(E, SCAN_BLOCK_E)
+    if pid < n_sums:
+        # -- sums program: the call's counts, carried counter, score sums and kept rows (and totals) of
+        # SCAN_BLOCK_E expert columns, reducing the span counts and sums in span order --
+        offs_e = pid * SCAN_BLOCK_E + tl.arange(0, SCAN_BLOCK_E)
         mask_e = offs_e < E
         b_used = tl.load(used_ptr + offs_e, mask=mask_e, other=0)
-        b_counts = tl.load(count_ptr + offs_e, mask=mask_e, other=0)
-        b_base = _rows_base(b_used, b_counts, capacity)
-        tl.store(row_ptr + offs, _rows_of_slots(b_base, tl.where(b_slot >= 0, b_e, 0), b_slot), mask=mask)
+        b_carry = b_used
+        b_score = tl.zeros([SCAN_BLOCK_E], dtype=span_score_ptr.dtype.element_ty)
+        for b0 in range(0, NB, SCAN_BLOCK_B):
+            offs_b = b0 + tl.arange(0, SCAN_BLOCK_B)
+            mask = (offs_b < NB)[:, None] & mask_e[None, :]
+            offs = offs_b[:, None] * E + offs_e[None, :]
+            b_carry += tl.sum(tl.load(span_count_ptr + offs, mask=mask, other=0), axis=0)
+            b_score += tl.sum(tl.load(span_score_ptr + offs, mask=mask, other=0.0), axis=0)
+        tl.store(count_ptr + offs_e, b_carry - b_used, mask=mask_e)
+        tl.store(used_out_ptr + offs_e, b_carry, mask=mask_e)
+        tl.store(score_ptr + offs_e, b_score, mask=mask_e)
+        if HAS_KEPT or HAS_TOTALS:
+            _store_kept(
+                kept_ptr,
+                tot_kept_ptr,
+                tot_score_ptr,
+                offs_e,
+                mask_e,
+                b_used,
+                b_carry - b_used,
+                b_score,
+                capacity,
+                HAS_KEPT,
+                HAS_TOTALS,
+            )
+        # The z-loss partials, reduced in span order by the first sums program.
+        if pid == 0:
+            b_zsq = tl.zeros([SCAN_BLOCK_B], dtype=span_zsq_ptr.dtype.element_ty)
+            for b0 in range(0, NB, SCAN_BLOCK_B):
+                offs_b = b0 + tl.arange(0, SCAN_BLOCK_B)
+                b_zsq += tl.load(span_zsq_ptr + offs_b, mask=offs_b < NB, other=0.0)
+            b_zsq_sum = tl.sum(b_zsq, axis=0)
+            tl.store(zsq_ptr, b_zsq_sum)
+            if HAS_TOTALS:
+                tl.store(tot_zsq_ptr, tl.load(tot_zsq_ptr) + b_zsq_sum)
+    else:
+        # -- slot program: assignments [a_start, a_end); slot = the first slot of its span + its rank in
+        # the span, -1 past capacity; with HAS_ROWS its dispatch row. The spans' first slots are made
+        # here from the raw span counts (integers: the values a scan over them gives). (Its names differ
+        # from the sums branch's: Triton merges the names both branches assign.) --
+        a_start = (pid - n_sums) * per_prog
+        a_end = a_start + tl.minimum(per_prog, N - a_start)
+        b_cur = a_start // span_k  # the span the next step starts in
+        lanes = tl.arange(0, BLOCK_E)
+        mask_lanes = lanes < E
+        # One pass over the span counts: b_pre, the first slot of span b_cur per expert (the carried
+        # counter plus the spans before it), and with the rows the call's counts (all spans) for their base.
+        b_carried = tl.load(used_ptr + lanes, mask=mask_lanes, other=0)
+        b_pre = b_carried
+        b_counts = tl.zeros([BLOCK_E], dtype=tl.int32)
+        if HAS_ROWS:
+            n_pass = NB
+        else:
+            n_pass = b_cur
+        for s0 in range(0, n_pass, BLOCK_B):
+            offs_s = s0 + tl.arange(0, BLOCK_B)
+            b_cnt = tl.load(
+                span_count_ptr + offs_s[:, None] * E + lanes[None, :],
+                mask=(offs_s < n_pass)[:, None] & mask_lanes[None, :],
+                other=0,
+            )
+            b_pre += tl.sum(tl.where((offs_s < b_cur)[:, None], b_cnt, 0), axis=0)
+            if HAS_ROWS:
+                b_counts += tl.sum(b_cnt, axis=0)
+        if HAS_ROWS:
+            b_base = _rows_base(b_carried, b_counts, capacity)
+        # Per step, the spans it touches (b_cur..b_hi) in order: a span's first slots are b_pre, gathered
+        # on each of its assignments' expert lanes; b_pre then steps over every span but the last (the next
+        # step may continue it).
+        for i0 in range(a_start, a_end, BLOCK):
+            offs_a = i0 + tl.arange(0, BLOCK)  # int32: N = T * K < 2^31
+            mask_a = offs_a < a_end
+            b_e = tl.load(expert_ptr + offs_a, mask=mask_a, other=0)
+            b_span = offs_a // span_k
+            b_hi = (tl.minimum(i0 + BLOCK, a_end) - 1) // span_k
+            b_first = tl.zeros([BLOCK], dtype=tl.int32)
+            for b in range(b_cur, b_hi + 1):
+                b_first = tl.where(b_span == b, tl.gather(b_pre, b_e, 0), b_first)
+                b_row = tl.load(span_count_ptr + b * E + lanes, mask=mask_lanes, other=0)
+                b_pre += tl.where(b < b_hi, b_row, 0)
+            b_cur = b_hi
+            b_slot = b_first + tl.load(slot_ptr + offs_a, mask=mask_a, other=0)
+            b_slot = tl.where(b_slot < capacity, b_slot, -1)
+            tl.store(slot_ptr + offs_a, b_slot, mask=mask_a)
+            if HAS_ROWS:
+                b_row_TK = _rows_of_slots(b_base, tl.where(b_slot >= 0, b_e, 0), b_slot)
+                tl.store(row_ptr + offs_a, b_row_TK, mask=mask_a)
 
 
 @triton.autotune(

@@ -8,11 +8,11 @@ launch (``row_TK=``), where the experts, slots and kept rows already are. The ke
 spaces are in :mod:`lancet_rt.kernels._gating_kernels`.
 
 The forward reads the logits once: one program per span of tokens (all of them when the call is
-small, then a single launch), else a scan over the spans' counts and a slot fix-up (three launches,
-no atomics, no host synchronisation). The last of them can also write the rows the call keeps per
-expert (``kept_E=``) and add them and the aux/z sums to a batch's running sums (``totals=``,
-:class:`GatingTotals`), so a caller carrying them across chunks dispatches no ops for it. The
-backward is one pass over token tiles.
+small, then a single launch), else the spans, then one launch that reduces the spans' counts and sums
+and fixes the slots up (two launches, no atomics, no host synchronisation). The last of them can also
+write the rows the call keeps per expert (``kept_E=``) and add them and the aux/z sums to a batch's
+running sums (``totals=``, :class:`GatingTotals`), so a caller carrying them across chunks dispatches no
+ops for it. The backward is one pass over token tiles.
 ``LANCET_GATING_FWD_CONFIG`` / ``LANCET_GATING_BWD_CONFIG`` pin a config, e.g.
 ``"BLOCK_T=16,num_warps=4"``.
 """
@@ -33,9 +33,8 @@ from ._gating_kernels import (
     _ENV_BWD_CONFIG,
     _ENV_FWD_CONFIG,
     _gating_bwd_kernel,
+    _gating_finish_kernel,
     _gating_fwd_kernel,
-    _gating_scan_kernel,
-    _gating_slot_kernel,
 )
 from .reference import GatingOutput, check_router_args, check_scaling
 
@@ -44,9 +43,10 @@ __all__ = ["gating_fwd", "gating_bwd", "GatingOutput", "GatingTotals"]
 _INT32_MAX = 2**31 - 1
 _FLOAT32_MAX = 3.4028234663852886e38
 _MAX_EXPERTS = 1024  # BLOCK_E lives in registers; 1024 still leaves a 4-token tile
-_SCAN_BLOCK_E = 32  # expert columns per scan program
-_SCAN_BLOCK_B = 64  # spans per scan step
-_FLAT_BLOCK = 1024  # assignments per program of the flat [T * K] kernels
+_SCAN_BLOCK_E = 32  # expert columns per sums program of the finish launch
+_SCAN_BLOCK_B = 64  # spans per step of a sums program
+_FLAT_BLOCK = 1024  # assignments per step of a slot program of the finish launch
+_SLOT_PASS_ELEMENTS = 4096  # span counts per step of a slot program's pass over them (BLOCK_B x BLOCK_E)
 _SPAN_MIN, _SPAN_MAX = 32, 512
 _PROGRAMS_PER_SM = 4
 # A call this small runs as one program with the scan fused (one launch): up to this many
@@ -89,6 +89,18 @@ def _plan_span(T: int, block_e: int, device: torch.device) -> int:
         return max(T, 1)
     span = triton.next_power_of_2(triton.cdiv(T, _PROGRAMS_PER_SM * _num_sms(device)))
     return min(max(span, _SPAN_MIN), _SPAN_MAX)
+
+
+def _slot_steps(N: int, span: int) -> int:
+    """Steps of ``_FLAT_BLOCK`` assignments per slot program of the finish launch: a power of two making
+    at most ``span`` programs, so their passes over the ``[NB, E]`` span counts (``NB * E`` int32 each) read
+    at most about the logits' ``T * E`` float32 in all."""
+    return triton.next_power_of_2(triton.cdiv(triton.cdiv(N, _FLAT_BLOCK), span))
+
+
+def _slot_pass_rows(block_e: int) -> int:
+    """Spans per step of a slot program's pass over the span counts: ``_SLOT_PASS_ELEMENTS`` counts a step."""
+    return max(1, _SLOT_PASS_ELEMENTS // block_e)
 
 
 def _split_scaling(scaling: float):
@@ -164,9 +176,13 @@ def _check_totals(totals, logits_TE: torch.Tensor) -> GatingTotals:
     return totals
 
 
-def _no_alias(kept_E, totals, row_TK, out: GatingOutput) -> None:
+def _no_alias(used_E, kept_E, totals, row_TK, out: GatingOutput) -> None:
     """``kept_E``, the totals and ``row_TK`` are written by the last launch (the totals read, too): no two
-    of them, nor a field of ``out``, may share memory."""
+    of them, nor a field of ``out``, may share memory; nor may ``used_E``, which the last launch reads while
+    it writes them (on the scan path in other programs)."""
+    written = [t for t in (*out, kept_E, row_TK, *(totals or ())) if t is not None and t.numel()]
+    if any(t.data_ptr() == used_E.data_ptr() for t in written):
+        raise ValueError("used_E must not alias out, kept_E, the totals or row_TK")
     mine = [t for t in (kept_E, row_TK) if t is not None and t.numel()]
     mine += list(totals) if totals is not None else []
     if not mine:
@@ -194,9 +210,10 @@ def _span_buffers(scratch: Optional[dict], n_spans: int, E: int, dtype: torch.dt
 def _launch_fwd(
     logits_TE, bias, used_E, out: GatingOutput, K, span, sizes, meta, kept_E, totals, row_TK, scratch
 ) -> None:
-    """One fused program when one span holds the call, else spans, then the scan and the slot fix-up;
-    the totals (if any) are added by the single program, else by the scan; the rows (if any) written by
-    the single program, else by the slot fix-up."""
+    """One fused program when one span holds the call, else the spans, then the finish launch (its sums
+    programs reduce the span counts and sums, its slot programs fix the slots up); the totals (if any) are
+    added by the single program, else by the sums programs; the rows (if any) written by the single
+    program, else by the slot programs."""
     (T, E), dev = logits_TE.shape, logits_TE.device
     n_spans = triton.cdiv(T, span)
     # (used_E: the stand-in for an absent kept_E or totals, never read)
@@ -240,7 +257,13 @@ def _launch_fwd(
     )
     meta = dict(SINGLE_PROGRAM=False, HAS_KEPT=False, HAS_TOTALS=False, HAS_ROWS=False, **meta)
     run_autotuned(_gating_fwd_kernel, (n_spans,), args, meta, _ENV_FWD_CONFIG)
-    _gating_scan_kernel[(triton.cdiv(E, _SCAN_BLOCK_E),)](
+    N = T * K
+    per_prog = _FLAT_BLOCK * _slot_steps(N, span)
+    block_e = triton.next_power_of_2(E)
+    grid = (triton.cdiv(E, _SCAN_BLOCK_E) + triton.cdiv(N, per_prog),)
+    _gating_finish_kernel[grid](
+        out.expert_TK,
+        out.slot_TK,
         span_count,
         span_score,
         span_zsq,
@@ -250,27 +273,20 @@ def _launch_fwd(
         out.score_sum_E,
         out.zsq_sum,
         *tot,
+        rows,
+        N,
         n_spans,
         E,
+        span * K,
+        per_prog,
         sizes[4],  # sizes[4]: the capacity
         **flags,
-        BLOCK_B=_SCAN_BLOCK_B,
-        BLOCK_E=_SCAN_BLOCK_E,
-    )
-    _gating_slot_kernel[(triton.cdiv(T * K, _FLAT_BLOCK),)](
-        out.expert_TK,
-        out.slot_TK,
-        span_count,
-        used_E,
-        out.counts_E,
-        rows,
-        T * K,
-        E,
-        span * K,
-        sizes[4],  # sizes[4]: the capacity
         HAS_ROWS=row_TK is not None,
+        SCAN_BLOCK_B=_SCAN_BLOCK_B,
+        SCAN_BLOCK_E=_SCAN_BLOCK_E,
         BLOCK=_FLAT_BLOCK,
-        BLOCK_E=triton.next_power_of_2(E),
+        BLOCK_B=_slot_pass_rows(block_e),
+        BLOCK_E=block_e,
     )
 
 
@@ -354,7 +370,7 @@ def gating_fwd(
     if row_TK is not None:
         _check_out("row_TK", row_TK, (T, K), torch.int32, dev)
     out = _fwd_outputs(logits_TE, K, used_E, out)
-    _no_alias(kept_E, totals, row_TK, out)
+    _no_alias(used_E, kept_E, totals, row_TK, out)
 
     if T == 0:
         out.counts_E.zero_()

@@ -275,36 +275,25 @@ def _gating_tile_configs(env_var_name: str):
     return configs
 
 
-def _gating_scan(case):
+def _gating_finish(case):
     gating, *_ = _modules()
+    (e,) = case
     nb = 512
-    args = (
-        _buf("i32"),
-        _buf("fp32"),
-        _buf("fp32"),
-        _buf("i32"),
-        _buf("i32"),
-        _buf("i32"),
-        _buf("fp32"),
-        _buf("fp32"),
-        _buf("i32"),
-        _buf("i64"),
-        _buf("fp32"),
-        _buf("fp32"),
-        nb,
-        64,
-        2**31 - 1,
+    bufs = (*("i32",) * 3, *("fp32",) * 2, *("i32",) * 3, *("fp32",) * 2, "i32", "i64", "fp32", "fp32", "i32")
+    args = (*(_buf(d) for d in bufs), _T * _GATING_K, nb, e, 32 * _GATING_K, 4 * gating._FLAT_BLOCK, 2**31 - 1)
+    # With the kept rows, the running totals and the dispatch rows (the layer's path with a capacity): the
+    # most work per column and per assignment.
+    const = dict(
+        HAS_KEPT=True,
+        HAS_TOTALS=True,
+        HAS_ROWS=True,
+        SCAN_BLOCK_B=gating._SCAN_BLOCK_B,
+        SCAN_BLOCK_E=gating._SCAN_BLOCK_E,
+        BLOCK=gating._FLAT_BLOCK,
+        BLOCK_B=gating._slot_pass_rows(e),
+        BLOCK_E=e,
     )
-    # With the kept rows and the running totals (the layer's path with a capacity): the most work per column.
-    const = dict(HAS_KEPT=True, HAS_TOTALS=True, BLOCK_B=gating._SCAN_BLOCK_B, BLOCK_E=gating._SCAN_BLOCK_E)
-    return gating._gating_scan_kernel, args, const
-
-
-def _gating_slot(case):
-    gating, *_ = _modules()
-    args = (*(_buf("i32") for _ in range(6)), _T * _GATING_K, 64, 128 * _GATING_K, 2**31 - 1)
-    # With the dispatch rows (the layer's path): the most work per assignment.
-    return gating._gating_slot_kernel, args, dict(HAS_ROWS=True, BLOCK=gating._FLAT_BLOCK, BLOCK_E=64)
+    return gating._gating_finish_kernel, args, const
 
 
 def _dispatch_rows(case):
@@ -562,8 +551,7 @@ _SPECS: Dict[str, Tuple[Callable, Callable, List[Tuple[str, tuple]]]] = {
         [("E=64 fp32", (64, 1, 1, False, True)), ("E=256 n_group=8 topk_group=4 fp32", (256, 8, 4, True, True))],
     ),
     "gating.bwd": (_gating_bwd, _gating_tile_configs("_ENV_BWD_CONFIG"), [(f"E={e} fp32", (e,)) for e in _GATING_E]),
-    "gating.scan": (_gating_scan, _fixed, [("fp32", ())]),
-    "gating.slot": (_gating_slot, _fixed, [("i32", ())]),
+    "gating.finish": (_gating_finish, _fixed, [(f"E={e} fp32", (e,)) for e in _GATING_E]),
     "permute.dispatch_rows": (_dispatch_rows, _fixed, [("i32", ())]),
     "permute.regroup_rows": (_regroup_rows, _fixed, [("i64", ())]),
     "permute.fwd": (

@@ -139,6 +139,7 @@ class _Rank:
         self.link = reallink.rank_link()
         self.sync = dist.new_group(backend="gloo")
         self.rate: Optional[int] = None
+        self.forward_ms: Optional[float] = None  # the last timed step's (timed)
 
     def set_rate(self, rate_bps: Optional[int]) -> None:
         """Every rank shapes its port at ``rate_bps`` (None: unshaped), then they meet."""
@@ -153,9 +154,17 @@ class _Rank:
         return float(t)
 
     def timed(self, runner: RealRunner, name: str) -> float:
-        """One step of ``name`` from a barrier; the slowest rank's ms per microbatch."""
+        """One step of ``name`` from a barrier; the slowest rank's ms per microbatch. The slowest rank's
+        forward (from the barrier to the end of its forward) is kept in :attr:`forward_ms` (None for a
+        schedule without one forward then one backward)."""
         dist.barrier(self.sync)
-        return self.slowest(wall_ms(lambda: runner.step(name))) / runner.per_step[name]
+        t0 = time.perf_counter()
+        ms = wall_ms(lambda: runner.step(name))
+        fwd = -1.0 if runner.forward_end is None else (runner.forward_end - t0) * 1e3
+        t = torch.tensor([ms, fwd], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sync)
+        self.forward_ms = None if t[1] < 0 else float(t[1])
+        return float(t[0]) / runner.per_step[name]
 
     def tx_bytes(self) -> int:
         """Bytes this rank's interface has sent (its namespace's /proc/net/dev)."""
@@ -235,6 +244,7 @@ def _add_variant(runner: RealRunner, args, s: dict, rank: int, variant: str, wan
     """The same model and the ``wanted`` schedules on a group with ``variant`` channels, added to ``runner`` as
     ``<schedule>@<variant>`` (timed in the same rounds); returns their names."""
     other = RealRunner(args, s, ep_group(variant), rank)
+    other.forward_done = runner.forward_done  # (its steps mark the forward's end where the timing reads it)
     runner.extra_models += other.models
     runner.moe_layers = list(runner.moe_layers) + list(other.moe_layers)
     names = []
@@ -284,12 +294,15 @@ def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: st
     rate = rate if kind == "loopback" or rate else _calibrate(runner, me, args.comm_ratio)
     links = {"unshaped": None, "shaped": rate}
     times = {(lk, n): [] for lk in links for n in names}
+    forwards = {(lk, n): [] for lk in links for n in names}  # the slowest rank's forward, where a step has one
     start = time.perf_counter()
     for rnd in range(rounds):
         for lk in list(links) if rnd % 2 == 0 else list(links)[::-1]:
             me.set_rate(links[lk])
             for n in names if rnd % 2 == 0 else names[::-1]:
                 times[(lk, n)].append(me.timed(runner, n))
+                if me.forward_ms is not None:
+                    forwards[(lk, n)].append(me.forward_ms)
         if me.rank == 0:  # a round takes tens of seconds on the link: say where the run is
             done = time.perf_counter() - start
             print(
@@ -298,11 +311,7 @@ def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: st
                 flush=True,
             )
     me.set_rate(rate)
-    step_tx = None
-    if kind == "real":  # what the busiest port carries in one sequential step (wire bytes, the shaper's count)
-        before = me.tx_bytes()
-        me.timed(runner, "sequential")
-        step_tx = me.slowest(me.tx_bytes() - before)
+    step_tx, fwd_tx = _step_bytes(runner, me) if kind == "real" else (None, None)
     link_numbers = reallink_probe.probe() if kind == "real" else {}
     if getattr(group, "channels", None) is not None and kind == "real":
         link_numbers["lanes_a2a_mbit"] = _lanes_rate(group, me)
@@ -340,6 +349,8 @@ def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: st
     for n in names:
         row[f"{n}_ms"] = med[("shaped", n)]
         row[f"{n}_compute_ms"] = med[("unshaped", n)]
+        for lk, field in (("shaped", f"{n}_forward_ms"), ("unshaped", f"{n}_forward_compute_ms")):
+            row[field] = statistics.median(forwards[(lk, n)]) if forwards[(lk, n)] else None
         row[f"{n}_min_ms"] = min(times[("shaped", n)])
         row[f"hidden_{n}"] = 1 - (med[("shaped", n)] - med[("unshaped", n)]) / comm_ms if comm_ms > 0 else None
         row[f"speedup_{n}"] = med[("shaped", "sequential")] / med[("shaped", n)]
@@ -348,10 +359,26 @@ def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: st
     row["hidden_comm_fraction"] = row.get("hidden_overlapped")
     row["speedup_vs_sequential"] = row.get("speedup_overlapped")
     row.update(link_bound(row, step_tx))
+    row.update(pass_bound(row, step_tx, fwd_tx, names))
     if me.rank == 0:
         _report(row, names)
         RowLog(args.json).add(row)
     return row
+
+
+def _step_bytes(runner: RealRunner, me: _Rank) -> tuple[float, float]:
+    """What the busiest port carries in one sequential step and in its forward (wire bytes, the shaper's
+    count; the busiest port of each)."""
+    at_forward_end: list = []
+    runner.on_forward_end = lambda: at_forward_end.append(me.tx_bytes())
+    before = me.tx_bytes()
+    try:
+        me.timed(runner, "sequential")
+    finally:
+        runner.on_forward_end = None
+    t = torch.tensor([me.tx_bytes() - before, at_forward_end[0] - before], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=me.sync)
+    return float(t[0]), float(t[1])
 
 
 def _report_peers(row: dict) -> None:
@@ -396,6 +423,45 @@ def link_bound(row: dict, step_tx_bytes: Optional[float]) -> dict:
         bound_speedup=row["sequential_ms"] / best,
         bound_hidden=1 - (best - ov) / comm if comm > 0 else None,
     )
+
+
+def pass_bound(row: dict, step_tx_bytes: Optional[float], fwd_tx_bytes: Optional[float], names: list) -> dict:
+    """Each schedule's own bound on this link. A single step's backward cannot start before its forward
+    ends, so a step of ``n`` takes at least max(n's forward compute, the forward's link time) + max(n's
+    backward compute, the backward's link time): the busiest port's bytes of each pass (one sequential step's,
+    read at its forward's end) at the configured rate (``forward_link_ms``, ``backward_link_ms``), and
+    ``n``'s unshaped forward and the rest of its unshaped step. Per schedule with one forward then one
+    backward: ``pass_bound_ms_<n>``, ``pass_bound_speedup_<n>`` (sequential over it), ``pass_bound_hidden_<n>``
+    and how near ``n`` comes, ``of_pass_bound_<n>`` (the bound over its step: 1 at the bound) and
+    ``of_pass_bound_hidden_<n>`` (its hidden fraction over the bound's). ``accumulate``'s passes interleave
+    across microbatches, so its bound is the whole step's per microbatch, max(its own compute, the link
+    time): ``bound_ms_accumulate``, ``bound_speedup_accumulate``, ``bound_hidden_accumulate``,
+    ``of_bound_accumulate``. Nothing without a rate or the bytes."""
+    rate, comm = row.get("configured_mbit"), row.get("comm_ms")
+    if not step_tx_bytes or fwd_tx_bytes is None or not rate or "sequential_ms" not in row:
+        return {}
+    to_ms = 8 / (rate * 1e6) * 1e3
+    fwd_link, bwd_link = fwd_tx_bytes * to_ms, (step_tx_bytes - fwd_tx_bytes) * to_ms
+    out = dict(forward_tx_mb=fwd_tx_bytes / 1e6, forward_link_ms=fwd_link, backward_link_ms=bwd_link)
+    seq = row["sequential_ms"]
+
+    def fields(suffix: str, bound: float, n: str) -> None:
+        hidden = 1 - (bound - row[f"{n}_compute_ms"]) / comm if comm and comm > 0 else None
+        out[f"{suffix}_ms_{n}"] = bound
+        out[f"{suffix}_speedup_{n}"] = seq / bound
+        out[f"{suffix}_hidden_{n}"] = hidden
+        out[f"of_{suffix}_{n}"] = bound / row[f"{n}_ms"]
+        mine = row.get(f"hidden_{n}")
+        out[f"of_{suffix}_hidden_{n}"] = mine / hidden if hidden and mine is not None else None
+
+    for n in names:
+        fwd = row.get(f"{n}_forward_compute_ms")
+        # (the sequential step overlaps nothing; a peer's all-to-alls run on another transport than the rate's)
+        if fwd is not None and n != "sequential" and not n.startswith("peer_"):
+            fields("pass_bound", max(fwd, fwd_link) + max(row[f"{n}_compute_ms"] - fwd, bwd_link), n)
+    if "accumulate_compute_ms" in row:
+        fields("bound", max(row["accumulate_compute_ms"], fwd_link + bwd_link), "accumulate")
+    return out
 
 
 def _max_over_mean(runner: RealRunner, me: _Rank) -> float:
@@ -535,8 +601,39 @@ def _report(row: dict, names: list) -> None:
             f"{row['bound_hidden']:.2f}",
             flush=True,
         )
+    _report_bounds(row, names)
     print(
         f"load average {' '.join(f'{v:.2f}' for v in row['load_avg_before'])} before, "
         f"{' '.join(f'{v:.2f}' for v in row['load_avg_after'])} after",
         flush=True,
     )
+
+
+def _report_bounds(row: dict, names: list) -> None:
+    """Each schedule against its own bound (:func:`pass_bound`)."""
+    if row.get("forward_link_ms") is None:
+        return
+    print(
+        f"pass bound: the forward's bytes take {row['forward_link_ms']:.0f} ms at the rate, the backward's "
+        f"{row['backward_link_ms']:.0f} ms; a step is at least max(its forward's compute, the forward's link) + "
+        "max(its backward's compute, the backward's link)"
+    )
+    table = []
+    for n in names:
+        for suffix in ("pass_bound", "bound"):
+            if f"{suffix}_ms_{n}" in row:
+                table.append(
+                    dict(
+                        schedule=n,
+                        bound="passes" if suffix == "pass_bound" else "step",
+                        forward_compute_ms=row.get(f"{n}_forward_compute_ms"),
+                        bound_ms=row[f"{suffix}_ms_{n}"],
+                        bound_speedup=row[f"{suffix}_speedup_{n}"],
+                        bound_hidden=row[f"{suffix}_hidden_{n}"],
+                        of_bound=row[f"of_{suffix}_{n}"],
+                        of_bound_hidden=row[f"of_{suffix}_hidden_{n}"],
+                    )
+                )
+    if table:
+        cols = ["schedule", "bound", "forward_compute_ms", "bound_ms", "bound_speedup", "bound_hidden"]
+        print_table(table, cols + ["of_bound", "of_bound_hidden"], title="each schedule's own bound on this link")

@@ -10,7 +10,8 @@ present, is asked for them, see :func:`peer_schedules`).
 from __future__ import annotations
 
 import copy
-from typing import Callable
+import time
+from typing import Callable, Optional
 
 import torch
 
@@ -39,6 +40,11 @@ class RealRunner:
         self.steps: dict[str, Callable[[], None]] = {}
         self.per_step: dict[str, int] = {}  # microbatches per step of each schedule
         self.extra_models: list = []  # the peers' models (their gradients dropped after each step)
+        #: When the last step's forward ended (``time.perf_counter``), for the schedules that run one forward
+        #: then one backward (not ``accumulate``, whose passes interleave): None until then.
+        self.forward_end: Optional[float] = None
+        #: Called at that moment, if set (the bytes the port sent in the forward, bench.overlap.real).
+        self.on_forward_end: Optional[Callable[[], None]] = None
         if self.hf:
             self._build_hf()
         else:
@@ -122,7 +128,9 @@ class RealRunner:
 
         def step(model, pipeline=False):
             self._pipeline(pipeline)
-            model(**batch).loss.backward()
+            loss = model(**batch).loss
+            self.forward_done()
+            loss.backward()
 
         self.add_schedule("sequential", lambda: step(self.model))
         self.add_schedule("moe_pipelined", lambda: step(self.model, True))
@@ -137,7 +145,15 @@ class RealRunner:
     def _blocks_step(self, runner, pipeline: bool = False) -> None:
         self._pipeline(pipeline)
         x = self.x.detach().requires_grad_(True)
-        runner(x).backward(self.g)
+        out = runner(x)
+        self.forward_done()
+        out.backward(self.g)
+
+    def forward_done(self) -> None:
+        """Mark the end of a step's forward (:attr:`forward_end`; a peer's step calls it too)."""
+        self.forward_end = time.perf_counter()
+        if self.on_forward_end is not None:
+            self.on_forward_end()
 
     def add_schedule(self, name: str, step: Callable[[], None], per_step: int = 1) -> None:
         """Time ``step`` (one training step of ``per_step`` microbatches) as schedule ``name``."""
@@ -146,6 +162,7 @@ class RealRunner:
 
     def step(self, name: str) -> None:
         """One step of schedule ``name``; its gradients are dropped."""
+        self.forward_end = None
         self.steps[name]()
         for model in self.models + self.extra_models:
             for p in model.parameters():

@@ -58,7 +58,29 @@ def test_the_main_job_names_its_link(monkeypatch):
 
 def test_the_peer_targets_read_the_same_transport_ratio():
     """vs_<peer> (both on the peers' plain group) is what the target reads; ours on its lanes is shown beside."""
-    row = dict(ROW, overlapped_over_peer_deepspeed=0.6, overlapped_split_over_peer_deepspeed=0.4)
+    row = dict(ROW, overlapped_over_peer_deepspeed=0.65, overlapped_split_over_peer_deepspeed=0.4)
     cell = acceptance._cell("blocks, W=2", row)
-    assert cell["vs_deepspeed"] == 0.6 and cell["vs_deepspeed@ours_split"] == 0.4
-    assert "vs deepspeed MISSED (<= 0.5)" in cell["targets"]
+    assert cell["vs_deepspeed"] == 0.65 and cell["vs_deepspeed@ours_split"] == 0.4
+    assert "vs deepspeed MISSED (<= 0.6)" in cell["targets"]
+    assert (
+        "vs deepspeed met" in acceptance._cell("blocks, W=2", dict(row, overlapped_over_peer_deepspeed=0.6))["targets"]
+    )
+
+
+def test_the_targets_read_each_schedules_own_bound():
+    """Run 1: Overlapped at >= 0.95 of its pass bound (speed and hidden); accumulate at 1.6x or >= 0.95 of its
+    bound, either; a row without the fields (no rate) misses rather than passes."""
+    near = dict(ROW, of_pass_bound_overlapped=0.96, of_pass_bound_hidden_overlapped=0.94)
+    near.update(speedup_accumulate=1.5, of_bound_accumulate=0.96, microbatches=4)
+    targets = acceptance._cell("blocks, W=2", near)["targets"]
+    assert "of_pass_bound met (>= 0.95)" in targets and "of_pass_bound_hidden MISSED (>= 0.95)" in targets
+    assert "accumulate met (accumulate_speedup >= 1.6 or accumulate_of_bound >= 0.95)" in targets
+    slow = acceptance._cell("blocks, W=2", dict(near, of_bound_accumulate=0.9))["targets"]
+    assert "accumulate MISSED" in slow
+    assert (
+        "accumulate met"
+        in acceptance._cell("blocks, W=2", dict(near, of_bound_accumulate=0.9, speedup_accumulate=1.61))["targets"]
+    )
+    bare = acceptance._cell("blocks, W=2", ROW)["targets"]
+    assert "of_pass_bound MISSED" in bare and "accumulate MISSED" in bare
+    assert acceptance._cell("mixtral, W=2", near)["targets"] == "reported"

@@ -45,8 +45,14 @@ def test_every_schedule_steps_and_leaves_no_gradient():
     for name in SCHEDULES:
         grads = r.outputs(name)
         assert grads and all(torch.isfinite(g).all() for g in grads), name
+        marks = []
+        r.on_forward_end = lambda: marks.append(any(p.grad is not None for m in r.models for p in m.parameters()))
         r.step(name)
+        r.on_forward_end = None
         assert all(p.grad is None for m in r.models for p in m.parameters()), name
+        # one forward then one backward: the forward's end is marked once, before any backward (the pass bound's
+        # split); accumulate's passes interleave across microbatches: no mark
+        assert (r.forward_end is None) == (name == "accumulate") and marks == ([] if name == "accumulate" else [False])
     # the unchunked and the chunked steps compute the same gradients (one process: no link between them)
     seq, ovl = r.outputs("sequential"), r.outputs("overlapped")
     for a, b in zip(seq, ovl):
@@ -108,6 +114,34 @@ def test_link_bound_from_the_ports_bytes_and_the_rate():
     assert fast["bound_speedup"] == pytest.approx(1500 / 800) and fast["bound_hidden"] == pytest.approx(1.0)
     for missing in (link_bound(dict(row, configured_mbit=None), 20e6), link_bound(row, None)):
         assert missing["bound_speedup"] is None and missing["link_time_ms"] is None
+
+
+def test_pass_bound_per_schedule_from_each_pass_bytes_and_compute():
+    """A step's backward starts after its forward: 10 MB of forward bytes at 160 Mbit/s are 500 ms, more than
+    Overlapped's 300 ms forward compute; the backward's 6 MB are 300 ms, less than its 500 ms of compute: the
+    bound is 500 + 500 = 1000 ms (where the whole-step bound, max(800, 800), says 800), 1.6x the sequential
+    1600 ms; at a 1250 ms step Overlapped is at 0.8 of it. accumulate's bound is the whole step's per
+    microbatch, max(its 900 ms compute, 800 ms of link). The sequential step gets none, nor a peer (its
+    all-to-alls run on another transport); no rate, nothing."""
+    from bench.overlap.real import pass_bound
+
+    row = dict(configured_mbit=160.0, sequential_ms=1600.0, comm_ms=800.0, sequential_compute_ms=800.0)
+    row.update(overlapped_ms=1250.0, overlapped_compute_ms=800.0, overlapped_forward_compute_ms=300.0)
+    row.update(hidden_overlapped=1 - 450 / 800, sequential_forward_compute_ms=250.0)
+    row.update(accumulate_ms=1000.0, accumulate_compute_ms=900.0, hidden_accumulate=0.875)
+    row.update(peer_x_ms=2000.0, peer_x_compute_ms=700.0, peer_x_forward_compute_ms=300.0)
+    got = pass_bound(row, 16e6, 10e6, ["sequential", "overlapped", "accumulate", "peer_x"])
+    assert got["forward_link_ms"] == pytest.approx(500.0) and got["backward_link_ms"] == pytest.approx(300.0)
+    assert got["pass_bound_ms_overlapped"] == pytest.approx(1000.0)
+    assert got["pass_bound_speedup_overlapped"] == pytest.approx(1.6)
+    assert got["pass_bound_hidden_overlapped"] == pytest.approx(1 - 200 / 800)
+    assert got["of_pass_bound_overlapped"] == pytest.approx(0.8)
+    assert got["of_pass_bound_hidden_overlapped"] == pytest.approx((1 - 450 / 800) / 0.75)
+    assert got["bound_ms_accumulate"] == pytest.approx(900.0) and got["of_bound_accumulate"] == pytest.approx(0.9)
+    assert got["bound_speedup_accumulate"] == pytest.approx(1600 / 900)
+    assert not any(k.endswith("_sequential") or k.endswith("_peer_x") for k in got)
+    assert pass_bound(dict(row, configured_mbit=None), 16e6, 10e6, ["overlapped"]) == {}
+    assert pass_bound(row, 16e6, None, ["overlapped"]) == {}
 
 
 def test_calibration_interpolates_between_tries_on_either_side():

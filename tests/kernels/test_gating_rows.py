@@ -1,5 +1,5 @@
 """gating_fwd(row_TK=...): the dispatch rows written by the forward's last launch (the single program, or
-the slot fix-up on the scan path), bitwise those of permute.dispatch_rows and of the reference
+the slot programs of the finish launch on the scan path), bitwise those of permute.dispatch_rows and of the reference
 dispatch_rows_ref given the call's experts, slots, carried counter and kept rows; the other outputs and
 the totals as without it; dropless, dropping and capacity 0, T = 0 / 1 / odd, K = E, grouped selection
 with padded lanes; the launcher's checks of ``row_TK``; and the layer's gate on the scan path, fused

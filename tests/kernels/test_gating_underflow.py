@@ -6,7 +6,7 @@ ordinary float32 result: ``s + 1e-20 == s`` in float32 for every ``s >= 2**-42``
 the arithmetic itself and on the reference, bitwise).
 
 Kernels under TRITON_INTERPRET=1 against the reference: every output poisoned with NaN before the
-launch, the single-program forward and the 3-launch scan, float32 and float64, plain and DeepSeek-V3
+launch, the single-program forward and the 2-launch scan, float32 and float64, plain and DeepSeek-V3
 routing (bias, groups, scaling); then the layer on both kernel paths.
 """
 

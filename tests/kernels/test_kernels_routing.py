@@ -60,7 +60,7 @@ from tests.routing_inputs import (
 # ----------------------------------------------------------------------------------------------
 # Gating: forward and backward against the reference
 # ----------------------------------------------------------------------------------------------
-# (T, E, K): the fused single-program forward (T <= 63) and the 3-launch scan path (T = 257, 3
+# (T, E, K): the fused single-program forward (T <= 63) and the 2-launch scan path (T = 257, 3
 # spans under the interpreter), an expert with no tokens (E = 64, T = 63, K = 1), K = E (on both
 # paths, with padded lanes at E = 7), E = 7 (padded expert lanes) and E = 2.
 GATING_SHAPES = [
@@ -303,7 +303,7 @@ def test_gating_bwd_expanded_grads(gen):
 @pytest.mark.parametrize("path", ["single", "multi", "multi-blocks"])
 @pytest.mark.parametrize("shape", [(63, 8, 2), (257, 7, 7), (40, 64, 8)], ids=lambda s: "T{}-E{}-K{}".format(*s))
 def test_gating_paths(gen, monkeypatch, shape, path):
-    """The fused single-program forward (many tiles in one span) and the 3-launch scan (many
+    """The fused single-program forward (many tiles in one span) and the 2-launch scan (many
     spans); "multi-blocks" shrinks the spans and the scan's step to 2 spans, so the scan walks
     several blocks and carries the per-expert slot offsets (and the float sums) from block to block."""
     T, E, K = shape
