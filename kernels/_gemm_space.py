@@ -91,17 +91,11 @@ def _acc_regs(op: str, cfg: triton.Config) -> int:
     return rows * cols * _NUM_ACC[op] // (32 * cfg.num_warps)
 
 
-# Copies of one problem's pipelined operand stages a program holds in shared memory: the dW pair's
-# kernel has one main loop per problem, in two branches, and Triton gives each its own buffers (sm_90
-# builds: twice the single dW kernel's shared memory at the same config, bench.kernels.compile_check).
-_SMEM_COPIES = {"dw_pair": 2}
-
-
 def _smem_fits(op: str, cfg: triton.Config, *, elt_bytes: int, smem_bytes: int) -> bool:
     """Whether ``op``'s pipelined operand stages at ``cfg`` fit in the shared memory of one block."""
     rows, cols, red = _tile_of(op, cfg)
     stage_bytes = (rows * red + _NUM_ACC[op] * red * cols) * elt_bytes
-    return stage_bytes * cfg.num_stages * _SMEM_COPIES.get(op, 1) <= smem_bytes
+    return stage_bytes * cfg.num_stages <= smem_bytes
 
 
 def _config_fits(op: str, cfg: triton.Config, *, elt_bytes: int, smem_bytes: int) -> bool:

@@ -16,16 +16,30 @@ weight in its dW launches, with no buffer per chunk and no separate add, bit for
 dW GEMMs, gate_up's (dgu^T x, or x^T dgu in the GPT-OSS layout) and down's (dy^T h, or h^T dy), and
 both reduce over the same row segments. On a GPU the host must issue a chunk's work faster than the
 GPU runs it, and each launch is host time per chunk, so the pair is one grid: programs
-[0, E * tiles(A)) own problem A's output tiles, the rest problem B's, each with its own operands, row
-maps, output, ``accumulate``, sizes and strides. A program runs the same per-tile code as the single
-kernel (``_dw_tile``), so at the same tile config both results are bit for bit those of the two
-launches; one config serves both (tuned on both problems' sizes, pinned by dW's variable). It moves
-the bytes the two launches move: each program reads its expert's rows of its problem's two operands
-(the columns of its tile) and writes its tile once (reading it first with ``accumulate``); only the
-second launch's fixed host cost goes. Like the single kernel it uses no atomics and never waits on
-another program. Each branch's main loop has its own pipelined operand buffers in shared memory (sm_90
-builds: twice the single kernel's at the same config), so the pair's configs are pruned for twice the
-stages (:mod:`lancet_rt.kernels._gemm_space`).
+[0, E * tiles(A)) own problem A's output tiles, the rest problem B's. A program picks its problem at
+run time (its pid against A's tile count) and takes that problem's operands, output, sizes, strides
+and row map as runtime values, then runs the single kernel's tile computation (``_dw_tile``): the same
+loads, tl.dot sequence over the same tiles and epilogue, so at the same tile config both results are
+bit for bit those of the two launches; one config serves both (tuned on both problems' sizes, pinned
+by dW's variable).
+
+Why one tile loop: a kernel that called the tile code in two branches, one per problem with its own
+compile-time flags, got one main loop per branch, and on sm_90 Triton gives each main loop its own
+pipelined operand buffers in shared memory: twice a dW's, which pushed the pair off dW's bf16 tiles.
+One loop needs one dW's shared memory (``bench.kernels.compile_check``: the same bytes as the single
+kernel at each config), so the pair's config space and default are dW's. What differs between the
+problems is therefore a runtime value: the row maps too. The experts map exactly one operand per
+problem when their rows come in received order (the lancet layout gate_up's x and down's dy, GPT-OSS's
+the other two), so each problem has at most one map and a runtime choice of the operand it maps
+(``MAP``: none, dy or x); the unmapped operand reads the grouped rows themselves (a ``tl.where`` with
+the map's masked load), and without any map (``HAS_ROWS`` false) none of that is compiled. The kernel
+thus takes one element dtype, one ``accumulate`` and one map dtype for both problems; the launcher runs
+other arguments (or a problem with both operands mapped) as the two launches.
+
+It moves the bytes the two launches move: each program reads its expert's rows of its problem's two
+operands (the columns of its tile) and writes its tile once (reading it first with ``accumulate``);
+only the second launch's fixed host cost goes. Like the single kernel it uses no atomics and never
+waits on another program.
 """
 
 import triton
@@ -78,9 +92,14 @@ def _dw_tile(
     GATHER_DY: tl.constexpr,
     GATHER_X: tl.constexpr,
     ACCUMULATE: tl.constexpr,
+    map_ptr,
+    map_which,
+    HAS_MAP: tl.constexpr,
 ):
     """Output tile ``pid`` (experts outermost) of one dW problem: the whole per-tile computation of
-    _grouped_gemm_dw_kernel, shared with _grouped_gemm_dw_pair_kernel so both give the same bits."""
+    _grouped_gemm_dw_kernel, shared with _grouped_gemm_dw_pair_kernel so both give the same bits.
+    With HAS_MAP (the pair) one operand's rows go through ``map_ptr``, which one chosen at run time
+    (``map_which``: 0 neither, 1 dy's, 2 x's); the other's are the grouped rows themselves."""
     # -- phase 1: map the program to (expert, N tile, K tile) and load its segment bounds --
     num_pid_n = tl.cdiv(N, BLOCK_N)
     num_pid_k = tl.cdiv(K, BLOCK_K)
@@ -115,6 +134,13 @@ def _dw_tile(
             dy_ptrs = dy_ptr + dy_rows[None, :] * stride_dym + offs_yn.to(tl.int64)[:, None] * stride_dyn
         if GATHER_X:
             x_rows = _mapped_rows(xr_ptr, row_start + m * BLOCK_M + offs_m, mask_m, R, True)
+            x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_xk.to(tl.int64)[None, :] * stride_xk
+        if HAS_MAP:  # the same rows as the gathers above, the mapped operand picked at run time
+            grouped = row_start + m * BLOCK_M + offs_m
+            mapped = _mapped_rows(map_ptr, grouped, tl.where(map_which != 0, mask_m, False), R, True)
+            dy_rows = tl.where(map_which == 1, mapped, grouped.to(tl.int64))
+            x_rows = tl.where(map_which == 2, mapped, grouped.to(tl.int64))
+            dy_ptrs = dy_ptr + dy_rows[None, :] * stride_dym + offs_yn.to(tl.int64)[:, None] * stride_dyn
             x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_xk.to(tl.int64)[None, :] * stride_xk
         b_dyt = tl.load(dy_ptrs, mask=mask_m[None, :], other=0.0)
         b_x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
@@ -203,12 +229,15 @@ def _grouped_gemm_dw_kernel(
         GATHER_DY,
         GATHER_X,
         ACCUMULATE,
+        offsets_ptr,  # (no pair row map)
+        0,
+        False,
     )
 
 
-@triton.jit(do_not_specialize=["R"])  # row counts: one compiled variant for any chunk
+@triton.jit(do_not_specialize=["R", "MAP", "MAP_B"])  # one compiled variant for any chunk and maps
 def _grouped_gemm_dw_pair_kernel(
-    # pointers: problem A (dw = dy_seg.T @ x_seg), then problem B (dwb = dyb_seg.T @ xb_seg)
+    # pointers: problem A (dw = dy_seg.T @ x_seg), then problem B (dwb = dyb_seg.T @ xb_seg), one dtype
     dy_ptr,  # [R, N] A's output gradient
     x_ptr,  # [R, K] A's forward input
     dw_ptr,  # [E, N, K] A's output, x's dtype
@@ -216,10 +245,8 @@ def _grouped_gemm_dw_pair_kernel(
     xb_ptr,  # [R, K_B] B's forward input
     dwb_ptr,  # [E, N_B, K_B] B's output, x's dtype
     offsets_ptr,  # [E + 1] int32/int64 segment bounds, the same for both problems
-    dyr_ptr,  # [R] row map of dy (GATHER_DY)
-    xr_ptr,  # [R] row map of x (GATHER_X)
-    dybr_ptr,  # [R] row map of dyb (GATHER_DY_B)
-    xbr_ptr,  # [R] row map of xb (GATHER_X_B)
+    rows_ptr,  # [R] A's row map (read only with HAS_ROWS and MAP != 0)
+    rowsb_ptr,  # [R] B's row map, rows_ptr's dtype (read only with HAS_ROWS and MAP_B != 0)
     # sizes
     R,
     N,
@@ -228,6 +255,8 @@ def _grouped_gemm_dw_pair_kernel(
     K_B,
     E,
     M_BUCKET,  # autotune key only
+    MAP,  # A's mapped operand: 0 none, 1 dy, 2 x
+    MAP_B,  # B's
     # strides
     stride_dym,
     stride_dyn,
@@ -250,76 +279,52 @@ def _grouped_gemm_dw_pair_kernel(
     GROUP_M: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    TILE_I64: tl.constexpr = False,  # A's row steps in int64
-    TILE_I64_B: tl.constexpr = False,  # B's row steps in int64
-    GATHER_DY: tl.constexpr = False,
-    GATHER_X: tl.constexpr = False,
-    GATHER_DY_B: tl.constexpr = False,
-    GATHER_X_B: tl.constexpr = False,
-    ACCUMULATE: tl.constexpr = False,  # A: dw += its tile
-    ACCUMULATE_B: tl.constexpr = False,  # B: dwb += its tile
+    TILE_I64: tl.constexpr = False,  # either problem's row steps reach 2^31: row steps in int64
+    HAS_ROWS: tl.constexpr = False,  # a problem has a row map (MAP or MAP_B not 0)
+    ACCUMULATE: tl.constexpr = False,  # both problems: dw += its tile
 ):
     """Two dW problems over the same row segments in one grid: programs [0, E * tiles(N, K)) compute
-    A's tiles, the rest B's, each exactly as _grouped_gemm_dw_kernel would (the same _dw_tile)."""
+    A's tiles, the rest B's. Each program picks its problem at run time (its pointers, sizes, strides
+    and mapped operand) and runs the one tile computation, _dw_tile, as _grouped_gemm_dw_kernel does:
+    one main loop, so one dW's shared memory."""
     pid = tl.program_id(0)
     tiles_a = E * tl.cdiv(N, BLOCK_N) * tl.cdiv(K, BLOCK_K)
-    if pid < tiles_a:
-        _dw_tile(
-            pid,
-            dy_ptr,
-            x_ptr,
-            dw_ptr,
-            offsets_ptr,
-            dyr_ptr,
-            xr_ptr,
-            R,
-            N,
-            K,
-            stride_dym,
-            stride_dyn,
-            stride_xm,
-            stride_xk,
-            stride_dwe,
-            stride_dwn,
-            stride_dwk,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            GROUP_M,
-            INPUT_PRECISION,
-            DOT_FP32,
-            TILE_I64,
-            GATHER_DY,
-            GATHER_X,
-            ACCUMULATE,
-        )
+    in_b = pid >= tiles_a
+    if in_b:
+        tile = pid - tiles_a
+        dy, x, dw, rows = dyb_ptr, xb_ptr, dwb_ptr, rowsb_ptr
     else:
-        _dw_tile(
-            pid - tiles_a,
-            dyb_ptr,
-            xb_ptr,
-            dwb_ptr,
-            offsets_ptr,
-            dybr_ptr,
-            xbr_ptr,
-            R,
-            N_B,
-            K_B,
-            stride_dybm,
-            stride_dybn,
-            stride_xbm,
-            stride_xbk,
-            stride_dwbe,
-            stride_dwbn,
-            stride_dwbk,
-            BLOCK_M,
-            BLOCK_N,
-            BLOCK_K,
-            GROUP_M,
-            INPUT_PRECISION,
-            DOT_FP32,
-            TILE_I64_B,
-            GATHER_DY_B,
-            GATHER_X_B,
-            ACCUMULATE_B,
-        )
+        tile = pid
+        dy, x, dw, rows = dy_ptr, x_ptr, dw_ptr, rows_ptr
+    _dw_tile(
+        tile,
+        dy,
+        x,
+        dw,
+        offsets_ptr,
+        rows,
+        rows,
+        R,
+        tl.where(in_b, N_B, N),
+        tl.where(in_b, K_B, K),
+        tl.where(in_b, stride_dybm, stride_dym),
+        tl.where(in_b, stride_dybn, stride_dyn),
+        tl.where(in_b, stride_xbm, stride_xm),
+        tl.where(in_b, stride_xbk, stride_xk),
+        tl.where(in_b, stride_dwbe, stride_dwe),
+        tl.where(in_b, stride_dwbn, stride_dwn),
+        tl.where(in_b, stride_dwbk, stride_dwk),
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        GROUP_M,
+        INPUT_PRECISION,
+        DOT_FP32,
+        TILE_I64,
+        False,
+        False,
+        ACCUMULATE,
+        rows,
+        tl.where(in_b, MAP_B, MAP),
+        HAS_ROWS,
+    )

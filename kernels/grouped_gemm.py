@@ -54,9 +54,8 @@ pruned by :func:`_prune_configs` (registers, fewer where fp32 operands sit in re
 (N, K, E, a power-of-two bucket of the mean rows per expert) and the dtypes, never the raw row count,
 so chunked runs with varying R do not retune. ``LANCET_GEMM_CONFIG="BM,BN,BK,num_warps,num_stages"``
 pins one config for all four (``LANCET_GEMM_CONFIG_<FWD|DX|GATE_UP|DW>`` for one of them; ``_DW`` pins
-the dW pair too, so a pinned config gives the pair the two launches' bits; the pair's kernel holds
-one set of operand stages per problem in shared memory, twice a single dW's, so on CUDA a pinned
-config whose stages do not fit twice runs the pair as its two launches); for dW
+the dW pair too, so a pinned config gives the pair the two launches' bits; the pair's kernel runs one
+tile loop, so it needs one dW's shared memory and takes dW's configs); for dW
 the triple reads (output rows of N, output cols of K, reduction rows), i.e. it is always
 "output tile rows, output tile cols, reduction step". Under ``TRITON_INTERPRET=1`` (the CPU lane) one
 small fixed config is used, because the interpreter's cost grows with the tile size.
@@ -105,8 +104,6 @@ from ._gemm_space import (
     _make_config,
     _pinned_config,
     _prune_configs,
-    _smem_bytes,
-    _smem_fits,
     _tile_of,
 )
 from ._grouped_gemm_dw_kernels import _grouped_gemm_dw_kernel, _grouped_gemm_dw_pair_kernel
@@ -150,10 +147,7 @@ _GATE_UP = triton.heuristics({"EVEN_K": _even_k, "TILE_I64": _tile_i64("BLOCK_K"
 )
 _DW = triton.heuristics({"TILE_I64": _tile_i64("BLOCK_M", "stride_dym", "stride_xm")})(_grouped_gemm_dw_kernel)
 _DW_PAIR = triton.heuristics(
-    {
-        "TILE_I64": _tile_i64("BLOCK_M", "stride_dym", "stride_xm"),
-        "TILE_I64_B": _tile_i64("BLOCK_M", "stride_dybm", "stride_xbm"),
-    }
+    {"TILE_I64": _tile_i64("BLOCK_M", "stride_dym", "stride_xm", "stride_dybm", "stride_xbm")}
 )(_grouped_gemm_dw_pair_kernel)
 _KERNELS = {"fwd": _FWD, "dx": _FWD, "gate_up": _GATE_UP, "dw": _DW, "dw_pair": _DW_PAIR}
 
@@ -516,15 +510,13 @@ def grouped_mm_dw(
     return dw
 
 
-def _pair_fits(x_RK: torch.Tensor) -> bool:
-    """Whether the dW pair can run as one launch: always, except on CUDA with a pinned config (dW's) whose
-    operand stages do not fit twice in a block's shared memory (the pair's kernel holds one set per
-    problem; the autotuner's space is pruned for that)."""
-    pinned = _pinned_config("dw_pair")
-    if pinned is None or x_RK.device.type != "cuda" or _INTERPRET:
-        return True
-    cfg = _make_config("dw_pair", *pinned)
-    return _smem_fits("dw_pair", cfg, elt_bytes=x_RK.element_size(), smem_bytes=_smem_bytes(x_RK.device))
+def _pair_map(dy_rows, x_rows) -> Optional[tuple]:
+    """One problem's row map as the pair's kernel takes it: (which operand reads through it: 0 none,
+    1 dy, 2 x; the map, or None without one), or None when both operands have one (the kernel maps at
+    most one per problem)."""
+    if dy_rows is not None and x_rows is not None:
+        return None
+    return (0, None) if dy_rows is None and x_rows is None else (1, dy_rows) if x_rows is None else (2, x_rows)
 
 
 def _pair_of(name: str, value) -> tuple:
@@ -555,7 +547,7 @@ def grouped_mm_dw_pair(
 
     The experts' backward needs both of its dW GEMMs (gate_up's and down's) per chunk; one launch
     instead of two halves their host cost (the module docstring of
-    :mod:`lancet_rt.kernels._grouped_gemm_kernels`).
+    :mod:`lancet_rt.kernels._grouped_gemm_dw_kernels`).
 
     Args:
         dy_RN, x_RK: the first problem, as in :func:`grouped_mm_dw` ([R, N] and [R, K]).
@@ -569,8 +561,9 @@ def grouped_mm_dw_pair(
     Returns:
         (dw_ENK, dw_b_ENK) in x's dtype (the ``out`` tensors where given).
 
-    On CUDA with a pinned config whose operand stages do not fit twice in a block's shared memory
-    (module docstring, Tuning), the two launches run instead: the same results.
+    The kernel takes one ``accumulate`` for both problems, at most one row map per problem (as the
+    experts have: one operand of each in received order) and one dtype for the two maps; other
+    arguments run as the two launches, with the same results.
     """
     out = _pair_of("out", out)
     accumulate = _pair_of("accumulate", accumulate)
@@ -586,7 +579,9 @@ def grouped_mm_dw_pair(
     E = offsets_E1.shape[0] - 1
     if E == 0 or (N * K == 0 and N_b * K_b == 0):
         return dw, dw_b
-    if not _pair_fits(x_RK):  # a pinned config too large for the pair: the two launches, the same bits
+    maps = (_pair_map(dy_rows, x_rows), _pair_map(dy_b_rows, x_b_rows))
+    given = [m[1] for m in maps if m is not None and m[1] is not None]
+    if accumulate[0] != accumulate[1] or None in maps or len({r.dtype for r in given}) > 1:
         kw = dict(allow_tf32=allow_tf32)
         a = grouped_mm_dw(
             dy_RN, x_RK, offsets_E1, dy_rows=dy_rows, x_rows=x_rows, out=dw, accumulate=accumulate[0], **kw
@@ -600,18 +595,12 @@ def grouped_mm_dw_pair(
         bn, bk = META["BLOCK_N"], META["BLOCK_K"]
         return (E * (triton.cdiv(N, bn) * triton.cdiv(K, bk) + triton.cdiv(N_b, bn) * triton.cdiv(K_b, bk)),)
 
-    (dy, x, dw_a, dyr, xr), strides_a = _dw_args(dy_RN, x_RK, dw, offsets_E1, dy_rows, x_rows)
-    (dy_b, x_b, dw_bb, dybr, xbr), strides_b = _dw_args(dy_b_RN, x_b_RK, dw_b, offsets_E1, dy_b_rows, x_b_rows)
-    args = (dy, x, dw_a, dy_b, x_b, dw_bb, offsets_E1, dyr, xr, dybr, xbr, R, N, K, N_b, K_b, E, _m_bucket(R, E))
-    meta = dict(
-        GATHER_DY=dy_rows is not None,
-        GATHER_X=x_rows is not None,
-        GATHER_DY_B=dy_b_rows is not None,
-        GATHER_X_B=x_b_rows is not None,
-        ACCUMULATE=accumulate[0],
-        ACCUMULATE_B=accumulate[1],
-        **_dot_meta(x_RK.dtype, allow_tf32),
-    )
+    rows = [m[1] if m[1] is not None else (given[0] if given else offsets_E1) for m in maps]  # (unread: 0)
+    (dy, x, dw_a, _, _), strides_a = _dw_args(dy_RN, x_RK, dw, offsets_E1, None, None)
+    (dy_b, x_b, dw_bb, _, _), strides_b = _dw_args(dy_b_RN, x_b_RK, dw_b, offsets_E1, None, None)
+    args = (dy, x, dw_a, dy_b, x_b, dw_bb, offsets_E1, *rows, R, N, K, N_b, K_b, E, _m_bucket(R, E))
+    args = (*args, maps[0][0], maps[1][0])
+    meta = dict(HAS_ROWS=bool(given), ACCUMULATE=accumulate[0], **_dot_meta(x_RK.dtype, allow_tf32))
     _launch_gemm("dw_pair", grid, (*args, *strides_a, *strides_b), x_RK.device, **meta)
     return dw, dw_b
 

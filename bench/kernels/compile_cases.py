@@ -48,7 +48,7 @@ _GEMM_VARIANTS = {
     ),
     "dw": (("", {}), ("rows", dict(GATHER_X=True, GATHER_DY=True))),
     # the experts' two dW in one launch (the lancet layout maps gate_up's x and down's dy, GPT-OSS's the others)
-    "dw_pair": (("", {}), ("rows", dict(GATHER_X=True, GATHER_DY=True, GATHER_X_B=True, GATHER_DY_B=True))),
+    "dw_pair": (("", {}), ("rows", dict(HAS_ROWS=True))),
     "gate_up": (("", {}), ("gpt_oss", _GPT_OSS), ("rows", dict(GATHER_X=True))),
 }
 _GEMM_EXTRA = {
@@ -410,7 +410,7 @@ def _gemm(op: str):
             )
             return gg._gate_up_swiglu_fwd_kernel, args, dict(BLOCK_E=block_e, **precision, **flags), D
         if op == "dw_pair":  # gate_up's dw [E, 2F, D] = dgu_seg.T @ x_seg, then down's [E, D, F] = dy_seg.T @ h_seg
-            a = (y, x, w, y, x, w, *(off,) * 5, R, 2 * F, D, D, F, E, 4096, 2 * F, 1, D, 1, 2 * F * D, D, 1)
+            a = (y, x, w, y, x, w, *(off,) * 3, R, 2 * F, D, D, F, E, 4096, 2, 1, 2 * F, 1, D, 1, 2 * F * D, D, 1)
             return gg._grouped_gemm_dw_pair_kernel, (*a, D, 1, F, 1, D * F, F, 1), dict(**precision, **flags), None
         # dw[e] = dy_seg.T @ x_seg for the down projection: dy [R, D], x [R, F], dw [E, D, F]
         args = (x, w, y, off, off, off, R, D, F, E, 4096, D, 1, F, 1, D * F, F, 1)

@@ -86,34 +86,104 @@ def test_pair_is_the_two_launches(case, dtype, gen):
             assert not got[0][e].any() and not got[1][e].any(), f"dw[{e}] of an empty segment is not zero"
 
 
+def _launches(monkeypatch) -> list:
+    """The grouped GEMM ops launched from now on (the launcher's ``_launch_gemm`` spied on)."""
+    launched: list = []
+    launch = gg._launch_gemm
+    monkeypatch.setattr(gg, "_launch_gemm", lambda op, *a, **k: (launched.append(op), launch(op, *a, **k))[1])
+    return launched
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("accumulate", [(True, True), (True, False), (False, True)], ids=str)
-def test_pair_accumulates_through_row_maps(accumulate, dtype, gen):
-    """Each problem with its own row map (as the experts' backward reads them: one operand of each in
-    received order) and its own ``accumulate``: bitwise the two launches', a running sum rounded to
-    nearest even in bf16 (``a + b`` in PyTorch), a NaN in a running sum kept."""
+@pytest.mark.parametrize("layout", ["lancet", "gpt_oss"])
+@pytest.mark.parametrize("accumulate", [False, True], ids=["write", "accumulate"])
+def test_pair_accumulates_through_row_maps(accumulate, layout, dtype, monkeypatch, gen):
+    """One launch with one row map per problem, the mapped operand chosen per problem at run time (the
+    lancet layout maps A's x and B's dy, GPT-OSS's A's dy and B's x), into running sums or NaN-filled
+    outputs: bitwise the two launches', a running sum rounded to nearest even in bf16 (``a + b`` in
+    PyTorch), a NaN in a running sum kept."""
     _, counts, a, b = CASES[0]
     dy, x, dy_b, x_b, off = _operands(gen, counts, a, b, dtype)
-    R = x.shape[0]
-    rows = torch.randperm(R, generator=gen).to(DEVICE)
-    rows32 = rows.to(torch.int32)
-    x_r, dy_b_r = _scattered(x, rows), _scattered(dy_b, rows32)  # (gate_up's x, down's dy: in received order)
+    rows = torch.randperm(x.shape[0], generator=gen).to(DEVICE)
+    if layout == "lancet":  # (the mapped operands in received order)
+        x, dy_b = _scattered(x, rows), _scattered(dy_b, rows)
+        maps = (dict(x_rows=rows), dict(dy_rows=rows))
+        pair_maps = dict(x_rows=rows, dy_b_rows=rows)
+    else:
+        dy, x_b = _scattered(dy, rows), _scattered(x_b, rows)
+        maps = (dict(dy_rows=rows), dict(x_rows=rows))
+        pair_maps = dict(dy_rows=rows, x_b_rows=rows)
     sums = (_randn(gen, len(counts), *a, dtype=dtype), _randn(gen, len(counts), *b, dtype=dtype))
     sums[0][1, 2, 3] = float("nan")
-    sums = tuple(s if acc else nan_like(s) for s, acc in zip(sums, accumulate))
+    sums = sums if accumulate else tuple(nan_like(s) for s in sums)
     into = tuple(s.clone() for s in sums)
-    got = gg.grouped_mm_dw_pair(
-        dy, x_r, dy_b_r, x_b, off, x_rows=rows, dy_b_rows=rows32, out=into, accumulate=accumulate
-    )
+    launched = _launches(monkeypatch)
+    got = gg.grouped_mm_dw_pair(dy, x, dy_b, x_b, off, **pair_maps, out=into, accumulate=(accumulate,) * 2)
+    assert launched == ["dw_pair"] and got[0] is into[0] and got[1] is into[1]
     two = (
-        gg.grouped_mm_dw(dy, x_r, off, x_rows=rows, out=sums[0].clone(), accumulate=accumulate[0]),
-        gg.grouped_mm_dw(dy_b_r, x_b, off, dy_rows=rows32, out=sums[1].clone(), accumulate=accumulate[1]),
+        gg.grouped_mm_dw(dy, x, off, **maps[0], out=sums[0].clone(), accumulate=accumulate),
+        gg.grouped_mm_dw(dy_b, x_b, off, **maps[1], out=sums[1].clone(), accumulate=accumulate),
     )
     _same("dw", got[0], two[0])
     _same("dw_b", got[1], two[1])
-    plain = (gg.grouped_mm_dw(dy, x, off), gg.grouped_mm_dw(dy_b, x_b, off))
-    for name, g, s, p, acc in zip(("dw", "dw_b"), got, sums, plain, accumulate):
-        _same(name + " as PyTorch adds", g, s + p if acc else p)
+    plain = (gg.grouped_mm_dw(dy, x, off, **maps[0]), gg.grouped_mm_dw(dy_b, x_b, off, **maps[1]))
+    for name, g, s, p in zip(("dw", "dw_b"), got, sums, plain):
+        _same(name + " as PyTorch adds", g, s + p if accumulate else p)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_pair_with_one_problem_mapped(dtype, monkeypatch, gen):
+    """A row map on one problem only (the other reads its grouped rows), odd sizes, E = 6 with empty
+    segments, one launch: bitwise the two launches'."""
+    _, counts, a, b = CASES[0]
+    dy, x, dy_b, x_b, off = _operands(gen, counts, a, b, dtype)
+    rows = torch.randperm(x.shape[0], generator=gen).to(device=DEVICE, dtype=torch.int32)
+    for kw, single in (
+        (dict(dy_b_rows=rows), (dict(), dict(dy_rows=rows))),
+        (dict(x_rows=rows), (dict(x_rows=rows), {})),
+    ):
+        launched = _launches(monkeypatch)
+        got = gg.grouped_mm_dw_pair(dy, x, dy_b, x_b, off, **kw)
+        assert launched == ["dw_pair"]
+        _same("dw", got[0], gg.grouped_mm_dw(dy, x, off, **single[0]))
+        _same("dw_b", got[1], gg.grouped_mm_dw(dy_b, x_b, off, **single[1]))
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        ("accumulate (True, False)", dict(accumulate=(True, False))),
+        ("accumulate (False, True)", dict(accumulate=(False, True))),
+        ("both of A's operands mapped", dict(x_rows="rows", dy_rows="rows")),
+        ("the maps' dtypes differ", dict(x_rows="rows", dy_b_rows="rows32")),
+    ],
+    ids=lambda c: c[0],
+)
+def test_what_one_launch_cannot_take_runs_as_the_two_launches(case, monkeypatch, gen):
+    """The pair's kernel takes one ``accumulate``, at most one row map per problem and one dtype for
+    the maps; otherwise the launcher runs the two dW launches, with their results and ``out`` per problem."""
+    _, kw = case
+    dy, x, dy_b, x_b, off = _operands(gen, [4, 9, 0], (20, 33), (33, 9), torch.bfloat16)
+    rows = torch.randperm(x.shape[0], generator=gen).to(DEVICE)
+    kw = {
+        k: {"rows": rows, "rows32": rows.to(torch.int32)}.get(v, v) if isinstance(v, str) else v for k, v in kw.items()
+    }
+    acc = kw.pop("accumulate", (False, False))
+    sums = (
+        torch.ones(3, 20, 33, dtype=torch.bfloat16, device=DEVICE),
+        torch.ones(3, 33, 9, dtype=torch.bfloat16, device=DEVICE),
+    )
+    into = tuple(s.clone() for s in sums)
+    launched = _launches(monkeypatch)
+    got = gg.grouped_mm_dw_pair(dy, x, dy_b, x_b, off, **kw, out=into, accumulate=acc)
+    assert launched == ["dw", "dw"] and got[0] is into[0] and got[1] is into[1]
+    del launched[:]
+    maps = (
+        {k: v for k, v in kw.items() if "_b_" not in k},
+        {k.replace("_b_", "_"): v for k, v in kw.items() if "_b_" in k},
+    )
+    _same("dw", got[0], gg.grouped_mm_dw(dy, x, off, **maps[0], out=sums[0].clone(), accumulate=acc[0]))
+    _same("dw_b", got[1], gg.grouped_mm_dw(dy_b, x_b, off, **maps[1], out=sums[1].clone(), accumulate=acc[1]))
 
 
 def test_pair_of_one_empty_problem(gen):
@@ -167,39 +237,15 @@ def test_pair_is_pinned_by_the_dw_variable(monkeypatch, gen):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_pair_search_space(dtype):
-    """The pair's CUDA configs are dW's for the larger of its two problems whose operand stages fit twice
-    in a block's shared memory (one set per problem in the pair's kernel)."""
+    """The pair's CUDA configs are dW's for the larger of its two problems (its kernel runs one tile
+    loop: one dW's shared memory), its default dW's default."""
     x = torch.empty(1, 1, dtype=dtype)
-    smem = space._smem_bytes(x.device)
 
     def tiles(op, args):
         kept = space._prune_configs(op)(space._gemm_configs(op), args)
-        return {(*space._tile_of(op, c), c.num_warps, c.num_stages): c for c in kept}
+        return [(*space._tile_of(op, c), c.num_warps, c.num_stages) for c in kept]
 
     pair = tiles("dw_pair", dict(x_ptr=x, N=64, K=64, N_B=4096, K_B=2048, M_BUCKET=4096))
-    single = tiles("dw", dict(x_ptr=x, N=4096, K=2048, M_BUCKET=4096))
-    assert pair and set(pair) <= set(single)
-    fits_twice = {
-        t for t, c in single.items() if space._smem_fits("dw_pair", c, elt_bytes=x.element_size(), smem_bytes=smem)
-    }
-    assert set(pair) == fits_twice
-    # the GPU lane's bf16 dW pin, 128 x 256 x 64 in 3 stages, fits one dW, not the pair
-    lane = space._make_config("dw_pair", 128, 256, 64, 8, 3)
-    assert space._smem_fits("dw", lane, elt_bytes=2, smem_bytes=227 * 1024)
-    assert not space._smem_fits("dw_pair", lane, elt_bytes=2, smem_bytes=227 * 1024)
-
-
-def test_a_pair_that_does_not_fit_runs_as_the_two_launches(monkeypatch, gen):
-    """Where the pinned config does not fit the pair (CUDA only: _pair_fits), the launcher runs the two
-    dW launches instead, with the same results and ``out``/``accumulate`` per problem."""
-    dy, x, dy_b, x_b, off = _operands(gen, [4, 9, 0], (20, 33), (33, 9), torch.float32)
-    want = gg.grouped_mm_dw_pair(dy, x, dy_b, x_b, off, out=(None, torch.ones(3, 33, 9)), accumulate=(False, True))
-    launched = []
-    launch = gg._launch_gemm
-    monkeypatch.setattr(gg, "_launch_gemm", lambda op, *a, **k: (launched.append(op), launch(op, *a, **k))[1])
-    monkeypatch.setattr(gg, "_pair_fits", lambda x_RK: False)
-    sums = torch.ones(3, 33, 9)
-    got = gg.grouped_mm_dw_pair(dy, x, dy_b, x_b, off, out=(None, sums), accumulate=(False, True))
-    assert launched == ["dw", "dw"] and got[1] is sums
-    _same("dw", got[0], want[0])
-    _same("dw_b", got[1], want[1])
+    assert pair and pair == tiles("dw", dict(x_ptr=x, N=4096, K=2048, M_BUCKET=4096))
+    if dtype == torch.bfloat16:  # the GPU lane's bf16 dW pin, 128 x 256 x 64 in 3 stages
+        assert pair[0] == (128, 256, 64, 8, 3)

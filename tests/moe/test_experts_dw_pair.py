@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from lancet_rt.kernels import grouped_gemm as gg
 
 from lancet_rt import ops as ops_mod
 from lancet_rt.moe.experts import weight_gradients
@@ -44,8 +45,11 @@ def test_one_launch_for_both_dw_with_the_two_launches_bits(mapped, gpt_oss, dtyp
     rows = rows if mapped else None
     needs = (True, True, False, False)
     calls: list = []
+    launched: list = []  # the kernel launches: the pair's one, written or added, mapped or not
+    launch = gg._launch_gemm
+    monkeypatch.setattr(gg, "_launch_gemm", lambda op, *a, **k: (launched.append(op), launch(op, *a, **k))[1])
     got = weight_gradients(_counted(ns, calls), gpt_oss, x, h, dgu, dy, off, needs, rows)
-    assert calls == ["grouped_mm_dw_pair"]
+    assert calls == ["grouped_mm_dw_pair"] and launched == ["dw_pair"]
     # the two launches of before: gate_up's, then down's
     maps = (dict(dy_rows=rows), dict(x_rows=rows)) if gpt_oss else (dict(x_rows=rows), dict(dy_rows=rows))
     maps = maps if mapped else ({}, {})
@@ -56,8 +60,10 @@ def test_one_launch_for_both_dw_with_the_two_launches_bits(mapped, gpt_oss, dtyp
     into = tuple(torch.randn(g.shape, generator=gen).to(dtype) for g in got[:2])
     sums = tuple(t.clone() for t in into)
     calls.clear()
+    launched.clear()
     added = weight_gradients(_counted(ns, calls), gpt_oss, x, h, dgu, dy, off, needs, rows, into=into)
-    assert calls == ["grouped_mm_dw_pair"] and added[0] is into[0] and added[1] is into[1]
+    assert calls == ["grouped_mm_dw_pair"] and launched == ["dw_pair"]
+    assert added[0] is into[0] and added[1] is into[1]
     assert torch.equal(added[0], sums[0] + want[0]) and torch.equal(added[1], sums[1] + want[1])
     # one weight frozen: its single launch, as before
     for needs, name in (((True, False, False, False), 0), ((False, True, False, False), 1)):
