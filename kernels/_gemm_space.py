@@ -15,7 +15,8 @@ import triton
 
 from ._common import parse_config
 
-#: "BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages" pins one config (suffix _FWD/_DX/_GATE_UP/_DW: one op).
+#: "BLOCK_M,BLOCK_N,BLOCK_K,num_warps,num_stages" pins one config (suffix _FWD/_DX/_GATE_UP/_DW: one op;
+#: _DW pins the dW pair too).
 CONFIG_ENV = "LANCET_GEMM_CONFIG"
 _GROUP_M = 8  # M tiles per L2 group in the swizzled launch order
 
@@ -25,9 +26,10 @@ _TILE_NAMES = {
     "dx": ("BLOCK_M", "BLOCK_N", "BLOCK_K"),
     "gate_up": ("BLOCK_M", "BLOCK_N", "BLOCK_K"),
     "dw": ("BLOCK_N", "BLOCK_K", "BLOCK_M"),
+    "dw_pair": ("BLOCK_N", "BLOCK_K", "BLOCK_M"),  # both dW problems in one launch, one tile config
 }
 # fp32 accumulators per program: the fused gate/up kernel holds two.
-_NUM_ACC = {"fwd": 1, "dx": 1, "gate_up": 2, "dw": 1}
+_NUM_ACC = {"fwd": 1, "dx": 1, "gate_up": 2, "dw": 1, "dw_pair": 1}
 
 
 def _make_config(op: str, rows: int, cols: int, red: int, num_warps: int, num_stages: int) -> triton.Config:
@@ -89,15 +91,19 @@ def _acc_regs(op: str, cfg: triton.Config) -> int:
     return rows * cols * _NUM_ACC[op] // (32 * cfg.num_warps)
 
 
+def _smem_fits(op: str, cfg: triton.Config, *, elt_bytes: int, smem_bytes: int) -> bool:
+    """Whether ``op``'s pipelined operand stages at ``cfg`` fit in the shared memory of one block."""
+    rows, cols, red = _tile_of(op, cfg)
+    stage_bytes = (rows * red + _NUM_ACC[op] * red * cols) * elt_bytes
+    return stage_bytes * cfg.num_stages <= smem_bytes
+
+
 def _config_fits(op: str, cfg: triton.Config, *, elt_bytes: int, smem_bytes: int) -> bool:
     """Predicate for one element size: each reduction step loads 128 bytes per operand row (one
     swizzled shared-memory line: BK=64 for bf16/fp16, 32 for fp32), and the pipelined operand
-    stages fit in the shared memory of one block."""
-    rows, cols, red = _tile_of(op, cfg)
-    if red * elt_bytes != 128:
-        return False
-    stage_bytes = (rows * red + _NUM_ACC[op] * red * cols) * elt_bytes
-    return stage_bytes * cfg.num_stages <= smem_bytes
+    stages fit in the shared memory of one block (:func:`_smem_fits`)."""
+    _, _, red = _tile_of(op, cfg)
+    return red * elt_bytes == 128 and _smem_fits(op, cfg, elt_bytes=elt_bytes, smem_bytes=smem_bytes)
 
 
 def _smem_bytes(device: torch.device) -> int:
@@ -127,7 +133,7 @@ def _prune_configs(op: str):
         smem = _smem_bytes(x.device)
         interleaved = op == "gate_up" and bool(args.get("INTERLEAVED", False))
         fp32_in_regs = x.element_size() == 4 and (
-            op == "dw" or args.get("INPUT_PRECISION", "ieee") == "ieee" or interleaved
+            op in ("dw", "dw_pair") or args.get("INPUT_PRECISION", "ieee") == "ieee" or interleaved
         )
 
         glu = op == "dx" and bool(args.get("GLU_GRAD", False))
@@ -139,6 +145,8 @@ def _prune_configs(op: str):
 
         if op == "dw":
             out_rows, out_cols = args["N"], args["K"]
+        elif op == "dw_pair":  # (the larger problem's output bounds the tile)
+            out_rows, out_cols = max(args["N"], args["N_B"]), max(args["K"], args["K_B"])
         elif op == "gate_up":
             out_rows, out_cols = args["M_BUCKET"], args["F"]
         else:
@@ -163,8 +171,10 @@ def _prune_configs(op: str):
 
 
 def _pinned_config(op: str) -> Optional[Tuple[int, int, int, int, int]]:
-    """The config pinned by the environment for ``op`` (op-specific variable first), or None."""
-    for var in (f"{CONFIG_ENV}_{op.upper()}", CONFIG_ENV):
+    """The config pinned by the environment for ``op`` (op-specific variable first), or None; the dW
+    pair is pinned by dW's (it replaces two dW launches, so the same pin keeps the same bits)."""
+    name = "dw" if op == "dw_pair" else op
+    for var in (f"{CONFIG_ENV}_{name.upper()}", CONFIG_ENV):
         parsed = parse_config(var)  # (kernels._common: the one parser of every kernel-config variable)
         if parsed is not None:
             tiles, num_warps, num_stages = parsed

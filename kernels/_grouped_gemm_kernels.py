@@ -56,13 +56,8 @@ so dgu is the two launches' bit for bit, without dH's buffer or its second pass.
 *Bias gradient* (``segment_sum``, :mod:`lancet_rt.kernels.segment_sum`): per-expert sums of the output gradient's
 rows, one deterministic launch.
 
-*Weight gradient* (``grouped_mm_dw``). A reduction over each segment's rows, so it is its own launch:
-the grid is E x cdiv(N, BN) x cdiv(K, BK) output tiles (sizes known on the host), experts outermost;
-each program loops over its segment's rows in BLOCK_M steps (bounds read from the device) and writes
-its [BN, BK] tile once. An empty segment runs no iteration and writes zeros. With ``accumulate``
-(``ACCUMULATE``) the tile is added to the output's old value instead, in the output's dtype as
-PyTorch's ``a + b`` of two gradients: so the chunks of a chunked step sum their gradients of one
-weight in its dW launches, with no buffer per chunk and no separate add, bit for bit the engine's sum.
+*Weight gradients* (``grouped_mm_dw``, ``grouped_mm_dw_pair``): reductions over each segment's rows,
+in :mod:`lancet_rt.kernels._grouped_gemm_dw_kernels` (with the helpers here).
 
 All kernels accumulate in fp32 and write the input dtype (bf16, fp16 or fp32). fp32 inputs use exact
 fp32 products by default (``allow_tf32=False``, ``input_precision="ieee"``) so they match an fp32
@@ -102,21 +97,6 @@ def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr, DOT_FP32: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, acc=acc, input_precision=INPUT_PRECISION)
-
-
-@triton.jit
-def _added(a, b, DTYPE: tl.constexpr):
-    """a + b for two DTYPE tiles, as PyTorch adds them: in float32, then rounded to DTYPE to nearest,
-    ties to even. bfloat16 is rounded on the bits: the CPU interpreter's float32 -> bfloat16 cast
-    truncates (and its "rtne" rounds ties up), while PyTorch's ``a + b`` rounds to even; a NaN gives
-    PyTorch's quiet NaN (0x7FC0)."""
-    s = a.to(tl.float32) + b.to(tl.float32)
-    if DTYPE == tl.bfloat16:
-        u = s.to(tl.uint32, bitcast=True)
-        hi = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
-        hi = tl.where(s != s, 0x7FC0, hi)
-        return hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return s.to(DTYPE)
 
 
 @triton.jit
@@ -508,98 +488,3 @@ def _gate_up_swiglu_fwd_kernel(
     b_h = _glu(g, u, alpha, limit, ACTIVATION)
     h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * stride_hm + offs_n.to(tl.int64)[None, :] * stride_hf
     tl.store(h_ptrs, b_h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & (offs_n[None, :] < F))
-
-
-@triton.jit(do_not_specialize=["R"])  # row counts: one compiled variant for any chunk
-def _grouped_gemm_dw_kernel(
-    # pointers
-    dy_ptr,  # [R, N] output gradient, rows grouped by expert
-    x_ptr,  # [R, K] forward input
-    dw_ptr,  # [E, N, K] output: dw[e] = dy_seg.T @ x_seg (added to it with ACCUMULATE), x's dtype
-    offsets_ptr,  # [E + 1] int32/int64 segment bounds
-    dyr_ptr,  # [R] int32/int64 row map of dy (read only with GATHER_DY): grouped row g is dy[dyr[g]]
-    xr_ptr,  # [R] int32/int64 row map of x (read only with GATHER_X): grouped row g is x[xr[g]]
-    # sizes
-    R,
-    N,
-    K,
-    E,
-    M_BUCKET,  # autotune key only
-    # strides
-    stride_dym,
-    stride_dyn,
-    stride_xm,
-    stride_xk,
-    stride_dwe,
-    stride_dwn,
-    stride_dwk,
-    # meta-parameters: the output tile is BLOCK_N x BLOCK_K; BLOCK_M rows are reduced per step
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    TILE_I64: tl.constexpr = False,  # BLOCK_M x a row stride reaches 2^31: row steps in int64
-    GATHER_DY: tl.constexpr = False,  # dy's rows through dyr
-    GATHER_X: tl.constexpr = False,  # x's rows through xr
-    ACCUMULATE: tl.constexpr = False,  # dw += the tile rounded to dw's dtype (dw's old value read)
-):
-    """dw[e, n, k] = sum over rows r of segment e of dy[r, n] * x[r, k]; zeros for an empty segment
-    (r a grouped row; dy's and x's rows through their row maps where given). With ACCUMULATE, dw[e, n, k]
-    becomes round(dw[e, n, k] + round(that sum)) instead: the two gradients' sum in dw's dtype, as
-    ``a + b`` in PyTorch gives it (both rounded to dw's dtype, added in float32, rounded once)."""
-    # -- phase 1: map the program to (expert, N tile, K tile) and load its segment bounds --
-    pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    num_pid_k = tl.cdiv(K, BLOCK_K)
-    tiles_per_expert = num_pid_n * num_pid_k
-    expert = pid // tiles_per_expert  # experts outermost: one expert's rows stay hot in L2
-    pid_n, pid_k = _swizzle(pid % tiles_per_expert, num_pid_n, num_pid_k, GROUP_M)
-
-    row_start = tl.load(offsets_ptr + expert).to(tl.int32)
-    row_end = tl.load(offsets_ptr + expert + 1).to(tl.int32)
-    row_start = tl.minimum(tl.maximum(row_start, 0), R)
-    row_end = tl.maximum(tl.minimum(row_end, R), row_start)
-
-    # -- phase 2: offsets and pointers over the segment's rows --
-    offs_m = tl.arange(0, BLOCK_M)  # reduction rows, relative to the current step
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_yn = offs_n % N  # wrapped: loads in bounds without masks, the store masks
-    offs_xk = offs_k % K
-
-    rows = (row_start + offs_m).to(tl.int64)
-    dy_ptrs = dy_ptr + rows[None, :] * stride_dym + offs_yn.to(tl.int64)[:, None] * stride_dyn  # dy_seg.T
-    x_ptrs = x_ptr + rows[:, None] * stride_xm + offs_xk.to(tl.int64)[None, :] * stride_xk  # [BM, BK]
-    dy_step = (tl.cast(stride_dym, tl.int64) if TILE_I64 else stride_dym) * BLOCK_M
-    x_step = (tl.cast(stride_xm, tl.int64) if TILE_I64 else stride_xm) * BLOCK_M
-
-    # -- phase 3: reduce over the segment's rows, BLOCK_M per step --
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for m in range(0, tl.cdiv(row_end - row_start, BLOCK_M)):
-        mask_m = offs_m < row_end - row_start - m * BLOCK_M
-        if GATHER_DY:  # this step's rows of dy through the row map
-            dy_rows = _mapped_rows(dyr_ptr, row_start + m * BLOCK_M + offs_m, mask_m, R, True)
-            dy_ptrs = dy_ptr + dy_rows[None, :] * stride_dym + offs_yn.to(tl.int64)[:, None] * stride_dyn
-        if GATHER_X:
-            x_rows = _mapped_rows(xr_ptr, row_start + m * BLOCK_M + offs_m, mask_m, R, True)
-            x_ptrs = x_ptr + x_rows[:, None] * stride_xm + offs_xk.to(tl.int64)[None, :] * stride_xk
-        b_dyt = tl.load(dy_ptrs, mask=mask_m[None, :], other=0.0)
-        b_x = tl.load(x_ptrs, mask=mask_m[:, None], other=0.0)
-        acc = _dot(b_dyt, b_x, acc, INPUT_PRECISION, DOT_FP32)
-        dy_ptrs += dy_step
-        x_ptrs += x_step
-
-    # -- phase 4: masked store of the [BN, BK] tile (zeros for an empty segment) --
-    dw_ptrs = (
-        dw_ptr
-        + expert.to(tl.int64) * stride_dwe
-        + offs_n.to(tl.int64)[:, None] * stride_dwn
-        + offs_k.to(tl.int64)[None, :] * stride_dwk
-    )
-    mask_out = (offs_n[:, None] < N) & (offs_k[None, :] < K)
-    b_dw = acc.to(dw_ptr.dtype.element_ty)  # (rounded as an overwriting launch stores it)
-    if ACCUMULATE:
-        b_dw = _added(tl.load(dw_ptrs, mask=mask_out, other=0.0), b_dw, dw_ptr.dtype.element_ty)
-    tl.store(dw_ptrs, b_dw, mask=mask_out)

@@ -12,6 +12,8 @@ grouped_mm_dx     dx[r] = dy[r] @ w[e]                    grouped_mm_dx_ref     
   with gu_R2F     dgu = swiglu_bwd(gu, dy @ w[e])         swiglu_bwd_ref of dx_ref   2 R N K
 grouped_mm_dw     dw[e] = dy_seg.T @ x_seg (0 if empty)   grouped_mm_dw_ref          2 R N K
   accumulate      out[e] += dw[e] (in out's dtype)        out + grouped_mm_dw_ref    2 R N K
+grouped_mm_dw_    two grouped_mm_dw over the same         grouped_mm_dw_pair_ref     2 R (N K +
+  pair            segments, one launch                                               N_b K_b)
 gate_up_swiglu    gu = x @ w[e].T (+ b[e]), h = act(g, u) gate_up_swiglu_ref         2 R (2F) D
 segment_sum       s[e] = sum of g_seg's rows (0 if empty) segment_sum_ref            memory-bound
 swiglu_fwd/_bwd   elementwise act and its gradient        swiglu_fwd_ref / _bwd_ref  memory-bound
@@ -33,16 +35,27 @@ permutation of [0, R) (``x_rows``/``dy_rows``: grouped row g reads row ``rows[g]
 rank-major order are computed expert-major without an ``index_select`` either way. The results are
 those of the launch on the regrouped rows, bit for bit (only addresses change).
 
-The kernels and their algorithm are in :mod:`lancet_rt.kernels._grouped_gemm_kernels`.
+``grouped_mm_dw_pair`` is for the experts' backward, which needs gate_up's and down's dW for every
+chunk: one launch instead of two, each problem with its own operands, row maps, ``out`` and
+``accumulate``, bit for bit the two ``grouped_mm_dw`` launches at the same tile config. The host must
+issue a chunk's work faster than the GPU runs it, and every launch is host time, so the experts' dW
+cost each chunk's backward 1 launch instead of 2 (deferred or not); the pair moves the bytes the two
+launches move.
+
+The kernels and their algorithm are in :mod:`lancet_rt.kernels._grouped_gemm_kernels` (the dW kernels
+in :mod:`lancet_rt.kernels._grouped_gemm_dw_kernels`).
 
 Tuning
 ------
-On CUDA each projection has its own autotuner (fwd, dx, gate_up, dw), over :func:`_gemm_configs`
+On CUDA each projection has its own autotuner (fwd, dx, gate_up, dw, and dw_pair: one config for both
+of its problems, keyed on both problems' N and K, pruned as dW's for the larger), over :func:`_gemm_configs`
 pruned by :func:`_prune_configs` (registers, fewer where fp32 operands sit in registers, shared memory,
 128-byte K steps, problem size; ``python -m bench.kernels.compile_check`` builds every survivor for sm_90). The key is
 (N, K, E, a power-of-two bucket of the mean rows per expert) and the dtypes, never the raw row count,
 so chunked runs with varying R do not retune. ``LANCET_GEMM_CONFIG="BM,BN,BK,num_warps,num_stages"``
-pins one config for all four (``LANCET_GEMM_CONFIG_<FWD|DX|GATE_UP|DW>`` for one of them); for dW
+pins one config for all four (``LANCET_GEMM_CONFIG_<FWD|DX|GATE_UP|DW>`` for one of them; ``_DW`` pins
+the dW pair too, so a pinned config gives the pair the two launches' bits; the pair's kernel runs one
+tile loop, so it needs one dW's shared memory and takes dW's configs); for dW
 the triple reads (output rows of N, output cols of K, reduction rows), i.e. it is always
 "output tile rows, output tile cols, reduction step". Under ``TRITON_INTERPRET=1`` (the CPU lane) one
 small fixed config is used, because the interpreter's cost grows with the tile size.
@@ -84,8 +97,17 @@ from ._expert_checks import (
     _check_rows,
     _check_same_dtype,
 )
-from ._gemm_space import _TILE_NAMES, CONFIG_ENV, _gemm_configs, _make_config, _pinned_config, _prune_configs, _tile_of
-from ._grouped_gemm_kernels import _gate_up_swiglu_fwd_kernel, _grouped_gemm_dw_kernel, _grouped_gemm_fwd_kernel
+from ._gemm_space import (
+    _TILE_NAMES,
+    CONFIG_ENV,
+    _gemm_configs,
+    _make_config,
+    _pinned_config,
+    _prune_configs,
+    _tile_of,
+)
+from ._grouped_gemm_dw_kernels import _grouped_gemm_dw_kernel, _grouped_gemm_dw_pair_kernel
+from ._grouped_gemm_kernels import _gate_up_swiglu_fwd_kernel, _grouped_gemm_fwd_kernel
 from .segment_sum import segment_sum  # the bias gradients: in the grouped_gemm op family (lancet_rt.ops)
 
 # ------------------------------------------------------------------------------------------------
@@ -124,14 +146,22 @@ _GATE_UP = triton.heuristics({"EVEN_K": _even_k, "TILE_I64": _tile_i64("BLOCK_K"
     _gate_up_swiglu_fwd_kernel
 )
 _DW = triton.heuristics({"TILE_I64": _tile_i64("BLOCK_M", "stride_dym", "stride_xm")})(_grouped_gemm_dw_kernel)
+_DW_PAIR = triton.heuristics(
+    {"TILE_I64": _tile_i64("BLOCK_M", "stride_dym", "stride_xm", "stride_dybm", "stride_xbm")}
+)(_grouped_gemm_dw_pair_kernel)
+_KERNELS = {"fwd": _FWD, "dx": _FWD, "gate_up": _GATE_UP, "dw": _DW, "dw_pair": _DW_PAIR}
 
 
 @functools.lru_cache(maxsize=None)
 def _autotuned(op: str):
-    kernel = {"fwd": _FWD, "dx": _FWD, "gate_up": _GATE_UP, "dw": _DW}[op]
+    kernel = _KERNELS[op]
     # The gate_up key holds the weight layout: interleaved loads one [BK, 2 BN] tile, not two [BK, BN].
     # dx's key holds whether the activation's gradient is fused into its epilogue (the down projection's).
-    keys = {"gate_up": ["F", "D", "E", "M_BUCKET", "INTERLEAVED"], "dx": ["N", "K", "E", "M_BUCKET", "GLU_GRAD"]}
+    keys = {
+        "gate_up": ["F", "D", "E", "M_BUCKET", "INTERLEAVED"],
+        "dx": ["N", "K", "E", "M_BUCKET", "GLU_GRAD"],
+        "dw_pair": ["N", "K", "N_B", "K_B", "E", "M_BUCKET"],  # one config for both problems
+    }
     keys = keys.get(op, ["N", "K", "E", "M_BUCKET"])
     # Keep tuned choices on disk across processes where this Triton supports it (3.2+).
     extra = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
@@ -139,6 +169,8 @@ def _autotuned(op: str):
     # no ACCUMULATE: the chunks' accumulating launches take the config of the overwriting one.
     if op == "dw":
         extra["restore_value"] = ["dw_ptr"]
+    elif op == "dw_pair":
+        extra["restore_value"] = ["dw_ptr", "dwb_ptr"]
     # One autotuner per op (fwd and dx share a kernel but not a cache: their strides differ).
     return triton.autotune(
         configs=_gemm_configs(op), key=keys, prune_configs_by={"early_config_prune": _prune_configs(op)}, **extra
@@ -150,7 +182,7 @@ _LAST_CONFIG: dict = {}  # op -> the config of its latest launch, for selected_c
 
 def _launch_gemm(op: str, grid, args: tuple, device: torch.device, **const) -> None:
     """Launch ``op`` with the pinned config, the interpreter config, or the CUDA autotuner."""
-    kernel = {"fwd": _FWD, "dx": _FWD, "gate_up": _GATE_UP, "dw": _DW}[op]
+    kernel = _KERNELS[op]
     check_config_vars()  # any bad kernel-config variable raises before the first launch
     pinned = _pinned_config(op)
     if pinned is None and (device.type != "cuda" or _INTERPRET):
@@ -163,12 +195,15 @@ def _launch_gemm(op: str, grid, args: tuple, device: torch.device, **const) -> N
         tuner[grid](*args, **const)
         cfg = tuner.best_config
     _LAST_CONFIG[op] = (*_tile_of(op, cfg), cfg.num_warps, cfg.num_stages)
+    if op == "dw_pair":  # (a dW launch too: pinned by dW's variable, reported as dW's latest config)
+        _LAST_CONFIG["dw"] = _LAST_CONFIG[op]
 
 
 def selected_config(op: str) -> Optional[str]:
-    """The config of ``op``'s latest launch ("fwd", "dx", "gate_up" or "dw") in the
+    """The config of ``op``'s latest launch ("fwd", "dx", "gate_up", "dw" or "dw_pair") in the
     ``LANCET_GEMM_CONFIG`` format (output tile rows, cols, reduction step, warps, stages), so a
-    tuned config can be recorded and pinned; None before the first launch."""
+    tuned config can be recorded and pinned; None before the first launch. "dw" is that of the
+    latest dW launch, single or pair (:func:`grouped_mm_dw_pair`)."""
     if op not in _TILE_NAMES:
         raise ValueError(f"op must be one of {sorted(_TILE_NAMES)}, got {op!r}")
     cfg = _LAST_CONFIG.get(op)
@@ -387,6 +422,47 @@ def _check_glu_grad(gu_R2F, dy_RN: torch.Tensor, K: int, out_rows, activation, a
     _check_activation(activation, alpha, limit)
 
 
+def _dw_problem(names: tuple, dy_RN, x_RK, offsets_E1, dy_rows, x_rows, out, accumulate) -> tuple:
+    """One dW problem's arguments checked (``names``: dy's, x's, their row maps', out's and accumulate's
+    argument names): (R, N, K, dw), dw being ``out`` or a new [E, N, K] buffer."""
+    dy_name, x_name, dy_rows_name, x_rows_name, out_name, acc_name = names
+    _check_float(dy_name, dy_RN)
+    _check_float(x_name, x_RK)
+    _check_ndim(dy_name, dy_RN, 2, "RN")
+    _check_ndim(x_name, x_RK, 2, "RK")
+    _check_same_dtype(dy_name, dy_RN, x_RK.dtype, x_name)
+    _check_device(x_name, x_RK, x_RK.device)
+    _check_device(dy_name, dy_RN, x_RK.device)
+    if dy_RN.shape[0] != x_RK.shape[0]:
+        raise ValueError(f"{dy_name} must have R = {x_name}.shape[0] = {x_RK.shape[0]} rows, got {dy_RN.shape[0]}")
+    if not isinstance(offsets_E1, torch.Tensor) or offsets_E1.dim() != 1 or offsets_E1.shape[0] < 1:
+        raise ValueError("offsets_E1 must be a 1-D tensor of E + 1 >= 1 segment bounds")
+    E = offsets_E1.shape[0] - 1
+    R, K = x_RK.shape
+    N = dy_RN.shape[1]
+    _check_offsets(offsets_E1, E, R, x_RK.device)
+    _check_rows(dy_rows_name, dy_rows, R, x_RK.device)
+    _check_rows(x_rows_name, x_rows, R, x_RK.device)
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"{acc_name} must be a bool, got {type(accumulate).__name__}")
+    if accumulate and out is None:
+        raise ValueError(f"{acc_name}=True needs {out_name} (the tensor to add to)")
+    return R, N, K, _check_out(out, (E, N, K), x_RK.dtype, x_RK.device, out_name)
+
+
+def _dw_args(dy_RN, x_RK, dw, offsets_E1, dy_rows, x_rows) -> tuple:
+    """One dW problem's pointer and stride arguments, in the kernels' order."""
+    pointers = (
+        dy_RN,
+        x_RK,
+        dw,
+        offsets_E1 if dy_rows is None else dy_rows,  # (unread without a row map)
+        offsets_E1 if x_rows is None else x_rows,
+    )
+    strides = (dy_RN.stride(0), dy_RN.stride(1), x_RK.stride(0), x_RK.stride(1), *dw.stride())
+    return pointers, strides
+
+
 @on_tensor_device
 def grouped_mm_dw(
     dy_RN: torch.Tensor,
@@ -416,51 +492,14 @@ def grouped_mm_dw(
     Returns:
         dw_ENK [E, N, K] in x's dtype (``out`` where given).
     """
-    _check_float("dy_RN", dy_RN)
-    _check_float("x_RK", x_RK)
-    _check_ndim("dy_RN", dy_RN, 2, "RN")
-    _check_ndim("x_RK", x_RK, 2, "RK")
-    _check_same_dtype("dy_RN", dy_RN, x_RK.dtype, "x_RK")
-    _check_device("x_RK", x_RK, x_RK.device)
-    _check_device("dy_RN", dy_RN, x_RK.device)
-    if dy_RN.shape[0] != x_RK.shape[0]:
-        raise ValueError(f"dy_RN must have R = x_RK.shape[0] = {x_RK.shape[0]} rows, got {dy_RN.shape[0]}")
-    if not isinstance(offsets_E1, torch.Tensor) or offsets_E1.dim() != 1 or offsets_E1.shape[0] < 1:
-        raise ValueError("offsets_E1 must be a 1-D tensor of E + 1 >= 1 segment bounds")
+    names = ("dy_RN", "x_RK", "dy_rows", "x_rows", "out", "accumulate")
+    R, N, K, dw = _dw_problem(names, dy_RN, x_RK, offsets_E1, dy_rows, x_rows, out, accumulate)
     E = offsets_E1.shape[0] - 1
-    R, K = x_RK.shape
-    N = dy_RN.shape[1]
-    _check_offsets(offsets_E1, E, R, x_RK.device)
-    _check_rows("dy_rows", dy_rows, R, x_RK.device)
-    _check_rows("x_rows", x_rows, R, x_RK.device)
-    if not isinstance(accumulate, bool):
-        raise TypeError(f"accumulate must be a bool, got {type(accumulate).__name__}")
-    if accumulate and out is None:
-        raise ValueError("accumulate=True needs out (the tensor to add to)")
-    dw = _check_out(out, (E, N, K), x_RK.dtype, x_RK.device)
     if E == 0 or N == 0 or K == 0:
         return dw
     grid = lambda META: (E * triton.cdiv(N, META["BLOCK_N"]) * triton.cdiv(K, META["BLOCK_K"]),)
-    args = (
-        dy_RN,
-        x_RK,
-        dw,
-        offsets_E1,
-        offsets_E1 if dy_rows is None else dy_rows,  # (unread without a row map)
-        offsets_E1 if x_rows is None else x_rows,
-        R,
-        N,
-        K,
-        E,
-        _m_bucket(R, E),
-        dy_RN.stride(0),
-        dy_RN.stride(1),
-        x_RK.stride(0),
-        x_RK.stride(1),
-        dw.stride(0),
-        dw.stride(1),
-        dw.stride(2),
-    )
+    (dy, x, _, dyr, xr), strides = _dw_args(dy_RN, x_RK, dw, offsets_E1, dy_rows, x_rows)
+    args = (dy, x, dw, offsets_E1, dyr, xr, R, N, K, E, _m_bucket(R, E), *strides)
     meta = dict(
         GATHER_DY=dy_rows is not None,
         GATHER_X=x_rows is not None,
@@ -469,6 +508,101 @@ def grouped_mm_dw(
     )
     _launch_gemm("dw", grid, args, x_RK.device, **meta)
     return dw
+
+
+def _pair_map(dy_rows, x_rows) -> Optional[tuple]:
+    """One problem's row map as the pair's kernel takes it: (which operand reads through it: 0 none,
+    1 dy, 2 x; the map, or None without one), or None when both operands have one (the kernel maps at
+    most one per problem)."""
+    if dy_rows is not None and x_rows is not None:
+        return None
+    return (0, None) if dy_rows is None and x_rows is None else (1, dy_rows) if x_rows is None else (2, x_rows)
+
+
+def _pair_of(name: str, value) -> tuple:
+    """grouped_mm_dw_pair's per-problem ``name`` argument as a tuple of two (each checked with its problem)."""
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError(f"{name} must be a pair (one per problem), got {value!r}")
+    return tuple(value)
+
+
+@on_tensor_device
+def grouped_mm_dw_pair(
+    dy_RN: torch.Tensor,
+    x_RK: torch.Tensor,
+    dy_b_RN: torch.Tensor,
+    x_b_RK: torch.Tensor,
+    offsets_E1: torch.Tensor,
+    *,
+    dy_rows: Optional[torch.Tensor] = None,
+    x_rows: Optional[torch.Tensor] = None,
+    dy_b_rows: Optional[torch.Tensor] = None,
+    x_b_rows: Optional[torch.Tensor] = None,
+    out: Tuple[Optional[torch.Tensor], Optional[torch.Tensor]] = (None, None),
+    accumulate: Tuple[bool, bool] = (False, False),
+    allow_tf32: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Two weight gradients over the same row segments in one launch: ``grouped_mm_dw(dy_RN, x_RK, ...)``
+    and ``grouped_mm_dw(dy_b_RN, x_b_RK, ...)``, bit for bit those two launches' (at the same tile config).
+
+    The experts' backward needs both of its dW GEMMs (gate_up's and down's) per chunk; one launch
+    instead of two halves their host cost (the module docstring of
+    :mod:`lancet_rt.kernels._grouped_gemm_dw_kernels`).
+
+    Args:
+        dy_RN, x_RK: the first problem, as in :func:`grouped_mm_dw` ([R, N] and [R, K]).
+        dy_b_RN, x_b_RK: the second problem ([R, N_b] and [R, K_b], its own N and K), x's dtype and device.
+        offsets_E1: int32/int64 [E + 1] segment bounds of both problems' rows.
+        dy_rows, x_rows, dy_b_rows, x_b_rows: optional int32/int64 [R] row maps of each operand.
+        out: a pair of optional output buffers ([E, N, K], [E, N_b, K_b], x's dtype).
+        accumulate: a pair of bools: add each problem's gradient to its ``out`` (as in :func:`grouped_mm_dw`).
+        allow_tf32: fp32 inputs only: use TF32 tensor cores (both problems).
+
+    Returns:
+        (dw_ENK, dw_b_ENK) in x's dtype (the ``out`` tensors where given).
+
+    The kernel takes one ``accumulate`` for both problems, at most one row map per problem (as the
+    experts have: one operand of each in received order) and one dtype for the two maps; other
+    arguments run as the two launches, with the same results.
+    """
+    out = _pair_of("out", out)
+    accumulate = _pair_of("accumulate", accumulate)
+    names_a = ("dy_RN", "x_RK", "dy_rows", "x_rows", "out[0]", "accumulate[0]")
+    names_b = ("dy_b_RN", "x_b_RK", "dy_b_rows", "x_b_rows", "out[1]", "accumulate[1]")
+    R, N, K, dw = _dw_problem(names_a, dy_RN, x_RK, offsets_E1, dy_rows, x_rows, out[0], accumulate[0])
+    if isinstance(x_b_RK, torch.Tensor):  # (the kernels take one dtype and device for both problems)
+        _check_same_dtype("x_b_RK", x_b_RK, x_RK.dtype, "x_RK")
+        _check_device("x_b_RK", x_b_RK, x_RK.device)
+    R_b, N_b, K_b, dw_b = _dw_problem(names_b, dy_b_RN, x_b_RK, offsets_E1, dy_b_rows, x_b_rows, out[1], accumulate[1])
+    if R_b != R:
+        raise ValueError(f"x_b_RK must have R = x_RK.shape[0] = {R} rows (the same segments), got {R_b}")
+    E = offsets_E1.shape[0] - 1
+    if E == 0 or (N * K == 0 and N_b * K_b == 0):
+        return dw, dw_b
+    maps = (_pair_map(dy_rows, x_rows), _pair_map(dy_b_rows, x_b_rows))
+    given = [m[1] for m in maps if m is not None and m[1] is not None]
+    if accumulate[0] != accumulate[1] or None in maps or len({r.dtype for r in given}) > 1:
+        kw = dict(allow_tf32=allow_tf32)
+        a = grouped_mm_dw(
+            dy_RN, x_RK, offsets_E1, dy_rows=dy_rows, x_rows=x_rows, out=dw, accumulate=accumulate[0], **kw
+        )
+        b = grouped_mm_dw(
+            dy_b_RN, x_b_RK, offsets_E1, dy_rows=dy_b_rows, x_rows=x_b_rows, out=dw_b, accumulate=accumulate[1], **kw
+        )
+        return a, b
+
+    def grid(META):
+        bn, bk = META["BLOCK_N"], META["BLOCK_K"]
+        return (E * (triton.cdiv(N, bn) * triton.cdiv(K, bk) + triton.cdiv(N_b, bn) * triton.cdiv(K_b, bk)),)
+
+    rows = [m[1] if m[1] is not None else (given[0] if given else offsets_E1) for m in maps]  # (unread: 0)
+    (dy, x, dw_a, _, _), strides_a = _dw_args(dy_RN, x_RK, dw, offsets_E1, None, None)
+    (dy_b, x_b, dw_bb, _, _), strides_b = _dw_args(dy_b_RN, x_b_RK, dw_b, offsets_E1, None, None)
+    args = (dy, x, dw_a, dy_b, x_b, dw_bb, offsets_E1, *rows, R, N, K, N_b, K_b, E, _m_bucket(R, E))
+    args = (*args, maps[0][0], maps[1][0])
+    meta = dict(HAS_ROWS=bool(given), ACCUMULATE=accumulate[0], **_dot_meta(x_RK.dtype, allow_tf32))
+    _launch_gemm("dw_pair", grid, (*args, *strides_a, *strides_b), x_RK.device, **meta)
+    return dw, dw_b
 
 
 def _gate_up_outs(out, R: int, F: int, dtype: torch.dtype, device: torch.device) -> tuple:

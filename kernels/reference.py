@@ -22,6 +22,7 @@ from .reference_experts import (  # noqa: F401 - the experts' references, re-exp
     _bounds,
     _check_activation,
     gate_up_swiglu_ref,
+    grouped_mm_dw_pair_ref,
     grouped_mm_dw_ref,
     grouped_mm_dx_ref,
     grouped_mm_ref,

@@ -95,6 +95,17 @@ def grouped_mm_dw_ref(dy_RN: torch.Tensor, x_RK: torch.Tensor, offsets_E1: torch
     return torch.stack([torch.mm(dy.t(), x) for dy, x in pieces])
 
 
+def grouped_mm_dw_pair_ref(
+    dy_RN: torch.Tensor, x_RK: torch.Tensor, dy_b_RN: torch.Tensor, x_b_RK: torch.Tensor, offsets_E1
+) -> tuple:
+    """Two weight gradients over the same segments: (grouped_mm_dw_ref(dy, x), grouped_mm_dw_ref(dy_b, x_b)).
+
+    Returns:
+        (dw_ENK, dw_b_ENK) in x's dtype.
+    """
+    return grouped_mm_dw_ref(dy_RN, x_RK, offsets_E1), grouped_mm_dw_ref(dy_b_RN, x_b_RK, offsets_E1)
+
+
 def segment_sum_ref(g_RN: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
     """s[e] = sum of the rows of segment e (zeros for an empty one), accumulated in float32: the
     gradient of a per-expert bias from its output's gradient.

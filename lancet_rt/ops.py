@@ -23,7 +23,14 @@ from lancet_rt.kernels import cpu_backend, reference, reference_dense
 _OP_NAMES = {
     "gating": ["gating_fwd", "gating_bwd"],
     "permute": ["dispatch_rows", "permute_fwd", "permute_bwd", "unpermute_fwd", "unpermute_bwd", "regroup_rows"],
-    "grouped_gemm": ["grouped_mm", "grouped_mm_dx", "grouped_mm_dw", "gate_up_swiglu", "segment_sum"],
+    "grouped_gemm": [
+        "grouped_mm",
+        "grouped_mm_dx",
+        "grouped_mm_dw",
+        "grouped_mm_dw_pair",
+        "gate_up_swiglu",
+        "segment_sum",
+    ],
     "swiglu": ["swiglu_fwd", "swiglu_bwd"],
     "norm": ["add_rmsnorm_fwd", "add_rmsnorm_bwd"],
     "linear_ce": ["ce_grad_fwd"],
@@ -97,7 +104,7 @@ def _triton_ops(dtype) -> SimpleNamespace:
 
 
 #: The grouped GEMMs, whose float32 products may use TF32 tensor cores (``allow_tf32``).
-_TF32_OPS = ("grouped_mm", "grouped_mm_dx", "grouped_mm_dw", "gate_up_swiglu")
+_TF32_OPS = ("grouped_mm", "grouped_mm_dx", "grouped_mm_dw", "grouped_mm_dw_pair", "gate_up_swiglu")
 
 
 def tf32_enabled() -> bool:

@@ -28,7 +28,7 @@ _PERMUTE_D = (4096, 128)  # model widths: the first covers every D >= 2048, the 
 _SWIGLU_F = (2048, 512, 256)
 # Grouped GEMM (dtype, dot precision): fp32 is exact ("ieee", FMA units) unless allow_tf32 asks for tf32.
 _GEMM_CASES = (("bf16", "ieee"), ("fp16", "ieee"), ("fp32", "ieee"), ("fp32", "tf32"))
-_GEMM_OPS = ("fwd", "dx", "gate_up", "dw")
+_GEMM_OPS = ("fwd", "dx", "gate_up", "dw", "dw_pair")
 # Expert variants (the constexprs of the GEMM epilogues and the activation kernels), as (label, flags).
 # "gpt_oss" is GPT-OSS's experts: interleaved gate/up in its transposed weight, biases, the clamped
 # activation (for the fwd op: the down projection, bias and transposed weight); the other labels
@@ -47,6 +47,8 @@ _GEMM_VARIANTS = {
         ("gpt_oss dgu rows", dict(_DGU, INTERLEAVED=True, ACTIVATION="swiglu_oai")),
     ),
     "dw": (("", {}), ("rows", dict(GATHER_X=True, GATHER_DY=True))),
+    # the experts' two dW in one launch (the lancet layout maps gate_up's x and down's dy, GPT-OSS's the others)
+    "dw_pair": (("", {}), ("rows", dict(HAS_ROWS=True))),
     "gate_up": (("", {}), ("gpt_oss", _GPT_OSS), ("rows", dict(GATHER_X=True))),
 }
 _GEMM_EXTRA = {
@@ -407,6 +409,9 @@ def _gemm(op: str):
                 1,
             )
             return gg._gate_up_swiglu_fwd_kernel, args, dict(BLOCK_E=block_e, **precision, **flags), D
+        if op == "dw_pair":  # gate_up's dw [E, 2F, D] = dgu_seg.T @ x_seg, then down's [E, D, F] = dy_seg.T @ h_seg
+            a = (y, x, w, y, x, w, *(off,) * 3, R, 2 * F, D, D, F, E, 4096, 2, 1, 2 * F, 1, D, 1, 2 * F * D, D, 1)
+            return gg._grouped_gemm_dw_pair_kernel, (*a, D, 1, F, 1, D * F, F, 1), dict(**precision, **flags), None
         # dw[e] = dy_seg.T @ x_seg for the down projection: dy [R, D], x [R, F], dw [E, D, F]
         args = (x, w, y, off, off, off, R, D, F, E, 4096, D, 1, F, 1, D * F, F, 1)
         return gg._grouped_gemm_dw_kernel, args, dict(**precision, **flags), None

@@ -96,16 +96,24 @@ def weight_gradients(
     [E, D, 2F] and [E, F, D] layouts. With ``rows`` (a row map, :func:`expert_rows`) ``x_RD`` and
     ``dy_RD`` are in received order and the dW GEMMs read them through it. ``into``: for gate_up's and
     down's dW, a tensor in x's dtype that the dW GEMM adds its gradient to (and returns), or None
-    (Triton GEMMs only: :func:`triton_gemms`)."""
-    xr = {} if rows is None else dict(x_rows=rows)
-    dyr = {} if rows is None else dict(dy_rows=rows)
-    gu_to, down_to = ({} if t is None else dict(out=t, accumulate=True) for t in into)
+    (Triton GEMMs only: :func:`triton_gemms`). On the Triton GEMMs both dW, where both are needed, are
+    one launch (``grouped_mm_dw_pair``, the same bits as the two), deferred or not."""
+    # (dy, x) of each dW GEMM, and which of them is read through the row map (x_RD and dy_RD are)
     if gpt_oss:
-        dgate_up = ops.grouped_mm_dw(x_RD, dgu_R2F, offsets_E1, **dyr, **gu_to) if needs[0] else None
-        ddown = ops.grouped_mm_dw(h_RF, dy_RD, offsets_E1, **xr, **down_to) if needs[1] else None
+        gu_args, gu_mapped, down_args, down_mapped = (x_RD, dgu_R2F), "dy", (h_RF, dy_RD), "x"
     else:
-        dgate_up = ops.grouped_mm_dw(dgu_R2F, x_RD, offsets_E1, **xr, **gu_to) if needs[0] else None
-        ddown = ops.grouped_mm_dw(dy_RD, h_RF, offsets_E1, **dyr, **down_to) if needs[1] else None
+        gu_args, gu_mapped, down_args, down_mapped = (dgu_R2F, x_RD), "x", (dy_RD, h_RF), "dy"
+    if needs[0] and needs[1] and triton_gemms(ops):  # both in one launch (the host's cost per chunk)
+        maps = {} if rows is None else {f"{gu_mapped}_rows": rows, f"{down_mapped}_b_rows": rows}
+        accumulate = tuple(t is not None for t in into)
+        dgate_up, ddown = ops.grouped_mm_dw_pair(
+            *gu_args, *down_args, offsets_E1, **maps, out=tuple(into), accumulate=accumulate
+        )
+    else:
+        gu_to, down_to = ({} if t is None else dict(out=t, accumulate=True) for t in into)
+        gu_rows, down_rows = ({} if rows is None else {f"{m}_rows": rows} for m in (gu_mapped, down_mapped))
+        dgate_up = ops.grouped_mm_dw(*gu_args, offsets_E1, **gu_rows, **gu_to) if needs[0] else None
+        ddown = ops.grouped_mm_dw(*down_args, offsets_E1, **down_rows, **down_to) if needs[1] else None
     dgate_up_bias = ops.segment_sum(dgu_R2F, offsets_E1) if needs[2] else None
     if needs[3] and rows is not None:  # (the segment sums take grouped rows)
         dy_RD = dy_RD.index_select(0, rows)

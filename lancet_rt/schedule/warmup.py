@@ -338,8 +338,8 @@ def _warm_buckets(layers: list, device: torch.device, tokens: Optional[int]) -> 
 def _launch_experts(m: MoE, ops, rows: int, dtype, device) -> None:
     """The experts' grouped GEMMs on ``rows`` zero rows spread evenly over the local experts, as a step
     launches them (:mod:`lancet_rt.moe.experts`' own functions, with the same variants): the forward,
-    dH with the activation's gradient in its epilogue, dX, and the two dW, writing and (the chunks' sum
-    of dW, without biases) adding; with an expert-parallel
+    dH with the activation's gradient in its epilogue, dX, and the two dW (one launch on the Triton
+    GEMMs: the dW pair), writing and (the chunks' sum of dW, without biases) adding; with an expert-parallel
     group of several local experts through a row map (received rows, read and written through it)."""
     e = m.experts
     L, D = m.num_local_experts, m.d_model

@@ -123,7 +123,7 @@ def test_the_launch_counter_counts_and_times_each_launch_once(monkeypatch):
 def test_the_triton_path_stays_within_its_host_operation_count():
     """The GPU path's host operations per layer per extra chunk (ATen ops + Triton launches), counted on
     the CPU through its own sequence (the Triton interpreter), one layer, 2 chunks: at most what they are
-    (91 ATen ops + 17 launches, docs/benchmarks.md), with one host read."""
+    (91 ATen ops + 16 launches: the experts' two dW GEMMs are one launch), with one host read."""
     pytest.importorskip("triton")
     env = dict(os.environ, LANCET_KERNELS="triton", TRITON_INTERPRET="1")
     argv = ["--device", "cpu", "--chunks", "2", "--layers", "1", "--batch", "2", "--seq", "4", "--count-only"]
@@ -134,5 +134,5 @@ def test_the_triton_path_stays_within_its_host_operation_count():
     row = json.loads(out.stdout.strip().splitlines()[-1])
     host_ops = row["ops_per_chunk"] + row["fwd_launches_per_chunk"] + row["bwd_launches_per_chunk"]
     assert row["fwd_launches_per_chunk"] + row["bwd_launches_per_chunk"] > 0  # (the kernels ran)
-    assert host_ops <= 108, host_ops
+    assert host_ops <= 107, host_ops
     assert row["reads_per_chunk"] <= 1

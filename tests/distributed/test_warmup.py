@@ -29,19 +29,22 @@ def _keys(monkeypatch_target, record):
     launch_gemm, run_autotuned = grouped_gemm._launch_gemm, _common.run_autotuned
 
     # each grouped GEMM's autotune key by its arguments' names: the row bucket, then (N, K, E) or (F, D, E)
+    # (the dW pair: (N, K, N_B, K_B, E))
     kernels = {
         "fwd": grouped_gemm._FWD,
         "dx": grouped_gemm._FWD,
         "dw": grouped_gemm._DW,
+        "dw_pair": grouped_gemm._DW_PAIR,
         "gate_up": grouped_gemm._GATE_UP,
     }
+    pair_sizes = ("N", "K", "N_B", "K_B", "E")
 
     def gemm(op, grid, args, device, **const):
         jit = kernels[op]
         while not hasattr(jit, "arg_names"):  # (under the heuristics wrapper)
             jit = jit.fn
         named = dict(zip(jit.arg_names, args))
-        sizes = ("F", "D", "E") if op == "gate_up" else ("N", "K", "E")
+        sizes = {"gate_up": ("F", "D", "E"), "dw_pair": pair_sizes}.get(op, ("N", "K", "E"))
         key = (named["M_BUCKET"], *(named[s] for s in sizes))
         record(("gemm", op, *key, str(args[0].dtype), tuple(sorted(const.items()))))
         return launch_gemm(op, grid, args, device, **const)

@@ -2,10 +2,10 @@
 
 tests/schedule/test_overlap.py checks that deferral gives the right gradients, but the DeferredLinear items
 alone satisfy its checks: an experts layer that computed dW inline in its backward would pass them.
-Here every ``grouped_mm_dw`` and ``segment_sum`` (bias gradient) call the MoE layer makes is recorded
-with the Python stack it ran on: under deferral each must come from the weight-gradient queue (a
-backward all-to-all's drain window or the final flush), never from inside the experts' autograd
-backward; and the gradients must equal, bit for bit in float32, those of the same chunked run without
+Here every ``grouped_mm_dw`` (or ``grouped_mm_dw_pair``) and ``segment_sum`` (bias gradient) call the
+MoE layer makes is recorded with the Python stack it ran on: under deferral each must come from the
+weight-gradient queue (a backward all-to-all's drain window or the final flush), never from inside the
+experts' autograd backward; and the gradients must equal, bit for bit in float32, those of the same chunked run without
 deferral. Both layouts: the default experts, and GPT-OSS's (biases deferred with their weights).
 """
 
@@ -44,7 +44,7 @@ def _caller():
     return "other"
 
 
-_SPIED = ("grouped_mm_dw", "segment_sum")
+_SPIED = ("grouped_mm_dw", "grouped_mm_dw_pair", "segment_sum")
 
 
 @pytest.fixture
@@ -104,11 +104,13 @@ def test_experts_dw_is_deferred_and_exact(kernels, layout, monkeypatch, dw_calls
     gen = torch.Generator().manual_seed(1)
     x, g = torch.randn(5, 3, D, generator=gen), torch.randn(5, 3, D, generator=gen)
 
-    impl = {"grouped_mm_dw": "lancet_rt.kernels.grouped_gemm", "segment_sum": "lancet_rt.kernels.segment_sum"}
+    # On the Triton GEMMs both dW GEMMs are one launch (grouped_mm_dw_pair), on the CPU backend two.
+    dw_op = "grouped_mm_dw_pair" if kernels == "triton" else "grouped_mm_dw"
+    impl = {dw_op: "lancet_rt.kernels.grouped_gemm", "segment_sum": "lancet_rt.kernels.segment_sum"}
     if kernels != "triton":
-        impl = {"grouped_mm_dw": "lancet_rt.kernels.cpu_backend", "segment_sum": "lancet_rt.kernels.reference_experts"}
+        impl = {dw_op: "lancet_rt.kernels.cpu_backend", "segment_sum": "lancet_rt.kernels.reference_experts"}
     ref = _run(model, lancet_rt.Overlapped(model, chunks=CHUNKS, defer_wgrad=False), x, g)
-    ops = set(_SPIED) if layout == "gpt_oss" else {"grouped_mm_dw"}
+    ops = {dw_op, "segment_sum"} if layout == "gpt_oss" else {dw_op}
     assert dw_calls and set(dw_calls) == {("inline", impl[op], op) for op in ops}, (
         f"without deferral dW runs in the backward: {dw_calls}"
     )
@@ -119,10 +121,11 @@ def test_experts_dw_is_deferred_and_exact(kernels, layout, monkeypatch, dw_calls
     ov = lancet_rt.Overlapped(twin, chunks=CHUNKS, defer_wgrad=True)
     got = _run(twin, ov, x, g)
 
-    # Two dW GEMMs (gate_up, down) per experts call, and with biases two segment sums, every one run
-    # by the queue, none inline.
+    # Two dW GEMMs (gate_up, down) per experts call (one pair call on the Triton GEMMs), and with
+    # biases two segment sums, every one run by the queue, none inline.
     assert len(experts_fwd) == LAYERS * CHUNKS
-    assert len(dw_calls) == 2 * len(ops) * len(experts_fwd), dw_calls
+    per_call = {"grouped_mm_dw": 2, "grouped_mm_dw_pair": 1, "segment_sum": 2}
+    assert len(dw_calls) == sum(per_call[op] for op in ops) * len(experts_fwd), dw_calls
     assert {(c[1], c[2]) for c in dw_calls} == {(impl[op], op) for op in ops}
     assert {c[0] for c in dw_calls} <= {"drain", "flush"}, f"experts dW not deferred: {dw_calls}"
     assert not ov.wgrad_queue.items

@@ -117,17 +117,25 @@ def test_no_sum_outside_a_backward_with_one_chunk_or_a_chunk_that_did_not_join()
     assert log[-1] == (0, False) and torch.equal(w.grad, x.sum(0))
 
 
-def _counting_dw(monkeypatch):
-    """Record each experts' dW launch: whether it accumulated into a sum."""
+def _counting_dw(monkeypatch, pairs=None):
+    """Record each experts' dW GEMM: whether it accumulated into a sum (a pair's two, in order); the
+    pairs' launches counted in ``pairs`` too."""
     calls = []
     ns = _ops.get_ops(torch.device("cpu"), torch.float32)
-    dw = ns.grouped_mm_dw
+    dw, pair = ns.grouped_mm_dw, ns.grouped_mm_dw_pair
 
     def counted(*args, **kwargs):
         calls.append(kwargs.get("accumulate", False))
         return dw(*args, **kwargs)
 
+    def counted_pair(*args, **kwargs):
+        calls.extend(kwargs.get("accumulate", (False, False)))
+        if pairs is not None:
+            pairs.append(1)
+        return pair(*args, **kwargs)
+
     monkeypatch.setattr(ns, "grouped_mm_dw", counted)
+    monkeypatch.setattr(ns, "grouped_mm_dw_pair", counted_pair)
     return calls
 
 
@@ -167,12 +175,14 @@ def test_the_experts_sum_their_chunks_dw_in_the_gemms_with_the_same_bits(
     calls.clear()
     monkeypatch.undo()
     monkeypatch.setenv("LANCET_KERNELS", "triton")
-    calls = _counting_dw(monkeypatch)
+    pairs = []
+    calls = _counting_dw(monkeypatch, pairs)
     got = _step(twin, chunks, defer_wgrad, retain)
-    # two dW GEMMs per layer and chunk; all but the first chunk's add into the running sums
+    # two dW GEMMs per layer and chunk, in one launch; all but the first chunk's add into the running sums
     layers = len(list(model.moe_layers()))
     backwards = 2 if retain else 1
     assert len(calls) == 2 * layers * chunks * backwards
+    assert len(pairs) == layers * chunks * backwards
     assert sum(calls) == 2 * layers * (chunks - 1) * backwards
     assert len(ref) == len(got)
     for a, b in zip(ref, got):
