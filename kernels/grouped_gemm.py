@@ -450,17 +450,9 @@ def _dw_problem(names: tuple, dy_RN, x_RK, offsets_E1, dy_rows, x_rows, out, acc
     return R, N, K, _check_out(out, (E, N, K), x_RK.dtype, x_RK.device, out_name)
 
 
-def _dw_args(dy_RN, x_RK, dw, offsets_E1, dy_rows, x_rows) -> tuple:
-    """One dW problem's pointer and stride arguments, in the kernels' order."""
-    pointers = (
-        dy_RN,
-        x_RK,
-        dw,
-        offsets_E1 if dy_rows is None else dy_rows,  # (unread without a row map)
-        offsets_E1 if x_rows is None else x_rows,
-    )
-    strides = (dy_RN.stride(0), dy_RN.stride(1), x_RK.stride(0), x_RK.stride(1), *dw.stride())
-    return pointers, strides
+def _dw_strides(dy_RN, x_RK, dw) -> tuple:
+    """One dW problem's strides, in the kernels' order (dy's, x's, dw's)."""
+    return (dy_RN.stride(0), dy_RN.stride(1), x_RK.stride(0), x_RK.stride(1), *dw.stride())
 
 
 @on_tensor_device
@@ -498,8 +490,9 @@ def grouped_mm_dw(
     if E == 0 or N == 0 or K == 0:
         return dw
     grid = lambda META: (E * triton.cdiv(N, META["BLOCK_N"]) * triton.cdiv(K, META["BLOCK_K"]),)
-    (dy, x, _, dyr, xr), strides = _dw_args(dy_RN, x_RK, dw, offsets_E1, dy_rows, x_rows)
-    args = (dy, x, dw, offsets_E1, dyr, xr, R, N, K, E, _m_bucket(R, E), *strides)
+    dyr = offsets_E1 if dy_rows is None else dy_rows  # (unread without a row map)
+    xr = offsets_E1 if x_rows is None else x_rows
+    args = (dy_RN, x_RK, dw, offsets_E1, dyr, xr, R, N, K, E, _m_bucket(R, E), *_dw_strides(dy_RN, x_RK, dw))
     meta = dict(
         GATHER_DY=dy_rows is not None,
         GATHER_X=x_rows is not None,
@@ -596,12 +589,10 @@ def grouped_mm_dw_pair(
         return (E * (triton.cdiv(N, bn) * triton.cdiv(K, bk) + triton.cdiv(N_b, bn) * triton.cdiv(K_b, bk)),)
 
     rows = [m[1] if m[1] is not None else (given[0] if given else offsets_E1) for m in maps]  # (unread: 0)
-    (dy, x, dw_a, _, _), strides_a = _dw_args(dy_RN, x_RK, dw, offsets_E1, None, None)
-    (dy_b, x_b, dw_bb, _, _), strides_b = _dw_args(dy_b_RN, x_b_RK, dw_b, offsets_E1, None, None)
-    args = (dy, x, dw_a, dy_b, x_b, dw_bb, offsets_E1, *rows, R, N, K, N_b, K_b, E, _m_bucket(R, E))
-    args = (*args, maps[0][0], maps[1][0])
+    args = (dy_RN, x_RK, dw, dy_b_RN, x_b_RK, dw_b, offsets_E1, *rows, R, N, K, N_b, K_b, E, _m_bucket(R, E))
+    args = (*args, maps[0][0], maps[1][0], *_dw_strides(dy_RN, x_RK, dw), *_dw_strides(dy_b_RN, x_b_RK, dw_b))
     meta = dict(HAS_ROWS=bool(given), ACCUMULATE=accumulate[0], **_dot_meta(x_RK.dtype, allow_tf32))
-    _launch_gemm("dw_pair", grid, (*args, *strides_a, *strides_b), x_RK.device, **meta)
+    _launch_gemm("dw_pair", grid, args, x_RK.device, **meta)
     return dw, dw_b
 
 
