@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import RowLog, keep_freed_memory, print_table, run_metadata, wall_ms
+from bench.overlap.real_bounds import link_bound, pass_bound, report_bounds
 from bench.overlap.real_runner import RealRunner, peer_schedules
 from bench.reallink import link as reallink
 from bench.reallink import probe as reallink_probe
@@ -400,70 +401,6 @@ def _report_peers(row: dict) -> None:
         )
 
 
-def link_bound(row: dict, step_tx_bytes: Optional[float]) -> dict:
-    """What no schedule can beat on this link: the busiest port must pass ``step_tx_bytes`` (one sequential
-    step's wire bytes) at the configured rate, ``link_time_ms``; Overlapped's step is at least that and at least
-    its own unshaped step, so ``bound_speedup`` = sequential / max(the two) and ``bound_hidden`` the hidden
-    fraction there. (The calibration's ``comm_ms``, shaped minus unshaped, is less than ``link_time_ms``: the
-    unshaped link's transfers take time too, inside the sequential step's computation.) None without a rate."""
-    rate, ov = row.get("configured_mbit"), row.get("overlapped_compute_ms")
-    if not step_tx_bytes or not rate or ov is None or "sequential_ms" not in row:
-        return dict(
-            step_tx_mb=None if not step_tx_bytes else step_tx_bytes / 1e6,
-            link_time_ms=None,
-            bound_speedup=None,
-            bound_hidden=None,
-        )
-    link_ms = step_tx_bytes * 8 / (rate * 1e6) * 1e3
-    best = max(link_ms, ov)
-    comm = row["comm_ms"]
-    return dict(
-        step_tx_mb=step_tx_bytes / 1e6,
-        link_time_ms=link_ms,
-        bound_speedup=row["sequential_ms"] / best,
-        bound_hidden=1 - (best - ov) / comm if comm > 0 else None,
-    )
-
-
-def pass_bound(row: dict, step_tx_bytes: Optional[float], fwd_tx_bytes: Optional[float], names: list) -> dict:
-    """Each schedule's own bound on this link. A single step's backward cannot start before its forward
-    ends, so a step of ``n`` takes at least max(n's forward compute, the forward's link time) + max(n's
-    backward compute, the backward's link time): the busiest port's bytes of each pass (one sequential step's,
-    read at its forward's end) at the configured rate (``forward_link_ms``, ``backward_link_ms``), and
-    ``n``'s unshaped forward and the rest of its unshaped step. Per schedule with one forward then one
-    backward: ``pass_bound_ms_<n>``, ``pass_bound_speedup_<n>`` (sequential over it), ``pass_bound_hidden_<n>``
-    and how near ``n`` comes, ``of_pass_bound_<n>`` (the bound over its step: 1 at the bound) and
-    ``of_pass_bound_hidden_<n>`` (its hidden fraction over the bound's). ``accumulate``'s passes interleave
-    across microbatches, so its bound is the whole step's per microbatch, max(its own compute, the link
-    time): ``bound_ms_accumulate``, ``bound_speedup_accumulate``, ``bound_hidden_accumulate``,
-    ``of_bound_accumulate``. Nothing without a rate or the bytes."""
-    rate, comm = row.get("configured_mbit"), row.get("comm_ms")
-    if not step_tx_bytes or fwd_tx_bytes is None or not rate or "sequential_ms" not in row:
-        return {}
-    to_ms = 8 / (rate * 1e6) * 1e3
-    fwd_link, bwd_link = fwd_tx_bytes * to_ms, (step_tx_bytes - fwd_tx_bytes) * to_ms
-    out = dict(forward_tx_mb=fwd_tx_bytes / 1e6, forward_link_ms=fwd_link, backward_link_ms=bwd_link)
-    seq = row["sequential_ms"]
-
-    def fields(suffix: str, bound: float, n: str) -> None:
-        hidden = 1 - (bound - row[f"{n}_compute_ms"]) / comm if comm and comm > 0 else None
-        out[f"{suffix}_ms_{n}"] = bound
-        out[f"{suffix}_speedup_{n}"] = seq / bound
-        out[f"{suffix}_hidden_{n}"] = hidden
-        out[f"of_{suffix}_{n}"] = bound / row[f"{n}_ms"]
-        mine = row.get(f"hidden_{n}")
-        out[f"of_{suffix}_hidden_{n}"] = mine / hidden if hidden and mine is not None else None
-
-    for n in names:
-        fwd = row.get(f"{n}_forward_compute_ms")
-        # (the sequential step overlaps nothing; a peer's all-to-alls run on another transport than the rate's)
-        if fwd is not None and n != "sequential" and not n.startswith("peer_"):
-            fields("pass_bound", max(fwd, fwd_link) + max(row[f"{n}_compute_ms"] - fwd, bwd_link), n)
-    if "accumulate_compute_ms" in row:
-        fields("bound", max(row["accumulate_compute_ms"], fwd_link + bwd_link), "accumulate")
-    return out
-
-
 def _max_over_mean(runner: RealRunner, me: _Rank) -> float:
     """The busiest expert's load over the mean, summed over the ranks, averaged over the primary model's
     MoE layers after the last step (``--routing`` skews it)."""
@@ -601,39 +538,9 @@ def _report(row: dict, names: list) -> None:
             f"{row['bound_hidden']:.2f}",
             flush=True,
         )
-    _report_bounds(row, names)
+    report_bounds(row, names)
     print(
         f"load average {' '.join(f'{v:.2f}' for v in row['load_avg_before'])} before, "
         f"{' '.join(f'{v:.2f}' for v in row['load_avg_after'])} after",
         flush=True,
     )
-
-
-def _report_bounds(row: dict, names: list) -> None:
-    """Each schedule against its own bound (:func:`pass_bound`)."""
-    if row.get("forward_link_ms") is None:
-        return
-    print(
-        f"pass bound: the forward's bytes take {row['forward_link_ms']:.0f} ms at the rate, the backward's "
-        f"{row['backward_link_ms']:.0f} ms; a step is at least max(its forward's compute, the forward's link) + "
-        "max(its backward's compute, the backward's link)"
-    )
-    table = []
-    for n in names:
-        for suffix in ("pass_bound", "bound"):
-            if f"{suffix}_ms_{n}" in row:
-                table.append(
-                    dict(
-                        schedule=n,
-                        bound="passes" if suffix == "pass_bound" else "step",
-                        forward_compute_ms=row.get(f"{n}_forward_compute_ms"),
-                        bound_ms=row[f"{suffix}_ms_{n}"],
-                        bound_speedup=row[f"{suffix}_speedup_{n}"],
-                        bound_hidden=row[f"{suffix}_hidden_{n}"],
-                        of_bound=row[f"of_{suffix}_{n}"],
-                        of_bound_hidden=row[f"of_{suffix}_hidden_{n}"],
-                    )
-                )
-    if table:
-        cols = ["schedule", "bound", "forward_compute_ms", "bound_ms", "bound_speedup", "bound_hidden"]
-        print_table(table, cols + ["of_bound", "of_bound_hidden"], title="each schedule's own bound on this link")

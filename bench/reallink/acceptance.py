@@ -14,13 +14,13 @@ project's own rows go to bench/results/overlap_real.json by asking) and prints t
 reads: Overlapped's single step against its own pass bound (``of_pass_bound``: the bound over its step,
 target >= 0.95, and ``of_pass_bound_hidden``: its hidden fraction over the bound's, target >= 0.95; a step's
 backward starts after its forward, so it is at least max(forward compute, forward bytes at the rate) +
-max(backward compute, backward bytes), bench.overlap.real.pass_bound), the cross-microbatch ``accumulate``
+max(backward compute, backward bytes), bench.overlap.real_bounds.pass_bound), the cross-microbatch ``accumulate``
 over 4 microbatches (target: >= 1.6x the sequential step per microbatch, or >= 0.95 of its bound, max(its
 compute, the link time) per microbatch), and Overlapped's step over each peer's on the same transport, a
 plain gloo group (target <= 0.60x torchtitan with float32 experts and DeepSpeed-MoE), beside it ours on its
 split lanes over theirs (bench.overlap.real.peer_ratios); with the configured and achieved rates, the
 device, the date and the load average, and the link's whole-step bound (``bound_speedup``: the busiest
-port's bytes at the configured rate, bench.overlap.real.link_bound). Runs 2 and 3 are reported with the
+port's bytes at the configured rate, bench.overlap.real_bounds.link_bound). Runs 2 and 3 are reported with the
 same fields. A run that fails does not stop the others: the table shows every run measured, and the exit
 status is then the first failure's (0 when every run finished, whether or not the targets are met: they
 are printed met or missed).

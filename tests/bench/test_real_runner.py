@@ -102,7 +102,7 @@ def test_link_bound_from_the_ports_bytes_and_the_rate():
     """The link's own bound: 20 MB at 160 Mbit/s is 1000 ms, more than Overlapped's 800 ms of compute, so no
     schedule beats sequential 1500 / 1000 = 1.5x, and at that step Overlapped would leave 200 of the 700 ms of
     measured comm exposed (hidden 5/7); where compute is the longer, compute bounds it."""
-    from bench.overlap.real import link_bound
+    from bench.overlap.real_bounds import link_bound
 
     row = dict(configured_mbit=160.0, overlapped_compute_ms=800.0, sequential_ms=1500.0, comm_ms=700.0)
     got = link_bound(row, 20e6)
@@ -123,7 +123,7 @@ def test_pass_bound_per_schedule_from_each_pass_bytes_and_compute():
     1600 ms; at a 1250 ms step Overlapped is at 0.8 of it. accumulate's bound is the whole step's per
     microbatch, max(its 900 ms compute, 800 ms of link). The sequential step gets none, nor a peer (its
     all-to-alls run on another transport); no rate, nothing."""
-    from bench.overlap.real import pass_bound
+    from bench.overlap.real_bounds import pass_bound
 
     row = dict(configured_mbit=160.0, sequential_ms=1600.0, comm_ms=800.0, sequential_compute_ms=800.0)
     row.update(overlapped_ms=1250.0, overlapped_compute_ms=800.0, overlapped_forward_compute_ms=300.0)
