@@ -161,19 +161,28 @@ class Shape:
     delay_ms: float = 0.0
     burst_bytes: Optional[int] = None  # default: 2.5 ms at the rate, at least 32 KB (late timers on a busy host)
     queue_ms: float = QUEUE_MS  # tbf's queue: this many ms at the rate (beyond it, drops)
+    only_port: Optional[int] = None  # the rate binds only TCP to or from this port; the rest passes unshaped
+
+    def burst(self) -> int:
+        return self.burst_bytes or max(32_000, int(self.rate_bps / 8 * 2.5e-3))
+
+    def limit(self) -> int:
+        return max(int(self.rate_bps / 8 * self.queue_ms * 1e-3), 2 * GSO_MAX)  # (two of the largest packets at least)
 
     def tbf(self) -> list:
-        rate_Bps = self.rate_bps / 8
-        burst = self.burst_bytes or max(32_000, int(rate_Bps * 2.5e-3))
-        limit = max(int(rate_Bps * self.queue_ms * 1e-3), 2 * GSO_MAX)  # (two of the largest packets at least)
-        return ["tbf", "rate", f"{self.rate_bps}bit", "burst", str(burst), "limit", str(limit)]
+        return ["tbf", "rate", f"{self.rate_bps}bit", "burst", str(self.burst()), "limit", str(self.limit())]
 
 
 def shape_commands(dev: str, shape: Shape, ns: Optional[str] = None) -> list:
     """The tc commands that give ``dev`` (in namespace ``ns``; None: this process's) ``shape``, from
-    any earlier shaping of ours: a netem delay at the root (if any), the token bucket under it."""
+    any earlier shaping of ours: a netem delay at the root (if any), the token bucket under it; or, with
+    ``only_port``, the rate on that port's TCP only (:func:`port_commands`)."""
     tc = ["tc"] + (["-n", ns] if ns else [])
     cmds = [tc + ["qdisc", "del", "dev", dev, "root"]]  # (fails harmlessly when there is none)
+    if shape.only_port is not None and shape.rate_bps is not None:
+        if shape.delay_ms > 0:
+            raise LinkError("a rate on one port only (only_port) takes no delay (delay_ms)")
+        return cmds + port_commands(tc, dev, shape)
     if shape.delay_ms > 0:
         cmds.append(
             tc
@@ -196,6 +205,29 @@ def shape_commands(dev: str, shape: Shape, ns: Optional[str] = None) -> list:
             cmds.append(tc + ["qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:"] + shape.tbf())
     elif shape.rate_bps is not None:
         cmds.append(tc + ["qdisc", "add", "dev", dev, "root", "handle", "10:"] + shape.tbf())
+    return cmds
+
+
+def port_commands(tc: list, dev: str, shape: Shape) -> list:
+    """An HTB root whose one class holds the rate, the bucket and the queue (a byte FIFO) of ``shape``, and
+    two filters sending the TCP segments from or to ``shape.only_port`` into it. Everything else is
+    unclassified, which HTB sends at once (its direct queue): the traffic beside a benchmark
+    (bench.reallink.traffic) flows at the rate while the benchmark's own runs unshaped. (This kernel has
+    HTB, TBF and u32, no prio qdisc.)"""
+    port, burst = str(shape.only_port), str(shape.burst())
+    cmds = [
+        tc + ["qdisc", "add", "dev", dev, "root", "handle", "1:", "htb", "direct_qlen", "10000"],
+        tc
+        + ["class", "add", "dev", dev, "parent", "1:", "classid", "1:10", "htb", "rate", f"{shape.rate_bps}bit"]
+        + ["ceil", f"{shape.rate_bps}bit", "burst", burst, "cburst", burst],
+        tc + ["qdisc", "add", "dev", dev, "parent", "1:10", "handle", "10:", "bfifo", "limit", str(shape.limit())],
+    ]
+    for side in ("sport", "dport"):
+        cmds.append(
+            tc
+            + ["filter", "add", "dev", dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32"]
+            + ["match", "ip", side, port, "0xffff", "flowid", "1:10"]
+        )
     return cmds
 
 
@@ -454,12 +486,23 @@ class RankLink:
     bridge: str
     shape: Shape
 
-    def set_rate(self, rate_bps: Optional[int]) -> None:
+    def set_rate(self, rate_bps: Optional[int], only_port: Optional[int] = None) -> None:
         """Shape this rank's port (its egress, and the bridge port towards it) at ``rate_bps``
-        (None: unshaped). Each rank sets its own; a benchmark then meets at a barrier."""
-        self.shape.rate_bps = rate_bps
+        (None: unshaped), all its traffic or (``only_port``) the TCP to and from that port only. Each rank
+        sets its own; a benchmark then meets at a barrier."""
+        self.shape.rate_bps, self.shape.only_port = rate_bps, only_port
         _apply(shape_commands(IFACE, self.shape))
         _apply(shape_commands(f"p{self.rank}", self.shape, self.bridge))
+
+    def shaped_bytes(self) -> int:
+        """Bytes this rank's port has passed through its shaper (its egress's root qdisc): what the rate limits,
+        every TCP segment's headers counted. (The interface's own counter, /proc/net/dev, counts a GSO packet's
+        headers once: about 4% fewer bytes for the same transfer at a 1500-byte MTU.)"""
+        out = _run("tc", "-s", "qdisc", "show", "dev", IFACE).stdout
+        m = re.search(r"Sent (\d+) bytes", out)
+        if m is None:
+            raise LinkError(f"no byte count in tc's statistics of {IFACE}: {out.strip()[:200]!r}")
+        return int(m.group(1))
 
 
 def rank_link() -> Optional[RankLink]:

@@ -342,3 +342,156 @@ def test_results_over_the_real_link_equal_loopback_bitwise(tmp_path):
             for i, (x, y) in enumerate(zip(a, b)):
                 assert x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y), (r, name, i)
     assert not torch.equal(real[0]["sequential"][-1], real[1]["sequential"][-1])  # the ranks' own experts differ
+
+
+def test_one_port_shaped_is_an_htb_class_with_a_filter_each_way():
+    """``only_port``: an HTB root whose unclassified traffic passes at once, one class at the rate with the
+    token bucket's burst and queue, and the TCP segments from and to the port filtered into it; a delay is
+    refused (the traffic's shaping takes none)."""
+    shape = reallink.Shape(100_000_000, only_port=29700)
+    cmds = [" ".join(c) for c in reallink.shape_commands("lrt0", shape, "ns0")]
+    assert cmds[0] == "tc -n ns0 qdisc del dev lrt0 root"
+    assert cmds[1] == "tc -n ns0 qdisc add dev lrt0 root handle 1: htb direct_qlen 10000"
+    burst, limit = shape.burst(), shape.limit()
+    assert burst == 32_000 and limit == 32_768  # (2.5 ms at 100 Mbit/s is under 32 KB; 2 ms under two GSO packets)
+    assert cmds[2] == (
+        f"tc -n ns0 class add dev lrt0 parent 1: classid 1:10 htb rate 100000000bit ceil 100000000bit "
+        f"burst {burst} cburst {burst}"
+    )
+    assert cmds[3] == f"tc -n ns0 qdisc add dev lrt0 parent 1:10 handle 10: bfifo limit {limit}"
+    assert cmds[4:] == [
+        f"tc -n ns0 filter add dev lrt0 parent 1: protocol ip prio 1 u32 match ip {side} 29700 0xffff flowid 1:10"
+        for side in ("sport", "dport")
+    ]
+    unshaped = reallink.shape_commands("lrt0", reallink.Shape(None, only_port=29700))
+    assert unshaped == [["tc", "qdisc", "del", "dev", "lrt0", "root"]]
+    with pytest.raises(reallink.LinkError, match="only_port.*delay_ms"):
+        reallink.shape_commands("lrt0", reallink.Shape(100_000_000, delay_ms=1.0, only_port=29700))
+
+
+def test_traffic_beside_runs_while_on_and_stops_when_off():
+    """Two traffic processes on loopback: nothing flows before ``on``; both send while on; ``off`` returns
+    once the senders have stopped, and nothing is handed to the sockets after it."""
+    from bench.reallink.traffic import Load
+
+    loads = [Load(r, 2, loopback=True) for r in range(2)]
+    try:
+        assert [ld.sent() for ld in loads] == [0, 0]
+        for ld in loads:
+            ld.on()
+        time.sleep(0.3)
+        for ld in loads:
+            ld.off()
+        sent = [ld.sent() for ld in loads]
+        assert min(sent) > 1 << 20, sent
+        time.sleep(0.2)
+        assert [ld.sent() for ld in loads] == sent
+    finally:
+        for ld in loads:
+            ld.close()
+    assert [ld.proc.returncode for ld in loads] == [0, 0]
+
+
+_ONE_PORT_RANK = """
+import json, os, socket, sys, threading, time
+import torch
+import torch.distributed as dist
+from bench.reallink import probe
+from bench.reallink.link import rank_link
+from bench.reallink.traffic import PORT, Load
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+load = Load(rank, 2)
+rank_link().set_rate(100_000_000, only_port=PORT)
+dist.barrier()
+before = load.sent()
+load.on()
+t0 = time.perf_counter()
+time.sleep(1.5)
+load.off()
+took = time.perf_counter() - t0
+out = dict(load_mbit=(load.sent() - before) * 8 / took / 1e6)
+out["gloo_mbit"] = probe.a2a_mbit(lambda y, x: dist.all_to_all_single(y, x), 8 << 20)
+load.close()
+link = rank_link()
+link.set_rate(300_000_000)  # (the whole port: a token bucket at the root)
+dist.barrier()
+x = torch.ones(2 * (4 << 20) // 4)  # 4 MiB to the peer
+before = link.shaped_bytes()
+dist.all_to_all_single(torch.empty_like(x), x)
+dist.barrier()  # (the peer's all-to-all has ended: every byte of ours has passed our port)
+out["shaped_mb"] = (link.shaped_bytes() - before) / 1e6
+json.dump(out, open(os.path.join(sys.argv[1], f"r{rank}"), "w"))
+dist.destroy_process_group()
+"""
+
+
+@needs_link
+def test_only_the_traffic_port_is_held_to_the_rate(tmp_path):
+    """On a link shaped at 100 Mbit/s for the traffic's port only: the traffic beside gets the rate (within
+    TCP's goodput under a shallow queue), and a gloo all-to-all on the same ports passes unshaped (several
+    times the rate). Then, the whole port shaped: the shaper counts 4 MiB of rows with every TCP segment's
+    headers (1514 wire bytes for 1448 of payload at a 1500-byte MTU: 4.6% more), not the payload alone."""
+    import json
+
+    script = tmp_path / "one_port.py"
+    script.write_text(_ONE_PORT_RANK)
+    with reallink.real_link(2, None) as link:
+        rc = link.launch(
+            ["-c", f"import runpy, sys; sys.argv = ['x', {str(tmp_path)!r}]; runpy.run_path({str(script)!r})"],
+            timeout_s=120,
+            extra_env={"PYTHONPATH": str(REPO)},
+        )
+    assert rc == 0
+    for r in range(2):
+        got = json.loads((tmp_path / f"r{r}").read_text())
+        assert 80 <= got["load_mbit"] <= 101, got
+        assert got["gloo_mbit"] > 300, got
+        assert 4.194 * 1.03 <= got["shaped_mb"] <= 4.194 * 1.1, got
+
+
+def _timed_row(tmp_path, link: str, *extra: str) -> dict:
+    import json
+
+    path = tmp_path / "rows.json"
+    cmd = [sys.executable, "-m", "bench.overlap", "--link", link, "--rounds", "1", "--json", str(path), *TINY]
+    out = subprocess.run(
+        cmd + ["--schedules", "sequential,overlapped,accumulate", *extra],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = json.loads(path.read_text())
+    return (rows[-1] if isinstance(rows, list) else rows), out.stdout
+
+
+def test_a_timed_run_splits_each_step_into_computation_and_waits(tmp_path):
+    """On loopback (no root): every schedule's step outside its waits is at most its step, its waits split into
+    the counts' and the rows' (the forward's within the whole), the cores' shares are fractions, and the table
+    says so."""
+    row, stdout = _timed_row(tmp_path, "loopback")
+    for n in ("sequential", "overlapped", "accumulate"):
+        assert 0 < row[f"{n}_computing_unshaped_ms"] <= row[f"{n}_compute_ms"] + 1e-6
+        assert 0 <= row[f"{n}_cpu_idle_unshaped"] <= 1 and 0 <= row[f"{n}_cpu_irq_unshaped"] <= 1
+    assert row["overlapped_forward_computing_unshaped_ms"] <= row["overlapped_forward_compute_ms"] + 1e-6
+    assert row["accumulate_forward_compute_ms"] is None  # (its passes interleave: no one forward)
+    assert "each schedule's computation (its step outside its waits" in stdout
+
+
+@needs_link
+def test_a_loaded_run_times_the_computation_beside_traffic_and_counts_the_shapers_bytes(tmp_path):
+    """``--loaded`` on a real link: a third link in the rounds, every schedule timed while the traffic beside
+    sent bytes; the busiest port's bytes are the shaper's count, and the bounds are stated with the computation
+    on the link too."""
+    row, stdout = _timed_row(tmp_path, "real:300mbit", "--loaded")
+    for n in ("sequential", "overlapped", "accumulate"):
+        assert row[f"{n}_loaded_ms"] > 0 and row[f"{n}_load_mb"] > 0.1, n
+        assert 0 < row[f"{n}_computing_loaded_ms"] <= row[f"{n}_loaded_ms"] + 1e-6
+        assert row[f"{n}_counts_waits_ms"] >= 0 and row[f"{n}_rows_waits_ms"] > 0
+    assert 100 < row["load_mbit"] < 310
+    assert 0 < row["forward_tx_mb"] < row["step_tx_mb"]
+    assert row["pass_bound_on_link_ms_overlapped"] > 0 and row["bound_on_link_ms_accumulate"] > 0
+    assert "passes, on the link" in stdout
