@@ -36,6 +36,15 @@ configured rate, the achieved per-rank rate and all-to-all latency measured on t
 rate after the timing (bench.reallink.probe.probe), W, the load average before and after, device, commit
 and date. ``--trace PATH`` writes one overlapped step of every rank (one process per rank) as a
 Chrome trace, with each transfer's issue, start and end on the link tracks.
+
+What each step computed and what it waited for (every timed step, bench.overlap.real_waits): the step's time
+outside the layers' waits for collectives is its computation as it ran, on the link (``<n>_computing_ms``, the
+CPU the bytes' transfer took from it included) and off it (``<n>_computing_unshaped_ms``), and the waits on
+the link split into the counts' and the rows', in the forward and in all. ``--loaded`` adds a third link to the
+rounds: unshaped for the steps' own bytes while traffic of no dependency on them (bench.reallink.traffic, a
+process per rank) fills every port at the rate both ways, so ``<n>_computing_loaded_ms`` is the computation
+while a link's worth of bytes flows beside it. Each schedule's bounds (bench.overlap.real_bounds) are stated
+with its unshaped computation and with its computation on the link.
 """
 
 from __future__ import annotations
@@ -49,8 +58,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from bench.common import RowLog, keep_freed_memory, print_table, run_metadata, wall_ms
-from bench.overlap.real_bounds import link_bound, pass_bound, report_bounds
+from bench.common import RowLog, keep_freed_memory, print_table, run_metadata
+from bench.overlap.real_bounds import link_bound, pass_bound, report_bounds, report_computing
+from bench.overlap.real_rank import Rank, step_bytes, timing_fields
 from bench.overlap.real_runner import RealRunner, peer_schedules
 from bench.reallink import link as reallink
 from bench.reallink import probe as reallink_probe
@@ -82,6 +92,12 @@ def add_args(p) -> None:
         "schedule@channels)",
     )
     p.add_argument("--schedules", default=None, help="--link real: comma-separated schedules (default: all)")
+    p.add_argument(
+        "--loaded",
+        action="store_true",
+        help="--link real: also time every schedule unshaped while traffic of no dependency fills the link at "
+        "the rate both ways (bench.reallink.traffic): the computation with the bytes flowing",
+    )
     p.add_argument("--link-timeout", type=float, default=3600.0, help="--link real: seconds the ranks may run")
     p.add_argument("--dump", default=None, help=argparse_suppress())
 
@@ -110,6 +126,8 @@ def main(args, argv: list) -> Optional[dict]:
     for bad, why in ((args.compare, "--compare"), (args.dp_allreduce, "--dp-allreduce")):
         if bad:
             raise SystemExit(f"--link {args.link}: {why} runs on the emulated link only")
+    if args.loaded and (kind != "real" or args.delay_ms > 0):
+        raise SystemExit("--loaded: on --link real without --delay-ms (the traffic's own shaping takes no delay)")
     if args.routing and "," in args.routing:
         raise SystemExit("--link real: one --routing per run")
     if "RANK" in os.environ:
@@ -131,53 +149,6 @@ def main(args, argv: list) -> Optional[dict]:
 
 
 # ------------------------------------------------------------------------------ inside a rank
-class _Rank:
-    """A rank's view: its link (None on loopback), a group for the timing's own barriers."""
-
-    def __init__(self, args):
-        dist.init_process_group("gloo")
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.link = reallink.rank_link()
-        self.sync = dist.new_group(backend="gloo")
-        self.rate: Optional[int] = None
-        self.forward_ms: Optional[float] = None  # the last timed step's (timed)
-
-    def set_rate(self, rate_bps: Optional[int]) -> None:
-        """Every rank shapes its port at ``rate_bps`` (None: unshaped), then they meet."""
-        if self.link is not None and rate_bps != self.rate:
-            self.link.set_rate(rate_bps)
-        self.rate = rate_bps
-        dist.barrier(self.sync)
-
-    def slowest(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sync)
-        return float(t)
-
-    def timed(self, runner: RealRunner, name: str) -> float:
-        """One step of ``name`` from a barrier; the slowest rank's ms per microbatch. The slowest rank's
-        forward (from the barrier to the end of its forward) is kept in :attr:`forward_ms` (None for a
-        schedule without one forward then one backward)."""
-        dist.barrier(self.sync)
-        t0 = time.perf_counter()
-        ms = wall_ms(lambda: runner.step(name))
-        fwd = -1.0 if runner.forward_end is None else (runner.forward_end - t0) * 1e3
-        t = torch.tensor([ms, fwd], dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sync)
-        self.forward_ms = None if t[1] < 0 else float(t[1])
-        return float(t[0]) / runner.per_step[name]
-
-    def tx_bytes(self) -> int:
-        """Bytes this rank's interface has sent (its namespace's /proc/net/dev)."""
-        dev = reallink.IFACE if self.link is not None else "lo"
-        with open("/proc/net/dev") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name.strip() == dev:
-                    return int(rest.split()[8])
-        return 0
-
-
 CHANNELS = ("split", "counts", "plain")
 #: The channels the peers' all-to-alls run on: ``dist.all_to_all_single`` on the plain gloo group
 #: (bench.overlap.real_runner.peer_schedules), as ours on ``--channels plain``.
@@ -207,7 +178,7 @@ def _sizes(args) -> dict:
 def _rank(args, kind: str, rate: Optional[int]) -> Optional[dict]:
     from lancet_rt.routing.traces import bias_routers, parse_routing
 
-    me = _Rank(args)
+    me = Rank(args)
     torch.set_num_threads(args.threads)
     if args.malloc == "keep":
         keep_freed_memory()
@@ -238,6 +209,8 @@ def _rank(args, kind: str, rate: Optional[int]) -> Optional[dict]:
                 return _dump(runner, names, me, args.dump)
             return _measure(runner, names, me, args, s, kind, rate, group)
     finally:
+        if me.load is not None:
+            me.load.close()
         dist.destroy_process_group()
 
 
@@ -280,30 +253,29 @@ def _null():
     return contextlib.nullcontext()
 
 
-def _dump(runner: RealRunner, names: list, me: _Rank, path: str) -> None:
+def _dump(runner: RealRunner, names: list, me: Rank, path: str) -> None:
     """``--dump PATH``: every schedule's gradients after one step, saved per rank (the equality test)."""
     torch.save({n: runner.outputs(n) for n in names}, f"{path}.rank{me.rank}")
     dist.barrier(me.sync)
 
 
-def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: str, rate: Optional[int], group) -> dict:
+def _measure(runner: RealRunner, names: list, me: Rank, args, s: dict, kind: str, rate: Optional[int], group) -> dict:
     load_before = os.getloadavg()
     rounds = args.rounds or (5 if args.quick else 15)
     me.set_rate(None)
     for n in names:  # warm-up: every shape compiled, every connection made
         me.timed(runner, n)
     rate = rate if kind == "loopback" or rate else _calibrate(runner, me, args.comm_ratio)
-    links = {"unshaped": None, "shaped": rate}
-    times = {(lk, n): [] for lk in links for n in names}
-    forwards = {(lk, n): [] for lk in links for n in names}  # the slowest rank's forward, where a step has one
+    links = {"unshaped": (None, False), "shaped": (rate, False)}
+    if me.load is not None:
+        links["loaded"] = (rate, True)  # (unshaped, while the traffic beside fills the link at the rate)
+    runs = {(lk, n): [] for lk in links for n in names}  # each timed step's Timing
     start = time.perf_counter()
     for rnd in range(rounds):
         for lk in list(links) if rnd % 2 == 0 else list(links)[::-1]:
-            me.set_rate(links[lk])
+            me.set_rate(*links[lk])
             for n in names if rnd % 2 == 0 else names[::-1]:
-                times[(lk, n)].append(me.timed(runner, n))
-                if me.forward_ms is not None:
-                    forwards[(lk, n)].append(me.forward_ms)
+                runs[(lk, n)].append(me.step(runner, n))
         if me.rank == 0:  # a round takes tens of seconds on the link: say where the run is
             done = time.perf_counter() - start
             print(
@@ -312,13 +284,13 @@ def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: st
                 flush=True,
             )
     me.set_rate(rate)
-    step_tx, fwd_tx = _step_bytes(runner, me) if kind == "real" else (None, None)
+    step_tx, fwd_tx = step_bytes(runner, me) if kind == "real" else (None, None)
     link_numbers = reallink_probe.probe() if kind == "real" else {}
     if getattr(group, "channels", None) is not None and kind == "real":
         link_numbers["lanes_a2a_mbit"] = _lanes_rate(group, me)
     if args.trace:
         _trace(runner, me, args.trace)
-    med = {k: statistics.median(v) for k, v in times.items()}
+    med = {k: statistics.median(t.ms for t in v) for k, v in runs.items()}
     skew = _max_over_mean(runner, me)
     comm_ms = med[("shaped", "sequential")] - med[("unshaped", "sequential")]
     row = dict(
@@ -348,38 +320,25 @@ def _measure(runner: RealRunner, names: list, me: _Rank, args, s: dict, kind: st
         **{f"{k}": v for k, v in link_numbers.items()},
     )
     for n in names:
-        row[f"{n}_ms"] = med[("shaped", n)]
-        row[f"{n}_compute_ms"] = med[("unshaped", n)]
-        for lk, field in (("shaped", f"{n}_forward_ms"), ("unshaped", f"{n}_forward_compute_ms")):
-            row[field] = statistics.median(forwards[(lk, n)]) if forwards[(lk, n)] else None
-        row[f"{n}_min_ms"] = min(times[("shaped", n)])
+        row.update(timing_fields(n, {lk: runs[(lk, n)] for lk in links}))
+        row[f"{n}_min_ms"] = min(t.ms for t in runs[("shaped", n)])
         row[f"hidden_{n}"] = 1 - (med[("shaped", n)] - med[("unshaped", n)]) / comm_ms if comm_ms > 0 else None
         row[f"speedup_{n}"] = med[("shaped", "sequential")] / med[("shaped", n)]
+    if "loaded" in links:  # the traffic beside's rate, per rank
+        row["load_mbit"] = statistics.median(
+            t.load_mb * 8 / t.ms * 1e3 for lk, n in runs if lk == "loaded" for t in runs[(lk, n)]
+        )
     # the peers (bench.peers): Overlapped's step over theirs, in the same run, on their transport and on ours
     row.update(peer_ratios({n: med[("shaped", n)] for n in names}, args.channels.split(",")[0].strip()))
     row["hidden_comm_fraction"] = row.get("hidden_overlapped")
     row["speedup_vs_sequential"] = row.get("speedup_overlapped")
     row.update(link_bound(row, step_tx))
     row.update(pass_bound(row, step_tx, fwd_tx, names))
+    row.update(pass_bound(row, step_tx, fwd_tx, names, compute="on_link"))
     if me.rank == 0:
         _report(row, names)
         RowLog(args.json).add(row)
     return row
-
-
-def _step_bytes(runner: RealRunner, me: _Rank) -> tuple[float, float]:
-    """What the busiest port carries in one sequential step and in its forward (wire bytes, the shaper's
-    count; the busiest port of each)."""
-    at_forward_end: list = []
-    runner.on_forward_end = lambda: at_forward_end.append(me.tx_bytes())
-    before = me.tx_bytes()
-    try:
-        me.timed(runner, "sequential")
-    finally:
-        runner.on_forward_end = None
-    t = torch.tensor([me.tx_bytes() - before, at_forward_end[0] - before], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=me.sync)
-    return float(t[0]), float(t[1])
 
 
 def _report_peers(row: dict) -> None:
@@ -401,7 +360,7 @@ def _report_peers(row: dict) -> None:
         )
 
 
-def _max_over_mean(runner: RealRunner, me: _Rank) -> float:
+def _max_over_mean(runner: RealRunner, me: Rank) -> float:
     """The busiest expert's load over the mean, summed over the ranks, averaged over the primary model's
     MoE layers after the last step (``--routing`` skews it)."""
     import lancet_rt
@@ -415,7 +374,7 @@ def _max_over_mean(runner: RealRunner, me: _Rank) -> float:
     return sum(vals) / max(len(vals), 1)
 
 
-def _calibrate(runner: RealRunner, me: _Rank, ratio: float) -> int:
+def _calibrate(runner: RealRunner, me: Rank, ratio: float) -> int:
     """The rate at which the sequential step's communication is ``ratio`` x its unshaped step."""
     me.set_rate(None)
     compute = statistics.median(me.timed(runner, "sequential") for _ in range(3))
@@ -464,13 +423,13 @@ def next_rate(tried: list) -> float:
     return rate * max(0.5, min(2.0, got))
 
 
-def _lanes_rate(group, me: _Rank, nbytes: int = 8 << 20) -> float:
+def _lanes_rate(group, me: Rank, nbytes: int = 8 << 20) -> float:
     """Per-rank Mbit/s of one all-to-all of ``nbytes`` to each peer through ``group`` (its lanes)."""
     splits = [nbytes // 4] * me.world
     return reallink_probe.a2a_mbit(lambda y, x: group.all_to_all(y, x, splits, splits).wait(), nbytes, me.sync)
 
 
-def _trace(runner: RealRunner, me: _Rank, path: str) -> None:
+def _trace(runner: RealRunner, me: Rank, path: str) -> None:
     """One overlapped step of every rank as one Chrome trace (a process per rank) at ``path``."""
     import json
 
@@ -535,9 +494,10 @@ def _report(row: dict, names: list) -> None:
             f"link bound: the busiest port sends {row['step_tx_mb']:.1f} MB per sequential step, "
             f"{row['link_time_ms']:.0f} ms at the configured rate; no step is shorter, so at Overlapped's own "
             f"compute ({row['overlapped_compute_ms']:.0f} ms) the best is {row['bound_speedup']:.2f}x, hidden "
-            f"{row['bound_hidden']:.2f}",
+            + ("-" if row["bound_hidden"] is None else f"{row['bound_hidden']:.2f}"),  # (None: no comm measured)
             flush=True,
         )
+    report_computing(row, names)
     report_bounds(row, names)
     print(
         f"load average {' '.join(f'{v:.2f}' for v in row['load_avg_before'])} before, "

@@ -35,7 +35,9 @@ def link_bound(row: dict, step_tx_bytes: Optional[float]) -> dict:
     )
 
 
-def pass_bound(row: dict, step_tx_bytes: Optional[float], fwd_tx_bytes: Optional[float], names: list) -> dict:
+def pass_bound(
+    row: dict, step_tx_bytes: Optional[float], fwd_tx_bytes: Optional[float], names: list, compute: str = "unshaped"
+) -> dict:
     """Each schedule's own bound on this link. A single step's backward cannot start before its forward
     ends, so a step of ``n`` takes at least max(n's forward compute, the forward's link time) + max(n's
     backward compute, the backward's link time): the busiest port's bytes of each pass (one sequential step's,
@@ -46,7 +48,12 @@ def pass_bound(row: dict, step_tx_bytes: Optional[float], fwd_tx_bytes: Optional
     ``of_pass_bound_hidden_<n>`` (its hidden fraction over the bound's). ``accumulate``'s passes interleave
     across microbatches, so its bound is the whole step's per microbatch, max(its own compute, the link
     time): ``bound_ms_accumulate``, ``bound_speedup_accumulate``, ``bound_hidden_accumulate``,
-    ``of_bound_accumulate``. Nothing without a rate or the bytes."""
+    ``of_bound_accumulate``. Nothing without a rate or the bytes.
+
+    ``compute="on_link"``: the same bounds stated with each schedule's computation as it ran on the link, its
+    step's time outside its waits (``<n>_computing_ms``, ``<n>_forward_computing_ms``: bench.overlap.real_waits),
+    what the bytes' transfer took from the cores included, as ``pass_bound_on_link_*`` and ``bound_on_link_*``
+    (nothing for a schedule without that timing)."""
     rate, comm = row.get("configured_mbit"), row.get("comm_ms")
     if not step_tx_bytes or fwd_tx_bytes is None or not rate or "sequential_ms" not in row:
         return {}
@@ -54,6 +61,9 @@ def pass_bound(row: dict, step_tx_bytes: Optional[float], fwd_tx_bytes: Optional
     fwd_link, bwd_link = fwd_tx_bytes * to_ms, (step_tx_bytes - fwd_tx_bytes) * to_ms
     out = dict(forward_tx_mb=fwd_tx_bytes / 1e6, forward_link_ms=fwd_link, backward_link_ms=bwd_link)
     seq = row["sequential_ms"]
+    if compute not in SOURCES:
+        raise ValueError(f"compute must be one of {SOURCES}, got {compute!r}")
+    tag = "" if compute == "unshaped" else f"_{compute}"
 
     def fields(suffix: str, bound: float, n: str) -> None:
         hidden = 1 - (bound - row[f"{n}_compute_ms"]) / comm if comm and comm > 0 else None
@@ -65,13 +75,25 @@ def pass_bound(row: dict, step_tx_bytes: Optional[float], fwd_tx_bytes: Optional
         out[f"of_{suffix}_hidden_{n}"] = mine / hidden if hidden and mine is not None else None
 
     for n in names:
-        fwd = row.get(f"{n}_forward_compute_ms")
+        step, fwd = (row.get(f"{n}_compute_ms"), row.get(f"{n}_forward_compute_ms"))
+        if compute == "on_link":
+            step, fwd = (row.get(f"{n}_computing_ms"), row.get(f"{n}_forward_computing_ms"))
+        if step is None:
+            continue
         # (the sequential step overlaps nothing; a peer's all-to-alls run on another transport than the rate's)
         if fwd is not None and n != "sequential" and not n.startswith("peer_"):
-            fields("pass_bound", max(fwd, fwd_link) + max(row[f"{n}_compute_ms"] - fwd, bwd_link), n)
-    if "accumulate_compute_ms" in row:
-        fields("bound", max(row["accumulate_compute_ms"], fwd_link + bwd_link), "accumulate")
+            fields(f"pass_bound{tag}", max(fwd, fwd_link) + max(step - fwd, bwd_link), n)
+        if n == "accumulate":
+            fields(f"bound{tag}", max(step, fwd_link + bwd_link), "accumulate")
     return out
+
+
+#: The computations a bound may take (:func:`pass_bound`'s ``compute``).
+SOURCES = ("unshaped", "on_link")
+
+
+#: The bounds' computations as the table names them: field suffix, words, the forward's field.
+BOUND_SOURCES = (("", "", "{}_forward_compute_ms"), ("_on_link", ", on the link", "{}_forward_computing_ms"))
 
 
 def report_bounds(row: dict, names: list) -> None:
@@ -85,13 +107,16 @@ def report_bounds(row: dict, names: list) -> None:
     )
     table = []
     for n in names:
-        for suffix in ("pass_bound", "bound"):
-            if f"{suffix}_ms_{n}" in row:
+        for base in ("pass_bound", "bound"):
+            for source, said, fwd in BOUND_SOURCES:
+                suffix = base + source
+                if f"{suffix}_ms_{n}" not in row:
+                    continue
                 table.append(
                     dict(
                         schedule=n,
-                        bound="passes" if suffix == "pass_bound" else "step",
-                        forward_compute_ms=row.get(f"{n}_forward_compute_ms"),
+                        bound=("passes" if base == "pass_bound" else "step") + said,
+                        forward_compute_ms=row.get(fwd.format(n)),
                         bound_ms=row[f"{suffix}_ms_{n}"],
                         bound_speedup=row[f"{suffix}_speedup_{n}"],
                         bound_hidden=row[f"{suffix}_hidden_{n}"],
@@ -102,3 +127,41 @@ def report_bounds(row: dict, names: list) -> None:
     if table:
         cols = ["schedule", "bound", "forward_compute_ms", "bound_ms", "bound_speedup", "bound_hidden"]
         print_table(table, cols + ["of_bound", "of_bound_hidden"], title="each schedule's own bound on this link")
+
+
+def report_computing(row: dict, names: list) -> None:
+    """What each schedule computed (its steps' time outside their waits) off the link, on it, and, with
+    ``--loaded``, off it while the traffic beside filled it at the rate with no dependency on the step; and
+    what its step on the link waited for: the counts, and rows (all-to-alls), in the forward and in all."""
+    table = []
+    for n in names:
+        off, on = row.get(f"{n}_computing_unshaped_ms"), row.get(f"{n}_computing_ms")
+        if off is None or on is None:
+            continue
+        beside = row.get(f"{n}_computing_loaded_ms")
+        table.append(
+            dict(
+                schedule=n,
+                off_link_ms=off,
+                beside_traffic_ms=beside,
+                x_beside=None if beside is None else beside / off,
+                on_link_ms=on,
+                x_on_link=on / off,
+                waits_counts_ms=row.get(f"{n}_counts_waits_ms"),
+                waits_rows_ms=row.get(f"{n}_rows_waits_ms"),
+                fwd_waits_counts_ms=row.get(f"{n}_forward_counts_waits_ms"),
+                fwd_waits_rows_ms=row.get(f"{n}_forward_rows_waits_ms"),
+                idle_off_link=row.get(f"{n}_cpu_idle_unshaped"),
+                idle_on_link=row.get(f"{n}_cpu_idle"),
+                irq_on_link=row.get(f"{n}_cpu_irq"),
+            )
+        )
+    if table:
+        beside = f", traffic beside at {row['load_mbit']:.0f} Mbit/s a rank" if row.get("load_mbit") else ""
+        print_table(
+            table,
+            list(table[0]),
+            title=f"each schedule's computation (its step outside its waits, per microbatch){beside}; what its "
+            "step on the link waited for; and the machine's cores idle off the link and on it, and in interrupts "
+            "(the network's receive path) on it",
+        )

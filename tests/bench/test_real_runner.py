@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import time
 import types
 
 import pytest
@@ -142,6 +143,63 @@ def test_pass_bound_per_schedule_from_each_pass_bytes_and_compute():
     assert not any(k.endswith("_sequential") or k.endswith("_peer_x") for k in got)
     assert pass_bound(dict(row, configured_mbit=None), 16e6, 10e6, ["overlapped"]) == {}
     assert pass_bound(row, 16e6, None, ["overlapped"]) == {}
+
+
+def test_bounds_on_the_link_take_each_steps_time_outside_its_waits():
+    """``compute="on_link"``: the bound takes the shaped step's own computation (its time outside its waits,
+    ``<n>_computing_ms``, 850 ms with a 330 ms forward): max(330, 500) + max(520, 300) = 1020 ms, and
+    accumulate's max(950, 800). An unknown computation is a ValueError naming it."""
+    from bench.overlap.real_bounds import pass_bound
+
+    row = dict(configured_mbit=160.0, sequential_ms=1600.0, comm_ms=800.0, sequential_compute_ms=800.0)
+    row.update(overlapped_ms=1250.0, overlapped_compute_ms=800.0, overlapped_forward_compute_ms=300.0)
+    row.update(overlapped_computing_ms=850.0, overlapped_forward_computing_ms=330.0, hidden_overlapped=0.5)
+    row.update(accumulate_ms=1000.0, accumulate_compute_ms=900.0, accumulate_computing_ms=950.0)
+    got = pass_bound(row, 16e6, 10e6, ["overlapped", "accumulate"], compute="on_link")
+    assert got["pass_bound_on_link_ms_overlapped"] == pytest.approx(1020.0)
+    assert got["of_pass_bound_on_link_overlapped"] == pytest.approx(1020 / 1250)
+    assert got["bound_on_link_ms_accumulate"] == pytest.approx(950.0)
+    assert got["of_bound_on_link_accumulate"] == pytest.approx(0.95)
+    with pytest.raises(ValueError, match="compute must be one of"):
+        pass_bound(row, 16e6, 10e6, ["overlapped"], compute="with_bytes")
+
+
+def test_a_steps_waits_are_the_union_of_its_wait_spans_inside_it():
+    """The wait clock keeps only the layers' ``"wait"`` spans (other spans record nothing); the time waited
+    inside [t0, t1] counts overlapping waits (two threads) once and clips those reaching outside."""
+    import lancet_rt
+    from bench.overlap.real_waits import WaitClock, waited
+
+    waits = [(0.0, 1.0, False), (0.5, 2.0, True), (3.0, 4.0, False), (4.5, 9.0, True)]
+    assert waited(waits, 0.25, 5.0) == pytest.approx(1.75 + 1.0 + 0.5)
+    assert waited(waits, 0.25, 5.0, counts=True) == pytest.approx(1.5 + 0.5)
+    assert waited(waits, 0.25, 5.0, counts=False) == pytest.approx(0.75 + 1.0)
+    assert waited([(2.0, 3.0, False), (1.0, 1.5, False)], 0.0, 10.0) == pytest.approx(1.5)
+    assert waited([], 0.0, 1.0) == 0.0
+    clock = WaitClock()
+    with lancet_rt.tracing(clock):
+        with lancet_rt.trace.span("experts"):
+            pass
+        with lancet_rt.trace.span("wait", "wait"):
+            time.sleep(0.01)
+        with lancet_rt.trace.span("wait", "wait", chunk=0, counts=True):
+            pass
+    assert len(clock.waits) == 2 and clock.waits[0][1] - clock.waits[0][0] >= 0.01
+    assert [c for _, _, c in clock.waits] == [False, True]
+    assert clock.spans == []
+
+
+def test_the_cores_shares_come_from_the_machines_cpu_times():
+    """/proc/stat's ticks between two readings: 100 ticks in all, 20 idle + 5 iowait, 3 + 7 in interrupts, 10
+    stolen (guest ticks, counted in user, left out); a reading of the machine has its 8 first states."""
+    from bench.overlap.real_waits import cpu_shares, cpu_times
+
+    before = [100, 0, 50, 10, 0, 0, 0, 0, 7, 0]
+    after = [130, 5, 70, 30, 5, 3, 7, 10, 9, 0]
+    assert cpu_shares(before, after) == pytest.approx(dict(idle=0.25, irq=0.10, steal=0.10))
+    assert cpu_shares(after, after) == dict(idle=0.0, irq=0.0, steal=0.0)
+    now = cpu_times()
+    assert len(now) >= 8 and all(v >= 0 for v in now)
 
 
 def test_calibration_interpolates_between_tries_on_either_side():
