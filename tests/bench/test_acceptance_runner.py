@@ -39,8 +39,8 @@ def test_a_failed_run_leaves_the_others_table(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(acceptance.subprocess, "run", fake_run)
     rc = acceptance.main(["--json", str(path)])
     out, err = capsys.readouterr()
-    assert rc == 3 and len(calls) == 3
-    assert "blocks, W=2" in out and "blocks, W=4" in out and "1.1" in out and "1.3" in out
+    assert rc == 3 and len(calls) == len(acceptance.RUNS) == 4
+    assert "blocks, W=2" in out and "blocks, W=4" in out and "8 microbatches" in out and "1.1" in out and "1.4" in out
     assert "FAILED: mixtral, W=2 (exit status 3" in err
 
 
