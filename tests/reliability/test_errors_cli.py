@@ -139,7 +139,7 @@ def test_good_arguments_still_parse():
     args = reallink.parse_args(["--ranks", "4", "--delay-ms", "0.5", "--queue-ms", "2", "--rate", "none"])
     assert (args.ranks, args.delay_ms, args.queue_ms, args.rate, args.probe_mb) == (4, 0.5, 2.0, "none", 8)
     assert reallink.parse_args([]).rate == 450_000_000 and parse_rate(reallink.parse_args([]).rate) == 450_000_000
-    assert acceptance.parse_args([]).runs == [0, 1, 2] and acceptance.parse_args(["--runs", "2,0"]).runs == [2, 0]
+    assert acceptance.parse_args([]).runs == [0, 1, 2, 3] and acceptance.parse_args(["--runs", "2,0"]).runs == [2, 0]
     args = train_lm.parse_args(["--capacity-factor", "-1", "--lr", "1e-3"])
     assert args.capacity_factor == -1.0 and args.lr == 1e-3 and args.steps == 300
     from lancet_rt.autotune import __main__ as autotune
