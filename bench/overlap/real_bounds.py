@@ -1,7 +1,9 @@
 """What no schedule beats on ``bench.overlap --link real``'s link, from one run's row: the link's whole-step
 bound (the busiest port's bytes at the configured rate, :func:`link_bound`) and each schedule's own bound
 (:func:`pass_bound`: a single step's backward starts after its forward, ``accumulate``'s passes interleave
-across microbatches), and the table of each schedule against its own (:func:`report_bounds`)."""
+across microbatches; stated with its unshaped computation, or with its computation as it ran on the link), the
+table of each schedule against its own (:func:`report_bounds`), and the table of what each schedule computed
+and waited for (:func:`report_computing`)."""
 
 from __future__ import annotations
 
