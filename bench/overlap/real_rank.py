@@ -49,6 +49,10 @@ class Timing:
     cpu_steal: float
 
 
+#: The :class:`Timing` figures given per microbatch (the others are the step's own).
+PER_MICROBATCH = ("ms", "computing_ms", "counts_waits_ms", "rows_waits_ms", "load_mb")
+
+
 class Rank:
     """A rank's view: its link (None on loopback), a group for the timing's own barriers, and with
     ``--loaded`` the traffic beside the steps (bench.reallink.traffic)."""
@@ -94,33 +98,31 @@ class Rank:
         with tracing(clock):
             ms = wall_ms(lambda: runner.step(name))
         cpu = cpu_shares(cpu0, cpu_times())
-        t1, fwd_end = t0 + ms * 1e-3, runner.forward_end
-        w = clock.waits
-        # (-1: none; a schedule without one forward then one backward has no forward end)
-        fwd = -1.0 if fwd_end is None else (fwd_end - t0) * 1e3
-        fwd_waits = [-1.0] * 3 if fwd_end is None else [waited(w, t0, fwd_end, c) * 1e3 for c in (None, True, False)]
-        values = [ms, ms - waited(w, t0, t1) * 1e3, waited(w, t0, t1, True) * 1e3, waited(w, t0, t1, False) * 1e3]
-        values += [fwd, fwd - fwd_waits[0] if fwd_end is not None else -1.0, *fwd_waits[1:]]
-        values.append(self.load.sent() - sent if loading else -1.0)
-        values += [cpu["idle"], cpu["irq"], cpu["steal"]]
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sync)
-        per = runner.per_step[name]
-        v = [None if x < 0 else float(x) for x in t]
-        return Timing(
-            ms=v[0] / per,
-            computing_ms=v[1] / per,
-            counts_waits_ms=v[2] / per,
-            rows_waits_ms=v[3] / per,
-            forward_ms=v[4],
-            forward_computing_ms=v[5],
-            forward_counts_waits_ms=v[6],
-            forward_rows_waits_ms=v[7],
-            load_mb=None if v[8] is None else v[8] / per / 1e6,
-            cpu_idle=v[9],
-            cpu_irq=v[10],
-            cpu_steal=v[11],
+        t1, fwd_end, w = t0 + ms * 1e-3, runner.forward_end, clock.waits
+        fig = dict(
+            ms=ms,
+            computing_ms=ms - waited(w, t0, t1) * 1e3,
+            counts_waits_ms=waited(w, t0, t1, True) * 1e3,
+            rows_waits_ms=waited(w, t0, t1, False) * 1e3,
+            load_mb=(self.load.sent() - sent) / 1e6 if loading else None,
+            cpu_idle=cpu["idle"],
+            cpu_irq=cpu["irq"],
+            cpu_steal=cpu["steal"],
         )
+        if fwd_end is not None:  # (a schedule without one forward then one backward has none)
+            fig["forward_ms"] = (fwd_end - t0) * 1e3
+            fig["forward_computing_ms"] = fig["forward_ms"] - waited(w, t0, fwd_end) * 1e3
+            fig["forward_counts_waits_ms"] = waited(w, t0, fwd_end, True) * 1e3
+            fig["forward_rows_waits_ms"] = waited(w, t0, fwd_end, False) * 1e3
+        fig = self._slowest_of({f.name: fig.get(f.name) for f in fields(Timing)})
+        per = runner.per_step[name]
+        return Timing(**{k: v / per if v is not None and k in PER_MICROBATCH else v for k, v in fig.items()})
+
+    def _slowest_of(self, figures: dict) -> dict:
+        """Each figure's largest value over the ranks (None, on every rank alike, stays None)."""
+        t = torch.tensor([-1.0 if v is None else float(v) for v in figures.values()], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.sync)
+        return {k: None if x < 0 else float(x) for k, x in zip(figures, t.tolist())}
 
     def tx_bytes(self) -> int:
         """Bytes this rank's interface has sent (its namespace's /proc/net/dev)."""

@@ -378,7 +378,7 @@ def launch_loopback(world: int, argv: Sequence[str], timeout_s: float, extra_env
                 "GLOO_SOCKET_IFNAME": "lo",
             }
             env.setdefault("OMP_NUM_THREADS", "1")
-            procs.append(_spawn([sys.executable, *argv], env=env, start_new_session=True, preexec_fn=_die_with_parent))
+            procs.append(_spawn([sys.executable, *argv], env=env, start_new_session=True, preexec_fn=die_with_parent))
         return supervise(procs, timeout_s)
     finally:
         stop(procs)
@@ -406,7 +406,8 @@ def _spawn(argv: list, preexec_fn, **kwargs) -> subprocess.Popen:
         signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
-def _die_with_parent():
+def die_with_parent():
+    """A preexec_fn: the child is killed when the process that started it ends (PR_SET_PDEATHSIG)."""
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
@@ -419,7 +420,7 @@ def _enter(ns: str):
         if libc.setns(fd, 0x40000000) != 0:  # CLONE_NEWNET
             os._exit(126)
         os.close(fd)
-        _die_with_parent()
+        die_with_parent()
 
     return enter
 

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
 from typing import Optional
+
+from bench.reallink.link import address, die_with_parent
 
 #: The traffic's TCP port (gloo's own ports are ephemeral, above 32767; the rendezvous is 29500).
 PORT = 29700
@@ -46,7 +47,7 @@ class Load:
             stderr=subprocess.PIPE,
             text=True,
             bufsize=1,
-            preexec_fn=_die_with_parent,
+            preexec_fn=die_with_parent,
         )
         self._ready = False
 
@@ -88,16 +89,8 @@ class Load:
                 self.proc.wait()
 
 
-def _die_with_parent():
-    import ctypes
-
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 # ------------------------------------------------------------------------------ the traffic process
 def _endpoint(rank: int, loopback: bool) -> tuple:
-    from bench.reallink.link import address
-
     return ("127.0.0.1", PORT + rank) if loopback else (address(rank), PORT)
 
 
