@@ -60,6 +60,7 @@ import torch.distributed as dist
 
 from bench.common import RowLog, keep_freed_memory, print_table, run_metadata
 from bench.overlap.real_bounds import link_bound, pass_bound, report_bounds, report_computing
+from bench.overlap.real_fill import fill_and_drain
 from bench.overlap.real_rank import Rank, step_bytes, timing_fields
 from bench.overlap.real_runner import RealRunner, peer_schedules
 from bench.reallink import link as reallink
@@ -189,6 +190,9 @@ def _rank(args, kind: str, rate: Optional[int]) -> Optional[dict]:
         raise SystemExit(f"--channels must be a comma-separated list of {CHANNELS}, got {args.channels!r}")
     group = ep_group(variants[0])
     runner = RealRunner(args, s, group, me.rank)
+    if kind == "real":  # the same model on one chunk's rows: each pass's fill and drain (bench.overlap.real_fill)
+        runner.one_chunk = RealRunner(args, dict(s, batch=max(1, s["batch"] // args.chunks)), group, me.rank)
+        runner.moe_layers = list(runner.moe_layers) + list(runner.one_chunk.moe_layers)
     asked = args.schedules.split(",") if args.schedules else None
     peers = {}
     if asked is None or any(n.startswith("peer_") for n in asked):  # (the peers are built and checked only if timed)
@@ -288,6 +292,7 @@ def _measure(runner: RealRunner, names: list, me: Rank, args, s: dict, kind: str
     link_numbers = reallink_probe.probe() if kind == "real" else {}
     if getattr(group, "channels", None) is not None and kind == "real":
         link_numbers["lanes_a2a_mbit"] = _lanes_rate(group, me)
+    fill = fill_and_drain(runner.one_chunk, me, rate) if kind == "real" else None
     if args.trace:
         _trace(runner, me, args.trace)
     med = {k: statistics.median(t.ms for t in v) for k, v in runs.items()}
@@ -318,6 +323,7 @@ def _measure(runner: RealRunner, names: list, me: Rank, args, s: dict, kind: str
         comm_ms=comm_ms,
         measured_comm_ratio=comm_ms / med[("unshaped", "sequential")],
         **{f"{k}": v for k, v in link_numbers.items()},
+        **(fill or {}),
     )
     for n in names:
         row.update(timing_fields(n, {lk: runs[(lk, n)] for lk in links}))
@@ -332,13 +338,20 @@ def _measure(runner: RealRunner, names: list, me: Rank, args, s: dict, kind: str
     row.update(peer_ratios({n: med[("shaped", n)] for n in names}, args.channels.split(",")[0].strip()))
     row["hidden_comm_fraction"] = row.get("hidden_overlapped")
     row["speedup_vs_sequential"] = row.get("speedup_overlapped")
-    row.update(link_bound(row, step_tx))
-    row.update(pass_bound(row, step_tx, fwd_tx, names))
-    row.update(pass_bound(row, step_tx, fwd_tx, names, compute="on_link"))
+    _add_bounds(row, step_tx, fwd_tx, names, fill)
     if me.rank == 0:
         _report(row, names)
         RowLog(args.json).add(row)
     return row
+
+
+def _add_bounds(row: dict, step_tx, fwd_tx, names: list, fill: Optional[dict]) -> None:
+    """The link's whole-step bound and each schedule's own (bench.overlap.real_bounds), with its unshaped
+    computation and with its computation on the link, each also with the passes' fill and drain where measured."""
+    row.update(link_bound(row, step_tx))
+    for f in (None, fill) if fill is not None else (None,):
+        row.update(pass_bound(row, step_tx, fwd_tx, names, fill=f))
+        row.update(pass_bound(row, step_tx, fwd_tx, names, compute="on_link", fill=f))
 
 
 def _report_peers(row: dict) -> None:

@@ -38,7 +38,12 @@ def link_bound(row: dict, step_tx_bytes: Optional[float]) -> dict:
 
 
 def pass_bound(
-    row: dict, step_tx_bytes: Optional[float], fwd_tx_bytes: Optional[float], names: list, compute: str = "unshaped"
+    row: dict,
+    step_tx_bytes: Optional[float],
+    fwd_tx_bytes: Optional[float],
+    names: list,
+    compute: str = "unshaped",
+    fill: Optional[dict] = None,
 ) -> dict:
     """Each schedule's own bound on this link. A single step's backward cannot start before its forward
     ends, so a step of ``n`` takes at least max(n's forward compute, the forward's link time) + max(n's
@@ -55,7 +60,15 @@ def pass_bound(
     ``compute="on_link"``: the same bounds stated with each schedule's computation as it ran on the link, its
     step's time outside its waits (``<n>_computing_ms``, ``<n>_forward_computing_ms``: bench.overlap.real_waits),
     what the bytes' transfer took from the cores included, as ``pass_bound_on_link_*`` and ``bound_on_link_*``
-    (nothing for a schedule without that timing)."""
+    (nothing for a schedule without that timing).
+
+    ``fill``: each pass's fill, drain and first transfer (bench.overlap.real_fill): a pass's link is idle until
+    its first collective and after its last, so its link term is fill + its bytes at the rate + drain; its
+    computation waits for a chunk's first transfer where the other chunks' fills do not cover it, so its
+    computation term is the computation + max(0, first transfer - (chunks - 1) fills). ``accumulate``'s step's
+    link term is the first forward's fill + the bytes + the last backward's drain, shared by its microbatches.
+    The fields gain ``_filled`` after the computation's tag (``pass_bound_filled_*``,
+    ``pass_bound_on_link_filled_*``, ``bound_filled_*``...); nothing if a figure is missing."""
     rate, comm = row.get("configured_mbit"), row.get("comm_ms")
     if not step_tx_bytes or fwd_tx_bytes is None or not rate or "sequential_ms" not in row:
         return {}
@@ -66,6 +79,19 @@ def pass_bound(
     if compute not in SOURCES:
         raise ValueError(f"compute must be one of {SOURCES}, got {compute!r}")
     tag = "" if compute == "unshaped" else f"_{compute}"
+    link_idle = dict(forward=0.0, backward=0.0, step=0.0)
+    compute_idle = dict(forward=0.0, backward=0.0)
+    if fill is not None:
+        if any(fill.get(k) is None for k in FILL):
+            return out
+        tag += "_filled"
+        link_idle = dict(
+            forward=fill["forward_fill_ms"] + fill["forward_drain_ms"],
+            backward=fill["backward_fill_ms"] + fill["backward_drain_ms"],
+            step=(fill["forward_fill_ms"] + fill["backward_drain_ms"]) / (row.get("microbatches") or 1),
+        )
+        others = (row.get("chunks") or 1) - 1
+        compute_idle = {p: max(0.0, fill[f"{p}_first_ms"] - others * fill[f"{p}_fill_ms"]) for p in compute_idle}
 
     def fields(suffix: str, bound: float, n: str) -> None:
         hidden = 1 - (bound - row[f"{n}_compute_ms"]) / comm if comm and comm > 0 else None
@@ -84,18 +110,35 @@ def pass_bound(
             continue
         # (the sequential step overlaps nothing; a peer's all-to-alls run on another transport than the rate's)
         if fwd is not None and n != "sequential" and not n.startswith("peer_"):
-            fields(f"pass_bound{tag}", max(fwd, fwd_link) + max(step - fwd, bwd_link), n)
+            forward = max(fwd + compute_idle["forward"], fwd_link + link_idle["forward"])
+            backward = max(step - fwd + compute_idle["backward"], bwd_link + link_idle["backward"])
+            fields(f"pass_bound{tag}", forward + backward, n)
         if n == "accumulate":
-            fields(f"bound{tag}", max(step, fwd_link + bwd_link), "accumulate")
+            fields(f"bound{tag}", max(step, fwd_link + bwd_link + link_idle["step"]), "accumulate")
     return out
 
 
 #: The computations a bound may take (:func:`pass_bound`'s ``compute``).
 SOURCES = ("unshaped", "on_link")
+#: The figures :func:`pass_bound`'s ``fill`` needs (bench.overlap.real_fill), in ms: each pass's fill, drain and
+#: first transfer.
+FILL = (
+    "forward_fill_ms",
+    "forward_drain_ms",
+    "backward_fill_ms",
+    "backward_drain_ms",
+    "forward_first_ms",
+    "backward_first_ms",
+)
 
 
 #: The bounds' computations as the table names them: field suffix, words, the forward's field.
-BOUND_SOURCES = (("", "", "{}_forward_compute_ms"), ("_on_link", ", on the link", "{}_forward_computing_ms"))
+BOUND_SOURCES = (
+    ("", "", "{}_forward_compute_ms"),
+    ("_on_link", ", on the link", "{}_forward_computing_ms"),
+    ("_filled", ", fill and drain", "{}_forward_compute_ms"),
+    ("_on_link_filled", ", on the link, fill and drain", "{}_forward_computing_ms"),
+)
 
 
 def report_bounds(row: dict, names: list) -> None:
@@ -107,6 +150,15 @@ def report_bounds(row: dict, names: list) -> None:
         f"{row['backward_link_ms']:.0f} ms; a step is at least max(its forward's compute, the forward's link) + "
         "max(its backward's compute, the backward's link)"
     )
+    if all(row.get(k) is not None for k in FILL):
+        print(
+            f"fill and drain (bench.overlap.real_fill: one chunk's computation before a pass's first collective and "
+            f"after its last; its first transfer on the link): forward {row['forward_fill_ms']:.1f} + "
+            f"{row['forward_drain_ms']:.1f} ms (first transfer {row['forward_first_ms']:.1f} ms), backward "
+            f"{row['backward_fill_ms']:.1f} + {row['backward_drain_ms']:.1f} ms (first transfer "
+            f"{row['backward_first_ms']:.1f} ms); with them, a pass takes at least fill + its bytes at the rate + "
+            "drain and at least its computation + max(0, first transfer - (chunks - 1) fills)"
+        )
     table = []
     for n in names:
         for base in ("pass_bound", "bound"):

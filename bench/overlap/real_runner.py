@@ -40,6 +40,8 @@ class RealRunner:
         self.steps: dict[str, Callable[[], None]] = {}
         self.per_step: dict[str, int] = {}  # microbatches per step of each schedule
         self.extra_models: list = []  # the peers' models (their gradients dropped after each step)
+        #: The same model on one chunk's rows (bench.overlap.real: each pass's fill and drain), where built.
+        self.one_chunk: Optional["RealRunner"] = None
         #: When the last step's forward ended (``time.perf_counter``), for the schedules that run one forward
         #: then one backward (not ``accumulate``, whose passes interleave): None until then.
         self.forward_end: Optional[float] = None

@@ -69,20 +69,27 @@ def test_the_peer_targets_read_the_same_transport_ratio():
 
 def test_the_targets_read_each_schedules_own_bound():
     """Run 1: Overlapped at >= 0.95 of its pass bound (speed and hidden); accumulate at 1.6x or >= 0.95 of its
-    bound, or of its bound stated with its computation on the link, any one; a row without the fields (no rate)
-    misses rather than passes."""
+    bound, or of its bound stated with its computation on the link (and its fill and drain), any one; a row
+    without the fields (no rate) misses rather than passes."""
     near = dict(ROW, of_pass_bound_overlapped=0.96, of_pass_bound_hidden_overlapped=0.94)
     near.update(speedup_accumulate=1.5, of_bound_accumulate=0.96, microbatches=4)
     targets = acceptance._cell("blocks, W=2", near)["targets"]
     assert "of_pass_bound met (>= 0.95)" in targets and "of_pass_bound_hidden MISSED (>= 0.95)" in targets
     assert (
         "accumulate met (accumulate_speedup >= 1.6 or accumulate_of_bound >= 0.95 or accumulate_of_bound_on_link "
-        ">= 0.95)" in targets
+        ">= 0.95 or accumulate_of_bound_stated >= 0.95)" in targets
     )
     slow = acceptance._cell("blocks, W=2", dict(near, of_bound_accumulate=0.9))["targets"]
     assert "accumulate MISSED" in slow
     on_link = dict(near, of_bound_accumulate=0.9, of_bound_on_link_accumulate=0.95)  # (its computation on the link)
     assert "accumulate met" in acceptance._cell("blocks, W=2", on_link)["targets"]
+    stated = dict(near, of_bound_accumulate=0.9, of_bound_on_link_filled_accumulate=0.95)  # (and its fill and drain)
+    assert "accumulate met" in acceptance._cell("blocks, W=2", stated)["targets"]
+    # the single step's verdict reads the pass bound itself; the bound with fill and drain is shown beside it
+    filled = acceptance._cell(
+        "blocks, W=2", dict(near, of_pass_bound_overlapped=0.9, of_pass_bound_on_link_filled_overlapped=0.97)
+    )
+    assert filled["of_pass_bound_stated"] == 0.97 and "of_pass_bound MISSED" in filled["targets"]
     assert (
         "accumulate met"
         in acceptance._cell("blocks, W=2", dict(near, of_bound_accumulate=0.9, speedup_accumulate=1.61))["targets"]

@@ -164,6 +164,68 @@ def test_bounds_on_the_link_take_each_steps_time_outside_its_waits():
         pass_bound(row, 16e6, 10e6, ["overlapped"], compute="with_bytes")
 
 
+def test_bounds_with_fill_and_drain_add_what_each_pass_must_leave_idle():
+    """With each pass's fill, drain and first transfer (one chunk's, bench.overlap.real_fill), 4 chunks: the
+    forward's link is idle 10 + 5 ms, so max(300, 500 + 15); the backward's computation waits for a first
+    transfer of 100 ms that the 3 other chunks' fills (2 ms each) cover only 6 ms of, so max(500 + 94, 300 + 2
+    + 20): 515 + 594 = 1109 ms. accumulate's step (2 microbatches) shares the first forward's fill and the last
+    backward's drain: max(800, 800 + 30 / 2). With the computation on the link (850 ms, 330 in the forward): 515 +
+    max(520 + 94, 322). A missing figure: no filled bound at all."""
+    from bench.overlap.real_bounds import FILL, pass_bound
+
+    row = dict(configured_mbit=160.0, sequential_ms=1600.0, comm_ms=800.0, chunks=4, microbatches=2)
+    row.update(overlapped_ms=1250.0, overlapped_compute_ms=800.0, overlapped_forward_compute_ms=300.0)
+    row.update(accumulate_ms=1000.0, accumulate_compute_ms=800.0)
+    fill = dict(forward_fill_ms=10.0, forward_drain_ms=5.0, backward_fill_ms=2.0, backward_drain_ms=20.0)
+    fill.update(forward_first_ms=1.0, backward_first_ms=100.0)
+    assert set(fill) == set(FILL)
+    got = pass_bound(row, 16e6, 10e6, ["overlapped", "accumulate"], fill=fill)
+    assert got["pass_bound_filled_ms_overlapped"] == pytest.approx(1109.0)
+    assert got["of_pass_bound_filled_overlapped"] == pytest.approx(1109 / 1250)
+    assert got["bound_filled_ms_accumulate"] == pytest.approx(815.0)
+    assert not any(
+        "filled" in k for k in pass_bound(row, 16e6, 10e6, ["overlapped"], fill=dict(fill, backward_first_ms=None))
+    )
+    row.update(overlapped_computing_ms=850.0, overlapped_forward_computing_ms=330.0)
+    on_link = pass_bound(row, 16e6, 10e6, ["overlapped"], compute="on_link", fill=fill)
+    assert on_link["pass_bound_on_link_filled_ms_overlapped"] == pytest.approx(515.0 + 520.0 + 94.0)
+
+
+def test_fill_and_drain_from_a_traced_steps_collectives():
+    """A step from 0 to 2 s whose forward ends at 1 s: its first collective issued at 0.1 s (fill 100 ms), the
+    forward's last ended at 0.9 s (drain 100 ms), the first of its own spanning 50 ms; the backward's first issued
+    at 1.2 s, its last ended at 1.8 s, its first spanning 150 ms. A pass with no collective: None. The trace's
+    collectives come back as their issue times and spans on the backend."""
+    import lancet_rt
+    from bench.overlap.real_fill import link_times, step_fill
+    from lancet_rt.comm.channels import Transfer
+
+    issued = [0.1, 0.3, 1.2, 1.5]
+    spans = [(0.35, 0.9), (0.15, 0.2), (1.25, 1.4), (1.55, 1.8)]
+    got = step_fill(issued, spans, 0.0, 1.0, 2.0)
+    want = dict(forward_fill_ms=100, forward_drain_ms=100, backward_fill_ms=200, backward_drain_ms=200)
+    want.update(forward_first_ms=50, backward_first_ms=150)
+    assert got == pytest.approx(want)
+    assert step_fill(issued[:2], spans[:2], 0.0, 1.0, 2.0) is None
+    trace = lancet_rt.Trace()
+    with lancet_rt.tracing(trace):
+        for t in (0.0, 0.25):
+            transfer = Transfer("all-to-all")
+            transfer.issued, transfer.start, transfer.end = (
+                trace.origin + t,
+                trace.origin + t + 0.1,
+                trace.origin + t + 0.2,
+            )
+            lancet_rt.trace.record_link(transfer, 0)
+        lancet_rt.trace.record_link(Transfer("all-to-all"), 0)  # (never started: left out)
+    got_issued, got_spans = link_times(trace)
+    assert [t - trace.origin for t in got_issued] == pytest.approx([0.0, 0.25])
+    assert [(a - trace.origin, b - trace.origin) for a, b in got_spans] == [
+        pytest.approx((0.1, 0.2)),
+        pytest.approx((0.35, 0.45)),
+    ]
+
+
 def test_a_steps_waits_are_the_union_of_its_wait_spans_inside_it():
     """The wait clock keeps only the layers' ``"wait"`` spans (other spans record nothing); the time waited
     inside [t0, t1] counts overlapping waits (two threads) once and clips those reaching outside."""
