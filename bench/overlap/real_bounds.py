@@ -65,7 +65,8 @@ def pass_bound(
     ``fill``: each pass's fill, drain and first transfer (bench.overlap.real_fill): a pass's link is idle until
     its first collective and after its last, so its link term is fill + its bytes at the rate + drain; its
     computation waits for a chunk's first transfer where the other chunks' fills do not cover it, so its
-    computation term is the computation + max(0, first transfer - (chunks - 1) fills). ``accumulate``'s step's
+    computation term is the computation + max(0, first transfer - (chunks - 1) fills) (with the computation on the
+    link, the fills grown as the pass's computation grew there). ``accumulate``'s step's
     link term is the first forward's fill + the bytes + the last backward's drain, shared by its microbatches.
     The fields gain ``_filled`` after the computation's tag (``pass_bound_filled_*``,
     ``pass_bound_on_link_filled_*``, ``bound_filled_*``...); nothing if a figure is missing."""
@@ -80,7 +81,6 @@ def pass_bound(
         raise ValueError(f"compute must be one of {SOURCES}, got {compute!r}")
     tag = "" if compute == "unshaped" else f"_{compute}"
     link_idle = dict(forward=0.0, backward=0.0, step=0.0)
-    compute_idle = dict(forward=0.0, backward=0.0)
     if fill is not None:
         if any(fill.get(k) is None for k in FILL):
             return out
@@ -90,8 +90,13 @@ def pass_bound(
             backward=fill["backward_fill_ms"] + fill["backward_drain_ms"],
             step=(fill["forward_fill_ms"] + fill["backward_drain_ms"]) / (row.get("microbatches") or 1),
         )
-        others = (row.get("chunks") or 1) - 1
-        compute_idle = {p: max(0.0, fill[f"{p}_first_ms"] - others * fill[f"{p}_fill_ms"]) for p in compute_idle}
+    others = (row.get("chunks") or 1) - 1
+
+    def compute_idle(p: str, computed: float, unshaped: float) -> float:
+        # (the fills were measured off the link: as the pass's computation ran, they took ``computed / unshaped``)
+        if fill is None:
+            return 0.0
+        return max(0.0, fill[f"{p}_first_ms"] - others * fill[f"{p}_fill_ms"] * computed / unshaped)
 
     def fields(suffix: str, bound: float, n: str) -> None:
         hidden = 1 - (bound - row[f"{n}_compute_ms"]) / comm if comm and comm > 0 else None
@@ -110,8 +115,9 @@ def pass_bound(
             continue
         # (the sequential step overlaps nothing; a peer's all-to-alls run on another transport than the rate's)
         if fwd is not None and n != "sequential" and not n.startswith("peer_"):
-            forward = max(fwd + compute_idle["forward"], fwd_link + link_idle["forward"])
-            backward = max(step - fwd + compute_idle["backward"], bwd_link + link_idle["backward"])
+            fwd_off, bwd_off = row[f"{n}_forward_compute_ms"], row[f"{n}_compute_ms"] - row[f"{n}_forward_compute_ms"]
+            forward = max(fwd + compute_idle("forward", fwd, fwd_off), fwd_link + link_idle["forward"])
+            backward = max(step - fwd + compute_idle("backward", step - fwd, bwd_off), bwd_link + link_idle["backward"])
             fields(f"pass_bound{tag}", forward + backward, n)
         if n == "accumulate":
             fields(f"bound{tag}", max(step, fwd_link + bwd_link + link_idle["step"]), "accumulate")

@@ -55,13 +55,10 @@ def step_fill(issued: list, spans: list, t0: float, forward_end: float, t1: floa
     """One step's figures (:data:`FIGURES`) from its collectives (:func:`link_times`) and its start, forward end
     and end (``time.perf_counter`` seconds): a collective issued before the forward's end is the forward's. None
     if a pass ran none."""
-    passes = dict(
-        forward=([t for t in issued if t < forward_end], sorted(s for s in spans if s[0] < forward_end), t0),
-        backward=([t for t in issued if t >= forward_end], sorted(s for s in spans if s[0] >= forward_end), t1),
-    )
-    if not all(i and s for i, s, _ in passes.values()):
+    fwd_i, bwd_i = [t for t in issued if t < forward_end], [t for t in issued if t >= forward_end]
+    fwd_s, bwd_s = sorted(s for s in spans if s[0] < forward_end), sorted(s for s in spans if s[0] >= forward_end)
+    if not (fwd_i and bwd_i and fwd_s and bwd_s):
         return None
-    (fwd_i, fwd_s, _), (bwd_i, bwd_s, _) = passes["forward"], passes["backward"]
     return dict(
         forward_fill_ms=(min(fwd_i) - t0) * 1e3,
         forward_drain_ms=max(forward_end - max(e for _, e in fwd_s), 0.0) * 1e3,

@@ -170,7 +170,8 @@ def test_bounds_with_fill_and_drain_add_what_each_pass_must_leave_idle():
     transfer of 100 ms that the 3 other chunks' fills (2 ms each) cover only 6 ms of, so max(500 + 94, 300 + 2
     + 20): 515 + 594 = 1109 ms. accumulate's step (2 microbatches) shares the first forward's fill and the last
     backward's drain: max(800, 800 + 30 / 2). With the computation on the link (850 ms, 330 in the forward): 515 +
-    max(520 + 94, 322). A missing figure: no filled bound at all."""
+    max(520 + 100 - 6 x 1.04, 322), the fills grown as the backward's computation did (520 / 500). A missing
+    figure: no filled bound at all."""
     from bench.overlap.real_bounds import FILL, pass_bound
 
     row = dict(configured_mbit=160.0, sequential_ms=1600.0, comm_ms=800.0, chunks=4, microbatches=2)
@@ -188,7 +189,7 @@ def test_bounds_with_fill_and_drain_add_what_each_pass_must_leave_idle():
     )
     row.update(overlapped_computing_ms=850.0, overlapped_forward_computing_ms=330.0)
     on_link = pass_bound(row, 16e6, 10e6, ["overlapped"], compute="on_link", fill=fill)
-    assert on_link["pass_bound_on_link_filled_ms_overlapped"] == pytest.approx(515.0 + 520.0 + 94.0)
+    assert on_link["pass_bound_on_link_filled_ms_overlapped"] == pytest.approx(515.0 + 520.0 + 100.0 - 6.0 * 1.04)
 
 
 def test_fill_and_drain_from_a_traced_steps_collectives():
