@@ -91,9 +91,9 @@ class Rank:
     def step(self, runner: RealRunner, name: str) -> Timing:
         """One step of ``name`` from a barrier, every figure the slowest rank's (:class:`Timing`)."""
         loading = self.load is not None and self.only_port is not None
-        sent = self.load.sent() if loading else 0
         clock = WaitClock()
         dist.barrier(self.sync)
+        sent = self.load.sent() if loading else 0  # (after the barrier: its wait is no part of the step)
         t0, cpu0 = time.perf_counter(), cpu_times()
         with tracing(clock):
             ms = wall_ms(lambda: runner.step(name))
