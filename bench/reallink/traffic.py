@@ -34,12 +34,13 @@ PIECE = 64 << 10
 
 class Load:
     """The traffic process of rank ``rank`` of ``world``: started at once, ready once it is connected to
-    every peer's (every rank makes one; :meth:`on` waits for it). ``loopback``: all ranks on 127.0.0.1, a
-    port each (tests; no namespaces). Ends with its rank (PR_SET_PDEATHSIG) or at :meth:`close`."""
+    every peer's (every rank makes one; :meth:`on` waits for it), or ended with an error after ``timeout_s``.
+    ``loopback``: all ranks on 127.0.0.1, a port each (tests; no namespaces). Ends with its rank
+    (PR_SET_PDEATHSIG) or at :meth:`close`."""
 
     def __init__(self, rank: int, world: int, loopback: bool = False, timeout_s: float = 60.0):
         argv = [sys.executable, "-m", "bench.reallink.traffic", "--rank", str(rank), "--world", str(world)]
-        self.timeout_s = timeout_s
+        argv += ["--timeout", str(timeout_s)]
         self.proc = subprocess.Popen(
             argv + (["--loopback"] if loopback else []),
             stdin=subprocess.PIPE,
@@ -182,8 +183,9 @@ def main(argv: Optional[list] = None) -> None:
     p.add_argument("--rank", type=int, required=True)
     p.add_argument("--world", type=int, required=True)
     p.add_argument("--loopback", action="store_true")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for every peer to connect")
     args = p.parse_args(argv)
-    serve(args.rank, args.world, args.loopback)
+    serve(args.rank, args.world, args.loopback, args.timeout)
 
 
 if __name__ == "__main__":

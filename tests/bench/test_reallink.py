@@ -502,9 +502,10 @@ def test_a_loaded_run_times_the_computation_beside_traffic_and_counts_the_shaper
     assert 0 < row["forward_tx_mb"] < row["step_tx_mb"]
     assert row["pass_bound_on_link_ms_overlapped"] > 0 and row["bound_on_link_ms_accumulate"] > 0
     assert "passes, on the link" in stdout
-    # each pass's fill, drain and first transfer, from one chunk's sequential step: the bounds with them are tighter
+    # each pass's fill, drain and first transfer, from one chunk's sequential step: the bounds with them are never
+    # looser (equal where a pass's computation binds and the other chunks' fills cover its first transfer)
     assert row["forward_fill_ms"] > 0 and row["backward_drain_ms"] > 0 and row["backward_first_ms"] > 0
-    assert row["pass_bound_filled_ms_overlapped"] > row["pass_bound_ms_overlapped"]
-    assert row["pass_bound_on_link_filled_ms_overlapped"] > row["pass_bound_on_link_ms_overlapped"]
+    assert row["pass_bound_filled_ms_overlapped"] >= row["pass_bound_ms_overlapped"]
+    assert row["pass_bound_on_link_filled_ms_overlapped"] >= row["pass_bound_on_link_ms_overlapped"]
     assert row["bound_filled_ms_accumulate"] >= row["bound_ms_accumulate"]
     assert "passes, on the link, fill and drain" in stdout
